@@ -1,0 +1,200 @@
+"""Runs the template locally and watches its outputs: shared by smoke, tests and benchmarks.
+
+:class:`LocalRun` starts the Pub/Sub emulator with the template's topics and
+the pipeline itself (``python -m template.main`` on the DirectRunner) as a
+subprocess, exactly as a user would; :class:`OutputCollector` subscribes to
+the output topics and records every message with its arrival time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from local.pubsub_emulator import PubSubEmulator
+
+LOGGER = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+TOPICS = {"prompts": "prompts", "chunks": "llm-chunks", "completions": "llm-completions",
+          "dead_letters": "llm-dead-letters"}
+
+
+@dataclass
+class Received:
+    data: dict[str, Any]
+    at: float  # wall-clock arrival time at the subscriber
+
+
+@dataclass
+class OutputCollector:
+    """Streaming-pulls the output subscriptions into lists, calling ``on_message`` for each."""
+
+    subscriptions: dict[str, str]  # kind (chunks, completions, dead_letters) -> subscription path
+    on_message: Callable[[str, Received], None] | None = None
+    chunks: list[Received] = field(default_factory=list)
+    completions: list[Received] = field(default_factory=list)
+    dead_letters: list[Received] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: list[Any] = []
+        self._subscriber = None
+
+    def start(self) -> OutputCollector:
+        from google.cloud import pubsub_v1
+
+        self._subscriber = pubsub_v1.SubscriberClient()
+        for kind, path in self.subscriptions.items():
+            self._futures.append(self._subscriber.subscribe(path, callback=self._callback(kind)))
+        return self
+
+    def _callback(self, kind: str) -> Callable[[Any], None]:
+        target = getattr(self, kind)
+
+        def receive(message: Any) -> None:
+            item = Received(json.loads(message.data.decode("utf-8")), time.time())
+            with self._lock:
+                target.append(item)
+            message.ack()
+            if self.on_message:
+                self.on_message(kind, item)
+
+        return receive
+
+    def finished_ids(self) -> set[str]:
+        with self._lock:
+            return {r.data["id"] for r in self.completions} | {r.data.get("id") for r in self.dead_letters}
+
+    def wait_for(self, ids: Iterable[str], timeout_s: float, progress: Callable[[int, int], None] | None = None) -> set[str]:
+        """Waits until every id has a completion or a dead letter; returns the missing ones."""
+        wanted = set(ids)
+        deadline = time.monotonic() + timeout_s
+        last_report = 0.0
+        while time.monotonic() < deadline:
+            missing = wanted - self.finished_ids()
+            if not missing:
+                return set()
+            if progress and time.monotonic() - last_report >= 10:
+                progress(len(wanted) - len(missing), len(wanted))
+                last_report = time.monotonic()
+            time.sleep(0.2)
+        return wanted - self.finished_ids()
+
+    def stop(self) -> None:
+        for future in self._futures:
+            future.cancel()
+        for future in self._futures:
+            try:
+                future.result(timeout=5)
+            except Exception:
+                pass
+        if self._subscriber is not None:
+            self._subscriber.close()
+
+
+class LocalRun:
+    """The emulator, the template's topics, and the pipeline as a subprocess."""
+
+    def __init__(self, pipeline_args: list[str], *, log_path: Path, emulator: PubSubEmulator | None = None) -> None:
+        self.owns_emulator = emulator is None
+        self.emulator = emulator or PubSubEmulator()
+        self.extra_args = pipeline_args
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self._publisher = None
+        self._run_id = f"{int(time.time() * 1000) % 10**9}"
+
+    def topic_name(self, kind: str) -> str:
+        return f"{TOPICS[kind]}-{self._run_id}"
+
+    def start(self) -> LocalRun:
+        if self.owns_emulator:
+            self.emulator.start()
+        self.emulator.activate()
+        for kind in TOPICS:
+            ordering = kind == "chunks"
+            self.emulator.create_topic(self.topic_name(kind), subscription=f"{self.topic_name(kind)}-sub",
+                                       ordering=ordering)
+        args = [
+            sys.executable, "-m", "template.main", "--runner=BundleBasedDirectRunner",
+            f"--input_subscription={self.emulator.subscription(self.topic_name('prompts') + '-sub')}",
+            f"--output_chunks_topic={self.emulator.topic(self.topic_name('chunks'))}",
+            f"--output_completions_topic={self.emulator.topic(self.topic_name('completions'))}",
+            f"--dead_letter_topic={self.emulator.topic(self.topic_name('dead_letters'))}",
+            *self.extra_args,
+        ]
+        env = dict(os.environ, **self.emulator.env(), PYTHONUNBUFFERED="1")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        LOGGER.info("Pipeline started (pid %d), log: %s", self.process.pid, self.log_path)
+        return self
+
+    def collector(self, on_message: Callable[[str, Received], None] | None = None) -> OutputCollector:
+        subscriptions = {kind: self.emulator.subscription(f"{self.topic_name(kind)}-sub")
+                         for kind in ("chunks", "completions", "dead_letters")}
+        return OutputCollector(subscriptions, on_message).start()
+
+    def publish(self, payloads: Iterable[bytes | str | dict[str, Any]], attributes: dict[str, str] | None = None) -> None:
+        from google.cloud import pubsub_v1
+
+        if self._publisher is None:
+            self._publisher = pubsub_v1.PublisherClient()
+        topic = self.emulator.topic(self.topic_name("prompts"))
+        futures = []
+        for payload in payloads:
+            if isinstance(payload, dict):
+                payload = json.dumps(payload)
+            if isinstance(payload, str):
+                payload = payload.encode("utf-8")
+            futures.append(self._publisher.publish(topic, payload, **(attributes or {})))
+        for future in futures:
+            future.result(timeout=30)
+
+    def pipeline_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM the pipeline (it cancels itself and stops its model server), then the emulator."""
+        code = None
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    LOGGER.error("Pipeline did not stop within %.0f s; killing it", timeout_s)
+                    self.process.kill()
+                    self.process.wait()
+            code = self.process.returncode
+        if self._publisher is not None:
+            self._publisher.stop()
+            self._publisher = None
+        if self.owns_emulator:
+            self.emulator.stop()
+        return code
+
+
+def server_pids_in_log(log_text: str) -> list[int]:
+    """PIDs of vLLM servers the pipeline reported starting (model manager log lines)."""
+    pids = []
+    for line in log_text.splitlines():
+        if "vLLM server process started: pid " in line:
+            pids.append(int(line.rsplit("pid ", 1)[1].split()[0]))
+    return pids

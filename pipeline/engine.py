@@ -1,0 +1,303 @@
+"""The worker's streaming engine: many requests in flight against one server.
+
+One :class:`StreamingEngine` per worker VM (shared through Beam's
+``MultiProcessShared``) owns the model manager's server, an asyncio loop on a
+background thread and a registry of streams. ``submit`` starts a request and
+returns at once; ``poll`` hands back whatever chunks, completions or dead
+letters have accumulated. vLLM's continuous batching sees every in-flight
+request, so a short request never waits for a long one.
+
+Requests and outputs cross this boundary as JSON strings, which keeps the
+cross-process proxy calls cheap and version-tolerant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import logging
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import aiohttp
+
+from pipeline.chunking import ChunkAssembler, ChunkPolicy
+from pipeline.messages import STAGE_INFERENCE, Completion, DeadLetter, InferenceRequest
+from pipeline.model_manager import ServerSpec, VLLMServer
+
+LOGGER = logging.getLogger(__name__)
+
+# Output kinds handed back by poll().
+CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN = "chunk", "completion", "dead_letter", "unknown"
+
+
+class RetryableError(Exception):
+    """The server was unreachable or broke off; the request can be sent again."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything a worker needs to serve requests; picklable into the DoFn."""
+
+    server: ServerSpec | None  # None: use server_url
+    server_url: str | None = None
+    served_model_name: str | None = None
+    prompt_format: str = "chat"
+    max_in_flight: int = 64
+    request_timeout_s: float = 600.0
+    chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
+    # A stream that sends nothing for this long is treated as broken and retried.
+    stall_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if (self.server is None) == (self.server_url is None):
+            raise ValueError("give exactly one of a server spec or a server_url")
+
+
+@dataclass
+class _Stream:
+    request: InferenceRequest
+    attempt: int
+    outputs: list[tuple[str, str]] = field(default_factory=list)
+    assembler: ChunkAssembler | None = None
+    done: bool = False
+
+
+class StreamingEngine:
+    """Hosts the server (if managed) and streams requests to it concurrently."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self._server: VLLMServer | None = None
+        if settings.server is not None:
+            self._server = VLLMServer(settings.server).start()
+            self.base_url = self._server.base_url
+        else:
+            self.base_url = settings.server_url.rstrip("/")
+        self.model_name = settings.served_model_name or self._discover_model_name()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
+        self._loop_thread.start()
+        self._semaphore = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
+        self._session: aiohttp.ClientSession | None = None
+        atexit.register(self.close)
+
+    async def _make_semaphore(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(self.settings.max_in_flight)
+
+    def _discover_model_name(self) -> str:
+        if self.settings.server is not None:
+            return self.settings.server.model_name
+        with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=30) as response:
+            models = json.load(response)["data"]
+        if not models:
+            raise RuntimeError(f"{self.base_url} serves no models")
+        return models[0]["id"]
+
+    # Public API (called through the cross-process proxy) ----------------------------
+
+    def submit(self, request_json: str, attempt: int = 1) -> str:
+        """Starts streaming a request; returns the key to poll it with."""
+        request = InferenceRequest.from_json(request_json)
+        key = f"{request.id}#{attempt}"
+        with self._lock:
+            if key in self._streams:
+                return key
+            self._streams[key] = _Stream(request, attempt)
+        asyncio.run_coroutine_threadsafe(self._run(key), self._loop)
+        return key
+
+    def poll(self, keys: list[str]) -> dict[str, list[tuple[str, str]]]:
+        """Outputs ready for each key, in order; finished streams are forgotten once polled."""
+        now = time.time()
+        ready: dict[str, list[tuple[str, str]]] = {}
+        with self._lock:
+            for key in keys:
+                stream = self._streams.get(key)
+                if stream is None:
+                    ready[key] = [(UNKNOWN, "")]
+                    continue
+                if stream.assembler is not None and not stream.done:
+                    stream.outputs.extend((CHUNK, c.to_json()) for c in stream.assembler.due(now))
+                ready[key], stream.outputs = stream.outputs, []
+                if stream.done:
+                    del self._streams[key]
+        return ready
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def server_pid(self) -> int | None:
+        return self._server.pid if self._server else None
+
+    def server_restarts(self) -> int:
+        return self._server.stats.restarts if self._server else 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._session is not None:
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._server is not None:
+            self._server.stop()
+
+    # Streaming ---------------------------------------------------------------------
+
+    def _emit(self, stream: _Stream, kind: str, payload: str, *, final: bool = False) -> None:
+        with self._lock:
+            stream.outputs.append((kind, payload))
+            if final:
+                stream.done = True
+
+    async def _run(self, key: str) -> None:
+        stream = self._streams[key]
+        request = stream.request
+        deadline = time.time() + self.settings.request_timeout_s
+        last_error = "no attempt was made"
+        delay = 0.5
+        async with self._semaphore:
+            while time.time() < deadline:
+                try:
+                    await self._stream_once(stream, deadline)
+                    return
+                except RetryableError as exc:
+                    last_error = str(exc)
+                except _RequestRejected as exc:
+                    self._dead_letter(stream, f"the server rejected the request: {exc}")
+                    return
+                except Exception as exc:  # a bug must not leave a request without an outcome
+                    LOGGER.exception("Unexpected error streaming request %s", request.id)
+                    self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
+                    return
+                if stream.assembler is not None and stream.assembler.chunks_emitted > 0:
+                    # Chunks of this attempt are already out: restart as a new attempt.
+                    with self._lock:
+                        stream.attempt += 1
+                LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
+                await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
+                delay = min(delay * 2, 10.0)
+        self._dead_letter(stream, f"no answer within request_timeout_s={self.settings.request_timeout_s:g}: "
+                                  f"{last_error}")
+
+    def _dead_letter(self, stream: _Stream, reason: str) -> None:
+        request = stream.request
+        letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time())
+        self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)
+
+    async def _stream_once(self, stream: _Stream, deadline: float) -> None:
+        request = stream.request
+        await self._wait_for_server(deadline)
+        assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
+        with self._lock:
+            stream.assembler = assembler
+        path, payload = self._payload(request)
+        session = await self._get_session()
+        prompt_tokens, tokens, finish_reason, finished = 0, 0, None, False
+        try:
+            async with session.post(f"{self.base_url}{path}", json=payload) as response:
+                if response.status >= 400:
+                    body = (await response.text())[:2000]
+                    if response.status in (408, 429) or response.status >= 500:
+                        raise RetryableError(f"HTTP {response.status}: {body}")
+                    raise _RequestRejected(f"HTTP {response.status}: {_error_message(body)}")
+                async for event in _sse_events(response.content):
+                    usage = event.get("usage") or {}
+                    prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
+                    for choice in event.get("choices") or ():
+                        delta = choice.get("text")
+                        if delta is None:
+                            delta = (choice.get("delta") or {}).get("content") or ""
+                        tokens = usage.get("completion_tokens", tokens + (1 if delta else 0))
+                        chunks = assembler.add(delta, tokens, time.time())
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                        finished = finished or choice.get("finish_reason") is not None
+                        for chunk in chunks:
+                            self._emit(stream, CHUNK, chunk.to_json())
+                    if not event.get("choices") and usage:
+                        tokens = usage.get("completion_tokens", tokens)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise RetryableError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
+        if not finished:
+            raise RetryableError("the stream ended before a finish reason")
+        now = time.time()
+        final = assembler.finish(finish_reason, tokens, now)
+        completion = Completion(
+            id=request.id, attempt=stream.attempt, model=self.model_name, prompt=request.prompt,
+            messages=request.messages, text=assembler.text, finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
+            time_to_first_token_ms=assembler.time_to_first_token_ms,
+            total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
+            finished_at=now, metadata=request.metadata)
+        self._emit(stream, CHUNK, final.to_json())
+        self._emit(stream, COMPLETION, completion.to_json(), final=True)
+
+    def _payload(self, request: InferenceRequest) -> tuple[str, dict[str, Any]]:
+        payload: dict[str, Any] = {
+            "model": self.model_name, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        for name in ("max_tokens", "temperature", "top_p"):
+            if getattr(request, name) is not None:
+                payload[name] = getattr(request, name)
+        if request.stop:
+            payload["stop"] = list(request.stop)
+        if request.messages is not None or self.settings.prompt_format == "chat":
+            payload["messages"] = list(request.messages or [{"role": "user", "content": request.prompt}])
+            return "/v1/chat/completions", payload
+        payload["prompt"] = request.prompt
+        return "/v1/completions", payload
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.settings.stall_timeout_s)
+            connector = aiohttp.TCPConnector(limit=self.settings.max_in_flight + 8)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        return self._session
+
+    async def _wait_for_server(self, deadline: float) -> None:
+        if self._server is None:
+            return
+        while not self._server.healthy:
+            if time.time() > deadline:
+                raise RetryableError("the model server is not healthy (restarting or failed to start)")
+            await asyncio.sleep(0.5)
+
+
+class _RequestRejected(Exception):
+    """The server refused the request itself (HTTP 4xx); sending it again will not help."""
+
+
+def _error_message(body: str) -> str:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return body
+    error = data.get("error", data)
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """Server-sent events of an OpenAI-style stream, until ``[DONE]``."""
+    async for raw in content:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event and "choices" not in event:
+            raise _RequestRejected(_error_message(data))
+        yield event

@@ -1,0 +1,294 @@
+"""The model manager: one vLLM OpenAI-compatible server per worker.
+
+:class:`VLLMServer` owns the server process: it resolves the weights, starts
+``python -m vllm.entrypoints.openai.api_server``, forwards its log, waits for
+``/health``, restarts it when it dies or stops answering, and stops it (its
+whole process group) without leaving orphans: on :meth:`VLLMServer.stop`, at
+interpreter exit, and, through the kernel's parent-death signal, when the
+owning process is killed outright.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+LOGGER = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerStartError(RuntimeError):
+    """The server did not become healthy; the message carries its last log lines."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start the server: everything a worker needs, picklable."""
+
+    model: str
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    gpu_memory_utilization: float | None = 0.9
+    extra_args: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    start_timeout_s: float = 1800.0
+    env: tuple[tuple[str, str], ...] = ()
+    # The watchdog restarts a server whose /health fails for this long.
+    stall_timeout_s: float = 60.0
+    health_interval_s: float = 2.0
+    model_cache_dir: str | None = None
+
+    def command(self, model_path: str, port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+               "--served-model-name", self.model_name]
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return cmd + list(self.extra_args)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def resolve_model(model: str, cache_dir: str | None = None) -> str:
+    """A path or hub id vLLM can load: local directories are checked, gs:// is copied down."""
+    if model.startswith("gs://"):
+        from pipeline.model_weights import download_gcs_folder  # needs google-cloud-storage
+        return str(download_gcs_folder(model, cache_dir))
+    if model.startswith(("/", "./", "../", "~")):
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ServerStartError(f"model directory {path} has no config.json; "
+                                   "point --model at a Hugging Face checkpoint folder")
+        return str(path.resolve())
+    return model
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the spawning thread's process dies."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: stop() and atexit still apply
+
+
+def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class _ServerStats:
+    starts: int = 0
+    restarts: int = 0
+    pids: list[int] = field(default_factory=list)
+
+
+class VLLMServer:
+    """A supervised vLLM server process on this machine's loopback interface."""
+
+    def __init__(self, spec: ServerSpec, *, port: int | None = None,
+                 log_sink: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.stats = _ServerStats()
+        self._log_sink = log_sink or (lambda line: LOGGER.info("vllm: %s", line))
+        self._log_tail: collections.deque[str] = collections.deque(maxlen=60)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._healthy = threading.Event()
+        self._start_error: BaseException | None = None
+        self._supervisor: threading.Thread | None = None
+        self._model_path: str | None = None
+        atexit.register(self.stop)
+
+    # Lifecycle -----------------------------------------------------------------
+
+    def start(self) -> VLLMServer:
+        """Starts the supervisor and blocks until the server first answers /health."""
+        with self._lock:
+            if self._supervisor is None:
+                # The supervisor thread spawns the process: the parent-death signal is
+                # tied to the spawning thread, and this one lives as long as the server.
+                self._supervisor = threading.Thread(target=self._supervise, name="vllm-supervisor", daemon=True)
+                self._supervisor.start()
+        self.wait_until_healthy(self.spec.start_timeout_s)
+        return self
+
+    def wait_until_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy.wait(timeout=0.5):
+            if self._start_error is not None:
+                raise ServerStartError(str(self._start_error)) from self._start_error
+            if self._stopping.is_set():
+                raise ServerStartError("server was stopped")
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"vLLM server did not become healthy within {timeout_s:.0f} s; "
+                                       f"last log lines:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stops the server's whole process group; safe to call more than once."""
+        self._stopping.set()
+        self._healthy.clear()
+        with self._lock:
+            process, self._process = self._process, None
+        if process is not None:
+            _terminate_group(process, timeout_s)
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=5)
+
+    @property
+    def pid(self) -> int | None:
+        process = self._process
+        return process.pid if process else None
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy.is_set()
+
+    def log_tail(self) -> str:
+        return "\n".join(self._log_tail)
+
+    # Supervision -----------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        try:
+            self._model_path = resolve_model(self.spec.model, self.spec.model_cache_dir)
+        except BaseException as exc:  # reported to start() callers
+            self._start_error = exc
+            return
+        failures_in_a_row = 0
+        while not self._stopping.is_set():
+            try:
+                self._spawn()
+                self._await_first_health()
+                failures_in_a_row = 0
+                self._watch()
+            except ServerStartError as exc:
+                failures_in_a_row += 1
+                LOGGER.error("vLLM server failed to start (%d in a row): %s", failures_in_a_row, exc)
+                if self.stats.starts == 1 or failures_in_a_row >= 3:
+                    self._start_error = exc  # a first start that fails is a configuration problem
+                    self._kill_current()
+                    return
+            self._kill_current()
+            if not self._stopping.is_set():
+                self.stats.restarts += 1
+                LOGGER.warning("Restarting vLLM server (restart %d)", self.stats.restarts)
+
+    def _spawn(self) -> None:
+        env = dict(os.environ)
+        env.update(dict(self.spec.env))
+        command = self.spec.command(self._model_path or self.spec.model, self.port)
+        LOGGER.info("Starting vLLM: %s", " ".join(command))
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        with self._lock:
+            if self._stopping.is_set():
+                _terminate_group(process, 5)
+                raise ServerStartError("stopped while starting")
+            self._process = process
+        self.stats.starts += 1
+        self.stats.pids.append(process.pid)
+        LOGGER.info("vLLM server process started: pid %d", process.pid)
+        threading.Thread(target=self._forward_log, args=(process,), name="vllm-log", daemon=True).start()
+
+    def _forward_log(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line:
+                self._log_tail.append(line)
+                self._log_sink(line)
+
+    def _await_first_health(self) -> None:
+        started = time.monotonic()
+        deadline = started + self.spec.start_timeout_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            process = self._process
+            if process is None or process.poll() is not None:
+                code = process.returncode if process else None
+                raise ServerStartError(f"vLLM server exited with code {code} while starting; "
+                                       f"last log lines:\n{self.log_tail()}")
+            if is_healthy(self.base_url):
+                LOGGER.info("vLLM server healthy at %s after %.0f s", self.base_url, time.monotonic() - started)
+                self._healthy.set()
+                return
+            time.sleep(0.5)
+        if not self._stopping.is_set():
+            raise ServerStartError(f"vLLM server not healthy after {self.spec.start_timeout_s:.0f} s; "
+                                   f"last log lines:\n{self.log_tail()}")
+
+    def _watch(self) -> None:
+        """Returns when the server has died or stalled (or we are stopping)."""
+        unhealthy_since: float | None = None
+        while not self._stopping.wait(self.spec.health_interval_s):
+            process = self._process
+            if process is None or process.poll() is not None:
+                LOGGER.error("vLLM server exited with code %s", process.returncode if process else None)
+                self._healthy.clear()
+                return
+            if is_healthy(self.base_url, timeout_s=min(10.0, self.spec.stall_timeout_s)):
+                unhealthy_since = None
+                self._healthy.set()
+                continue
+            self._healthy.clear()
+            now = time.monotonic()
+            unhealthy_since = unhealthy_since or now
+            if now - unhealthy_since >= self.spec.stall_timeout_s:
+                LOGGER.error("vLLM server has not answered /health for %.0f s; restarting it", now - unhealthy_since)
+                return
+
+    def _kill_current(self) -> None:
+        with self._lock:
+            process, self._process = self._process, None
+        self._healthy.clear()
+        if process is not None:
+            _terminate_group(process, 20)
+
+
+def _terminate_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM the process group (vLLM's engine runs in a child), SIGKILL what is left."""
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait_s)
+            # The leader is gone; children that linger in the group are signalled next round.
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+        except subprocess.TimeoutExpired:
+            continue
+

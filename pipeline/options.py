@@ -1,0 +1,368 @@
+"""Template parameters, declared once.
+
+:data:`PARAMETERS` is the single definition of every parameter the template
+accepts. The Beam options class, the validated :class:`PipelineConfig` and
+``metadata.json`` (see :func:`template_metadata`) are all derived from it, so
+they cannot drift apart. Plain Beam/Dataflow options (runner, machine type,
+sdk_container_image, ...) are not redeclared: they pass through to Beam.
+
+Values may arrive as strings (the Flex Template launcher passes every value as
+one), so each parameter converts and checks its own value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from apache_beam.options.pipeline_options import PipelineOptions
+
+GROUP_INPUT = "Input"
+GROUP_OUTPUT = "Output"
+GROUP_MODEL = "Model and engine"
+GROUP_BATCHING = "Batching"
+GROUP_STREAMING = "Streaming output"
+
+TEMPLATE_NAME = "Streaming LLM inference (vLLM)"
+TEMPLATE_DESCRIPTION = (
+    "Reads prompts from Pub/Sub, serves them with a vLLM server that runs on each (GPU) worker, "
+    "and streams the generated text back to Pub/Sub as incremental chunks, with a final record "
+    "per request and a dead-letter output for anything that cannot be served.")
+
+SUBSCRIPTION_REGEX = r"^projects/[^/\s]+/subscriptions/[^/\s]{3,255}$"
+TOPIC_REGEX = r"^projects/[^/\s]+/topics/[^/\s]{3,255}$"
+
+
+class ConfigError(ValueError):
+    """Invalid pipeline configuration; the message says what to change."""
+
+
+def _to_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _to_int(value: str | int) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+
+
+def _to_float(value: str | float) -> float:
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One template parameter: what the console shows and how the pipeline reads it."""
+
+    name: str
+    label: str
+    help_text: str
+    example: str
+    group: str
+    param_type: str = "TEXT"  # Dataflow's paramType: TEXT, NUMBER, BOOLEAN, ENUM, PUBSUB_TOPIC, ...
+    default: Any = None
+    required: bool = False
+    enum_options: tuple[str, ...] = ()
+    regex: str | None = None
+    parent: tuple[str, tuple[str, ...]] | None = None  # (parent name, values under which this one matters)
+    minimum: float | None = None
+    maximum: float | None = None
+
+    @property
+    def convert(self) -> Callable[[Any], Any]:
+        if self.param_type == "BOOLEAN":
+            return _to_bool
+        if self.param_type == "NUMBER":
+            return _to_float if isinstance(self.default, float) else _to_int
+        return str
+
+    @property
+    def regexes(self) -> tuple[str, ...]:
+        if self.regex:
+            return (self.regex,)
+        if self.param_type == "ENUM":
+            return ("^(" + "|".join(map(re.escape, self.enum_options)) + ")$",)
+        if self.param_type == "BOOLEAN":
+            return ("^(true|false)$",)
+        if self.param_type == "NUMBER":
+            return (r"^-?[0-9]+(\.[0-9]+)?$",) if isinstance(self.default, float) else (r"^-?[0-9]+$",)
+        return ()
+
+
+PARAMETERS: tuple[Parameter, ...] = (
+    # Input
+    Parameter("input_subscription", "Input Pub/Sub subscription",
+              "Subscription to read prompts from. Each message is a JSON object "
+              '{"prompt" or "messages", "id", "max_tokens", "temperature", "top_p", "stop", "metadata"} '
+              "or plain UTF-8 text.",
+              "projects/my-project/subscriptions/prompts-sub", GROUP_INPUT, "PUBSUB_SUBSCRIPTION",
+              required=True, regex=SUBSCRIPTION_REGEX),
+    Parameter("id_attribute", "Request id attribute",
+              "Message attribute that holds the request id when the payload has no 'id'. "
+              "Without either, the Pub/Sub message id is used.",
+              "request_id", GROUP_INPUT, default="id", regex=r"^[A-Za-z0-9_.\-]{1,256}$"),
+    # Output
+    Parameter("output_chunks_topic", "Chunks topic",
+              "Pub/Sub topic for streamed output chunks, published with the request id as ordering key.",
+              "projects/my-project/topics/llm-chunks", GROUP_OUTPUT, "PUBSUB_TOPIC", regex=TOPIC_REGEX),
+    Parameter("output_completions_topic", "Completions topic",
+              "Pub/Sub topic for the final record of each request (full text, usage, timings).",
+              "projects/my-project/topics/llm-completions", GROUP_OUTPUT, "PUBSUB_TOPIC", regex=TOPIC_REGEX),
+    Parameter("dead_letter_topic", "Dead-letter topic",
+              "Pub/Sub topic for messages that could not be served, each with its stage and reason.",
+              "projects/my-project/topics/llm-dead-letters", GROUP_OUTPUT, "PUBSUB_TOPIC", regex=TOPIC_REGEX),
+    # Model and engine
+    Parameter("model", "Model",
+              "Hugging Face model id, a local directory on the worker, or a gs:// folder holding a "
+              "Hugging Face checkpoint.",
+              "HuggingFaceTB/SmolLM2-135M-Instruct", GROUP_MODEL,
+              default="HuggingFaceTB/SmolLM2-135M-Instruct", regex=r"^\S+$"),
+    Parameter("server_url", "Existing OpenAI-compatible server",
+              "Base URL of a vLLM (or other OpenAI-compatible) server you already run. When set, no "
+              "server is started on the workers and the engine settings below are ignored.",
+              "http://vllm.internal:8000", GROUP_MODEL, regex=r"^https?://\S+$"),
+    Parameter("served_model_name", "Served model name",
+              "Model name to send in requests; defaults to the model parameter (or, with an existing "
+              "server, the first model it lists).",
+              "smollm2", GROUP_MODEL, regex=r"^\S+$"),
+    Parameter("prompt_format", "Prompt format",
+              "chat: a 'prompt' is sent as one user message with the model's chat template; "
+              "completion: it is sent as raw text to the completions API.",
+              "chat", GROUP_MODEL, "ENUM", default="chat", enum_options=("chat", "completion")),
+    Parameter("max_model_len", "Max model length",
+              "Context length (prompt + output tokens) the server is started with.",
+              "4096", GROUP_MODEL, "NUMBER", default=2048, minimum=16),
+    Parameter("dtype", "Weights dtype", "Data type for weights and activations.",
+              "bfloat16", GROUP_MODEL, "ENUM", default="auto",
+              enum_options=("auto", "bfloat16", "float16", "float32")),
+    Parameter("gpu_memory_utilization", "GPU memory utilization",
+              "Fraction of GPU memory vLLM may use for weights and KV cache.",
+              "0.9", GROUP_MODEL, "NUMBER", default=0.9, minimum=0.05, maximum=1.0),
+    Parameter("vllm_args", "Extra vLLM arguments",
+              "Further vLLM server flags, as on its command line.",
+              "--enforce-eager --max-num-seqs 128", GROUP_MODEL, default=""),
+    Parameter("server_start_timeout_s", "Server start timeout (s)",
+              "How long to wait for the vLLM server to become healthy (including weight download).",
+              "1200", GROUP_MODEL, "NUMBER", default=1800, minimum=10),
+    Parameter("default_max_tokens", "Default max tokens",
+              "Output token limit for requests that do not set max_tokens.",
+              "256", GROUP_MODEL, "NUMBER", default=256, minimum=1),
+    Parameter("max_in_flight", "Max requests in flight per worker",
+              "How many requests each worker keeps open against its server; vLLM batches them "
+              "continuously, so this should exceed the server's max-num-seqs only slightly.",
+              "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=4096),
+    Parameter("request_timeout_s", "Request timeout (s)",
+              "A request that has not finished this long after it was sent (including retries while the "
+              "server restarts) goes to the dead letters.",
+              "600", GROUP_MODEL, "NUMBER", default=600, minimum=1),
+    # Batching
+    Parameter("max_batch_delay_ms", "Max batch delay (ms)",
+              "Longest time a request waits for its batch to fill before it is sent anyway.",
+              "10", GROUP_BATCHING, "NUMBER", default=10, minimum=0),
+    Parameter("batch_size_target", "Batch size target",
+              "A batch is sent as soon as it holds this many requests.",
+              "4", GROUP_BATCHING, "NUMBER", default=4, minimum=1),
+    Parameter("batch_size_limit", "Batch size limit",
+              "No batch ever holds more than this many requests (0: no limit beyond the target).",
+              "16", GROUP_BATCHING, "NUMBER", default=0, minimum=0),
+    Parameter("num_shards", "Shards",
+              "Keys the stateful batching and streaming steps are spread over; more shards spread "
+              "work over more workers and threads.",
+              "16", GROUP_BATCHING, "NUMBER", default=16, minimum=1, maximum=10000),
+    # Streaming output
+    Parameter("chunk_tokens", "Tokens per chunk",
+              "A chunk is emitted once this many new tokens have arrived (the first token is always "
+              "emitted at once).",
+              "8", GROUP_STREAMING, "NUMBER", default=8, minimum=1),
+    Parameter("chunk_interval_ms", "Chunk interval (ms)",
+              "A chunk is also emitted when this long has passed since the last one and new text is waiting.",
+              "200", GROUP_STREAMING, "NUMBER", default=200, minimum=1),
+)
+
+PARAMETERS_BY_NAME: dict[str, Parameter] = {p.name: p for p in PARAMETERS}
+
+
+class StreamingLLMOptions(PipelineOptions):
+    """Beam options generated from :data:`PARAMETERS`."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser: argparse.ArgumentParser) -> None:
+        for param in PARAMETERS:
+            choices = param.enum_options or None
+            parser.add_argument(f"--{param.name}", type=param.convert, default=param.default,
+                                choices=choices, help=f"{param.help_text} Example: {param.example}")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Validated, typed settings; the only thing the pipeline code reads."""
+
+    input_subscription: str
+    id_attribute: str
+    output_chunks_topic: str | None
+    output_completions_topic: str | None
+    dead_letter_topic: str | None
+    model: str
+    server_url: str | None
+    served_model_name: str | None
+    prompt_format: str
+    max_model_len: int
+    dtype: str
+    gpu_memory_utilization: float
+    vllm_args: str
+    server_start_timeout_s: int
+    default_max_tokens: int
+    max_in_flight: int
+    request_timeout_s: int
+    max_batch_delay_ms: int
+    batch_size_target: int
+    batch_size_limit: int
+    num_shards: int
+    chunk_tokens: int
+    chunk_interval_ms: int
+
+    @classmethod
+    def from_options(cls, options: PipelineOptions) -> PipelineConfig:
+        values = options.view_as(StreamingLLMOptions).get_all_options()
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> PipelineConfig:
+        """Converts (string or typed) values, fills defaults and validates them all at once."""
+        problems: list[str] = []
+        fields: dict[str, Any] = {}
+        for param in PARAMETERS:
+            raw = values.get(param.name)
+            if raw is None or raw == "" and param.param_type != "TEXT":
+                raw = param.default
+            if raw is None or raw == "":
+                fields[param.name] = None if param.default is None else param.default
+                if param.required:
+                    problems.append(f"--{param.name} is required ({param.label}), e.g. --{param.name}={param.example}")
+                continue
+            try:
+                value = param.convert(raw)
+            except argparse.ArgumentTypeError as exc:
+                problems.append(f"--{param.name}: {exc}")
+                continue
+            problems.extend(_check_value(param, value))
+            fields[param.name] = value
+        if not problems:
+            problems.extend(_check_combinations(fields))
+        if problems:
+            raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
+        return cls(**fields)
+
+    @property
+    def extra_vllm_args(self) -> list[str]:
+        return shlex.split(self.vllm_args or "")
+
+    @property
+    def effective_batch_size_limit(self) -> int:
+        return self.batch_size_limit or self.batch_size_target
+
+
+def _check_value(param: Parameter, value: Any) -> list[str]:
+    problems = []
+    if param.enum_options and value not in param.enum_options:
+        problems.append(f"--{param.name} must be one of {', '.join(param.enum_options)}, got {value!r}")
+    if param.regex and isinstance(value, str) and not re.match(param.regex, value):
+        problems.append(f"--{param.name}={value!r} is not valid; expected something like {param.example}")
+    if param.minimum is not None and value < param.minimum:
+        problems.append(f"--{param.name} must be at least {param.minimum:g}, got {value}")
+    if param.maximum is not None and value > param.maximum:
+        problems.append(f"--{param.name} must be at most {param.maximum:g}, got {value}")
+    return problems
+
+
+def _check_combinations(fields: dict[str, Any]) -> list[str]:
+    problems = []
+    if not (fields["output_chunks_topic"] or fields["output_completions_topic"]):
+        problems.append("no output is configured: set --output_chunks_topic and/or --output_completions_topic")
+    if not fields["dead_letter_topic"]:
+        problems.append("--dead_letter_topic is required so that no request is dropped silently")
+    limit, target = fields["batch_size_limit"], fields["batch_size_target"]
+    if limit and limit < target:
+        problems.append(f"--batch_size_limit ({limit}) is smaller than --batch_size_target ({target}); "
+                        "raise the limit or lower the target")
+    if fields["default_max_tokens"] >= fields["max_model_len"]:
+        problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "
+                        f"--max_model_len ({fields['max_model_len']})")
+    return problems
+
+
+def template_metadata() -> dict[str, Any]:
+    """The Flex Template ``metadata.json`` content, derived from :data:`PARAMETERS`."""
+    params = []
+    for param in PARAMETERS:
+        entry: dict[str, Any] = {
+            "name": param.name,
+            "label": param.label,
+            "helpText": f"{param.help_text} For example: {param.example}",
+            "isOptional": not param.required,
+            "paramType": param.param_type,
+            "groupName": param.group,
+        }
+        if param.regexes:
+            entry["regexes"] = list(param.regexes)
+        if param.enum_options:
+            entry["enumOptions"] = [{"value": v, "label": v} for v in param.enum_options]
+        if param.default not in (None, ""):
+            entry["defaultValue"] = _as_template_string(param.default)
+        if param.parent:
+            entry["parentName"], triggers = param.parent
+            entry["parentTriggerValues"] = list(triggers)
+        params.append(entry)
+    return {
+        "name": TEMPLATE_NAME,
+        "description": TEMPLATE_DESCRIPTION,
+        "streaming": True,
+        "supportsAtLeastOnce": True,
+        "supportsExactlyOnce": True,
+        "defaultStreamingMode": "AT_LEAST_ONCE",
+        "parameters": params,
+    }
+
+
+def _as_template_string(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def metadata_json() -> str:
+    return json.dumps(template_metadata(), indent=2) + "\n"
+
+
+def config_to_args(config: PipelineConfig) -> list[str]:
+    """The launcher-style ``--name=value`` arguments that reproduce ``config``."""
+    return [f"--{k}={_as_template_string(v)}" for k, v in dataclasses.asdict(config).items() if v not in (None, "")]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Writes the Flex Template metadata.json from the parameter definitions.")
+    parser.add_argument("output", help="path of metadata.json")
+    args = parser.parse_args(argv)
+    with open(args.output, "w", encoding="utf-8") as handle:
+        handle.write(metadata_json())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Reading requests: Pub/Sub messages in, valid requests and dead letters out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import apache_beam as beam
+from apache_beam import pvalue
+from apache_beam.io.gcp.pubsub import PubsubMessage
+from apache_beam.metrics import Metrics
+
+from pipeline.messages import DeadLetter, RequestLimits, parse_request
+
+TAG_DEAD_LETTERS = "dead_letters"
+
+
+class _ParseFn(beam.DoFn):
+    def __init__(self, limits: RequestLimits, id_attribute: str) -> None:
+        self._limits = limits
+        self._id_attribute = id_attribute
+        self.accepted = Metrics.counter("parse", "accepted")
+        self.rejected = Metrics.counter("parse", "rejected")
+
+    def process(self, message: PubsubMessage | bytes) -> Iterator[Any]:
+        if isinstance(message, PubsubMessage):
+            data, attributes, message_id = message.data, message.attributes, message.message_id
+        else:
+            data, attributes, message_id = message, {}, None
+        parsed = parse_request(data or b"", attributes, message_id, limits=self._limits,
+                               id_attribute=self._id_attribute)
+        if isinstance(parsed, DeadLetter):
+            self.rejected.inc()
+            yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(parsed.to_json()))
+        else:
+            self.accepted.inc()
+            yield parsed
+
+
+class ParseRequests(beam.PTransform):
+    """``PubsubMessage`` (or raw bytes) in; ``requests`` and ``dead_letters`` out.
+
+    ``requests`` holds :class:`~pipeline.messages.InferenceRequest` objects;
+    ``dead_letters`` holds dead-letter dicts with the raw payload and the reason.
+    """
+
+    def __init__(self, limits: RequestLimits = RequestLimits(), id_attribute: str = "id") -> None:
+        super().__init__()
+        self._limits = limits
+        self._id_attribute = id_attribute
+
+    def expand(self, messages):
+        return messages | "Parse" >> beam.ParDo(_ParseFn(self._limits, self._id_attribute)).with_outputs(
+            TAG_DEAD_LETTERS, main="requests")
