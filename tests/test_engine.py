@@ -1,0 +1,115 @@
+"""The worker's streaming engine against the real local vLLM server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from pipeline.chunking import ChunkPolicy
+from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings, StreamingEngine
+from pipeline.messages import InferenceRequest
+from pipeline.model_manager import free_port
+from tests.conftest import SERVED_NAME
+
+pytestmark = pytest.mark.engine
+
+
+def engine_for(url: str, **overrides) -> StreamingEngine:
+    settings = dict(server=None, server_url=url, served_model_name=SERVED_NAME,
+                    chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100), request_timeout_s=120)
+    settings.update(overrides)
+    return StreamingEngine(EngineSettings(**settings))
+
+
+def run_to_end(engine: StreamingEngine, requests: list[InferenceRequest], timeout_s: float = 180):
+    keys = {engine.submit(r.to_json()): r.id for r in requests}
+    outputs: dict[str, list[tuple[str, dict]]] = {rid: [] for rid in keys.values()}
+    deadline = time.monotonic() + timeout_s
+    pending = set(keys)
+    while pending and time.monotonic() < deadline:
+        for key, items in engine.poll(sorted(pending)).items():
+            for kind, payload in items:
+                outputs[keys[key]].append((kind, json.loads(payload)))
+                if kind in (COMPLETION, DEAD_LETTER):
+                    pending.discard(key)
+        time.sleep(0.05)
+    assert not pending, f"requests without an outcome: {pending}"
+    return outputs
+
+
+def test_streams_chunks_that_add_up_to_the_completion(vllm_server):
+    engine = engine_for(vllm_server.base_url)
+    try:
+        requests = [InferenceRequest(id=f"r{i}", prompt=p, max_tokens=n, temperature=0, received_at=time.time())
+                    for i, (p, n) in enumerate([("What is the capital of France?", 20),
+                                                ("Write a poem about autumn leaves.", 48),
+                                                ("List five fruits.", 30)])]
+        outputs = run_to_end(engine, requests)
+        for request in requests:
+            chunks = [data for kind, data in outputs[request.id] if kind == CHUNK]
+            (completion,) = [data for kind, data in outputs[request.id] if kind == COMPLETION]
+            assert [c["seq"] for c in chunks] == list(range(len(chunks)))
+            assert chunks[-1]["final"] and not any(c["final"] for c in chunks[:-1])
+            assert "".join(c["text"] for c in chunks) == completion["text"]
+            assert completion["usage"]["completion_tokens"] == chunks[-1]["tokens"] > 0
+            assert completion["usage"]["prompt_tokens"] > 0 and completion["model"] == SERVED_NAME
+            assert completion["finish_reason"] == chunks[-1]["finish_reason"] in ("stop", "length")
+        assert "Paris" in [d for k, d in outputs["r0"] if k == COMPLETION][0]["text"]
+    finally:
+        engine.close()
+
+
+def test_a_request_the_server_rejects_becomes_a_dead_letter_with_the_servers_reason(vllm_server):
+    engine = engine_for(vllm_server.base_url)
+    try:
+        too_long = InferenceRequest(id="huge", prompt="word " * 5000, max_tokens=10, received_at=time.time())
+        outputs = run_to_end(engine, [too_long])
+        (kind, letter), = outputs["huge"]
+        assert kind == DEAD_LETTER and letter["stage"] == "inference"
+        assert "rejected" in letter["reason"] and "2048" in letter["reason"]
+        assert json.loads(letter["payload"])["id"] == "huge"
+    finally:
+        engine.close()
+
+
+def test_an_unreachable_server_ends_in_a_dead_letter_after_the_timeout():
+    engine = engine_for(f"http://127.0.0.1:{free_port()}", request_timeout_s=2)
+    try:
+        started = time.monotonic()
+        outputs = run_to_end(engine, [InferenceRequest(id="x", prompt="hi", received_at=time.time())], timeout_s=30)
+        (kind, letter), = outputs["x"]
+        assert kind == DEAD_LETTER and "no answer within request_timeout_s=2" in letter["reason"]
+        assert time.monotonic() - started < 15
+    finally:
+        engine.close()
+
+
+def test_in_flight_requests_are_bounded(vllm_server):
+    engine = engine_for(vllm_server.base_url, max_in_flight=2)
+    running: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            with urllib.request.urlopen(f"{vllm_server.base_url}/metrics", timeout=5) as response:
+                for line in response.read().decode().splitlines():
+                    if line.startswith("vllm:num_requests_running{"):
+                        running.append(float(line.rsplit(" ", 1)[1]))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        requests = [InferenceRequest(id=f"b{i}", prompt="Tell me a story.", max_tokens=40, received_at=time.time())
+                    for i in range(6)]
+        outputs = run_to_end(engine, requests)
+        assert all(any(k == COMPLETION for k, _ in items) for items in outputs.values())
+    finally:
+        stop.set()
+        sampler.join()
+        engine.close()
+    assert running and max(running) == 2

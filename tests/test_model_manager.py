@@ -1,0 +1,68 @@
+"""The model manager with a real vLLM server: health, restarts, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from pipeline.model_manager import ServerSpec, ServerStartError, VLLMServer
+from tests.conftest import chat, local_server_spec, wait_until
+
+pytestmark = pytest.mark.engine
+
+
+def test_server_serves_the_real_model(vllm_server):
+    answer = chat(vllm_server.base_url, "What is the capital of France?", temperature=0, max_tokens=20)
+    assert "Paris" in answer["choices"][0]["message"]["content"]
+
+
+def test_a_crashed_server_is_restarted(vllm_server):
+    old_pid, restarts = vllm_server.pid, vllm_server.stats.restarts
+    os.kill(old_pid, signal.SIGKILL)
+    assert wait_until(lambda: vllm_server.stats.restarts == restarts + 1, 30)
+    vllm_server.wait_until_healthy(600)
+    assert vllm_server.pid != old_pid and not psutil.pid_exists(old_pid)
+    assert "Paris" in chat(vllm_server.base_url, "What is the capital of France?", temperature=0,
+                           max_tokens=20)["choices"][0]["message"]["content"]
+
+
+def test_a_stalled_server_is_restarted(vllm_server):
+    old_pid, restarts = vllm_server.pid, vllm_server.stats.restarts
+    os.kill(old_pid, signal.SIGSTOP)  # alive but unresponsive
+    try:
+        assert wait_until(lambda: vllm_server.stats.restarts == restarts + 1, 60)
+    finally:
+        if psutil.pid_exists(old_pid):
+            os.kill(old_pid, signal.SIGCONT)
+    vllm_server.wait_until_healthy(600)
+    assert vllm_server.pid != old_pid
+    assert wait_until(lambda: not psutil.pid_exists(old_pid), 30)
+
+
+def test_stop_leaves_no_process_behind(checkpoint):
+    server = VLLMServer(local_server_spec(checkpoint)).start()
+    tree = [server.pid] + [child.pid for child in psutil.Process(server.pid).children(recursive=True)]
+    assert len(tree) >= 2, "vLLM runs its engine in a child process"
+    server.stop()
+    assert wait_until(lambda: not any(psutil.pid_exists(pid) for pid in tree), 10)
+    server.stop()  # idempotent
+
+
+def test_a_missing_model_directory_is_reported_before_anything_starts(tmp_path):
+    server = VLLMServer(ServerSpec(model=str(tmp_path / "nowhere"), start_timeout_s=30))
+    with pytest.raises(ServerStartError, match="has no config.json"):
+        server.start()
+    assert server.stats.starts == 0
+
+
+def test_a_server_that_exits_while_starting_reports_its_log(checkpoint):
+    server = VLLMServer(local_server_spec(checkpoint, extra_args=("--no-such-flag",), start_timeout_s=120))
+    started = time.monotonic()
+    with pytest.raises(ServerStartError, match="exited with code") as excinfo:
+        server.start()
+    assert "no-such-flag" in str(excinfo.value)
+    assert time.monotonic() - started < 120 and server.pid is None

@@ -1,0 +1,97 @@
+"""Template parameters: validation, launcher-style string values, and metadata.json parity."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline.options import PARAMETERS, ConfigError, PipelineConfig, StreamingLLMOptions, metadata_json
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = {
+    "input_subscription": "projects/p/subscriptions/prompts-sub",
+    "output_chunks_topic": "projects/p/topics/chunks",
+    "dead_letter_topic": "projects/p/topics/dead",
+}
+
+
+def config(**overrides):
+    return PipelineConfig.from_mapping({**BASE, **overrides})
+
+
+def test_defaults_are_typed_and_sensible():
+    cfg = config()
+    assert (cfg.max_batch_delay_ms, cfg.batch_size_target, cfg.effective_batch_size_limit) == (10, 4, 4)
+    assert cfg.prompt_format == "chat" and cfg.server_url is None and cfg.gpu_memory_utilization == 0.9
+
+
+def test_launcher_strings_are_converted():
+    # The Flex Template launcher passes every value as a string.
+    options = PipelineOptions([f"--{k}={v}" for k, v in BASE.items()] + [
+        "--max_batch_delay_ms=25", "--gpu_memory_utilization=0.8", "--vllm_args=--enforce-eager --seed 3"])
+    cfg = PipelineConfig.from_options(options)
+    assert cfg.max_batch_delay_ms == 25 and cfg.gpu_memory_utilization == 0.8
+    assert cfg.extra_vllm_args == ["--enforce-eager", "--seed", "3"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"input_subscription": None}, "--input_subscription is required"),
+    ({"input_subscription": "prompts-sub"}, "--input_subscription='prompts-sub' is not valid"),
+    ({"output_chunks_topic": None}, "no output is configured"),
+    ({"dead_letter_topic": None}, "--dead_letter_topic is required"),
+    ({"batch_size_target": "0"}, "--batch_size_target must be at least 1"),
+    ({"batch_size_target": "8", "batch_size_limit": "4"}, "--batch_size_limit (4) is smaller than"),
+    ({"max_batch_delay_ms": "-1"}, "--max_batch_delay_ms must be at least 0"),
+    ({"max_batch_delay_ms": "ten"}, "expected a whole number"),
+    ({"prompt_format": "xml"}, "--prompt_format must be one of chat, completion"),
+    ({"server_url": "vllm:8000"}, "--server_url='vllm:8000' is not valid"),
+    ({"default_max_tokens": "4096"}, "--default_max_tokens (4096) must be below --max_model_len"),
+])
+def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrides, message):
+    with pytest.raises(ConfigError) as excinfo:
+        config(**overrides)
+    assert message in str(excinfo.value)
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ConfigError) as excinfo:
+        config(batch_size_target="0", max_batch_delay_ms="-5")
+    assert "batch_size_target" in str(excinfo.value) and "max_batch_delay_ms" in str(excinfo.value)
+
+
+def test_every_parameter_is_a_pipeline_option_and_a_config_field():
+    parser_options = StreamingLLMOptions([]).get_all_options()
+    fields = set(PipelineConfig.__dataclass_fields__)
+    for param in PARAMETERS:
+        assert param.name in parser_options
+        assert param.name in fields
+    assert fields == {p.name for p in PARAMETERS}
+
+
+def test_metadata_json_is_generated_from_the_parameters():
+    committed = (REPO / "metadata.json").read_text()
+    assert committed == metadata_json(), "metadata.json is stale: run `make metadata`"
+
+
+def test_metadata_has_what_gcloud_and_the_console_need():
+    metadata = json.loads(metadata_json())
+    assert metadata["name"] and metadata["description"] and metadata["streaming"] is True
+    assert metadata["defaultStreamingMode"] in ("AT_LEAST_ONCE", "EXACTLY_ONCE")
+    by_name = {p.name: p for p in PARAMETERS}
+    assert [p["name"] for p in metadata["parameters"]] == list(by_name)
+    for entry in metadata["parameters"]:
+        param = by_name[entry["name"]]
+        assert entry["label"].strip() and entry["helpText"].strip() and entry["groupName"].strip()
+        assert entry["isOptional"] is (not param.required)
+        for regex in entry.get("regexes", []):
+            pattern = re.compile(regex)
+            assert pattern.match(param.example), (param.name, param.example)
+            assert not pattern.match("not a valid value !"), param.name
+            if "defaultValue" in entry:
+                assert pattern.match(entry["defaultValue"]), (param.name, entry["defaultValue"])
+        if param.param_type == "ENUM":
+            assert [o["value"] for o in entry["enumOptions"]] == list(param.enum_options)
