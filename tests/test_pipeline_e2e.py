@@ -1,0 +1,150 @@
+"""The whole template end to end: Pub/Sub emulator → pipeline (DirectRunner) → managed vLLM → Pub/Sub.
+
+One pipeline run serves every test in this module; it is started as a user
+starts it (``python -m template.main``) with the model manager starting the
+real local vLLM server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import psutil
+import pytest
+
+from local.harness import REPO_ROOT, LocalRun, server_pids_in_log
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.engine
+
+LONG_TOPICS = ["the history of Rome", "how airplanes fly", "the life of bees", "volcanoes", "the ocean",
+               "medieval castles", "the moon landing", "rainforests"]
+SHORT_QUESTIONS = ["What is 2 + 2?", "Name a color.", "What is the capital of Italy?", "Say hello.",
+                   "What day comes after Monday?", "Name a fruit.", "What is water made of?", "Say yes."]
+
+VALID = (
+    [{"id": f"long-{i}", "prompt": f"Write a detailed essay about {topic}.", "max_tokens": 120}
+     for i, topic in enumerate(LONG_TOPICS)]
+    + [{"id": f"short-{i}", "prompt": question, "max_tokens": 24} for i, question in enumerate(SHORT_QUESTIONS)]
+    + [
+        {"id": "chat-1", "messages": [{"role": "system", "content": "Answer in one word."},
+                                      {"role": "user", "content": "What color is the sky?"}], "max_tokens": 10},
+        {"id": "limit-5", "prompt": "Write a long story about a brave knight and a dragon.", "max_tokens": 5},
+        {"id": "stop-paris", "prompt": "What is the capital of France?", "temperature": 0, "stop": ["Paris"],
+         "max_tokens": 30},
+        {"id": "greedy-a", "prompt": "Describe a sunset over the sea.", "temperature": 0, "max_tokens": 40},
+        {"id": "greedy-b", "prompt": "Describe a sunset over the sea.", "temperature": 0, "max_tokens": 40},
+        {"id": "top-p", "prompt": "Name an animal.", "top_p": 0.5, "max_tokens": 10, "metadata": {"team": "qa"}},
+    ]
+)
+PLAIN_TEXT = ("plain-1", "Tell me a fun fact about cats.")
+MALFORMED = {
+    "bad-json": (b'{"prompt": "unterminated', "not valid JSON"),
+    "no-prompt": (b'{"id": "no-prompt", "max_tokens": 10}', "exactly one of 'prompt'"),
+    "neg-max": (b'{"id": "neg-max", "prompt": "hi", "max_tokens": -3}', "'max_tokens' must be a positive integer"),
+    "wrong-type": (b'{"id": "wrong-type", "prompt": ["not", "text"]}', "'prompt' must be a non-empty string"),
+    "bad-temp": (b'{"id": "bad-temp", "prompt": "hi", "temperature": "warm"}', "'temperature' must be a number"),
+    "not-utf8": (b"\xff\xfe\xfd", "not UTF-8"),
+}
+HOL_LONG = {"id": "hol-long", "prompt": "Write a very long and detailed story about a journey across the world, "
+                                        "with many chapters.", "max_tokens": 400}
+HOL_SHORT = {"id": "hol-short", "prompt": "Say hi.", "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def run(checkpoint, emulator):
+    local_run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", "--dtype=bfloat16",
+                          "--vllm_args=--enforce-eager", "--num_shards=4", "--max_in_flight=48",
+                          "--chunk_tokens=4", "--chunk_interval_ms=100"],
+                         log_path=REPO_ROOT / ".cache" / "test-e2e" / "pipeline.log", emulator=emulator)
+    local_run.start()
+    collector = local_run.collector()
+    try:
+        # Head-of-line scenario first: the short request goes in while the long one streams.
+        local_run.publish([HOL_LONG])
+        assert wait_until(lambda: any(c.data["id"] == "hol-long" for c in collector.chunks), 600), \
+            "no chunk from the model within 10 minutes:\n" + local_run.log_tail()
+        local_run.publish([HOL_SHORT])
+        local_run.publish(VALID)
+        local_run.publish([PLAIN_TEXT[1]], attributes={"id": PLAIN_TEXT[0]})
+        for key, (payload, _) in MALFORMED.items():
+            local_run.publish([payload], attributes={"id": key})
+        expected = {HOL_LONG["id"], HOL_SHORT["id"], PLAIN_TEXT[0], *(r["id"] for r in VALID), *MALFORMED}
+        missing = collector.wait_for(expected, 600)
+        assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
+        time.sleep(1.0)  # trailing chunks of the last completions
+        yield local_run, collector, expected
+    finally:
+        collector.stop()
+        local_run.stop()
+
+
+def completions_by_id(collector):
+    return {c.data["id"]: c.data for c in collector.completions}
+
+
+def test_every_message_ends_as_exactly_one_completion_or_dead_letter(run):
+    _, collector, expected = run
+    completion_ids = [c.data["id"] for c in collector.completions]
+    letter_ids = [d.data["id"] for d in collector.dead_letters]
+    assert len(completion_ids) >= 20, "the scenario must serve at least 20 valid prompts"
+    assert sorted(completion_ids + letter_ids) == sorted(expected)
+    assert set(letter_ids) == set(MALFORMED)
+
+
+def test_chunks_are_gapless_and_add_up_to_the_final_text(run):
+    _, collector, _ = run
+    chunks = defaultdict(list)
+    for chunk in collector.chunks:
+        chunks[(chunk.data["id"], chunk.data["attempt"])].append(chunk.data)
+    for request_id, completion in completions_by_id(collector).items():
+        mine = sorted(chunks[(request_id, completion["attempt"])], key=lambda c: c["seq"])
+        assert [c["seq"] for c in mine] == list(range(len(mine))), request_id
+        assert mine[-1]["final"] and not any(c["final"] for c in mine[:-1]), request_id
+        assert "".join(c["text"] for c in mine) == completion["text"], request_id
+        usage = completion["usage"]
+        assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] == mine[-1]["tokens"], request_id
+        assert completion["total_ms"] >= (completion["time_to_first_token_ms"] or 0) >= 0
+
+
+def test_malformed_messages_are_dead_letters_with_their_reason(run):
+    _, collector, _ = run
+    letters = {d.data["id"]: d.data for d in collector.dead_letters}
+    for key, (_, reason) in MALFORMED.items():
+        assert reason in letters[key]["reason"], (key, letters[key]["reason"])
+        assert letters[key]["stage"] in ("parse", "validate")
+    assert letters["not-utf8"]["payload_encoding"] == "base64"
+
+
+def test_per_request_parameters_are_honoured(run):
+    _, collector, _ = run
+    completions = completions_by_id(collector)
+    limited = completions["limit-5"]
+    assert limited["usage"]["completion_tokens"] == 5 and limited["finish_reason"] == "length"
+    stopped = completions["stop-paris"]
+    assert stopped["finish_reason"] == "stop" and "Paris" not in stopped["text"]
+    assert "capital" in stopped["text"].lower()  # the answer up to the stop sequence
+    assert completions["greedy-a"]["text"] == completions["greedy-b"]["text"] != ""
+    assert completions["top-p"]["metadata"] == {"team": "qa"}
+    assert completions["chat-1"]["messages"][0]["role"] == "system"
+    assert completions[PLAIN_TEXT[0]]["prompt"] == PLAIN_TEXT[1]
+
+
+def test_a_short_request_is_not_blocked_by_a_long_one(run):
+    _, collector, _ = run
+    long_chunks = [c for c in collector.chunks if c.data["id"] == "hol-long"]
+    short_chunks = [c for c in collector.chunks if c.data["id"] == "hol-short"]
+    long_end = max(c.at for c in long_chunks if c.data["final"])
+    assert min(c.at for c in short_chunks) < long_end
+    assert max(c.at for c in short_chunks if c.data["final"]) < long_end
+
+
+def test_the_model_server_is_gone_when_the_pipeline_stops(run):
+    local_run, _, _ = run
+    pids = server_pids_in_log(local_run.log_path.read_text())
+    assert pids, "the pipeline did not log the server it started"
+    assert all(psutil.pid_exists(pid) for pid in pids[-1:]), "server should run while the pipeline runs"
+    children = [child.pid for child in psutil.Process(pids[-1]).children(recursive=True)]
+    assert local_run.stop() == 0
+    assert wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids + children), 15)
