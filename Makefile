@@ -48,8 +48,8 @@ test-fast: install ## Run only the tests that need no model server
 	$(PY) -m pytest -v -m "not engine" $(PYTEST_ARGS)
 
 .PHONY: metadata
-metadata: install ## Regenerate metadata.json from the parameter definitions in pipeline/options.py
-	$(PY) -m pipeline.options metadata.json
+metadata: install ## Regenerate metadata.json and the README parameter table from pipeline/options.py
+	$(PY) -m pipeline.options metadata.json --readme README.md
 
 .PHONY: clean
 clean: ## Remove the virtualenv and local caches (not the model cache in ~/.cache)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.options import PARAMETERS, ConfigError, PipelineConfig, StreamingLLMOptions, metadata_json
+from pipeline.options import (PARAMETERS, ConfigError, PipelineConfig, StreamingLLMOptions, metadata_json,
+                              readme_with_parameters)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
@@ -95,3 +96,8 @@ def test_metadata_has_what_gcloud_and_the_console_need():
                 assert pattern.match(entry["defaultValue"]), (param.name, entry["defaultValue"])
         if param.param_type == "ENUM":
             assert [o["value"] for o in entry["enumOptions"]] == list(param.enum_options)
+
+
+def test_readme_parameter_table_is_generated_from_the_parameters():
+    readme = (REPO / "README.md").read_text()
+    assert readme_with_parameters(readme) == readme, "README parameter table is stale: run `make metadata`"
