@@ -19,7 +19,7 @@ from apache_beam.io.gcp.pubsub import ReadFromPubSub
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
-from pipeline.bucketing import BatchingConfig, BatchRequests
+from pipeline.bucketing import BatchRequests
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.inference import StreamingGenerate
@@ -28,6 +28,7 @@ from pipeline.local_runner import LOCAL_RUNNERS, bound_pubsub_pull
 from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
 from pipeline.options import PipelineConfig
+from pipeline.prompt_length import MeasurePromptLength
 from pipeline.sinks import PublishJson, by_request_id
 from pipeline.sources import ParseRequests
 
@@ -71,12 +72,6 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def batching_config(config: PipelineConfig) -> BatchingConfig:
-    return BatchingConfig(max_batch_delay_ms=float(config.max_batch_delay_ms),
-                          batch_size_target=config.batch_size_target,
-                          batch_size_limit=config.batch_size_limit or None, num_shards=config.num_shards)
-
-
 @dataclass
 class PipelineOutputs:
     chunks: beam.PCollection
@@ -90,9 +85,12 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
                                                           with_attributes=True)
     parsed = messages | "ParseRequests" >> ParseRequests(limits, config.id_attribute)
-    batches = parsed.requests | "BatchRequests" >> BatchRequests(batching_config(config))
+    measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
+        estimator=config.effective_length_estimator, model=config.model, prompt_format=config.prompt_format,
+        max_model_len=config.max_model_len)
+    batches = measured.requests | "BatchRequests" >> BatchRequests(config.batching())
     generated = batches | "StreamingGenerate" >> StreamingGenerate(engine_settings(config))
-    dead_letters = ((parsed.dead_letters, generated.dead_letters)
+    dead_letters = ((parsed.dead_letters, measured.dead_letters, generated.dead_letters)
                     | "AllDeadLetters" >> beam.Flatten())
     if config.output_chunks_topic:
         generated.chunks | "PublishChunks" >> PublishJson(config.output_chunks_topic, ordering_key=by_request_id)

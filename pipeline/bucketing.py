@@ -18,16 +18,17 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Tuple
 
 import apache_beam as beam
 from apache_beam.coders import StrUtf8Coder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
-from apache_beam.utils.timestamp import Duration, Timestamp
+from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.messages import InferenceRequest
+from pipeline.prompt_length import estimate_tokens
 
 FLUSH_SIZE, FLUSH_BUDGET, FLUSH_TIMER, FLUSH_WATERMARK = "size", "budget", "timer", "watermark"
 
@@ -46,7 +47,7 @@ class BatchingConfig:
     def __post_init__(self) -> None:
         problems = []
         if self.max_batch_delay_ms < 0:
-            problems.append(f"max_batch_delay_ms must be 0 or more, got {self.max_batch_delay_ms}")
+            problems.append(f"max_batch_delay_ms must be 0 or more, got {self.max_batch_delay_ms:g}")
         if self.batch_size_target <= 0:
             problems.append(f"batch_size_target must be at least 1, got {self.batch_size_target}")
         if self.batch_size_limit is not None:
@@ -75,19 +76,74 @@ class BatchingConfig:
         return bisect.bisect_left(self.boundaries, prompt_tokens)
 
 
+def parse_boundaries(text: str) -> tuple[int, ...]:
+    """'64, 128,256' -> (64, 128, 256); order and sign are checked by BatchingConfig."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"bucket_boundaries must be comma-separated whole numbers, got {text!r}") from None
+
+
+def default_boundaries(max_model_len: int) -> tuple[int, ...]:
+    """Powers of two from 32 up to (not including) the model's context."""
+    bounds, bound = [], 32
+    while bound < max_model_len:
+        bounds.append(bound)
+        bound *= 2
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class BucketCounters:
+    """What a bucket keeps beside its buffered requests."""
+
+    count: int = 0
+    tokens: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps([self.count, self.tokens])
+
+    @classmethod
+    def from_json(cls, text: str | None) -> BucketCounters:
+        return cls(*json.loads(text)) if text else cls()
+
+
+def on_arrival(config: BatchingConfig, counters: BucketCounters, prompt_tokens: int,
+               now: float) -> tuple[BucketCounters, str | None, float | None]:
+    """The batching decision for one arriving request.
+
+    Returns the bucket's new counters, the flush reason if the bucket must be
+    emitted now, and the deadline for the delay timer when this request is the
+    bucket's first (else None).
+    """
+    counters = BucketCounters(counters.count + 1, counters.tokens + prompt_tokens)
+    deadline = now + config.max_batch_delay_ms / 1000.0 if counters.count == 1 else None
+    if counters.count >= config.batch_size_target:
+        return counters, FLUSH_SIZE, deadline
+    if config.token_budget is not None and counters.tokens >= config.token_budget:
+        return counters, FLUSH_BUDGET, deadline
+    return counters, None, deadline
+
+
+def split_batches(entries: list, limit: int) -> list[list]:
+    """Consecutive slices of at most ``limit`` entries, in arrival order."""
+    return [entries[start:start + limit] for start in range(0, len(entries), limit)]
+
+
+def padding(lengths: list[int]) -> tuple[int, int]:
+    """(padding tokens, padded batch tokens) if the batch were padded to its longest prompt."""
+    longest = max(lengths, default=0)
+    return sum(longest - n for n in lengths), longest * len(lengths)
+
+
 def shard_of(request_id: str, num_shards: int) -> int:
     """A stable shard for a request id (the same in every process)."""
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "big") % num_shards
 
 
-def estimate_tokens(text: str) -> int:
-    """A cheap length estimate (about four characters a token for English BPE vocabularies)."""
-    return max(1, (len(text) + 3) // 4)
-
-
 class _BatchFn(beam.DoFn):
     BUFFER = BagStateSpec("buffer", StrUtf8Coder())
-    # {"count", "tokens", "first_at"}: one read and one write per element.
+    # BucketCounters as JSON: one read and one write per element.
     COUNTERS = ReadModifyWriteStateSpec("counters", StrUtf8Coder())
     FLUSH = TimerSpec("flush", TimeDomain.REAL_TIME)
     WINDOW_END = TimerSpec("window_end", TimeDomain.WATERMARK)
@@ -95,7 +151,6 @@ class _BatchFn(beam.DoFn):
     def __init__(self, config: BatchingConfig, clock: Callable[[], float] = time.time) -> None:
         self._config = config
         self._clock = clock
-        self._delay = Duration(micros=int(config.max_batch_delay_ms * 1000))
         self.batch_size = Metrics.distribution("bucketing", "batch_size")
         self.wait_ms = Metrics.distribution("bucketing", "wait_in_bucket_ms")
         self.padding_tokens = Metrics.counter("bucketing", "padding_tokens")
@@ -111,20 +166,16 @@ class _BatchFn(beam.DoFn):
                 window_end=beam.DoFn.TimerParam(WINDOW_END)) -> Iterator[tuple[int, list[InferenceRequest]]]:
         key, request = element
         now = self._clock()
-        state = json.loads(counters.read() or '{"count": 0, "tokens": 0}')
+        counters_before = BucketCounters.from_json(counters.read())
+        after, reason, deadline = on_arrival(self._config, counters_before, request.prompt_tokens or 0, now)
         buffer.add(json.dumps({"request": request.to_json(), "arrived_at": now}))
-        state["count"] += 1
-        state["tokens"] += request.prompt_tokens or 0
-        if state["count"] == 1:
-            flush.set(Timestamp(now) + self._delay)
+        if deadline is not None:
+            flush.set(Timestamp(deadline))
             window_end.set(window.max_timestamp())
-        budget = self._config.token_budget
-        if state["count"] >= self._config.batch_size_target:
-            yield from self._emit(key, buffer, counters, FLUSH_SIZE, flush)
-        elif budget is not None and state["tokens"] >= budget:
-            yield from self._emit(key, buffer, counters, FLUSH_BUDGET, flush)
+        if reason is None:
+            counters.write(after.to_json())
         else:
-            counters.write(json.dumps(state))
+            yield from self._emit(key, buffer, counters, reason, flush)
 
     @on_timer(FLUSH)
     def on_flush(self, key=beam.DoFn.KeyParam, buffer=beam.DoFn.StateParam(BUFFER),
@@ -147,14 +198,12 @@ class _BatchFn(beam.DoFn):
         now = self._clock()
         self.flushes[reason].inc()
         shard = int(key.rsplit(":", 1)[1])
-        limit = self._config.limit
-        for start in range(0, len(entries), limit):
-            batch = entries[start:start + limit]
+        for batch in split_batches(entries, self._config.limit):
             requests = [InferenceRequest.from_json(e["request"]) for e in batch]
-            lengths = [r.prompt_tokens or 0 for r in requests]
+            padded, total = padding([r.prompt_tokens or 0 for r in requests])
             self.batch_size.update(len(requests))
-            self.batch_tokens.inc(max(lengths) * len(lengths))
-            self.padding_tokens.inc(sum(max(lengths) - n for n in lengths))
+            self.batch_tokens.inc(total)
+            self.padding_tokens.inc(padded)
             for entry in batch:
                 self.wait_ms.update(int((now - entry["arrived_at"]) * 1000))
             yield shard, requests
@@ -182,6 +231,7 @@ class BatchRequests(beam.PTransform):
             bucket = config.bucket_of(tokens)
             return f"{bucket}:{shard_of(request.id, config.num_shards)}", request
 
+        # Typed keys give the stateful steps deterministic key coders.
         return (requests
-                | "KeyByBucketAndShard" >> beam.Map(keyed)
-                | "Batch" >> beam.ParDo(_BatchFn(config, self._clock)))
+                | "KeyByBucketAndShard" >> beam.Map(keyed).with_output_types(Tuple[str, Any])
+                | "Batch" >> beam.ParDo(_BatchFn(config, self._clock)).with_output_types(Tuple[int, Any]))

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipeline.bucketing import BatchingConfig, default_boundaries, parse_boundaries
+
 GROUP_INPUT = "Input"
 GROUP_OUTPUT = "Output"
 GROUP_MODEL = "Model and engine"
@@ -173,6 +175,20 @@ PARAMETERS: tuple[Parameter, ...] = (
               "server restarts) goes to the dead letters.",
               "600", GROUP_MODEL, "NUMBER", default=600, minimum=1),
     # Batching
+    Parameter("length_bucketing", "Length bucketing",
+              "Batch requests by prompt length (true) instead of in arrival order (false), so one long "
+              "prompt does not pad a batch of short ones or make them wait.",
+              "true", GROUP_BATCHING, "BOOLEAN", default=False),
+    Parameter("bucket_boundaries", "Bucket boundaries (tokens)",
+              "Comma-separated, increasing upper prompt lengths of the buckets; the last bucket is open. "
+              "Empty: powers of two from 32 up to the max model length.",
+              "64,128,256,512,1024", GROUP_BATCHING, default="", regex=r"^\s*\d+(\s*,\s*\d+)*\s*$",
+              parent=("length_bucketing", ("true",))),
+    Parameter("length_estimator", "Prompt length estimator",
+              "How prompt length is measured: tokenizer (the model's own, exact; needs the model's "
+              "tokenizer on the workers), chars (about four characters a token), or auto (tokenizer when "
+              "the pipeline starts its own server, chars with an existing server).",
+              "tokenizer", GROUP_BATCHING, "ENUM", default="auto", enum_options=("auto", "tokenizer", "chars")),
     Parameter("max_batch_delay_ms", "Max batch delay (ms)",
               "Longest time a request waits for its batch to fill before it is sent anyway.",
               "10", GROUP_BATCHING, "NUMBER", default=10, minimum=0),
@@ -180,8 +196,11 @@ PARAMETERS: tuple[Parameter, ...] = (
               "A batch is sent as soon as it holds this many requests.",
               "4", GROUP_BATCHING, "NUMBER", default=4, minimum=1),
     Parameter("batch_size_limit", "Batch size limit",
-              "No batch ever holds more than this many requests (0: no limit beyond the target).",
-              "16", GROUP_BATCHING, "NUMBER", default=0, minimum=0),
+              "Hard cap on requests per batch; empty means the target is the cap.",
+              "16", GROUP_BATCHING, "NUMBER", minimum=1),
+    Parameter("batch_token_budget", "Batch token budget",
+              "A batch is also sent once its prompts add up to this many tokens; empty means no budget.",
+              "8192", GROUP_BATCHING, "NUMBER", minimum=1),
     Parameter("num_shards", "Shards",
               "Keys the stateful batching and streaming steps are spread over; more shards spread "
               "work over more workers and threads.",
@@ -231,9 +250,13 @@ class PipelineConfig:
     default_max_tokens: int
     max_in_flight: int
     request_timeout_s: int
+    length_bucketing: bool
+    bucket_boundaries: str
+    length_estimator: str
     max_batch_delay_ms: int
     batch_size_target: int
-    batch_size_limit: int
+    batch_size_limit: int | None
+    batch_token_budget: int | None
     num_shards: int
     chunk_tokens: int
     chunk_interval_ms: int
@@ -266,17 +289,37 @@ class PipelineConfig:
             fields[param.name] = value
         if not problems:
             problems.extend(_check_combinations(fields))
+        if not problems:
+            config = cls(**fields)
+            try:
+                config.batching()
+            except ValueError as exc:
+                problems.extend(str(exc).split("; "))
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
-        return cls(**fields)
+        return config
 
     @property
     def extra_vllm_args(self) -> list[str]:
         return shlex.split(self.vllm_args or "")
 
+    def batching(self) -> BatchingConfig:
+        """The batching settings; raises ValueError with every problem found."""
+        if self.length_bucketing:
+            boundaries = (parse_boundaries(self.bucket_boundaries) if self.bucket_boundaries.strip()
+                          else default_boundaries(self.max_model_len))
+        else:
+            boundaries = ()
+        return BatchingConfig(max_batch_delay_ms=float(self.max_batch_delay_ms),
+                              batch_size_target=self.batch_size_target, batch_size_limit=self.batch_size_limit,
+                              token_budget=self.batch_token_budget, boundaries=boundaries,
+                              num_shards=self.num_shards)
+
     @property
-    def effective_batch_size_limit(self) -> int:
-        return self.batch_size_limit or self.batch_size_target
+    def effective_length_estimator(self) -> str:
+        if self.length_estimator != "auto":
+            return self.length_estimator
+        return "chars" if self.server_url else "tokenizer"
 
 
 def _check_value(param: Parameter, value: Any) -> list[str]:
@@ -298,10 +341,6 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
         problems.append("no output is configured: set --output_chunks_topic and/or --output_completions_topic")
     if not fields["dead_letter_topic"]:
         problems.append("--dead_letter_topic is required so that no request is dropped silently")
-    limit, target = fields["batch_size_limit"], fields["batch_size_target"]
-    if limit and limit < target:
-        problems.append(f"--batch_size_limit ({limit}) is smaller than --batch_size_target ({target}); "
-                        "raise the limit or lower the target")
     if fields["default_max_tokens"] >= fields["max_model_len"]:
         problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "
                         f"--max_model_len ({fields['max_model_len']})")

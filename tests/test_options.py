@@ -26,7 +26,8 @@ def config(**overrides):
 
 def test_defaults_are_typed_and_sensible():
     cfg = config()
-    assert (cfg.max_batch_delay_ms, cfg.batch_size_target, cfg.effective_batch_size_limit) == (10, 4, 4)
+    assert (cfg.max_batch_delay_ms, cfg.batch_size_target, cfg.batch_size_limit) == (10, 4, None)
+    assert cfg.batching().limit == 4 and cfg.batching().boundaries == ()  # arrival order unless opted in
     assert cfg.prompt_format == "chat" and cfg.server_url is None and cfg.gpu_memory_utilization == 0.9
 
 
@@ -45,7 +46,12 @@ def test_launcher_strings_are_converted():
     ({"output_chunks_topic": None}, "no output is configured"),
     ({"dead_letter_topic": None}, "--dead_letter_topic is required"),
     ({"batch_size_target": "0"}, "--batch_size_target must be at least 1"),
-    ({"batch_size_target": "8", "batch_size_limit": "4"}, "--batch_size_limit (4) is smaller than"),
+    ({"batch_size_target": "8", "batch_size_limit": "4"}, "batch_size_limit (4) is smaller than batch_size_target"),
+    ({"batch_size_limit": "0"}, "--batch_size_limit must be at least 1"),
+    ({"length_bucketing": "true", "bucket_boundaries": "128,64"}, "must be strictly increasing"),
+    ({"length_bucketing": "true", "bucket_boundaries": "0,64"}, "must be positive token counts"),
+    ({"length_bucketing": "true", "bucket_boundaries": "a,b"}, "--bucket_boundaries='a,b' is not valid"),
+    ({"length_bucketing": "maybe"}, "expected true or false"),
     ({"max_batch_delay_ms": "-1"}, "--max_batch_delay_ms must be at least 0"),
     ({"max_batch_delay_ms": "ten"}, "expected a whole number"),
     ({"prompt_format": "xml"}, "--prompt_format must be one of chat, completion"),
@@ -56,6 +62,19 @@ def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrid
     with pytest.raises(ConfigError) as excinfo:
         config(**overrides)
     assert message in str(excinfo.value)
+
+
+def test_length_bucketing_defaults_to_powers_of_two_below_the_context():
+    cfg = config(length_bucketing="true", max_model_len="1024")
+    assert cfg.batching().boundaries == (32, 64, 128, 256, 512)
+    assert config(length_bucketing="true", bucket_boundaries=" 10, 200 ").batching().boundaries == (10, 200)
+
+
+def test_length_estimator_auto_uses_the_tokenizer_only_with_a_managed_server():
+    assert config().effective_length_estimator == "tokenizer"
+    assert config(server_url="http://127.0.0.1:8000").effective_length_estimator == "chars"
+    assert config(server_url="http://127.0.0.1:8000", length_estimator="tokenizer").effective_length_estimator == \
+        "tokenizer"
 
 
 def test_all_problems_are_reported_at_once():

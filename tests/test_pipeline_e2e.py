@@ -46,18 +46,21 @@ MALFORMED = {
     "wrong-type": (b'{"id": "wrong-type", "prompt": ["not", "text"]}', "'prompt' must be a non-empty string"),
     "bad-temp": (b'{"id": "bad-temp", "prompt": "hi", "temperature": "warm"}', "'temperature' must be a number"),
     "not-utf8": (b"\xff\xfe\xfd", "not UTF-8"),
+    "too-long": (('{"id": "too-long", "prompt": "' + "lorem ipsum " * 1500 + '"}').encode(),
+                 "exceed the model's context of 2048 tokens"),
 }
 HOL_LONG = {"id": "hol-long", "prompt": "Write a very long and detailed story about a journey across the world, "
                                         "with many chapters.", "max_tokens": 400}
 HOL_SHORT = {"id": "hol-short", "prompt": "Say hi.", "max_tokens": 8}
 
 
-@pytest.fixture(scope="module")
-def run(checkpoint, emulator):
+@pytest.fixture(scope="module", params=["arrival-order", "length-buckets"])
+def run(request, checkpoint, emulator):
+    bucketing = ["--length_bucketing=true", "--bucket_boundaries=16,64,256"] if request.param == "length-buckets" else []
     local_run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", "--dtype=bfloat16",
                           "--vllm_args=--enforce-eager", "--num_shards=4", "--max_in_flight=48",
-                          "--chunk_tokens=4", "--chunk_interval_ms=100"],
-                         log_path=REPO_ROOT / ".cache" / "test-e2e" / "pipeline.log", emulator=emulator)
+                          "--chunk_tokens=4", "--chunk_interval_ms=100", *bucketing],
+                         log_path=REPO_ROOT / ".cache" / "test-e2e" / f"{request.param}.log", emulator=emulator)
     local_run.start()
     collector = local_run.collector()
     try:
@@ -113,7 +116,7 @@ def test_malformed_messages_are_dead_letters_with_their_reason(run):
     letters = {d.data["id"]: d.data for d in collector.dead_letters}
     for key, (_, reason) in MALFORMED.items():
         assert reason in letters[key]["reason"], (key, letters[key]["reason"])
-        assert letters[key]["stage"] in ("parse", "validate")
+        assert letters[key]["stage"] in ("parse", "validate"), key
     assert letters["not-utf8"]["payload_encoding"] == "base64"
 
 

@@ -1,0 +1,218 @@
+"""Timer-bounded length bucketing: deterministic TestStream runs and property tests."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import uuid
+from collections import defaultdict
+
+import apache_beam as beam
+import pytest
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.testing.test_stream import TestStream
+from apache_beam.transforms import window
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.bucketing import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig,
+                                BatchRequests, BucketCounters, on_arrival, padding, split_batches)
+from pipeline.messages import InferenceRequest
+
+_COLLECTED: dict[str, list] = defaultdict(list)
+
+
+class _Collect(beam.DoFn):
+    def __init__(self, run_id: str) -> None:
+        self._run_id = run_id
+
+    def process(self, batch):
+        shard, requests = batch
+        _COLLECTED[self._run_id].append([(r.id, r.prompt_tokens) for r in requests])
+
+
+def request(request_id: str, tokens: int = 10) -> InferenceRequest:
+    return InferenceRequest(id=request_id, prompt="x" * tokens, prompt_tokens=tokens)
+
+
+def run_batching(stream: TestStream, config: BatchingConfig, *, windowed: float | None = None):
+    """Runs BatchRequests over ``stream``.
+
+    Returns the batches in emission order (as (id, tokens) lists) and the flush
+    counters. The DirectRunner drops metrics updated in timer callbacks, so
+    only size and budget flushes are counted here; timer and watermark flushes
+    are asserted from which batches form, and when.
+    """
+    run_id = uuid.uuid4().hex
+    options = PipelineOptions(flags=[], runner="BundleBasedDirectRunner")
+    options.view_as(StandardOptions).streaming = True
+    pipeline = beam.Pipeline(options=options)
+    requests = pipeline | stream
+    if windowed:
+        requests = requests | beam.WindowInto(window.FixedWindows(windowed))
+    # TestStream's processing clock starts at 0 and only moves when the test advances it.
+    requests | BatchRequests(config, clock=lambda: 0.0) | beam.ParDo(_Collect(run_id))
+    result = pipeline.run()
+    result.wait_until_finish()
+    flushes = {}
+    for reason in (FLUSH_SIZE, FLUSH_BUDGET):
+        counters = result.metrics().query(MetricsFilter().with_name(f"flushes_{reason}"))["counters"]
+        flushes[reason] = sum(c.committed for c in counters)
+    return _COLLECTED.pop(run_id, []), flushes
+
+
+def ids(batches):
+    return sorted(sorted(i for i, _ in batch) for batch in batches)
+
+
+def test_a_bucket_is_emitted_when_it_reaches_the_target_size():
+    config = BatchingConfig(max_batch_delay_ms=60_000, batch_size_target=3, num_shards=1)
+    stream = TestStream().add_elements([request(f"r{i}") for i in range(7)]).advance_watermark_to_infinity()
+    batches, flushes = run_batching(stream, config)
+    assert [len(b) for b in batches] == [3, 3, 1]  # the remainder leaves when the watermark passes
+    assert flushes[FLUSH_SIZE] == 2
+
+
+def test_the_delay_timer_emits_a_bucket_that_did_not_fill():
+    config = BatchingConfig(max_batch_delay_ms=50, batch_size_target=10, num_shards=1)
+    stream = (TestStream()
+              .add_elements([request("a"), request("b")])
+              .advance_processing_time(0.1)  # past the 50 ms delay
+              .add_elements([request("c")])
+              .advance_processing_time(0.1)
+              .advance_watermark_to_infinity())
+    batches, flushes = run_batching(stream, config)
+    # Without the timer, all three would wait for the watermark and leave as one batch.
+    assert [sorted(i for i, _ in b) for b in batches] == [["a", "b"], ["c"]]
+    assert flushes[FLUSH_SIZE] == 0
+
+
+def test_the_watermark_flushes_each_window_when_it_closes():
+    config = BatchingConfig(max_batch_delay_ms=3_600_000, batch_size_target=3, num_shards=1)
+    stream = (TestStream()
+              .add_elements([window.TimestampedValue(request("w0-a"), 1),
+                             window.TimestampedValue(request("w0-b"), 2),
+                             window.TimestampedValue(request("w1-a"), 12)])
+              .advance_watermark_to(10.5)  # closes [0, 10); the hour-long delay timer cannot have fired
+              .add_elements([window.TimestampedValue(request(f"w1-{x}"), 13) for x in "bc"])
+              .add_elements([window.TimestampedValue(request("w1-d"), 14)])
+              .advance_watermark_to_infinity())
+    batches, _ = run_batching(stream, config, windowed=10)
+    # Window 0 leaves when its end passes, before window 1 fills up; window 1's rest at the end.
+    assert [sorted(i for i, _ in b) for b in batches] == [["w0-a", "w0-b"], ["w1-a", "w1-b", "w1-c"], ["w1-d"]]
+
+
+def test_a_bucket_is_emitted_when_its_prompts_reach_the_token_budget():
+    config = BatchingConfig(max_batch_delay_ms=60_000, batch_size_target=10, token_budget=100, num_shards=1)
+    stream = (TestStream().add_elements([request("a", 40), request("b", 40), request("c", 40), request("d", 40)])
+              .advance_watermark_to_infinity())
+    batches, flushes = run_batching(stream, config)
+    assert ids(batches) == [["a", "b", "c"], ["d"]]
+    assert flushes[FLUSH_BUDGET] == 1 and flushes[FLUSH_SIZE] == 0
+
+
+def test_length_buckets_keep_short_and_long_prompts_apart():
+    config = BatchingConfig(max_batch_delay_ms=60_000, batch_size_target=2, boundaries=(16, 64), num_shards=1)
+    lengths = [10, 500, 12, 50, 600, 40]
+    stream = (TestStream().add_elements([request(f"r{n}", n) for n in lengths]).advance_watermark_to_infinity())
+    batches, _ = run_batching(stream, config)
+    assert ids(batches) == [["r10", "r12"], ["r40", "r50"], ["r500", "r600"]]
+    bucketed_padding = sum(padding([t for _, t in b])[0] for b in batches)
+    arrival_order_padding = sum(padding(lengths[i:i + 2])[0] for i in range(0, len(lengths), 2))
+    assert bucketed_padding * 5 < arrival_order_padding
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    target=st.integers(1, 5),
+    extra_limit=st.integers(0, 3),
+    delay_ms=st.sampled_from([10, 50, 200]),
+    boundaries=st.sampled_from([(), (32,), (16, 64, 256)]),
+    arrivals=st.lists(st.tuples(st.integers(1, 400), st.sampled_from([0, 0, 0.005, 0.3])), min_size=1, max_size=25),
+)
+def test_the_real_dofn_emits_every_request_exactly_once_within_the_limit(target, extra_limit, delay_ms,
+                                                                         boundaries, arrivals):
+    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target,
+                            batch_size_limit=target + extra_limit, boundaries=boundaries, num_shards=2)
+    stream = TestStream()
+    for index, (tokens, gap_s) in enumerate(arrivals):
+        stream = stream.add_elements([request(f"r{index}", tokens)])
+        if gap_s:
+            stream = stream.advance_processing_time(gap_s)
+    batches, _ = run_batching(stream.advance_watermark_to_infinity(), config)
+    emitted = [i for batch in batches for i, _ in batch]
+    assert sorted(emitted) == sorted(f"r{i}" for i in range(len(arrivals)))
+    assert all(1 <= len(b) <= config.limit for b in batches)
+    assert all(len({config.bucket_of(t) for _, t in b}) == 1 for b in batches)
+
+
+def simulate(config: BatchingConfig, arrivals: list[tuple[float, str, int]]):
+    """Discrete-event run of the batching decisions, timers firing exactly at their deadline.
+
+    Returns (batches, waits): each batch a list of request indices, and each
+    request's wait from arrival to emission.
+    """
+    buffers: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    counters: dict[str, BucketCounters] = defaultdict(BucketCounters)
+    timers: list[tuple[float, int, str]] = []
+    sequence = itertools.count()
+    batches, waits = [], {}
+
+    def emit(key: str, now: float) -> None:
+        entries, buffers[key] = buffers[key], []
+        counters[key] = BucketCounters()
+        for batch in split_batches(entries, config.limit):
+            batches.append([index for index, _ in batch])
+            waits.update({index: now - arrived for index, arrived in batch})
+
+    def fire_timers(until: float) -> None:
+        while timers and timers[0][0] <= until:
+            deadline, _, key = heapq.heappop(timers)
+            if buffers[key]:  # a timer left from a bucket already emitted by size fires on nothing
+                emit(key, deadline)
+
+    for index, (now, key, tokens) in enumerate(arrivals):
+        fire_timers(now)
+        counters[key], reason, deadline = on_arrival(config, counters[key], tokens, now)
+        buffers[key].append((index, now))
+        if deadline is not None:
+            heapq.heappush(timers, (deadline, next(sequence), key))
+        if reason is not None:
+            emit(key, now)
+    fire_timers(float("inf"))
+    return batches, waits
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    target=st.integers(1, 8),
+    extra_limit=st.integers(0, 4),
+    delay_ms=st.floats(0, 500),
+    budget=st.one_of(st.none(), st.integers(1, 2000)),
+    arrivals=st.lists(st.tuples(st.floats(0, 2), st.sampled_from("abc"), st.integers(1, 600)), max_size=60),
+)
+def test_simulated_batching_is_exactly_once_bounded_and_waits_at_most_the_delay(target, extra_limit, delay_ms,
+                                                                                 budget, arrivals):
+    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target,
+                            batch_size_limit=target + extra_limit, token_budget=budget)
+    arrivals = sorted(arrivals, key=lambda a: a[0])
+    batches, waits = simulate(config, arrivals)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(arrivals)))
+    assert all(1 <= len(batch) <= config.limit for batch in batches)
+    assert all(wait <= delay_ms / 1000 + 1e-9 for wait in waits.values())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch_size_target=0), "batch_size_target must be at least 1"),
+    (dict(batch_size_target=4, batch_size_limit=2), "batch_size_limit (2) is smaller than batch_size_target (4)"),
+    (dict(batch_size_limit=0), "batch_size_limit must be at least 1"),
+    (dict(max_batch_delay_ms=-1), "max_batch_delay_ms must be 0 or more"),
+    (dict(boundaries=(64, 32)), "strictly increasing"),
+    (dict(boundaries=(0, 32)), "positive token counts"),
+    (dict(token_budget=0), "token budget must be positive"),
+])
+def test_invalid_batching_config_says_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError) as excinfo:
+        BatchingConfig(**kwargs)
+    assert message in str(excinfo.value)
