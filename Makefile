@@ -47,6 +47,10 @@ test: model ## Run the whole test suite (starts the emulator and vLLM itself)
 test-fast: install ## Run only the tests that need no model server
 	$(PY) -m pytest -v -m "not engine" $(PYTEST_ARGS)
 
+.PHONY: bench-bucketing
+bench-bucketing: install ## Benchmark padding and batch waits, arrival order vs length buckets (prints figures)
+	$(PY) -m benchmarks.bucketing
+
 .PHONY: metadata
 metadata: install ## Regenerate metadata.json and the README parameter table from pipeline/options.py
 	$(PY) -m pipeline.options metadata.json --readme README.md
