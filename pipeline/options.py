@@ -133,9 +133,14 @@ PARAMETERS: tuple[Parameter, ...] = (
     # Model and engine
     Parameter("model", "Model",
               "Hugging Face model id, a local directory on the worker, or a gs:// folder holding a "
-              "Hugging Face checkpoint.",
+              "Hugging Face checkpoint (the console's folder picker is the next parameter).",
               "HuggingFaceTB/SmolLM2-135M-Instruct", GROUP_MODEL,
               default="HuggingFaceTB/SmolLM2-135M-Instruct", regex=r"^\S+$"),
+    Parameter("model_gcs_folder", "Model folder in Cloud Storage",
+              "A gs:// folder holding a Hugging Face checkpoint (config.json, weights, tokenizer). When set, "
+              "it is used instead of the model parameter; each worker copies it to local disk once.",
+              "gs://my-bucket/models/gemma-2-2b-it", GROUP_MODEL, "GCS_READ_FOLDER",
+              regex=r"^gs://[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9](/\S*)?$"),
     Parameter("server_url", "Existing OpenAI-compatible server",
               "Base URL of a vLLM (or other OpenAI-compatible) server you already run. When set, no "
               "server is started on the workers and the engine settings below are ignored.",
@@ -239,6 +244,7 @@ class PipelineConfig:
     output_completions_topic: str | None
     dead_letter_topic: str | None
     model: str
+    model_gcs_folder: str | None
     server_url: str | None
     served_model_name: str | None
     prompt_format: str
@@ -314,6 +320,11 @@ class PipelineConfig:
                               batch_size_target=self.batch_size_target, batch_size_limit=self.batch_size_limit,
                               token_budget=self.batch_token_budget, boundaries=boundaries,
                               num_shards=self.num_shards)
+
+    @property
+    def effective_model(self) -> str:
+        """What the model manager loads: the Cloud Storage folder if one is given."""
+        return self.model_gcs_folder or self.model
 
     @property
     def effective_length_estimator(self) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from local.pubsub_emulator import PubSubEmulator
+from local.emulators import PubSubEmulator
 from pipeline.assembly import engine_settings
 from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer

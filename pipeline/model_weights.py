@@ -1,0 +1,76 @@
+"""Model weights from Cloud Storage: copied to local disk once per worker.
+
+vLLM loads a checkpoint from a local directory; a ``gs://`` folder is
+downloaded into the cache first. Several SDK processes on one VM may ask at
+once, so the copy is guarded by an inter-process lock and marked complete only
+when every file has arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import fasteners
+
+from pipeline.local_model import cache_root
+
+LOGGER = logging.getLogger(__name__)
+_COMPLETE_MARKER = ".download-complete"
+
+
+def parse_gcs_uri(uri: str) -> tuple[str, str]:
+    """'gs://bucket/a/b' -> ('bucket', 'a/b/'); the prefix always ends in '/' (or is empty)."""
+    if not uri.startswith("gs://") or len(uri) <= 5:
+        raise ValueError(f"not a gs:// folder: {uri!r}")
+    bucket, _, prefix = uri[5:].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {uri!r}")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def storage_client():
+    """A Storage client; anonymous against a local emulator (``STORAGE_EMULATOR_HOST``)."""
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"),
+                              credentials=AnonymousCredentials())
+    return storage.Client()
+
+
+def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Copies a checkpoint folder to ``<cache>/gcs/<bucket>/<prefix>`` (once) and returns that path."""
+    bucket_name, prefix = parse_gcs_uri(uri)
+    base = Path(cache_dir) if cache_dir else cache_root() / "gcs"
+    target = base / bucket_name / prefix
+    target.mkdir(parents=True, exist_ok=True)
+    with fasteners.InterProcessLock(str(target / ".download.lock")):
+        if (target / _COMPLETE_MARKER).exists():
+            return target
+        client = storage_client()
+        blobs = [b for b in client.list_blobs(bucket_name, prefix=prefix) if not b.name.endswith("/")]
+        names = {b.name[len(prefix):] for b in blobs}
+        if not blobs:
+            raise FileNotFoundError(f"no objects under {uri}; point --model at a folder with a Hugging Face checkpoint")
+        if "config.json" not in names:
+            raise FileNotFoundError(f"{uri} has no config.json at its top level; found: {sorted(names)[:10]}")
+        total = sum(b.size or 0 for b in blobs)
+        LOGGER.info("Downloading %d files (%.1f MB) from %s to %s", len(blobs), total / 1e6, uri, target)
+        started, done, next_report = time.monotonic(), 0, 0.1
+        for blob in blobs:
+            destination = target / blob.name[len(prefix):]
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            blob.download_to_filename(str(destination))
+            done += blob.size or 0
+            if total and done / total >= next_report:
+                LOGGER.info("  %3.0f%% of %s (%.0f s)", 100 * done / total, uri, time.monotonic() - started)
+                next_report += 0.1
+        (target / _COMPLETE_MARKER).write_text(uri + "\n")
+        LOGGER.info("Downloaded %s in %.0f s", uri, time.monotonic() - started)
+    return target

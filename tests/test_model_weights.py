@@ -1,0 +1,80 @@
+"""Model weights from gs://, against a local Cloud Storage emulator."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from local.emulators import GcsEmulator
+from pipeline.model_manager import VLLMServer
+from pipeline.model_weights import download_gcs_folder, parse_gcs_uri
+from tests.conftest import chat, local_server_spec
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT")}
+    with GcsEmulator() as emulator:
+        emulator.activate()
+        yield emulator
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.mark.parametrize("uri, expected", [
+    ("gs://bucket/models/m", ("bucket", "models/m/")),
+    ("gs://bucket/models/m/", ("bucket", "models/m/")),
+    ("gs://bucket", ("bucket", "")),
+])
+def test_gcs_uris_are_split_into_bucket_and_folder(uri, expected):
+    assert parse_gcs_uri(uri) == expected
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/x", "gs://", "bucket/x"])
+def test_other_uris_are_refused(uri):
+    with pytest.raises(ValueError):
+        parse_gcs_uri(uri)
+
+
+def test_a_folder_is_copied_once_with_its_structure(gcs, tmp_path):
+    source = tmp_path / "src"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    (source / "sub" / "weights.bin").write_bytes(os.urandom(300_000))
+    uri = gcs.upload_folder(source, "weights", "models/tiny")
+    local = download_gcs_folder(uri, tmp_path / "cache")
+    assert (local / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (local / "sub" / "weights.bin").read_bytes() == (source / "sub" / "weights.bin").read_bytes()
+    # A second worker process finds the completed copy and does not download again.
+    from pipeline.model_weights import storage_client
+    storage_client().bucket("weights").blob("models/tiny/config.json").delete()
+    assert download_gcs_folder(uri, tmp_path / "cache") == local
+    assert (local / "config.json").exists()
+
+
+def test_a_folder_without_a_checkpoint_is_reported(gcs, tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "README.md").write_text("not a model")
+    uri = gcs.upload_folder(source, "weights", "models/not-a-model")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        download_gcs_folder(uri, tmp_path / "cache")
+    with pytest.raises(FileNotFoundError, match="no objects under"):
+        download_gcs_folder("gs://weights/models/missing", tmp_path / "cache")
+
+
+@pytest.mark.engine
+def test_the_model_manager_serves_weights_from_gcs(gcs, checkpoint, tmp_path):
+    uri = gcs.upload_folder(checkpoint, "models", "smollm2-135m")
+    server = VLLMServer(local_server_spec(checkpoint, model=uri, model_cache_dir=str(tmp_path / "cache")))
+    try:
+        server.start()
+        answer = chat(server.base_url, "What is the capital of France?", temperature=0, max_tokens=20)
+        assert "Paris" in answer["choices"][0]["message"]["content"]
+        assert (tmp_path / "cache" / "models" / "smollm2-135m" / "model.safetensors").is_file()
+    finally:
+        server.stop()
