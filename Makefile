@@ -10,6 +10,37 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
+# Deploy settings: set them here, on the command line, or in .env (see .env.example).
+-include .env
+PROJECT ?=
+REGION ?= us-central1
+BUCKET ?=
+TAG ?= latest
+IMAGE ?= $(REGION)-docker.pkg.dev/$(PROJECT)/dataflow/streaming-llm:$(TAG)
+TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm.json
+JOB_NAME ?= streaming-llm-$(shell date +%Y%m%d-%H%M%S)
+MACHINE_TYPE ?= g2-standard-8
+GPU_TYPE ?= nvidia-l4
+GPU_COUNT ?= 1
+MAX_WORKERS ?= 4
+MODEL ?= google/gemma-2-2b-it
+INPUT_SUBSCRIPTION ?=
+CHUNKS_TOPIC ?=
+COMPLETIONS_TOPIC ?=
+DEAD_LETTER_TOPIC ?=
+EXTRA_PARAMETERS ?=
+BUILDER ?= cloudbuild
+BAKE_MODEL ?=
+GPU_EXPERIMENT = worker_accelerator=type:$(GPU_TYPE);count:$(GPU_COUNT);install-nvidia-driver
+comma := ,
+space := $(subst ,, )
+# The template parameters as name=value words; unset ones are left out.
+PARAMS = $(filter-out %=,input_subscription=$(INPUT_SUBSCRIPTION) output_chunks_topic=$(CHUNKS_TOPIC) \
+  output_completions_topic=$(COMPLETIONS_TOPIC) dead_letter_topic=$(DEAD_LETTER_TOPIC) model=$(MODEL) \
+  $(subst $(comma),$(space),$(EXTRA_PARAMETERS)))
+# gcloud splits --parameters on commas; the ^~^ prefix makes '~' the separator instead.
+TEMPLATE_PARAMETERS = ^~^$(subst $(space),~,$(strip $(PARAMS) sdk_container_image=$(IMAGE)))
+
 .PHONY: help
 help: ## List the targets with what each does
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -59,6 +90,40 @@ bench-bucketing: install ## Benchmark padding and batch waits, arrival order vs 
 .PHONY: metadata
 metadata: install ## Regenerate metadata.json and the README parameter table from pipeline/options.py
 	$(PY) -m pipeline.options metadata.json --readme README.md
+
+.PHONY: lint-container
+lint-container: install ## Lint container/Dockerfile with hadolint
+	$(VENV)/bin/hadolint container/Dockerfile
+
+.PHONY: check-deploy-settings
+check-deploy-settings:
+	@for v in PROJECT REGION BUCKET; do [ -n "$${!v}" ] || { echo "Set $$v (in .env, see .env.example, or on the make command line)"; exit 1; }; done
+
+.PHONY: image
+image: check-deploy-settings ## Build and push the launcher+worker image (BUILDER=cloudbuild or docker)
+ifeq ($(BUILDER),docker)
+	docker build -f container/Dockerfile --build-arg BAKE_MODEL=$(BAKE_MODEL) -t $(IMAGE) .
+	docker push $(IMAGE)
+else
+	gcloud builds submit --project $(PROJECT) --region $(REGION) --config container/cloudbuild.yaml --substitutions _IMAGE=$(IMAGE),_BAKE_MODEL=$(BAKE_MODEL) .
+endif
+
+.PHONY: template
+template: check-deploy-settings ## Build the Flex Template spec in GCS from the image and metadata.json
+	gcloud dataflow flex-template build $(TEMPLATE_PATH) --project $(PROJECT) --image $(IMAGE) --sdk-language PYTHON --metadata-file metadata.json
+
+.PHONY: run
+run: check-deploy-settings ## Launch the template on Dataflow with a GPU per worker (`make -n run` shows the command)
+	gcloud dataflow flex-template run $(JOB_NAME) --project $(PROJECT) --region $(REGION) --template-file-gcs-location $(TEMPLATE_PATH) --worker-machine-type $(MACHINE_TYPE) --max-workers $(MAX_WORKERS) --enable-streaming-engine --additional-experiments "$(GPU_EXPERIMENT)" --parameters "$(TEMPLATE_PARAMETERS)"
+
+.PHONY: run-dataflow
+run-dataflow: check-deploy-settings install ## Launch directly with the DataflowRunner from this checkout (development)
+	$(PY) -m template.main --runner=DataflowRunner --project=$(PROJECT) --region=$(REGION) --temp_location=gs://$(BUCKET)/tmp --job_name=$(JOB_NAME) --sdk_container_image=$(IMAGE) --machine_type=$(MACHINE_TYPE) --max_num_workers=$(MAX_WORKERS) --enable_streaming_engine --experiments=use_runner_v2 --dataflow_service_options="$(GPU_EXPERIMENT)" $(addprefix --,$(PARAMS))
+
+.PHONY: drain
+drain: check-deploy-settings ## Drain a running job: make drain JOB_ID=... (finishes in-flight requests, then stops)
+	@[ -n "$(JOB_ID)" ] || { echo "Set JOB_ID (gcloud dataflow jobs list --region $(REGION) --status active)"; exit 1; }
+	gcloud dataflow jobs drain $(JOB_ID) --project $(PROJECT) --region $(REGION)
 
 .PHONY: clean
 clean: ## Remove the virtualenv and local caches (not the model cache in ~/.cache)

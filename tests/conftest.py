@@ -26,8 +26,8 @@ def checkpoint() -> Path:
 def local_server_spec(checkpoint: Path, **overrides) -> ServerSpec:
     """The spec the pipeline itself builds for the local model, via the real option path."""
     config = PipelineConfig.from_mapping({
-        "input_subscription": "projects/p/subscriptions/unused", "output_chunks_topic": "projects/p/topics/unused",
-        "dead_letter_topic": "projects/p/topics/unused", "model": str(checkpoint), "dtype": "bfloat16",
+        "input_subscription": "projects/my-project/subscriptions/unused", "output_chunks_topic": "projects/my-project/topics/unused",
+        "dead_letter_topic": "projects/my-project/topics/unused", "model": str(checkpoint), "dtype": "bfloat16",
         "served_model_name": SERVED_NAME, "vllm_args": "--enforce-eager", "server_start_timeout_s": 900})
     spec = engine_settings(config).server
     return ServerSpec(**{**spec.__dict__, **overrides})

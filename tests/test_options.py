@@ -14,9 +14,9 @@ from pipeline.options import (PARAMETERS, ConfigError, PipelineConfig, Streaming
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
-    "input_subscription": "projects/p/subscriptions/prompts-sub",
-    "output_chunks_topic": "projects/p/topics/chunks",
-    "dead_letter_topic": "projects/p/topics/dead",
+    "input_subscription": "projects/my-project/subscriptions/prompts-sub",
+    "output_chunks_topic": "projects/my-project/topics/chunks",
+    "dead_letter_topic": "projects/my-project/topics/dead",
 }
 
 
