@@ -30,7 +30,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 
 from local.emulators import PubSubEmulator
 from pipeline.bucketing import BatchingConfig, BatchRequests, default_boundaries, padding
-from pipeline.local_runner import bound_pubsub_pull
+from pipeline.local_runner import apply_local_runner_fixes
 from pipeline.prompt_length import ESTIMATOR_CHARS, MeasurePromptLength
 from pipeline.sources import ParseRequests
 
@@ -68,7 +68,7 @@ def run_once(emulator: PubSubEmulator, config: BatchingConfig, lengths: list[int
     out = Path(tempfile.mkstemp(prefix=f"bench-{tag}-", suffix=".jsonl")[1])
     options = PipelineOptions(flags=[], runner="BundleBasedDirectRunner")
     options.view_as(StandardOptions).streaming = True
-    bound_pubsub_pull()
+    apply_local_runner_fixes()
     pipeline = beam.Pipeline(options=options)
     parsed = (pipeline | ReadFromPubSub(subscription=emulator.subscription(f"bench-{tag}-sub"), with_attributes=True)
               | ParseRequests())

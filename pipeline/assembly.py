@@ -18,16 +18,18 @@ from apache_beam.io.gcp.pubsub import ReadFromPubSub
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
+from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError,
+                                    WriteToBigQueryTable, ensure_table)
 from pipeline.bucketing import BatchRequests
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.inference import StreamingGenerate
-from pipeline.local_runner import LOCAL_RUNNERS, bound_pubsub_pull
+from pipeline.local_runner import LOCAL_RUNNERS, apply_local_runner_fixes
 from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
-from pipeline.options import PipelineConfig
+from pipeline.options import ConfigError, PipelineConfig
 from pipeline.prompt_length import MeasurePromptLength
-from pipeline.sinks import PublishJson, by_request_id
+from pipeline.pubsub_sink import PublishJson, by_request_id
 from pipeline.sources import ParseRequests
 
 LOGGER = logging.getLogger(__name__)
@@ -65,15 +67,41 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
         max_model_len=config.max_model_len)
     batches = measured.requests | "BatchRequests" >> BatchRequests(config.batching())
     generated = batches | "StreamingGenerate" >> StreamingGenerate(engine_settings(config))
-    dead_letters = ((parsed.dead_letters, measured.dead_letters, generated.dead_letters)
-                    | "AllDeadLetters" >> beam.Flatten())
+    failures = [parsed.dead_letters, measured.dead_letters, generated.dead_letters]
     if config.output_chunks_topic:
         generated.chunks | "PublishChunks" >> PublishJson(config.output_chunks_topic, ordering_key=by_request_id)
     if config.output_completions_topic:
         generated.completions | "PublishCompletions" >> PublishJson(config.output_completions_topic)
+    if config.output_completions_table:
+        failures.append(generated.completions | "WriteCompletionsTable" >> WriteToBigQueryTable(
+            config.output_completions_table, KIND_COMPLETIONS))
+    if config.output_chunks_table:
+        failures.append(generated.chunks | "WriteChunksTable" >> WriteToBigQueryTable(
+            config.output_chunks_table, KIND_CHUNKS))
+    dead_letters = failures | "AllDeadLetters" >> beam.Flatten()
     if config.dead_letter_topic:
         dead_letters | "PublishDeadLetters" >> PublishJson(config.dead_letter_topic)
+    if config.dead_letter_table:
+        rejected = dead_letters | "WriteDeadLetterTable" >> WriteToBigQueryTable(
+            config.dead_letter_table, KIND_DEAD_LETTERS)
+        if config.dead_letter_topic:
+            rejected | "PublishRejectedDeadLetters" >> PublishJson(config.dead_letter_topic)
+        else:
+            rejected | "LogRejectedDeadLetters" >> beam.Map(
+                lambda letter: LOGGER.error("Dead letter lost, rejected by BigQuery: %s", letter))
     return PipelineOutputs(generated.chunks, generated.completions, dead_letters)
+
+
+def prepare_tables(config: PipelineConfig) -> None:
+    """Creates (or checks) the configured BigQuery tables before any job exists."""
+    tables = ((config.output_completions_table, KIND_COMPLETIONS), (config.output_chunks_table, KIND_CHUNKS),
+              (config.dead_letter_table, KIND_DEAD_LETTERS))
+    for table, kind in tables:
+        if table:
+            try:
+                ensure_table(table, kind, create=config.bigquery_create_tables)
+            except TableError as exc:
+                raise ConfigError(str(exc)) from exc
 
 
 def run(argv: Sequence[str] | None = None) -> PipelineResult:
@@ -90,7 +118,8 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     if local:
         if standard.runner in (None, "DirectRunner"):
             standard.runner = "BundleBasedDirectRunner"  # the default first tries Prism, which needs a download
-        bound_pubsub_pull()
+        apply_local_runner_fixes()
+    prepare_tables(config)
     pipeline = beam.Pipeline(options=options)
     build(pipeline, config)
     result = pipeline.run()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Tuple
@@ -30,6 +31,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.messages import InferenceRequest
 from pipeline.prompt_length import estimate_tokens
 
+LOGGER = logging.getLogger(__name__)
 FLUSH_SIZE, FLUSH_BUDGET, FLUSH_TIMER, FLUSH_WATERMARK = "size", "budget", "timer", "watermark"
 
 
@@ -197,6 +199,7 @@ class _BatchFn(beam.DoFn):
             return  # a timer may fire twice for one setting, or after a size flush
         now = self._clock()
         self.flushes[reason].inc()
+        LOGGER.debug("Bucket %s: %d requests leave (%s)", key, len(entries), reason)
         shard = int(key.rsplit(":", 1)[1])
         for batch in split_batches(entries, self._config.limit):
             requests = [InferenceRequest.from_json(e["request"]) for e in batch]

@@ -85,7 +85,7 @@ class ChunkAssembler:
         chunk = Chunk(
             id=self.request_id, attempt=self.attempt, seq=self._seq, text=self._pending, tokens=self.tokens,
             final=final, finish_reason=finish_reason, time_to_first_token_ms=self.time_to_first_token_ms,
-            elapsed_ms=round((now - self.started_at) * 1000.0, 3))
+            elapsed_ms=round((now - self.started_at) * 1000.0, 3), emitted_at=now)
         self._seq += 1
         self._pending = ""
         self._pending_tokens = 0

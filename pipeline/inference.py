@@ -86,7 +86,8 @@ class _StreamingGenerateFn(beam.DoFn):
                 poll=beam.DoFn.TimerParam(POLL),
                 poll_armed=beam.DoFn.StateParam(POLL_ARMED),
                 drain=beam.DoFn.TimerParam(DRAIN)) -> None:
-        _, requests = element
+        shard, requests = element
+        LOGGER.debug("Shard %s: sending %s", shard, [r.id for r in requests])
         for request in requests:
             key = self._engine.submit(request.to_json(), 1)
             inflight.add(json.dumps({"key": key, "request": request.to_json(), "attempt": 1}))

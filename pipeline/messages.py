@@ -80,6 +80,7 @@ class Chunk:
     finish_reason: str | None
     time_to_first_token_ms: float | None
     elapsed_ms: float
+    emitted_at: float  # wall-clock seconds since the epoch
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

@@ -39,6 +39,7 @@ TEMPLATE_DESCRIPTION = (
 _PROJECT = r"[a-z][-a-z0-9:.]{4,61}[a-z0-9]"
 SUBSCRIPTION_REGEX = rf"^projects/{_PROJECT}/subscriptions/[A-Za-z][-A-Za-z0-9_.~+%]{{2,254}}$"
 TOPIC_REGEX = rf"^projects/{_PROJECT}/topics/[A-Za-z][-A-Za-z0-9_.~+%]{{2,254}}$"
+TABLE_REGEX = rf"^{_PROJECT}[:.][A-Za-z0-9_]{{1,1024}}\.[A-Za-z0-9_$-]{{1,1024}}$"
 
 
 class ConfigError(ValueError):
@@ -128,10 +129,23 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("output_completions_topic", "Completions topic",
               "Pub/Sub topic for the final record of each request (full text, usage, timings).",
               "projects/my-project/topics/llm-completions", GROUP_OUTPUT, "PUBSUB_TOPIC", regex=TOPIC_REGEX),
+    Parameter("output_completions_table", "Completions table",
+              "BigQuery table for the final record of each request (schema in the README).",
+              "my-project:llm.completions", GROUP_OUTPUT, "BIGQUERY_TABLE", regex=TABLE_REGEX),
+    Parameter("output_chunks_table", "Chunks table",
+              "BigQuery table for every streamed chunk (optional; one row per chunk).",
+              "my-project:llm.chunks", GROUP_OUTPUT, "BIGQUERY_TABLE", regex=TABLE_REGEX),
     Parameter("dead_letter_topic", "Dead-letter topic",
               "Pub/Sub topic for messages that could not be served, each with its stage and reason. "
-              "Required, so that nothing is dropped silently.",
+              "A dead-letter topic or table (or both) is required, so that nothing is dropped silently.",
               "projects/my-project/topics/llm-dead-letters", GROUP_OUTPUT, "PUBSUB_TOPIC", regex=TOPIC_REGEX),
+    Parameter("dead_letter_table", "Dead-letter table",
+              "BigQuery table for dead letters. Rows it rejects go to the dead-letter topic, if one is set.",
+              "my-project:llm.dead_letters", GROUP_OUTPUT, "BIGQUERY_TABLE", regex=TABLE_REGEX),
+    Parameter("bigquery_create_tables", "Create BigQuery tables",
+              "Create missing BigQuery tables at launch, partitioned by day (true), or require them to exist "
+              "(false). The dataset must exist.",
+              "true", GROUP_OUTPUT, "BOOLEAN", default=True),
     # Model and engine
     Parameter("model", "Model",
               "Hugging Face model id, a local directory on the worker, or a gs:// folder holding a "
@@ -244,7 +258,11 @@ class PipelineConfig:
     id_attribute: str
     output_chunks_topic: str | None
     output_completions_topic: str | None
+    output_completions_table: str | None
+    output_chunks_table: str | None
     dead_letter_topic: str | None
+    dead_letter_table: str | None
+    bigquery_create_tables: bool
     model: str
     model_gcs_folder: str | None
     server_url: str | None
@@ -349,10 +367,12 @@ def _check_value(param: Parameter, value: Any) -> list[str]:
 
 def _check_combinations(fields: dict[str, Any]) -> list[str]:
     problems = []
-    if not (fields.get("output_chunks_topic") or fields.get("output_completions_topic")):
-        problems.append("no output is configured: set --output_chunks_topic and/or --output_completions_topic")
-    if not fields.get("dead_letter_topic"):
-        problems.append("--dead_letter_topic is required so that no request is dropped silently")
+    outputs = ("output_chunks_topic", "output_completions_topic", "output_completions_table", "output_chunks_table")
+    if not any(fields.get(name) for name in outputs):
+        problems.append("no output is configured: set at least one of " + ", ".join(f"--{n}" for n in outputs))
+    if not (fields.get("dead_letter_topic") or fields.get("dead_letter_table")):
+        problems.append("no dead-letter output is configured: set --dead_letter_topic and/or --dead_letter_table, "
+                        "so that no request is dropped silently")
     if "default_max_tokens" in fields and "max_model_len" in fields and \
             fields["default_max_tokens"] >= fields["max_model_len"]:
         problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "

@@ -8,11 +8,13 @@ that names what to change, before any job is created.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Beam logs every string type hint it meets at INFO; that is noise here.
     logging.getLogger("apache_beam.typehints.native_type_compatibility").setLevel(logging.WARNING)
     from pipeline.assembly import run

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from local.emulators import PubSubEmulator
+from local.emulators import BigQueryEmulator, Emulator, PubSubEmulator
 from pipeline.assembly import engine_settings
 from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
@@ -38,6 +40,30 @@ def vllm_server(checkpoint):
     server = VLLMServer(local_server_spec(checkpoint, stall_timeout_s=10.0, health_interval_s=1.0)).start()
     yield server
     server.stop()
+
+
+@contextmanager
+def activated(emulator: Emulator):
+    """Points this process's Google clients at ``emulator``, restoring the environment after."""
+    saved = {key: os.environ.get(key) for key in emulator.env()}
+    emulator.activate()
+    try:
+        yield emulator
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def bigquery():
+    """The BigQuery emulator with a dataset named ``llm``."""
+    with BigQueryEmulator() as running, activated(running):
+        from pipeline.bigquery_sink import bigquery_client
+        bigquery_client(running.project).create_dataset("llm")
+        yield running
 
 
 @pytest.fixture(scope="session")

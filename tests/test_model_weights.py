@@ -9,20 +9,13 @@ import pytest
 from local.emulators import GcsEmulator
 from pipeline.model_manager import VLLMServer
 from pipeline.model_weights import download_gcs_folder, parse_gcs_uri
-from tests.conftest import chat, local_server_spec
+from tests.conftest import activated, chat, local_server_spec
 
 
 @pytest.fixture(scope="module")
 def gcs():
-    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT")}
-    with GcsEmulator() as emulator:
-        emulator.activate()
+    with GcsEmulator() as emulator, activated(emulator):
         yield emulator
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.mark.parametrize("uri, expected", [

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from local.harness import REPO_ROOT, LocalRun, server_pids_in_log
+from pipeline.bigquery_sink import bigquery_client
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.engine
@@ -49,17 +50,22 @@ MALFORMED = {
     "too-long": (('{"id": "too-long", "prompt": "' + "lorem ipsum " * 1500 + '"}').encode(),
                  "exceed the model's context of 2048 tokens"),
 }
-HOL_LONG = {"id": "hol-long", "prompt": "Write a very long and detailed story about a journey across the world, "
-                                        "with many chapters.", "max_tokens": 400}
+# Greedy decoding makes the long request reliably long: the model counts until max_tokens.
+HOL_LONG = {"id": "hol-long", "prompt": "Count from 1 to 1000, writing every number in digits, separated by commas.",
+            "temperature": 0, "max_tokens": 1200}
 HOL_SHORT = {"id": "hol-short", "prompt": "Say hi.", "max_tokens": 8}
 
 
 @pytest.fixture(scope="module", params=["arrival-order", "length-buckets"])
-def run(request, checkpoint, emulator):
+def run(request, checkpoint, emulator, bigquery):
     bucketing = ["--length_bucketing=true", "--bucket_boundaries=16,64,256"] if request.param == "length-buckets" else []
+    suffix = request.param.replace("-", "_")
+    tables = [f"--output_completions_table=local-project:llm.completions_{suffix}",
+              f"--output_chunks_table=local-project:llm.chunks_{suffix}",
+              f"--dead_letter_table=local-project:llm.dead_letters_{suffix}"]
     local_run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", "--dtype=bfloat16",
                           "--vllm_args=--enforce-eager", "--num_shards=4", "--max_in_flight=48",
-                          "--chunk_tokens=4", "--chunk_interval_ms=100", *bucketing],
+                          "--chunk_tokens=4", "--chunk_interval_ms=100", *bucketing, *tables],
                          log_path=REPO_ROOT / ".cache" / "test-e2e" / f"{request.param}.log", emulator=emulator)
     local_run.start()
     collector = local_run.collector()
@@ -69,6 +75,9 @@ def run(request, checkpoint, emulator):
         assert wait_until(lambda: any(c.data["id"] == "hol-long" for c in collector.chunks), 600), \
             "no chunk from the model within 10 minutes:\n" + local_run.log_tail()
         local_run.publish([HOL_SHORT])
+        # The bulk load comes after, so arrival times above measure the pipeline, not the single-threaded
+        # DirectRunner's backlog of two dozen other streams.
+        assert not collector.wait_for([HOL_LONG["id"], HOL_SHORT["id"]], 300), local_run.log_tail()
         local_run.publish(VALID)
         local_run.publish([PLAIN_TEXT[1]], attributes={"id": PLAIN_TEXT[0]})
         for key, (payload, _) in MALFORMED.items():
@@ -77,7 +86,7 @@ def run(request, checkpoint, emulator):
         missing = collector.wait_for(expected, 600)
         assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
         time.sleep(1.0)  # trailing chunks of the last completions
-        yield local_run, collector, expected
+        yield local_run, collector, expected, suffix
     finally:
         collector.stop()
         local_run.stop()
@@ -88,7 +97,7 @@ def completions_by_id(collector):
 
 
 def test_every_message_ends_as_exactly_one_completion_or_dead_letter(run):
-    _, collector, expected = run
+    _, collector, expected, _ = run
     completion_ids = [c.data["id"] for c in collector.completions]
     letter_ids = [d.data["id"] for d in collector.dead_letters]
     assert len(completion_ids) >= 20, "the scenario must serve at least 20 valid prompts"
@@ -97,7 +106,7 @@ def test_every_message_ends_as_exactly_one_completion_or_dead_letter(run):
 
 
 def test_chunks_are_gapless_and_add_up_to_the_final_text(run):
-    _, collector, _ = run
+    _, collector, _, _ = run
     chunks = defaultdict(list)
     for chunk in collector.chunks:
         chunks[(chunk.data["id"], chunk.data["attempt"])].append(chunk.data)
@@ -112,7 +121,7 @@ def test_chunks_are_gapless_and_add_up_to_the_final_text(run):
 
 
 def test_malformed_messages_are_dead_letters_with_their_reason(run):
-    _, collector, _ = run
+    _, collector, _, _ = run
     letters = {d.data["id"]: d.data for d in collector.dead_letters}
     for key, (_, reason) in MALFORMED.items():
         assert reason in letters[key]["reason"], (key, letters[key]["reason"])
@@ -121,7 +130,7 @@ def test_malformed_messages_are_dead_letters_with_their_reason(run):
 
 
 def test_per_request_parameters_are_honoured(run):
-    _, collector, _ = run
+    _, collector, _, _ = run
     completions = completions_by_id(collector)
     limited = completions["limit-5"]
     assert limited["usage"]["completion_tokens"] == 5 and limited["finish_reason"] == "length"
@@ -135,7 +144,7 @@ def test_per_request_parameters_are_honoured(run):
 
 
 def test_a_short_request_is_not_blocked_by_a_long_one(run):
-    _, collector, _ = run
+    _, collector, _, _ = run
     long_chunks = [c for c in collector.chunks if c.data["id"] == "hol-long"]
     short_chunks = [c for c in collector.chunks if c.data["id"] == "hol-short"]
     long_end = max(c.at for c in long_chunks if c.data["final"])
@@ -143,8 +152,33 @@ def test_a_short_request_is_not_blocked_by_a_long_one(run):
     assert max(c.at for c in short_chunks if c.data["final"]) < long_end
 
 
+def table_rows(table: str) -> list[dict]:
+    return [dict(row) for row in bigquery_client("local-project").query(f"SELECT * FROM `local-project.llm.{table}`").result()]
+
+
+def test_bigquery_holds_the_same_completions_chunks_and_dead_letters(run):
+    _, collector, _, suffix = run
+    published = completions_by_id(collector)
+    assert wait_until(lambda: len(table_rows(f"completions_{suffix}")) >= len(published), 60)
+    rows = table_rows(f"completions_{suffix}")
+    assert sorted(r["request_id"] for r in rows) == sorted(published), "one row per request"
+    for row in rows:
+        record = published[row["request_id"]]
+        assert (row["completion_text"], row["finish_reason"], row["attempt"], row["model"]) == \
+            (record["text"], record["finish_reason"], record["attempt"], record["model"])
+        assert (row["prompt_tokens"], row["completion_tokens"]) == \
+            (record["usage"]["prompt_tokens"], record["usage"]["completion_tokens"])
+        assert row["metadata"] == record["metadata"]
+    chunk_keys = {(c.data["id"], c.data["attempt"], c.data["seq"]) for c in collector.chunks}
+    assert wait_until(lambda: len(table_rows(f"chunks_{suffix}")) >= len(chunk_keys), 60)
+    assert {(r["request_id"], r["attempt"], r["seq"]) for r in table_rows(f"chunks_{suffix}")} == chunk_keys
+    letters = table_rows(f"dead_letters_{suffix}")
+    assert {r["request_id"] for r in letters} == set(MALFORMED)
+    assert all(r["reason"] and r["stage"] in ("parse", "validate") for r in letters)
+
+
 def test_the_model_server_is_gone_when_the_pipeline_stops(run):
-    local_run, _, _ = run
+    local_run, _, _, _ = run
     pids = server_pids_in_log(local_run.log_path.read_text())
     assert pids, "the pipeline did not log the server it started"
     assert all(psutil.pid_exists(pid) for pid in pids[-1:]), "server should run while the pipeline runs"

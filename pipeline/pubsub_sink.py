@@ -9,8 +9,10 @@ retries, so nothing is dropped (at-least-once; consumers de-duplicate by
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import threading
 from typing import Any, Callable
 
 import apache_beam as beam
@@ -30,12 +32,7 @@ class _PublishJsonFn(beam.DoFn):
         self.published = Metrics.counter("sinks", "published_" + topic.rsplit("/", 1)[-1])
 
     def setup(self) -> None:
-        from google.cloud import pubsub_v1
-
-        self._publisher = pubsub_v1.PublisherClient(
-            batch_settings=pubsub_v1.types.BatchSettings(max_latency=self._max_latency_s),
-            publisher_options=pubsub_v1.types.PublisherOptions(
-                enable_message_ordering=self._ordering_key is not None))
+        self._publisher = _publisher(self._ordering_key is not None, self._max_latency_s)
 
     def start_bundle(self) -> None:
         self._futures = []
@@ -60,9 +57,26 @@ class _PublishJsonFn(beam.DoFn):
             raise RuntimeError(f"{len(errors)} of {len(futures)} publishes to {self._topic} failed; "
                                f"the bundle will be retried. First error: {errors[0]}")
 
-    def teardown(self) -> None:
-        if self._publisher is not None:
-            self._publisher.stop()
+
+
+# Publisher clients are shared per process and kept for its life: runners may set
+# up a DoFn per bundle (the DirectRunner does), and a client per bundle is costly.
+_PUBLISHERS: dict[tuple[bool, float], Any] = {}
+_PUBLISHERS_LOCK = threading.Lock()
+
+
+def _publisher(ordering: bool, max_latency_s: float) -> Any:
+    from google.cloud import pubsub_v1
+
+    with _PUBLISHERS_LOCK:
+        key = (ordering, max_latency_s)
+        if key not in _PUBLISHERS:
+            publisher = pubsub_v1.PublisherClient(
+                batch_settings=pubsub_v1.types.BatchSettings(max_latency=max_latency_s),
+                publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=ordering))
+            atexit.register(publisher.stop)
+            _PUBLISHERS[key] = publisher
+        return _PUBLISHERS[key]
 
 
 class PublishJson(beam.PTransform):
