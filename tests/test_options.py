@@ -44,7 +44,8 @@ def test_launcher_strings_are_converted():
     ({"input_subscription": None}, "--input_subscription is required"),
     ({"input_subscription": "prompts-sub"}, "--input_subscription='prompts-sub' is not valid"),
     ({"output_chunks_topic": None}, "no output is configured"),
-    ({"dead_letter_topic": None}, "--dead_letter_topic is required"),
+    ({"dead_letter_topic": None}, "no dead-letter output is configured: set --dead_letter_topic and/or --dead_letter_table"),
+    ({"output_completions_table": "my-project:llm"}, "--output_completions_table='my-project:llm' is not valid"),
     ({"batch_size_target": "0"}, "--batch_size_target must be at least 1"),
     ({"batch_size_target": "8", "batch_size_limit": "4"}, "batch_size_limit (4) is smaller than batch_size_target"),
     ({"batch_size_limit": "0"}, "--batch_size_limit must be at least 1"),
@@ -62,6 +63,13 @@ def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrid
     with pytest.raises(ConfigError) as excinfo:
         config(**overrides)
     assert message in str(excinfo.value)
+
+
+def test_bigquery_tables_alone_are_enough_outputs():
+    cfg = PipelineConfig.from_mapping({"input_subscription": BASE["input_subscription"],
+                                       "output_completions_table": "my-project:llm.completions",
+                                       "dead_letter_table": "my-project.llm.dead_letters"})
+    assert cfg.output_chunks_topic is None and cfg.bigquery_create_tables is True
 
 
 def test_length_bucketing_defaults_to_powers_of_two_below_the_context():
