@@ -75,6 +75,10 @@ model: install ## Convert the embedded SmolLM2-135M-Instruct to a vLLM checkpoin
 smoke: model ## Run the template locally: emulator + local vLLM + DirectRunner, chunks stream to the terminal
 	$(PY) -m local.smoke
 
+.PHONY: smoke-bigquery
+smoke-bigquery: model ## Like smoke, also writing to a local BigQuery emulator, then querying the completions
+	$(PY) -m local.smoke --bigquery
+
 .PHONY: test
 test: model ## Run the whole test suite (starts the emulator and vLLM itself)
 	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)

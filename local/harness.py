@@ -71,6 +71,13 @@ class OutputCollector:
 
         return receive
 
+    def clear(self) -> None:
+        """Forgets what has been received so far (after a warm-up, say)."""
+        with self._lock:
+            self.chunks.clear()
+            self.completions.clear()
+            self.dead_letters.clear()
+
     def finished_ids(self) -> set[str]:
         with self._lock:
             return {r.data["id"] for r in self.completions} | {r.data.get("id") for r in self.dead_letters}

@@ -5,7 +5,11 @@ embedded SmolLM2 model served by a real vLLM (CPU build) that the pipeline's
 model manager starts, publishes a handful of mixed prompts, prints chunks live
 as they stream back, then a per-request summary. Stops everything it started.
 
-    python -m local.smoke [--server-url URL] [--timeout-s 900]
+    python -m local.smoke [--server-url URL] [--bigquery] [--timeout-s 900]
+
+With ``--bigquery`` the completions, chunks and dead letters also go to tables
+in a local BigQuery emulator, and a query over the completions table is
+printed at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+import contextlib
+import os
+
+from local.emulators import BigQueryEmulator
 from local.harness import REPO_ROOT, LocalRun, Received
 from pipeline.local_model import cache_root, ensure_local_checkpoint
 
@@ -25,10 +33,11 @@ PROMPTS = [
     {"id": "capital", "prompt": "What is the capital of France?", "temperature": 0, "max_tokens": 24},
     {"id": "haiku", "prompt": "Write a haiku about the sea.", "max_tokens": 40, "temperature": 0.7},
     {"id": "essay", "prompt": "Write a detailed essay about the history of the printing press, "
-                              "its inventors and its effect on science and religion.", "max_tokens": 220},
+                              "its inventors and its effect on science and religion.", "max_tokens": 220,
+     "temperature": 0.3},
     {"id": "chat", "messages": [{"role": "system", "content": "You answer in one sentence."},
                                 {"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 60},
-    {"id": "recipe", "prompt": "Give me a step-by-step recipe for pancakes.", "max_tokens": 160},
+    {"id": "recipe", "prompt": "Give me a step-by-step recipe for pancakes.", "max_tokens": 160, "temperature": 0.3},
     {"id": "count", "prompt": "Count from one to ten in words.", "max_tokens": 40, "stop": ["ten"]},
     "Name three planets of the solar system.",  # plain text: the id comes from the message
     '{"prompt": "broken JSON',  # malformed on purpose: ends in the dead letters
@@ -73,8 +82,40 @@ def summary(run_collector, started: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server-url", help="use this OpenAI-compatible server instead of starting vLLM")
+    parser.add_argument("--bigquery", action="store_true", help="also write to tables in a local BigQuery emulator")
     parser.add_argument("--timeout-s", type=float, default=900, help="give up after this long")
     args = parser.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        tables: list[str] = []
+        if args.bigquery:
+            print("==> Starting the BigQuery emulator (dataset llm)", flush=True)
+            bigquery = stack.enter_context(BigQueryEmulator())
+            bigquery.activate()  # the pipeline subprocess inherits the emulator's address
+            from pipeline.bigquery_sink import bigquery_client
+            bigquery_client(bigquery.project).create_dataset("llm")
+            tables = [f"--output_completions_table={bigquery.project}:llm.completions",
+                      f"--output_chunks_table={bigquery.project}:llm.chunks",
+                      f"--dead_letter_table={bigquery.project}:llm.dead_letters"]
+        code = smoke(args, tables)
+        if code == 0 and args.bigquery:
+            print("==> BigQuery: SELECT request_id, finish_reason, completion_tokens, time_to_first_token_ms "
+                  "FROM llm.completions ORDER BY finished_at\n" + completions_query(), flush=True)
+        return code
+
+
+def completions_query() -> str:
+    from pipeline.bigquery_sink import bigquery_client
+
+    client = bigquery_client(os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"))
+    rows = client.query("SELECT request_id, finish_reason, completion_tokens, time_to_first_token_ms "
+                        "FROM `local-project.llm.completions` ORDER BY finished_at").result()
+    lines = [f"{'request_id':>12} {'finish':>7} {'tokens':>7} {'first token ms':>15}"]
+    lines += [f"{r.request_id:>12} {r.finish_reason:>7} {r.completion_tokens:>7} {r.time_to_first_token_ms:>15.0f}"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def smoke(args: argparse.Namespace, tables: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     print("==> Preparing the local model (converted once, cached in", cache_root(), ")", flush=True)
@@ -83,26 +124,32 @@ def main(argv: list[str] | None = None) -> int:
         f"--model={checkpoint}", "--served_model_name=smollm2", "--dtype=bfloat16",
         "--vllm_args=--enforce-eager", "--max_in_flight=32"]
     log_path = REPO_ROOT / ".cache" / "smoke" / "pipeline.log"
-    run = LocalRun([*engine_args, "--num_shards=4", "--chunk_tokens=6", "--chunk_interval_ms=150"],
+    run = LocalRun([*engine_args, "--num_shards=4", "--chunk_tokens=6", "--chunk_interval_ms=150", *tables],
                    log_path=log_path)
     print("==> Starting the Pub/Sub emulator and the pipeline (DirectRunner, streaming)", flush=True)
     started = time.time()
     run.start()
     collector = run.collector(LivePrinter())
     try:
-        print("==> Publishing", len(PROMPTS), "prompts; the model server starts on first use "
-              "(about a minute on CPU, longer the first time)", flush=True)
+        print("==> Warming up: the model server starts on first use (about a minute on CPU, a few minutes "
+              "the very first time while it compiles)", flush=True)
+        run.publish([{"id": "warm-up", "prompt": "Hi", "max_tokens": 1}])
+
+        def progress(done: int, total: int) -> None:
+            print(f"  ... waiting ({time.time() - started:.0f} s); pipeline log: {log_path}", flush=True)
+            if not run.pipeline_alive():
+                raise RuntimeError("the pipeline exited early; last log lines:\n" + run.log_tail())
+
+        if collector.wait_for(["warm-up"], args.timeout_s, progress):
+            raise RuntimeError("the model server did not answer; last log lines:\n" + run.log_tail())
+        print(f"==> Model server ready after {time.time() - started:.0f} s. Publishing {len(PROMPTS)} prompts; "
+              "chunks stream in as they are generated:", flush=True)
+        collector.clear()
+        started = time.time()
         run.publish(PROMPTS[:-2])
         run.publish(PROMPTS[-2:-1], attributes={"id": "planets"})
         run.publish(PROMPTS[-1:], attributes={"id": "broken"})
         expected = [p["id"] for p in PROMPTS if isinstance(p, dict)] + ["planets", "broken"]
-
-        def progress(done: int, total: int) -> None:
-            print(f"  ... {done}/{total} requests finished after {time.time() - started:.0f} s; "
-                  f"pipeline log: {log_path}", flush=True)
-            if not run.pipeline_alive():
-                raise RuntimeError("the pipeline exited early; last log lines:\n" + run.log_tail())
-
         missing = collector.wait_for(expected, args.timeout_s, progress)
         time.sleep(1.0)  # let the last chunks of finished requests arrive
         print("==> Summary\n" + summary(collector, started), flush=True)

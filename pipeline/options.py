@@ -438,10 +438,15 @@ def parameters_markdown() -> str:
     return "\n".join(rows)
 
 
+def readme_with_section(readme: str, begin: str, end: str, content: str) -> str:
+    """``readme`` with ``content`` between the ``begin`` and ``end`` markers."""
+    start, stop = readme.index(begin) + len(begin), readme.index(end)
+    return readme[:start] + "\n" + content + "\n" + readme[stop:]
+
+
 def readme_with_parameters(readme: str) -> str:
-    """``readme`` with the generated table between its markers."""
-    start, end = readme.index(README_BEGIN) + len(README_BEGIN), readme.index(README_END)
-    return readme[:start] + "\n" + parameters_markdown() + "\n" + readme[end:]
+    """``readme`` with the generated parameter table between its markers."""
+    return readme_with_section(readme, README_BEGIN, README_END, parameters_markdown())
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -455,8 +460,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.readme:
         with open(args.readme, encoding="utf-8") as handle:
             text = handle.read()
+        from pipeline.bigquery_sink import readme_with_schemas
+
         with open(args.readme, "w", encoding="utf-8") as handle:
-            handle.write(readme_with_parameters(text))
+            handle.write(readme_with_schemas(readme_with_parameters(text)))
 
 
 if __name__ == "__main__":

@@ -119,3 +119,10 @@ def test_rows_bigquery_rejects_become_dead_letters_with_its_reason(bigquery):
     assert [letter["id"] for letter in letters] == ["huge"]
     assert "exceeds the maximum insert payload size" in letters[0]["reason"]
     assert [row["request_id"] for row in rows(spec)] == ["r1"]
+
+
+def test_readme_schemas_are_generated_from_the_code():
+    from pathlib import Path
+    from pipeline.bigquery_sink import readme_with_schemas
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert readme_with_schemas(readme) == readme, "README schemas are stale: run `make metadata`"
