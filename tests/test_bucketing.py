@@ -11,7 +11,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
-from apache_beam.testing.test_stream import TestStream
+from apache_beam.testing.test_stream import TestStream as EventStream  # not a test class
 from apache_beam.transforms import window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,7 +36,7 @@ def request(request_id: str, tokens: int = 10) -> InferenceRequest:
     return InferenceRequest(id=request_id, prompt="x" * tokens, prompt_tokens=tokens)
 
 
-def run_batching(stream: TestStream, config: BatchingConfig, *, windowed: float | None = None):
+def run_batching(stream: EventStream, config: BatchingConfig, *, windowed: float | None = None):
     """Runs BatchRequests over ``stream``.
 
     Returns the batches in emission order (as (id, tokens) lists) and the flush
@@ -68,7 +68,7 @@ def ids(batches):
 
 def test_a_bucket_is_emitted_when_it_reaches_the_target_size():
     config = BatchingConfig(max_batch_delay_ms=60_000, batch_size_target=3, num_shards=1)
-    stream = TestStream().add_elements([request(f"r{i}") for i in range(7)]).advance_watermark_to_infinity()
+    stream = EventStream().add_elements([request(f"r{i}") for i in range(7)]).advance_watermark_to_infinity()
     batches, flushes = run_batching(stream, config)
     assert [len(b) for b in batches] == [3, 3, 1]  # the remainder leaves when the watermark passes
     assert flushes[FLUSH_SIZE] == 2
@@ -76,7 +76,7 @@ def test_a_bucket_is_emitted_when_it_reaches_the_target_size():
 
 def test_the_delay_timer_emits_a_bucket_that_did_not_fill():
     config = BatchingConfig(max_batch_delay_ms=50, batch_size_target=10, num_shards=1)
-    stream = (TestStream()
+    stream = (EventStream()
               .add_elements([request("a"), request("b")])
               .advance_processing_time(0.1)  # past the 50 ms delay
               .add_elements([request("c")])
@@ -90,7 +90,7 @@ def test_the_delay_timer_emits_a_bucket_that_did_not_fill():
 
 def test_the_watermark_flushes_each_window_when_it_closes():
     config = BatchingConfig(max_batch_delay_ms=3_600_000, batch_size_target=3, num_shards=1)
-    stream = (TestStream()
+    stream = (EventStream()
               .add_elements([window.TimestampedValue(request("w0-a"), 1),
                              window.TimestampedValue(request("w0-b"), 2),
                              window.TimestampedValue(request("w1-a"), 12)])
@@ -105,7 +105,7 @@ def test_the_watermark_flushes_each_window_when_it_closes():
 
 def test_a_bucket_is_emitted_when_its_prompts_reach_the_token_budget():
     config = BatchingConfig(max_batch_delay_ms=60_000, batch_size_target=10, token_budget=100, num_shards=1)
-    stream = (TestStream().add_elements([request("a", 40), request("b", 40), request("c", 40), request("d", 40)])
+    stream = (EventStream().add_elements([request("a", 40), request("b", 40), request("c", 40), request("d", 40)])
               .advance_watermark_to_infinity())
     batches, flushes = run_batching(stream, config)
     assert ids(batches) == [["a", "b", "c"], ["d"]]
@@ -115,7 +115,7 @@ def test_a_bucket_is_emitted_when_its_prompts_reach_the_token_budget():
 def test_length_buckets_keep_short_and_long_prompts_apart():
     config = BatchingConfig(max_batch_delay_ms=60_000, batch_size_target=2, boundaries=(16, 64), num_shards=1)
     lengths = [10, 500, 12, 50, 600, 40]
-    stream = (TestStream().add_elements([request(f"r{n}", n) for n in lengths]).advance_watermark_to_infinity())
+    stream = (EventStream().add_elements([request(f"r{n}", n) for n in lengths]).advance_watermark_to_infinity())
     batches, _ = run_batching(stream, config)
     assert ids(batches) == [["r10", "r12"], ["r40", "r50"], ["r500", "r600"]]
     bucketed_padding = sum(padding([t for _, t in b])[0] for b in batches)
@@ -135,7 +135,7 @@ def test_the_real_dofn_emits_every_request_exactly_once_within_the_limit(target,
                                                                          boundaries, arrivals):
     config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target,
                             batch_size_limit=target + extra_limit, boundaries=boundaries, num_shards=2)
-    stream = TestStream()
+    stream = EventStream()
     for index, (tokens, gap_s) in enumerate(arrivals):
         stream = stream.add_elements([request(f"r{index}", tokens)])
         if gap_s:

@@ -70,7 +70,7 @@ def test_entrypoint_is_beams_boot_and_the_launcher_is_present():
 
 
 def make_dry_run(target: str, **variables: str) -> str:
-    result = subprocess.run(["make", "-n", target, *(f"{k}={v}" for k, v in variables.items())], cwd=REPO,
+    result = subprocess.run(["make", "--no-print-directory", "-n", target, *(f"{k}={v}" for k, v in variables.items())], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -107,13 +107,13 @@ def test_make_template_and_image_use_the_metadata_and_dockerfile():
 
 
 def test_deploy_targets_say_which_setting_is_missing():
-    result = subprocess.run(["make", "run", "PROJECT="], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(["make", "--no-print-directory", "run", "PROJECT="], cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0 and "Set PROJECT" in result.stdout
 
 
 @pytest.mark.parametrize("target", ["help"])
 def test_make_help_lists_every_target(target):
-    output = subprocess.run(["make", target], cwd=REPO, capture_output=True, text=True).stdout
+    output = subprocess.run(["make", "--no-print-directory", target], cwd=REPO, capture_output=True, text=True).stdout
     declared = re.findall(r"^([a-z][a-z-]+):.*## ", (REPO / "Makefile").read_text(), re.MULTILINE)
     phony = re.findall(r"^\.PHONY: (\S+)", (REPO / "Makefile").read_text(), re.MULTILINE)
     internal = {"check-deploy-settings"}
