@@ -91,6 +91,10 @@ test-fast: install ## Run only the tests that need no model server
 bench-bucketing: install ## Benchmark padding and batch waits, arrival order vs length buckets (prints figures)
 	$(PY) -m benchmarks.bucketing
 
+.PHONY: bench-serving
+bench-serving: model ## Benchmark first token, latency and throughput: raw vLLM vs this template vs Beam's vLLM handler
+	$(PY) -m benchmarks.serving
+
 .PHONY: metadata
 metadata: install ## Regenerate metadata.json and the README parameter table from pipeline/options.py
 	$(PY) -m pipeline.options metadata.json --readme README.md

@@ -13,7 +13,8 @@ with the same seeded prompts, side by side in one run:
 
 All three use the completions API, ``temperature=0`` and one ``max_tokens``
 (Beam's handler takes one ``inference_args`` for every element). Printed: time
-to first token (first chunk; for Beam's handler, its whole answer) and
+to first token (first chunk with text; for Beam's handler, its whole answer;
+for an empty answer, its end) and
 completion latency as p50/p90 from the moment each prompt was sent, output
 tokens per second, and ratios. Figures only; nothing is asserted.
 
@@ -138,6 +139,16 @@ def our_pipeline(emulator: PubSubEmulator, base_url: str, prompts: list[dict], m
         for key in done:
             first.setdefault(key, done[key])
         tokens = {c.data["id"]: c.data["usage"]["completion_tokens"] for c in collector.completions}
+        # Only requests that produced text have a first token (over the completions API some short
+        # questions get an empty answer).
+        records = {c.data["id"]: c.data for c in collector.completions if c.data["time_to_first_token_ms"]}
+        intake = [records[k]["received_at"] - sent[k] for k in records]
+        engine = [records[k]["time_to_first_token_ms"] / 1000 for k in records]
+        delivery = [first[k] - records[k]["received_at"] - records[k]["time_to_first_token_ms"] / 1000
+                    for k in records]
+        print(f"  this template, first token p50 split: publish to pipeline intake {statistics.median(intake):.2f} s, "
+              f"intake to first token {statistics.median(engine):.2f} s, "
+              f"first token to the subscriber {statistics.median(delivery):.2f} s", flush=True)
         return summary("this template (DirectRunner)", first, done, tokens, sent, short_ids(prompts))
     finally:
         collector.stop()
