@@ -91,6 +91,10 @@ test-fast: install ## Run only the tests that need no model server
 bench-bucketing: install ## Benchmark padding and batch waits, arrival order vs length buckets (prints figures)
 	$(PY) -m benchmarks.bucketing
 
+.PHONY: bench-priority
+bench-priority: model ## Measure vLLM priority scheduling (shorter prompts first) against FCFS on a saturated server
+	$(PY) -m benchmarks.priority
+
 .PHONY: bench-serving
 bench-serving: model ## Benchmark first token, latency and throughput: raw vLLM vs this template vs Beam's vLLM handler
 	$(PY) -m benchmarks.serving

@@ -39,12 +39,15 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     policy = ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms))
     common = dict(served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
-                  chunk_policy=policy)
+                  chunk_policy=policy, priority_boundaries=config.priority_boundaries)
     if config.server_url:
         return EngineSettings(server=None, server_url=config.server_url, **common)
+    extra_args = tuple(config.extra_vllm_args)
+    if config.priority_boundaries is not None and "--scheduling-policy" not in extra_args:
+        extra_args += ("--scheduling-policy", "priority")
     spec = ServerSpec(
         model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
-        gpu_memory_utilization=config.gpu_memory_utilization, extra_args=tuple(config.extra_vllm_args),
+        gpu_memory_utilization=config.gpu_memory_utilization, extra_args=extra_args,
         served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s))
     return EngineSettings(server=spec, **common)
 

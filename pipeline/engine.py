@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import json
 import logging
 import threading
@@ -52,6 +53,9 @@ class EngineSettings:
     chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     # A stream that sends nothing for this long is treated as broken and retried.
     stall_timeout_s: float = 120.0
+    # With these length-bucket bounds, each request carries its bucket as vLLM priority
+    # (the server must run --scheduling-policy priority); None sends no priority.
+    priority_boundaries: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
@@ -251,6 +255,8 @@ class StreamingEngine:
                 payload[name] = getattr(request, name)
         if request.stop:
             payload["stop"] = list(request.stop)
+        if self.settings.priority_boundaries is not None and request.prompt_tokens is not None:
+            payload["priority"] = bisect.bisect_left(self.settings.priority_boundaries, request.prompt_tokens)
         if request.messages is not None or self.settings.prompt_format == "chat":
             payload["messages"] = list(request.messages or [{"role": "user", "content": request.prompt}])
             return "/v1/chat/completions", payload

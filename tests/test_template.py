@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,29 @@ def test_launcher_strings_build_the_whole_pipeline():
 def test_gpu_settings_travel_to_the_workers_whatever_the_launcher_has():
     # The launcher VM has no GPU; the worker decides at spawn time what its platform accepts.
     spec = engine_settings(PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))).server
-    assert spec.gpu_memory_utilization == 0.85 and spec.extra_args == ("--max-num-seqs", "64")
+    assert spec.gpu_memory_utilization == 0.85 and spec.extra_args[:2] == ("--max-num-seqs", "64")
+    assert spec.extra_args[-2:] == ("--scheduling-policy", "priority")  # shorter prompts first
     gpu_command = spec.command("/models/m", 8000, on_cpu=False)
     assert gpu_command[gpu_command.index("--gpu-memory-utilization") + 1] == "0.85"
     assert "--gpu-memory-utilization" not in ServerSpec(model="m").command("m", 8000, on_cpu=True)
+
+
+def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_server():
+    from pipeline.engine import StreamingEngine
+    from pipeline.messages import InferenceRequest
+
+    config = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))
+    settings = engine_settings(config)
+    assert settings.priority_boundaries == config.batching().boundaries
+    # An engine for an unreachable address: only its request payloads are looked at.
+    engine = StreamingEngine(dataclasses.replace(settings, server=None, server_url="http://127.0.0.1:9",
+                                                 served_model_name="m"))
+    try:
+        _, short = engine._payload(InferenceRequest(id="a", prompt="hi", prompt_tokens=20))
+        _, long = engine._payload(InferenceRequest(id="b", prompt="hi", prompt_tokens=700))
+        _, unmeasured = engine._payload(InferenceRequest(id="c", prompt="hi"))
+    finally:
+        engine.close()
+    assert short["priority"] < long["priority"] and "priority" not in unmeasured
+    external = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS + ["--server_url=http://vllm:8000"]))
+    assert engine_settings(external).priority_boundaries is None
