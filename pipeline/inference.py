@@ -50,9 +50,14 @@ _ACQUIRED: dict[str, StreamingEngine] = {}
 _ACQUIRE_LOCK = threading.Lock()
 
 
-def acquire_engine(settings: EngineSettings, tag: str) -> StreamingEngine:
-    """The worker-wide engine: the first process to ask builds it, the others proxy to it."""
+def acquire_engine(settings: EngineSettings, tag: str, *, fresh: bool = False) -> StreamingEngine:
+    """The worker-wide engine: the first process to ask builds it, the others proxy to it.
+
+    ``fresh`` drops this process's cached handle first (its hosting process died).
+    """
     with _ACQUIRE_LOCK:
+        if fresh:
+            _ACQUIRED.pop(tag, None)
         if tag not in _ACQUIRED:
             shared = MultiProcessShared(lambda: StreamingEngine(settings), tag=tag)
             _ACQUIRED[tag] = shared.acquire()
@@ -122,7 +127,14 @@ class _StreamingGenerateFn(beam.DoFn):
         entries = [json.loads(e) for e in inflight.read()]
         if not entries:
             return 0  # timers can fire twice for one setting
-        ready = self._engine.poll([e["key"] for e in entries])
+        keys = [e["key"] for e in entries]
+        try:
+            ready = self._engine.poll(keys)
+        except (ConnectionError, EOFError) as exc:
+            # The SDK process hosting the shared engine died: its streams are gone with it.
+            LOGGER.warning("The worker's engine is unreachable (%s); reconnecting and resending", exc)
+            self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
+            ready = {key: [(UNKNOWN, "")] for key in keys}
         remaining = []
         for entry in entries:
             done = False
