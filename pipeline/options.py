@@ -305,10 +305,8 @@ class PipelineConfig:
         fields: dict[str, Any] = {}
         for param in PARAMETERS:
             raw = values.get(param.name)
-            if raw is None or raw == "" and param.param_type != "TEXT":
-                raw = param.default
-            if raw is None or raw == "":
-                fields[param.name] = None if param.default is None else param.default
+            if raw is None or raw == "":  # unset: the default, already typed (and tested against its regex)
+                fields[param.name] = param.default
                 if param.required:
                     problems.append(f"--{param.name} is required ({param.label}), e.g. --{param.name}={param.example}")
                 continue
