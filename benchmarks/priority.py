@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from pipeline.bucketing import default_boundaries
+from pipeline.bucketing import bucket_index, default_boundaries
 from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
 from pipeline.prompt_length import estimate_tokens
@@ -51,7 +51,7 @@ async def run(base_url: str, items: list[dict], by_length: bool) -> dict[str, fl
     async def one(session: aiohttp.ClientSession, item: dict) -> None:
         priority = 0
         if by_length:  # the length bucket, as the template's buckets would order them
-            priority = sum(1 for bound in boundaries if estimate_tokens(item["prompt"]) > bound)
+            priority = bucket_index(boundaries, estimate_tokens(item["prompt"]))
         payload = {"model": "smollm2", "messages": [{"role": "user", "content": item["prompt"]}],
                    "max_tokens": 24, "temperature": 0, "stream": True, "priority": priority}
         started = time.time()

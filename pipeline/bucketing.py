@@ -74,8 +74,12 @@ class BatchingConfig:
         return self.batch_size_limit or self.batch_size_target
 
     def bucket_of(self, prompt_tokens: int) -> int:
-        """Bucket i holds lengths in (boundaries[i-1], boundaries[i]]; the last is open."""
-        return bisect.bisect_left(self.boundaries, prompt_tokens)
+        return bucket_index(self.boundaries, prompt_tokens)
+
+
+def bucket_index(boundaries: tuple[int, ...], prompt_tokens: int) -> int:
+    """Bucket i holds lengths in (boundaries[i-1], boundaries[i]]; the last is open."""
+    return bisect.bisect_left(boundaries, prompt_tokens)
 
 
 def parse_boundaries(text: str) -> tuple[int, ...]:

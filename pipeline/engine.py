@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import bisect
 import json
 import logging
 import threading
@@ -26,6 +25,7 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
+from pipeline.bucketing import bucket_index
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.messages import STAGE_INFERENCE, Completion, DeadLetter, InferenceRequest
 from pipeline.model_manager import ServerSpec, VLLMServer
@@ -256,7 +256,7 @@ class StreamingEngine:
         if request.stop:
             payload["stop"] = list(request.stop)
         if self.settings.priority_boundaries is not None and request.prompt_tokens is not None:
-            payload["priority"] = bisect.bisect_left(self.settings.priority_boundaries, request.prompt_tokens)
+            payload["priority"] = bucket_index(self.settings.priority_boundaries, request.prompt_tokens)
         if request.messages is not None or self.settings.prompt_format == "chat":
             payload["messages"] = list(request.messages or [{"role": "user", "content": request.prompt}])
             return "/v1/chat/completions", payload
