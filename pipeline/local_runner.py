@@ -1,4 +1,4 @@
-"""Local-only fixes for how the Python DirectRunner reads Pub/Sub.
+"""Local-only fixes for how the Python DirectRunner reads Pub/Sub and runs stateful DoFns.
 
 1. It reads with a blocking ``pull(timeout=30)`` on the thread that also fires
    timers, so while input is idle our millisecond batch timers and chunk polls
@@ -14,8 +14,8 @@
    depends only on the DoFn's class, so it is cached per class.
 
 All three touch private DirectRunner internals, so they are applied only when the
-pipeline runs on the DirectRunner, never on Dataflow, whose scheduling has
-neither problem.
+pipeline runs on the DirectRunner, never on Dataflow, which has none of these
+problems.
 """
 
 from __future__ import annotations
@@ -44,13 +44,12 @@ class _PrefetchingPullClient:
         self._max_prefetched = max_prefetched
         self._queue: queue.Queue[Any] = queue.Queue()
         self._subscription: str | None = None
-        self._stopped = threading.Event()
         self._lock = threading.Lock()
 
     def _prefetch(self) -> None:
         from google.api_core import exceptions
 
-        while not self._stopped.is_set():
+        while True:  # a daemon thread: it ends with the process
             if self._queue.qsize() >= self._max_prefetched:
                 time.sleep(0.01)
                 continue
@@ -60,9 +59,8 @@ class _PrefetchingPullClient:
             except (exceptions.DeadlineExceeded, exceptions.ServiceUnavailable):
                 continue
             except Exception:  # the client was closed at shutdown, or the emulator went away
-                if self._stopped.wait(0.5):
-                    return
                 LOGGER.debug("prefetching pull failed", exc_info=True)
+                time.sleep(0.5)
                 continue
             for received in response.received_messages:
                 self._queue.put(received)
@@ -83,10 +81,6 @@ class _PrefetchingPullClient:
         if not received:
             time.sleep(0.002)  # an idle source must not spin the executor thread
         return types.PullResponse(received_messages=received)
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._client.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)

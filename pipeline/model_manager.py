@@ -46,7 +46,6 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     served_model_name: str | None = None
     start_timeout_s: float = 1800.0
-    env: tuple[tuple[str, str], ...] = ()
     # The watchdog restarts a server whose /health fails for this long.
     stall_timeout_s: float = 60.0
     health_interval_s: float = 2.0
@@ -228,7 +227,7 @@ class VLLMServer:
 
     def _spawn(self) -> None:
         on_cpu = running_on_cpu()
-        env = {**platform_env(on_cpu), **os.environ, **dict(self.spec.env)}
+        env = {**platform_env(on_cpu), **os.environ}
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
