@@ -32,7 +32,6 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 import apache_beam as beam

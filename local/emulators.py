@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -25,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.model_manager import free_port
+from pipeline.model_manager import free_port, terminate_process_group
 
 LOGGER = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -96,19 +95,7 @@ class Emulator:
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    process.wait(timeout=10)
-                    time.sleep(0.3)
-                    os.killpg(process.pid, 0)  # a child (Java) may outlive the leader
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            terminate_process_group(process, 10)  # the gcloud wrapper's Java child too
         if self._workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -15,15 +15,13 @@ printed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
-
-import contextlib
-import os
 
 from local.emulators import BigQueryEmulator
 from local.harness import REPO_ROOT, LocalRun, Received

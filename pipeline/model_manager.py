@@ -182,7 +182,7 @@ class VLLMServer:
         with self._lock:
             process, self._process = self._process, None
         if process is not None:
-            _terminate_group(process, timeout_s)
+            terminate_process_group(process, timeout_s)
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=5)
 
@@ -234,7 +234,7 @@ class VLLMServer:
                                    stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         with self._lock:
             if self._stopping.is_set():
-                _terminate_group(process, 5)
+                terminate_process_group(process, 5)
                 raise ServerStartError("stopped while starting")
             self._process = process
         self.stats.starts += 1
@@ -293,23 +293,29 @@ class VLLMServer:
             process, self._process = self._process, None
         self._healthy.clear()
         if process is not None:
-            _terminate_group(process, 20)
+            terminate_process_group(process, 20)
 
 
-def _terminate_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """SIGTERM the process group (vLLM's engine runs in a child), SIGKILL what is left."""
+def terminate_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM a process's group (vLLM's engine runs in a child), SIGKILL whatever is left after ``timeout_s``."""
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
-            break
+            return  # the whole group is gone
+        deadline = time.monotonic() + wait_s
         try:
             process.wait(timeout=wait_s)
-            # The leader is gone; children that linger in the group are signalled next round.
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                break
         except subprocess.TimeoutExpired:
             continue
+        # The leader is gone; the rest of its group gets the remaining time to follow.
+        while _group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
