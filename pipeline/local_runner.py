@@ -12,8 +12,15 @@
 3. It re-inspects every stateful DoFn's method signatures for each bundle
    (measured: 40 % of its only thread while chunks stream). The inspection
    depends only on the DoFn's class, so it is cached per class.
+4. Each Pub/Sub read leaves a new, empty "unprocessed" bundle in the read's
+   set of pending bundles, and nothing ever removes it; every watermark
+   refresh walks that set. Read every 20 ms, the set grew by 50 a second
+   until, after about ten minutes, the refreshes took the whole thread and
+   timers stopped firing (seen: a pipeline at 80 % CPU serving nothing). An
+   empty bundle holds no element, so it cannot hold a watermark back: empty
+   bundles are no longer added.
 
-All three touch private DirectRunner internals, so they are applied only when the
+All four touch private DirectRunner internals, so they are applied only when the
 pipeline runs on the DirectRunner, never on Dataflow, which has none of these
 problems.
 """
@@ -90,11 +97,11 @@ _applied = False
 
 
 def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0.02) -> None:
-    """Applies the three DirectRunner fixes (idempotent)."""
+    """Applies the four DirectRunner fixes (idempotent)."""
     global _applied
     if _applied:
         return
-    from apache_beam.runners.direct import executor, transform_evaluator
+    from apache_beam.runners.direct import executor, transform_evaluator, watermark_manager
     from apache_beam.transforms import userstate
 
     evaluator = transform_evaluator._PubSubReadEvaluator
@@ -142,6 +149,15 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
 
     userstate.get_dofn_specs = dofn_specs_by_class
     transform_evaluator.get_dofn_specs = dofn_specs_by_class
+
+    watermarks = watermark_manager._TransformWatermarks
+    original_add_pending = watermarks.add_pending
+
+    def add_pending_with_elements(self, pending):
+        if pending.has_elements():
+            original_add_pending(self, pending)
+
+    watermarks.add_pending = add_pending_with_elements
     _applied = True
     LOGGER.info("DirectRunner Pub/Sub read prefetched in the background and scheduled every %.0f ms "
                 "(local runs only)", read_interval_s * 1000)
