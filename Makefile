@@ -22,6 +22,11 @@ IMAGE ?= $(REGION)-docker.pkg.dev/$(PROJECT)/dataflow/streaming-llm:$(TAG)
 TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm.json
 JOB_NAME ?= streaming-llm-$(shell date +%Y%m%d-%H%M%S)
 MACHINE_TYPE ?= g2-standard-8
+# Worker boot disk: the image unpacks to ~20 GB while it is pulled, the weights come on top
+# (2 bytes a parameter, up to twice: hub cache and working copy) plus compile caches. See the README.
+DISK_SIZE_GB ?= 200
+LAUNCHER_MACHINE_TYPE ?= e2-standard-4
+METADATA ?= metadata.json
 GPU_TYPE ?= nvidia-l4
 GPU_COUNT ?= 1
 MAX_WORKERS ?= 4
@@ -101,9 +106,17 @@ bench-priority: model ## Measure vLLM priority scheduling (shorter prompts first
 bench-serving: model ## Benchmark first token, latency and throughput: raw vLLM vs this template vs Beam's vLLM handler
 	$(PY) -m benchmarks.serving
 
+.PHONY: bench-reliability
+bench-reliability: model ## Probe hostile input, duplicates, a server kill -9 and a backlog; REPO=DIR probes another checkout
+	$(PY) -m benchmarks.reliability $(if $(REPO),--repo $(REPO))
+
 .PHONY: metadata
 metadata: install ## Regenerate metadata.json and the README tables (parameters, BigQuery schemas) from the code
-	$(PY) -m pipeline.options metadata.json --readme README.md
+	$(PY) -m pipeline.template_docs metadata.json --readme README.md
+
+.PHONY: check-metadata
+check-metadata: install ## Fail if metadata.json or the README tables are stale against the code (the tests' parity check)
+	$(PY) -m pipeline.template_docs $(METADATA) --readme README.md --check
 
 .PHONY: lint-container
 lint-container: install ## Lint container/Dockerfile with hadolint
@@ -123,16 +136,16 @@ else
 endif
 
 .PHONY: template
-template: check-deploy-settings ## Build the Flex Template spec in GCS from the image and metadata.json
-	gcloud dataflow flex-template build $(TEMPLATE_PATH) --project $(PROJECT) --image $(IMAGE) --sdk-language PYTHON --metadata-file metadata.json
+template: check-deploy-settings check-metadata ## Build the Flex Template spec in GCS from the image and metadata.json (refuses a stale metadata.json)
+	gcloud dataflow flex-template build $(TEMPLATE_PATH) --project $(PROJECT) --image $(IMAGE) --sdk-language PYTHON --metadata-file $(METADATA)
 
 .PHONY: run
 run: check-deploy-settings ## Launch the template on Dataflow with a GPU per worker (`make -n run` shows the command)
-	gcloud dataflow flex-template run $(JOB_NAME) --project $(PROJECT) --region $(REGION) --template-file-gcs-location $(TEMPLATE_PATH) --worker-machine-type $(MACHINE_TYPE) --max-workers $(MAX_WORKERS) --enable-streaming-engine --additional-experiments "$(GPU_EXPERIMENT)" --parameters "$(TEMPLATE_PARAMETERS)"
+	gcloud dataflow flex-template run $(JOB_NAME) --project $(PROJECT) --region $(REGION) --template-file-gcs-location $(TEMPLATE_PATH) --worker-machine-type $(MACHINE_TYPE) --launcher-machine-type $(LAUNCHER_MACHINE_TYPE) --max-workers $(MAX_WORKERS) --enable-streaming-engine --additional-experiments "$(GPU_EXPERIMENT)" --additional-pipeline-options disk_size_gb=$(DISK_SIZE_GB) --parameters "$(TEMPLATE_PARAMETERS)"
 
 .PHONY: run-dataflow
 run-dataflow: check-deploy-settings install ## Launch directly with the DataflowRunner from this checkout (development)
-	$(PY) -m template.main --runner=DataflowRunner --project=$(PROJECT) --region=$(REGION) --temp_location=gs://$(BUCKET)/tmp --job_name=$(JOB_NAME) --sdk_container_image=$(IMAGE) --machine_type=$(MACHINE_TYPE) --max_num_workers=$(MAX_WORKERS) --enable_streaming_engine --experiments=use_runner_v2 --dataflow_service_options="$(GPU_EXPERIMENT)" $(addprefix --,$(PARAMS))
+	$(PY) -m template.main --runner=DataflowRunner --project=$(PROJECT) --region=$(REGION) --temp_location=gs://$(BUCKET)/tmp --job_name=$(JOB_NAME) --sdk_container_image=$(IMAGE) --machine_type=$(MACHINE_TYPE) --disk_size_gb=$(DISK_SIZE_GB) --max_num_workers=$(MAX_WORKERS) --enable_streaming_engine --experiments=use_runner_v2 --dataflow_service_options="$(GPU_EXPERIMENT)" $(addprefix --,$(PARAMS))
 
 .PHONY: drain
 drain: check-deploy-settings ## Drain a running job: make drain JOB_ID=... (finishes in-flight requests, then stops)

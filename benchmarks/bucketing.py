@@ -73,7 +73,7 @@ def run_once(emulator: PubSubEmulator, config: BatchingConfig, lengths: list[int
     parsed = (pipeline | ReadFromPubSub(subscription=emulator.subscription(f"bench-{tag}-sub"), with_attributes=True)
               | ParseRequests())
     measured = parsed.requests | MeasurePromptLength(estimator=ESTIMATOR_CHARS)
-    measured.requests | BatchRequests(config) | beam.ParDo(_Record(str(out)))
+    (measured.requests | BatchRequests(config)).batches | beam.ParDo(_Record(str(out)))
     result = pipeline.run()
     from google.cloud import pubsub_v1
 

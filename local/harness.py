@@ -112,7 +112,10 @@ class OutputCollector:
 class LocalRun:
     """The emulator, the template's topics, and the pipeline as a subprocess."""
 
-    def __init__(self, pipeline_args: list[str], *, log_path: Path, emulator: PubSubEmulator | None = None) -> None:
+    def __init__(self, pipeline_args: list[str], *, log_path: Path, emulator: PubSubEmulator | None = None,
+                 repo_root: Path = REPO_ROOT) -> None:
+        """``repo_root`` is the checkout whose template runs (another one, to compare before and after)."""
+        self.repo_root = repo_root
         self.owns_emulator = emulator is None
         self.emulator = emulator or PubSubEmulator()
         self.extra_args = pipeline_args
@@ -143,7 +146,7 @@ class LocalRun:
         env = dict(os.environ, **self.emulator.env(), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+            self.process = subprocess.Popen(args, cwd=self.repo_root, env=env, stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT)
         LOGGER.info("Pipeline started (pid %d), log: %s", self.process.pid, self.log_path)
         return self

@@ -69,12 +69,15 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
         estimator=config.effective_length_estimator, model=config.effective_model, prompt_format=config.prompt_format,
         max_model_len=config.max_model_len)
     batches = measured.requests | "BatchRequests" >> BatchRequests(config.batching())
-    generated = batches | "StreamingGenerate" >> StreamingGenerate(engine_settings(config))
-    failures = [parsed.dead_letters, measured.dead_letters, generated.dead_letters]
+    generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
+        engine_settings(config), dedupe_window_s=float(config.dedupe_window_s))
+    failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
     if config.output_chunks_topic:
-        generated.chunks | "PublishChunks" >> PublishJson(config.output_chunks_topic, ordering_key=by_request_id)
+        failures.append(generated.chunks | "PublishChunks" >> PublishJson(
+            config.output_chunks_topic, ordering_key=by_request_id))
     if config.output_completions_topic:
-        generated.completions | "PublishCompletions" >> PublishJson(config.output_completions_topic)
+        failures.append(generated.completions | "PublishCompletions" >> PublishJson(
+            config.output_completions_topic))
     if config.output_completions_table:
         failures.append(generated.completions | "WriteCompletionsTable" >> WriteToBigQueryTable(
             config.output_completions_table, KIND_COMPLETIONS))
@@ -82,16 +85,20 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
         failures.append(generated.chunks | "WriteChunksTable" >> WriteToBigQueryTable(
             config.output_chunks_table, KIND_CHUNKS))
     dead_letters = failures | "AllDeadLetters" >> beam.Flatten()
+    lost = []
     if config.dead_letter_topic:
-        dead_letters | "PublishDeadLetters" >> PublishJson(config.dead_letter_topic)
+        lost.append(dead_letters | "PublishDeadLetters" >> PublishJson(config.dead_letter_topic))
     if config.dead_letter_table:
         rejected = dead_letters | "WriteDeadLetterTable" >> WriteToBigQueryTable(
             config.dead_letter_table, KIND_DEAD_LETTERS)
         if config.dead_letter_topic:
-            rejected | "PublishRejectedDeadLetters" >> PublishJson(config.dead_letter_topic)
+            lost.append(rejected | "PublishRejectedDeadLetters" >> PublishJson(config.dead_letter_topic))
         else:
-            rejected | "LogRejectedDeadLetters" >> beam.Map(
-                lambda letter: LOGGER.error("Dead letter lost, rejected by BigQuery: %s", letter))
+            lost.append(rejected)
+    # Dead letters are cut to fit every sink, so this is the last resort: say so loudly.
+    (lost | "LostDeadLetters" >> beam.Flatten() | "LogLostDeadLetters" >> beam.Map(
+        lambda letter: LOGGER.error("Dead letter for request %s could not be written anywhere: %s",
+                                    letter.get("id"), letter.get("reason"))))
     return PipelineOutputs(generated.chunks, generated.completions, dead_letters)
 
 

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Tuple
+from typing import Any, Callable, Iterator, NamedTuple, Tuple
 
 import apache_beam as beam
 from apache_beam.coders import StrUtf8Coder
@@ -28,7 +28,8 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline.messages import InferenceRequest
+from pipeline.element_guard import TAG_DEAD_LETTERS, guarded
+from pipeline.messages import STAGE_BATCH, InferenceRequest
 from pipeline.prompt_length import estimate_tokens
 
 LOGGER = logging.getLogger(__name__)
@@ -169,12 +170,17 @@ class _BatchFn(beam.DoFn):
                 buffer=beam.DoFn.StateParam(BUFFER),
                 counters=beam.DoFn.StateParam(COUNTERS),
                 flush=beam.DoFn.TimerParam(FLUSH),
-                window_end=beam.DoFn.TimerParam(WINDOW_END)) -> Iterator[tuple[int, list[InferenceRequest]]]:
+                window_end=beam.DoFn.TimerParam(WINDOW_END)) -> Iterator[Any]:
         key, request = element
+        try:
+            entry = json.dumps({"request": request.to_json(), "arrived_at": self._clock()})
+        except Exception:  # nothing is buffered for a request that cannot be: it ends here as a dead letter
+            yield from guarded(STAGE_BATCH, request, lambda: json.dumps(request.to_json()))
+            return
         now = self._clock()
         counters_before = BucketCounters.from_json(counters.read())
         after, reason, deadline = on_arrival(self._config, counters_before, request.prompt_tokens or 0, now)
-        buffer.add(json.dumps({"request": request.to_json(), "arrived_at": now}))
+        buffer.add(entry)
         if deadline is not None:
             flush.set(Timestamp(deadline))
             window_end.set(window.max_timestamp())
@@ -216,8 +222,28 @@ class _BatchFn(beam.DoFn):
             yield shard, requests
 
 
+class BatchOutputs(NamedTuple):
+    batches: beam.PCollection  # (shard, [InferenceRequest, ...])
+    dead_letters: beam.PCollection
+
+
+def _keyed(config: BatchingConfig, request: InferenceRequest) -> Iterator[tuple[str, InferenceRequest]]:
+    tokens = request.prompt_tokens
+    if tokens is None:
+        tokens = estimate_tokens(request.prompt_text())
+    yield f"{config.bucket_of(tokens)}:{shard_of(request.id, config.num_shards)}", request
+
+
+class _KeyFn(beam.DoFn):
+    def __init__(self, config: BatchingConfig) -> None:
+        self._config = config
+
+    def process(self, request: InferenceRequest) -> Iterator[Any]:
+        return guarded(STAGE_BATCH, request, lambda: _keyed(self._config, request))
+
+
 class BatchRequests(beam.PTransform):
-    """Requests in, ``(shard, [request, ...])`` batches out, per :class:`BatchingConfig`.
+    """Requests in; ``batches`` of ``(shard, [request, ...])`` and ``dead_letters`` out, per :class:`BatchingConfig`.
 
     Requests need ``prompt_tokens`` set when bucket boundaries or a token budget
     are used (see :class:`MeasurePromptLength`); otherwise a cheap estimate is used.
@@ -229,16 +255,10 @@ class BatchRequests(beam.PTransform):
         self._clock = clock
 
     def expand(self, requests):
-        config = self._config
-
-        def keyed(request: InferenceRequest) -> tuple[str, InferenceRequest]:
-            tokens = request.prompt_tokens
-            if tokens is None:
-                tokens = estimate_tokens(request.prompt_text())
-            bucket = config.bucket_of(tokens)
-            return f"{bucket}:{shard_of(request.id, config.num_shards)}", request
-
         # Typed keys give the stateful steps deterministic key coders.
-        return (requests
-                | "KeyByBucketAndShard" >> beam.Map(keyed).with_output_types(Tuple[str, Any])
-                | "Batch" >> beam.ParDo(_BatchFn(config, self._clock)).with_output_types(Tuple[int, Any]))
+        keyed = requests | "KeyByBucketAndShard" >> beam.ParDo(_KeyFn(self._config)).with_output_types(
+            Tuple[str, Any]).with_outputs(TAG_DEAD_LETTERS, main="keyed")
+        batched = keyed.keyed | "Batch" >> beam.ParDo(_BatchFn(self._config, self._clock)).with_output_types(
+            Tuple[int, Any]).with_outputs(TAG_DEAD_LETTERS, main="batches")
+        dead_letters = (keyed.dead_letters, batched.dead_letters) | "BatchDeadLetters" >> beam.Flatten()
+        return BatchOutputs(batched.batches, dead_letters)

@@ -7,6 +7,11 @@ returns at once; ``poll`` hands back whatever chunks, completions or dead
 letters have accumulated. vLLM's continuous batching sees every in-flight
 request, so a short request never waits for a long one.
 
+The engine holds at most ``max_in_flight`` unfinished streams: ``submit``
+refuses more (returns None) rather than queueing them, so a backlog waits in
+the pipeline's keyed state, bounded here, and a request's ``request_timeout_s``
+runs from when it is actually sent, not from when it joined a queue.
+
 Requests and outputs cross this boundary as JSON strings, which keeps the
 cross-process proxy calls cheap and version-tolerant.
 """
@@ -49,6 +54,7 @@ class EngineSettings:
     served_model_name: str | None = None
     prompt_format: str = "chat"
     max_in_flight: int = 64
+    # How long one request may take once sent, retries included (its own deadline_ms may be shorter).
     request_timeout_s: float = 600.0
     chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     # A stream that sends nothing for this long is treated as broken and retried.
@@ -84,6 +90,7 @@ class StreamingEngine:
             self.base_url = settings.server_url.rstrip("/")
         self.model_name = settings.served_model_name or self._discover_model_name()
         self._streams: dict[str, _Stream] = {}
+        self._unfinished = 0  # streams not yet done: what max_in_flight bounds
         self._lock = threading.Lock()
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -107,14 +114,22 @@ class StreamingEngine:
 
     # Public API (called through the cross-process proxy) ----------------------------
 
-    def submit(self, request_json: str, attempt: int = 1) -> str:
-        """Starts streaming a request; returns the key to poll it with."""
+    def submit(self, request_json: str, attempt: int = 1) -> str | None:
+        """Starts streaming a request and returns the key to poll it with; None while the engine is full.
+
+        The key names the request's content as well as its id and attempt, so two
+        different requests that share an id never share a stream. Submitting the
+        same request and attempt again (a retried bundle) returns the same key.
+        """
         request = InferenceRequest.from_json(request_json)
-        key = f"{request.id}#{attempt}"
+        key = f"{request.id}#{request.fingerprint()}#{attempt}"
         with self._lock:
             if key in self._streams:
                 return key
+            if self._unfinished >= self.settings.max_in_flight:
+                return None
             self._streams[key] = _Stream(request, attempt)
+            self._unfinished += 1
         asyncio.run_coroutine_threadsafe(self._run(key), self._loop)
         return key
 
@@ -136,8 +151,9 @@ class StreamingEngine:
         return ready
 
     def in_flight(self) -> int:
+        """Streams sent and not finished; never more than ``max_in_flight``."""
         with self._lock:
-            return len(self._streams)
+            return self._unfinished
 
     def server_pid(self) -> int | None:
         return self._server.pid if self._server else None
@@ -160,20 +176,28 @@ class StreamingEngine:
     def _emit(self, stream: _Stream, kind: str, payload: str, *, final: bool = False) -> None:
         with self._lock:
             stream.outputs.append((kind, payload))
-            if final:
+            if final and not stream.done:
                 stream.done = True
+                self._unfinished -= 1
 
     async def _run(self, key: str) -> None:
         stream = self._streams[key]
         request = stream.request
-        deadline = time.time() + self.settings.request_timeout_s
         last_error = "no attempt was made"
         delay = 0.5
         async with self._semaphore:
+            deadline, limit = time.time() + self.settings.request_timeout_s, \
+                f"request_timeout_s={self.settings.request_timeout_s:g}"
+            if request.deadline_ms is not None and request.received_at + request.deadline_ms / 1000 < deadline:
+                deadline, limit = request.received_at + request.deadline_ms / 1000, \
+                    f"its deadline_ms={request.deadline_ms}"
             while time.time() < deadline:
                 try:
-                    await self._stream_once(stream, deadline)
+                    await asyncio.wait_for(self._stream_once(stream, deadline), timeout=deadline - time.time())
                     return
+                except TimeoutError:
+                    last_error = "generation was still running"
+                    break
                 except RetryableError as exc:
                     last_error = str(exc)
                 except _RequestRejected as exc:
@@ -190,8 +214,7 @@ class StreamingEngine:
                 LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
                 await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
                 delay = min(delay * 2, 10.0)
-        self._dead_letter(stream, f"no answer within request_timeout_s={self.settings.request_timeout_s:g}: "
-                                  f"{last_error}")
+        self._dead_letter(stream, f"no answer within {limit}: {last_error}")
 
     def _dead_letter(self, stream: _Stream, reason: str) -> None:
         request = stream.request

@@ -6,9 +6,21 @@ so a DoFn that yielded chunks from inside ``process`` would release them only
 once its longest request finished. Instead, ``process`` hands the requests to
 the worker's :class:`~pipeline.engine.StreamingEngine` and returns; a
 processing-time timer then polls the engine and emits whatever has arrived,
-each firing its own small bundle. The requests stay in keyed state until they
-end, so a worker that dies mid-stream is recovered: the next poll finds no
-stream and sends the request again as a new attempt.
+each firing its own small bundle.
+
+Per shard, keyed state holds three things, each written only when it changes:
+
+* ``waiting``: requests the engine had no room for. A backlog waits here, in
+  Beam state, not in the engine, and is admitted in arrival order as streams
+  finish; waiting is never a reason to give a request up.
+* ``inflight``: requests the engine is streaming. A worker that dies
+  mid-stream is recovered: the next poll finds no stream and sends the request
+  again as a new ``attempt``.
+* ``seen``: the ids of requests waiting, in flight, or finished within
+  ``dedupe_window_s``, with a fingerprint of their content. The shard is a
+  hash of the id, so every copy of an id meets here: a redelivered or retried
+  message (same content) is dropped, and a different request reusing an id in
+  use becomes a dead letter that says so.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -29,8 +41,9 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import (BagStateSpec, ReadModifyWriteStateSpec, TimerSpec,
                                               on_timer)
 from apache_beam.utils.multi_process_shared import MultiProcessShared
-from apache_beam.utils.timestamp import Duration, Timestamp
+from apache_beam.utils.timestamp import Timestamp
 
+from pipeline.element_guard import guarded
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineSettings, StreamingEngine
 from pipeline.messages import STAGE_INFERENCE, DeadLetter, InferenceRequest
 
@@ -40,6 +53,7 @@ TAG_COMPLETIONS = "completions"
 TAG_DEAD_LETTERS = "dead_letters"
 # A request whose stream is lost this many times (worker restarts) is given up.
 MAX_ATTEMPTS = 4
+DEFAULT_DEDUPE_WINDOW_S = 600.0
 
 
 # Engines this process has acquired, by tag. Runners may set up and tear down
@@ -64,18 +78,64 @@ def acquire_engine(settings: EngineSettings, tag: str, *, fresh: bool = False) -
         return _ACQUIRED[tag]
 
 
+class _Seen:
+    """The ``seen`` state: id -> [fingerprint, forget-after time, or None while the request is open]."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+        self.ids: dict[str, list] = json.loads(state.read() or "{}")
+        self.changed = False
+
+    def holder(self, request_id: str, now: float) -> str | None:
+        """The fingerprint of the request that holds this id now, if any."""
+        entry = self.ids.get(request_id)
+        if entry is None or (entry[1] is not None and entry[1] <= now):
+            return None
+        return entry[0]
+
+    def hold(self, request_id: str, fingerprint: str, until: float | None = None) -> None:
+        self.ids[request_id] = [fingerprint, until]
+        self.changed = True
+
+    def release(self, request_id: str, fingerprint: str, until: float) -> None:
+        if until > time.time():
+            self.hold(request_id, fingerprint, until)
+        elif self.ids.pop(request_id, None) is not None:
+            self.changed = True
+
+    def next_expiry(self) -> float | None:
+        return min((until for _, until in self.ids.values() if until is not None), default=None)
+
+    def save(self, now: float) -> None:
+        expired = [i for i, (_, until) in self.ids.items() if until is not None and until <= now]
+        for request_id in expired:
+            del self.ids[request_id]
+        if self.changed or expired:
+            if self.ids:
+                self._state.write(json.dumps(self.ids, separators=(",", ":")))
+            else:
+                self._state.clear()
+
+
 class _StreamingGenerateFn(beam.DoFn):
+    WAITING = BagStateSpec("waiting", StrUtf8Coder())
     INFLIGHT = BagStateSpec("inflight", StrUtf8Coder())
+    SEEN = ReadModifyWriteStateSpec("seen", StrUtf8Coder())
     POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
-    POLL_ARMED = ReadModifyWriteStateSpec("poll_armed", VarIntCoder())
+    POLL_AT_MS = ReadModifyWriteStateSpec("poll_at_ms", VarIntCoder())
     DRAIN = TimerSpec("drain", TimeDomain.WATERMARK)
 
-    def __init__(self, settings: EngineSettings, shared_tag: str, poll_interval_ms: float) -> None:
+    def __init__(self, settings: EngineSettings, shared_tag: str, poll_interval_ms: float,
+                 dedupe_window_s: float) -> None:
         self._settings = settings
         self._shared_tag = shared_tag
-        self._poll_interval = Duration(micros=int(poll_interval_ms * 1000))
+        self._poll_interval_s = poll_interval_ms / 1000.0
+        self._dedupe_window_s = dedupe_window_s
         self._engine: StreamingEngine | None = None
         self.requests_sent = Metrics.counter("streaming_generate", "requests_sent")
+        self.requests_queued = Metrics.counter("streaming_generate", "requests_queued")
+        self.requests_admitted = Metrics.counter("streaming_generate", "requests_admitted_from_queue")
+        self.duplicates = Metrics.counter("streaming_generate", "duplicates_dropped")
         self.chunks_out = Metrics.counter("streaming_generate", "chunks")
         self.completions_out = Metrics.counter("streaming_generate", "completions")
         self.dead_letters_out = Metrics.counter("streaming_generate", "dead_letters")
@@ -87,94 +147,204 @@ class _StreamingGenerateFn(beam.DoFn):
 
     def process(self, element: tuple[object, list[InferenceRequest]],
                 window=beam.DoFn.WindowParam,
+                waiting=beam.DoFn.StateParam(WAITING),
                 inflight=beam.DoFn.StateParam(INFLIGHT),
+                seen_state=beam.DoFn.StateParam(SEEN),
                 poll=beam.DoFn.TimerParam(POLL),
-                poll_armed=beam.DoFn.StateParam(POLL_ARMED),
-                drain=beam.DoFn.TimerParam(DRAIN)) -> None:
+                poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS),
+                drain=beam.DoFn.TimerParam(DRAIN)) -> Iterator[Any]:
         shard, requests = element
-        LOGGER.debug("Shard %s: sending %s", shard, [r.id for r in requests])
+        now = time.time()
+        seen = _Seen(seen_state)
+        queue = [next(iter(waiting.read()), None) is not None]  # once one waits, the rest queue behind it
         for request in requests:
-            key = self._engine.submit(request.to_json(), 1)
-            inflight.add(json.dumps({"key": key, "request": request.to_json(), "attempt": 1}))
-            self.requests_sent.inc()
-        if not poll_armed.read():
-            poll.set(Timestamp.now() + self._poll_interval)
-            poll_armed.write(1)
+            yield from guarded(STAGE_INFERENCE, request,
+                               lambda: self._accept(request, seen, queue, waiting, inflight, now))
+        seen.save(now)
+        self._arm(poll, poll_at_ms, now + self._poll_interval_s)
         drain.set(window.max_timestamp())
 
+    def _accept(self, request: InferenceRequest, seen: _Seen, queue: list[bool], waiting, inflight,
+                now: float) -> Iterator[Any]:
+        fingerprint = request.fingerprint()
+        holder = seen.holder(request.id, now)
+        if holder == fingerprint:
+            self.duplicates.inc()
+            LOGGER.info("Request %s: a copy is in flight or finished within dedupe_window_s; dropped", request.id)
+            return
+        if holder is not None:
+            yield self._dead_letter(request.to_json(), "another request with this id is in flight or finished "
+                                    f"within dedupe_window_s={self._dedupe_window_s:g}; give each request its own id")
+            return
+        deadline_at = None if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
+        entry = {"request": request.to_json(), "fp": fingerprint, "attempt": 1, "key": None,
+                 "deadline_at": deadline_at}
+        if not queue[0]:
+            entry["key"] = self._submit(entry["request"], 1)
+        if entry["key"] is None:
+            queue[0] = True
+            waiting.add(json.dumps(entry))
+            self.requests_queued.inc()
+        else:
+            inflight.add(json.dumps(entry))
+            self.requests_sent.inc()
+        seen.hold(request.id, fingerprint)  # last: a request that failed above holds no id
+
     @on_timer(POLL)
-    def on_poll(self, inflight=beam.DoFn.StateParam(INFLIGHT), poll=beam.DoFn.TimerParam(POLL),
-                poll_armed=beam.DoFn.StateParam(POLL_ARMED)) -> Iterator[object]:
-        poll_armed.clear()
-        remaining = yield from self._collect(inflight)
-        if remaining:
-            poll.set(Timestamp.now() + self._poll_interval)
-            poll_armed.write(1)
+    def on_poll(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
+                seen_state=beam.DoFn.StateParam(SEEN), poll=beam.DoFn.TimerParam(POLL),
+                poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS)) -> Iterator[Any]:
+        poll_at_ms.clear()
+        seen = _Seen(seen_state)
+        busy = yield from self._collect(inflight, seen)
+        busy += yield from self._admit(waiting, inflight, seen)
+        now = time.time()
+        seen.save(now)
+        next_expiry = seen.next_expiry()
+        if busy:
+            self._arm(poll, poll_at_ms, now + self._poll_interval_s)
+        elif next_expiry is not None:
+            self._arm(poll, poll_at_ms, next_expiry + 1.0)  # to forget the ids whose window has passed
+
+    def _arm(self, poll, poll_at_ms, at: float) -> None:
+        """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
+        armed = poll_at_ms.read()
+        if armed is not None and armed / 1000.0 <= at:
+            return
+        poll.set(Timestamp(at))
+        poll_at_ms.write(int(at * 1000))
 
     @on_timer(DRAIN)
-    def on_drain(self, inflight=beam.DoFn.StateParam(INFLIGHT)) -> Iterator[object]:
-        """The window is closing (or the job drains): wait for every request to end."""
-        deadline = time.time() + self._settings.request_timeout_s + 30
-        while (yield from self._collect(inflight)) and time.time() < deadline:
-            time.sleep(self._poll_interval.micros / 1e6)
-        for entry in inflight.read():
-            request = json.loads(entry)["request"]
-            yield self._given_up(request, "the window closed before the request finished")
-        inflight.clear()
+    def on_drain(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
+                 seen_state=beam.DoFn.StateParam(SEEN)) -> Iterator[Any]:
+        """The window is closing (or the job drains): serve what waits and streams, for as long as it progresses."""
+        seen = _Seen(seen_state)
+        patience = self._settings.request_timeout_s + 30
+        last_busy, last_progress = None, time.time()
+        while True:
+            busy = (yield from self._collect(inflight, seen)) + (yield from self._admit(waiting, inflight, seen))
+            if not busy:
+                break
+            if last_busy is None or busy < last_busy:
+                last_progress = time.time()
+            elif time.time() - last_progress > patience:
+                break
+            last_busy = busy
+            time.sleep(self._poll_interval_s)
+        for state in (waiting, inflight):
+            for entry in state.read():
+                yield self._dead_letter(json.loads(entry)["request"],
+                                        "the window closed (or the job drained) before the request finished")
+            state.clear()
+        seen_state.clear()
 
-    def _collect(self, inflight) -> Iterator[object]:
-        """Emits what the engine has for each in-flight request; returns how many remain."""
+    def _submit(self, request_json: str, attempt: int) -> str | None:
+        """The engine's key for a new stream, or None if it has no room (or must be reconnected first)."""
+        try:
+            return self._engine.submit(request_json, attempt)
+        except (ConnectionError, EOFError) as exc:
+            LOGGER.warning("The worker's engine is unreachable (%s); reconnecting", exc)
+            self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
+            return None
+
+    def _admit(self, waiting, inflight, seen: _Seen) -> Iterator[Any]:
+        """Sends waiting requests while the engine has room; returns how many it sent or left waiting."""
+        if self._engine.in_flight() >= self._settings.max_in_flight:
+            return sum(1 for _ in waiting.read())  # full: the queue is not even read
+        entries = [json.loads(e) for e in waiting.read()]
+        if not entries:
+            return 0
+        now, taken, sent = time.time(), 0, 0
+        for entry in entries:
+            if entry["deadline_at"] is not None and now > entry["deadline_at"]:
+                request = InferenceRequest.from_json(entry["request"])
+                yield self._dead_letter(entry["request"], f"its deadline_ms={request.deadline_ms} passed while "
+                                                          "it waited for the model server (backlog)")
+                seen.release(request.id, entry["fp"], now + self._dedupe_window_s)
+            else:
+                key = self._submit(entry["request"], 1)
+                if key is None:
+                    break
+                entry["key"] = key
+                inflight.add(json.dumps(entry))
+                sent += 1
+                self.requests_admitted.inc()
+                self.requests_sent.inc()
+            taken += 1
+        if taken:
+            waiting.clear()
+            for entry in entries[taken:]:
+                waiting.add(json.dumps(entry))
+        return len(entries) - taken + sent
+
+    def _collect(self, inflight, seen: _Seen) -> Iterator[Any]:
+        """Emits what the engine has for each in-flight request; returns how many remain.
+
+        The bag is rewritten only when an entry changed (finished, resent, new attempt).
+        """
         entries = [json.loads(e) for e in inflight.read()]
         if not entries:
             return 0  # timers can fire twice for one setting
-        keys = [e["key"] for e in entries]
+        keys = [e["key"] for e in entries if e["key"] is not None]
         try:
-            ready = self._engine.poll(keys)
+            ready = self._engine.poll(keys) if keys else {}
         except (ConnectionError, EOFError) as exc:
             # The SDK process hosting the shared engine died: its streams are gone with it.
             LOGGER.warning("The worker's engine is unreachable (%s); reconnecting and resending", exc)
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
             ready = {key: [(UNKNOWN, "")] for key in keys}
-        remaining = []
+        remaining, changed = [], False
         for entry in entries:
-            done = False
-            for kind, payload in ready.get(entry["key"], ()):
-                if kind == CHUNK:
-                    self.chunks_out.inc()
-                    chunk = json.loads(payload)
-                    entry["attempt"] = max(entry["attempt"], chunk["attempt"])
-                    if chunk["seq"] == 0 and chunk["time_to_first_token_ms"] is not None:
-                        self.ttft.update(int(chunk["time_to_first_token_ms"]))
-                    yield chunk
-                elif kind == COMPLETION:
-                    self.completions_out.inc()
-                    done = True
-                    yield pvalue.TaggedOutput(TAG_COMPLETIONS, json.loads(payload))
-                elif kind == DEAD_LETTER:
-                    self.dead_letters_out.inc()
-                    done = True
-                    yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(payload))
-                elif kind == UNKNOWN:
-                    done = yield from self._resubmit(entry)
-            if not done:
+            before = (entry["key"], entry["attempt"])
+            outcome: list[bool] = []
+            yield from guarded(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
+                               lambda: self._outputs(entry, ready.get(entry["key"], ()), outcome),
+                               on_failure=lambda: outcome.append(True))
+            if outcome:
+                seen.release(json.loads(entry["request"])["id"], entry["fp"], time.time() + self._dedupe_window_s)
+                changed = True
+            else:
                 remaining.append(entry)
-        inflight.clear()
-        for entry in remaining:
-            inflight.add(json.dumps(entry))
+                changed = changed or (entry["key"], entry["attempt"]) != before
+        if changed:
+            inflight.clear()
+            for entry in remaining:
+                inflight.add(json.dumps(entry))
         return len(remaining)
 
-    def _resubmit(self, entry: dict) -> Iterator[object]:
-        """The stream is gone (the worker or engine restarted): send it again, or give up."""
-        if entry["attempt"] >= MAX_ATTEMPTS:
-            yield self._given_up(entry["request"], f"its stream was lost {entry['attempt']} times")
-            return True
-        entry["attempt"] += 1
-        self.resubmitted.inc()
-        LOGGER.warning("Stream %s was lost; sending it again as attempt %d", entry["key"], entry["attempt"])
-        entry["key"] = self._engine.submit(entry["request"], entry["attempt"])
-        return False
+    def _outputs(self, entry: dict, items: Any, outcome: list[bool]) -> Iterator[Any]:
+        """One request's outputs from a poll; appends to ``outcome`` when the request has ended."""
+        if entry["key"] is None:  # its stream was lost while the engine was full: send it again
+            items = [(UNKNOWN, "")]
+        for kind, payload in items:
+            if kind == CHUNK:
+                self.chunks_out.inc()
+                chunk = json.loads(payload)
+                entry["attempt"] = max(entry["attempt"], chunk["attempt"])
+                if chunk["seq"] == 0 and chunk["time_to_first_token_ms"] is not None:
+                    self.ttft.update(int(chunk["time_to_first_token_ms"]))
+                yield chunk
+            elif kind == COMPLETION:
+                self.completions_out.inc()
+                outcome.append(True)
+                yield pvalue.TaggedOutput(TAG_COMPLETIONS, json.loads(payload))
+            elif kind == DEAD_LETTER:
+                self.dead_letters_out.inc()
+                outcome.append(True)
+                yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(payload))
+            elif kind == UNKNOWN:
+                if entry["attempt"] >= MAX_ATTEMPTS:
+                    outcome.append(True)
+                    yield self._dead_letter(entry["request"], f"its stream was lost {entry['attempt']} times")
+                    break
+                key = self._submit(entry["request"], entry["attempt"] + 1)
+                if key is not None:
+                    entry["attempt"] += 1
+                    self.resubmitted.inc()
+                    LOGGER.warning("Stream %s was lost; sent again as %s", entry["key"], key)
+                entry["key"] = key
 
-    def _given_up(self, request_json: str, reason: str) -> pvalue.TaggedOutput:
+    def _dead_letter(self, request_json: str, reason: str) -> pvalue.TaggedOutput:
         self.dead_letters_out.inc()
         request = InferenceRequest.from_json(request_json)
         letter = DeadLetter(STAGE_INFERENCE, reason, request_json, id=request.id, at=time.time())
@@ -195,9 +365,12 @@ class StreamingGenerate(beam.PTransform):
     """
 
     def __init__(self, settings: EngineSettings, *, poll_interval_ms: float | None = None,
-                 shared_tag: str | None = None) -> None:
+                 shared_tag: str | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S) -> None:
         super().__init__()
+        if dedupe_window_s < 0:
+            raise ValueError(f"dedupe_window_s must be 0 or more, got {dedupe_window_s:g}")
         self._settings = settings
+        self._dedupe_window_s = dedupe_window_s
         interval = settings.chunk_policy.interval_ms / 2 if poll_interval_ms is None else poll_interval_ms
         self._poll_interval_ms = min(max(interval, 10.0), 100.0)
         # One engine per worker for this pipeline, never shared with another job's.
@@ -206,7 +379,7 @@ class StreamingGenerate(beam.PTransform):
 
     def expand(self, batches):
         results = batches | "Generate" >> beam.ParDo(
-            _StreamingGenerateFn(self._settings, self._shared_tag, self._poll_interval_ms)
+            _StreamingGenerateFn(self._settings, self._shared_tag, self._poll_interval_ms, self._dedupe_window_s)
         ).with_outputs(TAG_COMPLETIONS, TAG_DEAD_LETTERS, main="chunks")
         return results
 

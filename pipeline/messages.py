@@ -1,15 +1,20 @@
 """The message contract: inference requests in, chunks, completions and dead letters out.
 
-Input is a Pub/Sub message whose data is either a JSON object (it starts with
-``{``) or plain UTF-8 text, which is taken as the prompt. Anything that cannot
-become a valid :class:`InferenceRequest` becomes a :class:`DeadLetter` with a
-reason a person can act on; parsing never raises into a bundle.
+Input is a Pub/Sub message whose data is either a JSON object or plain UTF-8
+text, which is taken as the prompt (see :func:`payload_kind` for the rule, and
+the ``content_type`` attribute that settles it explicitly). Anything that
+cannot become a valid :class:`InferenceRequest` becomes a :class:`DeadLetter`
+with a reason a person can act on. Every value that later reaches a sink is
+bounded here (id length, text sizes, metadata size and depth, finite numbers,
+valid Unicode), so that the outputs of an accepted request can always be
+published.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -20,12 +25,25 @@ from typing import Any, Mapping
 # Stages a dead letter can come from, so operators can filter by where it failed.
 STAGE_PARSE = "parse"
 STAGE_VALIDATE = "validate"
+STAGE_MEASURE = "measure"
+STAGE_BATCH = "batch"
 STAGE_INFERENCE = "inference"
 STAGE_SINK = "sink"
 
-ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata")
+ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata",
+                  "deadline_ms")
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_SEQUENCES = 8
+MAX_STOP_CHARS = 256
+# Pub/Sub refuses ordering keys over 1 KB; chunks use the id as theirs.
+MAX_ID_BYTES = 512
+MAX_METADATA_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 32
+# Pub/Sub refuses messages over 10 MB; a dead letter keeps its payload whole up to this size.
+MAX_DEAD_LETTER_BYTES = 8 * 1024 * 1024
+# The message attribute that says how to read the payload.
+CONTENT_TYPE_ATTRIBUTE = "content_type"
+CONTENT_TYPE_JSON, CONTENT_TYPE_TEXT = "application/json", "text/plain"
 
 
 class RequestError(ValueError):
@@ -44,6 +62,8 @@ class InferenceRequest:
     top_p: float | None = None
     stop: tuple[str, ...] | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    # Optional: the request must finish within this many ms of its receipt, or become a dead letter.
+    deadline_ms: int | None = None
     received_at: float = 0.0
     # Filled in by length bucketing; the estimate is good enough for routing.
     prompt_tokens: int | None = None
@@ -59,6 +79,13 @@ class InferenceRequest:
         if data.get("stop") is not None:
             data["stop"] = tuple(data["stop"])
         return cls(**data)
+
+    def fingerprint(self) -> str:
+        """What the request asks for, without when it arrived: equal for a redelivery or publisher retry."""
+        fields = dataclasses.asdict(self)
+        for name in ("received_at", "prompt_tokens"):
+            fields.pop(name)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 
     def prompt_text(self) -> str:
         """The text a length estimate should look at, for either prompt form."""
@@ -128,6 +155,7 @@ class DeadLetter:
     id: str | None = None
     attributes: Mapping[str, str] = field(default_factory=dict)
     at: float = 0.0
+    payload_truncated: bool = False
 
     @classmethod
     def from_bytes(cls, stage: str, reason: str, data: bytes, **kwargs: Any) -> DeadLetter:
@@ -138,7 +166,18 @@ class DeadLetter:
             return cls(stage, reason, payload, "base64", at=kwargs.pop("at", time.time()), **kwargs)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        """The record as JSON, its payload cut to fit :data:`MAX_DEAD_LETTER_BYTES` (and flagged) if need be."""
+        text = json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        if len(text) <= MAX_DEAD_LETTER_BYTES:
+            return text
+        # JSON escaping can grow a character to 12 bytes; cut with room to spare.
+        keep = max(0, len(self.payload) - (len(text) - MAX_DEAD_LETTER_BYTES) - 1024)
+        while True:
+            text = json.dumps(dataclasses.asdict(dataclasses.replace(
+                self, payload=self.payload[:keep], payload_truncated=True)), separators=(",", ":"))
+            if len(text) <= MAX_DEAD_LETTER_BYTES:
+                return text
+            keep //= 2
 
 
 @dataclass(frozen=True)
@@ -148,6 +187,51 @@ class RequestLimits:
     default_max_tokens: int = 256
     max_model_len: int = 2048
     max_prompt_chars: int = 200_000
+
+
+def payload_kind(text: str, attributes: Mapping[str, str]) -> str:
+    """How to read a payload: the ``content_type`` attribute if set, else its first characters.
+
+    A payload is a JSON request when it starts (after white space) with ``{``
+    followed by ``"`` or ``}``, as every JSON object does; anything else, for
+    example ``[INST] ... [/INST]`` or ``{name} is ...``, is a plain-text prompt.
+    Raises :class:`RequestError` for an unknown content type.
+    """
+    content_type = attributes.get(CONTENT_TYPE_ATTRIBUTE)
+    if content_type is not None:
+        kind = content_type.split(";", 1)[0].strip().lower()
+        if kind not in (CONTENT_TYPE_JSON, CONTENT_TYPE_TEXT):
+            raise RequestError(f"attribute {CONTENT_TYPE_ATTRIBUTE}={content_type[:100]!r} is not supported; "
+                               f"use {CONTENT_TYPE_JSON} or {CONTENT_TYPE_TEXT}")
+        return kind
+    head = text.lstrip()[:1], text.lstrip()[1:].lstrip()[:1]
+    return CONTENT_TYPE_JSON if head[0] == "{" and head[1] in ('"', "}") else CONTENT_TYPE_TEXT
+
+
+def _reject_constant(name: str) -> Any:
+    raise RequestError(f"{name} is not a JSON number; send finite numbers only")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise RequestError(f"the number {text[:40]} is too large for a double")
+    return value
+
+
+def _decode_json(text: str) -> Any:
+    """``json.loads`` with every way it can fail on hostile input turned into a :class:`RequestError`."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RequestError:
+        raise
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"payload starts like JSON but is not valid JSON: {exc.msg} "
+                           f"at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise RequestError("payload is not a usable JSON request: it nests too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal with more digits than Python converts
+        raise RequestError(f"payload is not a usable JSON request: {str(exc)[:200]}") from None
 
 
 def parse_request(
@@ -163,6 +247,8 @@ def parse_request(
     attributes = dict(attributes or {})
     received_at = time.time() if now is None else now
     fallback_id = attributes.get(id_attribute) or message_id or uuid.uuid4().hex
+    if _too_long_id(fallback_id):
+        fallback_id = None
 
     def dead(stage: str, reason: str, request_id: str | None = fallback_id) -> DeadLetter:
         return DeadLetter.from_bytes(stage, reason, data, id=request_id, attributes=attributes, at=received_at)
@@ -173,16 +259,17 @@ def parse_request(
         return dead(STAGE_PARSE, f"payload is not UTF-8 text ({exc.reason} at byte {exc.start})")
     if not text.strip():
         return dead(STAGE_PARSE, "payload is empty; send a JSON object with a 'prompt' or plain text")
-    if not text.lstrip().startswith(("{", "[")):
-        fields: dict[str, Any] = {"prompt": text}
-    else:
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as exc:
-            return dead(STAGE_PARSE, f"payload starts like JSON but is not valid JSON: {exc.msg} "
-                                     f"at line {exc.lineno} column {exc.colno}")
-        if not isinstance(fields, dict):
-            return dead(STAGE_PARSE, f"JSON payload must be an object, got {type(fields).__name__}")
+    try:
+        if payload_kind(text, attributes) == CONTENT_TYPE_TEXT:
+            fields: dict[str, Any] = {"prompt": text}
+        else:
+            fields = _decode_json(text)
+            if not isinstance(fields, dict):
+                raise RequestError(f"JSON payload must be an object, got {type(fields).__name__}")
+            _check_depth(fields)
+            _check_unicode(fields)
+    except RequestError as exc:
+        return dead(STAGE_PARSE, str(exc))
     request_id = fields.get("id")
     if isinstance(request_id, (str, int)) and not isinstance(request_id, bool) and str(request_id).strip():
         request_id = str(request_id)
@@ -190,10 +277,37 @@ def parse_request(
         request_id = fallback_id
     else:
         return dead(STAGE_VALIDATE, "'id' must be a non-empty string or an integer")
+    if request_id is None or _too_long_id(request_id):
+        return dead(STAGE_VALIDATE, f"the request id is longer than {MAX_ID_BYTES} bytes (UTF-8); "
+                                    "Pub/Sub ordering keys, which carry it, are limited", None)
     try:
         return _validated(fields, request_id, limits, received_at)
     except RequestError as exc:
         return dead(STAGE_VALIDATE, str(exc), request_id)
+
+
+def _too_long_id(request_id: str) -> bool:
+    return len(request_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES
+
+
+def _check_depth(value: Any) -> None:
+    """Deeply nested values break recursive code downstream (encoders, coders); refuse them here."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"payload is not a usable JSON request: it nests deeper than {MAX_JSON_DEPTH} levels")
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+
+
+def _check_unicode(fields: dict[str, Any]) -> None:
+    """JSON escapes can spell lone surrogates, which no service downstream accepts as text."""
+    try:
+        json.dumps(fields, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"payload holds text that is not valid Unicode ({exc.reason}); "
+                           "lone surrogate escapes such as \\ud800 are refused") from None
 
 
 def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, received_at: float) -> InferenceRequest:
@@ -210,6 +324,9 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
             raise RequestError(f"'prompt' has {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
     else:
         messages = _validated_messages(messages)
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > limits.max_prompt_chars:
+            raise RequestError(f"'messages' have {chars} characters; the limit is {limits.max_prompt_chars}")
     max_tokens = fields.get("max_tokens")
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
@@ -223,16 +340,26 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
-        if (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+        if (not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
                 or len(stop) > MAX_STOP_SEQUENCES):
-            raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings")
+            raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP_SEQUENCES} non-empty "
+                               f"strings of at most {MAX_STOP_CHARS} characters")
         stop = tuple(stop)
     metadata = fields.get("metadata", {})
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict):
         raise RequestError("'metadata' must be a JSON object")
+    size = len(json.dumps(metadata, separators=(",", ":")).encode("utf-8"))
+    if size > MAX_METADATA_BYTES:
+        raise RequestError(f"'metadata' is {size} bytes as JSON; the limit is {MAX_METADATA_BYTES}")
+    deadline_ms = fields.get("deadline_ms")
+    if deadline_ms is not None and (not _is_int(deadline_ms) or not 0 < deadline_ms <= 7 * 24 * 3600 * 1000):
+        raise RequestError(f"'deadline_ms' must be a whole number of milliseconds from 1 to 604800000 "
+                           f"(a week), got {deadline_ms!r}")
     return InferenceRequest(
         id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, stop=stop, metadata=metadata, received_at=received_at)
+        top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms, received_at=received_at)
 
 
 def _validated_messages(messages: Any) -> tuple[Mapping[str, str], ...]:
@@ -255,11 +382,12 @@ def _optional_number(fields: Mapping[str, Any], name: str, *, low: float, high: 
     value = fields.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not math.isfinite(value)):
         raise RequestError(f"'{name}' must be a number, got {value!r}")
     above_low = value >= low if low_inclusive else value > low
     if not above_low or value > high:
         bracket = "[" if low_inclusive else "("
-        raise RequestError(f"'{name}' must be in {bracket}{low}, {high}], got {value}")
+        raise RequestError(f"'{name}' must be in {bracket}{low}, {high}], got {str(value)[:40]}")
     return float(value)
 

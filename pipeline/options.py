@@ -1,10 +1,11 @@
 """Template parameters, declared once.
 
 :data:`PARAMETERS` is the single definition of every parameter the template
-accepts. The Beam options class, the validated :class:`PipelineConfig` and
-``metadata.json`` (see :func:`template_metadata`) are all derived from it, so
-they cannot drift apart. Plain Beam/Dataflow options (runner, machine type,
-sdk_container_image, ...) are not redeclared: they pass through to Beam.
+accepts. The Beam options class, the validated :class:`PipelineConfig`,
+``metadata.json`` and the README's parameter table (:mod:`pipeline.template_docs`)
+are all derived from it, so they cannot drift apart. Plain Beam/Dataflow options
+(runner, machine type, sdk_container_image, ...) are not redeclared: they pass
+through to Beam.
 
 Values may arrive as strings (the Flex Template launcher passes every value as
 one), so each parameter converts and checks its own value.
@@ -13,11 +14,10 @@ one), so each parameter converts and checks its own value.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -114,7 +114,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     # Input
     Parameter("input_subscription", "Input Pub/Sub subscription",
               "Subscription to read prompts from. Each message is a JSON object "
-              '{"prompt" or "messages", "id", "max_tokens", "temperature", "top_p", "stop", "metadata"} '
+              '{"prompt" or "messages", "id", "max_tokens", "temperature", "top_p", "stop", "metadata", "deadline_ms"} '
               "or plain UTF-8 text.",
               "projects/my-project/subscriptions/prompts-sub", GROUP_INPUT, "PUBSUB_SUBSCRIPTION",
               required=True, regex=SUBSCRIPTION_REGEX),
@@ -122,6 +122,11 @@ PARAMETERS: tuple[Parameter, ...] = (
               "Message attribute that holds the request id when the payload has no 'id'. "
               "Without either, the Pub/Sub message id is used.",
               "request_id", GROUP_INPUT, default="id", regex=r"^[A-Za-z0-9_.\-]{1,256}$"),
+    Parameter("dedupe_window_s", "De-duplication window (s)",
+              "A request whose id was seen within this many seconds (in flight, or finished since) is not "
+              "served again: an identical copy (a redelivery or publisher retry) is dropped, a different "
+              "request reusing the id becomes a dead letter. 0 de-duplicates only while a request is in flight.",
+              "600", GROUP_INPUT, "NUMBER", default=600, minimum=0, maximum=7 * 24 * 3600),
     # Output
     Parameter("output_chunks_topic", "Chunks topic",
               "Pub/Sub topic for streamed output chunks, published with the request id as ordering key.",
@@ -192,8 +197,9 @@ PARAMETERS: tuple[Parameter, ...] = (
               "continuously, so this should exceed the server's max-num-seqs only slightly.",
               "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=4096),
     Parameter("request_timeout_s", "Request timeout (s)",
-              "A request that has not finished this long after it was sent (including retries while the "
-              "server restarts) goes to the dead letters.",
+              "A request that has not finished this long after it was sent to the server (including retries "
+              "while the server restarts) goes to the dead letters. Time spent waiting in a backlog does not "
+              "count; a request can set its own limit with 'deadline_ms'.",
               "600", GROUP_MODEL, "NUMBER", default=600, minimum=1),
     # Batching
     Parameter("length_bucketing", "Length bucketing",
@@ -261,6 +267,7 @@ class PipelineConfig:
 
     input_subscription: str
     id_attribute: str
+    dedupe_window_s: int
     output_chunks_topic: str | None
     output_completions_topic: str | None
     output_completions_table: str | None
@@ -389,93 +396,3 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
         problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "
                         f"--max_model_len ({fields['max_model_len']})")
     return problems
-
-
-def template_metadata() -> dict[str, Any]:
-    """The Flex Template ``metadata.json`` content, derived from :data:`PARAMETERS`."""
-    params = []
-    for param in PARAMETERS:
-        entry: dict[str, Any] = {
-            "name": param.name,
-            "label": param.label,
-            "helpText": f"{param.help_text} For example: {param.example}",
-            "isOptional": not param.required,
-            "paramType": param.param_type,
-            "groupName": param.group,
-        }
-        if param.regexes:
-            entry["regexes"] = list(param.regexes)
-        if param.enum_options:
-            entry["enumOptions"] = [{"value": v, "label": v} for v in param.enum_options]
-        if param.default not in (None, ""):
-            entry["defaultValue"] = _as_template_string(param.default)
-        if param.parent:
-            entry["parentName"], triggers = param.parent
-            entry["parentTriggerValues"] = list(triggers)
-        params.append(entry)
-    return {
-        "name": TEMPLATE_NAME,
-        "description": TEMPLATE_DESCRIPTION,
-        "streaming": True,
-        "supportsAtLeastOnce": True,
-        "supportsExactlyOnce": True,
-        "defaultStreamingMode": "AT_LEAST_ONCE",
-        "parameters": params,
-    }
-
-
-def _as_template_string(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def metadata_json() -> str:
-    return json.dumps(template_metadata(), indent=2) + "\n"
-
-
-README_BEGIN = "<!-- parameters:begin (generated by `make metadata` from pipeline/options.py) -->"
-README_END = "<!-- parameters:end -->"
-
-
-def parameters_markdown() -> str:
-    """The README's parameter table, derived from :data:`PARAMETERS`."""
-    rows = ["| Parameter | Group | Default | What it does |", "|---|---|---|---|"]
-    for param in PARAMETERS:
-        default = "**required**" if param.required else (
-            f"`{_as_template_string(param.default)}`" if param.default not in (None, "") else "")
-        choices = f" One of: {', '.join(param.enum_options)}." if param.enum_options else ""
-        rows.append(f"| `{param.name}` | {param.group} | {default} | {param.help_text}{choices} |")
-    return "\n".join(rows)
-
-
-def readme_with_section(readme: str, begin: str, end: str, content: str) -> str:
-    """``readme`` with ``content`` between the ``begin`` and ``end`` markers."""
-    start, stop = readme.index(begin) + len(begin), readme.index(end)
-    return readme[:start] + "\n" + content + "\n" + readme[stop:]
-
-
-def readme_with_parameters(readme: str) -> str:
-    """``readme`` with the generated parameter table between its markers."""
-    return readme_with_section(readme, README_BEGIN, README_END, parameters_markdown())
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Writes metadata.json (and the README's parameter table) from the parameter definitions.")
-    parser.add_argument("metadata", help="path of metadata.json")
-    parser.add_argument("--readme", help="README.md whose parameter table to regenerate")
-    args = parser.parse_args(argv)
-    with open(args.metadata, "w", encoding="utf-8") as handle:
-        handle.write(metadata_json())
-    if args.readme:
-        with open(args.readme, encoding="utf-8") as handle:
-            text = handle.read()
-        from pipeline.bigquery_sink import readme_with_schemas
-
-        with open(args.readme, "w", encoding="utf-8") as handle:
-            handle.write(readme_with_schemas(readme_with_parameters(text)))
-
-
-if __name__ == "__main__":
-    main()

@@ -18,10 +18,10 @@ from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 from apache_beam.utils.shared import Shared
 
-from pipeline.messages import STAGE_VALIDATE, DeadLetter, InferenceRequest
+from pipeline.element_guard import TAG_DEAD_LETTERS, guarded
+from pipeline.messages import STAGE_MEASURE, STAGE_VALIDATE, DeadLetter, InferenceRequest
 
 ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS = "tokenizer", "chars"
-TAG_DEAD_LETTERS = "dead_letters"
 
 
 def estimate_tokens(text: str) -> int:
@@ -78,6 +78,9 @@ class _MeasureFn(beam.DoFn):
             self._meter = lambda request: estimate_tokens(request.prompt_text())
 
     def process(self, request: InferenceRequest) -> Iterator[Any]:
+        return guarded(STAGE_MEASURE, request, lambda: self._measure(request))
+
+    def _measure(self, request: InferenceRequest) -> Iterator[Any]:
         tokens = self._meter(request)
         self.tokens.update(tokens)
         # Only the tokenizer's count is exact enough to refuse a request on.

@@ -10,9 +10,8 @@ from apache_beam import pvalue
 from apache_beam.io.gcp.pubsub import PubsubMessage
 from apache_beam.metrics import Metrics
 
-from pipeline.messages import DeadLetter, RequestLimits, parse_request
-
-TAG_DEAD_LETTERS = "dead_letters"
+from pipeline.element_guard import TAG_DEAD_LETTERS, guarded
+from pipeline.messages import STAGE_PARSE, DeadLetter, RequestLimits, parse_request
 
 
 class _ParseFn(beam.DoFn):
@@ -23,6 +22,9 @@ class _ParseFn(beam.DoFn):
         self.rejected = Metrics.counter("parse", "rejected")
 
     def process(self, message: PubsubMessage | bytes) -> Iterator[Any]:
+        return guarded(STAGE_PARSE, message, lambda: self._parse(message))
+
+    def _parse(self, message: PubsubMessage | bytes) -> Iterator[Any]:
         if isinstance(message, PubsubMessage):
             data, attributes, message_id = message.data, message.attributes, message.message_id
         else:

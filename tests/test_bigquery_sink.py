@@ -123,6 +123,6 @@ def test_rows_bigquery_rejects_become_dead_letters_with_its_reason(bigquery):
 
 def test_readme_schemas_are_generated_from_the_code():
     from pathlib import Path
-    from pipeline.bigquery_sink import readme_with_schemas
+    from pipeline.template_docs import readme_with_schemas
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert readme_with_schemas(readme) == readme, "README schemas are stale: run `make metadata`"

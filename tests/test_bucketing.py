@@ -52,7 +52,7 @@ def run_batching(stream: EventStream, config: BatchingConfig, *, windowed: float
     if windowed:
         requests = requests | beam.WindowInto(window.FixedWindows(windowed))
     # TestStream's processing clock starts at 0 and only moves when the test advances it.
-    requests | BatchRequests(config, clock=lambda: 0.0) | beam.ParDo(_Collect(run_id))
+    (requests | BatchRequests(config, clock=lambda: 0.0)).batches | beam.ParDo(_Collect(run_id))
     result = pipeline.run()
     result.wait_until_finish()
     flushes = {}

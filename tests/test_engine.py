@@ -26,18 +26,24 @@ def engine_for(url: str, **overrides) -> StreamingEngine:
 
 
 def run_to_end(engine: StreamingEngine, requests: list[InferenceRequest], timeout_s: float = 180):
-    keys = {engine.submit(r.to_json()): r.id for r in requests}
-    outputs: dict[str, list[tuple[str, dict]]] = {rid: [] for rid in keys.values()}
+    """Submits like the pipeline does (again later when the engine is full) and polls every outcome."""
+    keys: dict[str, str] = {}
+    unsent = list(requests)
+    outputs: dict[str, list[tuple[str, dict]]] = {r.id: [] for r in requests}
     deadline = time.monotonic() + timeout_s
-    pending = set(keys)
-    while pending and time.monotonic() < deadline:
+    pending: set[str] = set()
+    while (pending or unsent) and time.monotonic() < deadline:
+        while unsent and (key := engine.submit(unsent[0].to_json())) is not None:
+            keys[key] = unsent.pop(0).id
+            pending.add(key)
+        assert engine.in_flight() <= engine.settings.max_in_flight
         for key, items in engine.poll(sorted(pending)).items():
             for kind, payload in items:
                 outputs[keys[key]].append((kind, json.loads(payload)))
                 if kind in (COMPLETION, DEAD_LETTER):
                     pending.discard(key)
         time.sleep(0.05)
-    assert not pending, f"requests without an outcome: {pending}"
+    assert not pending and not unsent, f"requests without an outcome: {pending}, never sent: {unsent}"
     return outputs
 
 
@@ -106,6 +112,8 @@ def test_in_flight_requests_are_bounded(vllm_server):
     try:
         requests = [InferenceRequest(id=f"b{i}", prompt="Tell me a story.", max_tokens=40, received_at=time.time())
                     for i in range(6)]
+        assert engine.submit(requests[0].to_json()) and engine.submit(requests[1].to_json())
+        assert engine.submit(requests[2].to_json()) is None, "a full engine refuses instead of queueing"
         outputs = run_to_end(engine, requests)
         assert all(any(k == COMPLETION for k, _ in items) for items in outputs.values())
     finally:

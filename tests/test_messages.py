@@ -55,7 +55,18 @@ def test_request_round_trips_through_json():
 
 @pytest.mark.parametrize("payload, stage, reason", [
     ('{"prompt": "unterminated', STAGE_PARSE, "not valid JSON"),
-    ("[1, 2]", STAGE_PARSE, "must be an object"),
+    ('{"prompt": "x", "temperature": NaN}', STAGE_PARSE, "NaN is not a JSON number"),
+    ('{"prompt": "x", "metadata": {"n": 1e999}}', STAGE_PARSE, "too large for a double"),
+    ('{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", STAGE_PARSE, "not a usable JSON request"),
+    ('{"prompt": "x", "m": ' + "[" * 5000 + "]" * 5000 + "}", STAGE_PARSE, "nests"),
+    ('{"prompt": "x", "metadata": ' + '{"a":' * 40 + "1" + "}" * 40 + "}", STAGE_PARSE, "nests deeper than 32"),
+    ('{"prompt": "\\ud800 lone"}', STAGE_PARSE, "not valid Unicode"),
+    ({"prompt": "x", "metadata": {"blob": "y" * 70_000}}, STAGE_VALIDATE, "'metadata' is 70011 bytes"),
+    ({"prompt": "x", "stop": ["z" * 300]}, STAGE_VALIDATE, "at most 256 characters"),
+    ({"messages": [{"role": "user", "content": "w" * 200_001}]}, STAGE_VALIDATE, "'messages' have 200001"),
+    ({"id": "i" * 513, "prompt": "x"}, STAGE_VALIDATE, "longer than 512 bytes"),
+    ({"prompt": "x", "deadline_ms": 0}, STAGE_VALIDATE, "'deadline_ms' must be"),
+    ({"prompt": "x", "deadline_ms": 1.5}, STAGE_VALIDATE, "'deadline_ms' must be"),
     ("   ", STAGE_PARSE, "empty"),
     ({"id": "a"}, STAGE_VALIDATE, "exactly one of 'prompt'"),
     ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, STAGE_VALIDATE, "exactly one of"),
@@ -79,6 +90,43 @@ def test_malformed_input_becomes_a_dead_letter_with_a_reason(payload, stage, rea
     assert isinstance(letter, DeadLetter)
     assert letter.stage == stage
     assert reason in letter.reason
+
+
+@pytest.mark.parametrize("text", ["[INST] Summarise this ticket [/INST]", "{name} is late again",
+                                  "[1, 2]", "{", "  [ {\"prompt\": 1} ]"])
+def test_text_that_starts_like_json_but_is_no_json_object_is_a_prompt(text):
+    request = parse(text)
+    assert isinstance(request, InferenceRequest) and request.prompt == text
+
+
+def test_the_content_type_attribute_settles_how_a_payload_is_read():
+    as_text = parse('{"prompt": "this whole thing is the prompt"}', {"content_type": "text/plain"})
+    assert as_text.prompt == '{"prompt": "this whole thing is the prompt"}'
+    as_json = parse("[1, 2]", {"content_type": "application/json; charset=utf-8"})
+    assert isinstance(as_json, DeadLetter) and "must be an object" in as_json.reason
+    unknown = parse("hello", {"content_type": "image/png"})
+    assert isinstance(unknown, DeadLetter) and "is not supported" in unknown.reason
+
+
+def test_an_id_attribute_too_long_for_an_ordering_key_is_refused_not_truncated():
+    letter = parse("hello", {"id": "x" * 600}, message_id="m-9")
+    assert isinstance(letter, DeadLetter) and "longer than 512 bytes" in letter.reason and letter.id is None
+
+
+def test_deadline_ms_is_kept_and_equal_requests_share_a_fingerprint():
+    a = parse({"id": "d", "prompt": "x", "deadline_ms": 5000})
+    b = parse_request(b'{"id": "d", "prompt": "x", "deadline_ms": 5000}', {}, "m-2", limits=LIMITS, now=2000.0)
+    assert a.deadline_ms == 5000 and a.fingerprint() == b.fingerprint()
+    assert a.fingerprint() != parse({"id": "d", "prompt": "y", "deadline_ms": 5000}).fingerprint()
+
+
+def test_a_dead_letter_too_large_for_pubsub_keeps_a_flagged_prefix_of_its_payload():
+    payload = "\x01" * 3_000_000  # 3 MB that JSON-escape to 18 MB
+    record = json.loads(DeadLetter("parse", "too big", payload, id="big").to_json())
+    assert record["payload_truncated"] is True and payload.startswith(record["payload"])
+    assert len(DeadLetter("parse", "too big", payload, id="big").to_json()) <= 8 * 1024 * 1024
+    small = json.loads(DeadLetter("parse", "small", "abc").to_json())
+    assert small["payload"] == "abc" and small["payload_truncated"] is False
 
 
 def test_dead_letter_keeps_the_raw_payload_and_attributes():

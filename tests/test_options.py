@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.options import (PARAMETERS, ConfigError, PipelineConfig, StreamingLLMOptions, metadata_json,
-                              readme_with_parameters)
+from pipeline.options import PARAMETERS, ConfigError, PipelineConfig, StreamingLLMOptions
+from pipeline.template_docs import metadata_json, readme_with_parameters
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
