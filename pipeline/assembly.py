@@ -24,6 +24,7 @@ from pipeline.bucketing import BatchRequests
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.inference import StreamingGenerate
+from pipeline.launch_checks import dataflow_launch_problems
 from pipeline.local_runner import LOCAL_RUNNERS, apply_local_runner_fixes
 from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
@@ -122,6 +123,11 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     """
     options = PipelineOptions(argv)
     config = PipelineConfig.from_options(options)  # raises ConfigError before any job exists
+    problems, warnings = dataflow_launch_problems(options, config)
+    for warning in warnings:
+        LOGGER.warning("Launch check: %s", warning)
+    if problems:
+        raise ConfigError("This launch would fail on Dataflow:\n  - " + "\n  - ".join(problems))
     standard = options.view_as(StandardOptions)
     standard.streaming = True
     local = (standard.runner or "DirectRunner").split(".")[-1] in LOCAL_RUNNERS

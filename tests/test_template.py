@@ -72,3 +72,44 @@ def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_serv
     assert short["priority"] < long["priority"] and "priority" not in unmeasured
     external = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS + ["--server_url=http://vllm:8000"]))
     assert engine_settings(external).priority_boundaries is None
+
+
+DATAFLOW = LAUNCHER_ARGS + ["--runner=DataflowRunner", "--project=my-project", "--region=us-central1",
+                            "--temp_location=gs://my-bucket/tmp"]
+IMAGE = "--sdk_container_image=us-central1-docker.pkg.dev/my-project/dataflow/streaming-llm:latest"
+GPU = "--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"
+
+
+def launch(args: list[str]) -> subprocess.CompletedProcess:
+    """The entry point as the Flex Template launcher calls it; a refused launch never reaches Google Cloud."""
+    return subprocess.run([sys.executable, "-m", "template.main", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_dataflow_launch_without_the_template_image_is_refused_with_the_fix():
+    result = launch(DATAFLOW + [GPU])
+    assert result.returncode == 2
+    assert "This launch would fail on Dataflow" in result.stderr
+    assert "add sdk_container_image=<the template's image> to the parameters" in result.stderr
+    assert "no GPU is requested" not in result.stderr
+
+
+def test_a_dataflow_launch_without_a_gpu_is_warned_about_loudly():
+    result = launch(DATAFLOW)  # refused for the image; the GPU warning comes first
+    assert result.returncode == 2 and "WARNING" in result.stderr and "no GPU is requested" in result.stderr
+    assert "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver" in result.stderr
+
+
+def test_launch_checks_ask_no_gpu_of_an_external_server_and_nothing_of_local_runs():
+    from pipeline.launch_checks import dataflow_launch_problems
+
+    def checks(args):
+        options = PipelineOptions(args)
+        return dataflow_launch_problems(options, PipelineConfig.from_options(options))
+
+    assert checks(DATAFLOW + [IMAGE, GPU]) == ([], [])
+    assert checks(DATAFLOW + [IMAGE, "--experiments=worker_accelerator=type:nvidia-l4;count:1"]) == ([], [])
+    assert checks(DATAFLOW + [IMAGE, "--server_url=http://vllm.internal:8000"]) == ([], [])
+    problems, warnings = checks(DATAFLOW + ["--server_url=http://vllm.internal:8000", "--setup_file=./setup.py"])
+    assert problems == [] and warnings == []
+    assert checks(LAUNCHER_ARGS) == ([], [])  # the DirectRunner: nothing to check

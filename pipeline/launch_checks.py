@@ -1,0 +1,52 @@
+"""Pre-flight checks of a Dataflow launch: what would fail the first job, caught before the job exists.
+
+The Flex Template launcher runs the entry point with the template parameters
+and the Dataflow pipeline options it was given, all as ``--name=value``
+arguments, and the Beam SDK builds the job from them; so what the workers will
+run can be read from those options here, offline. A check refuses the launch
+only where Beam's own code makes the failure certain; otherwise it warns, since
+a check that misfired would block every launch and cannot be tried against
+Dataflow from here.
+"""
+
+from __future__ import annotations
+
+from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOptions, PipelineOptions, SetupOptions, \
+    StandardOptions, WorkerOptions
+
+from pipeline.options import PipelineConfig
+
+DATAFLOW_RUNNERS = ("DataflowRunner",)
+GPU_OPTION = "worker_accelerator"
+
+
+def is_dataflow(options: PipelineOptions) -> bool:
+    return (options.view_as(StandardOptions).runner or "").split(".")[-1] in DATAFLOW_RUNNERS
+
+
+def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig) -> tuple[list[str], list[str]]:
+    """(problems that must stop the launch, warnings) for a Dataflow launch; nothing for other runners."""
+    if not is_dataflow(options):
+        return [], []
+    problems, warnings = [], []
+    managed_server = not config.server_url
+    image = options.view_as(WorkerOptions).sdk_container_image
+    if not image:
+        # Beam 2.77, apache_beam/runners/dataflow/internal/apiclient.py, get_container_image_from_options:
+        # without sdk_container_image the job's workers run Beam's default beam_python3.x_sdk image.
+        if options.view_as(SetupOptions).setup_file is None or managed_server:
+            problems.append(
+                "sdk_container_image is not set, so the workers would run Beam's default SDK image, which has "
+                "neither this template's code nor vLLM; add sdk_container_image=<the template's image> to the "
+                "parameters (make run does), the same image the template was built from")
+    if managed_server:
+        service_options = options.view_as(GoogleCloudOptions).dataflow_service_options or []
+        experiments = options.view_as(DebugOptions).experiments or []
+        if not any(GPU_OPTION in option for option in [*service_options, *experiments]):
+            warnings.append(
+                "no GPU is requested (no worker_accelerator in --dataflow_service_options or experiments), and the "
+                "template starts vLLM on each worker: unless the machine type brings its own GPU, every worker will "
+                "refuse to start the server. Add --dataflow_service_options=worker_accelerator=type:nvidia-l4;"
+                "count:1;install-nvidia-driver (make run does, from GPU_TYPE and GPU_COUNT), or set server_url "
+                "to a server you run")
+    return problems, warnings
