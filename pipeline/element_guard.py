@@ -78,6 +78,19 @@ def guarded(stage: str, element: Any, work: Callable[[], Iterable[Any]],
     yield from outputs
 
 
+def guarded_value(stage: str, element: Any, compute: Callable[[], Any]) -> tuple[Any, pvalue.TaggedOutput | None]:
+    """``(compute(), None)``, or ``(None, dead letter)`` if it raised: for a step whose one risky part is a value."""
+    value = None
+
+    def work() -> list[Any]:
+        nonlocal value
+        value = compute()
+        return []
+
+    failed = list(guarded(stage, element, work))
+    return (None, failed[0]) if failed else (value, None)
+
+
 def _safe_id(element: Any) -> str | None:
     try:
         return describe(element)[0]
