@@ -106,6 +106,10 @@ bench-priority: model ## Measure vLLM priority scheduling (shorter prompts first
 bench-serving: model ## Benchmark first token, latency and throughput: raw vLLM vs this template vs Beam's vLLM handler
 	$(PY) -m benchmarks.serving
 
+.PHONY: bench-scale
+bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)
+	$(PY) -m benchmarks.scale
+
 .PHONY: bench-reliability
 bench-reliability: model ## Probe hostile input, duplicates, a server kill -9 and a backlog; REPO=DIR probes another checkout
 	$(PY) -m benchmarks.reliability $(if $(REPO),--repo $(REPO))

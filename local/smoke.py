@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import statistics
@@ -37,6 +38,12 @@ PROMPTS = [
                                 {"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 60},
     {"id": "recipe", "prompt": "Give me a step-by-step recipe for pancakes.", "max_tokens": 160, "temperature": 0.3},
     {"id": "count", "prompt": "Count from one to ten in words.", "max_tokens": 40, "stop": ["ten"]},
+    {"id": "ticket", "prompt": "Classify this support ticket: 'I was charged twice this month.'",
+     "max_tokens": 80, "temperature": 0,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "ticket", "schema": {
+         "type": "object", "additionalProperties": False, "required": ["category", "urgency"],
+         "properties": {"category": {"enum": ["billing", "bug", "other"]},
+                        "urgency": {"type": "integer", "minimum": 1, "maximum": 5}}}}}},
     "Name three planets of the solar system.",  # plain text: the id comes from the message
     '{"prompt": "broken JSON',  # malformed on purpose: ends in the dead letters
 ]
@@ -71,6 +78,11 @@ def summary(run_collector, started: float) -> str:
         ttft_text = f"{ttft / 1000:.2f} s" if ttft is not None else "-"
         rows.append(f"{data['id']:>12} {ttft_text:>12} {tokens:>7} {rate:>7.1f} {data['total_ms'] / 1000:>6.2f} s"
                     f"  {data['finish_reason']}")
+    for item in run_collector.completions:
+        if item.data.get("output_json") is not None or item.data.get("output_error"):
+            rows.append(f"{item.data['id']:>12} structured output: "
+                        f"{json.dumps(item.data['output_json']) if item.data['output_json'] is not None else ''}"
+                        f"{item.data.get('output_error') or ''}")
     rows.append(f"{len(run_collector.completions)} completions, {len(run_collector.dead_letters)} dead letters, "
                 f"{len(run_collector.chunks)} chunks in {time.time() - started:.1f} s"
                 + (f"; median {statistics.median(rates):.1f} tok/s per request" if rates else ""))

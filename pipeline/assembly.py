@@ -65,13 +65,14 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     limits = RequestLimits(default_max_tokens=config.default_max_tokens, max_model_len=config.max_model_len)
     messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
                                                           with_attributes=True)
-    parsed = messages | "ParseRequests" >> ParseRequests(limits, config.id_attribute)
+    parsed = messages | "ParseRequests" >> ParseRequests(limits, config.id_attribute, config.request_defaults())
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
         estimator=config.effective_length_estimator, model=config.effective_model, prompt_format=config.prompt_format,
         max_model_len=config.max_model_len)
     batches = measured.requests | "BatchRequests" >> BatchRequests(config.batching())
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
-        engine_settings(config), dedupe_window_s=float(config.dedupe_window_s))
+        engine_settings(config), dedupe_window_s=float(config.dedupe_window_s),
+        generate_shards=config.effective_generate_shards(local=is_local(pipeline.options)))
     failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
     if config.output_chunks_topic:
         failures.append(generated.chunks | "PublishChunks" >> PublishJson(
@@ -103,6 +104,11 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     return PipelineOutputs(generated.chunks, generated.completions, dead_letters)
 
 
+def is_local(options: PipelineOptions) -> bool:
+    """Whether the pipeline runs on a local runner (the default one included)."""
+    return (options.view_as(StandardOptions).runner or "DirectRunner").split(".")[-1] in LOCAL_RUNNERS
+
+
 def prepare_tables(config: PipelineConfig) -> None:
     """Creates (or checks) the configured BigQuery tables before any job exists."""
     tables = ((config.output_completions_table, KIND_COMPLETIONS), (config.output_chunks_table, KIND_CHUNKS),
@@ -130,7 +136,7 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
         raise ConfigError("This launch would fail on Dataflow:\n  - " + "\n  - ".join(problems))
     standard = options.view_as(StandardOptions)
     standard.streaming = True
-    local = (standard.runner or "DirectRunner").split(".")[-1] in LOCAL_RUNNERS
+    local = is_local(options)
     if local:
         if standard.runner in (None, "DirectRunner"):
             standard.runner = "BundleBasedDirectRunner"  # the default first tries Prism, which needs a download

@@ -28,7 +28,7 @@ import apache_beam as beam
 from apache_beam.io.gcp.bigquery import BigQueryDisposition, BigQueryWriteFn
 from apache_beam.io.gcp.bigquery_tools import RetryStrategy
 
-from pipeline.element_guard import TAG_DEAD_LETTERS, guarded
+from pipeline.element_guard import TAG_DEAD_LETTERS, guarded_value
 from pipeline.messages import STAGE_SINK, DeadLetter
 
 LOGGER = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
         Column("received_at", "TIMESTAMP", "When the pipeline received the request", "REQUIRED"),
         Column("finished_at", "TIMESTAMP", "When generation finished (partitioning column)", "REQUIRED"),
         Column("metadata", "JSON", "The request's metadata object"),
+        Column("output_json", "JSON", "With a response_format or response_schema: the answer, parsed"),
+        Column("output_error", "STRING", "With a response_format: why the answer could not be parsed or validated"),
     ),
     KIND_CHUNKS: (
         Column("request_id", "STRING", "The request's id", "REQUIRED"),
@@ -103,7 +105,8 @@ def completion_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "completion_tokens": record["usage"]["completion_tokens"],
         "time_to_first_token_ms": record["time_to_first_token_ms"], "total_latency_ms": record["total_ms"],
         "received_at": _timestamp(record["received_at"]), "finished_at": _timestamp(record["finished_at"]),
-        "metadata": _json(record["metadata"]),
+        "metadata": _json(record["metadata"]), "output_json": _json(record.get("output_json")),
+        "output_error": record.get("output_error"),
     }
     return row, f"{record['id']}#{record['attempt']}"
 
@@ -215,10 +218,10 @@ class _InsertFn(BigQueryWriteFn):
 
     def process(self, record: dict[str, Any], window_value=beam.DoFn.WindowedValueParam):
         # The row is built here rather than in a Map before: one step less per chunk bundle.
-        built = list(guarded(STAGE_SINK, record, lambda: [ROW_BUILDERS[self._kind](record)]))
-        if isinstance(built[0], beam.pvalue.TaggedOutput):
-            return built  # a record no row can be made of: its dead letter
-        return super().process((self._table, built[0]), window_value)
+        row, dead_letter = guarded_value(STAGE_SINK, record, lambda: ROW_BUILDERS[self._kind](record))
+        if dead_letter is not None:
+            return [dead_letter]  # a record no row can be made of
+        return super().process((self._table, row), window_value)
 
 
 def _rejected_as_dead_letter(failed: tuple[Any, dict[str, Any], Any]) -> dict[str, Any]:

@@ -14,7 +14,6 @@ With no bucket boundaries there is a single bucket: plain arrival-order batching
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import logging
 import time
@@ -28,7 +27,8 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline.element_guard import TAG_DEAD_LETTERS, guarded
+from pipeline.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
+from pipeline.keying import shard_of
 from pipeline.messages import STAGE_BATCH, InferenceRequest
 from pipeline.prompt_length import estimate_tokens
 
@@ -143,11 +143,6 @@ def padding(lengths: list[int]) -> tuple[int, int]:
     return sum(longest - n for n in lengths), longest * len(lengths)
 
 
-def shard_of(request_id: str, num_shards: int) -> int:
-    """A stable shard for a request id (the same in every process)."""
-    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "big") % num_shards
-
-
 class _BatchFn(beam.DoFn):
     BUFFER = BagStateSpec("buffer", StrUtf8Coder())
     # BucketCounters as JSON: one read and one write per element.
@@ -172,10 +167,11 @@ class _BatchFn(beam.DoFn):
                 flush=beam.DoFn.TimerParam(FLUSH),
                 window_end=beam.DoFn.TimerParam(WINDOW_END)) -> Iterator[Any]:
         key, request = element
-        try:
-            entry = json.dumps({"request": request.to_json(), "arrived_at": self._clock()})
-        except Exception:  # nothing is buffered for a request that cannot be: it ends here as a dead letter
-            yield from guarded(STAGE_BATCH, request, lambda: json.dumps(request.to_json()))
+        # The arriving request is the only thing here that can fail because of an element.
+        entry, dead_letter = guarded_value(
+            STAGE_BATCH, request, lambda: json.dumps({"request": request.to_json(), "arrived_at": self._clock()}))
+        if dead_letter is not None:
+            yield dead_letter
             return
         now = self._clock()
         counters_before = BucketCounters.from_json(counters.read())

@@ -33,6 +33,7 @@ import aiohttp
 from pipeline.bucketing import bucket_index
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.messages import STAGE_INFERENCE, Completion, DeadLetter, InferenceRequest
+from pipeline.structured_output import parse_output
 from pipeline.model_manager import ServerSpec, VLLMServer
 
 LOGGER = logging.getLogger(__name__)
@@ -258,13 +259,14 @@ class StreamingEngine:
             raise RetryableError("the stream ended before a finish reason")
         now = time.time()
         final = assembler.finish(finish_reason, tokens, now)
+        output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
         completion = Completion(
             id=request.id, attempt=stream.attempt, model=self.model_name, prompt=request.prompt,
             messages=request.messages, text=assembler.text, finish_reason=finish_reason,
             prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
             time_to_first_token_ms=assembler.time_to_first_token_ms,
             total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
-            finished_at=now, metadata=request.metadata)
+            finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error)
         self._emit(stream, CHUNK, final.to_json())
         self._emit(stream, COMPLETION, completion.to_json(), final=True)
 
@@ -273,7 +275,8 @@ class StreamingEngine:
             "model": self.model_name, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
-        for name in ("max_tokens", "temperature", "top_p"):
+        for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                     "response_format"):
             if getattr(request, name) is not None:
                 payload[name] = getattr(request, name)
         if request.stop:

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Tuple
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -45,6 +45,7 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.element_guard import guarded
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineSettings, StreamingEngine
+from pipeline.keying import generate_key
 from pipeline.messages import STAGE_INFERENCE, DeadLetter, InferenceRequest
 
 LOGGER = logging.getLogger(__name__)
@@ -351,10 +352,20 @@ class _StreamingGenerateFn(beam.DoFn):
         return pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(letter.to_json()))
 
 
+def _by_generate_key(batch: tuple[object, list[InferenceRequest]],
+                     generate_shards: int) -> Iterator[tuple[int, list[InferenceRequest]]]:
+    groups: dict[int, list[InferenceRequest]] = {}
+    for request in batch[1]:
+        groups.setdefault(generate_key(request.id, generate_shards), []).append(request)
+    yield from groups.items()
+
+
 class StreamingGenerate(beam.PTransform):
     """Batches of requests in, streamed chunks out.
 
-    Input: ``(shard_key, [InferenceRequest, ...])``. Outputs (a tuple of
+    Input: ``(shard_key, [InferenceRequest, ...])``; with ``generate_shards``
+    each request is first re-keyed by :func:`~pipeline.keying.generate_key`
+    (see :mod:`pipeline.keying` for why). Outputs (a tuple of
     PCollections of JSON-ready dicts): ``chunks`` (main), ``completions`` and
     ``dead_letters``; see :mod:`pipeline.messages` for their fields.
 
@@ -365,12 +376,16 @@ class StreamingGenerate(beam.PTransform):
     """
 
     def __init__(self, settings: EngineSettings, *, poll_interval_ms: float | None = None,
-                 shared_tag: str | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S) -> None:
+                 shared_tag: str | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
+                 generate_shards: int | None = None) -> None:
         super().__init__()
         if dedupe_window_s < 0:
             raise ValueError(f"dedupe_window_s must be 0 or more, got {dedupe_window_s:g}")
+        if generate_shards is not None and generate_shards < 1:
+            raise ValueError(f"generate_shards must be at least 1, got {generate_shards}")
         self._settings = settings
         self._dedupe_window_s = dedupe_window_s
+        self._generate_shards = generate_shards
         interval = settings.chunk_policy.interval_ms / 2 if poll_interval_ms is None else poll_interval_ms
         self._poll_interval_ms = min(max(interval, 10.0), 100.0)
         # One engine per worker for this pipeline, never shared with another job's.
@@ -378,6 +393,10 @@ class StreamingGenerate(beam.PTransform):
             (repr(settings) + uuid.uuid4().hex).encode()).hexdigest()[:16]
 
     def expand(self, batches):
+        if self._generate_shards is not None:
+            # Re-keyed by the id's generate shard: these keys decide which worker's GPU serves a request.
+            batches = batches | "KeyByGenerateShard" >> beam.FlatMap(
+                _by_generate_key, self._generate_shards).with_output_types(Tuple[int, Any])
         results = batches | "Generate" >> beam.ParDo(
             _StreamingGenerateFn(self._settings, self._shared_tag, self._poll_interval_ms, self._dedupe_window_s)
         ).with_outputs(TAG_COMPLETIONS, TAG_DEAD_LETTERS, main="chunks")

@@ -20,7 +20,9 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
+
+from pipeline.structured_output import ResponseFormatError, checked_response_format
 
 # Stages a dead letter can come from, so operators can filter by where it failed.
 STAGE_PARSE = "parse"
@@ -31,7 +33,9 @@ STAGE_INFERENCE = "inference"
 STAGE_SINK = "sink"
 
 ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata",
-                  "deadline_ms")
+                  "deadline_ms", "response_format", "seed", "presence_penalty", "frequency_penalty")
+# vLLM takes a 64-bit seed.
+SEED_RANGE = (-2**63, 2**63 - 1)
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_CHARS = 256
@@ -64,6 +68,11 @@ class InferenceRequest:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     # Optional: the request must finish within this many ms of its receipt, or become a dead letter.
     deadline_ms: int | None = None
+    # OpenAI's response_format: constrains the answer to JSON (see pipeline.structured_output).
+    response_format: Mapping[str, Any] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     received_at: float = 0.0
     # Filled in by length bucketing; the estimate is good enough for routing.
     prompt_tokens: int | None = None
@@ -131,6 +140,9 @@ class Completion:
     received_at: float
     finished_at: float
     metadata: Mapping[str, Any]
+    # With a response_format: the parsed answer, or why there is none.
+    output_json: Any = None
+    output_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
@@ -189,6 +201,12 @@ class RequestLimits:
     max_prompt_chars: int = 200_000
 
 
+class Defaults(Protocol):
+    """Template-level defaults applied to each message before validation (see pipeline.enrichment)."""
+
+    def apply(self, fields: dict[str, Any], is_text: bool) -> dict[str, Any]: ...
+
+
 def payload_kind(text: str, attributes: Mapping[str, str]) -> str:
     """How to read a payload: the ``content_type`` attribute if set, else its first characters.
 
@@ -242,6 +260,7 @@ def parse_request(
     limits: RequestLimits = RequestLimits(),
     id_attribute: str = "id",
     now: float | None = None,
+    defaults: Defaults | None = None,
 ) -> InferenceRequest | DeadLetter:
     """Turns one Pub/Sub payload into a request, or a dead letter saying why not."""
     attributes = dict(attributes or {})
@@ -259,8 +278,10 @@ def parse_request(
         return dead(STAGE_PARSE, f"payload is not UTF-8 text ({exc.reason} at byte {exc.start})")
     if not text.strip():
         return dead(STAGE_PARSE, "payload is empty; send a JSON object with a 'prompt' or plain text")
+    is_text = False
     try:
-        if payload_kind(text, attributes) == CONTENT_TYPE_TEXT:
+        is_text = payload_kind(text, attributes) == CONTENT_TYPE_TEXT
+        if is_text:
             fields: dict[str, Any] = {"prompt": text}
         else:
             fields = _decode_json(text)
@@ -281,6 +302,8 @@ def parse_request(
         return dead(STAGE_VALIDATE, f"the request id is longer than {MAX_ID_BYTES} bytes (UTF-8); "
                                     "Pub/Sub ordering keys, which carry it, are limited", None)
     try:
+        if defaults is not None:
+            fields = defaults.apply(fields, is_text)
         return _validated(fields, request_id, limits, received_at)
     except RequestError as exc:
         return dead(STAGE_VALIDATE, str(exc), request_id)
@@ -353,13 +376,25 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
     size = len(json.dumps(metadata, separators=(",", ":")).encode("utf-8"))
     if size > MAX_METADATA_BYTES:
         raise RequestError(f"'metadata' is {size} bytes as JSON; the limit is {MAX_METADATA_BYTES}")
+    response_format = fields.get("response_format")
+    if response_format is not None:
+        try:
+            response_format = checked_response_format(response_format)
+        except ResponseFormatError as exc:
+            raise RequestError(str(exc)) from None
+    seed = fields.get("seed")
+    if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise RequestError(f"'seed' must be a whole number that fits in 64 bits, got {str(seed)[:40]}")
+    presence_penalty = _optional_number(fields, "presence_penalty", low=-2.0, high=2.0)
+    frequency_penalty = _optional_number(fields, "frequency_penalty", low=-2.0, high=2.0)
     deadline_ms = fields.get("deadline_ms")
     if deadline_ms is not None and (not _is_int(deadline_ms) or not 0 < deadline_ms <= 7 * 24 * 3600 * 1000):
         raise RequestError(f"'deadline_ms' must be a whole number of milliseconds from 1 to 604800000 "
                            f"(a week), got {deadline_ms!r}")
     return InferenceRequest(
         id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms, received_at=received_at)
+        top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms, response_format=response_format,
+        seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, received_at=received_at)
 
 
 def _validated_messages(messages: Any) -> tuple[Mapping[str, str], ...]:

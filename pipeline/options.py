@@ -22,12 +22,14 @@ from typing import Any, Callable
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.bucketing import BatchingConfig, default_boundaries, parse_boundaries
+from pipeline.enrichment import RequestDefaults
 
 GROUP_INPUT = "Input"
 GROUP_OUTPUT = "Output"
 GROUP_MODEL = "Model and engine"
 GROUP_BATCHING = "Batching"
 GROUP_STREAMING = "Streaming output"
+GROUP_ENRICHMENT = "Prompt and structured output"
 
 TEMPLATE_NAME = "Streaming LLM inference (vLLM)"
 TEMPLATE_DESCRIPTION = (
@@ -40,6 +42,11 @@ _PROJECT = r"[a-z][-a-z0-9:.]{4,61}[a-z0-9]"
 SUBSCRIPTION_REGEX = rf"^projects/{_PROJECT}/subscriptions/[A-Za-z][-A-Za-z0-9_.~+%]{{2,254}}$"
 TOPIC_REGEX = rf"^projects/{_PROJECT}/topics/[A-Za-z][-A-Za-z0-9_.~+%]{{2,254}}$"
 TABLE_REGEX = rf"^{_PROJECT}[:.][A-Za-z0-9_]{{1,1024}}\.[A-Za-z0-9_$-]{{1,1024}}$"
+
+
+# Generation keys on Dataflow: the fewest with which make bench-scale keeps over 90 % of the GPUs usable
+# at 100 workers (per-request keys do no better, and poll timers cost the same: one per busy key).
+DATAFLOW_GENERATE_SHARDS = 262144
 
 
 class ConfigError(ValueError):
@@ -114,7 +121,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     # Input
     Parameter("input_subscription", "Input Pub/Sub subscription",
               "Subscription to read prompts from. Each message is a JSON object "
-              '{"prompt" or "messages", "id", "max_tokens", "temperature", "top_p", "stop", "metadata", "deadline_ms"} '
+              '{"prompt" or "messages", "id", "max_tokens", "temperature", "top_p", "stop", "metadata", '
+              '"deadline_ms", "response_format", "seed", ...} '
               "or plain UTF-8 text.",
               "projects/my-project/subscriptions/prompts-sub", GROUP_INPUT, "PUBSUB_SUBSCRIPTION",
               required=True, regex=SUBSCRIPTION_REGEX),
@@ -201,6 +209,21 @@ PARAMETERS: tuple[Parameter, ...] = (
               "while the server restarts) goes to the dead letters. Time spent waiting in a backlog does not "
               "count; a request can set its own limit with 'deadline_ms'.",
               "600", GROUP_MODEL, "NUMBER", default=600, minimum=1),
+    # Prompt and structured output
+    Parameter("system_prompt", "System prompt",
+              "Sent as the system message of every request that has none (with prompt_format=completion, "
+              "prepended to the prompt).",
+              "You triage support tickets. Answer only with the requested JSON.", GROUP_ENRICHMENT),
+    Parameter("prompt_template", "Prompt template",
+              "Wraps every message in a prompt: {text} is a plain-text message (or a JSON request's prompt); "
+              "other {name} placeholders come from a JSON request's metadata. A message that lacks a placeholder "
+              "becomes a dead letter. Write {{ and }} for literal braces.",
+              "Classify this support ticket: {text}", GROUP_ENRICHMENT),
+    Parameter("response_schema", "Response JSON schema",
+              "A JSON Schema that constrains the answer of every request that sets no response_format; the "
+              "parsed answer lands in the completion's output_json (BigQuery: a JSON column).",
+              '{"type": "object", "properties": {"category": {"enum": ["billing", "bug", "other"]}}, '
+              '"required": ["category"]}', GROUP_ENRICHMENT),
     # Batching
     Parameter("length_bucketing", "Length bucketing",
               "Batch requests by prompt length (true) instead of in arrival order (false), so one long "
@@ -233,10 +256,15 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("batch_token_budget", "Batch token budget",
               "A batch is also sent once its prompts add up to this many tokens; empty means no budget.",
               "8192", GROUP_BATCHING, "NUMBER", minimum=1),
-    Parameter("num_shards", "Shards",
-              "Keys the stateful batching and streaming steps are spread over; more shards spread "
-              "work over more workers and threads.",
+    Parameter("num_shards", "Batching shards",
+              "Keys per length bucket in the batching step: few let batches fill within max_batch_delay_ms.",
               "16", GROUP_BATCHING, "NUMBER", default=16, minimum=1, maximum=10000),
+    Parameter("generate_shards", "Generation shards",
+              "Keys of the generation step, which decide which worker's GPU serves a request: Dataflow spreads "
+              "keys over workers by hash ranges, so many keys keep the busiest GPU close to the mean. Empty: "
+              f"{DATAFLOW_GENERATE_SHARDS} on Dataflow (over 90 % of GPU capacity usable up to 100 workers, "
+              "make bench-scale), num_shards on a local runner (one worker, where each busy key costs a timer).",
+              "1024", GROUP_BATCHING, "NUMBER", minimum=1, maximum=4_194_304),
     # Streaming output
     Parameter("chunk_tokens", "Tokens per chunk",
               "A chunk is emitted once this many new tokens have arrived (the first token is always "
@@ -288,6 +316,9 @@ class PipelineConfig:
     default_max_tokens: int
     max_in_flight: int
     request_timeout_s: int
+    system_prompt: str | None
+    prompt_template: str | None
+    response_schema: str | None
     length_bucketing: bool
     bucket_boundaries: str
     length_estimator: str
@@ -297,6 +328,7 @@ class PipelineConfig:
     batch_size_limit: int | None
     batch_token_budget: int | None
     num_shards: int
+    generate_shards: int | None
     chunk_tokens: int
     chunk_interval_ms: int
 
@@ -327,10 +359,11 @@ class PipelineConfig:
         problems.extend(_check_combinations(fields))
         if not problems:
             config = cls(**fields)
-            try:
-                config.batching()
-            except ValueError as exc:
-                problems.extend(str(exc).split("; "))
+            for settings in (config.batching, config.request_defaults):
+                try:
+                    settings()
+                except ValueError as exc:
+                    problems.extend(str(exc).split("; "))
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
         return config
@@ -350,6 +383,15 @@ class PipelineConfig:
                               batch_size_target=self.batch_size_target, batch_size_limit=self.batch_size_limit,
                               token_budget=self.batch_token_budget, boundaries=boundaries,
                               num_shards=self.num_shards)
+
+    def effective_generate_shards(self, local: bool) -> int:
+        """The generation step's key count: as set, else by runner (see the parameter's help)."""
+        return self.generate_shards or (self.num_shards if local else DATAFLOW_GENERATE_SHARDS)
+
+    def request_defaults(self) -> RequestDefaults:
+        """The system prompt, prompt template and response schema; raises ValueError when one is unusable."""
+        return RequestDefaults(system_prompt=self.system_prompt or None, prompt_template=self.prompt_template or None,
+                               response_schema=self.response_schema or None, prompt_format=self.prompt_format)
 
     @property
     def priority_boundaries(self) -> tuple[int, ...] | None:

@@ -11,13 +11,14 @@ from apache_beam.io.gcp.pubsub import PubsubMessage
 from apache_beam.metrics import Metrics
 
 from pipeline.element_guard import TAG_DEAD_LETTERS, guarded
-from pipeline.messages import STAGE_PARSE, DeadLetter, RequestLimits, parse_request
+from pipeline.messages import STAGE_PARSE, DeadLetter, Defaults, RequestLimits, parse_request
 
 
 class _ParseFn(beam.DoFn):
-    def __init__(self, limits: RequestLimits, id_attribute: str) -> None:
+    def __init__(self, limits: RequestLimits, id_attribute: str, defaults: Defaults | None) -> None:
         self._limits = limits
         self._id_attribute = id_attribute
+        self._defaults = defaults
         self.accepted = Metrics.counter("parse", "accepted")
         self.rejected = Metrics.counter("parse", "rejected")
 
@@ -30,7 +31,7 @@ class _ParseFn(beam.DoFn):
         else:
             data, attributes, message_id = message, {}, None
         parsed = parse_request(data or b"", attributes, message_id, limits=self._limits,
-                               id_attribute=self._id_attribute)
+                               id_attribute=self._id_attribute, defaults=self._defaults)
         if isinstance(parsed, DeadLetter):
             self.rejected.inc()
             yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(parsed.to_json()))
@@ -44,13 +45,17 @@ class ParseRequests(beam.PTransform):
 
     ``requests`` holds :class:`~pipeline.messages.InferenceRequest` objects;
     ``dead_letters`` holds dead-letter dicts with the raw payload and the reason.
+    ``defaults`` (a :class:`~pipeline.enrichment.RequestDefaults`) applies a
+    system prompt, prompt template and response schema to every message.
     """
 
-    def __init__(self, limits: RequestLimits = RequestLimits(), id_attribute: str = "id") -> None:
+    def __init__(self, limits: RequestLimits = RequestLimits(), id_attribute: str = "id",
+                 defaults: Defaults | None = None) -> None:
         super().__init__()
         self._limits = limits
         self._id_attribute = id_attribute
+        self._defaults = defaults
 
     def expand(self, messages):
-        return messages | "Parse" >> beam.ParDo(_ParseFn(self._limits, self._id_attribute)).with_outputs(
+        return messages | "Parse" >> beam.ParDo(_ParseFn(self._limits, self._id_attribute, self._defaults)).with_outputs(
             TAG_DEAD_LETTERS, main="requests")

@@ -121,3 +121,45 @@ def test_in_flight_requests_are_bounded(vllm_server):
         sampler.join()
         engine.close()
     assert running and max(running) == 2
+
+
+TICKET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["category", "urgency", "summary"],
+                 "properties": {"category": {"enum": ["billing", "bug", "other"]},
+                                "urgency": {"type": "integer", "minimum": 1, "maximum": 5},
+                                "summary": {"type": "string", "maxLength": 60}}}
+TICKETS = ["I was charged twice for my subscription this month.", "The app crashes when I open settings.",
+           "Can you tell me your opening hours?"]
+
+
+def test_structured_requests_come_back_as_json_that_fits_their_schema(vllm_server):
+    from jsonschema import validate
+
+    from pipeline.structured_output import schema_response_format
+
+    engine = engine_for(vllm_server.base_url)
+    ticket_format = schema_response_format(TICKET_SCHEMA, "ticket")
+    try:
+        requests = [InferenceRequest(id=f"t{i}", prompt=f"Classify this support ticket: {ticket}", max_tokens=200,
+                                     temperature=0, seed=1, response_format=ticket_format, received_at=time.time())
+                    for i, ticket in enumerate(TICKETS)]
+        requests += [
+            InferenceRequest(id="cut", prompt=f"Classify this support ticket: {TICKETS[0]}", max_tokens=3,
+                             temperature=0, response_format=ticket_format, received_at=time.time()),
+            InferenceRequest(id="object", prompt="Give the name and age of a made-up person as JSON.",
+                             max_tokens=80, temperature=0, presence_penalty=0.5, frequency_penalty=0.5,
+                             response_format={"type": "json_object"}, received_at=time.time()),
+            InferenceRequest(id="plain", prompt="Say hello.", max_tokens=8, received_at=time.time()),
+        ]
+        outputs = run_to_end(engine, requests)
+    finally:
+        engine.close()
+    completions = {rid: data for rid, items in outputs.items() for kind, data in items if kind == COMPLETION}
+    for i in range(len(TICKETS)):
+        completion = completions[f"t{i}"]
+        assert completion["output_error"] is None, completion
+        validate(completion["output_json"], TICKET_SCHEMA)
+        assert json.loads(completion["text"]) == completion["output_json"]
+    assert completions["cut"]["output_json"] is None and completions["cut"]["finish_reason"] == "length"
+    assert "cut at max_tokens" in completions["cut"]["output_error"]
+    assert isinstance(completions["object"]["output_json"], dict) and completions["object"]["output_error"] is None
+    assert completions["plain"]["output_json"] is None and completions["plain"]["output_error"] is None

@@ -140,3 +140,41 @@ def test_non_utf8_payload_is_kept_as_base64():
     letter = parse(raw)
     assert isinstance(letter, DeadLetter) and "not UTF-8" in letter.reason
     assert letter.payload_encoding == "base64" and base64.b64decode(letter.payload) == raw
+
+
+SCHEMA = {"type": "object", "properties": {"category": {"enum": ["billing", "bug"]}}, "required": ["category"]}
+
+
+def test_response_format_and_sampling_extras_are_kept():
+    request = parse({"prompt": "x", "seed": 7, "presence_penalty": 0.5, "frequency_penalty": -1,
+                     "response_format": {"type": "json_schema",
+                                         "json_schema": {"name": "ticket", "schema": SCHEMA, "strict": True}}})
+    assert (request.seed, request.presence_penalty, request.frequency_penalty) == (7, 0.5, -1.0)
+    assert request.response_format["json_schema"]["schema"] == SCHEMA
+    assert InferenceRequest.from_json(request.to_json()) == request
+    assert parse({"prompt": "x", "response_format": {"type": "json_object"}}).response_format == {"type": "json_object"}
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"response_format": {"type": "text"}}, "'response_format' must be"),
+    ({"response_format": "json"}, "'response_format' must be"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "takes no other field"),
+    ({"response_format": {"type": "json_schema"}}, "needs a 'json_schema' object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}}, "1-64 letters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": [1]}}}, "must be a JSON object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "nope"}}}},
+     "is not a valid JSON Schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": {"type": "object", "description": "d" * 20_000}}}}, "the limit is 16384"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "extra": 1}}},
+     "unknown field(s) 'extra'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": "yes"}}},
+     "'json_schema.strict' must be true or false"),
+    ({"seed": 1.5}, "'seed' must be a whole number"),
+    ({"seed": 2**64}, "'seed' must be a whole number"),
+    ({"presence_penalty": 3}, "'presence_penalty' must be in [-2.0, 2.0]"),
+    ({"frequency_penalty": "high"}, "'frequency_penalty' must be a number"),
+])
+def test_bad_structured_output_and_penalties_are_dead_letters_with_reasons(fields, reason):
+    letter = parse({"prompt": "x", **fields})
+    assert isinstance(letter, DeadLetter) and letter.stage == STAGE_VALIDATE and reason in letter.reason

@@ -1,0 +1,68 @@
+"""Keying: stable across processes, spread as the scale-out simulation assumes, and the defaults it chose."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from benchmarks.scale import simulate, streaming_engine_cost, worker_of
+from pipeline.inference import _by_generate_key
+from pipeline.keying import generate_key, shard_of
+from pipeline.messages import InferenceRequest
+from pipeline.options import DATAFLOW_GENERATE_SHARDS, PipelineConfig
+
+REPO = Path(__file__).resolve().parent.parent
+IDS = [f"req-{i}" for i in range(20_000)] + ["é-ünïcode", "🦙", "x" * 512]
+
+
+def test_keys_are_the_same_in_every_process_whatever_its_hash_seed():
+    code = ("import json, sys; from pipeline.keying import shard_of, generate_key; ids = json.load(sys.stdin); "
+            "print(json.dumps([[shard_of(i, 16), generate_key(i, 262144)] for i in ids]))")
+    here = [[shard_of(i, 16), generate_key(i, 262144)] for i in IDS]
+    for seed in ("0", "12345"):
+        result = subprocess.run([sys.executable, "-c", code], input=json.dumps(IDS), capture_output=True, text=True,
+                                cwd=REPO, env={**os.environ, "PYTHONHASHSEED": seed}, timeout=120, check=True)
+        assert json.loads(result.stdout) == here
+
+
+def test_shards_and_worker_ranges_spread_uniformly():
+    shards = Counter(shard_of(i, 64) for i in IDS)
+    expected = len(IDS) / 64
+    chi_square = sum((shards[s] - expected) ** 2 / expected for s in range(64))
+    assert len(shards) == 64 and chi_square < 120  # 63 degrees of freedom: p > 0.9999 for a fair hash
+    workers = Counter(worker_of(i.encode(), 10) for i in IDS)
+    assert sorted(workers) == list(range(10)) and max(workers.values()) < 1.1 * len(IDS) / 10
+
+
+def test_a_batch_is_regrouped_by_generate_key_with_every_copy_of_an_id_together():
+    requests = [InferenceRequest(id=f"r{i % 50}", prompt=str(i)) for i in range(200)]
+    groups = list(_by_generate_key((3, requests), 64))
+    assert sorted(r.prompt for _, group in groups for r in group) == sorted(r.prompt for r in requests)
+    for key, group in groups:
+        assert 0 <= key < 64 and {generate_key(r.id, 64) for r in group} == {key}
+    assert len({key for key, group in groups for r in group if r.id == "r7"}) == 1
+
+
+def test_the_simulation_respects_what_keys_allow_and_the_defaults_follow_it():
+    rows = {(r.keying, r.workers): r for r in simulate(20_000, seed=1, in_flight=1024, requests_per_s=200,
+                                                         poll_interval_s=0.05)}
+    assert all(rows[(k, 1)].usable_share == 1.0 for k, _ in rows)
+    assert rows[("16 shards", 100)].idle_workers >= 84  # 16 keys keep at most 16 workers busy
+    assert rows[(f"{DATAFLOW_GENERATE_SHARDS} shards", 100)].usable_share > rows[("16 shards", 100)].usable_share
+    timers_16, _ = streaming_engine_cost(16, 1024, 200, 0.05)
+    timers_default, _ = streaming_engine_cost(DATAFLOW_GENERATE_SHARDS, 1024, 200, 0.05)
+    assert timers_16 == 16 / 0.05 + 16 / 600 and timers_16 < timers_default <= 1024 / 0.05 + 200
+    args = ["--input_subscription=projects/my-project/subscriptions/in-sub",
+            "--output_chunks_topic=projects/my-project/topics/chunks",
+            "--dead_letter_topic=projects/my-project/topics/dead", "--num_shards=8"]
+    config = PipelineConfig.from_options(PipelineOptions(args))
+    assert config.effective_generate_shards(local=False) == DATAFLOW_GENERATE_SHARDS
+    assert config.effective_generate_shards(local=True) == 8
+    assert PipelineConfig.from_options(PipelineOptions(args + ["--generate_shards=1024"])).effective_generate_shards(
+        local=False) == 1024

@@ -1,0 +1,60 @@
+"""No-code structured output end to end: a plain-text stream, three template parameters, rows of JSON in BigQuery.
+
+The template is launched as a user launches it (``python -m template.main`` with
+string values), against the session's vLLM server, the Pub/Sub emulator and
+the BigQuery emulator.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jsonschema import validate
+
+from local.harness import REPO_ROOT, LocalRun
+from pipeline.bigquery_sink import bigquery_client
+from tests.conftest import SERVED_NAME, wait_until
+from tests.test_engine import TICKET_SCHEMA, TICKETS
+
+pytestmark = pytest.mark.engine
+
+
+def test_a_plain_text_stream_becomes_structured_completions_and_rows(vllm_server, emulator, bigquery):
+    table = "local-project:llm.completions_structured"
+    run = LocalRun([f"--server_url={vllm_server.base_url}", f"--served_model_name={SERVED_NAME}",
+                    "--system_prompt=You triage support tickets. Answer with the requested JSON only.",
+                    "--prompt_template=Classify this support ticket: {text}",
+                    f"--response_schema={json.dumps(TICKET_SCHEMA)}", "--default_max_tokens=200",
+                    f"--output_completions_table={table}"],
+                   log_path=REPO_ROOT / ".cache" / "test-e2e" / "structured.log", emulator=emulator)
+    run.start()
+    collector = run.collector()
+    ids = [f"ticket-{i}" for i in range(len(TICKETS))]
+    try:
+        for request_id, ticket in zip(ids, TICKETS):
+            run.publish([ticket], attributes={"id": request_id})
+        run.publish(['{"metadata": {"title": "no text"}}'], attributes={"id": "no-text"})
+        missing = collector.wait_for(ids + ["no-text"], 300)
+        assert not missing, f"no outcome for {missing}:\n{run.log_tail()}"
+    finally:
+        collector.stop()
+        run.stop()
+    completions = {c.data["id"]: c.data for c in collector.completions}
+    for request_id, ticket in zip(ids, TICKETS):
+        completion = completions[request_id]
+        assert completion["messages"][1]["content"] == f"Classify this support ticket: {ticket}"
+        assert completion["messages"][0]["role"] == "system"
+        assert completion["output_error"] is None, completion
+        validate(completion["output_json"], TICKET_SCHEMA)
+    (letter,) = [d.data for d in collector.dead_letters if d.data["id"] == "no-text"]
+    assert "prompt_template needs {text}" in letter["reason"]
+
+    client = bigquery_client("local-project")
+    query = ("SELECT request_id, JSON_VALUE(output_json, '$.category') AS category, output_error "
+             "FROM `local-project.llm.completions_structured`")
+    assert wait_until(lambda: len(list(client.query(query).result())) >= len(ids), 60)
+    rows = {row["request_id"]: row for row in client.query(query).result()}
+    for request_id in ids:
+        assert rows[request_id]["category"] == completions[request_id]["output_json"]["category"]
+        assert rows[request_id]["output_error"] is None
