@@ -33,8 +33,8 @@ import aiohttp
 from pipeline.bucketing import bucket_index
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.messages import STAGE_INFERENCE, Completion, DeadLetter, InferenceRequest
-from pipeline.structured_output import parse_output
 from pipeline.model_manager import ServerSpec, VLLMServer
+from pipeline.structured_output import parse_output
 
 LOGGER = logging.getLogger(__name__)
 
@@ -187,11 +187,12 @@ class StreamingEngine:
         last_error = "no attempt was made"
         delay = 0.5
         async with self._semaphore:
-            deadline, limit = time.time() + self.settings.request_timeout_s, \
-                f"request_timeout_s={self.settings.request_timeout_s:g}"
-            if request.deadline_ms is not None and request.received_at + request.deadline_ms / 1000 < deadline:
-                deadline, limit = request.received_at + request.deadline_ms / 1000, \
-                    f"its deadline_ms={request.deadline_ms}"
+            deadline = time.time() + self.settings.request_timeout_s  # from sending, not from queueing
+            limit = f"request_timeout_s={self.settings.request_timeout_s:g}"
+            if request.deadline_ms is not None:
+                own_deadline = request.received_at + request.deadline_ms / 1000
+                if own_deadline < deadline:
+                    deadline, limit = own_deadline, f"its deadline_ms={request.deadline_ms}"
             while time.time() < deadline:
                 try:
                     await asyncio.wait_for(self._stream_once(stream, deadline), timeout=deadline - time.time())
