@@ -22,7 +22,8 @@ import time
 
 import aiohttp
 
-from pipeline.bucketing import bucket_index, default_boundaries
+from pipeline.bucketing import default_boundaries
+from pipeline.keying import bucket_index
 from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
 from pipeline.prompt_length import estimate_tokens

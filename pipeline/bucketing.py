@@ -13,7 +13,6 @@ With no bucket boundaries there is a single bucket: plain arrival-order batching
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import time
@@ -28,7 +27,7 @@ from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateS
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
-from pipeline.keying import shard_of
+from pipeline.keying import bucket_index, shard_of
 from pipeline.messages import STAGE_BATCH, InferenceRequest
 from pipeline.prompt_length import estimate_tokens
 
@@ -76,11 +75,6 @@ class BatchingConfig:
 
     def bucket_of(self, prompt_tokens: int) -> int:
         return bucket_index(self.boundaries, prompt_tokens)
-
-
-def bucket_index(boundaries: tuple[int, ...], prompt_tokens: int) -> int:
-    """Bucket i holds lengths in (boundaries[i-1], boundaries[i]]; the last is open."""
-    return bisect.bisect_left(boundaries, prompt_tokens)
 
 
 def parse_boundaries(text: str) -> tuple[int, ...]:

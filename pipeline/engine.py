@@ -30,8 +30,8 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from pipeline.bucketing import bucket_index
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
+from pipeline.keying import bucket_index
 from pipeline.messages import STAGE_INFERENCE, Completion, DeadLetter, InferenceRequest
 from pipeline.model_manager import ServerSpec, VLLMServer
 from pipeline.structured_output import parse_output

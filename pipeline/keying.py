@@ -13,13 +13,22 @@ steps of the template are keyed:
   ``make bench-scale`` measures that share; ``generate_shards`` defaults to
   what keeps it at 90 % or more up to 100 workers.
 
-Both are a stable hash of the request id, the same in every process, so every
+A request's length bucket (:func:`bucket_index`) is also its vLLM priority when
+shorter prompts go first, so the engine reads it from here, not from the batcher.
+
+Both keys are a stable hash of the request id, the same in every process, so every
 copy of an id meets at one key (which is what de-duplication relies on).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+
+
+def bucket_index(boundaries: tuple[int, ...], prompt_tokens: int) -> int:
+    """Bucket i holds lengths in (boundaries[i-1], boundaries[i]]; the last is open."""
+    return bisect.bisect_left(boundaries, prompt_tokens)
 
 
 def shard_of(request_id: str, num_shards: int) -> int:
