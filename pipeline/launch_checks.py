@@ -1,12 +1,18 @@
 """Pre-flight checks of a Dataflow launch: what would fail the first job, caught before the job exists.
 
 The Flex Template launcher runs the entry point with the template parameters
-and the Dataflow pipeline options it was given, all as ``--name=value``
-arguments, and the Beam SDK builds the job from them; so what the workers will
-run can be read from those options here, offline. A check refuses the launch
-only where Beam's own code makes the failure certain; otherwise it warns, since
-a check that misfired would block every launch and cannot be tried against
-Dataflow from here.
+and the pipeline options it was given as ``--name=value`` arguments, and the
+Beam SDK builds the job from what reaches it; so what the workers will run can
+be read here, offline. A check refuses the launch only where Beam's own code
+makes the failure certain; otherwise it warns, since a check that misfired
+would block every launch and cannot be tried against Dataflow from here.
+
+The worker image is such a case whatever the launcher passes: Beam 2.77 sets
+the job's worker image from ``sdk_container_image`` alone
+(``apache_beam/runners/dataflow/internal/apiclient.py``,
+``get_container_image_from_options``) and otherwise uses its default SDK image.
+If the launcher passes the option, the check sees it; if it does not, the
+workers would run the default image, and the launch is refused.
 """
 
 from __future__ import annotations
