@@ -80,12 +80,22 @@ def acquire_engine(settings: EngineSettings, tag: str, *, fresh: bool = False) -
 
 
 class _Seen:
-    """The ``seen`` state: id -> [fingerprint, forget-after time, or None while the request is open]."""
+    """The ``seen`` state: id -> [fingerprint, forget-after time, or None while the request is open].
+
+    Read on first use only: most polls neither finish a request nor idle, and
+    then the state is neither decoded nor written.
+    """
 
     def __init__(self, state: Any) -> None:
         self._state = state
-        self.ids: dict[str, list] = json.loads(state.read() or "{}")
+        self._ids: dict[str, list] | None = None
         self.changed = False
+
+    @property
+    def ids(self) -> dict[str, list]:
+        if self._ids is None:
+            self._ids = json.loads(self._state.read() or "{}")
+        return self._ids
 
     def holder(self, request_id: str, now: float) -> str | None:
         """The fingerprint of the request that holds this id now, if any."""
@@ -107,7 +117,10 @@ class _Seen:
     def next_expiry(self) -> float | None:
         return min((until for _, until in self.ids.values() if until is not None), default=None)
 
-    def save(self, now: float) -> None:
+    def save(self, now: float, *, prune: bool = False) -> None:
+        """Writes the ids back if they changed, forgetting those past their window (``prune``: read them first)."""
+        if self._ids is None and not prune:
+            return  # never read, so nothing changed
         expired = [i for i, (_, until) in self.ids.items() if until is not None and until <= now]
         for request_id in expired:
             del self.ids[request_id]
@@ -200,11 +213,10 @@ class _StreamingGenerateFn(beam.DoFn):
         busy = yield from self._collect(inflight, seen)
         busy += yield from self._admit(waiting, inflight, seen)
         now = time.time()
-        seen.save(now)
-        next_expiry = seen.next_expiry()
+        seen.save(now, prune=not busy)
         if busy:
             self._arm(poll, poll_at_ms, now + self._poll_interval_s)
-        elif next_expiry is not None:
+        elif (next_expiry := seen.next_expiry()) is not None:
             self._arm(poll, poll_at_ms, next_expiry + 1.0)  # to forget the ids whose window has passed
 
     def _arm(self, poll, poll_at_ms, at: float) -> None:
@@ -250,11 +262,12 @@ class _StreamingGenerateFn(beam.DoFn):
 
     def _admit(self, waiting, inflight, seen: _Seen) -> Iterator[Any]:
         """Sends waiting requests while the engine has room; returns how many it sent or left waiting."""
-        if self._engine.in_flight() >= self._settings.max_in_flight:
-            return sum(1 for _ in waiting.read())  # full: the queue is not even read
-        entries = [json.loads(e) for e in waiting.read()]
-        if not entries:
+        waiting_entries = list(waiting.read())
+        if not waiting_entries:
             return 0
+        if self._engine.in_flight() >= self._settings.max_in_flight:
+            return len(waiting_entries)  # full: nothing to decode
+        entries = [json.loads(e) for e in waiting_entries]
         now, taken, sent = time.time(), 0, 0
         for entry in entries:
             if entry["deadline_at"] is not None and now > entry["deadline_at"]:
@@ -298,9 +311,12 @@ class _StreamingGenerateFn(beam.DoFn):
         for entry in entries:
             before = (entry["key"], entry["attempt"])
             outcome: list[bool] = []
+            items = ready.get(entry["key"], ())
+            if not items and entry["key"] is not None:
+                remaining.append(entry)  # nothing new for this request
+                continue
             yield from guarded(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
-                               lambda: self._outputs(entry, ready.get(entry["key"], ()), outcome),
-                               on_failure=lambda: outcome.append(True))
+                               lambda: self._outputs(entry, items, outcome), on_failure=lambda: outcome.append(True))
             if outcome:
                 seen.release(json.loads(entry["request"])["id"], entry["fp"], time.time() + self._dedupe_window_s)
                 changed = True
