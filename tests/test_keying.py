@@ -66,3 +66,13 @@ def test_the_simulation_respects_what_keys_allow_and_the_defaults_follow_it():
     assert config.effective_generate_shards(local=True) == 8
     assert PipelineConfig.from_options(PipelineOptions(args + ["--generate_shards=1024"])).effective_generate_shards(
         local=False) == 1024
+
+
+def test_the_batchers_shard_is_the_generate_key_when_the_counts_agree():
+    """Why the template skips re-keying when generate_shards equals num_shards (as on local runners)."""
+    from pipeline.bucketing import BatchingConfig, _keyed
+
+    config = BatchingConfig(boundaries=(16, 64), num_shards=8)
+    for request_id in IDS[:2000]:
+        (key, _), = _keyed(config, InferenceRequest(id=request_id, prompt="x", prompt_tokens=20))
+        assert int(key.rsplit(":", 1)[1]) == generate_key(request_id, 8)
