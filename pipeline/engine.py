@@ -26,13 +26,13 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.keying import bucket_index
-from pipeline.messages import STAGE_INFERENCE, Completion, DeadLetter, InferenceRequest
+from pipeline.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
 from pipeline.model_manager import ServerSpec, VLLMServer
 from pipeline.structured_output import parse_output
 
@@ -181,6 +181,15 @@ class StreamingEngine:
                 stream.done = True
                 self._unfinished -= 1
 
+    def _cut(self, stream: _Stream, cut: Callable[[], list[Chunk]]) -> None:
+        """Runs a step of the stream's chunk assembler and queues its chunks, under the lock poll() cuts under.
+
+        poll() cuts interval chunks on the caller's thread, the stream cuts its own on
+        the engine's loop: one lock keeps their sequence numbers one gapless sequence.
+        """
+        with self._lock:
+            stream.outputs.extend((CHUNK, chunk.to_json()) for chunk in cut())
+
     async def _run(self, key: str) -> None:
         stream = self._streams[key]
         request = stream.request
@@ -247,11 +256,9 @@ class StreamingEngine:
                         if delta is None:
                             delta = (choice.get("delta") or {}).get("content") or ""
                         tokens = usage.get("completion_tokens", tokens + (1 if delta else 0))
-                        chunks = assembler.add(delta, tokens, time.time())
+                        self._cut(stream, lambda: assembler.add(delta, tokens, time.time()))
                         finish_reason = choice.get("finish_reason") or finish_reason
                         finished = finished or choice.get("finish_reason") is not None
-                        for chunk in chunks:
-                            self._emit(stream, CHUNK, chunk.to_json())
                     if not event.get("choices") and usage:
                         tokens = usage.get("completion_tokens", tokens)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
@@ -259,7 +266,7 @@ class StreamingEngine:
         if not finished:
             raise RetryableError("the stream ended before a finish reason")
         now = time.time()
-        final = assembler.finish(finish_reason, tokens, now)
+        self._cut(stream, lambda: [assembler.finish(finish_reason, tokens, now)])
         output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
         completion = Completion(
             id=request.id, attempt=stream.attempt, model=self.model_name, prompt=request.prompt,
@@ -268,7 +275,6 @@ class StreamingEngine:
             time_to_first_token_ms=assembler.time_to_first_token_ms,
             total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
             finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error)
-        self._emit(stream, CHUNK, final.to_json())
         self._emit(stream, COMPLETION, completion.to_json(), final=True)
 
     def _payload(self, request: InferenceRequest) -> tuple[str, dict[str, Any]]:

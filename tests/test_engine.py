@@ -163,3 +163,32 @@ def test_structured_requests_come_back_as_json_that_fits_their_schema(vllm_serve
     assert "cut at max_tokens" in completions["cut"]["output_error"]
     assert isinstance(completions["object"]["output_json"], dict) and completions["object"]["output_error"] is None
     assert completions["plain"]["output_json"] is None and completions["plain"]["output_error"] is None
+
+
+def test_chunks_cut_by_polls_and_by_the_stream_share_one_gapless_sequence(vllm_server):
+    """poll() cuts interval chunks on the caller's thread while the stream cuts its own on the engine's loop."""
+    import sys
+
+    engine = engine_for(vllm_server.base_url, chunk_policy=ChunkPolicy(chunk_tokens=3, interval_ms=1))
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, so that unguarded steps interleave
+    try:
+        requests = [InferenceRequest(id=f"race-{i}", prompt="Count from 1 to 200 in digits.", max_tokens=160,
+                                     temperature=0, received_at=time.time()) for i in range(3)]
+        keys = {engine.submit(r.to_json()): r.id for r in requests}
+        chunks: dict[str, list[dict]] = {rid: [] for rid in keys.values()}
+        pending, deadline = set(keys), time.monotonic() + 180
+        while pending and time.monotonic() < deadline:  # poll as fast as possible
+            for key, items in engine.poll(sorted(pending)).items():
+                for kind, payload in items:
+                    if kind == CHUNK:
+                        chunks[keys[key]].append(json.loads(payload))
+                    elif kind in (COMPLETION, DEAD_LETTER):
+                        pending.discard(key)
+        assert not pending
+    finally:
+        sys.setswitchinterval(switch_interval)
+        engine.close()
+    for request_id, mine in chunks.items():
+        assert [c["seq"] for c in mine] == list(range(len(mine))), request_id
+        assert mine[-1]["final"] and not any(c["final"] for c in mine[:-1]), request_id

@@ -107,11 +107,14 @@ def test_every_message_ends_as_exactly_one_completion_or_dead_letter(run):
 
 def test_chunks_are_gapless_and_add_up_to_the_final_text(run):
     _, collector, _, _ = run
-    chunks = defaultdict(list)
-    for chunk in collector.chunks:
-        chunks[(chunk.data["id"], chunk.data["attempt"])].append(chunk.data)
+    chunks = defaultdict(dict)
+    for chunk in collector.chunks:  # at-least-once: a redelivered chunk is the same chunk again
+        key = (chunk.data["id"], chunk.data["attempt"])
+        if chunk.data["seq"] in chunks[key]:
+            assert chunks[key][chunk.data["seq"]]["text"] == chunk.data["text"], "one seq, two texts"
+        chunks[key][chunk.data["seq"]] = chunk.data
     for request_id, completion in completions_by_id(collector).items():
-        mine = sorted(chunks[(request_id, completion["attempt"])], key=lambda c: c["seq"])
+        mine = sorted(chunks[(request_id, completion["attempt"])].values(), key=lambda c: c["seq"])
         assert [c["seq"] for c in mine] == list(range(len(mine))), request_id
         assert mine[-1]["final"] and not any(c["final"] for c in mine[:-1]), request_id
         assert "".join(c["text"] for c in mine) == completion["text"], request_id
