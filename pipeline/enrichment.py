@@ -10,9 +10,11 @@ as it will be sent, and the completion records what was sent.
 
 from __future__ import annotations
 
+import copy
 import json
 import string
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping
 
 from pipeline.messages import RequestError
@@ -50,15 +52,23 @@ class RequestDefaults:
     prompt_format: str = "chat"
 
     def __post_init__(self) -> None:
-        if self.prompt_template:
-            template_fields(self.prompt_template)
-        if self.response_schema:
-            try:
-                checked_schema(json.loads(self.response_schema), "response_schema")
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"response_schema is not valid JSON: {exc.msg}") from None
-            except ResponseFormatError as exc:
-                raise ValueError(str(exc)) from None
+        """Parses and checks the settings once, at launch: a bad template or schema raises ValueError here."""
+        _ = self._fields, self._response_format
+
+    @cached_property
+    def _fields(self) -> tuple[str, ...]:
+        return template_fields(self.prompt_template) if self.prompt_template else ()
+
+    @cached_property
+    def _response_format(self) -> dict[str, Any] | None:
+        if not self.response_schema:
+            return None
+        try:
+            return schema_response_format(checked_schema(json.loads(self.response_schema), "response_schema"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"response_schema is not valid JSON: {exc.msg}") from None
+        except ResponseFormatError as exc:
+            raise ValueError(str(exc)) from None
 
     def apply(self, fields: dict[str, Any], is_text: bool) -> dict[str, Any]:
         """The message's fields with the defaults applied; raises RequestError when the template cannot be filled."""
@@ -71,14 +81,14 @@ class RequestDefaults:
             if isinstance(fields.get("prompt"), str):
                 values[TEXT_FIELD] = fields["prompt"]
             fields["prompt"] = self._render(values)
-        if self.response_schema and fields.get("response_format") is None:
-            fields["response_format"] = schema_response_format(json.loads(self.response_schema))
+        if self._response_format is not None and fields.get("response_format") is None:
+            fields["response_format"] = copy.deepcopy(self._response_format)
         if self.system_prompt:
             self._add_system_prompt(fields)
         return fields
 
     def _render(self, values: Mapping[str, Any]) -> str:
-        missing = [name for name in template_fields(self.prompt_template) if name not in values]
+        missing = [name for name in self._fields if name not in values]
         if missing:
             available = ", ".join(sorted(values)) or "none"
             raise RequestError(f"prompt_template needs {', '.join('{' + m + '}' for m in missing)}, which this "
