@@ -28,16 +28,15 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 
 from local.emulators import PubSubEmulator
-from local.harness import REPO_ROOT, LocalRun, server_pids_in_log
+from local.harness import REPO_ROOT, LocalRun, requests_at_server, server_pids_in_log
 from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
-from tests.hostile_inputs import TOO_LONG_ID, hostile_corpus
+from tests.hostile_inputs import carries_too_long_id, hostile_corpus
 
 LOGGER = logging.getLogger("reliability")
 SERVED = "smollm2"
@@ -76,10 +75,7 @@ class Peaks:
                 pass
             if self.server_url:
                 try:
-                    with urllib.request.urlopen(f"{self.server_url}/metrics", timeout=5) as response:
-                        load = sum(float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
-                                   if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
-                    self.at_server = max(self.at_server, load)
+                    self.at_server = max(self.at_server, requests_at_server(self.server_url))
                 except OSError:
                     pass
             time.sleep(0.1)
@@ -127,7 +123,7 @@ def faults(emulator: PubSubEmulator, repo: Path, checkpoint: Path, hostile: int,
     after = [{"id": f"after{i}", "prompt": "Name an animal.", "max_tokens": 8} for i in range(4)]
     corpus = hostile_corpus(seed, hostile)
     # A payload whose own id is too long for an ordering key is refused under no id: not waited for by name.
-    nameless = {f"h{i}" for i, (payload, _) in enumerate(corpus) if f'"id": "{TOO_LONG_ID}"'.encode() in payload}
+    nameless = {f"h{i}" for i, (payload, _) in enumerate(corpus) if carries_too_long_id(payload)}
     expected = {r["id"] for r in valid + after} | {f"h{i}" for i in range(hostile)} - nameless
     inputs = 0
     try:

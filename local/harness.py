@@ -201,6 +201,16 @@ class LocalRun:
         return code
 
 
+def requests_at_server(base_url: str) -> float:
+    """Requests a vLLM server holds now, running and waiting, from its Prometheus metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+
+
 def server_pids_in_log(log_text: str) -> list[int]:
     """PIDs of vLLM servers the pipeline reported starting (model manager log lines)."""
     pids = []

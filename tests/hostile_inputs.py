@@ -111,3 +111,8 @@ def hostile_corpus(seed: int, size: int) -> list[tuple[bytes, dict[str, str]]]:
         lambda: ("{" + '"a":{' * 50 + "}" * 51).encode(),
     ]
     return [(rng.choice(makers)(), {}) for _ in range(size)]
+
+
+def carries_too_long_id(payload: bytes) -> bool:
+    """Whether a corpus payload names its own id, one too long to accept: it is refused under no id."""
+    return f'"id": "{TOO_LONG_ID}"'.encode() in payload

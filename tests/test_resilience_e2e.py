@@ -15,15 +15,14 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from collections import Counter, defaultdict
 
 import psutil
 import pytest
 
-from local.harness import REPO_ROOT, LocalRun, server_pids_in_log
+from local.harness import REPO_ROOT, LocalRun, requests_at_server, server_pids_in_log
 from tests.conftest import SERVED_NAME, wait_until
-from tests.hostile_inputs import TOO_LONG_ID, hostile_corpus
+from tests.hostile_inputs import carries_too_long_id, hostile_corpus
 
 pytestmark = pytest.mark.engine
 
@@ -39,7 +38,7 @@ REUSED = [{"id": "short-0", "prompt": "A different question that reuses an id: n
 AFTER = [{"id": f"after-{i}", "prompt": "Name an animal.", "max_tokens": 8} for i in range(3)]
 HOSTILE = hostile_corpus(seed=2026, size=60)
 # A payload id too long for an ordering key overrides the attribute id: its dead letter has no id.
-NAMELESS = {f"hostile-{i}" for i, (payload, _) in enumerate(HOSTILE) if f'"id": "{TOO_LONG_ID}"'.encode() in payload}
+NAMELESS = {f"hostile-{i}" for i, (payload, _) in enumerate(HOSTILE) if carries_too_long_id(payload)}
 HOSTILE_IDS = [f"hostile-{i}" for i in range(len(HOSTILE))]
 
 
@@ -163,17 +162,6 @@ BACKLOG_TIMEOUT_S = 3
 BACKLOG_IN_FLIGHT = 2
 
 
-def vllm_gauges(base_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    gauges = {}
-    for line in text.splitlines():
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-            if line.startswith(name + "{"):
-                gauges[name] = gauges.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return gauges
-
-
 def test_a_backlog_far_beyond_the_timeout_is_served_whole_with_bounded_memory(vllm_server, emulator):
     local_run = LocalRun([f"--server_url={vllm_server.base_url}", f"--served_model_name={SERVED_NAME}",
                           f"--max_in_flight={BACKLOG_IN_FLIGHT}", f"--request_timeout_s={BACKLOG_TIMEOUT_S}",
@@ -188,8 +176,7 @@ def test_a_backlog_far_beyond_the_timeout_is_served_whole_with_bounded_memory(vl
         pipeline = psutil.Process(local_run.process.pid)
         while not stop.is_set():
             try:
-                gauges = vllm_gauges(vllm_server.base_url)
-                peaks["in_flight"] = max(peaks["in_flight"], sum(gauges.values()))
+                peaks["in_flight"] = max(peaks["in_flight"], requests_at_server(vllm_server.base_url))
                 tree = [pipeline, *pipeline.children(recursive=True)]
                 peaks["rss"] = max(peaks["rss"], sum(p.memory_info().rss for p in tree if p.is_running()))
             except (psutil.Error, OSError):
