@@ -102,9 +102,9 @@ bench-bucketing: install ## Benchmark padding and batch waits, arrival order vs 
 bench-priority: model ## Measure vLLM priority scheduling (shorter prompts first) against FCFS on a saturated server
 	$(PY) -m benchmarks.priority
 
-.PHONY: bench-serving
-bench-serving: model ## Benchmark first token, latency and throughput: raw vLLM vs this template vs Beam's vLLM handler
-	$(PY) -m benchmarks.serving
+.PHONY: bench
+bench: model ## First chunk, latency, throughput, CPU: raw vLLM vs the template vs Beam's handler (BENCH_ARGS=--help)
+	$(PY) -m benchmarks.side_by_side $(BENCH_ARGS)
 
 .PHONY: bench-scale
 bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)

@@ -88,7 +88,7 @@ def streaming_engine_cost(keys: int | None, in_flight: float, requests_per_s: fl
 def simulate(requests: int, seed: int, in_flight: float, requests_per_s: float,
              poll_interval_s: float) -> list[Row]:
     rng = random.Random(seed)
-    # Generated tokens per request: 60 % short answers, 40 % long ones (as benchmarks.serving's mix).
+    # Generated tokens per request: 60 % short answers, 40 % long ones (an assumption of this simulation).
     stream = [(f"req-{rng.getrandbits(64):016x}", rng.randint(8, 40) if rng.random() < 0.6 else rng.randint(150, 400))
               for _ in range(requests)]
     rows = []

@@ -1,0 +1,259 @@
+"""``make bench``: one vLLM server, the same seeded prompts, every system side by side.
+
+    python -m benchmarks.side_by_side [--reps 3] [--cores both] [--systems ...] [--requests 32] ...
+
+See ``--help`` for every option and the README's "Benchmarks" section for what
+each figure means. Figures only; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks.side_by_side import report, workload
+from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans
+from benchmarks.side_by_side.stats import RunResult
+from benchmarks.side_by_side.systems import BeamHandler, RawVLLM, System, Template
+from local.emulators import PubSubEmulator
+from local.harness import REPO_ROOT
+
+SYSTEMS = ("raw", "template-arrival", "template-buckets", "beam")
+SERVED_NAME = "bench"
+SETTLE_S = 1.0  # after resuming a paused pipeline, before sending it anything
+
+
+class ProgressLine:
+    """One line that says where the run is: rewritten in place on a terminal, every 15 s otherwise."""
+
+    def __init__(self) -> None:
+        self.context = ""
+        self._tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, finished: int, expected: int) -> None:
+        line = f"{self.context} · {finished}/{expected} finished"
+        now = time.monotonic()
+        if self._tty:
+            sys.stderr.write("\r" + line[:150].ljust(150))
+            sys.stderr.flush()
+        elif now - self._last >= 15 or finished == expected:
+            print(line, file=sys.stderr, flush=True)
+            self._last = now
+
+    def note(self, text: str) -> None:
+        if self._tty:
+            sys.stderr.write("\r" + " " * 150 + "\r")
+        print(text, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side", description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every configuration, interleaved")
+    parser.add_argument("--cores", choices=("both", "isolated", "shared"), default="both",
+                        help="isolated: server on its own cores (a GPU worker's shape); shared: a CPU-only user's")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--template-repo", type=Path, action="append", default=[], metavar="DIR",
+                        help="also run the template (length buckets) from another checkout, e.g. before a change")
+    parser.add_argument("--requests", type=int, default=32, help="prompts in a burst")
+    parser.add_argument("--paced-requests", type=int, default=12, help="prompts per paced run")
+    parser.add_argument("--rates", default="0.25,0.5,0.85",
+                        help="paced rates as fractions of the capacity measured by raw vLLM's burst")
+    parser.add_argument("--rates-per-s", default="", help="paced rates in requests/s instead (overrides --rates)")
+    parser.add_argument("--no-burst", action="store_true", help="paced shapes only")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--prompts", type=Path, help="a JSONL file of {\"prompt\": ...} to use instead of the mix")
+    parser.add_argument("--model", help="model for the server (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--vllm-args", default="--enforce-eager", help="more vLLM server flags, one string")
+    parser.add_argument("--server-url", help="use a running server instead of starting one (cores: shared only)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench" / "side_by_side",
+                        help="where the report folder goes (git ignores .cache)")
+    args = parser.parse_args(argv)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.server_url and args.cores != "shared":
+        parser.error("--server-url runs a server this command cannot pin: add --cores shared")
+    if min(args.reps, args.requests, args.paced_requests, args.max_tokens) < 1:
+        parser.error("--reps, --requests, --paced-requests and --max-tokens must be at least 1")
+    return args
+
+
+def _shapes(args: argparse.Namespace, capacity_rps: float) -> dict[str, float | None]:
+    """Shape name → arrival rate (None: a burst)."""
+    shapes: dict[str, float | None] = {} if args.no_burst else {"burst": None}
+    if args.rates_per_s:
+        rates = [float(r) for r in args.rates_per_s.split(",") if r]
+    else:
+        rates = [float(f) * capacity_rps for f in args.rates.split(",") if f]
+    for rate in rates:
+        shapes[f"paced {rate:.2f}/s"] = rate
+    return shapes
+
+
+class _Server:
+    """The one vLLM server, started under a core plan, or a running one."""
+
+    def __init__(self, args: argparse.Namespace, plan: CorePlan) -> None:
+        self.args, self.plan = args, plan
+        self.server = None
+        self.start_s = float("nan")
+
+    def __enter__(self) -> _Server:
+        if self.args.server_url:
+            self.base_url = self.args.server_url.rstrip("/")
+            import json
+            import urllib.request
+
+            with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=10) as response:
+                self.model = json.load(response)["data"][0]["id"]
+            self.port = int(self.base_url.rsplit(":", 1)[1])
+            return self
+        from pipeline.local_model import ensure_local_checkpoint
+        from pipeline.model_manager import ServerSpec, VLLMServer
+
+        model = self.args.model or str(ensure_local_checkpoint())
+        spec = ServerSpec(model=model, dtype=self.args.dtype, served_model_name=SERVED_NAME,
+                          extra_args=tuple(shlex.split(self.args.vllm_args)), start_timeout_s=1800)
+        saved = dict(os.environ)
+        os.environ.update(self.plan.server_env())
+        os.sched_setaffinity(0, self.plan.server)  # the server inherits these cores
+        started = time.monotonic()
+        try:
+            self.server = VLLMServer(spec).start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        self.start_s = time.monotonic() - started
+        pin_this_process(self.plan.clients)  # with every child so far: the emulator, the server ...
+        pin_tree(self.server.pid, self.plan.server)  # ... which then goes back to its own cores
+        self.base_url, self.port, self.model = self.server.base_url, self.server.port, SERVED_NAME
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server, log_dir: Path) -> list[System]:
+    chosen = args.systems.split(",")
+    systems: list[System] = []
+    if "raw" in chosen:
+        systems.append(RawVLLM(server.base_url, server.model, args.max_tokens))
+    if "template-arrival" in chosen:
+        systems.append(Template("template (arrival order)", emulator, server.base_url, args.max_tokens,
+                                bucketing=False, log_dir=log_dir))
+    if "template-buckets" in chosen:
+        systems.append(Template("template (length buckets)", emulator, server.base_url, args.max_tokens,
+                                bucketing=True, log_dir=log_dir))
+    for repo in args.template_repo:
+        systems.append(Template(f"template (length buckets) @ {repo.name}", emulator, server.base_url, args.max_tokens,
+                                bucketing=True, log_dir=log_dir, repo_root=repo.resolve()))
+    if "beam" in chosen:
+        systems.append(BeamHandler(emulator, server.port, server.model, args.max_tokens, log_dir=log_dir))
+    return systems
+
+
+def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Prompt], emulator: PubSubEmulator,
+             log_dir: Path, progress: ProgressLine, context: report.Context) -> list[RunResult]:
+    """Every system, shape and repetition under one core plan, interleaved."""
+    progress.note(f"[{plan.name}] starting the vLLM server ({plan.describe()}) ...")
+    results: list[RunResult] = []
+    with _Server(args, plan) as server:
+        context.server_start_s[plan.name] = server.start_s
+        systems = _systems(args, emulator, server, log_dir / plan.name)
+        started: list[System] = []
+        try:
+            for system in systems:
+                progress.note(f"[{plan.name}] starting {system.name} (start-up and warm-up are not measured) ...")
+                system.start()
+                started.append(system)
+                system.pause()
+            calibration = RawVLLM(server.base_url, server.model, args.max_tokens)
+            progress.context = f"[{plan.name}] calibrating: raw vLLM burst of {len(prompts)}"
+            probe = calibration.run(prompts, workload.arrivals(len(prompts), None, 0), shape="calibration", rep=0,
+                                    cores=plan.name, progress=progress)
+            wall = max(t.done for t in probe.timings) - min(t.sent for t in probe.timings)
+            capacity = len(probe.timings) / wall
+            context.capacity_rps[plan.name] = capacity
+            progress.note(f"[{plan.name}] capacity {capacity:.2f} requests/s")
+            shapes = _shapes(args, capacity)
+            for shape, rate in shapes.items():
+                count = len(prompts) if rate is None else min(args.paced_requests, len(prompts))
+                context.shapes[shape] = (f"burst of {count}" if rate is None
+                                         else f"{count} Poisson arrivals at {rate:.2f} requests/s")
+            for rep in range(1, args.reps + 1):
+                for shape_index, (shape, rate) in enumerate(shapes.items()):
+                    count = len(prompts) if rate is None else min(args.paced_requests, len(prompts))
+                    chosen = prompts[:count] if rate is None else \
+                        [prompts[(i * 7 + rep) % len(prompts)] for i in range(count)]
+                    offsets = workload.arrivals(count, rate, args.seed * 1000 + rep * 10 + shape_index)
+                    turn = (rep + shape_index) % len(started)
+                    for system in started[turn:] + started[:turn]:  # a different order each time
+                        progress.context = f"[{plan.name}] rep {rep}/{args.reps} · {shape} · {system.name}"
+                        system.resume()
+                        time.sleep(SETTLE_S)
+                        try:
+                            results.append(system.run(chosen, offsets, shape=shape, rep=rep, cores=plan.name,
+                                                      progress=progress))
+                        finally:
+                            system.pause()
+                        progress.note(f"{progress.context}: done")
+        finally:
+            for system in started:
+                system.resume()
+                system.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    with PubSubEmulator() as emulator:
+        emulator.activate()
+        return run(args, emulator)
+
+
+def run(args: argparse.Namespace, emulator: PubSubEmulator) -> Path:
+    """The whole benchmark against a started emulator; returns the report folder."""
+    prompts = (workload.from_jsonl(args.prompts, args.requests) if args.prompts
+               else workload.mixed(args.requests, args.seed))
+    names = ["isolated", "shared"] if args.cores == "both" else [args.cores]
+    core_plans = plans(names)
+    stamp = datetime.now(timezone.utc)
+    folder = args.out / stamp.strftime("%Y%m%dT%H%M%SZ")
+    folder.mkdir(parents=True, exist_ok=True)
+    kinds = {kind: sum(p.kind == kind for p in prompts) for kind in dict.fromkeys(p.kind for p in prompts)}
+    context = report.Context(
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}", date=stamp.strftime("%Y-%m-%d %H:%M UTC"),
+        model=args.model or args.server_url or "SmolLM2-135M-Instruct (embedded, vLLM CPU build)",
+        max_tokens=args.max_tokens, seed=args.seed,
+        workload=(f"prompts from {args.prompts}" if args.prompts else "the mixed workload: ")
+        + ", ".join(f"{n} {k}" for k, n in kinds.items()),
+        shapes={}, cores={plan.name: plan.describe() for plan in core_plans}, server_start_s={}, capacity_rps={},
+        reps=args.reps)
+    progress = ProgressLine()
+    runs: list[RunResult] = []
+    for plan in core_plans:
+        runs += run_plan(args, plan, prompts, emulator, folder / "logs", progress, context)
+    table = report.terminal(runs, context)
+    print(table)
+    (folder / "report.md").write_text(report.markdown(runs, context), encoding="utf-8")
+    (folder / "runs.json").write_text(report.raw_json(runs, context), encoding="utf-8")
+    written = report.plots(runs, context, folder)
+    print(f"\nreport: {folder / 'report.md'}; raw data: {folder / 'runs.json'}; plots: "
+          + ", ".join(p.name for p in written))
+    return folder
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The table on the terminal, and a folder with the Markdown report, the raw JSON and the plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from benchmarks.side_by_side.stats import HOPS, RunResult, Spread, across_reps, ratio
+
+RAW, BEAM = "raw vLLM", "Beam's vLLM handler"
+COLUMNS = (("first chunk p50", "first_p50", "s"), ("p95", "first_p95", "s"), ("p99", "first_p99", "s"),
+           ("done p50", "done_p50", "s"), ("p95", "done_p95", "s"), ("tokens/s", "tok_s", ""),
+           ("CPU s / 1k tokens", "cpu_s_per_1k_tokens", ""), ("peak MiB", "peak_rss_mib", ""))
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "–"
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def fmt(spread: Spread) -> str:
+    """median (low–high); the range only when there was more than one repetition."""
+    if spread.count > 1 and spread.low != spread.high:
+        return f"{_number(spread.median)} ({_number(spread.low)}–{_number(spread.high)})"
+    return _number(spread.median)
+
+
+def _ratio_text(value: float) -> str:
+    return "–" if math.isnan(value) else f"{value:.2f}×"
+
+
+@dataclasses.dataclass
+class Context:
+    """What a reader needs to know about the run besides the figures."""
+
+    machine: str
+    date: str
+    model: str
+    max_tokens: int
+    seed: int
+    workload: str
+    shapes: dict[str, str]  # shape name -> its description (rate, requests)
+    cores: dict[str, str]  # core plan name -> its description
+    server_start_s: dict[str, float]
+    capacity_rps: dict[str, float]
+    reps: int
+
+
+def _ordered(systems) -> list[str]:
+    """Raw vLLM first, Beam's handler last, the template's variants between, in the order they ran."""
+    systems = list(dict.fromkeys(systems))
+    return sorted(systems, key=lambda s: (s != RAW, s == BEAM))
+
+
+def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[str], list[list[str]], list[str]]]:
+    """(title, header, rows, lines under the table) per core plan and shape."""
+    spreads = across_reps(runs)
+    result = []
+    for cores in context.cores:
+        for shape in context.shapes:
+            systems = _ordered(key[2] for key in spreads if key[:2] == (cores, shape))
+            if not systems:
+                continue
+            title = f"{cores} cores ({context.cores[cores]}) · {context.shapes[shape]}"
+            header = ["system", *(name for name, _, _ in COLUMNS)]
+            rows = []
+            for system in systems:
+                figures = spreads[(cores, shape, system)]
+                finished = figures["finished"]
+                label = system if finished.low == figures["expected"].median else \
+                    f"{system} (only {_number(finished.low)} of {_number(figures['expected'].median)} finished)"
+                rows.append([label, *(fmt(figures[key]) for _, key, _ in COLUMNS)])
+            notes = []
+            for system in systems:
+                if system in (RAW, BEAM):
+                    continue
+                figures = spreads[(cores, shape, system)]
+                for peer in (RAW, BEAM):
+                    if (cores, shape, peer) not in spreads:
+                        continue
+                    other = spreads[(cores, shape, peer)]
+                    notes.append(f"{system} / {peer}: first chunk p50 {_ratio_text(ratio(figures['first_p50'], other['first_p50']))}, "
+                                 f"p95 {_ratio_text(ratio(figures['first_p95'], other['first_p95']))}, "
+                                 f"tokens/s {_ratio_text(ratio(figures['tok_s'], other['tok_s']))}")
+                hops = [f"{hop} {fmt(figures[f'hop_p50:{hop}'])} / {fmt(figures[f'hop_p95:{hop}'])} s" for hop in HOPS]
+                notes.append(f"{system}, first chunk by hop (p50 / p95): " + "; ".join(hops))
+            result.append((title, header, rows, notes))
+    return result
+
+
+def terminal(runs: Sequence[RunResult], context: Context) -> str:
+    lines = []
+    for title, header, rows, notes in tables(runs, context):
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        lines += ["", title, "  ".join(h.ljust(widths[0]) if i == 0 else h.rjust(widths[i]) for i, h in enumerate(header))]
+        for row in rows:
+            lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)))
+        lines += [f"  {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def markdown(runs: Sequence[RunResult], context: Context) -> str:
+    lines = [f"# `make bench`: {context.date}, {context.machine}", "",
+             f"Model {context.model}; greedy, max_tokens {context.max_tokens}; seed {context.seed}; "
+             f"{context.workload}. Each configuration {context.reps}×, interleaved; "
+             "cells are the median over repetitions and (in brackets) the range. Times in seconds from the "
+             "moment each prompt was sent; tokens/s are output tokens over the run's wall time; CPU excludes the "
+             "server.", ""]
+    for cores, description in context.cores.items():
+        lines.append(f"- **{cores}**: {description}; server start {context.server_start_s.get(cores, math.nan):.0f} s "
+                     f"(not in the figures); capacity {context.capacity_rps.get(cores, math.nan):.2f} requests/s "
+                     "(raw vLLM, burst), from which the paced rates are set.")
+    for title, header, rows, notes in tables(runs, context):
+        lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines += [""] + [f"- {note}" for note in notes]
+    unfinished = [f"{r.cores}/{r.shape}/{r.system} rep {r.rep}: " + "; ".join(r.notes) for r in runs
+                  if r.notes and r.system not in (RAW,)]
+    if unfinished:
+        lines += ["", "## Notes", ""] + [f"- {line}" for line in unfinished]
+    return "\n".join(lines) + "\n"
+
+
+def raw_json(runs: Sequence[RunResult], context: Context) -> str:
+    return json.dumps({"context": dataclasses.asdict(context), "runs": [dataclasses.asdict(r) for r in runs]}, indent=1)
+
+
+def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spreads = across_reps(runs)
+    plans, shapes = list(context.cores), list(context.shapes)
+    systems = _ordered(r.system for r in runs)
+    written = []
+
+    figure, axes = plt.subplots(len(plans), len(shapes), figsize=(4.2 * len(shapes), 3.4 * len(plans)), squeeze=False)
+    for row, cores in enumerate(plans):
+        for col, shape in enumerate(shapes):
+            axis = axes[row][col]
+            for system in systems:
+                values = sorted(t.first - t.sent for r in runs if (r.cores, r.shape, r.system) == (cores, shape, system)
+                                for t in r.timings)
+                if values:
+                    axis.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=system)
+            axis.set_xscale("log")
+            axis.set_title(f"{cores} · {shape}", fontsize=9)
+            axis.set_xlabel("first chunk (s, log)")
+            axis.set_ylabel("share of requests")
+            axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle("First-chunk latency, all repetitions pooled")
+    figure.tight_layout()
+    written.append(folder / "first_chunk_cdf.png")
+    figure.savefig(written[-1], dpi=110)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(1, len(plans), figsize=(6 * len(plans), 3.8), squeeze=False)
+    width = 0.8 / max(len(systems), 1)
+    for col, cores in enumerate(plans):
+        axis = axes[0][col]
+        for index, system in enumerate(systems):
+            xs, heights, errors = [], [], [[], []]
+            for x, shape in enumerate(shapes):
+                spread = spreads.get((cores, shape, system), {}).get("tok_s")
+                if spread is None or math.isnan(spread.median):
+                    continue
+                xs.append(x + index * width)
+                heights.append(spread.median)
+                errors[0].append(spread.median - spread.low)
+                errors[1].append(spread.high - spread.median)
+            axis.bar(xs, heights, width, yerr=errors, capsize=3, label=system)
+        axis.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(shapes))], shapes, fontsize=8)
+        axis.set_ylabel("output tokens/s (median, range)")
+        axis.set_title(f"{cores} cores", fontsize=9)
+        axis.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    written.append(folder / "throughput.png")
+    figure.savefig(written[-1], dpi=110)
+    plt.close(figure)
+
+    templates = [s for s in systems if s not in (RAW, BEAM)]
+    if templates:
+        figure, axes = plt.subplots(1, len(plans), figsize=(6 * len(plans), 4), squeeze=False)
+        for col, cores in enumerate(plans):
+            axis = axes[0][col]
+            labels, bottoms = [], []
+            bars = [(shape, system) for shape in shapes for system in templates if (cores, shape, system) in spreads]
+            bottoms = [0.0] * len(bars)
+            for hop in HOPS:
+                heights = [max(0.0, spreads[(cores, shape, system)][f"hop_p50:{hop}"].median) for shape, system in bars]
+                heights = [0.0 if math.isnan(h) else h for h in heights]
+                axis.bar(range(len(bars)), heights, bottom=bottoms, label=hop)
+                bottoms = [b + h for b, h in zip(bottoms, heights)]
+            labels = [f"{shape}\n{system}" for shape, system in bars]
+            axis.set_xticks(range(len(bars)), labels, fontsize=6, rotation=30, ha="right")
+            axis.set_ylabel("seconds (p50 of each hop, median over reps)")
+            axis.set_title(f"{cores} cores: the template's first chunk by hop", fontsize=9)
+            axis.grid(axis="y", alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        figure.tight_layout()
+        written.append(folder / "first_chunk_hops.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+    return written

@@ -1,0 +1,304 @@
+"""The systems under test, each behind one interface: start once, run a load shape, stop.
+
+Each system stays up for every repetition and shape of a core plan, so start
+and warm-up are paid once and kept out of the figures. Every run uses fresh
+request ids, so nothing late from one run can count in another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+import aiohttp
+
+from benchmarks.side_by_side.cores import peak_rss_mib, tree_cpu_seconds
+from benchmarks.side_by_side.stats import RequestTiming, RunResult
+from benchmarks.side_by_side.workload import Prompt
+from local.emulators import PubSubEmulator
+from local.harness import REPO_ROOT, LocalRun, OutputCollector
+
+LOGGER = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]  # (finished, expected)
+
+
+class System(Protocol):
+    name: str
+
+    def start(self) -> None: ...
+
+    def pause(self) -> None:
+        """Stops using CPU while another system is measured (its idle polling would share their cores)."""
+
+    def resume(self) -> None: ...
+
+    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
+            progress: Progress) -> RunResult: ...
+
+    def stop(self) -> None: ...
+
+
+def _run_ids(prompts: list[Prompt], shape: str, rep: int) -> list[Prompt]:
+    return [Prompt(f"{shape}-r{rep}-{p.id}", p.prompt, p.kind) for p in prompts]
+
+
+def _timeout(offsets: list[float]) -> float:
+    return max(offsets, default=0.0) + 600.0
+
+
+# ---------------------------------------------------------------- raw vLLM: the floor
+
+class RawVLLM:
+    """An asyncio client streaming every request straight to the server: no pipeline at all."""
+
+    name = "raw vLLM"
+
+    def __init__(self, base_url: str, model: str, max_tokens: int) -> None:
+        self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+
+    def start(self) -> None:
+        asyncio.run(self._all([Prompt("warm-up", "Hi", "question")], [0.0], lambda done, total: None))
+
+    def stop(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
+            progress: Progress) -> RunResult:
+        prompts = _run_ids(prompts, shape, rep)
+        cpu_before = time.thread_time()  # the event loop's thread is the whole client
+        timings = asyncio.run(self._all(prompts, offsets, progress))
+        return RunResult(self.name, shape, rep, cores, timings, len(prompts), cpu_s=time.thread_time() - cpu_before)
+
+    async def _all(self, prompts: list[Prompt], offsets: list[float], progress: Progress) -> list[RequestTiming]:
+        timings: list[RequestTiming] = []
+        start = time.time()
+
+        async def one(session: aiohttp.ClientSession, prompt: Prompt, offset: float) -> None:
+            await asyncio.sleep(max(0.0, start + offset - time.time()))
+            sent, first, tokens = time.time(), None, 0
+            payload = {"model": self.model, "prompt": prompt.prompt, "max_tokens": self.max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            async with session.post(f"{self.base_url}/v1/completions", json=payload) as response:
+                response.raise_for_status()
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[5:])
+                    if first is None and event.get("choices") and event["choices"][0].get("text"):
+                        first = time.time()
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+            done = time.time()
+            timings.append(RequestTiming(prompt.id, prompt.kind, sent, first or done, done, tokens))
+            progress(len(timings), len(prompts))
+
+        timeout = aiohttp.ClientTimeout(total=_timeout(offsets))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.gather(*(one(session, p, o) for p, o in zip(prompts, offsets)))
+        return timings
+
+
+# ---------------------------------------------------------------- publishing on a schedule
+
+def publish_on_schedule(topic: str, prompts: list[Prompt], offsets: list[float], max_tokens: int) -> dict[str, float]:
+    """Publishes each prompt at its offset; returns id → the time it was handed to the client."""
+    from google.cloud import pubsub_v1
+
+    publisher = pubsub_v1.PublisherClient(batch_settings=pubsub_v1.types.BatchSettings(max_latency=0.001))
+    sent, futures = {}, []
+    start = time.time()
+    try:
+        for prompt, offset in zip(prompts, offsets):
+            time.sleep(max(0.0, start + offset - time.time()))
+            sent[prompt.id] = time.time()
+            futures.append(publisher.publish(topic, json.dumps(prompt.as_message(max_tokens)).encode()))
+        for future in futures:
+            future.result(timeout=60)
+    finally:
+        publisher.stop()
+    return sent
+
+
+def _signal(process: subprocess.Popen[bytes] | None, signum: int) -> None:
+    if process is not None and process.poll() is None:
+        os.kill(process.pid, signum)
+
+
+def _wait(collector: OutputCollector, ids: set[str], timeout_s: float, progress: Progress,
+          alive: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        finished = len(ids & collector.finished_ids())
+        progress(finished, len(ids))
+        if finished == len(ids):
+            return
+        if not alive():
+            raise RuntimeError("the system's process ended during the run")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- this template
+
+class Template:
+    """``python -m template.main`` on the DirectRunner, Pub/Sub emulator in and out, as a user runs it."""
+
+    def __init__(self, name: str, emulator: PubSubEmulator, base_url: str, max_tokens: int, *,
+                 bucketing: bool, log_dir: Path, repo_root: Path = REPO_ROOT) -> None:
+        self.name = name
+        self._args = [f"--server_url={base_url}", "--prompt_format=completion", "--num_shards=4",
+                      f"--default_max_tokens={max_tokens}", f"--length_bucketing={str(bucketing).lower()}"]
+        self._emulator, self._max_tokens = emulator, max_tokens
+        self._log = log_dir / f"{name.replace(' ', '-').replace('(', '').replace(')', '')}.log"
+        self._repo_root = repo_root
+        self._run: LocalRun | None = None
+        self._collector: OutputCollector | None = None
+
+    def start(self) -> None:
+        self._run = LocalRun(self._args, log_path=self._log, emulator=self._emulator, repo_root=self._repo_root).start()
+        self._collector = self._run.collector()
+        warm = [Prompt("warm-up", "Hi", "question")]
+        publish_on_schedule(self._topic(), warm, [0.0], 1)
+        _wait(self._collector, {"warm-up"}, 300, lambda done, total: None, self._run.pipeline_alive)
+        if "warm-up" not in self._collector.finished_ids():
+            raise RuntimeError(f"{self.name} did not answer its warm-up:\n{self._run.log_tail()}")
+
+    def pause(self) -> None:
+        _signal(self._run.process if self._run else None, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        _signal(self._run.process if self._run else None, signal.SIGCONT)
+
+    def _topic(self) -> str:
+        assert self._run is not None
+        return self._emulator.topic(self._run.topic_name("prompts"))
+
+    def stop(self) -> None:
+        if self._collector is not None:
+            self._collector.stop()
+        if self._run is not None:
+            self._run.stop()
+
+    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
+            progress: Progress) -> RunResult:
+        assert self._run is not None and self._run.process is not None and self._collector is not None
+        collector, pid = self._collector, self._run.process.pid
+        prompts = _run_ids(prompts, shape, rep)
+        collector.clear()
+        cpu_before = tree_cpu_seconds(pid)
+        sent = publish_on_schedule(self._topic(), prompts, offsets, self._max_tokens)
+        _wait(collector, set(sent), _timeout(offsets), progress, self._run.pipeline_alive)
+        # Chunks travel on their own topic and may trail their completion.
+        completions = {c.data["id"]: c.data for c in list(collector.completions) if c.data["id"] in sent}
+        with_text = {key for key, record in completions.items() if record["text"]}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and with_text - {c.data["id"] for c in list(collector.chunks) if c.data["text"]}:
+            time.sleep(0.1)
+        cpu_s = tree_cpu_seconds(pid) - cpu_before
+        first_chunks: dict[str, tuple[float, dict]] = {}
+        for chunk in list(collector.chunks):
+            key = chunk.data["id"]
+            if chunk.data["text"] and key in sent and (key not in first_chunks or chunk.at < first_chunks[key][0]):
+                first_chunks[key] = (chunk.at, chunk.data)
+        arrived = {c.data["id"]: c.at for c in list(collector.completions)}
+        kinds = {p.id: p.kind for p in prompts}
+        timings = []
+        for key, record in completions.items():
+            done = arrived[key]
+            hops = None
+            if key in first_chunks and record["time_to_first_token_ms"] is not None:
+                at, chunk = first_chunks[key]
+                token_at = record["received_at"] + record["time_to_first_token_ms"] / 1000
+                hops = (record["received_at"] - sent[key], token_at - record["received_at"],
+                        chunk["emitted_at"] - token_at, at - chunk["emitted_at"])
+            first = first_chunks[key][0] if key in first_chunks else done
+            timings.append(RequestTiming(key, kinds[key], sent[key], first, done, record["usage"]["completion_tokens"],
+                                         hops))
+        dead = [d.data for d in list(collector.dead_letters) if d.data.get("id") in sent]
+        notes = [f"{len(dead)} dead letters: {sorted({d.get('reason', '?')[:60] for d in dead})}"] if dead else []
+        return RunResult(self.name, shape, rep, cores, timings, len(prompts), cpu_s=cpu_s,
+                         peak_rss_mib=peak_rss_mib(pid), notes=notes)
+
+
+# ---------------------------------------------------------------- Beam's handler
+
+class BeamHandler:
+    """Beam 2.77's RunInference + VLLMCompletionsModelHandler in its own DirectRunner process."""
+
+    name = "Beam's vLLM handler"
+
+    def __init__(self, emulator: PubSubEmulator, port: int, model: str, max_tokens: int, *, log_dir: Path) -> None:
+        self._emulator, self._port, self._model, self._max_tokens = emulator, port, model, max_tokens
+        self._log = log_dir / "beam-handler.log"
+        self._tag = f"beam-{int(time.time() * 1000) % 10**9}"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._collector: OutputCollector | None = None
+
+    def start(self) -> None:
+        emulator = self._emulator
+        emulator.create_topic(f"{self._tag}-in", subscription=f"{self._tag}-in-sub")
+        emulator.create_topic(f"{self._tag}-out", subscription=f"{self._tag}-out-sub")
+        command = [sys.executable, "-m", "benchmarks.side_by_side.beam_handler_job",
+                   f"--input_subscription={emulator.subscription(self._tag + '-in-sub')}",
+                   f"--output_topic={emulator.topic(self._tag + '-out')}", f"--port={self._port}",
+                   f"--model={self._model}", f"--max_tokens={self._max_tokens}"]
+        self._log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._log, "wb") as log:
+            self._process = subprocess.Popen(command, cwd=REPO_ROOT, env=dict(os.environ, **emulator.env()),
+                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        self._collector = OutputCollector({"completions": emulator.subscription(f"{self._tag}-out-sub")}).start()
+        publish_on_schedule(emulator.topic(f"{self._tag}-in"), [Prompt("warm-up", "Hi", "question")], [0.0], 1)
+        _wait(self._collector, {"warm-up"}, 300, lambda done, total: None, self._alive)
+        if "warm-up" not in self._collector.finished_ids():
+            raise RuntimeError(f"Beam's handler did not answer its warm-up; see {self._log}")
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def pause(self) -> None:
+        _signal(self._process, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        _signal(self._process, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self._collector is not None:
+            self._collector.stop()
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
+            progress: Progress) -> RunResult:
+        assert self._process is not None and self._collector is not None
+        prompts = _run_ids(prompts, shape, rep)
+        self._collector.clear()
+        cpu_before = tree_cpu_seconds(self._process.pid)
+        sent = publish_on_schedule(self._emulator.topic(f"{self._tag}-in"), prompts, offsets, self._max_tokens)
+        _wait(self._collector, set(sent), _timeout(offsets), progress, self._alive)
+        kinds = {p.id: p.kind for p in prompts}
+        answers = {c.data["id"]: c for c in list(self._collector.completions) if c.data["id"] in sent}
+        timings = [RequestTiming(key, kinds[key], sent[key], received.at, received.at, received.data["tokens"])
+                   for key, received in answers.items()]
+        return RunResult(self.name, shape, rep, cores, timings, len(prompts),
+                         cpu_s=tree_cpu_seconds(self._process.pid) - cpu_before,
+                         peak_rss_mib=peak_rss_mib(self._process.pid))

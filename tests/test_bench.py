@@ -1,0 +1,143 @@
+"""``make bench``'s statistics, workload and core plans, and a tiny real run of the whole harness."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import numpy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.side_by_side import report, workload
+from benchmarks.side_by_side.cores import plans
+from benchmarks.side_by_side.stats import HOPS, RequestTiming, RunResult, Spread, across_reps, percentile, ratio, summarize
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=1, max_size=60),
+       st.floats(min_value=0, max_value=1))
+def test_percentile_matches_numpy_linear_interpolation(values, q):
+    assert percentile(values, q) == pytest.approx(float(numpy.percentile(values, q * 100)), rel=1e-9, abs=1e-6)
+
+
+def test_percentile_edges():
+    assert math.isnan(percentile([], 0.5))
+    assert percentile([3.0, 1.0, 2.0], 0.0) == 1.0 and percentile([3.0, 1.0, 2.0], 1.0) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    with pytest.raises(ValueError):
+        percentile([1.0], 1.5)
+
+
+def _timing(key: str, sent: float, first: float, done: float, tokens: int, hops=None) -> RequestTiming:
+    return RequestTiming(key, "question", sent, first, done, tokens, hops)
+
+
+def test_summarize_measures_from_each_send_and_over_the_run_wall_time():
+    run = RunResult("s", "burst", 1, "shared", [_timing("a", 10.0, 10.5, 12.0, 30, (0.1, 0.2, 0.0, 0.2)),
+                                                 _timing("b", 11.0, 11.2, 14.0, 10, (0.05, 0.1, 0.0, 0.05))],
+                    expected=3, cpu_s=2.0, peak_rss_mib=100.0)
+    figures = summarize(run)
+    assert figures["finished"] == 2 and figures["expected"] == 3
+    assert figures["first_p50"] == pytest.approx(statistics.median([0.5, 0.2]))
+    assert figures["done_p50"] == pytest.approx(statistics.median([2.0, 3.0]))
+    assert figures["tok_s"] == pytest.approx(40 / 4.0)  # from the first send (10) to the last end (14)
+    assert figures["cpu_s_per_1k_tokens"] == pytest.approx(2.0 / 40 * 1000)
+    assert figures[f"hop_p50:{HOPS[0]}"] == pytest.approx(0.075)
+    assert figures[f"hop_p50:{HOPS[3]}"] == pytest.approx(0.125)
+
+
+def test_hops_are_left_out_for_requests_without_them():
+    run = RunResult("s", "burst", 1, "shared", [_timing("a", 0.0, 1.0, 2.0, 5), _timing("b", 0.0, 0.5, 1.0, 5, (0.1, 0.2, 0.0, 0.2))],
+                    expected=2)
+    figures = summarize(run)
+    assert figures[f"hop_p50:{HOPS[1]}"] == pytest.approx(0.2)
+    assert math.isnan(figures["cpu_s_per_1k_tokens"]) and math.isnan(figures["peak_rss_mib"])
+
+
+def test_spreads_and_ratios_over_repetitions():
+    runs = [RunResult("x", "burst", rep, "shared", [_timing("a", 0.0, first, 2.0, 10)], expected=1)
+            for rep, first in ((1, 0.3), (2, 0.1), (3, 0.2))]
+    runs += [RunResult("raw vLLM", "burst", 1, "shared", [_timing("a", 0.0, 0.05, 1.0, 10)], expected=1)]
+    spreads = across_reps(runs)
+    first = spreads[("shared", "burst", "x")]["first_p50"]
+    assert (first.median, first.low, first.high, first.count) == (pytest.approx(0.2), 0.1, 0.3, 3)
+    assert ratio(first, spreads[("shared", "burst", "raw vLLM")]["first_p50"]) == pytest.approx(4.0)
+    assert math.isnan(ratio(first, Spread.of([])))
+    assert math.isnan(ratio(first, Spread.of([0.0])))
+    assert report.fmt(first) == "0.20 (0.10–0.30)" and report.fmt(Spread.of([250.0])) == "250"
+
+
+def test_mixed_workload_is_seeded_and_has_every_kind():
+    one, two = workload.mixed(200, 5), workload.mixed(200, 5)
+    assert one == two and workload.mixed(200, 6) != one
+    kinds = {p.kind for p in one}
+    assert kinds == {"question", "record", "long answer"}
+    records = [len(p.prompt) for p in one if p.kind == "record"]
+    questions = [len(p.prompt) for p in one if p.kind == "question"]
+    assert min(records) > 5 * max(questions)  # records are the long prompts
+    assert len({p.id for p in one}) == 200
+
+
+def test_workload_from_jsonl(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "id": "x", "kind": "k"}\n{"prompt": "c"}\n')
+    prompts = workload.from_jsonl(path, 2)
+    assert [(p.id, p.prompt, p.kind) for p in prompts] == [("p0", "a", "yours"), ("x", "b", "k")]
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match="prompts.jsonl:1"):
+        workload.from_jsonl(path, 2)
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_bursts_arrive_at_once():
+    assert workload.arrivals(5, None, 1) == [0.0] * 5
+    offsets = workload.arrivals(4000, 2.0, 3)
+    gaps = numpy.diff(offsets)
+    assert offsets == sorted(offsets) and offsets[0] == 0.0
+    assert numpy.mean(gaps) == pytest.approx(0.5, rel=0.06)
+    assert numpy.std(gaps) == pytest.approx(0.5, rel=0.1)  # exponential: sd equals the mean
+    with pytest.raises(ValueError):
+        workload.arrivals(3, 0.0, 1)
+
+
+def test_core_plans_split_and_refuse():
+    isolated, shared = plans(["isolated", "shared"], {0, 1})
+    assert (isolated.server, isolated.clients) == ({1}, {0})
+    assert isolated.server_env() == {"VLLM_CPU_OMP_THREADS_BIND": "1"} and shared.server_env() == {}
+    assert shared.server == shared.clients == {0, 1}
+    big = plans(["isolated"], set(range(16)))[0]
+    assert big.server == set(range(12, 16)) and big.clients == set(range(12))
+    with pytest.raises(ValueError, match="at least 2"):
+        plans(["isolated"], {0})
+
+
+@pytest.mark.engine
+def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, tmp_path):
+    from benchmarks.side_by_side.__main__ import parse_args, run
+
+    args = parse_args(["--server-url", vllm_server.base_url, "--cores", "shared", "--reps", "1", "--requests", "3",
+                       "--paced-requests", "2", "--rates-per-s", "4", "--max-tokens", "8",
+                       "--systems", "raw,template-buckets", "--out", str(tmp_path)])
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in emulator.env().items():
+            patch.setenv(key, value)
+        folder = run(args, emulator)
+    data = json.loads((folder / "runs.json").read_text())
+    runs = data["runs"]
+    assert {(r["system"], r["shape"]) for r in runs} == {
+        (system, shape) for system in ("raw vLLM", "template (length buckets)") for shape in ("burst", "paced 4.00/s")}
+    for run_record in runs:
+        assert len(run_record["timings"]) == run_record["expected"], run_record
+        for timing in run_record["timings"]:
+            assert timing["sent"] <= timing["first"] and timing["sent"] <= timing["done"]  # chunks and completions travel apart
+            if run_record["system"].startswith("template") and timing["hops"] is not None:
+                assert all(hop >= -0.005 for hop in timing["hops"]), timing
+                assert sum(timing["hops"]) == pytest.approx(timing["first"] - timing["sent"], abs=0.005)
+        if run_record["system"].startswith("template"):
+            assert run_record["cpu_s"] > 0 and run_record["peak_rss_mib"] > 50
+    markdown = (folder / "report.md").read_text()
+    assert "template (length buckets) / raw vLLM: first chunk p50" in markdown
+    for name in ("first_chunk_cdf.png", "throughput.png", "first_chunk_hops.png"):
+        assert (folder / name).stat().st_size > 10_000
