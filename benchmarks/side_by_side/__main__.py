@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     parser.add_argument("--template-repo", type=Path, action="append", default=[], metavar="DIR",
                         help="also run the template (length buckets) from another checkout, e.g. before a change")
+    parser.add_argument("--template-args", default="", help="more template parameters for every template run, "
+                        "one string (e.g. \"--batch_size_target=1 --chunk_tokens=4\")")
+    parser.add_argument("--template-variant", action="append", default=[], metavar="LABEL=ARGS",
+                        help="also run the template (length buckets) with these parameters, e.g. "
+                        "\"target 1=--batch_size_target=1\"")
     parser.add_argument("--requests", type=int, default=32, help="prompts in a burst")
     parser.add_argument("--paced-requests", type=int, default=12, help="prompts per paced run")
     parser.add_argument("--rates", default="0.25,0.5,0.85",
@@ -75,12 +80,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--vllm-args", default="--enforce-eager", help="more vLLM server flags, one string")
     parser.add_argument("--server-url", help="use a running server instead of starting one (cores: shared only)")
+    parser.add_argument("--from-json", type=Path, metavar="RUNS_JSON",
+                        help="make the report, table and plots again from a run's runs.json (runs nothing)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench" / "side_by_side",
                         help="where the report folder goes (git ignores .cache)")
     args = parser.parse_args(argv)
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if any("=" not in variant for variant in args.template_variant):
+        parser.error("--template-variant takes LABEL=ARGS")
     if args.server_url and args.cores != "shared":
         parser.error("--server-url runs a server this command cannot pin: add --cores shared")
     if min(args.reps, args.requests, args.paced_requests, args.max_tokens) < 1:
@@ -92,11 +101,11 @@ def _shapes(args: argparse.Namespace, capacity_rps: float) -> dict[str, float | 
     """Shape name → arrival rate (None: a burst)."""
     shapes: dict[str, float | None] = {} if args.no_burst else {"burst": None}
     if args.rates_per_s:
-        rates = [float(r) for r in args.rates_per_s.split(",") if r]
-    else:
-        rates = [float(f) * capacity_rps for f in args.rates.split(",") if f]
-    for rate in rates:
-        shapes[f"paced {rate:.2f}/s"] = rate
+        for rate in (float(r) for r in args.rates_per_s.split(",") if r):
+            shapes[f"paced {rate:g}/s"] = rate
+    else:  # named by the fraction, so that the core plans' shapes line up though their capacities differ
+        for fraction in (float(f) for f in args.rates.split(",") if f):
+            shapes[f"paced {fraction:g}× capacity"] = fraction * capacity_rps
     return shapes
 
 
@@ -146,18 +155,23 @@ class _Server:
 
 def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server, log_dir: Path) -> list[System]:
     chosen = args.systems.split(",")
+    extra = tuple(shlex.split(args.template_args))
     systems: list[System] = []
     if "raw" in chosen:
         systems.append(RawVLLM(server.base_url, server.model, args.max_tokens))
     if "template-arrival" in chosen:
         systems.append(Template("template (arrival order)", emulator, server.base_url, args.max_tokens,
-                                bucketing=False, log_dir=log_dir))
+                                bucketing=False, log_dir=log_dir, extra_args=extra))
     if "template-buckets" in chosen:
         systems.append(Template("template (length buckets)", emulator, server.base_url, args.max_tokens,
-                                bucketing=True, log_dir=log_dir))
+                                bucketing=True, log_dir=log_dir, extra_args=extra))
     for repo in args.template_repo:
         systems.append(Template(f"template (length buckets) @ {repo.name}", emulator, server.base_url, args.max_tokens,
-                                bucketing=True, log_dir=log_dir, repo_root=repo.resolve()))
+                                bucketing=True, log_dir=log_dir, repo_root=repo.resolve(), extra_args=extra))
+    for variant in args.template_variant:
+        label, variant_args = variant.split("=", 1)
+        systems.append(Template(f"template (length buckets, {label})", emulator, server.base_url, args.max_tokens,
+                                bucketing=True, log_dir=log_dir, extra_args=extra + tuple(shlex.split(variant_args))))
     if "beam" in chosen:
         systems.append(BeamHandler(emulator, server.port, server.model, args.max_tokens, log_dir=log_dir))
     return systems
@@ -189,8 +203,9 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
             shapes = _shapes(args, capacity)
             for shape, rate in shapes.items():
                 count = len(prompts) if rate is None else min(args.paced_requests, len(prompts))
-                context.shapes[shape] = (f"burst of {count}" if rate is None
-                                         else f"{count} Poisson arrivals at {rate:.2f} requests/s")
+                context.shapes.setdefault(shape, f"burst of {count}" if rate is None else f"{count} Poisson arrivals")
+                if rate is not None:
+                    context.rates.setdefault(plan.name, {})[shape] = rate
             for rep in range(1, args.reps + 1):
                 for shape_index, (shape, rate) in enumerate(shapes.items()):
                     count = len(prompts) if rate is None else min(args.paced_requests, len(prompts))
@@ -218,6 +233,10 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.from_json:
+        runs, context = report.load_json(args.from_json.read_text(encoding="utf-8"))
+        print(report.write(runs, context, args.from_json.parent))
+        return args.from_json.parent
     with PubSubEmulator() as emulator:
         emulator.activate()
         return run(args, emulator)
@@ -239,19 +258,13 @@ def run(args: argparse.Namespace, emulator: PubSubEmulator) -> Path:
         max_tokens=args.max_tokens, seed=args.seed,
         workload=(f"prompts from {args.prompts}" if args.prompts else "the mixed workload: ")
         + ", ".join(f"{n} {k}" for k, n in kinds.items()),
-        shapes={}, cores={plan.name: plan.describe() for plan in core_plans}, server_start_s={}, capacity_rps={},
+        shapes={}, cores={plan.name: plan.describe() for plan in core_plans}, server_start_s={}, capacity_rps={}, rates={},
         reps=args.reps)
     progress = ProgressLine()
     runs: list[RunResult] = []
     for plan in core_plans:
         runs += run_plan(args, plan, prompts, emulator, folder / "logs", progress, context)
-    table = report.terminal(runs, context)
-    print(table)
-    (folder / "report.md").write_text(report.markdown(runs, context), encoding="utf-8")
-    (folder / "runs.json").write_text(report.raw_json(runs, context), encoding="utf-8")
-    written = report.plots(runs, context, folder)
-    print(f"\nreport: {folder / 'report.md'}; raw data: {folder / 'runs.json'}; plots: "
-          + ", ".join(p.name for p in written))
+    print(report.write(runs, context, folder))
     return folder
 
 

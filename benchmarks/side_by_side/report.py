@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.side_by_side.stats import HOPS, RunResult, Spread, across_reps, ratio
+from benchmarks.side_by_side.stats import HOPS, RequestTiming, RunResult, Spread, across_reps, ratio
 
 RAW, BEAM = "raw vLLM", "Beam's vLLM handler"
 COLUMNS = (("first chunk p50", "first_p50", "s"), ("p95", "first_p95", "s"), ("p99", "first_p99", "s"),
@@ -43,7 +43,8 @@ class Context:
     max_tokens: int
     seed: int
     workload: str
-    shapes: dict[str, str]  # shape name -> its description (rate, requests)
+    shapes: dict[str, str]  # shape name -> what arrives
+    rates: dict[str, dict[str, float]]  # core plan -> paced shape -> its rate in requests/s
     cores: dict[str, str]  # core plan name -> its description
     server_start_s: dict[str, float]
     capacity_rps: dict[str, float]
@@ -65,7 +66,9 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
             systems = _ordered(key[2] for key in spreads if key[:2] == (cores, shape))
             if not systems:
                 continue
-            title = f"{cores} cores ({context.cores[cores]}) · {context.shapes[shape]}"
+            rate = context.rates.get(cores, {}).get(shape)
+            title = (f"{cores} cores ({context.cores[cores]}) · {shape}: {context.shapes[shape]}"
+                     + (f" at {rate:.2f} requests/s" if rate is not None else ""))
             header = ["system", *(name for name, _, _ in COLUMNS)]
             rows = []
             for system in systems:
@@ -118,15 +121,34 @@ def markdown(runs: Sequence[RunResult], context: Context) -> str:
         lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         lines += [""] + [f"- {note}" for note in notes]
-    unfinished = [f"{r.cores}/{r.shape}/{r.system} rep {r.rep}: " + "; ".join(r.notes) for r in runs
-                  if r.notes and r.system not in (RAW,)]
-    if unfinished:
-        lines += ["", "## Notes", ""] + [f"- {line}" for line in unfinished]
+    noted = [f"{r.cores} / {r.shape} / {r.system}, rep {r.rep}: " + "; ".join(r.notes) for r in runs if r.notes]
+    if noted:
+        lines += ["", "## Notes", ""] + [f"- {line}" for line in noted]
     return "\n".join(lines) + "\n"
 
 
 def raw_json(runs: Sequence[RunResult], context: Context) -> str:
     return json.dumps({"context": dataclasses.asdict(context), "runs": [dataclasses.asdict(r) for r in runs]}, indent=1)
+
+
+def load_json(text: str) -> tuple[list[RunResult], Context]:
+    """The runs and context :func:`raw_json` wrote, to make the report again."""
+    data = json.loads(text)
+    runs = []
+    for run in data["runs"]:
+        timings = [RequestTiming(**{**t, "hops": tuple(t["hops"]) if t["hops"] is not None else None})
+                   for t in run.pop("timings")]
+        runs.append(RunResult(timings=timings, **run))
+    return runs, Context(**data["context"])
+
+
+def write(runs: Sequence[RunResult], context: Context, folder: Path) -> str:
+    """Writes report.md, runs.json and the plots into ``folder``; returns the terminal table."""
+    (folder / "report.md").write_text(markdown(runs, context), encoding="utf-8")
+    (folder / "runs.json").write_text(raw_json(runs, context), encoding="utf-8")
+    written = plots(runs, context, folder)
+    return (terminal(runs, context) + f"\n\nreport: {folder / 'report.md'}; raw data: {folder / 'runs.json'}; plots: "
+            + ", ".join(p.name for p in written))
 
 
 def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Path]:

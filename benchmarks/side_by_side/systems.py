@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Protocol
@@ -27,7 +25,6 @@ from benchmarks.side_by_side.workload import Prompt
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT, LocalRun, OutputCollector
 
-LOGGER = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]  # (finished, expected)
 
 
@@ -159,10 +156,10 @@ class Template:
     """``python -m template.main`` on the DirectRunner, Pub/Sub emulator in and out, as a user runs it."""
 
     def __init__(self, name: str, emulator: PubSubEmulator, base_url: str, max_tokens: int, *,
-                 bucketing: bool, log_dir: Path, repo_root: Path = REPO_ROOT) -> None:
+                 bucketing: bool, log_dir: Path, repo_root: Path = REPO_ROOT, extra_args: tuple[str, ...] = ()) -> None:
         self.name = name
         self._args = [f"--server_url={base_url}", "--prompt_format=completion", "--num_shards=4",
-                      f"--default_max_tokens={max_tokens}", f"--length_bucketing={str(bucketing).lower()}"]
+                      f"--default_max_tokens={max_tokens}", f"--length_bucketing={str(bucketing).lower()}", *extra_args]
         self._emulator, self._max_tokens = emulator, max_tokens
         self._log = log_dir / f"{name.replace(' ', '-').replace('(', '').replace(')', '')}.log"
         self._repo_root = repo_root
@@ -204,7 +201,10 @@ class Template:
         sent = publish_on_schedule(self._topic(), prompts, offsets, self._max_tokens)
         _wait(collector, set(sent), _timeout(offsets), progress, self._run.pipeline_alive)
         # Chunks travel on their own topic and may trail their completion.
-        completions = {c.data["id"]: c.data for c in list(collector.completions) if c.data["id"] in sent}
+        completions, arrived = {}, {}  # the first of each (a redelivered completion may follow)
+        for received in list(collector.completions):
+            if received.data["id"] in sent and received.data["id"] not in completions:
+                completions[received.data["id"]], arrived[received.data["id"]] = received.data, received.at
         with_text = {key for key, record in completions.items() if record["text"]}
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and with_text - {c.data["id"] for c in list(collector.chunks) if c.data["text"]}:
@@ -215,7 +215,6 @@ class Template:
             key = chunk.data["id"]
             if chunk.data["text"] and key in sent and (key not in first_chunks or chunk.at < first_chunks[key][0]):
                 first_chunks[key] = (chunk.at, chunk.data)
-        arrived = {c.data["id"]: c.at for c in list(collector.completions)}
         kinds = {p.id: p.kind for p in prompts}
         timings = []
         for key, record in completions.items():
