@@ -30,7 +30,7 @@ from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
 from pipeline.options import ConfigError, PipelineConfig
 from pipeline.prompt_length import MeasurePromptLength
-from pipeline.pubsub_sink import PublishJson, by_request_id
+from pipeline.pubsub_sink import PublishJson
 from pipeline.sources import ParseRequests
 
 LOGGER = logging.getLogger(__name__)
@@ -38,9 +38,13 @@ LOGGER = logging.getLogger(__name__)
 
 def engine_settings(config: PipelineConfig) -> EngineSettings:
     policy = ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms))
+    # The chunks topic is published by the engine itself (pipeline.chunk_publisher); chunks pass
+    # through the pipeline only when a BigQuery chunks table wants them too.
     common = dict(served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
-                  chunk_policy=policy, priority_boundaries=config.priority_boundaries)
+                  chunk_policy=policy, priority_boundaries=config.priority_boundaries,
+                  chunk_topic=config.output_chunks_topic,
+                  chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))
     if config.server_url:
         return EngineSettings(server=None, server_url=config.server_url, **common)
     extra_args = tuple(config.extra_vllm_args)
@@ -77,9 +81,6 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
         # add a step (a hop on the DirectRunner, which fuses nothing).
         generate_shards=None if generate_shards == config.num_shards else generate_shards)
     failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
-    if config.output_chunks_topic:
-        failures.append(generated.chunks | "PublishChunks" >> PublishJson(
-            config.output_chunks_topic, ordering_key=by_request_id))
     if config.output_completions_topic:
         failures.append(generated.completions | "PublishCompletions" >> PublishJson(
             config.output_completions_topic))

@@ -14,6 +14,10 @@ runs from when it is actually sent, not from when it joined a queue.
 
 Requests and outputs cross this boundary as JSON strings, which keeps the
 cross-process proxy calls cheap and version-tolerant.
+
+With a ``chunk_topic`` the engine publishes each chunk to Pub/Sub itself the
+moment it is cut (see :mod:`pipeline.chunk_publisher`), and hands a request's
+completion to ``poll`` only once Pub/Sub has confirmed all its chunks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
+from pipeline.chunk_publisher import ChunkPublisher
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.keying import bucket_index
 from pipeline.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
@@ -38,8 +43,8 @@ from pipeline.structured_output import parse_output
 
 LOGGER = logging.getLogger(__name__)
 
-# Output kinds handed back by poll().
-CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN = "chunk", "completion", "dead_letter", "unknown"
+# Output kinds handed back by poll(); ATTEMPT says the engine retried the stream as a new attempt.
+CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_letter", "unknown", "attempt"
 
 
 class RetryableError(Exception):
@@ -63,14 +68,23 @@ class EngineSettings:
     # With these length-bucket bounds, each request carries its bucket as vLLM priority
     # (the server must run --scheduling-policy priority); None sends no priority.
     priority_boundaries: tuple[int, ...] | None = None
+    # Publish chunks to this Pub/Sub topic from the engine the moment they are cut ...
+    chunk_topic: str | None = None
+    # ... and hand them to the pipeline through poll() as well (always, without a chunk_topic).
+    chunks_to_pipeline: bool = True
+    # How long a finished request waits for Pub/Sub to confirm its chunks before its completion goes anyway.
+    chunk_publish_patience_s: float = 300.0
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
             raise ValueError("give exactly one of a server spec or a server_url")
+        if self.chunk_topic is None and not self.chunks_to_pipeline:
+            raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
 
 
 @dataclass
 class _Stream:
+    key: str
     request: InferenceRequest
     attempt: int
     outputs: list[tuple[str, str]] = field(default_factory=list)
@@ -90,6 +104,7 @@ class StreamingEngine:
         else:
             self.base_url = settings.server_url.rstrip("/")
         self.model_name = settings.served_model_name or self._discover_model_name()
+        self._chunk_publisher = ChunkPublisher(settings.chunk_topic) if settings.chunk_topic else None
         self._streams: dict[str, _Stream] = {}
         self._unfinished = 0  # streams not yet done: what max_in_flight bounds
         self._lock = threading.Lock()
@@ -129,7 +144,7 @@ class StreamingEngine:
                 return key
             if self._unfinished >= self.settings.max_in_flight:
                 return None
-            self._streams[key] = _Stream(request, attempt)
+            self._streams[key] = _Stream(key, request, attempt)
             self._unfinished += 1
         asyncio.run_coroutine_threadsafe(self._run(key), self._loop)
         return key
@@ -145,7 +160,7 @@ class StreamingEngine:
                     ready[key] = [(UNKNOWN, "")]
                     continue
                 if stream.assembler is not None and not stream.done:
-                    stream.outputs.extend((CHUNK, c.to_json()) for c in stream.assembler.due(now))
+                    self._queue_chunks(stream, stream.assembler.due(now))
                 ready[key], stream.outputs = stream.outputs, []
                 if stream.done:
                     del self._streams[key]
@@ -155,6 +170,11 @@ class StreamingEngine:
         """Streams sent and not finished; never more than ``max_in_flight``."""
         with self._lock:
             return self._unfinished
+
+    @property
+    def chunk_publisher(self) -> ChunkPublisher | None:
+        """The publisher of the chunk topic, when the engine publishes chunks itself."""
+        return self._chunk_publisher
 
     def server_pid(self) -> int | None:
         return self._server.pid if self._server else None
@@ -182,13 +202,36 @@ class StreamingEngine:
                 self._unfinished -= 1
 
     def _cut(self, stream: _Stream, cut: Callable[[], list[Chunk]]) -> None:
-        """Runs a step of the stream's chunk assembler and queues its chunks, under the lock poll() cuts under.
+        """Runs a step of the stream's chunk assembler and sends its chunks on, under the lock poll() cuts under.
 
         poll() cuts interval chunks on the caller's thread, the stream cuts its own on
-        the engine's loop: one lock keeps their sequence numbers one gapless sequence.
+        the engine's loop: one lock keeps their sequence numbers one gapless sequence,
+        published in that order.
         """
         with self._lock:
-            stream.outputs.extend((CHUNK, chunk.to_json()) for chunk in cut())
+            self._queue_chunks(stream, cut())
+
+    def _queue_chunks(self, stream: _Stream, chunks: list[Chunk]) -> None:
+        """Publishes and/or queues chunks for poll(); the caller holds the lock."""
+        for chunk in chunks:
+            if self._chunk_publisher is not None:
+                self._chunk_publisher.publish(stream.key, chunk)
+            if self.settings.chunks_to_pipeline:
+                stream.outputs.append((CHUNK, chunk.to_json()))
+
+    async def _chunks_confirmed(self, stream: _Stream) -> None:
+        """Waits until Pub/Sub has confirmed every chunk of the stream (publishing failed ones again)."""
+        if self._chunk_publisher is None:
+            return
+        while not self._chunk_publisher.settled(stream.key):
+            failing_since = self._chunk_publisher.failing_since(stream.key)
+            if failing_since is not None and time.time() - failing_since > self.settings.chunk_publish_patience_s:
+                LOGGER.error("Request %s: Pub/Sub did not confirm its chunks within chunk_publish_patience_s=%g; "
+                             "its completion goes without them", stream.request.id,
+                             self.settings.chunk_publish_patience_s)
+                self._chunk_publisher.forget(stream.key)
+                return
+            await asyncio.sleep(0.002)
 
     async def _run(self, key: str) -> None:
         stream = self._streams[key]
@@ -222,6 +265,7 @@ class StreamingEngine:
                     # Chunks of this attempt are already out: restart as a new attempt.
                     with self._lock:
                         stream.attempt += 1
+                        stream.outputs.append((ATTEMPT, str(stream.attempt)))
                 LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
                 await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
                 delay = min(delay * 2, 10.0)
@@ -229,6 +273,8 @@ class StreamingEngine:
 
     def _dead_letter(self, stream: _Stream, reason: str) -> None:
         request = stream.request
+        if self._chunk_publisher is not None:
+            self._chunk_publisher.forget(stream.key)  # no completion will wait for its chunks
         letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time())
         self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)
 
@@ -267,6 +313,7 @@ class StreamingEngine:
             raise RetryableError("the stream ended before a finish reason")
         now = time.time()
         self._cut(stream, lambda: [assembler.finish(finish_reason, tokens, now)])
+        await self._chunks_confirmed(stream)
         output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
         completion = Completion(
             id=request.id, attempt=stream.attempt, model=self.model_name, prompt=request.prompt,

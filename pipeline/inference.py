@@ -6,7 +6,10 @@ so a DoFn that yielded chunks from inside ``process`` would release them only
 once its longest request finished. Instead, ``process`` hands the requests to
 the worker's :class:`~pipeline.engine.StreamingEngine` and returns; a
 processing-time timer then polls the engine and emits whatever has arrived,
-each firing its own small bundle.
+each firing its own small bundle. With ``EngineSettings.chunk_topic`` the
+engine publishes chunks itself as they are cut (no Beam hop between a token
+and its consumer), and the poll carries completions, dead letters and lost
+streams; the template runs this way.
 
 Per shard, keyed state holds three things, each written only when it changes:
 
@@ -44,7 +47,7 @@ from apache_beam.utils.multi_process_shared import MultiProcessShared
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.element_guard import guarded
-from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineSettings, StreamingEngine
+from pipeline.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineSettings, StreamingEngine
 from pipeline.keying import generate_key
 from pipeline.messages import STAGE_INFERENCE, DeadLetter, InferenceRequest
 
@@ -338,13 +341,16 @@ class _StreamingGenerateFn(beam.DoFn):
                 self.chunks_out.inc()
                 chunk = json.loads(payload)
                 entry["attempt"] = max(entry["attempt"], chunk["attempt"])
-                if chunk["seq"] == 0 and chunk["time_to_first_token_ms"] is not None:
-                    self.ttft.update(int(chunk["time_to_first_token_ms"]))
                 yield chunk
+            elif kind == ATTEMPT:  # the engine retried the stream: a lost stream must be resent past it
+                entry["attempt"] = max(entry["attempt"], int(payload))
             elif kind == COMPLETION:
                 self.completions_out.inc()
                 outcome.append(True)
-                yield pvalue.TaggedOutput(TAG_COMPLETIONS, json.loads(payload))
+                completion = json.loads(payload)
+                if completion["time_to_first_token_ms"] is not None:
+                    self.ttft.update(int(completion["time_to_first_token_ms"]))
+                yield pvalue.TaggedOutput(TAG_COMPLETIONS, completion)
             elif kind == DEAD_LETTER:
                 self.dead_letters_out.inc()
                 outcome.append(True)
@@ -382,8 +388,9 @@ class StreamingGenerate(beam.PTransform):
     Input: ``(shard_key, [InferenceRequest, ...])``; with ``generate_shards``
     each request is first re-keyed by :func:`~pipeline.keying.generate_key`
     (see :mod:`pipeline.keying` for why). Outputs (a tuple of
-    PCollections of JSON-ready dicts): ``chunks`` (main), ``completions`` and
-    ``dead_letters``; see :mod:`pipeline.messages` for their fields.
+    PCollections of JSON-ready dicts): ``chunks`` (main; empty when the engine
+    publishes them to a ``chunk_topic`` and ``chunks_to_pipeline`` is off),
+    ``completions`` and ``dead_letters``; see :mod:`pipeline.messages` for their fields.
 
     Example::
 

@@ -13,7 +13,7 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings, StreamingEngine
 from pipeline.messages import InferenceRequest
 from pipeline.model_manager import free_port
-from tests.conftest import SERVED_NAME
+from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -192,3 +192,36 @@ def test_chunks_cut_by_polls_and_by_the_stream_share_one_gapless_sequence(vllm_s
     for request_id, mine in chunks.items():
         assert [c["seq"] for c in mine] == list(range(len(mine))), request_id
         assert mine[-1]["final"] and not any(c["final"] for c in mine[:-1]), request_id
+
+
+def test_with_a_chunk_topic_the_engine_publishes_every_chunk_before_it_hands_back_the_completion(vllm_server, emulator):
+    from tests.test_chunk_publisher import _Received
+
+    name = f"engine-chunks-{int(time.time() * 1000) % 10**9}"
+    topic = emulator.create_topic(name, subscription=f"{name}-sub", ordering=True)
+    received = _Received(emulator.subscription(f"{name}-sub"))
+    engine = engine_for(vllm_server.base_url, chunk_topic=topic, chunks_to_pipeline=False)
+    try:
+        requests = [InferenceRequest(id=f"direct-{i}", prompt=p, max_tokens=n, temperature=0, received_at=time.time())
+                    for i, (p, n) in enumerate([("What is the capital of France?", 20),
+                                                ("Write a poem about autumn leaves.", 48)])]
+        outputs = run_to_end(engine, requests)
+        publisher = engine.chunk_publisher
+        for request in requests:
+            assert not [kind for kind, _ in outputs[request.id] if kind == CHUNK]  # none through the pipeline
+            (completion,) = [data for kind, data in outputs[request.id] if kind == COMPLETION]
+            assert wait_until(lambda: any(c["final"] for c in received.of(request.id)), 30)
+            chunks = [c for c in received.of(request.id) if c["attempt"] == completion["attempt"]]
+            assert [c["seq"] for c in chunks] == list(range(len(chunks)))
+            assert "".join(c["text"] for c in chunks) == completion["text"]
+            assert chunks[-1]["tokens"] == completion["usage"]["completion_tokens"] > 0
+        assert publisher.unconfirmed() == 0  # each completion waited for its chunks' confirmation
+        assert publisher.published == sum(len(received.of(r.id)) for r in requests)
+    finally:
+        engine.close()
+        received.stop()
+
+
+def test_settings_refuse_chunks_that_go_nowhere():
+    with pytest.raises(ValueError, match="chunks must go somewhere"):
+        EngineSettings(server=None, server_url="http://localhost:1", chunks_to_pipeline=False)

@@ -39,7 +39,13 @@ def test_launcher_strings_build_the_whole_pipeline():
     build(pipeline, config)
     labels = {t.full_label for t in pipeline.transforms_stack[0].parts}
     assert {"ReadPrompts", "ParseRequests", "MeasurePromptLength", "BatchRequests", "StreamingGenerate",
-            "PublishChunks", "PublishCompletions", "PublishDeadLetters"} <= labels
+            "PublishCompletions", "PublishDeadLetters"} <= labels
+    # Chunks go from the worker's engine straight to their topic, not through a pipeline step.
+    settings = engine_settings(config)
+    assert "PublishChunks" not in labels and settings.chunk_topic == config.output_chunks_topic
+    assert not settings.chunks_to_pipeline
+    with_table = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS + ["--output_chunks_table=my-project:llm.chunks"]))
+    assert engine_settings(with_table).chunks_to_pipeline  # a BigQuery chunks table still gets them through Beam
     assert config.batching().boundaries[0] == 32 and config.max_batch_delay_ms == 25
 
 
@@ -62,7 +68,7 @@ def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_serv
     assert settings.priority_boundaries == config.batching().boundaries
     # An engine for an unreachable address: only its request payloads are looked at.
     engine = StreamingEngine(dataclasses.replace(settings, server=None, server_url="http://127.0.0.1:9",
-                                                 served_model_name="m"))
+                                                 served_model_name="m", chunk_topic=None, chunks_to_pipeline=True))
     try:
         _, short = engine._payload(InferenceRequest(id="a", prompt="hi", prompt_tokens=20))
         _, long = engine._payload(InferenceRequest(id="b", prompt="hi", prompt_tokens=700))
