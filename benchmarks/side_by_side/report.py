@@ -19,7 +19,9 @@ COLUMNS = (("first chunk p50", "first_p50", "s"), ("p95", "first_p95", "s"), ("p
 def _number(value: float) -> str:
     if math.isnan(value):
         return "–"
-    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.2f}"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
 
 
 def fmt(spread: Spread) -> str:
@@ -95,6 +97,24 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
     return result
 
 
+def headline(runs: Sequence[RunResult], context: Context) -> list[str]:
+    """A compact Markdown table: first chunk p50 / p95 and tokens/s per system, for every core plan and shape."""
+    spreads = across_reps(runs)
+    systems = _ordered(r.system for r in runs)
+    lines = ["| cores | load | " + " | ".join(systems) + " |", "|---|---|" + "---|" * len(systems)]
+    for cores in context.cores:
+        for shape in context.shapes:
+            cells = []
+            for system in systems:
+                figures = spreads.get((cores, shape, system))
+                cells.append("–" if figures is None else
+                             f"{_number(figures['first_p50'].median)} / {_number(figures['first_p95'].median)} s, "
+                             f"{_number(figures['tok_s'].median)} tok/s")
+            if any(cell != "–" for cell in cells):
+                lines.append(f"| {cores} | {shape} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def terminal(runs: Sequence[RunResult], context: Context) -> str:
     lines = []
     for title, header, rows, notes in tables(runs, context):
@@ -117,6 +137,7 @@ def markdown(runs: Sequence[RunResult], context: Context) -> str:
         lines.append(f"- **{cores}**: {description}; server start {context.server_start_s.get(cores, math.nan):.0f} s "
                      f"(not in the figures); capacity {context.capacity_rps.get(cores, math.nan):.2f} requests/s "
                      "(raw vLLM, burst), from which the paced rates are set.")
+    lines += ["", "First chunk p50 / p95 and output tokens/s (medians over repetitions):", "", *headline(runs, context)]
     for title, header, rows, notes in tables(runs, context):
         lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
