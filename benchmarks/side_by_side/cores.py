@@ -54,10 +54,17 @@ def plans(names: list[str], available: set[int] | None = None) -> list[CorePlan]
     return result
 
 
+def _tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and its live descendants; empty when it has ended."""
+    try:
+        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def pin_tree(pid: int, cpus: frozenset[int]) -> None:
     """Moves every thread of ``pid`` and its descendants onto ``cpus``."""
-    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    for process in processes:
+    for process in _tree(pid):
         try:
             threads = os.listdir(f"/proc/{process.pid}/task")
         except FileNotFoundError:
@@ -78,11 +85,7 @@ def pin_this_process(cpus: frozenset[int]) -> None:
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its live descendants so far."""
     total = 0.0
-    try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    for process in processes:
+    for process in _tree(pid):
         try:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
@@ -94,16 +97,10 @@ def tree_cpu_seconds(pid: int) -> float:
 def peak_rss_mib(pid: int) -> float:
     """The peak resident memory of ``pid`` and its descendants over their lives (VmHWM), MiB."""
     total = 0
-    try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    for process in processes:
+    for process in _tree(pid):
         try:
             with open(f"/proc/{process.pid}/status", encoding="ascii") as status:
-                for line in status:
-                    if line.startswith("VmHWM:"):
-                        total += int(line.split()[1])
+                total += sum(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
         except FileNotFoundError:
             continue
     return total / 1024

@@ -172,6 +172,14 @@ def write(runs: Sequence[RunResult], context: Context, folder: Path) -> str:
             + ", ".join(p.name for p in written))
 
 
+def _save(plt, figure, axes, path: Path) -> Path:
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Path]:
     import matplotlib
 
@@ -197,12 +205,8 @@ def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Pat
             axis.set_xlabel("first chunk (s, log)")
             axis.set_ylabel("share of requests")
             axis.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
     figure.suptitle("First-chunk latency, all repetitions pooled")
-    figure.tight_layout()
-    written.append(folder / "first_chunk_cdf.png")
-    figure.savefig(written[-1], dpi=110)
-    plt.close(figure)
+    written.append(_save(plt, figure, axes, folder / "first_chunk_cdf.png"))
 
     figure, axes = plt.subplots(1, len(plans), figsize=(6 * len(plans), 3.8), squeeze=False)
     width = 0.8 / max(len(systems), 1)
@@ -223,18 +227,13 @@ def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Pat
         axis.set_ylabel("output tokens/s (median, range)")
         axis.set_title(f"{cores} cores", fontsize=9)
         axis.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
-    written.append(folder / "throughput.png")
-    figure.savefig(written[-1], dpi=110)
-    plt.close(figure)
+    written.append(_save(plt, figure, axes, folder / "throughput.png"))
 
     templates = [s for s in systems if s not in (RAW, BEAM)]
     if templates:
         figure, axes = plt.subplots(1, len(plans), figsize=(6 * len(plans), 4), squeeze=False)
         for col, cores in enumerate(plans):
             axis = axes[0][col]
-            labels, bottoms = [], []
             bars = [(shape, system) for shape in shapes for system in templates if (cores, shape, system) in spreads]
             bottoms = [0.0] * len(bars)
             for hop in HOPS:
@@ -247,9 +246,5 @@ def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Pat
             axis.set_ylabel("seconds (p50 of each hop, median over reps)")
             axis.set_title(f"{cores} cores: the template's first chunk by hop", fontsize=9)
             axis.grid(axis="y", alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        figure.tight_layout()
-        written.append(folder / "first_chunk_hops.png")
-        figure.savefig(written[-1], dpi=110)
-        plt.close(figure)
+        written.append(_save(plt, figure, axes, folder / "first_chunk_hops.png"))
     return written
