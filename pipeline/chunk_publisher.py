@@ -31,11 +31,11 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from pipeline.messages import Chunk
 
 LOGGER = logging.getLogger(__name__)
+MAX_LATENCY_S = 0.001  # how long the client may hold a chunk to batch it with others
 
 
 @dataclass
@@ -44,23 +44,20 @@ class _Pending:
 
     ordering_key: str
     chunks: list[tuple[bytes, Future]] = field(default_factory=list)
-    failures: int = 0
     first_failure_at: float | None = None
 
 
 class ChunkPublisher:
     """Publishes chunks in order per request and tracks each until Pub/Sub confirms it."""
 
-    def __init__(self, topic: str, *, max_latency_s: float = 0.001, client: Any = None) -> None:
-        self.topic = topic
-        if client is None:
-            from google.cloud import pubsub_v1
+    def __init__(self, topic: str) -> None:
+        from google.cloud import pubsub_v1
 
-            client = pubsub_v1.PublisherClient(
-                batch_settings=pubsub_v1.types.BatchSettings(max_latency=max_latency_s),
-                publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True))
-            atexit.register(client.stop)
-        self._client = client
+        self.topic = topic
+        self._client = pubsub_v1.PublisherClient(
+            batch_settings=pubsub_v1.types.BatchSettings(max_latency=MAX_LATENCY_S),
+            publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True))
+        atexit.register(self._client.stop)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self.published = 0
@@ -90,7 +87,6 @@ class ChunkPublisher:
             if failed is not None and all(future.done() for _, future in pending.chunks[failed:]):
                 # Ordering paused the key at the failure: every later publish failed too.
                 error = pending.chunks[failed][1].exception()
-                pending.failures += 1
                 pending.first_failure_at = pending.first_failure_at or time.time()
                 LOGGER.warning("Publishing chunks of %s failed (%s: %s); publishing %d again",
                                pending.ordering_key, type(error).__name__, error, len(pending.chunks) - failed)

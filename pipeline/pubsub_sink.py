@@ -1,10 +1,12 @@
-"""Writing results: JSON records to Pub/Sub, with ordering keys for chunks.
+"""Writing results from the pipeline: JSON records to Pub/Sub, with ordering keys if asked.
 
-Beam's ``WriteToPubSub`` cannot set ordering keys on every runner, so chunks
+The template publishes completions and dead letters here (its chunks leave
+from the engine: :mod:`pipeline.chunk_publisher`); a pipeline of your own can
+publish ``StreamingGenerate``'s chunks with the request id as ordering key.
+Beam's ``WriteToPubSub`` cannot set ordering keys on every runner, so records
 are published with the Pub/Sub client directly. Each bundle waits for its
 publishes before it commits: a failed publish fails the bundle, which Beam
-retries, so nothing is dropped (at-least-once; consumers de-duplicate by
-``(id, attempt, seq)``).
+retries, so nothing is dropped (at-least-once; consumers de-duplicate).
 
 A record Pub/Sub would refuse for what it is (over the 10 MB message limit,
 or an ordering key over 1 KB) is not sent: retrying its bundle would never
@@ -124,7 +126,3 @@ class PublishJson(beam.PTransform):
     def expand(self, records):
         return (records | beam.ParDo(_PublishJsonFn(self._topic, self._ordering_key, self._max_latency_s))
                 .with_outputs(TAG_DEAD_LETTERS, main="published"))[TAG_DEAD_LETTERS]
-
-
-def by_request_id(record: dict[str, Any]) -> str:
-    return str(record["id"])
