@@ -9,12 +9,14 @@ each figure means. Figures only; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import platform
 import shlex
 import sys
 import time
+import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -109,6 +111,19 @@ def _shapes(args: argparse.Namespace, capacity_rps: float) -> dict[str, float | 
     return shapes
 
 
+def _load(args: argparse.Namespace, prompts: list[workload.Prompt], rate: float | None, rep: int,
+          shape_index: int) -> tuple[list[workload.Prompt], list[float]]:
+    """The prompts of one run and their send offsets, the same for every system.
+
+    A burst sends the whole workload; a paced run a different stride through it each repetition.
+    """
+    if rate is None:
+        chosen = prompts
+    else:
+        chosen = [prompts[(i * 7 + rep) % len(prompts)] for i in range(min(args.paced_requests, len(prompts)))]
+    return chosen, workload.arrivals(len(chosen), rate, args.seed * 1000 + rep * 10 + shape_index)
+
+
 class _Server:
     """The one vLLM server, started under a core plan, or a running one."""
 
@@ -120,9 +135,6 @@ class _Server:
     def __enter__(self) -> _Server:
         if self.args.server_url:
             self.base_url = self.args.server_url.rstrip("/")
-            import json
-            import urllib.request
-
             with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=10) as response:
                 self.model = json.load(response)["data"][0]["id"]
             self.port = int(self.base_url.rsplit(":", 1)[1])
@@ -202,16 +214,13 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
             progress.note(f"[{plan.name}] capacity {capacity:.2f} requests/s")
             shapes = _shapes(args, capacity)
             for shape, rate in shapes.items():
-                count = len(prompts) if rate is None else min(args.paced_requests, len(prompts))
+                count = len(_load(args, prompts, rate, 1, 0)[0])
                 context.shapes.setdefault(shape, f"burst of {count}" if rate is None else f"{count} Poisson arrivals")
                 if rate is not None:
                     context.rates.setdefault(plan.name, {})[shape] = rate
             for rep in range(1, args.reps + 1):
                 for shape_index, (shape, rate) in enumerate(shapes.items()):
-                    count = len(prompts) if rate is None else min(args.paced_requests, len(prompts))
-                    chosen = prompts[:count] if rate is None else \
-                        [prompts[(i * 7 + rep) % len(prompts)] for i in range(count)]
-                    offsets = workload.arrivals(count, rate, args.seed * 1000 + rep * 10 + shape_index)
+                    chosen, offsets = _load(args, prompts, rate, rep, shape_index)
                     turn = (rep + shape_index) % len(started)
                     for system in started[turn:] + started[:turn]:  # a different order each time
                         progress.context = f"[{plan.name}] rep {rep}/{args.reps} · {shape} · {system.name}"
