@@ -232,7 +232,7 @@ def _rejected_as_dead_letter(failed: tuple[Any, dict[str, Any], Any]) -> dict[st
         reasons = str(errors)
     letter = DeadLetter(STAGE_SINK, f"BigQuery rejected the row for {destination}: {reasons}",
                         json.dumps(row, default=str), id=row.get("request_id"), at=time.time())
-    return json.loads(letter.to_json())
+    return letter.to_record()
 
 
 class WriteToBigQueryTable(beam.PTransform):

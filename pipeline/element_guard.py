@@ -53,7 +53,7 @@ def dead_letter_for(stage: str, element: Any, reason: str) -> dict[str, Any]:
         letter = DeadLetter.from_bytes(stage, reason, payload, id=element_id, attributes=attributes)
     else:
         letter = DeadLetter(stage, reason, payload, id=element_id, attributes=attributes, at=time.time())
-    return json.loads(letter.to_json())
+    return letter.to_record()
 
 
 def guarded(stage: str, element: Any, work: Callable[[], Iterable[Any]],

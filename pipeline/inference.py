@@ -371,7 +371,7 @@ class _StreamingGenerateFn(beam.DoFn):
         self.dead_letters_out.inc()
         request = InferenceRequest.from_json(request_json)
         letter = DeadLetter(STAGE_INFERENCE, reason, request_json, id=request.id, at=time.time())
-        return pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(letter.to_json()))
+        return pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter.to_record())
 
 
 def _by_generate_key(batch: tuple[object, list[InferenceRequest]],

@@ -191,6 +191,10 @@ class DeadLetter:
                 return text
             keep //= 2
 
+    def to_record(self) -> dict[str, Any]:
+        """The JSON-ready dict every stage emits as a dead letter: :meth:`to_json`'s record, cut to fit."""
+        return json.loads(self.to_json())
+
 
 @dataclass(frozen=True)
 class RequestLimits:

@@ -9,7 +9,6 @@ not available where the pipeline runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import Any, Iterator
 
@@ -89,7 +88,7 @@ class _MeasureFn(beam.DoFn):
             reason = (f"the prompt has {tokens} tokens and max_tokens is {request.max_tokens}; together they exceed "
                       f"the model's context of {self._max_model_len} tokens")
             letter = DeadLetter(STAGE_VALIDATE, reason, request.to_json(), id=request.id, at=time.time())
-            yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(letter.to_json()))
+            yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter.to_record())
             return
         yield dataclasses.replace(request, prompt_tokens=tokens)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator
 
 import apache_beam as beam
@@ -34,7 +33,7 @@ class _ParseFn(beam.DoFn):
                                id_attribute=self._id_attribute, defaults=self._defaults)
         if isinstance(parsed, DeadLetter):
             self.rejected.inc()
-            yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(parsed.to_json()))
+            yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, parsed.to_record())
         else:
             self.accepted.inc()
             yield parsed
