@@ -40,7 +40,7 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     policy = ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms))
     # The chunks topic is published by the engine itself (pipeline.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
-    common = dict(served_model_name=config.served_model_name, prompt_format=config.prompt_format,
+    common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
                   chunk_policy=policy, priority_boundaries=config.priority_boundaries,
                   chunk_topic=config.output_chunks_topic,
@@ -79,7 +79,8 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
         engine_settings(config), dedupe_window_s=float(config.dedupe_window_s),
         # The batcher's shard already is hash(id) mod num_shards: re-keying to the same keys would only
         # add a step (a hop on the DirectRunner, which fuses nothing).
-        generate_shards=None if generate_shards == config.num_shards else generate_shards)
+        # A static batch is the transformers engine's unit of work: it stays whole, on its batcher key.
+        generate_shards=None if generate_shards == config.num_shards or config.engine != "vllm" else generate_shards)
     failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
     if config.output_completions_topic:
         failures.append(generated.completions | "PublishCompletions" >> PublishJson(

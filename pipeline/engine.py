@@ -1,14 +1,16 @@
 """The worker's streaming engine: many requests in flight against one server.
 
-One :class:`StreamingEngine` per worker VM (shared through Beam's
-``MultiProcessShared``) owns the model manager's server, an asyncio loop on a
-background thread and a registry of streams. ``submit`` starts a request and
+One engine per worker VM (shared through Beam's ``MultiProcessShared``) holds a
+registry of streams (:class:`EngineBase`): ``submit_batch`` starts requests and
 returns at once; ``poll`` hands back whatever chunks, completions or dead
-letters have accumulated. vLLM's continuous batching sees every in-flight
-request, so a short request never waits for a long one.
+letters have accumulated. :class:`StreamingEngine` owns the model manager's
+vLLM server and streams each request to it from an asyncio loop on a background
+thread; vLLM's continuous batching sees every in-flight request, so a short
+request never waits for a long one. :mod:`pipeline.static_engine` is the other
+engine: the model in-process, each batch generated together.
 
-The engine holds at most ``max_in_flight`` unfinished streams: ``submit``
-refuses more (returns None) rather than queueing them, so a backlog waits in
+The engine holds at most ``max_in_flight`` unfinished streams: ``submit_batch``
+refuses more (None for those) rather than queueing them, so a backlog waits in
 the pipeline's keyed state, bounded here, and a request's ``request_timeout_s``
 runs from when it is actually sent, not from when it joined a queue.
 
@@ -45,6 +47,7 @@ LOGGER = logging.getLogger(__name__)
 
 # Output kinds handed back by poll(); ATTEMPT says the engine retried the stream as a new attempt.
 CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_letter", "unknown", "attempt"
+ENGINES = ("vllm", "transformers")
 
 
 class RetryableError(Exception):
@@ -55,8 +58,11 @@ class RetryableError(Exception):
 class EngineSettings:
     """Everything a worker needs to serve requests; picklable into the DoFn."""
 
-    server: ServerSpec | None  # None: use server_url
+    server: ServerSpec | None  # None: use server_url (with engine "transformers": the model to load)
     server_url: str | None = None
+    # "vllm": the model manager's server (or server_url); "transformers": the model in-process,
+    # each batch generated together (pipeline.static_engine).
+    engine: str = "vllm"
     served_model_name: str | None = None
     prompt_format: str = "chat"
     max_in_flight: int = 64
@@ -78,6 +84,10 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
             raise ValueError("give exactly one of a server spec or a server_url")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "transformers" and self.server is None:
+            raise ValueError("engine 'transformers' loads the model itself: give a model spec, not a server_url")
         if self.chunk_topic is None and not self.chunks_to_pipeline:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
 
@@ -92,62 +102,53 @@ class _Stream:
     done: bool = False
 
 
-class StreamingEngine:
-    """Hosts the server (if managed) and streams requests to it concurrently."""
+class EngineBase:
+    """What every engine shares: the registry of streams that ``poll`` reads, chunk publishing and outcomes.
+
+    An engine is built once per worker (see :func:`pipeline.inference.acquire_engine`)
+    and called through Beam's cross-process proxy: ``submit_batch`` starts requests
+    and returns at once, ``poll`` hands back what they produced. Subclasses say how
+    many of a batch they take (``_room``) and how they generate (``_start``).
+    """
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
-        self._server: VLLMServer | None = None
-        if settings.server is not None:
-            self._server = VLLMServer(settings.server).start()
-            self.base_url = self._server.base_url
-        else:
-            self.base_url = settings.server_url.rstrip("/")
-        self.model_name = settings.served_model_name or self._discover_model_name()
         self._chunk_publisher = ChunkPublisher(settings.chunk_topic) if settings.chunk_topic else None
         self._streams: dict[str, _Stream] = {}
         self._unfinished = 0  # streams not yet done: what max_in_flight bounds
         self._lock = threading.Lock()
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
-        self._loop_thread.start()
-        self._semaphore = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
-        self._session: aiohttp.ClientSession | None = None
-        atexit.register(self.close)
-
-    async def _make_semaphore(self) -> asyncio.Semaphore:
-        return asyncio.Semaphore(self.settings.max_in_flight)
-
-    def _discover_model_name(self) -> str:
-        if self.settings.server is not None:
-            return self.settings.server.model_name
-        with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=30) as response:
-            models = json.load(response)["data"]
-        if not models:
-            raise RuntimeError(f"{self.base_url} serves no models")
-        return models[0]["id"]
 
     # Public API (called through the cross-process proxy) ----------------------------
 
     def submit(self, request_json: str, attempt: int = 1) -> str | None:
-        """Starts streaming a request and returns the key to poll it with; None while the engine is full.
+        """One request: its key, or None while the engine is full."""
+        return self.submit_batch([request_json], [attempt])[0]
 
-        The key names the request's content as well as its id and attempt, so two
+    def submit_batch(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
+        """Starts a batch of requests; for each, the key to poll it with, or None where the engine had no room.
+
+        A key names the request's content as well as its id and attempt, so two
         different requests that share an id never share a stream. Submitting the
         same request and attempt again (a retried bundle) returns the same key.
         """
-        request = InferenceRequest.from_json(request_json)
-        key = f"{request.id}#{request.fingerprint()}#{attempt}"
+        requests = [InferenceRequest.from_json(text) for text in request_jsons]
+        keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}" for r, a in zip(requests, attempts)]
+        started: list[_Stream] = []
         with self._lock:
-            if key in self._streams:
-                return key
-            if self._unfinished >= self.settings.max_in_flight:
-                return None
-            self._streams[key] = _Stream(key, request, attempt)
-            self._unfinished += 1
-        asyncio.run_coroutine_threadsafe(self._run(key), self._loop)
-        return key
+            new = [i for i, key in enumerate(keys) if key not in self._streams]
+            room = self._room(len(new))
+            for n, i in enumerate(new):
+                if n >= room:
+                    keys[i] = None
+                    continue
+                stream = _Stream(keys[i], requests[i], attempts[i])
+                self._streams[stream.key] = stream
+                started.append(stream)
+            self._unfinished += len(started)
+        if started:
+            self._start(started)
+        return keys
 
     def poll(self, keys: list[str]) -> dict[str, list[tuple[str, str]]]:
         """Outputs ready for each key, in order; finished streams are forgotten once polled."""
@@ -177,22 +178,23 @@ class StreamingEngine:
         return self._chunk_publisher
 
     def server_pid(self) -> int | None:
-        return self._server.pid if self._server else None
+        return None
 
     def server_restarts(self) -> int:
-        return self._server.stats.restarts if self._server else 0
+        return 0
 
     def close(self) -> None:
-        if self._closed:
-            return
         self._closed = True
-        if self._session is not None:
-            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._server is not None:
-            self._server.stop()
 
-    # Streaming ---------------------------------------------------------------------
+    # For subclasses ----------------------------------------------------------------------
+
+    def _room(self, new: int) -> int:
+        """How many of ``new`` requests to take now; called under the lock."""
+        raise NotImplementedError
+
+    def _start(self, streams: list[_Stream]) -> None:
+        """Begins generating these streams (registered, counted) without waiting for them."""
+        raise NotImplementedError
 
     def _emit(self, stream: _Stream, kind: str, payload: str, *, final: bool = False) -> None:
         with self._lock:
@@ -204,9 +206,9 @@ class StreamingEngine:
     def _cut(self, stream: _Stream, cut: Callable[[], list[Chunk]]) -> None:
         """Runs a step of the stream's chunk assembler and sends its chunks on, under the lock poll() cuts under.
 
-        poll() cuts interval chunks on the caller's thread, the stream cuts its own on
-        the engine's loop: one lock keeps their sequence numbers one gapless sequence,
-        published in that order.
+        poll() cuts interval chunks on the caller's thread, the engine cuts the
+        stream's own on its thread: one lock keeps their sequence numbers one gapless
+        sequence, published in that order.
         """
         with self._lock:
             self._queue_chunks(stream, cut())
@@ -219,18 +221,101 @@ class StreamingEngine:
             if self.settings.chunks_to_pipeline:
                 stream.outputs.append((CHUNK, chunk.to_json()))
 
-    async def _chunks_confirmed(self, stream: _Stream) -> None:
-        """Waits until Pub/Sub has confirmed every chunk of the stream (publishing failed ones again)."""
-        if self._chunk_publisher is None:
+    def _awaiting_chunk_confirmation(self, stream: _Stream) -> bool:
+        """Whether Pub/Sub has yet to confirm a chunk of the stream (failed ones are published again).
+
+        Past ``chunk_publish_patience_s`` of failures the chunks are given up and the completion goes anyway.
+        """
+        if self._chunk_publisher is None or self._chunk_publisher.settled(stream.key):
+            return False
+        failing_since = self._chunk_publisher.failing_since(stream.key)
+        if failing_since is not None and time.time() - failing_since > self.settings.chunk_publish_patience_s:
+            LOGGER.error("Request %s: Pub/Sub did not confirm its chunks within chunk_publish_patience_s=%g; "
+                         "its completion goes without them", stream.request.id, self.settings.chunk_publish_patience_s)
+            self._chunk_publisher.forget(stream.key)
+            return False
+        return True
+
+    def _complete(self, stream: _Stream, assembler: ChunkAssembler, finish_reason: str | None, prompt_tokens: int,
+                  now: float) -> None:
+        """Emits the stream's completion record (its final chunk is already cut and confirmed)."""
+        request = stream.request
+        output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
+        completion = Completion(
+            id=request.id, attempt=stream.attempt, model=self.model_name, prompt=request.prompt,
+            messages=request.messages, text=assembler.text, finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
+            time_to_first_token_ms=assembler.time_to_first_token_ms,
+            total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
+            finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error)
+        self._emit(stream, COMPLETION, completion.to_json(), final=True)
+
+    def _dead_letter(self, stream: _Stream, reason: str) -> None:
+        request = stream.request
+        if self._chunk_publisher is not None:
+            self._chunk_publisher.forget(stream.key)  # no completion will wait for its chunks
+        letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time())
+        self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)
+
+
+class StreamingEngine(EngineBase):
+    """Hosts the vLLM server (if managed) and streams requests to it concurrently."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        self._server: VLLMServer | None = None
+        if settings.server is not None:
+            self._server = VLLMServer(settings.server).start()
+            self.base_url = self._server.base_url
+        else:
+            self.base_url = settings.server_url.rstrip("/")
+        self.model_name = settings.served_model_name or self._discover_model_name()
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
+        self._loop_thread.start()
+        self._semaphore = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
+        self._session: aiohttp.ClientSession | None = None
+        atexit.register(self.close)
+
+    async def _make_semaphore(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(self.settings.max_in_flight)
+
+    def _discover_model_name(self) -> str:
+        if self.settings.server is not None:
+            return self.settings.server.model_name
+        with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=30) as response:
+            models = json.load(response)["data"]
+        if not models:
+            raise RuntimeError(f"{self.base_url} serves no models")
+        return models[0]["id"]
+
+    def server_pid(self) -> int | None:
+        return self._server.pid if self._server else None
+
+    def server_restarts(self) -> int:
+        return self._server.stats.restarts if self._server else 0
+
+    def close(self) -> None:
+        if self._closed:
             return
-        while not self._chunk_publisher.settled(stream.key):
-            failing_since = self._chunk_publisher.failing_since(stream.key)
-            if failing_since is not None and time.time() - failing_since > self.settings.chunk_publish_patience_s:
-                LOGGER.error("Request %s: Pub/Sub did not confirm its chunks within chunk_publish_patience_s=%g; "
-                             "its completion goes without them", stream.request.id,
-                             self.settings.chunk_publish_patience_s)
-                self._chunk_publisher.forget(stream.key)
-                return
+        super().close()
+        if self._session is not None:
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._server is not None:
+            self._server.stop()
+
+    def _room(self, new: int) -> int:
+        return max(self.settings.max_in_flight - self._unfinished, 0)  # vLLM batches continuously: any that fit
+
+    def _start(self, streams: list[_Stream]) -> None:
+        for stream in streams:
+            asyncio.run_coroutine_threadsafe(self._run(stream.key), self._loop)
+
+    # Streaming ---------------------------------------------------------------------
+
+    async def _chunks_confirmed(self, stream: _Stream) -> None:
+        while self._awaiting_chunk_confirmation(stream):
             await asyncio.sleep(0.002)
 
     async def _run(self, key: str) -> None:
@@ -271,13 +356,6 @@ class StreamingEngine:
                 delay = min(delay * 2, 10.0)
         self._dead_letter(stream, f"no answer within {limit}: {last_error}")
 
-    def _dead_letter(self, stream: _Stream, reason: str) -> None:
-        request = stream.request
-        if self._chunk_publisher is not None:
-            self._chunk_publisher.forget(stream.key)  # no completion will wait for its chunks
-        letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time())
-        self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)
-
     async def _stream_once(self, stream: _Stream, deadline: float) -> None:
         request = stream.request
         await self._wait_for_server(deadline)
@@ -314,15 +392,7 @@ class StreamingEngine:
         now = time.time()
         self._cut(stream, lambda: [assembler.finish(finish_reason, tokens, now)])
         await self._chunks_confirmed(stream)
-        output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
-        completion = Completion(
-            id=request.id, attempt=stream.attempt, model=self.model_name, prompt=request.prompt,
-            messages=request.messages, text=assembler.text, finish_reason=finish_reason,
-            prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
-            time_to_first_token_ms=assembler.time_to_first_token_ms,
-            total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
-            finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error)
-        self._emit(stream, COMPLETION, completion.to_json(), final=True)
+        self._complete(stream, assembler, finish_reason, prompt_tokens, now)
 
     def _payload(self, request: InferenceRequest) -> tuple[str, dict[str, Any]]:
         payload: dict[str, Any] = {

@@ -35,7 +35,7 @@ def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig) -
     if not is_dataflow(options):
         return [], []
     problems, warnings = [], []
-    managed_server = not config.server_url
+    managed_server = not config.server_url and config.engine == "vllm"  # the worker starts vLLM itself
     image = options.view_as(WorkerOptions).sdk_container_image
     if not image:
         # Beam 2.77, apache_beam/runners/dataflow/internal/apiclient.py, get_container_image_from_options:
@@ -43,7 +43,7 @@ def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig) -
         if options.view_as(SetupOptions).setup_file is None or managed_server:
             problems.append(
                 "sdk_container_image is not set, so the workers would run Beam's default SDK image, which has "
-                "neither this template's code nor vLLM; add sdk_container_image=<the template's image> to the "
+                "neither this template's code nor its engine (vLLM or transformers); add sdk_container_image=<the template's image> to the "
                 "parameters (make run does), the same image the template was built from")
     if managed_server:
         service_options = options.view_as(GoogleCloudOptions).dataflow_service_options or []

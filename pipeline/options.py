@@ -165,6 +165,12 @@ PARAMETERS: tuple[Parameter, ...] = (
               "Hugging Face checkpoint (the console's folder picker is the next parameter).",
               "HuggingFaceTB/SmolLM2-135M-Instruct", GROUP_MODEL,
               default="HuggingFaceTB/SmolLM2-135M-Instruct", regex=r"^\S+$"),
+    Parameter("engine", "Engine",
+              "vllm: a vLLM server on each worker (or server_url) with continuous batching, the default. "
+              "transformers: the model loaded in each worker's process and every batch from the batching step "
+              "padded to its longest prompt and generated together (static batching): no vLLM needed, runs on "
+              "CPU-only workers, no response_schema. make bench compares the two.",
+              "vllm", GROUP_MODEL, "ENUM", default="vllm", enum_options=("vllm", "transformers")),
     Parameter("model_gcs_folder", "Model folder in Cloud Storage",
               "A gs:// folder holding a Hugging Face checkpoint (config.json, weights, tokenizer). When set, "
               "it is used instead of the model parameter; each worker copies it to local disk once.",
@@ -304,6 +310,7 @@ class PipelineConfig:
     dead_letter_table: str | None
     bigquery_create_tables: bool
     model: str
+    engine: str
     model_gcs_folder: str | None
     server_url: str | None
     served_model_name: str | None
@@ -396,7 +403,7 @@ class PipelineConfig:
     @property
     def priority_boundaries(self) -> tuple[int, ...] | None:
         """Length-bucket bounds that set each request's priority, or None for no priorities."""
-        if not self.prioritize_short_prompts or self.server_url:
+        if not self.prioritize_short_prompts or self.server_url or self.engine != "vllm":
             return None
         return self.batching().boundaries or default_boundaries(self.max_model_len)
 
@@ -433,6 +440,12 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
     if not (fields.get("dead_letter_topic") or fields.get("dead_letter_table")):
         problems.append("no dead-letter output is configured: set --dead_letter_topic and/or --dead_letter_table, "
                         "so that no request is dropped silently")
+    if fields.get("engine") == "transformers":
+        for name, why in (("server_url", "it loads the model in the workers, so there is no server to call"),
+                          ("response_schema", "it cannot constrain answers to a schema"),
+                          ("generate_shards", "it generates each batch whole, on its batching key")):
+            if fields.get(name):
+                problems.append(f"--{name} does not go with --engine=transformers: {why}; use --engine=vllm")
     if "default_max_tokens" in fields and "max_model_len" in fields and \
             fields["default_max_tokens"] >= fields["max_model_len"]:
         problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "

@@ -58,6 +58,11 @@ def test_launcher_strings_are_converted():
     ({"prompt_format": "xml"}, "--prompt_format must be one of chat, completion"),
     ({"server_url": "vllm:8000"}, "--server_url='vllm:8000' is not valid"),
     ({"default_max_tokens": "4096"}, "--default_max_tokens (4096) must be below --max_model_len"),
+    ({"engine": "tgi"}, "--engine must be one of vllm, transformers"),
+    ({"engine": "transformers", "server_url": "http://vllm:8000"}, "--server_url does not go with --engine=transformers"),
+    ({"engine": "transformers", "response_schema": '{"type": "object"}'},
+     "--response_schema does not go with --engine=transformers: it cannot constrain answers"),
+    ({"engine": "transformers", "generate_shards": "64"}, "--generate_shards does not go with --engine=transformers"),
 ])
 def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrides, message):
     with pytest.raises(ConfigError) as excinfo:

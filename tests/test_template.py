@@ -116,6 +116,9 @@ def test_launch_checks_ask_no_gpu_of_an_external_server_and_nothing_of_local_run
     assert checks(DATAFLOW + [IMAGE, GPU]) == ([], [])
     assert checks(DATAFLOW + [IMAGE, "--experiments=worker_accelerator=type:nvidia-l4;count:1"]) == ([], [])
     assert checks(DATAFLOW + [IMAGE, "--server_url=http://vllm.internal:8000"]) == ([], [])
+    assert checks(DATAFLOW + [IMAGE, "--engine=transformers"]) == ([], [])  # torch picks a GPU if there is one
+    problems, _ = checks(DATAFLOW + ["--engine=transformers"])
+    assert "sdk_container_image is not set" in problems[0]
     problems, warnings = checks(DATAFLOW + ["--server_url=http://vllm.internal:8000", "--setup_file=./setup.py"])
     assert problems == [] and warnings == []
     assert checks(LAUNCHER_ARGS) == ([], [])  # the DirectRunner: nothing to check

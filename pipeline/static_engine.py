@@ -1,0 +1,321 @@
+"""A static-batching engine: the model in-process, each batch padded to its longest prompt.
+
+This is the engine the length-bucketing argument is about, and the baseline
+vLLM is measured against. The worker loads the model once (shared by its SDK
+processes through the same ``MultiProcessShared`` handle as the vLLM engine),
+takes each batch the batcher formed as one unit, left-pads it to its longest
+prompt and runs transformers' ``generate`` over the whole batch. A finished
+sequence's record goes out at once, but its row is computed on until the
+longest one ends, so one long prompt or long answer pads a batch of short ones: :class:`BatchPadding` counts those padded
+token positions from the real tensors, and every batch logs them.
+
+Per-request ``max_tokens``, ``temperature``, ``top_p`` and ``stop`` hold
+within a batch: a logits processor samples each row with its own settings
+(temperature 0 keeps only the row's best token) and a stopping criterion ends
+each row on its own limit, stop string or end-of-sequence token. ``seed``,
+the penalties and ``response_format`` are vLLM features this engine does not
+have; a request that sets one is served without it (``response_format``: the
+request becomes a dead letter, since its answer could not be trusted as data).
+
+Text streams per decoding step. transformers' own streamers refuse batches of
+more than one, so a small streamer of ours receives each step's tokens for the
+whole batch, decodes each row's new text and hands it to that request's chunk
+assembler: the first chunk leaves after the batch's first step, not when the
+batch ends. Batches run one at a time on one thread: a batch waits for the one
+before it, which is the head-of-line blocking continuous batching removes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.chunking import ChunkAssembler
+from pipeline.engine import EngineBase, EngineSettings, _Stream
+from pipeline.messages import InferenceRequest
+from pipeline.model_manager import resolve_model
+
+LOGGER = logging.getLogger(__name__)
+
+# What every batch logs, in one parseable line (make bench reads it).
+BATCH_LOG = ("Static batch: %d requests, %d token positions computed, %d of them padding (%.1f %%): "
+             "prompt %d/%d padded, decode %d/%d padded; %.2f s")
+
+
+@dataclass
+class BatchPadding:
+    """Token positions a batch computed, and how many were padding (from the real tensors)."""
+
+    requests: int = 0
+    prompt_positions: int = 0  # rows × longest prompt
+    prompt_padding: int = 0
+    decode_positions: int = 0  # rows × decoding steps the batch ran
+    decode_padding: int = 0  # steps a row ran after its own sequence had ended
+
+    @property
+    def positions(self) -> int:
+        return self.prompt_positions + self.decode_positions
+
+    @property
+    def padding(self) -> int:
+        return self.prompt_padding + self.decode_padding
+
+    @property
+    def share(self) -> float:
+        return self.padding / self.positions if self.positions else 0.0
+
+    def add(self, other: BatchPadding) -> None:
+        for name in ("requests", "prompt_positions", "prompt_padding", "decode_positions", "decode_padding"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class _Row:
+    """One request's sequence within a batch."""
+
+    stream: _Stream
+    assembler: ChunkAssembler
+    prompt_tokens: int
+    max_tokens: int
+    stop: tuple[str, ...]
+    token_ids: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of text handed to the assembler
+    steps: int = 0  # decoding steps that computed this row's own tokens (the end token's included)
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StaticBatchEngine(EngineBase):
+    """Loads the model in-process and generates each submitted batch together, one batch at a time."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        import torch  # here, not at module level: the vLLM path never needs transformers loaded
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        spec = settings.server
+        self._torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu" and hasattr(os, "sched_getaffinity"):
+            # One core left to the pipeline's own threads: OpenMP threads spin-wait on each other, so one
+            # that is descheduled stalls the rest (measured on 2 cores, one busy: 296 ms a step on 2 threads,
+            # 95 on 1). torch would otherwise count the machine's cores, not this process's.
+            torch.set_num_threads(max(len(os.sched_getaffinity(0)) - 1, 1))
+        path = resolve_model(spec.model, spec.model_cache_dir)
+        dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
+        started = time.monotonic()
+        self._tokenizer = AutoTokenizer.from_pretrained(path)
+        self._tokenizer.padding_side = "left"  # generation continues from the right end of every row
+        if self._tokenizer.pad_token_id is None:
+            self._tokenizer.pad_token = self._tokenizer.eos_token
+        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
+        eos = self._model.generation_config.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else
+                                                                self._tokenizer.eos_token_id])
+        self.model_name = spec.model_name
+        self.padding = BatchPadding()
+        LOGGER.info("Static engine: %s loaded on %s (%s) in %.1f s", path, self.device,
+                    self._model.dtype, time.monotonic() - started)
+        self._batches: queue.Queue[list[_Stream] | None] = queue.Queue()
+        self._finished: queue.Queue[tuple[_Row, float] | None] = queue.Queue()
+        for target, name in ((self._serve, "static-engine"), (self._complete_finished, "static-engine-completions")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+        atexit.register(self.close)
+
+    def padding_totals(self) -> dict[str, Any]:
+        """Padding over every batch so far (for metrics and benchmarks)."""
+        with self._lock:
+            return {**self.padding.__dict__, "share": self.padding.share}
+
+    def close(self) -> None:
+        if not self._closed:
+            super().close()
+            self._batches.put(None)
+            self._finished.put(None)
+
+    # EngineBase ------------------------------------------------------------------------
+
+    def _room(self, new: int) -> int:
+        # A batch is taken whole or not at all; an idle engine takes any batch, so none waits forever.
+        if self._unfinished == 0 or self._unfinished + new <= self.settings.max_in_flight:
+            return new
+        return 0
+
+    def _start(self, streams: list[_Stream]) -> None:
+        self._batches.put(streams)
+
+    # Generation ------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while (batch := self._batches.get()) is not None:
+            try:
+                self._generate(batch)
+            except Exception as exc:  # a bug or a broken batch must not leave requests without an outcome
+                LOGGER.exception("Static batch of %d requests failed", len(batch))
+                for stream in batch:
+                    if not stream.done and not (stream.assembler and stream.assembler.finished):
+                        self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _generate(self, batch: list[_Stream]) -> None:
+        torch = self._torch
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        served = []
+        for stream in batch:
+            if stream.request.response_format is not None:
+                self._dead_letter(stream, "engine 'transformers' cannot constrain an answer to response_format; "
+                                          "run this request with engine=vllm")
+            else:
+                served.append(stream)
+        if not served:
+            return
+        started = time.time()
+        encoded = self._tokenizer([self._prompt_text(s.request) for s in served], return_tensors="pt",
+                                  padding=True, add_special_tokens=self.settings.prompt_format != "chat")
+        lengths = encoded["attention_mask"].sum(dim=1).tolist()
+        rows = []
+        for stream, length in zip(served, lengths):
+            request = stream.request
+            assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
+            with self._lock:
+                stream.assembler = assembler
+            rows.append(_Row(stream, assembler, int(length), request.max_tokens or 16, tuple(request.stop or ())))
+        steps = _Steps(self, rows)
+        temperature = torch.tensor([_or(s.request.temperature, 1.0) for s in served], dtype=torch.float32)
+        top_p = torch.tensor([_or(s.request.top_p, 1.0) for s in served], dtype=torch.float32)
+        with torch.inference_mode():
+            self._model.generate(
+                **{name: tensor.to(self.device) for name, tensor in encoded.items()},
+                do_sample=True, temperature=1.0, top_p=1.0, top_k=0,  # per row, in _PerRowSampling
+                max_new_tokens=max(row.max_tokens for row in rows),
+                pad_token_id=self._tokenizer.pad_token_id, eos_token_id=sorted(self._eos_ids),
+                logits_processor=LogitsProcessorList([_PerRowSampling(temperature, top_p)]),
+                stopping_criteria=StoppingCriteriaList([_RowsDone(steps)]), streamer=steps)
+        now = time.time()
+        longest = max(lengths)
+        padding = BatchPadding(
+            requests=len(rows), prompt_positions=len(rows) * longest, prompt_padding=sum(longest - n for n in lengths),
+            decode_positions=len(rows) * steps.count,
+            decode_padding=sum(steps.count - row.steps for row in rows))
+        with self._lock:
+            self.padding.add(padding)
+        LOGGER.info(BATCH_LOG, padding.requests, padding.positions, padding.padding, 100 * padding.share,
+                    padding.prompt_padding, padding.prompt_positions, padding.decode_padding,
+                    padding.decode_positions, now - started)
+        for row in rows:
+            if not row.done:  # generate stopped before the row's own limit (the model's context is full)
+                row.finish_reason = "length"
+                self._send_text(row, now)
+
+    def _prompt_text(self, request: InferenceRequest) -> str:
+        if request.messages is not None or self.settings.prompt_format == "chat":
+            messages = list(request.messages or [{"role": "user", "content": request.prompt}])
+            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return request.prompt
+
+    def step(self, rows: list[_Row], token_ids: list[int]) -> None:
+        """One decoding step's tokens for the batch: each live row's new text goes to its assembler."""
+        now = time.time()
+        for row, token_id in zip(rows, token_ids):
+            if row.done:
+                continue
+            row.steps += 1
+            if token_id in self._eos_ids:
+                row.finish_reason = "stop"
+            else:
+                row.token_ids.append(token_id)
+            self._send_text(row, now)
+
+    def _send_text(self, row: _Row, now: float) -> None:
+        """Hands the row's new text to its assembler, ending the row at a stop string or its max_tokens."""
+        text = self._tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        hit = min((i for i in (text.find(s) for s in row.stop) if i >= 0), default=-1)
+        if hit >= 0:
+            text, row.finish_reason = text[:hit], "stop"
+        elif not row.done and len(row.token_ids) >= row.max_tokens:
+            row.finish_reason = "length"
+        ready = len(text)
+        if not row.done:  # hold back a character split across tokens, and what could begin a stop string
+            held = max((len(s) - 1 for s in row.stop), default=0)
+            ready = max(min(len(text.rstrip("\ufffd")), len(text) - held), row.sent)
+        delta, row.sent = text[row.sent:ready], max(ready, row.sent)
+        self._cut(row.stream, lambda: row.assembler.add(delta, len(row.token_ids), now))
+        if row.done:  # its record goes now, while the batch computes on (its row padded) for the others
+            self._cut(row.stream, lambda: [row.assembler.finish(row.finish_reason, len(row.token_ids), now)])
+            self._finished.put((row, now))
+
+    def _complete_finished(self) -> None:
+        """Hands each finished row's completion to poll() once Pub/Sub has confirmed its chunks.
+
+        Its own thread, so that waiting for confirmations never holds up the batch's decoding.
+        """
+        while (item := self._finished.get()) is not None:
+            row, now = item
+            while self._awaiting_chunk_confirmation(row.stream):
+                time.sleep(0.002)
+            self._complete(row.stream, row.assembler, row.finish_reason, row.prompt_tokens, now)
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
+
+
+class _Steps:
+    """The streamer ``generate`` feeds: the prompt once, then each step's new token for every row."""
+
+    def __init__(self, engine: StaticBatchEngine, rows: list[_Row]) -> None:
+        self._engine, self.rows = engine, rows
+        self.count = 0  # decoding steps run
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.count += 1
+        self._engine.step(self.rows, value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+class _RowsDone:
+    """Stopping criterion: a row is done once its own limit, stop string or end token was reached."""
+
+    def __init__(self, steps: _Steps) -> None:
+        self._steps = steps
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        return torch.tensor([row.done for row in self._steps.rows], dtype=torch.bool, device=input_ids.device)
+
+
+class _PerRowSampling:
+    """Logits processor: each row sampled with its own temperature and top_p; temperature 0 is greedy."""
+
+    def __init__(self, temperature: Any, top_p: Any) -> None:
+        self._temperature, self._top_p = temperature, top_p
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        temperature = self._temperature.to(scores.device)[:, None]
+        top_p = self._top_p.to(scores.device)[:, None]
+        greedy = temperature <= 0
+        scores = scores.float() / torch.where(greedy, torch.ones_like(temperature), temperature)
+        ordered, order = scores.sort(dim=-1, descending=True)
+        before = ordered.softmax(dim=-1).cumsum(dim=-1) - ordered.softmax(dim=-1)  # mass above each token
+        drop_sorted = before >= top_p  # the first token always stays
+        drop_sorted[:, 1:] |= greedy.expand_as(drop_sorted[:, 1:])  # greedy rows keep only their best
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        return scores.masked_fill(drop, float("-inf"))

@@ -1,0 +1,144 @@
+"""The static-batching engine (engine=transformers) with the real local model, in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from pipeline.chunking import ChunkPolicy
+from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.keying import bucket_index
+from pipeline.messages import InferenceRequest
+from pipeline.model_manager import ServerSpec
+from pipeline.prompt_length import TokenizerMeter
+from pipeline.static_engine import StaticBatchEngine
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    engine = StaticBatchEngine(EngineSettings(
+        server=ServerSpec(model=str(checkpoint), dtype="float32", served_model_name="smollm2"), engine="transformers",
+        chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100), max_in_flight=8))
+    yield engine
+    engine.close()
+
+
+def request(request_id: str, prompt: str, **params) -> InferenceRequest:
+    return InferenceRequest(id=request_id, prompt=prompt, received_at=time.time(), **params)
+
+
+def run_batch(engine: StaticBatchEngine, requests: list[InferenceRequest], timeout_s: float = 300):
+    """Submits the requests as one batch and polls until each has its outcome: id -> [(kind, record), ...]."""
+    keys = engine.submit_batch([r.to_json() for r in requests], [1] * len(requests))
+    assert None not in keys
+    by_key = dict(zip(keys, (r.id for r in requests)))
+    outputs = {r.id: [] for r in requests}
+    pending, deadline = set(keys), time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for key, items in engine.poll(sorted(pending)).items():
+            for kind, payload in items:
+                outputs[by_key[key]].append((kind, json.loads(payload)))
+                if kind in (COMPLETION, DEAD_LETTER):
+                    pending.discard(key)
+        time.sleep(0.02)
+    assert not pending, "requests without an outcome"
+    return outputs
+
+
+def test_each_request_keeps_its_own_parameters_within_one_batch(engine):
+    requests = [
+        request("limit-5", "Write a long story about a brave knight and a dragon.", max_tokens=5),
+        request("stop-paris", "What is the capital of France?", temperature=0, stop=("Paris",), max_tokens=30),
+        request("greedy-a", "Describe a sunset over the sea.", temperature=0, max_tokens=24),
+        request("greedy-b", "Describe a sunset over the sea.", temperature=0, max_tokens=24),
+        request("top-p", "Name an animal.", top_p=0.5, max_tokens=10, metadata={"team": "qa"}),
+    ]
+    outputs = run_batch(engine, requests)
+    done = {rid: next(data for kind, data in items if kind == COMPLETION) for rid, items in outputs.items()}
+    assert done["limit-5"]["usage"]["completion_tokens"] == 5 and done["limit-5"]["finish_reason"] == "length"
+    assert done["stop-paris"]["finish_reason"] == "stop" and "Paris" not in done["stop-paris"]["text"]
+    assert "capital" in done["stop-paris"]["text"].lower()
+    assert done["greedy-a"]["text"] == done["greedy-b"]["text"] != ""
+    assert done["greedy-a"]["usage"]["completion_tokens"] <= 24
+    assert done["top-p"]["metadata"] == {"team": "qa"} and done["top-p"]["usage"]["completion_tokens"] <= 10
+    for rid, items in outputs.items():
+        chunks = [data for kind, data in items if kind == CHUNK]
+        assert [c["seq"] for c in chunks] == list(range(len(chunks))), rid
+        assert chunks[-1]["final"] and not any(c["final"] for c in chunks[:-1]), rid
+        assert "".join(c["text"] for c in chunks) == done[rid]["text"], rid
+        assert done[rid]["usage"]["prompt_tokens"] > 0
+
+
+def test_text_streams_per_decoding_step_not_when_the_batch_ends(engine):
+    outputs = run_batch(engine, [request("short", "Say hi.", temperature=0, max_tokens=4),
+                                 request("long", "Count from 1 to 100, separated by commas.", temperature=0,
+                                         max_tokens=48)])
+    short_final = next(c for kind, c in outputs["short"] if kind == CHUNK and c["final"])
+    long_chunks = [c for kind, c in outputs["long"] if kind == CHUNK]
+    assert len(long_chunks) >= 4, "a 48-token answer with chunk_tokens=4 comes in several chunks"
+    assert long_chunks[0]["emitted_at"] < long_chunks[-1]["emitted_at"]
+    # The short row's text was out while the batch still ran for the long one (its row padded meanwhile).
+    assert short_final["emitted_at"] < long_chunks[-1]["emitted_at"]
+
+
+def test_a_long_prompt_pads_a_batch_of_short_ones_and_length_buckets_stop_it(engine, checkpoint):
+    """The batcher's two batchings of the same requests: arrival order (one batch) and length buckets."""
+    short = [request(f"short-{i}", f"Name a color, number {i}.", temperature=0, max_tokens=6) for i in range(3)]
+    long = request("long", "Summarise this report. " + "The quarterly numbers rose in every region. " * 40,
+                   temperature=0, max_tokens=6)
+    meter = TokenizerMeter(str(checkpoint), "chat")  # what MeasurePromptLength gives the batcher
+    measured = [dataclasses.replace(r, prompt_tokens=meter(r)) for r in short + [long]]
+    boundaries = (64, 256, 1024)
+    by_bucket: dict[int, list[InferenceRequest]] = {}
+    for r in measured:
+        by_bucket.setdefault(bucket_index(boundaries, r.prompt_tokens), []).append(r)
+    assert len(by_bucket) == 2, "the long prompt falls in a bucket of its own"
+
+    before = engine.padding_totals()
+    run_batch(engine, measured)  # arrival order: one batch
+    arrival = _since(before, engine.padding_totals())
+    before = engine.padding_totals()
+    for batch in by_bucket.values():
+        run_batch(engine, batch)
+    buckets = _since(before, engine.padding_totals())
+
+    assert arrival["prompt_padding"] / arrival["prompt_positions"] > 0.5  # three short rows padded to the long one
+    assert buckets["prompt_padding"] / buckets["prompt_positions"] < 0.1
+    assert buckets["prompt_positions"] < arrival["prompt_positions"] / 2
+
+
+def _since(before: dict, after: dict) -> dict:
+    return {name: after[name] - before[name] for name in ("requests", "prompt_positions", "prompt_padding",
+                                                           "decode_positions", "decode_padding")}
+
+
+def test_a_full_engine_takes_a_batch_whole_or_not_at_all(engine):
+    first = [request(f"full-{i}", "Count from 1 to 50.", temperature=0, max_tokens=24) for i in range(6)]
+    keys = engine.submit_batch([r.to_json() for r in first], [1] * 6)
+    assert None not in keys and engine.in_flight() == 6
+    more = [request(f"more-{i}", "Say yes.", max_tokens=2) for i in range(3)]
+    assert engine.submit_batch([r.to_json() for r in more], [1] * 3) == [None, None, None]  # 6 + 3 > 8
+    assert engine.submit_batch([first[0].to_json()], [1]) == keys[:1]  # a retried bundle: the same stream
+    pending = set(keys)
+    deadline = time.monotonic() + 300
+    while pending and time.monotonic() < deadline:
+        for key, items in engine.poll(sorted(pending)).items():
+            if any(kind == COMPLETION for kind, _ in items):
+                pending.discard(key)
+        time.sleep(0.05)
+    assert not pending and engine.in_flight() == 0
+    assert None not in engine.submit_batch([r.to_json() for r in more], [1] * 3)
+
+
+def test_a_request_for_structured_output_becomes_a_dead_letter_that_names_the_engine(engine):
+    outputs = run_batch(engine, [request("json", "Give me a JSON object.", max_tokens=8,
+                                         response_format={"type": "json_object"}),
+                                 request("plain", "Say hi.", max_tokens=4)])
+    (letter,) = [data for kind, data in outputs["json"] if kind == DEAD_LETTER]
+    assert "engine=vllm" in letter["reason"] and letter["stage"] == "inference"
+    assert any(kind == COMPLETION for kind, _ in outputs["plain"])
