@@ -106,6 +106,10 @@ bench-priority: model ## Measure vLLM priority scheduling (shorter prompts first
 bench: model ## First chunk, latency, throughput, CPU: raw vLLM vs the template vs Beam's handler (BENCH_ARGS=--help)
 	$(PY) -m benchmarks.side_by_side $(BENCH_ARGS)
 
+.PHONY: bench-engines
+bench-engines: model ## Static batching (engine=transformers, arrival order vs length buckets) against vLLM: tokens/s, padding, CPU
+	$(PY) -m benchmarks.side_by_side --systems raw,template-arrival,static-arrival,static-buckets --rates 0.5 $(BENCH_ARGS)
+
 .PHONY: bench-scale
 bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)
 	$(PY) -m benchmarks.scale

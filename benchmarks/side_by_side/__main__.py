@@ -9,6 +9,7 @@ each figure means. Figures only; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -21,13 +22,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.side_by_side import report, workload
-from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans
+from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans, tree_cpu_seconds
+from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS
 from benchmarks.side_by_side.stats import RunResult
 from benchmarks.side_by_side.systems import BeamHandler, RawVLLM, System, Template
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT
+from pipeline.local_model import ensure_local_checkpoint
 
-SYSTEMS = ("raw", "template-arrival", "template-buckets", "beam")
+SYSTEMS = ("raw", "template-arrival", "template-buckets", "beam", "static-arrival", "static-buckets")
+DEFAULT_SYSTEMS = ("raw", "template-arrival", "template-buckets", "beam")
 SERVED_NAME = "bench"
 SETTLE_S = 1.0  # after resuming a paused pipeline, before sending it anything
 
@@ -61,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every configuration, interleaved")
     parser.add_argument("--cores", choices=("both", "isolated", "shared"), default="both",
                         help="isolated: server on its own cores (a GPU worker's shape); shared: a CPU-only user's")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated, from {', '.join(SYSTEMS)} (static-*: the template with "
+                             "engine=transformers, on every core of the plan; make bench-engines)")
     parser.add_argument("--template-repo", type=Path, action="append", default=[], metavar="DIR",
                         help="also run the template (length buckets) from another checkout, e.g. before a change")
     parser.add_argument("--template-args", default="", help="more template parameters for every template run, "
@@ -139,7 +145,6 @@ class _Server:
                 self.model = json.load(response)["data"][0]["id"]
             self.port = int(self.base_url.rsplit(":", 1)[1])
             return self
-        from pipeline.local_model import ensure_local_checkpoint
         from pipeline.model_manager import ServerSpec, VLLMServer
 
         model = self.args.model or str(ensure_local_checkpoint())
@@ -164,6 +169,10 @@ class _Server:
         if self.server is not None:
             self.server.stop()
 
+    def cpu_seconds(self) -> float | None:
+        """The server's process tree's CPU time so far (None for a server this command did not start)."""
+        return tree_cpu_seconds(self.server.pid) if self.server is not None else None
+
 
 def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server, log_dir: Path) -> list[System]:
     chosen = args.systems.split(",")
@@ -184,6 +193,11 @@ def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server
         label, variant_args = variant.split("=", 1)
         systems.append(Template(f"template (length buckets, {label})", emulator, server.base_url, args.max_tokens,
                                 bucketing=True, log_dir=log_dir, extra_args=extra + tuple(shlex.split(variant_args))))
+    static = ("--engine=transformers", f"--model={args.model or ensure_local_checkpoint()}", f"--dtype={args.dtype}")
+    for name, label, bucketing in (("static-arrival", STATIC_ARRIVAL, False), ("static-buckets", STATIC_BUCKETS, True)):
+        if name in chosen:  # the model's compute runs in the pipeline's tree: give it every core the plan has
+            systems.append(Template(label, emulator, None, args.max_tokens, bucketing=bucketing, log_dir=log_dir,
+                                    extra_args=static + extra, cores=server.plan.server | server.plan.clients))
     if "beam" in chosen:
         systems.append(BeamHandler(emulator, server.port, server.model, args.max_tokens, log_dir=log_dir))
     return systems
@@ -226,9 +240,13 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
                         progress.context = f"[{plan.name}] rep {rep}/{args.reps} · {shape} · {system.name}"
                         system.resume()
                         time.sleep(SETTLE_S)
+                        model_cpu = server.cpu_seconds()
                         try:
-                            results.append(system.run(chosen, offsets, shape=shape, rep=rep, cores=plan.name,
-                                                      progress=progress))
+                            result = system.run(chosen, offsets, shape=shape, rep=rep, cores=plan.name,
+                                                progress=progress)
+                            if not getattr(system, "holds_model", False) and model_cpu is not None:
+                                result = dataclasses.replace(result, model_cpu_s=server.cpu_seconds() - model_cpu)
+                            results.append(result)
                         finally:
                             system.pause()
                         progress.note(f"{progress.context}: done")

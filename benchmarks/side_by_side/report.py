@@ -11,9 +11,11 @@ from typing import Sequence
 from benchmarks.side_by_side.stats import HOPS, RequestTiming, RunResult, Spread, across_reps, ratio
 
 RAW, BEAM = "raw vLLM", "Beam's vLLM handler"
+STATIC_ARRIVAL, STATIC_BUCKETS = "template, transformers (arrival order)", "template, transformers (length buckets)"
 COLUMNS = (("first chunk p50", "first_p50", "s"), ("p95", "first_p95", "s"), ("p99", "first_p99", "s"),
            ("done p50", "done_p50", "s"), ("p95", "done_p95", "s"), ("tokens/s", "tok_s", ""),
-           ("CPU s / 1k tokens", "cpu_s_per_1k_tokens", ""), ("peak MiB", "peak_rss_mib", ""))
+           ("CPU s / 1k tokens", "cpu_s_per_1k_tokens", ""), ("with the model's", "all_cpu_s_per_1k_tokens", ""),
+           ("padded %", "padded_pct", ""), ("peak MiB", "peak_rss_mib", ""))
 
 
 def _number(value: float) -> str:
@@ -80,6 +82,7 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
                     f"{system} (only {_number(finished.low)} of {_number(figures['expected'].median)} finished)"
                 rows.append([label, *(fmt(figures[key]) for _, key, _ in COLUMNS)])
             notes = []
+            notes += engine_notes({system: spreads[(cores, shape, system)] for system in systems})
             for system in systems:
                 if system in (RAW, BEAM):
                     continue
@@ -95,6 +98,26 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
                 notes.append(f"{system}, first chunk by hop (p50 / p95): " + "; ".join(hops))
             result.append((title, header, rows, notes))
     return result
+
+
+def engine_notes(figures: dict[str, dict[str, Spread]]) -> list[str]:
+    """The static engine's ratios: length buckets against arrival order, and each vLLM system against it."""
+    if STATIC_ARRIVAL not in figures:
+        return []
+    arrival, notes = figures[STATIC_ARRIVAL], []
+    if STATIC_BUCKETS in figures:
+        buckets = figures[STATIC_BUCKETS]
+        notes.append(f"transformers, length buckets / arrival order: tokens/s "
+                     f"{_ratio_text(ratio(buckets['tok_s'], arrival['tok_s']))}, padded "
+                     f"{fmt(arrival['padded_pct'])} % → {fmt(buckets['padded_pct'])} % "
+                     f"(goal: ≥ 1.5× and ≤ 10 %)")
+    for system, other in figures.items():
+        if system not in (STATIC_ARRIVAL, STATIC_BUCKETS, BEAM):
+            notes.append(f"{system} / transformers in arrival order: tokens/s "
+                         f"{_ratio_text(ratio(other['tok_s'], arrival['tok_s']))}, CPU s per 1k tokens with the "
+                         f"model's {_ratio_text(ratio(other['all_cpu_s_per_1k_tokens'], arrival['all_cpu_s_per_1k_tokens']))}, "
+                         f"done p50 {_ratio_text(ratio(other['done_p50'], arrival['done_p50']))}")
+    return notes
 
 
 def headline(runs: Sequence[RunResult], context: Context) -> list[str]:

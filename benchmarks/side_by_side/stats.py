@@ -39,6 +39,8 @@ class RunResult:
     cpu_s: float | None = None  # the system's own processes (the client, for raw vLLM), server excluded
     peak_rss_mib: float | None = None
     notes: list[str] = field(default_factory=list)
+    padded_share: float | None = None  # static engine: padding / token positions computed, from its batches
+    model_cpu_s: float | None = None  # the vLLM server's CPU time during the run (None: the model is in cpu_s)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -67,6 +69,9 @@ def summarize(run: RunResult) -> dict[str, float]:
         "done_p50": percentile(done, 0.5), "done_p95": percentile(done, 0.95),
         "tokens": tokens, "tok_s": tokens / wall if wall and wall > 0 else math.nan,
         "cpu_s_per_1k_tokens": run.cpu_s / tokens * 1000 if run.cpu_s is not None and tokens else math.nan,
+        "all_cpu_s_per_1k_tokens": ((run.cpu_s + (run.model_cpu_s or 0.0)) / tokens * 1000
+                                    if run.cpu_s is not None and tokens else math.nan),
+        "padded_pct": 100 * run.padded_share if run.padded_share is not None else math.nan,
         "peak_rss_mib": run.peak_rss_mib if run.peak_rss_mib is not None else math.nan,
     }
     for index, name in enumerate(HOPS):

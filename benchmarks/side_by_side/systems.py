@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Callable, Protocol
 
 import aiohttp
 
-from benchmarks.side_by_side.cores import peak_rss_mib, tree_cpu_seconds
+from benchmarks.side_by_side.cores import peak_rss_mib, pin_tree, tree_cpu_seconds
 from benchmarks.side_by_side.stats import RequestTiming, RunResult
 from benchmarks.side_by_side.workload import Prompt
 from local.emulators import PubSubEmulator
@@ -152,14 +153,34 @@ def _wait(collector: OutputCollector, ids: set[str], timeout_s: float, progress:
 
 # ---------------------------------------------------------------- this template
 
-class Template:
-    """``python -m template.main`` on the DirectRunner, Pub/Sub emulator in and out, as a user runs it."""
+# The line the transformers engine logs per batch (pipeline.static_engine.BATCH_LOG).
+_BATCH_LINE = re.compile(r"Static batch: (\d+) requests, (\d+) token positions computed, (\d+) of them padding")
 
-    def __init__(self, name: str, emulator: PubSubEmulator, base_url: str, max_tokens: int, *,
-                 bucketing: bool, log_dir: Path, repo_root: Path = REPO_ROOT, extra_args: tuple[str, ...] = ()) -> None:
+
+def padded_share(log_text: str) -> float | None:
+    """The share of token positions that were padding, over every static batch the log reports."""
+    positions = padding = 0
+    for match in _BATCH_LINE.finditer(log_text):
+        positions, padding = positions + int(match[2]), padding + int(match[3])
+    return padding / positions if positions else None
+
+
+class Template:
+    """``python -m template.main`` on the DirectRunner, Pub/Sub emulator in and out, as a user runs it.
+
+    With a ``base_url`` it uses that vLLM server; without one, ``extra_args`` name
+    its engine (``--engine=transformers --model=...``), which then runs on ``cores``.
+    """
+
+    def __init__(self, name: str, emulator: PubSubEmulator, base_url: str | None, max_tokens: int, *,
+                 bucketing: bool, log_dir: Path, repo_root: Path = REPO_ROOT, extra_args: tuple[str, ...] = (),
+                 cores: frozenset[int] | None = None) -> None:
         self.name = name
-        self._args = [f"--server_url={base_url}", "--prompt_format=completion", "--num_shards=4",
-                      f"--default_max_tokens={max_tokens}", f"--length_bucketing={str(bucketing).lower()}", *extra_args]
+        self.holds_model = base_url is None  # its CPU time includes the model's
+        self._args = [*([f"--server_url={base_url}"] if base_url else []), "--prompt_format=completion",
+                      "--num_shards=4", f"--default_max_tokens={max_tokens}",
+                      f"--length_bucketing={str(bucketing).lower()}", *extra_args]
+        self._cores = cores
         self._emulator, self._max_tokens = emulator, max_tokens
         self._log = log_dir / f"{name.replace(' ', '-').replace('(', '').replace(')', '')}.log"
         self._repo_root = repo_root
@@ -168,6 +189,8 @@ class Template:
 
     def start(self) -> None:
         self._run = LocalRun(self._args, log_path=self._log, emulator=self._emulator, repo_root=self._repo_root).start()
+        if self._cores is not None:  # before the warm-up starts the engine's process, which inherits them
+            pin_tree(self._run.process.pid, self._cores)
         self._collector = self._run.collector()
         warm = [Prompt("warm-up", "Hi", "question")]
         publish_on_schedule(self._topic(), warm, [0.0], 1)
@@ -198,6 +221,7 @@ class Template:
         prompts = _run_ids(prompts, shape, rep)
         collector.clear()
         cpu_before = tree_cpu_seconds(pid)
+        log_offset = self._log.stat().st_size
         sent = publish_on_schedule(self._topic(), prompts, offsets, self._max_tokens)
         _wait(collector, set(sent), _timeout(offsets), progress, self._run.pipeline_alive)
         # Chunks travel on their own topic and may trail their completion.
@@ -210,6 +234,9 @@ class Template:
         while time.monotonic() < deadline and with_text - {c.data["id"] for c in list(collector.chunks) if c.data["text"]}:
             time.sleep(0.1)
         cpu_s = tree_cpu_seconds(pid) - cpu_before
+        with open(self._log, "rb") as log:
+            log.seek(log_offset)
+            padding = padded_share(log.read().decode("utf-8", "replace"))
         first_chunks: dict[str, tuple[float, dict]] = {}
         for chunk in list(collector.chunks):
             key = chunk.data["id"]
@@ -231,7 +258,7 @@ class Template:
         dead = [d.data for d in list(collector.dead_letters) if d.data.get("id") in sent]
         notes = [f"{len(dead)} dead letters: {sorted({d.get('reason', '?')[:60] for d in dead})}"] if dead else []
         return RunResult(self.name, shape, rep, cores, timings, len(prompts), cpu_s=cpu_s,
-                         peak_rss_mib=peak_rss_mib(pid), notes=notes)
+                         peak_rss_mib=peak_rss_mib(pid), notes=notes, padded_share=padding)
 
 
 # ---------------------------------------------------------------- Beam's handler
