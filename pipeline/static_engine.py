@@ -169,11 +169,15 @@ class StaticBatchEngine(EngineBase):
         torch = self._torch
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        served = []
+        served, now = [], time.time()
         for stream in batch:
-            if stream.request.response_format is not None:
+            request = stream.request
+            if request.response_format is not None:
                 self._dead_letter(stream, "engine 'transformers' cannot constrain an answer to response_format; "
                                           "run this request with engine=vllm")
+            elif request.deadline_ms is not None and now > request.received_at + request.deadline_ms / 1000:
+                self._dead_letter(stream, f"its deadline_ms={request.deadline_ms} passed while it waited for the "
+                                          "batches before it")
             else:
                 served.append(stream)
         if not served:
@@ -188,7 +192,8 @@ class StaticBatchEngine(EngineBase):
             assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
             with self._lock:
                 stream.assembler = assembler
-            rows.append(_Row(stream, assembler, int(length), request.max_tokens or 16, tuple(request.stop or ())))
+            max_tokens = request.max_tokens or 16  # the completions API's default, as vLLM has it
+            rows.append(_Row(stream, assembler, int(length), max_tokens, tuple(request.stop or ())))
         steps = _Steps(self, rows)
         temperature = torch.tensor([_or(s.request.temperature, 1.0) for s in served], dtype=torch.float32)
         top_p = torch.tensor([_or(s.request.top_p, 1.0) for s in served], dtype=torch.float32)

@@ -135,10 +135,13 @@ def test_a_full_engine_takes_a_batch_whole_or_not_at_all(engine):
     assert None not in engine.submit_batch([r.to_json() for r in more], [1] * 3)
 
 
-def test_a_request_for_structured_output_becomes_a_dead_letter_that_names_the_engine(engine):
+def test_what_the_engine_cannot_serve_becomes_a_dead_letter_and_the_batch_goes_on(engine):
+    late = InferenceRequest(id="late", prompt="Say hi.", max_tokens=4, deadline_ms=500, received_at=time.time() - 5)
     outputs = run_batch(engine, [request("json", "Give me a JSON object.", max_tokens=8,
                                          response_format={"type": "json_object"}),
-                                 request("plain", "Say hi.", max_tokens=4)])
+                                 late, request("plain", "Say hi.", max_tokens=4)])
     (letter,) = [data for kind, data in outputs["json"] if kind == DEAD_LETTER]
     assert "engine=vllm" in letter["reason"] and letter["stage"] == "inference"
+    (letter,) = [data for kind, data in outputs["late"] if kind == DEAD_LETTER]
+    assert "deadline_ms=500 passed" in letter["reason"]
     assert any(kind == COMPLETION for kind, _ in outputs["plain"])
