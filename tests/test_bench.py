@@ -49,6 +49,35 @@ def test_summarize_measures_from_each_send_and_over_the_run_wall_time():
     assert figures[f"hop_p50:{HOPS[3]}"] == pytest.approx(0.125)
 
 
+def test_padding_comes_from_the_batches_the_static_engine_logs_and_cpu_counts_the_model():
+    from benchmarks.side_by_side.systems import padded_share
+    from pipeline.static_engine import BATCH_LOG, BatchPadding
+
+    batches = [BatchPadding(4, 160, 20, 480, 300), BatchPadding(2, 80, 0, 100, 10)]
+    log = "\n".join("2026-11-22 INFO pipeline.static_engine: " + BATCH_LOG % (
+        b.requests, b.positions, b.padding, 100 * b.share, b.prompt_padding, b.prompt_positions, b.decode_padding,
+        b.decode_positions, 1.5) for b in batches)
+    assert padded_share(log) == pytest.approx(330 / 820)
+    assert padded_share("no batches here") is None
+    run = RunResult("s", "burst", 1, "shared", [_timing("a", 0.0, 0.5, 2.0, 40)], expected=1, cpu_s=1.0,
+                    model_cpu_s=3.0, padded_share=0.25)
+    figures = summarize(run)
+    assert figures["cpu_s_per_1k_tokens"] == pytest.approx(25.0)
+    assert figures["all_cpu_s_per_1k_tokens"] == pytest.approx(100.0) and figures["padded_pct"] == pytest.approx(25.0)
+
+
+def test_engine_ratios_compare_buckets_with_arrival_order_and_vllm_with_static_batching():
+    def run(system, tokens, padded):
+        return RunResult(system, "burst", 1, "shared", [_timing("a", 0.0, 0.5, 2.0, tokens)], expected=1, cpu_s=1.0,
+                         padded_share=padded)
+    spreads = across_reps([run(report.STATIC_ARRIVAL, 20, 0.5), run(report.STATIC_BUCKETS, 40, 0.05),
+                           run(report.RAW, 100, None)])
+    notes = report.engine_notes({system: figures for (_, _, system), figures in spreads.items()})
+    assert notes[0].startswith("transformers, length buckets / arrival order: tokens/s 2.00×, padded 50.0 % → 5.00 %")
+    assert notes[1].startswith("raw vLLM / transformers in arrival order: tokens/s 5.00×")
+    assert report.engine_notes({report.RAW: spreads[("shared", "burst", report.RAW)]}) == []
+
+
 def test_hops_are_left_out_for_requests_without_them():
     run = RunResult("s", "burst", 1, "shared", [_timing("a", 0.0, 1.0, 2.0, 5), _timing("b", 0.0, 0.5, 1.0, 5, (0.1, 0.2, 0.0, 0.2))],
                     expected=2)
@@ -119,7 +148,7 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
 
     args = parse_args(["--server-url", vllm_server.base_url, "--cores", "shared", "--reps", "1", "--requests", "3",
                        "--paced-requests", "2", "--rates-per-s", "4", "--max-tokens", "8",
-                       "--systems", "raw,template-buckets", "--out", str(tmp_path)])
+                       "--systems", "raw,template-buckets,static-arrival", "--out", str(tmp_path)])
     with pytest.MonkeyPatch.context() as patch:
         for key, value in emulator.env().items():
             patch.setenv(key, value)
@@ -127,7 +156,8 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
     data = json.loads((folder / "runs.json").read_text())
     runs = data["runs"]
     assert {(r["system"], r["shape"]) for r in runs} == {
-        (system, shape) for system in ("raw vLLM", "template (length buckets)") for shape in ("burst", "paced 4/s")}
+        (system, shape) for system in ("raw vLLM", "template (length buckets)", report.STATIC_ARRIVAL)
+        for shape in ("burst", "paced 4/s")}
     for run_record in runs:
         assert len(run_record["timings"]) == run_record["expected"], run_record
         for timing in run_record["timings"]:
@@ -137,7 +167,11 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
                 assert sum(timing["hops"]) == pytest.approx(timing["first"] - timing["sent"], abs=0.005)
         if run_record["system"].startswith("template"):
             assert run_record["cpu_s"] > 0 and run_record["peak_rss_mib"] > 50
+        static = run_record["system"] == report.STATIC_ARRIVAL  # its padding is measured, its model is its own
+        assert (run_record["padded_share"] is not None) == static
+        assert 0 <= (run_record["padded_share"] or 0) < 1 and run_record["model_cpu_s"] is None
     markdown = (folder / "report.md").read_text()
     assert "template (length buckets) / raw vLLM: first chunk p50" in markdown
+    assert "template (length buckets) / transformers in arrival order: tokens/s" in markdown
     for name in ("first_chunk_cdf.png", "throughput.png", "first_chunk_hops.png"):
         assert (folder / name).stat().st_size > 10_000
