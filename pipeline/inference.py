@@ -11,6 +11,12 @@ engine publishes chunks itself as they are cut (no Beam hop between a token
 and its consumer), and the poll carries completions, dead letters and lost
 streams; the template runs this way.
 
+Each batch from the batcher is submitted as one unit (``submit_batch``): the
+vLLM engine takes the requests it has room for, the transformers engine
+(:mod:`pipeline.static_engine`) generates the batch together or takes none of
+it yet; what is not taken waits with its batch id, and is admitted batch by
+batch.
+
 Per shard, keyed state holds three things, each written only when it changes:
 
 * ``waiting``: requests the engine had no room for. A backlog waits here, in

@@ -169,7 +169,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "vllm: a vLLM server on each worker (or server_url) with continuous batching, the default. "
               "transformers: the model loaded in each worker's process and every batch from the batching step "
               "padded to its longest prompt and generated together (static batching): no vLLM needed, runs on "
-              "CPU-only workers, no response_schema. make bench compares the two.",
+              "CPU-only workers, no response_schema. make bench-engines compares the two.",
               "vllm", GROUP_MODEL, "ENUM", default="vllm", enum_options=("vllm", "transformers")),
     Parameter("model_gcs_folder", "Model folder in Cloud Storage",
               "A gs:// folder holding a Hugging Face checkpoint (config.json, weights, tokenizer). When set, "
