@@ -1,13 +1,14 @@
 """A static-batching engine: the model in-process, each batch padded to its longest prompt.
 
 This is the engine the length-bucketing argument is about, and the baseline
-vLLM is measured against. The worker loads the model once (shared by its SDK
-processes through the same ``MultiProcessShared`` handle as the vLLM engine),
-takes each batch the batcher formed as one unit, left-pads it to its longest
-prompt and runs transformers' ``generate`` over the whole batch. A finished
-sequence's record goes out at once, but its row is computed on until the
-longest one ends, so one long prompt or long answer pads a batch of short ones: :class:`BatchPadding` counts those padded
-token positions from the real tensors, and every batch logs them.
+vLLM is measured against. Each worker loads the model once, in a process of its
+own that its SDK processes reach through Beam's ``MultiProcessShared`` (see
+:func:`pipeline.inference.acquire_engine`), takes each batch the batcher formed
+as one unit, left-pads it to its longest prompt and runs transformers'
+``generate`` over the whole batch. A finished sequence's record goes out at
+once, but its row is computed on until the longest one ends, so one long prompt
+or long answer pads a batch of short ones: :class:`BatchPadding` counts those
+padded token positions from the real tensors, and every batch logs them.
 
 Per-request ``max_tokens``, ``temperature``, ``top_p`` and ``stop`` hold
 within a batch: a logits processor samples each row with its own settings
