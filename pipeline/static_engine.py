@@ -133,7 +133,7 @@ class StaticBatchEngine(EngineBase):
         atexit.register(self.close)
 
     def padding_totals(self) -> dict[str, Any]:
-        """Padding over every batch so far (for metrics and benchmarks)."""
+        """Padding over every batch so far (benchmarks read the per-batch log line instead)."""
         with self._lock:
             return {**self.padding.__dict__, "share": self.padding.share}
 
@@ -196,8 +196,8 @@ class StaticBatchEngine(EngineBase):
             max_tokens = request.max_tokens or 16  # the completions API's default, as vLLM has it
             rows.append(_Row(stream, assembler, int(length), max_tokens, tuple(request.stop or ())))
         steps = _Steps(self, rows)
-        temperature = torch.tensor([_or(s.request.temperature, 1.0) for s in served], dtype=torch.float32)
-        top_p = torch.tensor([_or(s.request.top_p, 1.0) for s in served], dtype=torch.float32)
+        temperature = torch.tensor([[_or(s.request.temperature, 1.0)] for s in served], device=self.device)
+        top_p = torch.tensor([[_or(s.request.top_p, 1.0)] for s in served], device=self.device)
         with torch.inference_mode():
             self._model.generate(
                 **{name: tensor.to(self.device) for name, tensor in encoded.items()},
@@ -301,27 +301,26 @@ class _RowsDone:
         self._steps = steps
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        import torch
-
-        return torch.tensor([row.done for row in self._steps.rows], dtype=torch.bool, device=input_ids.device)
+        return input_ids.new_tensor([row.done for row in self._steps.rows]).bool()
 
 
 class _PerRowSampling:
-    """Logits processor: each row sampled with its own temperature and top_p; temperature 0 is greedy."""
+    """Logits processor: each row sampled with its own temperature and top_p; temperature 0 is greedy.
+
+    ``temperature`` and ``top_p`` are (rows, 1) tensors on the model's device.
+    """
 
     def __init__(self, temperature: Any, top_p: Any) -> None:
-        self._temperature, self._top_p = temperature, top_p
+        self._greedy = temperature <= 0
+        self._divisor = temperature.masked_fill(self._greedy, 1.0)
+        self._top_p = top_p
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import torch
-
-        temperature = self._temperature.to(scores.device)[:, None]
-        top_p = self._top_p.to(scores.device)[:, None]
-        greedy = temperature <= 0
-        scores = scores.float() / torch.where(greedy, torch.ones_like(temperature), temperature)
+        scores = scores.float() / self._divisor
         ordered, order = scores.sort(dim=-1, descending=True)
-        before = ordered.softmax(dim=-1).cumsum(dim=-1) - ordered.softmax(dim=-1)  # mass above each token
-        drop_sorted = before >= top_p  # the first token always stays
-        drop_sorted[:, 1:] |= greedy.expand_as(drop_sorted[:, 1:])  # greedy rows keep only their best
+        probabilities = ordered.softmax(dim=-1)
+        before = probabilities.cumsum(dim=-1) - probabilities  # mass above each token
+        drop_sorted = before >= self._top_p  # the first token always stays
+        drop_sorted[:, 1:] |= self._greedy.expand_as(drop_sorted[:, 1:])  # greedy rows keep only their best
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         return scores.masked_fill(drop, float("-inf"))
