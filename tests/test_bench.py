@@ -148,7 +148,7 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
 
     args = parse_args(["--server-url", vllm_server.base_url, "--cores", "shared", "--reps", "1", "--requests", "3",
                        "--paced-requests", "2", "--rates-per-s", "4", "--max-tokens", "8",
-                       "--systems", "raw,template-buckets,static-arrival", "--out", str(tmp_path)])
+                       "--systems", "raw,relay,template-buckets,static-arrival", "--out", str(tmp_path)])
     with pytest.MonkeyPatch.context() as patch:
         for key, value in emulator.env().items():
             patch.setenv(key, value)
@@ -156,22 +156,29 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
     data = json.loads((folder / "runs.json").read_text())
     runs = data["runs"]
     assert {(r["system"], r["shape"]) for r in runs} == {
-        (system, shape) for system in ("raw vLLM", "template (length buckets)", report.STATIC_ARRIVAL)
+        (system, shape) for system in ("raw vLLM", report.RELAY, "template (length buckets)", report.STATIC_ARRIVAL)
         for shape in ("burst", "paced 4/s")}
     for run_record in runs:
         assert len(run_record["timings"]) == run_record["expected"], run_record
         for timing in run_record["timings"]:
             assert timing["sent"] <= timing["first"] and timing["sent"] <= timing["done"]  # chunks and completions travel apart
-            if run_record["system"].startswith("template") and timing["hops"] is not None:
+            over_pubsub = run_record["system"].startswith("template") or run_record["system"] == report.RELAY
+            if over_pubsub and timing["hops"] is not None:
                 assert all(hop >= -0.005 for hop in timing["hops"]), timing
                 assert sum(timing["hops"]) == pytest.approx(timing["first"] - timing["sent"], abs=0.005)
         if run_record["system"].startswith("template"):
             assert run_record["cpu_s"] > 0 and run_record["peak_rss_mib"] > 50
+        if run_record["system"] == report.RELAY:  # it relays each first token at once, in its own process
+            split = [timing["hops"] for timing in run_record["timings"] if timing["hops"] is not None]
+            assert split and all(abs(hops[2]) < 0.005 for hops in split), split
+            assert run_record["cpu_s"] > 0 and run_record["peak_rss_mib"] > 20
         static = run_record["system"] == report.STATIC_ARRIVAL  # its padding is measured, its model is its own
         assert (run_record["padded_share"] is not None) == static
         assert 0 <= (run_record["padded_share"] or 0) < 1 and run_record["model_cpu_s"] is None
     markdown = (folder / "report.md").read_text()
     assert "template (length buckets) / raw vLLM: first chunk p50" in markdown
+    assert f"template (length buckets) / {report.RELAY}: first chunk p50" in markdown
+    assert f"{report.RELAY} / raw vLLM: first chunk p50" in markdown
     assert "template (length buckets) / transformers in arrival order: tokens/s" in markdown
     for name in ("first_chunk_cdf.png", "throughput.png", "first_chunk_hops.png"):
         assert (folder / name).stat().st_size > 10_000

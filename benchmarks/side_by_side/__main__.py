@@ -25,13 +25,13 @@ from benchmarks.side_by_side import report, workload
 from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans, tree_cpu_seconds
 from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS
 from benchmarks.side_by_side.stats import RunResult
-from benchmarks.side_by_side.systems import BeamHandler, RawVLLM, System, Template
+from benchmarks.side_by_side.systems import BeamHandler, PubSubRelay, RawVLLM, System, Template
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT
 from pipeline.local_model import ensure_local_checkpoint
 
-SYSTEMS = ("raw", "template-arrival", "template-buckets", "beam", "static-arrival", "static-buckets")
-DEFAULT_SYSTEMS = ("raw", "template-arrival", "template-buckets", "beam")
+SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam", "static-arrival", "static-buckets")
+DEFAULT_SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam")
 SERVED_NAME = "bench"
 SETTLE_S = 1.0  # after resuming a paused pipeline, before sending it anything
 
@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cores", choices=("both", "isolated", "shared"), default="both",
                         help="isolated: server on its own cores (a GPU worker's shape); shared: a CPU-only user's")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                        help=f"comma-separated, from {', '.join(SYSTEMS)} (static-*: the template with "
+                        help=f"comma-separated, from {', '.join(SYSTEMS)} (relay: raw vLLM behind Pub/Sub, no Beam, "
+                             "the floor for a Pub/Sub-fed pipeline; static-*: the template with "
                              "engine=transformers, on every core of the plan; make bench-engines)")
     parser.add_argument("--template-repo", type=Path, action="append", default=[], metavar="DIR",
                         help="also run the template (length buckets) from another checkout, e.g. before a change")
@@ -180,6 +181,8 @@ def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server
     systems: list[System] = []
     if "raw" in chosen:
         systems.append(RawVLLM(server.base_url, server.model, args.max_tokens))
+    if "relay" in chosen:
+        systems.append(PubSubRelay(emulator, server.base_url, server.model, args.max_tokens, log_dir=log_dir))
     if "template-arrival" in chosen:
         systems.append(Template("template (arrival order)", emulator, server.base_url, args.max_tokens,
                                 bucketing=False, log_dir=log_dir, extra_args=extra))

@@ -11,6 +11,8 @@ from typing import Sequence
 from benchmarks.side_by_side.stats import HOPS, RequestTiming, RunResult, Spread, across_reps, ratio
 
 RAW, BEAM = "raw vLLM", "Beam's vLLM handler"
+RELAY = "Pub/Sub + raw vLLM (no Beam)"  # the floor for a Pub/Sub-fed system: raw vLLM plus the two Pub/Sub hops
+PEERS = (RAW, RELAY, BEAM)
 STATIC_ARRIVAL, STATIC_BUCKETS = "template, transformers (arrival order)", "template, transformers (length buckets)"
 COLUMNS = (("first chunk p50", "first_p50", "s"), ("p95", "first_p95", "s"), ("p99", "first_p99", "s"),
            ("done p50", "done_p50", "s"), ("p95", "done_p95", "s"), ("tokens/s", "tok_s", ""),
@@ -56,9 +58,9 @@ class Context:
 
 
 def _ordered(systems) -> list[str]:
-    """Raw vLLM first, Beam's handler last, the template's variants between, in the order they ran."""
+    """Raw vLLM first, then the Pub/Sub relay, Beam's handler last, the template's variants between, in the order they ran."""
     systems = list(dict.fromkeys(systems))
-    return sorted(systems, key=lambda s: (s != RAW, s == BEAM))
+    return sorted(systems, key=lambda s: (s != RAW, s != RELAY, s == BEAM))
 
 
 def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[str], list[list[str]], list[str]]]:
@@ -87,8 +89,8 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
                 if system in (RAW, BEAM):
                     continue
                 figures = spreads[(cores, shape, system)]
-                for peer in (RAW, BEAM):
-                    if (cores, shape, peer) not in spreads:
+                for peer in PEERS:
+                    if peer == system or (system == RELAY and peer == BEAM) or (cores, shape, peer) not in spreads:
                         continue
                     other = spreads[(cores, shape, peer)]
                     notes.append(f"{system} / {peer}: first chunk p50 {_ratio_text(ratio(figures['first_p50'], other['first_p50']))}, "
@@ -112,7 +114,7 @@ def engine_notes(figures: dict[str, dict[str, Spread]]) -> list[str]:
                      f"{fmt(arrival['padded_pct'])} % → {fmt(buckets['padded_pct'])} % "
                      f"(goal: ≥ 1.5× and ≤ 10 %)")
     for system, other in figures.items():
-        if system not in (STATIC_ARRIVAL, STATIC_BUCKETS, BEAM):
+        if system not in (STATIC_ARRIVAL, STATIC_BUCKETS, BEAM, RELAY):
             notes.append(f"{system} / transformers in arrival order: tokens/s "
                          f"{_ratio_text(ratio(other['tok_s'], arrival['tok_s']))}, CPU s per 1k tokens with the "
                          f"model's {_ratio_text(ratio(other['all_cpu_s_per_1k_tokens'], arrival['all_cpu_s_per_1k_tokens']))}, "
@@ -267,7 +269,7 @@ def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Pat
             labels = [f"{shape}\n{system}" for shape, system in bars]
             axis.set_xticks(range(len(bars)), labels, fontsize=6, rotation=30, ha="right")
             axis.set_ylabel("seconds (p50 of each hop, median over reps)")
-            axis.set_title(f"{cores} cores: the template's first chunk by hop", fontsize=9)
+            axis.set_title(f"{cores} cores: first chunk by hop", fontsize=9)
             axis.grid(axis="y", alpha=0.3)
         written.append(_save(plt, figure, axes, folder / "first_chunk_hops.png"))
     return written

@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import aiohttp
 
 from benchmarks.side_by_side.cores import peak_rss_mib, pin_tree, tree_cpu_seconds
+from benchmarks.side_by_side.report import RELAY
 from benchmarks.side_by_side.stats import RequestTiming, RunResult
 from benchmarks.side_by_side.workload import Prompt
 from local.emulators import PubSubEmulator
@@ -165,6 +166,39 @@ def padded_share(log_text: str) -> float | None:
     return padding / positions if positions else None
 
 
+def pipeline_timings(collector: OutputCollector, sent: dict[str, float], kinds: dict[str, str]) -> list[RequestTiming]:
+    """Per-request timings of a Pub/Sub-fed system, with the first chunk split by hop from its records.
+
+    Chunks travel on their own topic and may trail their completion, so they get
+    a few seconds more; the first of each completion counts (a redelivery may follow).
+    """
+    completions, arrived = {}, {}
+    for received in list(collector.completions):
+        if received.data["id"] in sent and received.data["id"] not in completions:
+            completions[received.data["id"]], arrived[received.data["id"]] = received.data, received.at
+    with_text = {key for key, record in completions.items() if record["text"]}
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and with_text - {c.data["id"] for c in list(collector.chunks) if c.data["text"]}:
+        time.sleep(0.1)
+    first_chunks: dict[str, tuple[float, dict]] = {}
+    for chunk in list(collector.chunks):
+        key = chunk.data["id"]
+        if chunk.data["text"] and key in sent and (key not in first_chunks or chunk.at < first_chunks[key][0]):
+            first_chunks[key] = (chunk.at, chunk.data)
+    timings = []
+    for key, record in completions.items():
+        done = arrived[key]
+        hops = None
+        if key in first_chunks and record["time_to_first_token_ms"] is not None:
+            at, chunk = first_chunks[key]
+            token_at = record["received_at"] + record["time_to_first_token_ms"] / 1000
+            hops = (record["received_at"] - sent[key], token_at - record["received_at"],
+                    chunk["emitted_at"] - token_at, at - chunk["emitted_at"])
+        first = first_chunks[key][0] if key in first_chunks else done
+        timings.append(RequestTiming(key, kinds[key], sent[key], first, done, record["usage"]["completion_tokens"], hops))
+    return timings
+
+
 class Template:
     """``python -m template.main`` on the DirectRunner, Pub/Sub emulator in and out, as a user runs it.
 
@@ -224,74 +258,41 @@ class Template:
         log_offset = self._log.stat().st_size
         sent = publish_on_schedule(self._topic(), prompts, offsets, self._max_tokens)
         _wait(collector, set(sent), _timeout(offsets), progress, self._run.pipeline_alive)
-        # Chunks travel on their own topic and may trail their completion.
-        completions, arrived = {}, {}  # the first of each (a redelivered completion may follow)
-        for received in list(collector.completions):
-            if received.data["id"] in sent and received.data["id"] not in completions:
-                completions[received.data["id"]], arrived[received.data["id"]] = received.data, received.at
-        with_text = {key for key, record in completions.items() if record["text"]}
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and with_text - {c.data["id"] for c in list(collector.chunks) if c.data["text"]}:
-            time.sleep(0.1)
+        timings = pipeline_timings(collector, sent, {p.id: p.kind for p in prompts})
         cpu_s = tree_cpu_seconds(pid) - cpu_before
         with open(self._log, "rb") as log:
             log.seek(log_offset)
             padding = padded_share(log.read().decode("utf-8", "replace"))
-        first_chunks: dict[str, tuple[float, dict]] = {}
-        for chunk in list(collector.chunks):
-            key = chunk.data["id"]
-            if chunk.data["text"] and key in sent and (key not in first_chunks or chunk.at < first_chunks[key][0]):
-                first_chunks[key] = (chunk.at, chunk.data)
-        kinds = {p.id: p.kind for p in prompts}
-        timings = []
-        for key, record in completions.items():
-            done = arrived[key]
-            hops = None
-            if key in first_chunks and record["time_to_first_token_ms"] is not None:
-                at, chunk = first_chunks[key]
-                token_at = record["received_at"] + record["time_to_first_token_ms"] / 1000
-                hops = (record["received_at"] - sent[key], token_at - record["received_at"],
-                        chunk["emitted_at"] - token_at, at - chunk["emitted_at"])
-            first = first_chunks[key][0] if key in first_chunks else done
-            timings.append(RequestTiming(key, kinds[key], sent[key], first, done, record["usage"]["completion_tokens"],
-                                         hops))
         dead = [d.data for d in list(collector.dead_letters) if d.data.get("id") in sent]
         notes = [f"{len(dead)} dead letters: {sorted({d.get('reason', '?')[:60] for d in dead})}"] if dead else []
         return RunResult(self.name, shape, rep, cores, timings, len(prompts), cpu_s=cpu_s,
                          peak_rss_mib=peak_rss_mib(pid), notes=notes, padded_share=padding)
 
 
-# ---------------------------------------------------------------- Beam's handler
+# ---------------------------------------------------------------- peers in a process of their own
 
-class BeamHandler:
-    """Beam 2.77's RunInference + VLLMCompletionsModelHandler in its own DirectRunner process."""
+class _OwnProcess:
+    """A peer run as ``python -m module``, its outputs pulled from Pub/Sub, answering a warm-up before it counts."""
 
-    name = "Beam's vLLM handler"
+    name: str
+    _log: Path
 
-    def __init__(self, emulator: PubSubEmulator, port: int, model: str, max_tokens: int, *, log_dir: Path) -> None:
-        self._emulator, self._port, self._model, self._max_tokens = emulator, port, model, max_tokens
-        self._log = log_dir / "beam-handler.log"
-        self._tag = f"beam-{int(time.time() * 1000) % 10**9}"
+    def __init__(self, emulator: PubSubEmulator) -> None:
+        self._emulator = emulator
         self._process: subprocess.Popen[bytes] | None = None
         self._collector: OutputCollector | None = None
 
-    def start(self) -> None:
-        emulator = self._emulator
-        emulator.create_topic(f"{self._tag}-in", subscription=f"{self._tag}-in-sub")
-        emulator.create_topic(f"{self._tag}-out", subscription=f"{self._tag}-out-sub")
-        command = [sys.executable, "-m", "benchmarks.side_by_side.beam_handler_job",
-                   f"--input_subscription={emulator.subscription(self._tag + '-in-sub')}",
-                   f"--output_topic={emulator.topic(self._tag + '-out')}", f"--port={self._port}",
-                   f"--model={self._model}", f"--max_tokens={self._max_tokens}"]
+    def _launch(self, command: list[str], outputs: dict[str, str], input_topic: str) -> None:
         self._log.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log, "wb") as log:
-            self._process = subprocess.Popen(command, cwd=REPO_ROOT, env=dict(os.environ, **emulator.env()),
+            self._process = subprocess.Popen([sys.executable, "-m", *command], cwd=REPO_ROOT,
+                                             env=dict(os.environ, **self._emulator.env()),
                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        self._collector = OutputCollector({"completions": emulator.subscription(f"{self._tag}-out-sub")}).start()
-        publish_on_schedule(emulator.topic(f"{self._tag}-in"), [Prompt("warm-up", "Hi", "question")], [0.0], 1)
+        self._collector = OutputCollector(outputs).start()
+        publish_on_schedule(input_topic, [Prompt("warm-up", "Hi", "question")], [0.0], 1)
         _wait(self._collector, {"warm-up"}, 300, lambda done, total: None, self._alive)
         if "warm-up" not in self._collector.finished_ids():
-            raise RuntimeError(f"Beam's handler did not answer its warm-up; see {self._log}")
+            raise RuntimeError(f"{self.name} did not answer its warm-up; see {self._log}")
 
     def _alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -313,6 +314,30 @@ class BeamHandler:
                 self._process.kill()
                 self._process.wait()
 
+
+# ---------------------------------------------------------------- Beam's handler
+
+class BeamHandler(_OwnProcess):
+    """Beam 2.77's RunInference + VLLMCompletionsModelHandler in its own DirectRunner process."""
+
+    name = "Beam's vLLM handler"
+
+    def __init__(self, emulator: PubSubEmulator, port: int, model: str, max_tokens: int, *, log_dir: Path) -> None:
+        super().__init__(emulator)
+        self._port, self._model, self._max_tokens = port, model, max_tokens
+        self._log = log_dir / "beam-handler.log"
+        self._tag = f"beam-{int(time.time() * 1000) % 10**9}"
+
+    def start(self) -> None:
+        emulator, tag = self._emulator, self._tag
+        emulator.create_topic(f"{tag}-in", subscription=f"{tag}-in-sub")
+        emulator.create_topic(f"{tag}-out", subscription=f"{tag}-out-sub")
+        self._launch(["benchmarks.side_by_side.beam_handler_job",
+                      f"--input_subscription={emulator.subscription(tag + '-in-sub')}",
+                      f"--output_topic={emulator.topic(tag + '-out')}", f"--port={self._port}",
+                      f"--model={self._model}", f"--max_tokens={self._max_tokens}"],
+                     {"completions": emulator.subscription(f"{tag}-out-sub")}, emulator.topic(f"{tag}-in"))
+
     def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
             progress: Progress) -> RunResult:
         assert self._process is not None and self._collector is not None
@@ -325,6 +350,45 @@ class BeamHandler:
         answers = {c.data["id"]: c for c in list(self._collector.completions) if c.data["id"] in sent}
         timings = [RequestTiming(key, kinds[key], sent[key], received.at, received.at, received.data["tokens"])
                    for key, received in answers.items()]
+        return RunResult(self.name, shape, rep, cores, timings, len(prompts),
+                         cpu_s=tree_cpu_seconds(self._process.pid) - cpu_before,
+                         peak_rss_mib=peak_rss_mib(self._process.pid))
+
+
+# ---------------------------------------------------------------- vLLM behind Pub/Sub, nothing between
+
+class PubSubRelay(_OwnProcess):
+    """:mod:`benchmarks.side_by_side.pubsub_relay` in its own process: the Pub/Sub hops and nothing else."""
+
+    name = RELAY
+
+    def __init__(self, emulator: PubSubEmulator, base_url: str, model: str, max_tokens: int, *, log_dir: Path) -> None:
+        super().__init__(emulator)
+        self._base_url, self._model, self._max_tokens = base_url, model, max_tokens
+        self._log = log_dir / "pubsub-relay.log"
+        self._tag = f"relay-{int(time.time() * 1000) % 10**9}"
+
+    def start(self) -> None:
+        emulator, tag = self._emulator, self._tag
+        for kind in ("in", "chunks", "completions"):
+            emulator.create_topic(f"{tag}-{kind}", subscription=f"{tag}-{kind}-sub")
+        self._launch(["benchmarks.side_by_side.pubsub_relay",
+                      f"--input_subscription={emulator.subscription(tag + '-in-sub')}",
+                      f"--chunks_topic={emulator.topic(tag + '-chunks')}",
+                      f"--completions_topic={emulator.topic(tag + '-completions')}",
+                      f"--base_url={self._base_url}", f"--model={self._model}", f"--max_tokens={self._max_tokens}"],
+                     {kind: emulator.subscription(f"{tag}-{kind}-sub") for kind in ("chunks", "completions")},
+                     emulator.topic(f"{tag}-in"))
+
+    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
+            progress: Progress) -> RunResult:
+        assert self._process is not None and self._collector is not None
+        prompts = _run_ids(prompts, shape, rep)
+        self._collector.clear()
+        cpu_before = tree_cpu_seconds(self._process.pid)
+        sent = publish_on_schedule(self._emulator.topic(f"{self._tag}-in"), prompts, offsets, self._max_tokens)
+        _wait(self._collector, set(sent), _timeout(offsets), progress, self._alive)
+        timings = pipeline_timings(self._collector, sent, {p.id: p.kind for p in prompts})
         return RunResult(self.name, shape, rep, cores, timings, len(prompts),
                          cpu_s=tree_cpu_seconds(self._process.pid) - cpu_before,
                          peak_rss_mib=peak_rss_mib(self._process.pid))

@@ -1,0 +1,104 @@
+"""vLLM behind Pub/Sub with nothing between: the floor for any Pub/Sub-fed pipeline.
+
+Raw vLLM's time to first token leaves out the two Pub/Sub hops every
+Pub/Sub-fed system pays (publish → intake, chunk → subscriber). This relay
+pays them and nothing else: a streaming-pull subscriber hands each prompt
+straight to a streaming request (asyncio, one client session), the first text
+and then the completion are published at once (ordering key = id, 1 ms
+batching, like the template's chunk publisher). The template's overhead of its
+own is then the difference between it and this, hop by hop. Records carry the
+fields the template's do for the benchmark's hops (``received_at``,
+``time_to_first_token_ms``, ``emitted_at``).
+
+    python -m benchmarks.side_by_side.pubsub_relay --input_subscription=... --chunks_topic=... \
+        --completions_topic=... --base_url=http://127.0.0.1:8000 --model=NAME --max_tokens=96
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+
+import aiohttp
+
+LOGGER = logging.getLogger(__name__)
+
+
+class Relay:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from google.cloud import pubsub_v1
+
+        self._args = args
+        self._publisher = pubsub_v1.PublisherClient(
+            batch_settings=pubsub_v1.types.BatchSettings(max_latency=0.001),
+            publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True))
+        self._subscriber = pubsub_v1.SubscriberClient()
+        self._loop = asyncio.new_event_loop()
+        self._session: aiohttp.ClientSession | None = None
+
+    def _publish(self, topic: str, record: dict) -> None:
+        self._publisher.publish(topic, json.dumps(record).encode(), ordering_key=record["id"])
+
+    async def _serve(self, request: dict, received_at: float) -> None:
+        args = self._args
+        payload = {"model": args.model, "prompt": request["prompt"], "max_tokens": request.get("max_tokens", args.max_tokens),
+                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        text, first_at, tokens = [], None, 0
+        async with self._session.post(f"{args.base_url}/v1/completions", json=payload) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                piece = event["choices"][0].get("text", "") if event.get("choices") else ""
+                if piece and first_at is None:
+                    first_at = time.time()
+                    self._publish(args.chunks_topic, {"id": request["id"], "seq": 0, "text": piece,
+                                                      "emitted_at": time.time()})
+                text.append(piece)
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        self._publish(args.completions_topic, {
+            "id": request["id"], "text": "".join(text), "usage": {"completion_tokens": tokens},
+            "received_at": received_at,
+            "time_to_first_token_ms": None if first_at is None else (first_at - received_at) * 1000})
+
+    def _on_message(self, message) -> None:
+        received_at = time.time()
+        message.ack()
+        future = asyncio.run_coroutine_threadsafe(self._serve(json.loads(message.data), received_at), self._loop)
+        future.add_done_callback(lambda done: done.exception() and LOGGER.error("request failed: %r", done.exception()))
+
+    def run(self, stop: threading.Event) -> None:
+        async def open_session() -> None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900))
+
+        threading.Thread(target=self._loop.run_forever, name="relay-loop", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(open_session(), self._loop).result()
+        pull = self._subscriber.subscribe(self._args.input_subscription, callback=self._on_message)
+        stop.wait()
+        pull.cancel()
+        self._publisher.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("input_subscription", "chunks_topic", "completions_topic", "base_url", "model"):
+        parser.add_argument(f"--{name}", required=True)
+    parser.add_argument("--max_tokens", type=int, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    Relay(args).run(stop)
+
+
+if __name__ == "__main__":
+    main()
