@@ -148,7 +148,7 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
 
     args = parse_args(["--server-url", vllm_server.base_url, "--cores", "shared", "--reps", "1", "--requests", "3",
                        "--paced-requests", "2", "--rates-per-s", "4", "--max-tokens", "8",
-                       "--systems", "raw,relay,template-buckets,static-arrival", "--out", str(tmp_path)])
+                       "--systems", "raw,relay,template-buckets,static-arrival,beam", "--out", str(tmp_path)])
     with pytest.MonkeyPatch.context() as patch:
         for key, value in emulator.env().items():
             patch.setenv(key, value)
@@ -156,7 +156,8 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
     data = json.loads((folder / "runs.json").read_text())
     runs = data["runs"]
     assert {(r["system"], r["shape"]) for r in runs} == {
-        (system, shape) for system in ("raw vLLM", report.RELAY, "template (length buckets)", report.STATIC_ARRIVAL)
+        (system, shape) for system in (report.RAW, report.RELAY, "template (length buckets)", report.STATIC_ARRIVAL,
+                                       report.BEAM)
         for shape in ("burst", "paced 4/s")}
     for run_record in runs:
         assert len(run_record["timings"]) == run_record["expected"], run_record
@@ -179,6 +180,7 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
     assert "template (length buckets) / raw vLLM: first chunk p50" in markdown
     assert f"template (length buckets) / {report.RELAY}: first chunk p50" in markdown
     assert f"{report.RELAY} / raw vLLM: first chunk p50" in markdown
+    assert f"template (length buckets) / {report.BEAM}: first chunk p50" in markdown
     assert "template (length buckets) / transformers in arrival order: tokens/s" in markdown
     for name in ("first_chunk_cdf.png", "throughput.png", "first_chunk_hops.png"):
         assert (folder / name).stat().st_size > 10_000

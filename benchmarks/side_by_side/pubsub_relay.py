@@ -26,6 +26,8 @@ import time
 
 import aiohttp
 
+from benchmarks.side_by_side.completions_stream import completion_events
+
 LOGGER = logging.getLogger(__name__)
 
 
@@ -46,24 +48,19 @@ class Relay:
 
     async def _serve(self, request: dict, received_at: float) -> None:
         args = self._args
-        payload = {"model": args.model, "prompt": request["prompt"], "max_tokens": request.get("max_tokens", args.max_tokens),
-                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        payload = {"model": args.model, "prompt": request["prompt"],
+                   "max_tokens": request.get("max_tokens", args.max_tokens), "temperature": 0, "stream": True,
+                   "stream_options": {"include_usage": True}}
         text, first_at, tokens = [], None, 0
-        async with self._session.post(f"{args.base_url}/v1/completions", json=payload) as response:
-            response.raise_for_status()
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                piece = event["choices"][0].get("text", "") if event.get("choices") else ""
-                if piece and first_at is None:
-                    first_at = time.time()
-                    self._publish(args.chunks_topic, {"id": request["id"], "seq": 0, "text": piece,
-                                                      "emitted_at": time.time()})
-                text.append(piece)
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
+        async for event in completion_events(self._session, args.base_url, payload):
+            piece = event["choices"][0].get("text", "") if event.get("choices") else ""
+            if piece and first_at is None:
+                first_at = time.time()
+                self._publish(args.chunks_topic, {"id": request["id"], "seq": 0, "text": piece,
+                                                  "emitted_at": time.time()})
+            text.append(piece)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
         self._publish(args.completions_topic, {
             "id": request["id"], "text": "".join(text), "usage": {"completion_tokens": tokens},
             "received_at": received_at,

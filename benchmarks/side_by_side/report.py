@@ -58,7 +58,7 @@ class Context:
 
 
 def _ordered(systems) -> list[str]:
-    """Raw vLLM first, then the Pub/Sub relay, Beam's handler last, the template's variants between, in the order they ran."""
+    """Raw vLLM, then the Pub/Sub relay, the template's variants in the order they ran, Beam's handler last."""
     systems = list(dict.fromkeys(systems))
     return sorted(systems, key=lambda s: (s != RAW, s != RELAY, s == BEAM))
 

@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 
 import aiohttp
 
+from benchmarks.side_by_side.completions_stream import completion_events
 from benchmarks.side_by_side.cores import peak_rss_mib, pin_tree, tree_cpu_seconds
 from benchmarks.side_by_side.report import RELAY
 from benchmarks.side_by_side.stats import RequestTiming, RunResult
@@ -92,17 +93,11 @@ class RawVLLM:
             sent, first, tokens = time.time(), None, 0
             payload = {"model": self.model, "prompt": prompt.prompt, "max_tokens": self.max_tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-            async with session.post(f"{self.base_url}/v1/completions", json=payload) as response:
-                response.raise_for_status()
-                async for raw in response.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[5:])
-                    if first is None and event.get("choices") and event["choices"][0].get("text"):
-                        first = time.time()
-                    if event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
+            async for event in completion_events(session, self.base_url, payload):
+                if first is None and event.get("choices") and event["choices"][0].get("text"):
+                    first = time.time()
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
             done = time.time()
             timings.append(RequestTiming(prompt.id, prompt.kind, sent, first or done, done, tokens))
             progress(len(timings), len(prompts))
@@ -272,24 +267,45 @@ class Template:
 # ---------------------------------------------------------------- peers in a process of their own
 
 class _OwnProcess:
-    """A peer run as ``python -m module``, its outputs pulled from Pub/Sub, answering a warm-up before it counts."""
+    """A peer run as ``python -m module`` behind topics of its own, answering a warm-up before it counts.
+
+    A peer names its module, its output kinds (collector lists), its own flags,
+    and how its outputs become timings; starting, pausing, a run's CPU and
+    memory, and stopping are the same for all.
+    """
 
     name: str
-    _log: Path
+    module: str
+    outputs: tuple[str, ...]
+    prefix: str
 
-    def __init__(self, emulator: PubSubEmulator) -> None:
-        self._emulator = emulator
+    def __init__(self, emulator: PubSubEmulator, max_tokens: int, *, log_dir: Path) -> None:
+        self._emulator, self._max_tokens = emulator, max_tokens
+        self._log = log_dir / f"{self.prefix}.log"
+        self._tag = f"{self.prefix}-{int(time.time() * 1000) % 10**9}"
         self._process: subprocess.Popen[bytes] | None = None
         self._collector: OutputCollector | None = None
 
-    def _launch(self, command: list[str], outputs: dict[str, str], input_topic: str) -> None:
+    def _flags(self, topics: dict[str, str]) -> list[str]:
+        """The module's flags besides its input subscription, given each output kind's topic path."""
+        raise NotImplementedError
+
+    def _timings(self, sent: dict[str, float], kinds: dict[str, str]) -> list[RequestTiming]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        emulator, tag = self._emulator, self._tag
+        for kind in ("in", *self.outputs):
+            emulator.create_topic(f"{tag}-{kind}", subscription=f"{tag}-{kind}-sub")
+        command = [sys.executable, "-m", self.module, f"--input_subscription={emulator.subscription(tag + '-in-sub')}",
+                   *self._flags({kind: emulator.topic(f"{tag}-{kind}") for kind in self.outputs})]
         self._log.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log, "wb") as log:
-            self._process = subprocess.Popen([sys.executable, "-m", *command], cwd=REPO_ROOT,
-                                             env=dict(os.environ, **self._emulator.env()),
+            self._process = subprocess.Popen(command, cwd=REPO_ROOT, env=dict(os.environ, **emulator.env()),
                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        self._collector = OutputCollector(outputs).start()
-        publish_on_schedule(input_topic, [Prompt("warm-up", "Hi", "question")], [0.0], 1)
+        self._collector = OutputCollector({kind: emulator.subscription(f"{tag}-{kind}-sub")
+                                           for kind in self.outputs}).start()
+        publish_on_schedule(emulator.topic(f"{tag}-in"), [Prompt("warm-up", "Hi", "question")], [0.0], 1)
         _wait(self._collector, {"warm-up"}, 300, lambda done, total: None, self._alive)
         if "warm-up" not in self._collector.finished_ids():
             raise RuntimeError(f"{self.name} did not answer its warm-up; see {self._log}")
@@ -314,81 +330,54 @@ class _OwnProcess:
                 self._process.kill()
                 self._process.wait()
 
+    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
+            progress: Progress) -> RunResult:
+        assert self._process is not None and self._collector is not None
+        prompts = _run_ids(prompts, shape, rep)
+        self._collector.clear()
+        cpu_before = tree_cpu_seconds(self._process.pid)
+        sent = publish_on_schedule(self._emulator.topic(f"{self._tag}-in"), prompts, offsets, self._max_tokens)
+        _wait(self._collector, set(sent), _timeout(offsets), progress, self._alive)
+        timings = self._timings(sent, {p.id: p.kind for p in prompts})
+        return RunResult(self.name, shape, rep, cores, timings, len(prompts),
+                         cpu_s=tree_cpu_seconds(self._process.pid) - cpu_before,
+                         peak_rss_mib=peak_rss_mib(self._process.pid))
 
-# ---------------------------------------------------------------- Beam's handler
 
 class BeamHandler(_OwnProcess):
     """Beam 2.77's RunInference + VLLMCompletionsModelHandler in its own DirectRunner process."""
 
     name = "Beam's vLLM handler"
+    module, outputs, prefix = "benchmarks.side_by_side.beam_handler_job", ("completions",), "beam-handler"
 
     def __init__(self, emulator: PubSubEmulator, port: int, model: str, max_tokens: int, *, log_dir: Path) -> None:
-        super().__init__(emulator)
-        self._port, self._model, self._max_tokens = port, model, max_tokens
-        self._log = log_dir / "beam-handler.log"
-        self._tag = f"beam-{int(time.time() * 1000) % 10**9}"
+        super().__init__(emulator, max_tokens, log_dir=log_dir)
+        self._port, self._model = port, model
 
-    def start(self) -> None:
-        emulator, tag = self._emulator, self._tag
-        emulator.create_topic(f"{tag}-in", subscription=f"{tag}-in-sub")
-        emulator.create_topic(f"{tag}-out", subscription=f"{tag}-out-sub")
-        self._launch(["benchmarks.side_by_side.beam_handler_job",
-                      f"--input_subscription={emulator.subscription(tag + '-in-sub')}",
-                      f"--output_topic={emulator.topic(tag + '-out')}", f"--port={self._port}",
-                      f"--model={self._model}", f"--max_tokens={self._max_tokens}"],
-                     {"completions": emulator.subscription(f"{tag}-out-sub")}, emulator.topic(f"{tag}-in"))
+    def _flags(self, topics: dict[str, str]) -> list[str]:
+        return [f"--output_topic={topics['completions']}", f"--port={self._port}", f"--model={self._model}",
+                f"--max_tokens={self._max_tokens}"]
 
-    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
-            progress: Progress) -> RunResult:
-        assert self._process is not None and self._collector is not None
-        prompts = _run_ids(prompts, shape, rep)
-        self._collector.clear()
-        cpu_before = tree_cpu_seconds(self._process.pid)
-        sent = publish_on_schedule(self._emulator.topic(f"{self._tag}-in"), prompts, offsets, self._max_tokens)
-        _wait(self._collector, set(sent), _timeout(offsets), progress, self._alive)
-        kinds = {p.id: p.kind for p in prompts}
+    def _timings(self, sent: dict[str, float], kinds: dict[str, str]) -> list[RequestTiming]:
+        # It answers whole completions: its first output is its completion.
         answers = {c.data["id"]: c for c in list(self._collector.completions) if c.data["id"] in sent}
-        timings = [RequestTiming(key, kinds[key], sent[key], received.at, received.at, received.data["tokens"])
-                   for key, received in answers.items()]
-        return RunResult(self.name, shape, rep, cores, timings, len(prompts),
-                         cpu_s=tree_cpu_seconds(self._process.pid) - cpu_before,
-                         peak_rss_mib=peak_rss_mib(self._process.pid))
+        return [RequestTiming(key, kinds[key], sent[key], received.at, received.at, received.data["tokens"])
+                for key, received in answers.items()]
 
-
-# ---------------------------------------------------------------- vLLM behind Pub/Sub, nothing between
 
 class PubSubRelay(_OwnProcess):
-    """:mod:`benchmarks.side_by_side.pubsub_relay` in its own process: the Pub/Sub hops and nothing else."""
+    """:mod:`benchmarks.side_by_side.pubsub_relay`: raw vLLM behind Pub/Sub, the hops and nothing else."""
 
     name = RELAY
+    module, outputs, prefix = "benchmarks.side_by_side.pubsub_relay", ("chunks", "completions"), "pubsub-relay"
 
     def __init__(self, emulator: PubSubEmulator, base_url: str, model: str, max_tokens: int, *, log_dir: Path) -> None:
-        super().__init__(emulator)
-        self._base_url, self._model, self._max_tokens = base_url, model, max_tokens
-        self._log = log_dir / "pubsub-relay.log"
-        self._tag = f"relay-{int(time.time() * 1000) % 10**9}"
+        super().__init__(emulator, max_tokens, log_dir=log_dir)
+        self._base_url, self._model = base_url, model
 
-    def start(self) -> None:
-        emulator, tag = self._emulator, self._tag
-        for kind in ("in", "chunks", "completions"):
-            emulator.create_topic(f"{tag}-{kind}", subscription=f"{tag}-{kind}-sub")
-        self._launch(["benchmarks.side_by_side.pubsub_relay",
-                      f"--input_subscription={emulator.subscription(tag + '-in-sub')}",
-                      f"--chunks_topic={emulator.topic(tag + '-chunks')}",
-                      f"--completions_topic={emulator.topic(tag + '-completions')}",
-                      f"--base_url={self._base_url}", f"--model={self._model}", f"--max_tokens={self._max_tokens}"],
-                     {kind: emulator.subscription(f"{tag}-{kind}-sub") for kind in ("chunks", "completions")},
-                     emulator.topic(f"{tag}-in"))
+    def _flags(self, topics: dict[str, str]) -> list[str]:
+        return [f"--chunks_topic={topics['chunks']}", f"--completions_topic={topics['completions']}",
+                f"--base_url={self._base_url}", f"--model={self._model}", f"--max_tokens={self._max_tokens}"]
 
-    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
-            progress: Progress) -> RunResult:
-        assert self._process is not None and self._collector is not None
-        prompts = _run_ids(prompts, shape, rep)
-        self._collector.clear()
-        cpu_before = tree_cpu_seconds(self._process.pid)
-        sent = publish_on_schedule(self._emulator.topic(f"{self._tag}-in"), prompts, offsets, self._max_tokens)
-        _wait(self._collector, set(sent), _timeout(offsets), progress, self._alive)
-        timings = pipeline_timings(self._collector, sent, {p.id: p.kind for p in prompts})
-        return RunResult(self.name, shape, rep, cores, timings, len(prompts),
-                         cpu_s=tree_cpu_seconds(self._process.pid) - cpu_before,
-                         peak_rss_mib=peak_rss_mib(self._process.pid))
+    def _timings(self, sent: dict[str, float], kinds: dict[str, str]) -> list[RequestTiming]:
+        return pipeline_timings(self._collector, sent, kinds)
