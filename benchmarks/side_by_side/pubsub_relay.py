@@ -32,6 +32,8 @@ LOGGER = logging.getLogger(__name__)
 
 
 class Relay:
+    """Pulls prompts, streams each from the server on one event loop, publishes as soon as it has text."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         from google.cloud import pubsub_v1
 
@@ -70,7 +72,7 @@ class Relay:
         received_at = time.time()
         message.ack()
         future = asyncio.run_coroutine_threadsafe(self._serve(json.loads(message.data), received_at), self._loop)
-        future.add_done_callback(lambda done: done.exception() and LOGGER.error("request failed: %r", done.exception()))
+        future.add_done_callback(_log_failure)
 
     def run(self, stop: threading.Event) -> None:
         async def open_session() -> None:
@@ -82,6 +84,11 @@ class Relay:
         stop.wait()
         pull.cancel()
         self._publisher.stop()
+
+
+def _log_failure(done) -> None:
+    if not done.cancelled() and done.exception() is not None:  # the run then misses this answer and says so
+        LOGGER.error("request failed: %r", done.exception())
 
 
 def main() -> None:
