@@ -20,7 +20,13 @@
    empty bundle holds no element, so it cannot hold a watermark back: empty
    bundles are no longer added.
 
-All four touch private DirectRunner internals, so they are applied only when the
+5. Each Pub/Sub read builds its evaluator anew, and the evaluator looks up the
+   project by re-parsing every pipeline option (``view_as``: an argparse parser
+   over every registered option class, the template's forty included). Measured
+   with py-spy in a burst of 32: 39 % of the pipeline's busy CPU, on the cores the
+   model needs. The subscription is resolved once per read transform.
+
+All five touch private DirectRunner internals, so they are applied only when the
 pipeline runs on the DirectRunner, never on Dataflow, which has none of these
 problems.
 """
@@ -31,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 LOGGER = logging.getLogger(__name__)
@@ -97,7 +104,7 @@ _applied = False
 
 
 def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0.02) -> None:
-    """Applies the four DirectRunner fixes (idempotent)."""
+    """Applies the five DirectRunner fixes (idempotent)."""
     global _applied
     if _applied:
         return
@@ -117,6 +124,21 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
         return clients[key]
 
     evaluator._get_subscriber_client = classmethod(prefetching)
+
+    original_init = evaluator.__init__
+    subscriptions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+    def init_resolving_once(self, evaluation_context, applied_ptransform, input_committed_bundle, side_inputs):
+        if applied_ptransform not in subscriptions:
+            original_init(self, evaluation_context, applied_ptransform, input_committed_bundle, side_inputs)
+            subscriptions[applied_ptransform] = self._sub_name
+            return
+        transform_evaluator._TransformEvaluator.__init__(self, evaluation_context, applied_ptransform,
+                                                          input_committed_bundle, side_inputs)
+        self.source = applied_ptransform.transform._source
+        self._sub_name = subscriptions[applied_ptransform]
+
+    evaluator.__init__ = init_resolving_once
 
     monitor = executor._ExecutorServiceParallelExecutor._MonitorTask
     original_add_work = monitor._add_work_if_necessary

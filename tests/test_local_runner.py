@@ -28,3 +28,32 @@ def test_an_idle_streaming_read_leaves_no_pending_bundles_behind(emulator):
     finally:
         result.cancel()
     assert max(sizes) <= 2, f"pending bundles grew: {sizes}"
+
+
+def test_a_streaming_read_resolves_its_subscription_once_not_per_read(emulator, monkeypatch):
+    """Unfixed, every read (one per 20 ms) re-parsed every pipeline option to look up the project."""
+    from apache_beam.options.pipeline_options import GoogleCloudOptions
+    from apache_beam.runners.direct import transform_evaluator
+
+    emulator.create_topic("resolve-once-topic", subscription="resolve-once-sub")
+    apply_local_runner_fixes()
+    lookups, reads = [], []
+    view_as = PipelineOptions.view_as
+    monkeypatch.setattr(PipelineOptions, "view_as",
+                        lambda self, cls: (lookups.append(cls) if cls is GoogleCloudOptions else None) or view_as(self, cls))
+    read = transform_evaluator._PubSubReadEvaluator._read_from_pubsub
+    monkeypatch.setattr(transform_evaluator._PubSubReadEvaluator, "_read_from_pubsub",
+                        lambda self, *args: reads.append(1) or read(self, *args))
+    options = PipelineOptions(runner="BundleBasedDirectRunner")
+    options.view_as(StandardOptions).streaming = True
+    pipeline = beam.Pipeline(options=options)
+    pipeline | beam.io.ReadFromPubSub(subscription=emulator.subscription("resolve-once-sub")) | beam.Map(len)
+    result = pipeline.run()
+    try:
+        time.sleep(2)
+        lookups_before = len(lookups)
+        time.sleep(2)
+    finally:
+        result.cancel()
+    assert len(reads) >= 20, f"the read ran only {len(reads)} times"
+    assert len(lookups) - lookups_before == 0, f"{len(lookups) - lookups_before} option lookups in 2 s of reads"
