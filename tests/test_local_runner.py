@@ -10,15 +10,20 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 from pipeline.local_runner import apply_local_runner_fixes
 
 
-def test_an_idle_streaming_read_leaves_no_pending_bundles_behind(emulator):
-    """Unfixed, each read added an empty bundle that was never removed: thousands within seconds."""
-    emulator.create_topic("idle-read-topic", subscription="idle-read-sub")
+def idle_streaming_read(emulator, name: str):
+    """A streaming pipeline reading an empty subscription on the fixed DirectRunner; cancel what it returns."""
+    emulator.create_topic(f"{name}-topic", subscription=f"{name}-sub")
     apply_local_runner_fixes()
     options = PipelineOptions(runner="BundleBasedDirectRunner")
     options.view_as(StandardOptions).streaming = True
     pipeline = beam.Pipeline(options=options)
-    pipeline | beam.io.ReadFromPubSub(subscription=emulator.subscription("idle-read-sub")) | beam.Map(len)
-    result = pipeline.run()
+    pipeline | beam.io.ReadFromPubSub(subscription=emulator.subscription(f"{name}-sub")) | beam.Map(len)
+    return pipeline.run()
+
+
+def test_an_idle_streaming_read_leaves_no_pending_bundles_behind(emulator):
+    """Unfixed, each read added an empty bundle that was never removed: thousands within seconds."""
+    result = idle_streaming_read(emulator, "idle-read")
     try:
         watermarks = result._evaluation_context._watermark_manager._transform_to_watermarks.values()
         sizes = []
@@ -35,8 +40,6 @@ def test_a_streaming_read_resolves_its_subscription_once_not_per_read(emulator, 
     from apache_beam.options.pipeline_options import GoogleCloudOptions
     from apache_beam.runners.direct import transform_evaluator
 
-    emulator.create_topic("resolve-once-topic", subscription="resolve-once-sub")
-    apply_local_runner_fixes()
     lookups, reads = [], []
     view_as = PipelineOptions.view_as
     monkeypatch.setattr(PipelineOptions, "view_as",
@@ -44,11 +47,7 @@ def test_a_streaming_read_resolves_its_subscription_once_not_per_read(emulator, 
     read = transform_evaluator._PubSubReadEvaluator._read_from_pubsub
     monkeypatch.setattr(transform_evaluator._PubSubReadEvaluator, "_read_from_pubsub",
                         lambda self, *args: reads.append(1) or read(self, *args))
-    options = PipelineOptions(runner="BundleBasedDirectRunner")
-    options.view_as(StandardOptions).streaming = True
-    pipeline = beam.Pipeline(options=options)
-    pipeline | beam.io.ReadFromPubSub(subscription=emulator.subscription("resolve-once-sub")) | beam.Map(len)
-    result = pipeline.run()
+    result = idle_streaming_read(emulator, "resolve-once")
     try:
         time.sleep(2)
         lookups_before = len(lookups)
