@@ -7,12 +7,23 @@ be read here, offline. A check refuses the launch only where Beam's own code
 makes the failure certain; otherwise it warns, since a check that misfired
 would block every launch and cannot be tried against Dataflow from here.
 
-The worker image is such a case whatever the launcher passes: Beam 2.77 sets
-the job's worker image from ``sdk_container_image`` alone
+What the launcher passes, from Dataflow's documentation: "Run a Flex
+Template" (https://cloud.google.com/dataflow/docs/guides/templates/run-flex-templates)
+runs ``gcloud dataflow flex-template run ... --parameters PARAMETERS``, the
+job's pipeline parameters; Google's Flex Template sample that the "Configure
+Flex Templates" page points to for building a template from the workers' own
+image (python-docs-samples, ``dataflow/flex-templates/pipeline_with_dependencies``,
+see https://cloud.google.com/dataflow/docs/guides/templates/configuring-flex-templates#use_custom_container_images)
+passes the worker image itself, ``--parameters sdk_container_image=IMAGE``, at
+every run: the template's own image is not made the workers' image for you.
+
+So the worker image is a case where the failure is certain: Beam 2.77 sets the
+job's worker image from ``sdk_container_image`` alone
 (``apache_beam/runners/dataflow/internal/apiclient.py``,
-``get_container_image_from_options``) and otherwise uses its default SDK image.
-If the launcher passes the option, the check sees it; if it does not, the
-workers would run the default image, and the launch is refused.
+``get_container_image_from_options``) and otherwise uses its default SDK image,
+which has neither this code nor vLLM; the launch is refused. Whether a GPU comes
+with the workers cannot be read with certainty (a machine type can bring its
+own), so a missing ``worker_accelerator`` is a warning.
 """
 
 from __future__ import annotations
