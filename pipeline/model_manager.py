@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -50,6 +51,10 @@ class ServerSpec:
     stall_timeout_s: float = 60.0
     health_interval_s: float = 2.0
     model_cache_dir: str | None = None
+    # On a machine without a GPU the model computes on the cores the pipeline's own threads need; the
+    # server runs this much nicer so that a woken pipeline thread (a read, a timer, a chunk to publish)
+    # gets a core at once and the model has every cycle they leave. 0: the pipeline's priority.
+    cpu_niceness: int = 10
 
     def command(self, model_path: str, port: int, *, on_cpu: bool = False) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -133,13 +138,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the spawning thread's process dies."""
+def _prepare_child(niceness: int) -> None:
+    """Runs in the child before exec: its own group, SIGTERM when the spawning thread's process dies, nicer."""
     os.setsid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: stop() and atexit still apply
+    if niceness:
+        os.nice(niceness)
 
 
 def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -256,9 +263,11 @@ class VLLMServer:
         check_platform(installed_vllm_build(), has_gpu=not on_cpu)
         env = {**platform_env(on_cpu), **os.environ}
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
-        LOGGER.info("Starting vLLM: %s", " ".join(command))
+        niceness = self.spec.cpu_niceness if on_cpu else 0
+        LOGGER.info("Starting vLLM%s: %s", f" (no GPU: at nice {niceness}, below the pipeline)" if niceness else "",
+                    " ".join(command))
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                   stderr=subprocess.STDOUT, preexec_fn=functools.partial(_prepare_child, niceness))
         with self._lock:
             if self._stopping.is_set():
                 terminate_process_group(process, 5)
