@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import time
 
 import numpy
+import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.side_by_side import report, workload
-from benchmarks.side_by_side.cores import plans
+from benchmarks.side_by_side.cores import plans, renice_tree
 from benchmarks.side_by_side.stats import HOPS, RequestTiming, RunResult, Spread, across_reps, percentile, ratio, summarize
 
 
@@ -140,6 +145,36 @@ def test_core_plans_split_and_refuse():
     assert big.server == set(range(12, 16)) and big.clients == set(range(12))
     with pytest.raises(ValueError, match="at least 2"):
         plans(["isolated"], {0})
+
+
+def test_server_niceness_variants_alternate_and_renice_every_thread_of_a_tree():
+    from benchmarks.side_by_side.__main__ import niceness_order, parse_args
+
+    assert niceness_order([], 1) == niceness_order([10], 2) == [None]
+    assert niceness_order([0, 10], 1) == [0, 10] and niceness_order([0, 10], 2) == [10, 0]
+    assert parse_args(["--server-niceness", "0,10"]).server_niceness == [0, 10]
+    for bad in (["--server-niceness", "low"], ["--server-niceness", "5", "--server-url", "http://x:1", "--cores", "shared"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    # a parent with a thread of its own and a child: every thread of the tree moves
+    script = "import subprocess, sys, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); " \
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        tree = psutil.Process(parent.pid)
+        for _ in range(100):
+            if tree.children() and tree.num_threads() == 2:
+                break
+            time.sleep(0.05)
+        threads = [(p.pid, t.id) for p in [tree, *tree.children()] for t in p.threads()]
+        assert len(threads) == 3
+        for niceness in (7, 12):  # upwards only: lowering needs root
+            renice_tree(parent.pid, niceness)
+            assert {os.getpriority(os.PRIO_PROCESS, tid) for _, tid in threads} == {niceness}
+    finally:
+        for process in [*tree.children(), tree]:
+            process.kill()
+        parent.wait()
 
 
 @pytest.mark.engine

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.side_by_side import report, workload
-from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans, tree_cpu_seconds
+from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans, renice_tree, tree_cpu_seconds
 from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS
 from benchmarks.side_by_side.stats import RunResult
 from benchmarks.side_by_side.systems import BeamHandler, PubSubRelay, RawVLLM, System, Template
@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--vllm-args", default="--enforce-eager", help="more vLLM server flags, one string")
     parser.add_argument("--server-url", help="use a running server instead of starting one (cores: shared only)")
+    parser.add_argument("--server-niceness", default="", metavar="N[,N...]",
+                        help="the server's niceness (default: the model manager's, 10 without a GPU); several "
+                        "values run every system at each, interleaved, the server reniced between runs")
     parser.add_argument("--from-json", type=Path, metavar="RUNS_JSON",
                         help="make the report, table and plots again from a run's runs.json (runs nothing)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench" / "side_by_side",
@@ -101,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--template-variant takes LABEL=ARGS")
     if args.server_url and args.cores != "shared":
         parser.error("--server-url runs a server this command cannot pin: add --cores shared")
+    try:
+        args.server_niceness = [int(n) for n in args.server_niceness.split(",") if n.strip()]
+    except ValueError:
+        parser.error("--server-niceness takes whole numbers, e.g. 0,10")
+    if args.server_niceness and args.server_url:
+        parser.error("--server-niceness needs a server this command starts: drop --server-url")
+    if len(args.server_niceness) > 1 and os.geteuid() != 0:
+        parser.error("several --server-niceness values renice the server back down, which needs root")
     if min(args.reps, args.requests, args.paced_requests, args.max_tokens) < 1:
         parser.error("--reps, --requests, --paced-requests and --max-tokens must be at least 1")
     return args
@@ -150,7 +161,8 @@ class _Server:
 
         model = self.args.model or str(ensure_local_checkpoint())
         spec = ServerSpec(model=model, dtype=self.args.dtype, served_model_name=SERVED_NAME,
-                          extra_args=tuple(shlex.split(self.args.vllm_args)), start_timeout_s=1800)
+                          extra_args=tuple(shlex.split(self.args.vllm_args)), start_timeout_s=1800,
+                          **({"cpu_niceness": self.args.server_niceness[0]} if self.args.server_niceness else {}))
         saved = dict(os.environ)
         os.environ.update(self.plan.server_env())
         os.sched_setaffinity(0, self.plan.server)  # the server inherits these cores
@@ -206,6 +218,35 @@ def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server
     return systems
 
 
+def niceness_order(values: list[int], rep: int) -> list[int | None]:
+    """The server niceness of each run of a system (None: leave it), reversed every other repetition."""
+    if len(values) < 2:
+        return [None]
+    return values if rep % 2 else values[::-1]
+
+
+def _measure(system: System, server: _Server, niceness: int | None, prompts: list[workload.Prompt],
+             offsets: list[float], *, shape: str, rep: int, variant: int, progress: ProgressLine) -> RunResult:
+    """One run of one system, the server first reniced to ``niceness`` unless it is None."""
+    label = system.name if niceness is None else f"{system.name} · server nice {niceness}"
+    if niceness is not None:
+        renice_tree(server.server.pid, niceness)
+    cores = server.plan.name
+    progress.context = f"[{cores}] rep {rep} · {shape} · {label}"
+    system.resume()
+    time.sleep(SETTLE_S)
+    model_cpu = server.cpu_seconds()
+    try:  # request ids differ between variants: the template drops a repeated id as a copy
+        result = system.run(prompts, offsets, shape=shape, rep=rep + 1000 * variant, cores=cores, progress=progress)
+        result = dataclasses.replace(result, system=label, rep=rep)
+        if not getattr(system, "holds_model", False) and model_cpu is not None:
+            result = dataclasses.replace(result, model_cpu_s=server.cpu_seconds() - model_cpu)
+    finally:
+        system.pause()
+    progress.note(f"{progress.context}: done")
+    return result
+
+
 def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Prompt], emulator: PubSubEmulator,
              log_dir: Path, progress: ProgressLine, context: report.Context) -> list[RunResult]:
     """Every system, shape and repetition under one core plan, interleaved."""
@@ -240,19 +281,9 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
                     chosen, offsets = _load(args, prompts, rate, rep, shape_index)
                     turn = (rep + shape_index) % len(started)
                     for system in started[turn:] + started[:turn]:  # a different order each time
-                        progress.context = f"[{plan.name}] rep {rep}/{args.reps} · {shape} · {system.name}"
-                        system.resume()
-                        time.sleep(SETTLE_S)
-                        model_cpu = server.cpu_seconds()
-                        try:
-                            result = system.run(chosen, offsets, shape=shape, rep=rep, cores=plan.name,
-                                                progress=progress)
-                            if not getattr(system, "holds_model", False) and model_cpu is not None:
-                                result = dataclasses.replace(result, model_cpu_s=server.cpu_seconds() - model_cpu)
-                            results.append(result)
-                        finally:
-                            system.pause()
-                        progress.note(f"{progress.context}: done")
+                        for variant, niceness in enumerate(niceness_order(args.server_niceness, rep)):
+                            results.append(_measure(system, server, niceness, chosen, offsets, shape=shape, rep=rep,
+                                                    variant=variant, progress=progress))
         finally:
             for system in started:
                 system.resume()

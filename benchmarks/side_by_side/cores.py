@@ -76,6 +76,20 @@ def pin_tree(pid: int, cpus: frozenset[int]) -> None:
                 pass
 
 
+def renice_tree(pid: int, niceness: int) -> None:
+    """Sets the niceness of every thread of ``pid`` and its descendants (Linux keeps it per thread)."""
+    for process in _tree(pid):
+        try:
+            threads = os.listdir(f"/proc/{process.pid}/task")
+        except FileNotFoundError:
+            continue
+        for thread in threads:
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+
+
 def pin_this_process(cpus: frozenset[int]) -> None:
     """This process, its descendants so far, and whatever it starts from now on, onto ``cpus``."""
     pin_tree(os.getpid(), cpus)
