@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
-import functools
 import logging
 import os
 import signal
@@ -51,10 +50,6 @@ class ServerSpec:
     stall_timeout_s: float = 60.0
     health_interval_s: float = 2.0
     model_cache_dir: str | None = None
-    # On a machine without a GPU the model computes on the cores the pipeline's own threads need; the
-    # server runs this much nicer so that a woken pipeline thread (a read, a timer, a chunk to publish)
-    # gets a core at once and the model has every cycle they leave. 0: the pipeline's priority.
-    cpu_niceness: int = 10
 
     def command(self, model_path: str, port: int, *, on_cpu: bool = False) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -138,15 +133,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _prepare_child(niceness: int) -> None:
-    """Runs in the child before exec: its own group, SIGTERM when the spawning thread's process dies, nicer."""
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the spawning thread's process dies."""
     os.setsid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: stop() and atexit still apply
-    if niceness:
-        os.nice(niceness)
 
 
 def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -263,11 +256,9 @@ class VLLMServer:
         check_platform(installed_vllm_build(), has_gpu=not on_cpu)
         env = {**platform_env(on_cpu), **os.environ}
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
-        niceness = self.spec.cpu_niceness if on_cpu else 0
-        LOGGER.info("Starting vLLM%s: %s", f" (no GPU: at nice {niceness}, below the pipeline)" if niceness else "",
-                    " ".join(command))
+        LOGGER.info("Starting vLLM: %s", " ".join(command))
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, preexec_fn=functools.partial(_prepare_child, niceness))
+                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         with self._lock:
             if self._stopping.is_set():
                 terminate_process_group(process, 5)
