@@ -90,8 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-args", default="--enforce-eager", help="more vLLM server flags, one string")
     parser.add_argument("--server-url", help="use a running server instead of starting one (cores: shared only)")
     parser.add_argument("--server-niceness", default="", metavar="N[,N...]",
-                        help="the server's niceness (default: the model manager's, 10 without a GPU); several "
-                        "values run every system at each, interleaved, the server reniced between runs")
+                        help="renice the server (default: as the model manager starts it, at the pipeline's priority); "
+                        "several values run every system at each, interleaved, the server reniced between runs")
     parser.add_argument("--from-json", type=Path, metavar="RUNS_JSON",
                         help="make the report, table and plots again from a run's runs.json (runs nothing)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench" / "side_by_side",
@@ -161,8 +161,7 @@ class _Server:
 
         model = self.args.model or str(ensure_local_checkpoint())
         spec = ServerSpec(model=model, dtype=self.args.dtype, served_model_name=SERVED_NAME,
-                          extra_args=tuple(shlex.split(self.args.vllm_args)), start_timeout_s=1800,
-                          **({"cpu_niceness": self.args.server_niceness[0]} if self.args.server_niceness else {}))
+                          extra_args=tuple(shlex.split(self.args.vllm_args)), start_timeout_s=1800)
         saved = dict(os.environ)
         os.environ.update(self.plan.server_env())
         os.sched_setaffinity(0, self.plan.server)  # the server inherits these cores
@@ -175,6 +174,8 @@ class _Server:
         self.start_s = time.monotonic() - started
         pin_this_process(self.plan.clients)  # with every child so far: the emulator, the server ...
         pin_tree(self.server.pid, self.plan.server)  # ... which then goes back to its own cores
+        if self.args.server_niceness:
+            renice_tree(self.server.pid, self.args.server_niceness[0])
         self.base_url, self.port, self.model = self.server.base_url, self.server.port, SERVED_NAME
         return self
 
