@@ -26,13 +26,20 @@
    with py-spy in a burst of 32: 39 % of the pipeline's busy CPU, on the cores the
    model needs. The subscription is resolved once per read transform.
 
-All five touch private DirectRunner internals, so they are applied only when the
+6. Each bundle of a DoFn builds a new runner, which re-inspects the signature
+   of every DoFn method (fix 3 caches only the state and timer specs). Measured
+   with py-spy (samples holding the GIL) in bursts of 32 after fix 5: 13 % of the
+   pipeline's CPU. A method the class itself defines has the same arguments for
+   every instance, so those are inspected once per class.
+
+All six touch private DirectRunner internals, so they are applied only when the
 pipeline runs on the DirectRunner, never on Dataflow, which has none of these
 problems.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -103,8 +110,28 @@ class _PrefetchingPullClient:
 _applied = False
 
 
+def _inspect_methods_once_per_class() -> None:
+    from apache_beam.transforms import core
+
+    original = core.get_function_arguments
+    by_class: dict[tuple[type, str], tuple[list[str], list[Any]]] = {}
+
+    def arguments_once_per_class(obj: Any, func: str) -> tuple[list[str], list[Any]]:
+        # Only a method the class itself defines has the same arguments for every instance.
+        if (hasattr(obj, f"_inspect_{func}") or func in getattr(obj, "__dict__", {})
+                or not inspect.isfunction(getattr(type(obj), func, None))):
+            return original(obj, func)
+        key = (type(obj), func)
+        if key not in by_class:
+            by_class[key] = original(obj, func)
+        args, defaults = by_class[key]
+        return list(args), list(defaults)
+
+    core.get_function_arguments = arguments_once_per_class
+
+
 def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0.02) -> None:
-    """Applies the five DirectRunner fixes (idempotent)."""
+    """Applies the six DirectRunner fixes (idempotent)."""
     global _applied
     if _applied:
         return
@@ -171,6 +198,8 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
 
     userstate.get_dofn_specs = dofn_specs_by_class
     transform_evaluator.get_dofn_specs = dofn_specs_by_class
+
+    _inspect_methods_once_per_class()
 
     watermarks = watermark_manager._TransformWatermarks
     original_add_pending = watermarks.add_pending
