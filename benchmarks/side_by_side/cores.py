@@ -62,32 +62,33 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def pin_tree(pid: int, cpus: frozenset[int]) -> None:
-    """Moves every thread of ``pid`` and its descendants onto ``cpus``."""
+def _threads(pid: int) -> list[int]:
+    """The thread ids of ``pid`` and its live descendants."""
+    ids = []
     for process in _tree(pid):
         try:
-            threads = os.listdir(f"/proc/{process.pid}/task")
-        except FileNotFoundError:
+            ids += [int(thread) for thread in os.listdir(f"/proc/{process.pid}/task")]
+        except FileNotFoundError:  # the process ended meanwhile
             continue
-        for thread in threads:
-            try:
-                os.sched_setaffinity(int(thread), cpus)
-            except OSError:  # the thread ended meanwhile
-                pass
+    return ids
+
+
+def pin_tree(pid: int, cpus: frozenset[int]) -> None:
+    """Moves every thread of ``pid`` and its descendants onto ``cpus``."""
+    for thread in _threads(pid):
+        try:
+            os.sched_setaffinity(thread, cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
 
 
 def renice_tree(pid: int, niceness: int) -> None:
     """Sets the niceness of every thread of ``pid`` and its descendants (Linux keeps it per thread)."""
-    for process in _tree(pid):
+    for thread in _threads(pid):
         try:
-            threads = os.listdir(f"/proc/{process.pid}/task")
-        except FileNotFoundError:
-            continue
-        for thread in threads:
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
-            except ProcessLookupError:  # the thread ended meanwhile
-                pass
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 def pin_this_process(cpus: frozenset[int]) -> None:
