@@ -111,6 +111,7 @@ _applied = False
 
 
 def _inspect_methods_once_per_class() -> None:
+    """Fix 6: Beam's ``get_function_arguments``, cached per class for the methods a class defines."""
     from apache_beam.transforms import core
 
     original = core.get_function_arguments

@@ -227,13 +227,14 @@ def niceness_order(values: list[int], rep: int) -> list[int | None]:
 
 
 def _measure(system: System, server: _Server, niceness: int | None, prompts: list[workload.Prompt],
-             offsets: list[float], *, shape: str, rep: int, variant: int, progress: ProgressLine) -> RunResult:
+             offsets: list[float], *, shape: str, rep: int, reps: int, variant: int,
+             progress: ProgressLine) -> RunResult:
     """One run of one system, the server first reniced to ``niceness`` unless it is None."""
     label = system.name if niceness is None else f"{system.name} · server nice {niceness}"
     if niceness is not None:
         renice_tree(server.server.pid, niceness)
     cores = server.plan.name
-    progress.context = f"[{cores}] rep {rep} · {shape} · {label}"
+    progress.context = f"[{cores}] rep {rep}/{reps} · {shape} · {label}"
     system.resume()
     time.sleep(SETTLE_S)
     model_cpu = server.cpu_seconds()
@@ -284,7 +285,7 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
                     for system in started[turn:] + started[:turn]:  # a different order each time
                         for variant, niceness in enumerate(niceness_order(args.server_niceness, rep)):
                             results.append(_measure(system, server, niceness, chosen, offsets, shape=shape, rep=rep,
-                                                    variant=variant, progress=progress))
+                                                    reps=args.reps, variant=variant, progress=progress))
         finally:
             for system in started:
                 system.resume()
