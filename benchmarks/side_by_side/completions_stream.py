@@ -8,8 +8,11 @@ from typing import AsyncIterator
 import aiohttp
 
 
-async def completion_events(session: aiohttp.ClientSession, base_url: str, payload: dict) -> AsyncIterator[dict]:
-    """Each server-sent event of ``POST /v1/completions`` (``payload`` with ``"stream": true``), parsed."""
+async def completion_events(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str,
+                            max_tokens: int) -> AsyncIterator[dict]:
+    """Each server-sent event of a greedy streaming ``POST /v1/completions`` with usage at the end, parsed."""
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}}
     async with session.post(f"{base_url}/v1/completions", json=payload) as response:
         response.raise_for_status()
         async for raw in response.content:

@@ -50,11 +50,9 @@ class Relay:
 
     async def _serve(self, request: dict, received_at: float) -> None:
         args = self._args
-        payload = {"model": args.model, "prompt": request["prompt"],
-                   "max_tokens": request.get("max_tokens", args.max_tokens), "temperature": 0, "stream": True,
-                   "stream_options": {"include_usage": True}}
         text, first_at, tokens = [], None, 0
-        async for event in completion_events(self._session, args.base_url, payload):
+        async for event in completion_events(self._session, args.base_url, args.model, request["prompt"],
+                                             request.get("max_tokens", args.max_tokens)):
             piece = event["choices"][0].get("text", "") if event.get("choices") else ""
             if piece and first_at is None:
                 first_at = time.time()

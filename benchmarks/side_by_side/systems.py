@@ -91,9 +91,7 @@ class RawVLLM:
         async def one(session: aiohttp.ClientSession, prompt: Prompt, offset: float) -> None:
             await asyncio.sleep(max(0.0, start + offset - time.time()))
             sent, first, tokens = time.time(), None, 0
-            payload = {"model": self.model, "prompt": prompt.prompt, "max_tokens": self.max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-            async for event in completion_events(session, self.base_url, payload):
+            async for event in completion_events(session, self.base_url, self.model, prompt.prompt, self.max_tokens):
                 if first is None and event.get("choices") and event["choices"][0].get("text"):
                     first = time.time()
                 if event.get("usage"):
