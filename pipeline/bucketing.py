@@ -9,6 +9,12 @@ at the end of the window flushes whatever is left when the watermark passes
 (window end, drain). No batch ever exceeds ``batch_size_limit``.
 
 With no bucket boundaries there is a single bucket: plain arrival-order batching.
+
+Answer buckets (``answer_boundaries``) split each prompt bucket by the
+request's answer budget, ``max_tokens``. A static batch runs until its longest
+answer ends, so a 16-token classification batched with a 256-token essay
+computes 240 padded steps; vLLM's continuous batching pads nothing, so there
+the split only makes batches smaller.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class BatchingConfig:
     token_budget: int | None = None  # None: no token budget
     boundaries: tuple[int, ...] = ()  # upper token bounds of all but the last bucket
     num_shards: int = 16
+    answer_boundaries: tuple[int, ...] = ()  # upper max_tokens bounds of answer buckets; (): not split
+    default_max_tokens: int = 256  # the answer budget of a request that sets no max_tokens
 
     def __post_init__(self) -> None:
         problems = []
@@ -60,10 +68,8 @@ class BatchingConfig:
                                 f"({self.batch_size_target}); raise the limit or lower the target")
         if self.token_budget is not None and self.token_budget <= 0:
             problems.append(f"token budget must be positive, got {self.token_budget}")
-        if any(b <= 0 for b in self.boundaries):
-            problems.append(f"bucket boundaries must be positive token counts, got {list(self.boundaries)}")
-        elif list(self.boundaries) != sorted(set(self.boundaries)):
-            problems.append(f"bucket boundaries must be strictly increasing, got {list(self.boundaries)}")
+        problems += _boundary_problems("bucket boundaries", self.boundaries)
+        problems += _boundary_problems("answer bucket boundaries", self.answer_boundaries)
         if self.num_shards <= 0:
             problems.append(f"num_shards must be at least 1, got {self.num_shards}")
         if problems:
@@ -76,18 +82,33 @@ class BatchingConfig:
     def bucket_of(self, prompt_tokens: int) -> int:
         return bucket_index(self.boundaries, prompt_tokens)
 
+    def bucket_name(self, prompt_tokens: int, max_tokens: int | None) -> str:
+        """The prompt bucket, and with answer buckets ``"prompt.answer"``: requests batched together."""
+        name = str(self.bucket_of(prompt_tokens))
+        if self.answer_boundaries:
+            name += f".{bucket_index(self.answer_boundaries, max_tokens or self.default_max_tokens)}"
+        return name
+
+
+def _boundary_problems(what: str, boundaries: tuple[int, ...]) -> list[str]:
+    if any(b <= 0 for b in boundaries):
+        return [f"{what} must be positive token counts, got {list(boundaries)}"]
+    if list(boundaries) != sorted(set(boundaries)):
+        return [f"{what} must be strictly increasing, got {list(boundaries)}"]
+    return []
+
 
 def parse_boundaries(text: str) -> tuple[int, ...]:
     """'64, 128,256' -> (64, 128, 256); order and sign are checked by BatchingConfig."""
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"bucket_boundaries must be comma-separated whole numbers, got {text!r}") from None
+        raise ValueError(f"bucket boundaries must be comma-separated whole numbers, got {text!r}") from None
 
 
-def default_boundaries(max_model_len: int) -> tuple[int, ...]:
-    """Powers of two from 32 up to (not including) the model's context."""
-    bounds, bound = [], 32
+def default_boundaries(max_model_len: int, smallest: int = 32) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to (not including) the model's context."""
+    bounds, bound = [], smallest
     while bound < max_model_len:
         bounds.append(bound)
         bound *= 2
@@ -221,7 +242,7 @@ def _keyed(config: BatchingConfig, request: InferenceRequest) -> Iterator[tuple[
     tokens = request.prompt_tokens
     if tokens is None:
         tokens = estimate_tokens(request.prompt_text())
-    yield f"{config.bucket_of(tokens)}:{shard_of(request.id, config.num_shards)}", request
+    yield f"{config.bucket_name(tokens, request.max_tokens)}:{shard_of(request.id, config.num_shards)}", request
 
 
 class _KeyFn(beam.DoFn):

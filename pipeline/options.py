@@ -240,6 +240,13 @@ PARAMETERS: tuple[Parameter, ...] = (
               "Empty: powers of two from 32 up to the max model length.",
               "64,128,256,512,1024", GROUP_BATCHING, default="", regex=r"^\s*\d+(\s*,\s*\d+)*\s*$",
               parent=("length_bucketing", ("true",))),
+    Parameter("answer_bucket_boundaries", "Answer bucket boundaries (max_tokens)",
+              "Comma-separated, increasing upper answer budgets (max_tokens): each prompt-length bucket is split "
+              "by them, so a static batch does not run short answers on until a long one ends. Empty: with "
+              "engine=transformers powers of two from 16 up to the max model length, with engine=vllm none "
+              "(continuous batching pads nothing). none: answers are not bucketed.",
+              "16,64,256", GROUP_BATCHING, default="", regex=r"^\s*(none|\d+(\s*,\s*\d+)*)\s*$",
+              parent=("length_bucketing", ("true",))),
     Parameter("length_estimator", "Prompt length estimator",
               "How prompt length is measured: tokenizer (the model's own, exact; needs the model's "
               "tokenizer on the workers), chars (about four characters a token), or auto (tokenizer when "
@@ -328,6 +335,7 @@ class PipelineConfig:
     response_schema: str | None
     length_bucketing: bool
     bucket_boundaries: str
+    answer_bucket_boundaries: str
     length_estimator: str
     prioritize_short_prompts: bool
     max_batch_delay_ms: int
@@ -381,15 +389,21 @@ class PipelineConfig:
 
     def batching(self) -> BatchingConfig:
         """The batching settings; raises ValueError with every problem found."""
+        boundaries: tuple[int, ...] = ()
+        answer_boundaries: tuple[int, ...] = ()
         if self.length_bucketing:
             boundaries = (parse_boundaries(self.bucket_boundaries) if self.bucket_boundaries.strip()
                           else default_boundaries(self.max_model_len))
-        else:
-            boundaries = ()
+            answers = self.answer_bucket_boundaries.strip()
+            if answers and answers != "none":
+                answer_boundaries = parse_boundaries(answers)
+            elif not answers and self.engine == "transformers":
+                answer_boundaries = default_boundaries(self.max_model_len, smallest=16)
         return BatchingConfig(max_batch_delay_ms=float(self.max_batch_delay_ms),
                               batch_size_target=self.batch_size_target, batch_size_limit=self.batch_size_limit,
                               token_budget=self.batch_token_budget, boundaries=boundaries,
-                              num_shards=self.num_shards)
+                              num_shards=self.num_shards, answer_boundaries=answer_boundaries,
+                              default_max_tokens=self.default_max_tokens)
 
     def effective_generate_shards(self, local: bool) -> int:
         """The generation step's key count: as set, else by runner (see the parameter's help)."""

@@ -32,8 +32,8 @@ class _Collect(beam.DoFn):
         _COLLECTED[self._run_id].append([(r.id, r.prompt_tokens) for r in requests])
 
 
-def request(request_id: str, tokens: int = 10) -> InferenceRequest:
-    return InferenceRequest(id=request_id, prompt="x" * tokens, prompt_tokens=tokens)
+def request(request_id: str, tokens: int = 10, max_tokens: int | None = None) -> InferenceRequest:
+    return InferenceRequest(id=request_id, prompt="x" * tokens, prompt_tokens=tokens, max_tokens=max_tokens)
 
 
 def run_batching(stream: EventStream, config: BatchingConfig, *, windowed: float | None = None):
@@ -123,28 +123,43 @@ def test_length_buckets_keep_short_and_long_prompts_apart():
     assert bucketed_padding * 5 < arrival_order_padding
 
 
+def test_answer_buckets_keep_short_and_long_answer_budgets_apart():
+    """A static batch runs until its longest answer: a 16-token label must not wait on a 256-token essay."""
+    config = BatchingConfig(max_batch_delay_ms=60_000, batch_size_target=2, boundaries=(64,), num_shards=1,
+                            answer_boundaries=(16, 64), default_max_tokens=200)
+    budgets = {"label-a": 8, "essay-a": 256, "label-b": 16, "essay-b": None, "mid-a": 40, "mid-b": 64}
+    stream = (EventStream().add_elements([request(name, 20, max_tokens) for name, max_tokens in budgets.items()])
+              .advance_watermark_to_infinity())
+    batches, _ = run_batching(stream, config)
+    # No max_tokens counts as the default budget (200): with the 256-token essay, over 64.
+    assert ids(batches) == [["essay-a", "essay-b"], ["label-a", "label-b"], ["mid-a", "mid-b"]]
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     target=st.integers(1, 5),
     extra_limit=st.integers(0, 3),
     delay_ms=st.sampled_from([10, 50, 200]),
     boundaries=st.sampled_from([(), (32,), (16, 64, 256)]),
-    arrivals=st.lists(st.tuples(st.integers(1, 400), st.sampled_from([0, 0, 0.005, 0.3])), min_size=1, max_size=25),
+    answer_boundaries=st.sampled_from([(), (16, 128)]),
+    arrivals=st.lists(st.tuples(st.integers(1, 400), st.sampled_from([None, 8, 100, 300]),
+                                st.sampled_from([0, 0, 0.005, 0.3])), min_size=1, max_size=25),
 )
 def test_the_real_dofn_emits_every_request_exactly_once_within_the_limit(target, extra_limit, delay_ms,
-                                                                         boundaries, arrivals):
-    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target,
-                            batch_size_limit=target + extra_limit, boundaries=boundaries, num_shards=2)
+                                                                         boundaries, answer_boundaries, arrivals):
+    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target, batch_size_limit=target + extra_limit,
+                            boundaries=boundaries, num_shards=2, answer_boundaries=answer_boundaries)
     stream = EventStream()
-    for index, (tokens, gap_s) in enumerate(arrivals):
-        stream = stream.add_elements([request(f"r{index}", tokens)])
+    for index, (tokens, max_tokens, gap_s) in enumerate(arrivals):
+        stream = stream.add_elements([request(f"r{index}", tokens, max_tokens)])
         if gap_s:
             stream = stream.advance_processing_time(gap_s)
     batches, _ = run_batching(stream.advance_watermark_to_infinity(), config)
     emitted = [i for batch in batches for i, _ in batch]
     assert sorted(emitted) == sorted(f"r{i}" for i in range(len(arrivals)))
     assert all(1 <= len(b) <= config.limit for b in batches)
-    assert all(len({config.bucket_of(t) for _, t in b}) == 1 for b in batches)
+    budget = {f"r{i}": max_tokens for i, (_, max_tokens, _) in enumerate(arrivals)}
+    assert all(len({config.bucket_name(t, budget[i]) for i, t in b}) == 1 for b in batches)
 
 
 def simulate(config: BatchingConfig, arrivals: list[tuple[float, str, int]]):

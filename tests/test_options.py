@@ -52,6 +52,8 @@ def test_launcher_strings_are_converted():
     ({"length_bucketing": "true", "bucket_boundaries": "128,64"}, "must be strictly increasing"),
     ({"length_bucketing": "true", "bucket_boundaries": "0,64"}, "must be positive token counts"),
     ({"length_bucketing": "true", "bucket_boundaries": "a,b"}, "--bucket_boundaries='a,b' is not valid"),
+    ({"length_bucketing": "true", "answer_bucket_boundaries": "64,16"}, "answer bucket boundaries must be strictly"),
+    ({"length_bucketing": "true", "answer_bucket_boundaries": "16,all"}, "--answer_bucket_boundaries='16,all' is not"),
     ({"length_bucketing": "maybe"}, "expected true or false"),
     ({"max_batch_delay_ms": "-1"}, "--max_batch_delay_ms must be at least 0"),
     ({"max_batch_delay_ms": "ten"}, "expected a whole number"),
@@ -81,6 +83,19 @@ def test_length_bucketing_defaults_to_powers_of_two_below_the_context():
     cfg = config(length_bucketing="true", max_model_len="1024")
     assert cfg.batching().boundaries == (32, 64, 128, 256, 512)
     assert config(length_bucketing="true", bucket_boundaries=" 10, 200 ").batching().boundaries == (10, 200)
+
+
+def test_answer_buckets_default_on_for_the_static_engine_only():
+    """A static batch runs until its longest answer; vLLM's continuous batching pads nothing."""
+    static = config(length_bucketing="true", engine="transformers", max_model_len="1024", default_max_tokens="100")
+    assert static.batching().answer_boundaries == (16, 32, 64, 128, 256, 512)
+    assert static.batching().bucket_name(20, None) == "0.3"  # no max_tokens: the default answer budget, 100
+    assert static.batching().bucket_name(20, 8) == "0.0" and static.batching().bucket_name(300, 600) == "4.6"
+    assert config(length_bucketing="true").batching().answer_boundaries == ()
+    assert config(length_bucketing="true", engine="transformers",
+                  answer_bucket_boundaries="none").batching().answer_boundaries == ()
+    assert config(length_bucketing="true", answer_bucket_boundaries="8, 64").batching().answer_boundaries == (8, 64)
+    assert config(engine="transformers").batching().answer_boundaries == ()  # arrival order: one bucket
 
 
 def test_length_estimator_auto_uses_the_tokenizer_only_with_a_managed_server():

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from pipeline.bucketing import BatchingConfig
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.keying import bucket_index
@@ -110,6 +111,30 @@ def test_a_long_prompt_pads_a_batch_of_short_ones_and_length_buckets_stop_it(eng
     assert arrival["prompt_padding"] / arrival["prompt_positions"] > 0.5  # three short rows padded to the long one
     assert buckets["prompt_padding"] / buckets["prompt_positions"] < 0.1
     assert buckets["prompt_positions"] < arrival["prompt_positions"] / 2
+
+
+def test_a_long_answer_pads_a_batch_of_short_ones_and_answer_buckets_stop_it(engine):
+    """Same prompt length, different max_tokens: the batcher with and without answer buckets."""
+    story = "Write a long story about a lighthouse keeper and a storm."
+    requests = [request(f"label-{i}", story, temperature=0, max_tokens=4) for i in range(3)]
+    requests.append(request("essay", story, temperature=0, max_tokens=40))
+    config = BatchingConfig(batch_size_target=4, boundaries=(64, 256), answer_boundaries=(16, 64))
+    by_bucket: dict[str, list[InferenceRequest]] = {}
+    for r in requests:
+        by_bucket.setdefault(config.bucket_name(20, r.max_tokens), []).append(r)
+    assert len(by_bucket) == 2, "the 40-token answer falls in an answer bucket of its own"
+
+    before = engine.padding_totals()
+    run_batch(engine, requests)  # one batch: three 4-token rows computed on for the 40-token one
+    arrival = _since(before, engine.padding_totals())
+    before = engine.padding_totals()
+    for batch in by_bucket.values():
+        run_batch(engine, batch)
+    buckets = _since(before, engine.padding_totals())
+
+    assert arrival["decode_padding"] / arrival["decode_positions"] > 0.5
+    assert buckets["decode_padding"] / buckets["decode_positions"] < 0.1
+    assert buckets["decode_positions"] < arrival["decode_positions"] / 2
 
 
 def _since(before: dict, after: dict) -> dict:
