@@ -108,7 +108,8 @@ bench: model ## First chunk, latency, throughput, CPU: raw vLLM vs the template 
 
 .PHONY: bench-engines
 bench-engines: model ## Static batching (engine=transformers, arrival order vs length buckets) against vLLM: tokens/s, padding, CPU
-	$(PY) -m benchmarks.side_by_side --systems raw,template-arrival,static-arrival,static-buckets --rates 0.5 $(BENCH_ARGS)
+	$(PY) -m benchmarks.side_by_side --systems raw,template-arrival,static-arrival,static-prompt-buckets,static-buckets \
+		--budgets record=16,question=32 --rates 0.5 $(BENCH_ARGS)
 
 .PHONY: bench-scale
 bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)

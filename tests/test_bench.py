@@ -76,10 +76,12 @@ def test_engine_ratios_compare_buckets_with_arrival_order_and_vllm_with_static_b
         return RunResult(system, "burst", 1, "shared", [_timing("a", 0.0, 0.5, 2.0, tokens)], expected=1, cpu_s=1.0,
                          padded_share=padded)
     spreads = across_reps([run(report.STATIC_ARRIVAL, 20, 0.5), run(report.STATIC_BUCKETS, 40, 0.05),
-                           run(report.RAW, 100, None)])
+                           run(report.STATIC_PROMPT_BUCKETS, 25, 0.2), run(report.RAW, 100, None)])
     notes = report.engine_notes({system: figures for (_, _, system), figures in spreads.items()})
-    assert notes[0].startswith("transformers, length buckets / arrival order: tokens/s 2.00×, padded 50.0 % → 5.00 %")
-    assert notes[1].startswith("raw vLLM / transformers in arrival order: tokens/s 5.00×")
+    assert notes[0].startswith("transformers, prompt buckets only / arrival order: tokens/s 1.25×, padded 50.0 % → 20.0 %")
+    assert notes[1].startswith("transformers, length buckets / arrival order: tokens/s 2.00×, padded 50.0 % → 5.00 %")
+    assert notes[2].startswith("raw vLLM / transformers in arrival order: tokens/s 5.00×")
+    assert len(notes) == 3
     assert report.engine_notes({report.RAW: spreads[("shared", "burst", report.RAW)]}) == []
 
 
@@ -113,6 +115,28 @@ def test_mixed_workload_is_seeded_and_has_every_kind():
     questions = [len(p.prompt) for p in one if p.kind == "question"]
     assert min(records) > 5 * max(questions)  # records are the long prompts
     assert len({p.id for p in one}) == 200
+
+
+def test_budgets_give_each_kind_its_max_tokens_and_the_rest_the_runs():
+    prompts = workload.with_budgets(workload.mixed(50, 5), workload.parse_budgets(" record=16, question=32"))
+    messages = {p.kind: p.as_message(96)["max_tokens"] for p in prompts}
+    assert messages == {"record": 16, "question": 32, "long answer": 96}
+    assert workload.with_budgets(prompts, {}) == prompts
+    for bad in ("record=0", "record", "record=x"):
+        with pytest.raises(ValueError, match="KIND=TOKENS"):
+            workload.parse_budgets(bad)
+    with pytest.raises(ValueError, match="no prompts of kind \\['essay'\\]"):
+        workload.with_budgets(prompts, {"essay": 8})
+
+
+def test_budgets_are_refused_with_beams_handler_which_takes_one_max_tokens():
+    from benchmarks.side_by_side.__main__ import parse_args
+
+    assert parse_args(["--budgets", "record=16", "--systems", "raw,static-buckets"]).budgets == {"record": 16}
+    with pytest.raises(SystemExit):
+        parse_args(["--budgets", "record=16", "--systems", "raw,beam"])
+    with pytest.raises(SystemExit):
+        parse_args(["--budgets", "record=-1", "--systems", "raw"])
 
 
 def test_workload_from_jsonl(tmp_path):

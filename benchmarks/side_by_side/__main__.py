@@ -23,14 +23,15 @@ from pathlib import Path
 
 from benchmarks.side_by_side import report, workload
 from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans, renice_tree, tree_cpu_seconds
-from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS
+from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS, STATIC_PROMPT_BUCKETS
 from benchmarks.side_by_side.stats import RunResult
 from benchmarks.side_by_side.systems import BeamHandler, PubSubRelay, RawVLLM, System, Template
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT
 from pipeline.local_model import ensure_local_checkpoint
 
-SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam", "static-arrival", "static-buckets")
+SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam", "static-arrival", "static-prompt-buckets",
+           "static-buckets")
 DEFAULT_SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam")
 SERVED_NAME = "bench"
 SETTLE_S = 1.0  # after resuming a paused pipeline, before sending it anything
@@ -68,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help=f"comma-separated, from {', '.join(SYSTEMS)} (relay: raw vLLM behind Pub/Sub, no Beam, "
                              "the floor for a Pub/Sub-fed pipeline; static-*: the template with "
-                             "engine=transformers, on every core of the plan; make bench-engines)")
+                             "engine=transformers, on every core of the plan, static-prompt-buckets without answer "
+                             "buckets; make bench-engines)")
     parser.add_argument("--template-repo", type=Path, action="append", default=[], metavar="DIR",
                         help="also run the template (length buckets) from another checkout, e.g. before a change")
     parser.add_argument("--template-args", default="", help="more template parameters for every template run, "
@@ -83,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates-per-s", default="", help="paced rates in requests/s instead (overrides --rates)")
     parser.add_argument("--no-burst", action="store_true", help="paced shapes only")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--budgets", default="", metavar="KIND=TOKENS,...",
+                        help="max_tokens by prompt kind instead of --max-tokens for all, e.g. record=16,question=32 "
+                        "(not with beam: its handler takes one max_tokens for every element)")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--prompts", type=Path, help="a JSONL file of {\"prompt\": ...} to use instead of the mix")
     parser.add_argument("--model", help="model for the server (default: the embedded SmolLM2-135M-Instruct)")
@@ -114,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("several --server-niceness values renice the server back down, which needs root")
     if min(args.reps, args.requests, args.paced_requests, args.max_tokens) < 1:
         parser.error("--reps, --requests, --paced-requests and --max-tokens must be at least 1")
+    try:
+        args.budgets = workload.parse_budgets(args.budgets)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.budgets and "beam" in args.systems.split(","):
+        parser.error("--budgets does not go with the beam system: Beam's handler takes one max_tokens for all")
     return args
 
 
@@ -209,11 +220,17 @@ def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server
         label, variant_args = variant.split("=", 1)
         systems.append(Template(f"template (length buckets, {label})", emulator, server.base_url, args.max_tokens,
                                 bucketing=True, log_dir=log_dir, extra_args=extra + tuple(shlex.split(variant_args))))
-    static = ("--engine=transformers", f"--model={args.model or ensure_local_checkpoint()}", f"--dtype={args.dtype}")
-    for name, label, bucketing in (("static-arrival", STATIC_ARRIVAL, False), ("static-buckets", STATIC_BUCKETS, True)):
+    # One batching key per bucket: a static batch is one worker's unit of work, and on this one worker more
+    # keys would only split each bucket into smaller batches (in arrival order too).
+    static = ("--engine=transformers", f"--model={args.model or ensure_local_checkpoint()}", f"--dtype={args.dtype}",
+              "--num_shards=1")
+    for name, label, bucketing, more in (("static-arrival", STATIC_ARRIVAL, False, ()),
+                                         ("static-prompt-buckets", STATIC_PROMPT_BUCKETS, True,
+                                          ("--answer_bucket_boundaries=none",)),
+                                         ("static-buckets", STATIC_BUCKETS, True, ())):
         if name in chosen:  # the model's compute runs in the pipeline's tree: give it every core the plan has
             systems.append(Template(label, emulator, None, args.max_tokens, bucketing=bucketing, log_dir=log_dir,
-                                    extra_args=static + extra, cores=server.plan.server | server.plan.clients))
+                                    extra_args=static + extra + more, cores=server.plan.server | server.plan.clients))
     if "beam" in chosen:
         systems.append(BeamHandler(emulator, server.port, server.model, args.max_tokens, log_dir=log_dir))
     return systems
@@ -309,6 +326,7 @@ def run(args: argparse.Namespace, emulator: PubSubEmulator) -> Path:
     """The whole benchmark against a started emulator; returns the report folder."""
     prompts = (workload.from_jsonl(args.prompts, args.requests) if args.prompts
                else workload.mixed(args.requests, args.seed))
+    prompts = workload.with_budgets(prompts, args.budgets)
     names = ["isolated", "shared"] if args.cores == "both" else [args.cores]
     core_plans = plans(names)
     stamp = datetime.now(timezone.utc)
@@ -320,7 +338,8 @@ def run(args: argparse.Namespace, emulator: PubSubEmulator) -> Path:
         model=args.model or args.server_url or "SmolLM2-135M-Instruct (embedded, vLLM CPU build)",
         max_tokens=args.max_tokens, seed=args.seed,
         workload=(f"prompts from {args.prompts}" if args.prompts else "the mixed workload: ")
-        + ", ".join(f"{n} {k}" for k, n in kinds.items()),
+        + ", ".join(f"{n} {k}" for k, n in kinds.items())
+        + "".join(f"; {kind}s max_tokens {budget}" for kind, budget in args.budgets.items()),
         shapes={}, cores={plan.name: plan.describe() for plan in core_plans}, server_start_s={}, capacity_rps={}, rates={},
         reps=args.reps)
     progress = ProgressLine()

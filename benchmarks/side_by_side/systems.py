@@ -8,6 +8,7 @@ request ids, so nothing late from one run can count in another.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -48,7 +49,7 @@ class System(Protocol):
 
 
 def _run_ids(prompts: list[Prompt], shape: str, rep: int) -> list[Prompt]:
-    return [Prompt(f"{shape}-r{rep}-{p.id}", p.prompt, p.kind) for p in prompts]
+    return [dataclasses.replace(p, id=f"{shape}-r{rep}-{p.id}") for p in prompts]
 
 
 def _timeout(offsets: list[float]) -> float:
@@ -91,7 +92,8 @@ class RawVLLM:
         async def one(session: aiohttp.ClientSession, prompt: Prompt, offset: float) -> None:
             await asyncio.sleep(max(0.0, start + offset - time.time()))
             sent, first, tokens = time.time(), None, 0
-            async for event in completion_events(session, self.base_url, self.model, prompt.prompt, self.max_tokens):
+            async for event in completion_events(session, self.base_url, self.model, prompt.prompt,
+                                                   prompt.max_tokens or self.max_tokens):
                 if first is None and event.get("choices") and event["choices"][0].get("text"):
                     first = time.time()
                 if event.get("usage"):

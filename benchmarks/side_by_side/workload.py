@@ -6,11 +6,13 @@ question about it: prefill-heavy, short answers) and the rest is chat-like
 requests for a long answer (decode-heavy). It follows no published trace;
 the shares are options, and ``--prompts FILE.jsonl`` replaces it with yours.
 Decoding is greedy and every request has the same ``max_tokens``, because
-Beam's handler takes one ``inference_args`` for all elements.
+Beam's handler takes one ``inference_args`` for all elements; ``--budgets``
+gives each kind its own, as a stream of classifications would set them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -39,9 +41,29 @@ class Prompt:
     id: str
     prompt: str
     kind: str  # "question", "record" or "long answer": reported separately
+    max_tokens: int | None = None  # None: the run's --max-tokens
 
     def as_message(self, max_tokens: int) -> dict:
-        return {"id": self.id, "prompt": self.prompt, "max_tokens": max_tokens, "temperature": 0}
+        return {"id": self.id, "prompt": self.prompt, "max_tokens": self.max_tokens or max_tokens, "temperature": 0}
+
+
+def parse_budgets(text: str) -> dict[str, int]:
+    """'record=16,question=32' -> {"record": 16, "question": 32}."""
+    budgets = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, _, number = part.partition("=")
+        if not number.strip().isdigit() or int(number) < 1:
+            raise ValueError(f"budgets are KIND=TOKENS with TOKENS at least 1, got {part!r}")
+        budgets[kind.strip()] = int(number)
+    return budgets
+
+
+def with_budgets(prompts: list[Prompt], budgets: dict[str, int]) -> list[Prompt]:
+    """Each prompt with its kind's max_tokens; kinds not named keep the run's."""
+    unknown = set(budgets) - {p.kind for p in prompts}
+    if unknown:
+        raise ValueError(f"no prompts of kind {sorted(unknown)}; the kinds are {sorted({p.kind for p in prompts})}")
+    return [dataclasses.replace(p, max_tokens=budgets.get(p.kind, p.max_tokens)) for p in prompts]
 
 
 def _record(rng: random.Random) -> str:
