@@ -13,7 +13,7 @@ With no bucket boundaries there is a single bucket: plain arrival-order batching
 Answer buckets (``answer_boundaries``) split each prompt bucket by the
 request's answer budget, ``max_tokens``. A static batch runs until its longest
 answer ends, so a 16-token classification batched with a 256-token essay
-computes 240 padded steps; vLLM's continuous batching pads nothing, so there
+computes up to 240 padded steps; vLLM's continuous batching pads nothing, so there
 the split only makes batches smaller.
 """
 

@@ -270,7 +270,8 @@ PARAMETERS: tuple[Parameter, ...] = (
               "A batch is also sent once its prompts add up to this many tokens; empty means no budget.",
               "8192", GROUP_BATCHING, "NUMBER", minimum=1),
     Parameter("num_shards", "Batching shards",
-              "Keys per length bucket in the batching step: few let batches fill within max_batch_delay_ms.",
+              "Keys per length bucket in the batching step: few let batches fill within max_batch_delay_ms. "
+              "With engine=transformers a batch is one worker's unit of work: about one key per worker.",
               "16", GROUP_BATCHING, "NUMBER", default=16, minimum=1, maximum=10000),
     Parameter("generate_shards", "Generation shards",
               "Keys of the generation step, which decide which worker's GPU serves a request: Dataflow spreads "
