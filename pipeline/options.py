@@ -233,7 +233,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     # Batching
     Parameter("length_bucketing", "Length bucketing",
               "Batch requests by prompt length (true) instead of in arrival order (false), so one long "
-              "prompt does not pad a batch of short ones or make them wait.",
+              "prompt does not pad a batch of short ones or make them wait; with engine=transformers also by "
+              "answer budget (answer_bucket_boundaries).",
               "true", GROUP_BATCHING, "BOOLEAN", default=False),
     Parameter("bucket_boundaries", "Bucket boundaries (tokens)",
               "Comma-separated, increasing upper prompt lengths of the buckets; the last bucket is open. "
