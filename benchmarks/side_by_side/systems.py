@@ -93,7 +93,7 @@ class RawVLLM:
             await asyncio.sleep(max(0.0, start + offset - time.time()))
             sent, first, tokens = time.time(), None, 0
             async for event in completion_events(session, self.base_url, self.model, prompt.prompt,
-                                                   prompt.max_tokens or self.max_tokens):
+                                                   prompt.budget(self.max_tokens)):
                 if first is None and event.get("choices") and event["choices"][0].get("text"):
                     first = time.time()
                 if event.get("usage"):

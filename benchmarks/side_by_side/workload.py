@@ -43,8 +43,11 @@ class Prompt:
     kind: str  # "question", "record" or "long answer": reported separately
     max_tokens: int | None = None  # None: the run's --max-tokens
 
+    def budget(self, run_max_tokens: int) -> int:
+        return self.max_tokens or run_max_tokens
+
     def as_message(self, max_tokens: int) -> dict:
-        return {"id": self.id, "prompt": self.prompt, "max_tokens": self.max_tokens or max_tokens, "temperature": 0}
+        return {"id": self.id, "prompt": self.prompt, "max_tokens": self.budget(max_tokens), "temperature": 0}
 
 
 def parse_budgets(text: str) -> dict[str, int]:
