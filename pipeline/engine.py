@@ -50,6 +50,11 @@ CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_
 ENGINES = ("vllm", "transformers")
 
 
+# vLLM's HTTP server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a client that reuses one
+# at that moment gets "Server disconnected" (seen at 0.25 requests/s). Dropping idle connections sooner avoids it.
+IDLE_CONNECTION_REUSE_S = 2.0
+
+
 class RetryableError(Exception):
     """The server was unreachable or broke off; the request can be sent again."""
 
@@ -416,7 +421,8 @@ class StreamingEngine(EngineBase):
     async def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.settings.stall_timeout_s)
-            connector = aiohttp.TCPConnector(limit=self.settings.max_in_flight + 8)
+            connector = aiohttp.TCPConnector(limit=self.settings.max_in_flight + 8,
+                                             keepalive_timeout=IDLE_CONNECTION_REUSE_S)
             self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         return self._session
 

@@ -7,6 +7,14 @@ from typing import AsyncIterator
 
 import aiohttp
 
+from pipeline.engine import IDLE_CONNECTION_REUSE_S
+
+
+def session(timeout_s: float) -> aiohttp.ClientSession:
+    """A client session that never reuses a connection the server may be closing (see IDLE_CONNECTION_REUSE_S)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                 connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_REUSE_S))
+
 
 async def completion_events(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str,
                             max_tokens: int) -> AsyncIterator[dict]:

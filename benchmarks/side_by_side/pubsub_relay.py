@@ -26,7 +26,7 @@ import time
 
 import aiohttp
 
-from benchmarks.side_by_side.completions_stream import completion_events
+from benchmarks.side_by_side.completions_stream import completion_events, session as client_session
 
 LOGGER = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Relay:
 
     def run(self, stop: threading.Event) -> None:
         async def open_session() -> None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900))
+            self._session = client_session(900)
 
         threading.Thread(target=self._loop.run_forever, name="relay-loop", daemon=True).start()
         asyncio.run_coroutine_threadsafe(open_session(), self._loop).result()

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import aiohttp
 
-from benchmarks.side_by_side.completions_stream import completion_events
+from benchmarks.side_by_side.completions_stream import completion_events, session as client_session
 from benchmarks.side_by_side.cores import peak_rss_mib, pin_tree, tree_cpu_seconds
 from benchmarks.side_by_side.report import RELAY
 from benchmarks.side_by_side.stats import RequestTiming, RunResult
@@ -102,8 +102,7 @@ class RawVLLM:
             timings.append(RequestTiming(prompt.id, prompt.kind, sent, first or done, done, tokens))
             progress(len(timings), len(prompts))
 
-        timeout = aiohttp.ClientTimeout(total=_timeout(offsets))
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with client_session(_timeout(offsets)) as session:
             await asyncio.gather(*(one(session, p, o) for p, o in zip(prompts, offsets)))
         return timings
 
