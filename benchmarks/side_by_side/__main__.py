@@ -183,8 +183,9 @@ class _Server:
             os.environ.clear()
             os.environ.update(saved)
         self.start_s = time.monotonic() - started
-        pin_this_process(self.plan.clients)  # with every child so far: the emulator, the server ...
-        pin_tree(self.server.pid, self.plan.server)  # ... which then goes back to its own cores
+        if self.plan.name == "isolated":  # "shared" leaves vLLM's own placement (its compute threads bound) alone
+            pin_this_process(self.plan.clients)  # with every child so far: the emulator, the server ...
+            pin_tree(self.server.pid, self.plan.server)  # ... which then goes back to its own cores
         if self.args.server_niceness:
             renice_tree(self.server.pid, self.args.server_niceness[0])
         self.base_url, self.port, self.model = self.server.base_url, self.server.port, SERVED_NAME
