@@ -42,6 +42,7 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     # through the pipeline only when a BigQuery chunks table wants them too.
     common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
+                  keep_pipeline_off_model_cores=config.keep_pipeline_off_model_cores,
                   chunk_policy=policy, priority_boundaries=config.priority_boundaries,
                   chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))

@@ -30,17 +30,19 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
+from pipeline import core_placement
 from pipeline.chunk_publisher import ChunkPublisher
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.keying import bucket_index
 from pipeline.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.model_manager import ServerSpec, VLLMServer
+from pipeline.model_manager import ServerSpec, VLLMServer, running_on_cpu
 from pipeline.structured_output import parse_output
 
 LOGGER = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class EngineSettings:
     chunks_to_pipeline: bool = True
     # How long a finished request waits for Pub/Sub to confirm its chunks before its completion goes anyway.
     chunk_publish_patience_s: float = 300.0
+    # With vLLM on this machine's CPUs: the pipeline's processes move off the cores its compute is bound to.
+    keep_pipeline_off_model_cores: bool = True
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
@@ -188,6 +192,10 @@ class EngineBase:
     def server_restarts(self) -> int:
         return 0
 
+    def model_cores(self) -> frozenset[int]:
+        """The cores the model computes on that the pipeline's threads should leave to it."""
+        return frozenset()
+
     def close(self) -> None:
         self._closed = True
 
@@ -275,6 +283,7 @@ class StreamingEngine(EngineBase):
         else:
             self.base_url = settings.server_url.rstrip("/")
         self.model_name = settings.served_model_name or self._discover_model_name()
+        self._model_cores = self._find_model_cores()
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
         self._loop_thread.start()
@@ -284,6 +293,18 @@ class StreamingEngine(EngineBase):
 
     async def _make_semaphore(self) -> asyncio.Semaphore:
         return asyncio.Semaphore(self.settings.max_in_flight)
+
+    def _find_model_cores(self) -> frozenset[int]:
+        """The cores this machine's vLLM binds its compute to (none with a GPU, or a server elsewhere)."""
+        if not self.settings.keep_pipeline_off_model_cores or not running_on_cpu():
+            return frozenset()
+        if self._server is not None:
+            pid = self._server.pid
+        else:
+            url = urllib.parse.urlsplit(self.base_url)
+            local = url.hostname in ("localhost", "127.0.0.1", "::1") and url.port is not None
+            pid = core_placement.listening_pid(url.port) if local else None
+        return core_placement.bound_cores(pid) if pid is not None else frozenset()
 
     def _discover_model_name(self) -> str:
         if self.settings.server is not None:
@@ -299,6 +320,9 @@ class StreamingEngine(EngineBase):
 
     def server_restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
+
+    def model_cores(self) -> frozenset[int]:
+        return self._model_cores
 
     def close(self) -> None:
         if self._closed:

@@ -54,6 +54,7 @@ from apache_beam.transforms.userstate import (BagStateSpec, ReadModifyWriteState
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 from apache_beam.utils.timestamp import Timestamp
 
+from pipeline import core_placement
 from pipeline.element_guard import guarded
 from pipeline.engine import (ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings,
                              StreamingEngine)
@@ -185,6 +186,7 @@ class _StreamingGenerateFn(beam.DoFn):
 
     def setup(self) -> None:
         self._engine = acquire_engine(self._settings, self._shared_tag)
+        core_placement.keep_pipeline_off(self._engine.model_cores())
 
     def process(self, element: tuple[object, list[InferenceRequest]],
                 window=beam.DoFn.WindowParam,

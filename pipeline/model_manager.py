@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -133,9 +134,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the spawning thread's process dies."""
+def _die_with_parent(cores: frozenset[int]) -> None:
+    """Runs in the child before exec: its own session on ``cores``, SIGTERM when the spawning thread's process dies."""
     os.setsid()
+    os.sched_setaffinity(0, cores)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -175,6 +177,9 @@ class VLLMServer:
         self._start_error: BaseException | None = None
         self._supervisor: threading.Thread | None = None
         self._model_path: str | None = None
+        # Every server, restarts included, starts on the cores this process had at first, even after the
+        # pipeline's threads (the supervisor's among them) moved off the model's (pipeline.core_placement).
+        self._cores = frozenset(os.sched_getaffinity(0))
         atexit.register(self.stop)
 
     # Lifecycle -----------------------------------------------------------------
@@ -258,7 +263,8 @@ class VLLMServer:
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                   stderr=subprocess.STDOUT,
+                                   preexec_fn=functools.partial(_die_with_parent, self._cores))
         with self._lock:
             if self._stopping.is_set():
                 terminate_process_group(process, 5)

@@ -210,6 +210,11 @@ PARAMETERS: tuple[Parameter, ...] = (
               "How many requests each worker keeps open against its server; vLLM batches them "
               "continuously, so this should exceed the server's max-num-seqs only slightly.",
               "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=4096),
+    Parameter("keep_pipeline_off_model_cores", "Keep the pipeline off the model's cores",
+              "On a worker without a GPU, with vLLM on that worker: move the pipeline's threads off the cores "
+              "vLLM binds its compute to (all but the last), so they do not wait behind it (measured on 2 cores: "
+              "first chunk p95 0.34-0.47 s instead of 1.0-1.5 s). No effect with a GPU or a remote server.",
+              "true", GROUP_MODEL, "BOOLEAN", default=True),
     Parameter("request_timeout_s", "Request timeout (s)",
               "A request that has not finished this long after it was sent to the server (including retries "
               "while the server restarts) goes to the dead letters. Time spent waiting in a backlog does not "
@@ -331,6 +336,7 @@ class PipelineConfig:
     server_start_timeout_s: int
     default_max_tokens: int
     max_in_flight: int
+    keep_pipeline_off_model_cores: bool
     request_timeout_s: int
     system_prompt: str | None
     prompt_template: str | None

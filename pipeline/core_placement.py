@@ -1,0 +1,122 @@
+"""On a worker without a GPU, the pipeline's threads stay off the cores the model computes on.
+
+vLLM's CPU build binds its compute threads to all but the last of the cores it may use and leaves
+those to its own front end. Left to the OS, the pipeline's threads land on the model's cores too,
+where each one waits behind a compute thread that does not yield: on a 2-core machine the first
+chunk took seconds. The engine reads which cores the server's threads are bound to (the kernel's
+record, not a guess of vLLM's rule), and each of the pipeline's processes moves its threads onto
+the others. A GPU worker computes on the GPU, binds nothing, and is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+LOGGER = logging.getLogger(__name__)
+_PROC = Path("/proc")
+
+
+def _allowed(task: Path) -> frozenset[int]:
+    """The cores a thread may run on, from its ``Cpus_allowed_list`` ("0-3,6")."""
+    for line in (task / "status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            cores: set[int] = set()
+            for part in line.split(":", 1)[1].strip().split(","):
+                low, _, high = part.partition("-")
+                cores.update(range(int(low), int(high or low) + 1))
+            return frozenset(cores)
+    return frozenset()
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from each process's parent in ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def bound_cores(pid: int) -> frozenset[int]:
+    """The cores that threads of ``pid``'s process tree are bound to, narrower than ``pid``'s own set.
+
+    ``pid`` is the server's front end, which vLLM leaves unbound; its engine's
+    worker binds every thread it has, its main thread too.
+    """
+    try:
+        own = _allowed(_PROC / str(pid))
+    except OSError:  # it ended
+        return frozenset()
+    bound: set[int] = set()
+    for process in _tree(pid):
+        try:
+            for task in (_PROC / str(process) / "task").iterdir():
+                cores = _allowed(task)
+                if cores and cores < own:
+                    bound |= cores
+        except (OSError, ValueError):  # it ended meanwhile
+            continue
+    return frozenset(bound)
+
+
+def keep_off(cores: frozenset[int]) -> frozenset[int] | None:
+    """Moves every thread of this process (and so the threads it starts) off ``cores``.
+
+    Returns the cores it now runs on, or None when it changed nothing: nothing
+    to keep off, already off, or no core would be left.
+    """
+    allowed = frozenset(os.sched_getaffinity(0))
+    rest = allowed - cores
+    if not cores or not rest or rest == allowed:
+        return None
+    for task in (_PROC / "self" / "task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), rest)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return rest
+
+
+def listening_pid(port: int) -> int | None:
+    """The process on this machine that listens on TCP ``port`` (one it may inspect), if any."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (_PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                return int(entry.name)
+        except OSError:  # it ended meanwhile, or is not ours to inspect
+            continue
+    return None
+
+
+def keep_pipeline_off(model_cores: frozenset[int]) -> None:
+    """:func:`keep_off` for the pipeline's process, logged once when it moves."""
+    moved = keep_off(model_cores)
+    if moved is not None:
+        LOGGER.info("Pipeline threads of process %d moved to cores %s, off the model's cores %s",
+                    os.getpid(), sorted(moved), sorted(model_cores))

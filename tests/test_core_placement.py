@@ -1,0 +1,73 @@
+"""Keeping the pipeline's threads off the model's cores, on real processes and sockets of this machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from pipeline import core_placement
+from tests.conftest import wait_until
+
+CORES = sorted(os.sched_getaffinity(0))
+needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs at least 2 cores")
+
+
+def _threads_affinity() -> dict[int, frozenset[int]]:
+    return {int(t): frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+
+
+def test_listening_pid_finds_the_process_that_listens_on_a_port():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        assert core_placement.listening_pid(port) is None  # bound, not yet listening
+        listener.listen()
+        assert core_placement.listening_pid(port) == os.getpid()
+    assert core_placement.listening_pid(port) is None
+
+
+@needs_two_cores
+def test_bound_cores_finds_the_threads_a_child_binds_and_nothing_in_an_unbound_one():
+    # A child that binds one of its threads, as vLLM's worker binds its compute threads.
+    code = ("import os, threading, time\n"
+            f"def bound():\n    os.sched_setaffinity(0, {{{CORES[0]}}}); time.sleep(60)\n"
+            "threading.Thread(target=bound, daemon=True).start(); print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert wait_until(lambda: core_placement.bound_cores(child.pid) == {CORES[0]}, 10)
+        assert core_placement.bound_cores(idle.pid) == frozenset()
+    finally:
+        for process in (child, idle):
+            process.kill()
+            process.wait()
+    assert core_placement.bound_cores(child.pid) == frozenset()  # ended
+
+
+@needs_two_cores
+def test_keep_off_moves_every_thread_of_this_process_and_the_threads_it_starts():
+    before = _threads_affinity()
+    model = frozenset(CORES[:1])
+    try:
+        assert core_placement.keep_off(model) == frozenset(CORES) - model
+        assert all(not cores & model for cores in _threads_affinity().values())
+        seen: list[frozenset[int]] = []
+        later = threading.Thread(target=lambda: seen.append(frozenset(os.sched_getaffinity(0))))
+        later.start()
+        later.join()
+        assert seen and not seen[0] & model
+        assert core_placement.keep_off(model) is None  # already off
+    finally:
+        for thread, cores in before.items():
+            try:
+                os.sched_setaffinity(thread, cores)
+            except OSError:
+                pass
+    assert core_placement.keep_off(frozenset()) is None
+    assert core_placement.keep_off(frozenset(CORES)) is None  # no core would be left
