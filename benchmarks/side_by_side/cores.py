@@ -5,7 +5,8 @@ pipeline; on a CPU-only machine vLLM's compute takes every core and starves
 the pipeline's Python threads. "isolated" reproduces the first: the server
 on one set of cores (its OpenMP threads bound there through
 ``VLLM_CPU_OMP_THREADS_BIND``), this process, the emulator and the pipelines
-on the rest. "shared" is what a CPU-only user gets: everything anywhere.
+on the rest. "shared" is what a CPU-only user gets: the server where vLLM's
+CPU build binds itself, everything else anywhere.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class CorePlan:
     def describe(self) -> str:
         if self.name == "isolated":
             return f"server on cores {_cpus(self.server)}, pipelines and clients on {_cpus(self.clients)}"
-        return f"everything shares cores {_cpus(self.clients)}"
+        return f"the server where vLLM binds itself, everything else anywhere on cores {_cpus(self.clients)}"
 
 
 def _cpus(cpus: frozenset[int]) -> str:
