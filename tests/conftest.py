@@ -80,6 +80,25 @@ def chat(base_url: str, content: str, **params) -> dict:
         return json.load(response)
 
 
+def thread_cores() -> dict[int, frozenset[int]]:
+    """The cores each thread of this process may run on."""
+    return {int(t): frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+
+
+@contextmanager
+def thread_cores_restored():
+    """Gives each thread of this process its cores back afterwards: a test that moves them must not move the rest."""
+    before = thread_cores()
+    try:
+        yield
+    finally:
+        for thread, cores in before.items():
+            try:
+                os.sched_setaffinity(thread, cores)
+            except OSError:  # the thread ended meanwhile
+                pass
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -11,14 +11,10 @@ import threading
 import pytest
 
 from pipeline import core_placement
-from tests.conftest import wait_until
+from tests.conftest import thread_cores, thread_cores_restored, wait_until
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs at least 2 cores")
-
-
-def _threads_affinity() -> dict[int, frozenset[int]]:
-    return {int(t): frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
 
 
 def test_listening_pid_finds_the_process_that_listens_on_a_port():
@@ -52,22 +48,15 @@ def test_bound_cores_finds_the_threads_a_child_binds_and_nothing_in_an_unbound_o
 
 @needs_two_cores
 def test_keep_off_moves_every_thread_of_this_process_and_the_threads_it_starts():
-    before = _threads_affinity()
     model = frozenset(CORES[:1])
-    try:
+    with thread_cores_restored():
         assert core_placement.keep_off(model) == frozenset(CORES) - model
-        assert all(not cores & model for cores in _threads_affinity().values())
+        assert all(not cores & model for cores in thread_cores().values())
         seen: list[frozenset[int]] = []
         later = threading.Thread(target=lambda: seen.append(frozenset(os.sched_getaffinity(0))))
         later.start()
         later.join()
         assert seen and not seen[0] & model
         assert core_placement.keep_off(model) is None  # already off
-    finally:
-        for thread, cores in before.items():
-            try:
-                os.sched_setaffinity(thread, cores)
-            except OSError:
-                pass
     assert core_placement.keep_off(frozenset()) is None
     assert core_placement.keep_off(frozenset(CORES)) is None  # no core would be left

@@ -15,7 +15,7 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings, StreamingEngine
 from pipeline.messages import InferenceRequest
 from pipeline.model_manager import free_port
-from tests.conftest import SERVED_NAME, wait_until
+from tests.conftest import SERVED_NAME, thread_cores, thread_cores_restored, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -236,17 +236,9 @@ def test_the_engine_finds_the_cores_vllm_computes_on_and_the_pipeline_leaves_the
     try:
         # vLLM's CPU build binds its compute to all but the last core (one NUMA node here).
         assert engine.model_cores() == allowed - {max(allowed)}
-        before = {int(t): frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-        try:
+        with thread_cores_restored():
             core_placement.keep_pipeline_off(engine.model_cores())
-            for thread in os.listdir("/proc/self/task"):
-                assert not frozenset(os.sched_getaffinity(int(thread))) & engine.model_cores()
-        finally:
-            for thread, cores in before.items():
-                try:
-                    os.sched_setaffinity(thread, cores)
-                except OSError:
-                    pass
+            assert all(not cores & engine.model_cores() for cores in thread_cores().values())
     finally:
         engine.close()
     off = engine_for(vllm_server.base_url, keep_pipeline_off_model_cores=False)

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline import core_placement
 from pipeline.model_manager import ServerSpec, ServerStartError, VLLMServer, check_platform, installed_vllm_build
-from tests.conftest import chat, local_server_spec, wait_until
+from tests.conftest import chat, local_server_spec, thread_cores_restored, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -26,18 +26,11 @@ def test_a_crashed_server_is_restarted_on_the_cores_it_first_had(vllm_server):
     model_cores = core_placement.bound_cores(old_pid)
     # The pipeline's threads, the supervisor's among them, move off the model's cores (as on a CPU worker);
     # the restarted server must not inherit what is left to them.
-    before = {int(t): frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-    try:
+    with thread_cores_restored():
         core_placement.keep_off(model_cores)
         os.kill(old_pid, signal.SIGKILL)
         assert wait_until(lambda: vllm_server.stats.restarts == restarts + 1, 30)
         vllm_server.wait_until_healthy(600)
-    finally:
-        for thread, cores in before.items():
-            try:
-                os.sched_setaffinity(thread, cores)
-            except OSError:
-                pass
     assert vllm_server.pid != old_pid and not psutil.pid_exists(old_pid)
     assert core_placement.bound_cores(vllm_server.pid) == model_cores
     assert "Paris" in chat(vllm_server.base_url, "What is the capital of France?", temperature=0,
