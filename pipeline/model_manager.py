@@ -137,7 +137,10 @@ def free_port() -> int:
 def _die_with_parent(cores: frozenset[int]) -> None:
     """Runs in the child before exec: its own session on ``cores``, SIGTERM when the spawning thread's process dies."""
     os.setsid()
-    os.sched_setaffinity(0, cores)
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError:
+        pass  # a core gone since (the container's set shrank): start on what this thread has
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
