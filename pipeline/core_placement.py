@@ -18,16 +18,9 @@ LOGGER = logging.getLogger(__name__)
 _PROC = Path("/proc")
 
 
-def _allowed(task: Path) -> frozenset[int]:
-    """The cores a thread may run on, from its ``Cpus_allowed_list`` ("0-3,6")."""
-    for line in (task / "status").read_text().splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            cores: set[int] = set()
-            for part in line.split(":", 1)[1].strip().split(","):
-                low, _, high = part.partition("-")
-                cores.update(range(int(low), int(high or low) + 1))
-            return frozenset(cores)
-    return frozenset()
+def _allowed(tid: int) -> frozenset[int]:
+    """The cores a thread (or, by its pid, a process's main thread) may run on."""
+    return frozenset(os.sched_getaffinity(tid))
 
 
 def _tree(pid: int) -> list[int]:
@@ -56,17 +49,17 @@ def bound_cores(pid: int) -> frozenset[int]:
     worker binds every thread it has, its main thread too.
     """
     try:
-        own = _allowed(_PROC / str(pid))
+        own = _allowed(pid)
     except OSError:  # it ended
         return frozenset()
     bound: set[int] = set()
     for process in _tree(pid):
         try:
             for task in (_PROC / str(process) / "task").iterdir():
-                cores = _allowed(task)
-                if cores and cores < own:
+                cores = _allowed(int(task.name))
+                if cores < own:
                     bound |= cores
-        except (OSError, ValueError):  # it ended meanwhile
+        except OSError:  # it ended meanwhile
             continue
     return frozenset(bound)
 
