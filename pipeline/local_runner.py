@@ -32,14 +32,7 @@
    pipeline's CPU. A method the class itself defines has the same arguments for
    every instance, so those are inspected once per class.
 
-7. Each bundle of a DoFn runs on a fresh copy made by pickling the DoFn and
-   unpickling it (the DirectRunner's test that it is serializable). Measured
-   with py-spy (samples holding the GIL) in bursts of 32: 13 % of the
-   pipeline's CPU, most of it pickling the same unchanged DoFn again. Its
-   serialized form is kept (Beam's own TODO there); each bundle still gets a
-   fresh copy.
-
-All seven touch private DirectRunner internals, so they are applied only when the
+All six touch private DirectRunner internals, so they are applied only when the
 pipeline runs on the DirectRunner, never on Dataflow, which has none of these
 problems.
 """
@@ -138,31 +131,8 @@ def _inspect_methods_once_per_class() -> None:
     core.get_function_arguments = arguments_once_per_class
 
 
-class _SerializedOnce:
-    """Fix 7: stands in for the ``pickler`` module in the DirectRunner's evaluators; pickles each DoFn once.
-
-    The DoFn a ParDo holds is never run (bundles run copies), so its serialized
-    form does not change; it is kept with the DoFn so that its id is not reused.
-    """
-
-    def __init__(self, pickler: Any) -> None:
-        self._pickler = pickler
-        self._serialized: dict[int, tuple[Any, bytes]] = {}
-        self._lock = threading.Lock()
-
-    def roundtrip(self, obj: Any) -> Any:
-        with self._lock:
-            if id(obj) not in self._serialized:
-                self._serialized[id(obj)] = (obj, self._pickler.dumps(obj))
-            serialized = self._serialized[id(obj)][1]
-        return self._pickler.loads(serialized)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pickler, name)
-
-
 def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0.02) -> None:
-    """Applies the seven DirectRunner fixes (idempotent)."""
+    """Applies the six DirectRunner fixes (idempotent)."""
     global _applied
     if _applied:
         return
@@ -240,7 +210,6 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
             original_add_pending(self, pending)
 
     watermarks.add_pending = add_pending_with_elements
-    transform_evaluator.pickler = _SerializedOnce(transform_evaluator.pickler)
     _applied = True
     LOGGER.info("DirectRunner Pub/Sub read prefetched in the background and scheduled every %.0f ms "
                 "(local runs only)", read_interval_s * 1000)

@@ -6,7 +6,6 @@ import time
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
-from apache_beam.testing.test_stream import TestStream
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.local_runner import apply_local_runner_fixes
@@ -77,40 +76,3 @@ def test_a_dofn_methods_arguments_are_inspected_once_per_class_not_per_bundle(mo
         doubled = pipeline | beam.Create(range(300)) | beam.Reshuffle() | beam.ParDo(Double())
         assert_that(doubled, equal_to([2 * n for n in range(300)]))
     assert len(inspected) < 500, f"{len(inspected)} signature inspections"  # 1,171 unfixed, 236 fixed
-
-
-class _CountsItsCopies(beam.DoFn):
-    """Counts how often it is pickled, and records a copy that runs more than one bundle."""
-
-    pickled = 0
-    bundles = 0
-    reused = 0
-
-    def __getstate__(self):
-        type(self).pickled += 1
-        return self.__dict__
-
-    def start_bundle(self):
-        type(self).bundles += 1
-        if getattr(self, "_ran_a_bundle", False):
-            type(self).reused += 1
-        self._ran_a_bundle = True
-
-    def process(self, element):
-        yield element + 1
-
-
-def test_a_dofn_is_pickled_once_and_each_bundle_still_runs_a_fresh_copy():
-    """Unfixed, the DirectRunner pickled the same DoFn again for every bundle, to copy it (24 times for 20)."""
-    apply_local_runner_fixes()
-    stream = TestStream()
-    for n in range(20):  # a bundle each
-        stream = stream.add_elements([n])
-    options = PipelineOptions(runner="BundleBasedDirectRunner")
-    options.view_as(StandardOptions).streaming = True
-    with beam.Pipeline(options=options) as pipeline:
-        added = pipeline | stream.advance_watermark_to_infinity() | beam.ParDo(_CountsItsCopies())
-        assert_that(added, equal_to([n + 1 for n in range(20)]))
-    assert _CountsItsCopies.bundles >= 20 and _CountsItsCopies.reused == 0
-    # Pipeline construction pickles it a few times too (5 here); unfixed, one more per bundle.
-    assert _CountsItsCopies.pickled < 10, f"pickled {_CountsItsCopies.pickled} times for {_CountsItsCopies.bundles} bundles"
