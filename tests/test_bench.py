@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from benchmarks.side_by_side import report, workload
 from benchmarks.side_by_side.cores import plans, renice_tree
 from benchmarks.side_by_side.stats import HOPS, RequestTiming, RunResult, Spread, across_reps, percentile, ratio, summarize
+from tests.conftest import wait_until
 
 
 @settings(max_examples=300, deadline=None)
@@ -243,3 +244,44 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
     assert "template (length buckets) / transformers in arrival order: tokens/s" in markdown
     for name in ("first_chunk_cdf.png", "throughput.png", "first_chunk_hops.png"):
         assert (folder / name).stat().st_size > 10_000
+
+
+@pytest.mark.engine
+def test_the_relay_publishes_as_many_chunks_as_the_template_would(vllm_server, emulator):
+    """The floor pays for the same Pub/Sub messages as the template: every chunk by its default policy."""
+    import argparse
+    import threading
+
+    from google.cloud import pubsub_v1
+
+    from benchmarks.side_by_side.pubsub_relay import CHUNK_POLICY, Relay
+    from tests.test_chunk_publisher import _Received
+
+    name = f"relay-{int(time.time() * 1000) % 10**9}"
+    emulator.create_topic(f"{name}-prompts", subscription=f"{name}-prompts-sub")
+    topics = {kind: emulator.create_topic(f"{name}-{kind}", subscription=f"{name}-{kind}-sub", ordering=True)
+              for kind in ("chunks", "completions")}
+    chunks, completions = (_Received(emulator.subscription(f"{name}-{kind}-sub")) for kind in ("chunks", "completions"))
+    args = argparse.Namespace(input_subscription=emulator.subscription(f"{name}-prompts-sub"),
+                              chunks_topic=topics["chunks"], completions_topic=topics["completions"],
+                              base_url=vllm_server.base_url, model=vllm_server.spec.served_model_name, max_tokens=48)
+    stop = threading.Event()
+    relay = threading.Thread(target=Relay(args).run, args=(stop,), daemon=True)
+    relay.start()
+    try:
+        prompt = next(p for p in workload.mixed(8, 11) if p.kind == "record").prompt
+        publisher = pubsub_v1.PublisherClient()
+        publisher.publish(emulator.topic(f"{name}-prompts"), json.dumps({"id": "r1", "prompt": prompt}).encode()).result()
+        assert wait_until(lambda: completions.of("r1") and any(c["final"] for c in chunks.of("r1")), 120)
+        (completion,) = completions.of("r1")
+        mine = sorted(chunks.of("r1"), key=lambda c: c["seq"])
+        assert [c["seq"] for c in mine] == list(range(len(mine))) and mine[-1]["final"]
+        assert "".join(c["text"] for c in mine) == completion["text"]
+        tokens = completion["usage"]["completion_tokens"]
+        assert tokens > CHUNK_POLICY.chunk_tokens  # enough to cut more than the first chunk
+        assert len(mine) >= 1 + tokens // CHUNK_POLICY.chunk_tokens  # the first text, every chunk_tokens, the end
+    finally:
+        stop.set()
+        relay.join(timeout=30)
+        chunks.stop()
+        completions.stop()

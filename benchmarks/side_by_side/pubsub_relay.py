@@ -3,10 +3,13 @@
 Raw vLLM's time to first token leaves out the two Pub/Sub hops every
 Pub/Sub-fed system pays (publish → intake, chunk → subscriber). This relay
 pays them and nothing else: a streaming-pull subscriber hands each prompt
-straight to a streaming request (asyncio, one client session), the first text
-and then the completion are published at once (ordering key = id, 1 ms
-batching, like the template's chunk publisher). The template's overhead of its
-own is then the difference between it and this, hop by hop. Records carry the
+straight to a streaming request (asyncio, one client session), and each chunk
+is published the moment it is cut, by the template's default chunk policy
+(``chunk_tokens``, ``chunk_interval_ms``), then the completion (ordering key =
+id, 1 ms batching, like the template's chunk publisher): as many messages as
+the template sends, since on a machine that also runs the Pub/Sub emulator each
+costs CPU. The template's overhead of its own is then the difference between
+it and this, hop by hop. Records carry the
 fields the template's do for the benchmark's hops (``received_at``,
 ``time_to_first_token_ms``, ``emitted_at``).
 
@@ -27,6 +30,13 @@ import time
 import aiohttp
 
 from benchmarks.side_by_side.completions_stream import completion_events, session as client_session
+from pipeline.chunking import ChunkAssembler, ChunkPolicy
+from pipeline.messages import Chunk
+from pipeline.options import PARAMETERS_BY_NAME
+
+# The template's defaults, so that the relay publishes as many chunks as the template does.
+CHUNK_POLICY = ChunkPolicy(PARAMETERS_BY_NAME["chunk_tokens"].default,
+                           float(PARAMETERS_BY_NAME["chunk_interval_ms"].default))
 
 LOGGER = logging.getLogger(__name__)
 
@@ -45,26 +55,30 @@ class Relay:
         self._loop = asyncio.new_event_loop()
         self._session: aiohttp.ClientSession | None = None
 
-    def _publish(self, topic: str, record: dict) -> None:
-        self._publisher.publish(topic, json.dumps(record).encode(), ordering_key=record["id"])
+    def _publish(self, topic: str, data: str, request_id: str) -> None:
+        self._publisher.publish(topic, data.encode(), ordering_key=request_id)
+
+    def _publish_chunks(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self._publish(self._args.chunks_topic, chunk.to_json(), chunk.id)
 
     async def _serve(self, request: dict, received_at: float) -> None:
         args = self._args
-        text, first_at, tokens = [], None, 0
+        assembler = ChunkAssembler(request["id"], 1, CHUNK_POLICY, received_at)
+        tokens, finish_reason = 0, None
         async for event in completion_events(self._session, args.base_url, args.model, request["prompt"],
                                              request.get("max_tokens", args.max_tokens)):
-            piece = event["choices"][0].get("text", "") if event.get("choices") else ""
-            if piece and first_at is None:
-                first_at = time.time()
-                self._publish(args.chunks_topic, {"id": request["id"], "seq": 0, "text": piece,
-                                                  "emitted_at": time.time()})
-            text.append(piece)
-            if event.get("usage"):
+            if event.get("choices"):
+                choice = event["choices"][0]
+                tokens = (event.get("usage") or {}).get("completion_tokens", tokens + 1)
+                self._publish_chunks(assembler.add(choice.get("text") or "", tokens, time.time()))
+                finish_reason = choice.get("finish_reason") or finish_reason
+            elif event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-        self._publish(args.completions_topic, {
-            "id": request["id"], "text": "".join(text), "usage": {"completion_tokens": tokens},
-            "received_at": received_at,
-            "time_to_first_token_ms": None if first_at is None else (first_at - received_at) * 1000})
+        self._publish_chunks([assembler.finish(finish_reason, tokens, time.time())])
+        self._publish(args.completions_topic, json.dumps({
+            "id": request["id"], "text": assembler.text, "usage": {"completion_tokens": tokens},
+            "received_at": received_at, "time_to_first_token_ms": assembler.time_to_first_token_ms}), request["id"])
 
     def _on_message(self, message) -> None:
         received_at = time.time()
@@ -82,6 +96,8 @@ class Relay:
         stop.wait()
         pull.cancel()
         self._publisher.stop()
+        asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def _log_failure(done) -> None:
