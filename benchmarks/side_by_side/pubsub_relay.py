@@ -42,7 +42,7 @@ LOGGER = logging.getLogger(__name__)
 
 
 class Relay:
-    """Pulls prompts, streams each from the server on one event loop, publishes as soon as it has text."""
+    """Pulls prompts, streams each from the server on one event loop, publishes each chunk as soon as it is cut."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from google.cloud import pubsub_v1
