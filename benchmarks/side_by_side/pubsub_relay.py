@@ -70,8 +70,9 @@ class Relay:
                                              request.get("max_tokens", args.max_tokens)):
             if event.get("choices"):
                 choice = event["choices"][0]
-                tokens = (event.get("usage") or {}).get("completion_tokens", tokens + 1)
-                self._publish_chunks(assembler.add(choice.get("text") or "", tokens, time.time()))
+                text = choice.get("text") or ""
+                tokens = (event.get("usage") or {}).get("completion_tokens", tokens + (1 if text else 0))
+                self._publish_chunks(assembler.add(text, tokens, time.time()))
                 finish_reason = choice.get("finish_reason") or finish_reason
             elif event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
