@@ -134,7 +134,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent(cores: frozenset[int]) -> None:
+def _prepare_server_child(cores: frozenset[int]) -> None:
     """Runs in the child before exec: its own session on ``cores``, SIGTERM when the spawning thread's process dies."""
     os.setsid()
     try:
@@ -267,7 +267,7 @@ class VLLMServer:
         LOGGER.info("Starting vLLM: %s", " ".join(command))
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT,
-                                   preexec_fn=functools.partial(_die_with_parent, self._cores))
+                                   preexec_fn=functools.partial(_prepare_server_child, self._cores))
         with self._lock:
             if self._stopping.is_set():
                 terminate_process_group(process, 5)
