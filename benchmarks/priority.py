@@ -22,6 +22,7 @@ import time
 
 import aiohttp
 
+from local.cpu_server import LOCAL_SERVER
 from pipeline.bucketing import default_boundaries
 from pipeline.keying import bucket_index
 from pipeline.local_model import ensure_local_checkpoint
@@ -89,8 +90,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     items = workload(args.requests, args.seed)
     server = VLLMServer(ServerSpec(
-        model=str(ensure_local_checkpoint()), dtype="bfloat16", served_model_name="smollm2",
-        extra_args=("--enforce-eager", "--scheduling-policy", "priority", "--max-num-seqs",
+        model=str(ensure_local_checkpoint()), dtype=LOCAL_SERVER.dtype, served_model_name="smollm2",
+        extra_args=(*LOCAL_SERVER.vllm_args, "--scheduling-policy", "priority", "--max-num-seqs",
                     str(args.max_num_seqs)))).start()
     try:
         asyncio.run(run(server.base_url, items[:4], by_length=False))  # warm-up

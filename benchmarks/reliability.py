@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from local.cpu_server import LOCAL_SERVER
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT, LocalRun, requests_at_server, server_pids_in_log
 from pipeline.local_model import ensure_local_checkpoint
@@ -113,8 +114,8 @@ def report(phase: str, inputs: int, expected: set[str], collector, run: LocalRun
 
 
 def faults(emulator: PubSubEmulator, repo: Path, checkpoint: Path, hostile: int, seed: int) -> None:
-    run = LocalRun([f"--model={checkpoint}", f"--served_model_name={SERVED}", "--dtype=bfloat16",
-                    "--vllm_args=--enforce-eager", "--num_shards=4", "--max_in_flight=8", "--default_max_tokens=24"],
+    run = LocalRun([f"--model={checkpoint}", f"--served_model_name={SERVED}",
+                    *LOCAL_SERVER.template_args(), "--num_shards=4", "--max_in_flight=8", "--default_max_tokens=24"],
                    log_path=REPO_ROOT / ".cache" / "bench" / "reliability-faults.log", emulator=emulator,
                    repo_root=repo).start()
     collector = run.collector()
@@ -160,8 +161,8 @@ def faults(emulator: PubSubEmulator, repo: Path, checkpoint: Path, hostile: int,
 
 
 def backlog(emulator: PubSubEmulator, repo: Path, checkpoint: Path, size: int, timeout_s: int) -> None:
-    server = VLLMServer(ServerSpec(model=str(checkpoint), dtype="bfloat16", served_model_name=SERVED,
-                                   extra_args=("--enforce-eager",), start_timeout_s=900)).start()
+    server = VLLMServer(ServerSpec(model=str(checkpoint), dtype=LOCAL_SERVER.dtype, served_model_name=SERVED,
+                                   extra_args=LOCAL_SERVER.vllm_args, start_timeout_s=900)).start()
     run = LocalRun([f"--server_url={server.base_url}", f"--served_model_name={SERVED}", "--max_in_flight=2",
                     f"--request_timeout_s={timeout_s}", "--default_max_tokens=8", "--num_shards=4"],
                    log_path=REPO_ROOT / ".cache" / "bench" / "reliability-backlog.log", emulator=emulator,

@@ -24,12 +24,13 @@ import sys
 import threading
 import time
 
+from local.cpu_server import KNOWN_QUESTION, LOCAL_SERVER, known_answer_problem
 from local.emulators import BigQueryEmulator
 from local.harness import REPO_ROOT, LocalRun, Received
 from pipeline.local_model import cache_root, ensure_local_checkpoint
 
 PROMPTS = [
-    {"id": "capital", "prompt": "What is the capital of France?", "temperature": 0, "max_tokens": 24},
+    {"id": "capital", "prompt": KNOWN_QUESTION, "temperature": 0, "max_tokens": 24},
     {"id": "haiku", "prompt": "Write a haiku about the sea.", "max_tokens": 40, "temperature": 0.7},
     {"id": "essay", "prompt": "Write a detailed essay about the history of the printing press, "
                               "its inventors and its effect on science and religion.", "max_tokens": 220,
@@ -131,8 +132,8 @@ def smoke(args: argparse.Namespace, tables: list[str]) -> int:
     print("==> Preparing the local model (converted once, cached in", cache_root(), ")", flush=True)
     checkpoint = ensure_local_checkpoint()
     engine_args = [f"--server_url={args.server_url}"] if args.server_url else [
-        f"--model={checkpoint}", "--served_model_name=smollm2", "--dtype=bfloat16",
-        "--vllm_args=--enforce-eager", "--max_in_flight=32"]
+        f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
+        "--max_in_flight=32"]
     log_path = REPO_ROOT / ".cache" / "smoke" / "pipeline.log"
     run = LocalRun([*engine_args, "--num_shards=4", "--chunk_tokens=6", "--chunk_interval_ms=150", *tables],
                    log_path=log_path)
@@ -166,6 +167,13 @@ def smoke(args: argparse.Namespace, tables: list[str]) -> int:
         if missing:
             print(f"FAILED: no outcome for {sorted(missing)}; last log lines:\n{run.log_tail()}", file=sys.stderr)
             return 1
+        if not args.server_url:  # the embedded model: its answer to the known question says its numbers are right
+            answer = next((c.data["text"] for c in collector.completions if c.data["id"] == "capital"), None)
+            problem = ("the known-answer request 'capital' ended as a dead letter" if answer is None
+                       else known_answer_problem(answer))
+            if problem:
+                print(f"FAILED: {problem}", file=sys.stderr)
+                return 1
         return 0
     except RuntimeError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)

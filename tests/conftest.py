@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from local.cpu_server import LOCAL_SERVER
 from local.emulators import BigQueryEmulator, Emulator, PubSubEmulator
 from pipeline.assembly import engine_settings
 from pipeline.local_model import ensure_local_checkpoint
@@ -29,8 +30,8 @@ def local_server_spec(checkpoint: Path, **overrides) -> ServerSpec:
     """The spec the pipeline itself builds for the local model, via the real option path."""
     config = PipelineConfig.from_mapping({
         "input_subscription": "projects/my-project/subscriptions/unused", "output_chunks_topic": "projects/my-project/topics/unused",
-        "dead_letter_topic": "projects/my-project/topics/unused", "model": str(checkpoint), "dtype": "bfloat16",
-        "served_model_name": SERVED_NAME, "vllm_args": "--enforce-eager", "server_start_timeout_s": 900})
+        "dead_letter_topic": "projects/my-project/topics/unused", "model": str(checkpoint), "dtype": LOCAL_SERVER.dtype,
+        "served_model_name": SERVED_NAME, "vllm_args": " ".join(LOCAL_SERVER.vllm_args), "server_start_timeout_s": 900})
     spec = engine_settings(config).server
     return ServerSpec(**{**spec.__dict__, **overrides})
 
@@ -40,6 +41,21 @@ def vllm_server(checkpoint):
     server = VLLMServer(local_server_spec(checkpoint, stall_timeout_s=10.0, health_interval_s=1.0)).start()
     yield server
     server.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The known-answer test runs first: a model with a broken numeric path fails in minutes, not after 15."""
+    items.sort(key=lambda item: item.get_closest_marker("known_answer") is None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Stops the suite when the known-answer test fails: every test of the model would fail for the same cause."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.get_closest_marker("known_answer"):
+        item.session.shouldstop = ("the local model answered a known question wrongly (see the first failure); "
+                                   "the other tests were not run")
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from collections import defaultdict
 import psutil
 import pytest
 
+from local.cpu_server import LOCAL_SERVER
 from local.harness import REPO_ROOT, LocalRun, server_pids_in_log
 from pipeline.bigquery_sink import bigquery_client
 from tests.conftest import wait_until
@@ -58,7 +59,7 @@ HOL_LONG = {"id": "hol-long", "prompt": "Count from 1 to 1000, writing every num
 HOL_SHORT = {"id": "hol-short", "prompt": "Say hi.", "max_tokens": 8}
 
 
-ENGINE_ARGS = {"vllm": ["--dtype=bfloat16", "--vllm_args=--enforce-eager"],
+ENGINE_ARGS = {"vllm": LOCAL_SERVER.template_args(),
                "transformers": ["--engine=transformers", "--dtype=float32"]}
 
 

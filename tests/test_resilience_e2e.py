@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 import psutil
 import pytest
 
+from local.cpu_server import LOCAL_SERVER
 from local.harness import REPO_ROOT, LocalRun, requests_at_server, server_pids_in_log
 from tests.conftest import SERVED_NAME, wait_until
 from tests.hostile_inputs import carries_too_long_id, hostile_corpus
@@ -51,8 +52,8 @@ def chunk_streams(collector) -> dict[tuple[str, int], list[dict]]:
 
 @pytest.fixture(scope="module")
 def hostile_run(checkpoint, emulator):
-    local_run = LocalRun([f"--model={checkpoint}", f"--served_model_name={SERVED_NAME}", "--dtype=bfloat16",
-                          "--vllm_args=--enforce-eager", "--num_shards=4", "--max_in_flight=8",
+    local_run = LocalRun([f"--model={checkpoint}", f"--served_model_name={SERVED_NAME}",
+                          *LOCAL_SERVER.template_args(), "--num_shards=4", "--max_in_flight=8",
                           "--default_max_tokens=24", "--chunk_tokens=4", "--chunk_interval_ms=100"],
                          log_path=REPO_ROOT / ".cache" / "test-e2e" / "resilience.log", emulator=emulator)
     local_run.start()

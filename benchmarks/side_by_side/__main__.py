@@ -26,6 +26,7 @@ from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, 
 from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS, STATIC_PROMPT_BUCKETS
 from benchmarks.side_by_side.stats import RunResult
 from benchmarks.side_by_side.systems import BeamHandler, PubSubRelay, RawVLLM, System, Template
+from local.cpu_server import LOCAL_SERVER
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT
 from pipeline.local_model import ensure_local_checkpoint
@@ -91,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--prompts", type=Path, help="a JSONL file of {\"prompt\": ...} to use instead of the mix")
     parser.add_argument("--model", help="model for the server (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--vllm-args", default="--enforce-eager", help="more vLLM server flags, one string")
+    parser.add_argument("--dtype", default=LOCAL_SERVER.dtype, help="default: local/cpu_server.py's")
+    parser.add_argument("--vllm-args", default=" ".join(LOCAL_SERVER.vllm_args),
+                        help="more vLLM server flags, one string (default: local/cpu_server.py's)")
     parser.add_argument("--server-url", help="use a running server instead of starting one (cores: shared only)")
     parser.add_argument("--server-niceness", default="", metavar="N[,N...]",
                         help="renice the server (default: as the model manager starts it, at the pipeline's priority); "
