@@ -115,6 +115,10 @@ bench-engines: model ## Static batching (engine=transformers, arrival order vs l
 bench-cpu-settings: model ## Compare the local vLLM's dtype and compile settings on this CPU: start time, tokens/s, correct answers
 	$(PY) -m benchmarks.cpu_settings $(BENCH_ARGS)
 
+.PHONY: bench-structured
+bench-structured: model ## Structured answers on 55 short records: compact JSON (the default) against free whitespace
+	$(PY) -m benchmarks.structured_output
+
 .PHONY: bench-scale
 bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)
 	$(PY) -m benchmarks.scale

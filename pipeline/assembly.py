@@ -35,6 +35,19 @@ from pipeline.sources import ParseRequests
 
 LOGGER = logging.getLogger(__name__)
 
+# Structured answers as compact JSON: the grammar allows no whitespace between JSON tokens (vLLM's xgrammar and
+# guidance backends both read this server-wide setting), so a small model cannot spend its budget on newlines.
+COMPACT_JSON_ARGS = ("--structured-outputs-config.disable_any_whitespace", "true")
+
+
+def compact_json_by_default(vllm_args: tuple[str, ...]) -> bool:
+    """Whether the template adds :data:`COMPACT_JSON_ARGS`: unless ``vllm_args`` sets the structured-output config.
+
+    vLLM merges dotted config flags, but a whole ``--structured-outputs-config JSON`` would replace ours
+    (or ours it), so a user who sets any of it decides all of it.
+    """
+    return not any(arg.startswith("--structured-outputs-config") for arg in vllm_args)
+
 
 def engine_settings(config: PipelineConfig) -> EngineSettings:
     policy = ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms))
@@ -51,6 +64,7 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     extra_args = tuple(config.extra_vllm_args)
     if config.priority_boundaries is not None and "--scheduling-policy" not in extra_args:
         extra_args += ("--scheduling-policy", "priority")
+    extra_args = COMPACT_JSON_ARGS + extra_args if compact_json_by_default(extra_args) else extra_args
     spec = ServerSpec(
         model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
         gpu_memory_utilization=config.gpu_memory_utilization, extra_args=extra_args,

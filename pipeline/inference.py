@@ -183,6 +183,9 @@ class _StreamingGenerateFn(beam.DoFn):
         self.dead_letters_out = Metrics.counter("streaming_generate", "dead_letters")
         self.resubmitted = Metrics.counter("streaming_generate", "lost_streams_resubmitted")
         self.ttft = Metrics.distribution("streaming_generate", "time_to_first_token_ms")
+        # Structured answers (a response_format) without a valid output_json, and those of them cut at max_tokens.
+        self.structured_invalid = Metrics.counter("streaming_generate", "structured_output_invalid")
+        self.structured_cut = Metrics.counter("streaming_generate", "structured_output_cut_at_max_tokens")
 
     def setup(self) -> None:
         self._engine = acquire_engine(self._settings, self._shared_tag)
@@ -391,6 +394,10 @@ class _StreamingGenerateFn(beam.DoFn):
                 completion = json.loads(payload)
                 if completion["time_to_first_token_ms"] is not None:
                     self.ttft.update(int(completion["time_to_first_token_ms"]))
+                if completion["output_error"] is not None:
+                    self.structured_invalid.inc()
+                    if completion["finish_reason"] == "length":
+                        self.structured_cut.inc()
                 yield pvalue.TaggedOutput(TAG_COMPLETIONS, completion)
             elif kind == DEAD_LETTER:
                 self.dead_letters_out.inc()

@@ -8,10 +8,12 @@ the BigQuery emulator.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from jsonschema import validate
 
+from benchmarks.structured_records import RECORD_SETS, RecordSet
 from local.harness import REPO_ROOT, LocalRun
 from pipeline.bigquery_sink import bigquery_client
 from tests.conftest import SERVED_NAME, wait_until
@@ -58,3 +60,39 @@ def test_a_plain_text_stream_becomes_structured_completions_and_rows(vllm_server
     for request_id in ids:
         assert rows[request_id]["category"] == completions[request_id]["output_json"]["category"]
         assert rows[request_id]["output_error"] is None
+
+
+def outside_strings(text: str) -> str:
+    """JSON text with every string literal emptied: what the grammar, not the model's words, laid out."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+@pytest.mark.parametrize("record_set", RECORD_SETS, ids=lambda s: s.name.replace(" ", "-"))
+def test_every_record_of_an_enrichment_stream_gets_a_schema_valid_compact_answer(record_set: RecordSet, vllm_server,
+                                                                                  emulator):
+    """The enrichment a user sets up with three parameters, the template's default answer budget, every record whole.
+
+    The session's server is the model manager's, started with the template's own settings (tests.conftest), so it
+    runs with the template's default structured-output config.
+    """
+    run = LocalRun([f"--server_url={vllm_server.base_url}", f"--served_model_name={SERVED_NAME}",
+                    *record_set.template_args()],
+                   log_path=REPO_ROOT / ".cache" / "test-e2e" / "structured-records.log", emulator=emulator)
+    run.start()
+    collector = run.collector()
+    ids = [f"record-{i}" for i in range(len(record_set.records))]
+    try:
+        for request_id, record in zip(ids, record_set.records):
+            run.publish([record], attributes={"id": request_id})
+        missing = collector.wait_for(ids, 600)
+        assert not missing, f"no outcome for {missing}:\n{run.log_tail()}"
+    finally:
+        collector.stop()
+        run.stop()
+    assert len(ids) >= 20 and not collector.dead_letters, collector.dead_letters
+    for completion in (c.data for c in collector.completions):
+        assert completion["output_error"] is None, completion
+        assert completion["finish_reason"] == "stop", completion
+        validate(completion["output_json"], record_set.schema)
+        layout = outside_strings(completion["text"])
+        assert not any(ch.isspace() for ch in layout), f"whitespace between JSON tokens: {completion['text']!r}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -49,11 +50,28 @@ def test_launcher_strings_build_the_whole_pipeline():
     assert config.batching().boundaries[0] == 32 and config.max_batch_delay_ms == 25
 
 
+def flag_pairs(args: tuple[str, ...]) -> dict[str, str]:
+    """Server flags as flag -> value (every flag here takes one)."""
+    return dict(zip(args[::2], args[1::2]))
+
+
+def test_the_managed_server_makes_structured_answers_compact_unless_vllm_args_say_otherwise():
+    default = engine_settings(PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))).server
+    assert flag_pairs(default.extra_args)["--structured-outputs-config.disable_any_whitespace"] == "true"
+    for own in ("--structured-outputs-config.disable_any_whitespace false",
+                "--structured-outputs-config.backend guidance",
+                """--structured-outputs-config '{"backend": "guidance"}'"""):
+        spec = engine_settings(PipelineConfig.from_options(PipelineOptions(
+            LAUNCHER_ARGS[:-1] + [f"--vllm_args={own}"]))).server
+        structured = [arg for arg in spec.extra_args if arg.startswith("--structured-outputs-config")]
+        assert structured == [shlex.split(own)[0]], own  # the user's setting alone
+
+
 def test_gpu_settings_travel_to_the_workers_whatever_the_launcher_has():
     # The launcher VM has no GPU; the worker decides at spawn time what its platform accepts.
     spec = engine_settings(PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))).server
-    assert spec.gpu_memory_utilization == 0.85 and spec.extra_args[:2] == ("--max-num-seqs", "64")
-    assert spec.extra_args[-2:] == ("--scheduling-policy", "priority")  # shorter prompts first
+    assert spec.gpu_memory_utilization == 0.85 and flag_pairs(spec.extra_args)["--max-num-seqs"] == "64"
+    assert flag_pairs(spec.extra_args)["--scheduling-policy"] == "priority"  # shorter prompts first
     gpu_command = spec.command("/models/m", 8000, on_cpu=False)
     assert gpu_command[gpu_command.index("--gpu-memory-utilization") + 1] == "0.85"
     assert "--gpu-memory-utilization" not in ServerSpec(model="m").command("m", 8000, on_cpu=True)
