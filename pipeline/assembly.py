@@ -35,9 +35,11 @@ from pipeline.sources import ParseRequests
 
 LOGGER = logging.getLogger(__name__)
 
-# Structured answers as compact JSON: the grammar allows no whitespace between JSON tokens (vLLM's xgrammar and
-# guidance backends both read this server-wide setting), so a small model cannot spend its budget on newlines.
-COMPACT_JSON_ARGS = ("--structured-outputs-config.disable_any_whitespace", "true")
+# Structured answers as compact JSON: the grammar allows no whitespace between JSON tokens, so a small model cannot
+# spend its budget on newlines. vLLM reads this server-wide, and only for a named backend (it refuses it with its
+# default "auto"): xgrammar is the one "auto" picks for JSON schemas.
+COMPACT_JSON_ARGS = ("--structured-outputs-config.backend", "xgrammar",
+                     "--structured-outputs-config.disable_any_whitespace", "true")
 
 
 def compact_json_by_default(vllm_args: tuple[str, ...]) -> bool:

@@ -58,6 +58,7 @@ def flag_pairs(args: tuple[str, ...]) -> dict[str, str]:
 def test_the_managed_server_makes_structured_answers_compact_unless_vllm_args_say_otherwise():
     default = engine_settings(PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))).server
     assert flag_pairs(default.extra_args)["--structured-outputs-config.disable_any_whitespace"] == "true"
+    assert flag_pairs(default.extra_args)["--structured-outputs-config.backend"] == "xgrammar"  # vLLM needs one
     for own in ("--structured-outputs-config.disable_any_whitespace false",
                 "--structured-outputs-config.backend guidance",
                 """--structured-outputs-config '{"backend": "guidance"}'"""):
