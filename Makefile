@@ -76,7 +76,7 @@ install: $(STAMP) ## Create the virtualenv and install everything the smoke run 
 
 .PHONY: model
 model: install ## Convert the embedded SmolLM2-135M-Instruct to a vLLM checkpoint (cached, once)
-	$(PY) -m pipeline.local_model
+	$(PY) -m local.embedded_model
 
 .PHONY: smoke
 smoke: model ## Run the template locally: emulator + local vLLM + DirectRunner, chunks stream to the terminal
@@ -128,12 +128,12 @@ bench-reliability: model ## Probe hostile input, duplicates, a server kill -9 an
 	$(PY) -m benchmarks.reliability $(if $(REPO),--repo $(REPO))
 
 .PHONY: metadata
-metadata: install ## Regenerate metadata.json and the README tables (parameters, BigQuery schemas) from the code
-	$(PY) -m pipeline.template_docs metadata.json --readme README.md
+metadata: install ## Regenerate metadata.json and the docs' tables (parameters, BigQuery schemas) from the code
+	$(PY) -m local.template_docs metadata.json --docs docs
 
 .PHONY: check-metadata
-check-metadata: install ## Fail if metadata.json or the README tables are stale against the code (the tests' parity check)
-	$(PY) -m pipeline.template_docs $(METADATA) --readme README.md --check
+check-metadata: install ## Fail if metadata.json or the docs' tables are stale against the code (the tests' parity check)
+	$(PY) -m local.template_docs $(METADATA) --docs docs --check
 
 .PHONY: lint-container
 lint-container: install ## Lint container/Dockerfile with hadolint

@@ -28,11 +28,11 @@ import apache_beam as beam
 from apache_beam.io.gcp.pubsub import ReadFromPubSub
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
+from local.direct_runner import apply_local_runner_fixes
 from local.emulators import PubSubEmulator
 from pipeline.bucketing import BatchingConfig, BatchRequests, default_boundaries, padding
-from pipeline.local_runner import apply_local_runner_fixes
+from pipeline.parsing import ParseRequests
 from pipeline.prompt_length import ESTIMATOR_CHARS, MeasurePromptLength
-from pipeline.sources import ParseRequests
 
 
 def workload(count: int, seed: int) -> list[int]:

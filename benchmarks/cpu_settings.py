@@ -28,8 +28,8 @@ from pathlib import Path
 import aiohttp
 
 from local.cpu_server import (AMX_DIAGNOSTIC, CANDIDATES, KNOWN_QUESTION, LOCAL_SERVER, CpuServerSettings,
-                              cpu_description, has_amx, known_answer_problem)
-from pipeline.local_model import ensure_local_checkpoint
+                              apply_server_environment, cpu_description, has_amx, known_answer_problem)
+from local.embedded_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
 
 SERVED = "smollm2"
@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # every candidate's server is up at once
-    os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    apply_server_environment()
     checkpoint = ensure_local_checkpoint()
     settings = list(CANDIDATES) + ([AMX_DIAGNOSTIC] if has_amx() else [])
     workdir = Path(tempfile.mkdtemp(prefix="cpu-settings-"))

@@ -22,10 +22,10 @@ import time
 
 import aiohttp
 
-from local.cpu_server import LOCAL_SERVER
+from local.cpu_server import LOCAL_SERVER, apply_server_environment
+from local.embedded_model import ensure_local_checkpoint
 from pipeline.bucketing import default_boundaries
 from pipeline.keying import bucket_index
-from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
 from pipeline.prompt_length import estimate_tokens
 
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    apply_server_environment()
     items = workload(args.requests, args.seed)
     server = VLLMServer(ServerSpec(
         model=str(ensure_local_checkpoint()), dtype=LOCAL_SERVER.dtype, served_model_name="smollm2",

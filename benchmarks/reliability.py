@@ -32,10 +32,10 @@ from pathlib import Path
 
 import psutil
 
-from local.cpu_server import LOCAL_SERVER
+from local.cpu_server import LOCAL_SERVER, apply_server_environment
+from local.embedded_model import ensure_local_checkpoint
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT, LocalRun, requests_at_server, server_pids_in_log
-from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
 from tests.hostile_inputs import carries_too_long_id, hostile_corpus
 
@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--phase", choices=("faults", "backlog", "both"), default="both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    apply_server_environment()
     checkpoint = ensure_local_checkpoint()
     print(f"Template under test: {args.repo.resolve()}")
     with PubSubEmulator() as emulator:

@@ -23,12 +23,13 @@ import statistics
 import time
 
 from benchmarks.structured_records import RECORD_SETS, RecordSet
-from local.cpu_server import LOCAL_SERVER
+from local.cpu_server import LOCAL_SERVER, apply_server_environment
+from local.embedded_model import ensure_local_checkpoint
 from pipeline.assembly import engine_settings
-from pipeline.engine import COMPLETION, DEAD_LETTER, StreamingEngine
-from pipeline.local_model import ensure_local_checkpoint
+from pipeline.engine import COMPLETION, DEAD_LETTER
 from pipeline.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
 from pipeline.options import PipelineConfig
+from pipeline.vllm_engine import StreamingEngine
 
 SERVED = "smollm2"
 FREE_WHITESPACE = "--structured-outputs-config.disable_any_whitespace false"
@@ -91,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    apply_server_environment()
     engines = {label: StreamingEngine(engine_settings(config(None, args))) for label, args in SETTINGS.items()}
     results: dict[tuple[str, str], list[dict]] = {}
     try:

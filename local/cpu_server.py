@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pipeline.model_weights import cache_root
+
 # A greedy chat question the embedded model answers right whenever its numeric path is right.
 KNOWN_QUESTION = "What is the capital of France?"
 KNOWN_ANSWER = "Paris"
@@ -58,6 +60,25 @@ CANDIDATES = (
 )
 AMX_DIAGNOSTIC = CpuServerSettings("bfloat16, eager, block 16", "bfloat16", enforce_eager=True,
                                    extra_args=("--block-size", "16"))
+
+
+def server_environment() -> dict[str, str]:
+    """Environment defaults for a local vLLM server (its CPU build)."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache: enough for the tests' and the smoke run's requests
+        "VLLM_USE_AOT_COMPILE": "0",  # its cache fails to reload in vllm-cpu 0.32 (compiled settings only)
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "torchinductor"),  # warm restarts (compiled settings only)
+    }
+
+
+def apply_server_environment() -> None:
+    """Sets :func:`server_environment` in this process, where the caller's environment leaves it unset.
+
+    The model manager starts vLLM with this process's environment, so every local server started after this
+    call (by a local pipeline, a test fixture or a benchmark) gets it.
+    """
+    for name, value in server_environment().items():
+        os.environ.setdefault(name, value)
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:

@@ -1,7 +1,7 @@
 """Runs the template locally and watches its outputs: shared by smoke, tests and benchmarks.
 
 :class:`LocalRun` starts the Pub/Sub emulator with the template's topics and
-the pipeline itself (``python -m template.main`` on the DirectRunner) as a
+the pipeline itself (``python -m local.direct_runner``: the template on the DirectRunner) as a
 subprocess, exactly as a user would; :class:`OutputCollector` subscribes to
 the output topics and records every message with its arrival time.
 """
@@ -135,8 +135,10 @@ class LocalRun:
             ordering = kind == "chunks"
             self.emulator.create_topic(self.topic_name(kind), subscription=f"{self.topic_name(kind)}-sub",
                                        ordering=ordering)
+        # An older checkout (bench-reliability REPO=DIR) has no local launcher: its entry point applied its fixes.
+        launcher = "local.direct_runner" if (self.repo_root / "local" / "direct_runner.py").is_file() else "template.main"
         args = [
-            sys.executable, "-m", "template.main", "--runner=BundleBasedDirectRunner",
+            sys.executable, "-m", launcher, "--runner=BundleBasedDirectRunner",
             f"--input_subscription={self.emulator.subscription(self.topic_name('prompts') + '-sub')}",
             f"--output_chunks_topic={self.emulator.topic(self.topic_name('chunks'))}",
             f"--output_completions_topic={self.emulator.topic(self.topic_name('completions'))}",

@@ -25,9 +25,10 @@ import threading
 import time
 
 from local.cpu_server import KNOWN_QUESTION, LOCAL_SERVER, known_answer_problem
+from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator
 from local.harness import REPO_ROOT, LocalRun, Received
-from pipeline.local_model import cache_root, ensure_local_checkpoint
+from pipeline.model_weights import cache_root
 
 PROMPTS = [
     {"id": "capital", "prompt": KNOWN_QUESTION, "temperature": 0, "max_tokens": 24},

@@ -18,22 +18,22 @@ from apache_beam.io.gcp.pubsub import ReadFromPubSub
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
-from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError,
-                                    WriteToBigQueryTable, ensure_table)
+from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError, WriteToBigQueryTable,
+                                    ensure_table)
 from pipeline.bucketing import BatchRequests
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
-from pipeline.inference import StreamingGenerate
+from pipeline.generate import StreamingGenerate
 from pipeline.launch_checks import dataflow_launch_problems
-from pipeline.local_runner import LOCAL_RUNNERS, apply_local_runner_fixes
 from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
 from pipeline.options import ConfigError, PipelineConfig
+from pipeline.parsing import ParseRequests
 from pipeline.prompt_length import MeasurePromptLength
 from pipeline.pubsub_sink import PublishJson
-from pipeline.sources import ParseRequests
 
 LOGGER = logging.getLogger(__name__)
+LOCAL_RUNNERS = ("DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
 
 # Structured answers as compact JSON: the grammar allows no whitespace between JSON tokens, so a small model cannot
 # spend its budget on newlines. vLLM reads this server-wide, and only for a named backend (it refuses it with its
@@ -57,7 +57,6 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     # through the pipeline only when a BigQuery chunks table wants them too.
     common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
-                  keep_pipeline_off_model_cores=config.keep_pipeline_off_model_cores,
                   chunk_policy=policy, priority_boundaries=config.priority_boundaries,
                   chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))
@@ -162,7 +161,6 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     if local:
         if standard.runner in (None, "DirectRunner"):
             standard.runner = "BundleBasedDirectRunner"  # the default first tries Prism, which needs a download
-        apply_local_runner_fixes()
     prepare_tables(config)
     pipeline = beam.Pipeline(options=options)
     build(pipeline, config)

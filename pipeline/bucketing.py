@@ -6,7 +6,7 @@ tokens. A bucket is emitted when it reaches ``batch_size_target`` requests or
 its token budget, or when ``max_batch_delay_ms`` has passed since its first
 request (a processing-time timer), whichever comes first; an event-time timer
 at the end of the window flushes whatever is left when the watermark passes
-(window end, drain). No batch ever exceeds ``batch_size_limit``.
+(window end, drain). No batch ever exceeds ``batch_size_target``.
 
 With no bucket boundaries there is a single bucket: plain arrival-order batching.
 
@@ -47,7 +47,6 @@ class BatchingConfig:
 
     max_batch_delay_ms: float = 10.0
     batch_size_target: int = 4
-    batch_size_limit: int | None = None  # None: the target is the limit
     token_budget: int | None = None  # None: no token budget
     boundaries: tuple[int, ...] = ()  # upper token bounds of all but the last bucket
     num_shards: int = 16
@@ -60,12 +59,6 @@ class BatchingConfig:
             problems.append(f"max_batch_delay_ms must be 0 or more, got {self.max_batch_delay_ms:g}")
         if self.batch_size_target <= 0:
             problems.append(f"batch_size_target must be at least 1, got {self.batch_size_target}")
-        if self.batch_size_limit is not None:
-            if self.batch_size_limit <= 0:
-                problems.append(f"batch_size_limit must be at least 1, got {self.batch_size_limit}")
-            elif self.batch_size_limit < self.batch_size_target:
-                problems.append(f"batch_size_limit ({self.batch_size_limit}) is smaller than batch_size_target "
-                                f"({self.batch_size_target}); raise the limit or lower the target")
         if self.token_budget is not None and self.token_budget <= 0:
             problems.append(f"token budget must be positive, got {self.token_budget}")
         problems += _boundary_problems("bucket boundaries", self.boundaries)
@@ -74,10 +67,6 @@ class BatchingConfig:
             problems.append(f"num_shards must be at least 1, got {self.num_shards}")
         if problems:
             raise ValueError("; ".join(problems))
-
-    @property
-    def limit(self) -> int:
-        return self.batch_size_limit or self.batch_size_target
 
     def bucket_of(self, prompt_tokens: int) -> int:
         return bucket_index(self.boundaries, prompt_tokens)
@@ -145,11 +134,6 @@ def on_arrival(config: BatchingConfig, counters: BucketCounters, prompt_tokens: 
     if config.token_budget is not None and counters.tokens >= config.token_budget:
         return counters, FLUSH_BUDGET, deadline
     return counters, None, deadline
-
-
-def split_batches(entries: list, limit: int) -> list[list]:
-    """Consecutive slices of at most ``limit`` entries, in arrival order."""
-    return [entries[start:start + limit] for start in range(0, len(entries), limit)]
 
 
 def padding(lengths: list[int]) -> tuple[int, int]:
@@ -222,15 +206,15 @@ class _BatchFn(beam.DoFn):
         self.flushes[reason].inc()
         LOGGER.debug("Bucket %s: %d requests leave (%s)", key, len(entries), reason)
         shard = int(key.rsplit(":", 1)[1])
-        for batch in split_batches(entries, self._config.limit):
-            requests = [InferenceRequest.from_json(e["request"]) for e in batch]
-            padded, total = padding([r.prompt_tokens or 0 for r in requests])
-            self.batch_size.update(len(requests))
-            self.batch_tokens.inc(total)
-            self.padding_tokens.inc(padded)
-            for entry in batch:
-                self.wait_ms.update(int((now - entry["arrived_at"]) * 1000))
-            yield shard, requests
+        # A bucket leaves as soon as it holds batch_size_target requests, so it is one batch.
+        requests = [InferenceRequest.from_json(e["request"]) for e in entries]
+        padded, total = padding([r.prompt_tokens or 0 for r in requests])
+        self.batch_size.update(len(requests))
+        self.batch_tokens.inc(total)
+        self.padding_tokens.inc(padded)
+        for entry in entries:
+            self.wait_ms.update(int((now - entry["arrived_at"]) * 1000))
+        yield shard, requests
 
 
 class BatchOutputs(NamedTuple):

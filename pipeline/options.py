@@ -2,7 +2,7 @@
 
 :data:`PARAMETERS` is the single definition of every parameter the template
 accepts. The Beam options class, the validated :class:`PipelineConfig`,
-``metadata.json`` and the README's parameter table (:mod:`pipeline.template_docs`)
+``metadata.json`` and the README's parameter table (:mod:`local.template_docs`)
 are all derived from it, so they cannot drift apart. Plain Beam/Dataflow options
 (runner, machine type, sdk_container_image, ...) are not redeclared: they pass
 through to Beam.
@@ -22,7 +22,7 @@ from typing import Any, Callable
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.bucketing import BatchingConfig, default_boundaries, parse_boundaries
-from pipeline.enrichment import RequestDefaults
+from pipeline.request_defaults import RequestDefaults
 
 GROUP_INPUT = "Input"
 GROUP_OUTPUT = "Output"
@@ -47,6 +47,16 @@ TABLE_REGEX = rf"^{_PROJECT}[:.][A-Za-z0-9_]{{1,1024}}\.[A-Za-z0-9_$-]{{1,1024}}
 # Generation keys on Dataflow: the fewest with which make bench-scale keeps over 90 % of the GPUs usable
 # at 100 workers (per-request keys do no better, and poll timers cost the same: one per busy key).
 DATAFLOW_GENERATE_SHARDS = 262144
+
+
+# vLLM server flags that a template parameter (or the model manager) sets: inside vllm_args they would silently
+# override it while the pipeline went on using the parameter's value (checking prompts against max_model_len, say).
+VLLM_FLAGS_OWNED = {
+    "--model": "--model or --model_gcs_folder", "--served-model-name": "--served_model_name",
+    "--max-model-len": "--max_model_len", "--dtype": "--dtype",
+    "--gpu-memory-utilization": "--gpu_memory_utilization",
+    "--host": "nothing: the model manager serves on loopback", "--port": "nothing: the model manager picks a free port",
+}
 
 
 class ConfigError(ValueError):
@@ -210,12 +220,6 @@ PARAMETERS: tuple[Parameter, ...] = (
               "How many requests each worker keeps open against its server; vLLM batches them "
               "continuously, so this should exceed the server's max-num-seqs only slightly.",
               "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=4096),
-    Parameter("keep_pipeline_off_model_cores", "Keep the pipeline off the model's cores",
-              "On a worker without a GPU, with vLLM on that worker: move the pipeline's threads off the cores "
-              "vLLM binds its compute to (all but the last), so they do not wait behind it. Measured on 2 cores: "
-              "paced first chunk p95 2-4x lower, 0.84-0.95x the tokens/s in a saturated burst. No effect with a "
-              "GPU or a remote server.",
-              "true", GROUP_MODEL, "BOOLEAN", default=True),
     Parameter("request_timeout_s", "Request timeout (s)",
               "A request that has not finished this long after it was sent to the server (including retries "
               "while the server restarts) goes to the dead letters. Time spent waiting in a backlog does not "
@@ -262,7 +266,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("prioritize_short_prompts", "Shorter prompts first",
               "When the pipeline starts its own server: run vLLM's priority scheduling and send each request "
               "with its length bucket as priority, so that a saturated server starts short prompts first "
-              "(measured: mean time to first token 0.84x, long prompts later). Ignored with an existing server.",
+              "(long prompts later). Ignored with an existing server.",
               "true", GROUP_BATCHING, "BOOLEAN", default=True),
     Parameter("max_batch_delay_ms", "Max batch delay (ms)",
               "Longest time a request waits for its batch to fill before it is sent anyway.",
@@ -270,9 +274,6 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("batch_size_target", "Batch size target",
               "A batch is sent as soon as it holds this many requests.",
               "4", GROUP_BATCHING, "NUMBER", default=4, minimum=1),
-    Parameter("batch_size_limit", "Batch size limit",
-              "Hard cap on requests per batch; empty means the target is the cap.",
-              "16", GROUP_BATCHING, "NUMBER", minimum=1),
     Parameter("batch_token_budget", "Batch token budget",
               "A batch is also sent once its prompts add up to this many tokens; empty means no budget.",
               "8192", GROUP_BATCHING, "NUMBER", minimum=1),
@@ -283,8 +284,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("generate_shards", "Generation shards",
               "Keys of the generation step, which decide which worker's GPU serves a request: Dataflow spreads "
               "keys over workers by hash ranges, so many keys keep the busiest GPU close to the mean. Empty: "
-              f"{DATAFLOW_GENERATE_SHARDS} on Dataflow (over 90 % of GPU capacity usable up to 100 workers, "
-              "make bench-scale), num_shards on a local runner (one worker, where each busy key costs a timer).",
+              f"{DATAFLOW_GENERATE_SHARDS} on Dataflow (so hash ranges split evenly however many workers there are), "
+              "num_shards on a local runner (one worker, where each busy key costs a timer).",
               "1024", GROUP_BATCHING, "NUMBER", minimum=1, maximum=4_194_304),
     # Streaming output
     Parameter("chunk_tokens", "Tokens per chunk",
@@ -292,7 +293,9 @@ PARAMETERS: tuple[Parameter, ...] = (
               "emitted at once).",
               "8", GROUP_STREAMING, "NUMBER", default=8, minimum=1),
     Parameter("chunk_interval_ms", "Chunk interval (ms)",
-              "A chunk is also emitted when this long has passed since the last one and new text is waiting.",
+              "A chunk is also emitted when this long has passed since the last one and new text is waiting. "
+              "The generate step polls the engine every half of this (at least 10 ms, at most 100 ms), which "
+              "is how soon completions and dead letters leave it.",
               "200", GROUP_STREAMING, "NUMBER", default=200, minimum=1),
 )
 
@@ -337,7 +340,6 @@ class PipelineConfig:
     server_start_timeout_s: int
     default_max_tokens: int
     max_in_flight: int
-    keep_pipeline_off_model_cores: bool
     request_timeout_s: int
     system_prompt: str | None
     prompt_template: str | None
@@ -349,7 +351,6 @@ class PipelineConfig:
     prioritize_short_prompts: bool
     max_batch_delay_ms: int
     batch_size_target: int
-    batch_size_limit: int | None
     batch_token_budget: int | None
     num_shards: int
     generate_shards: int | None
@@ -409,7 +410,7 @@ class PipelineConfig:
             elif not answers and self.engine == "transformers":
                 answer_boundaries = default_boundaries(self.max_model_len, smallest=16)
         return BatchingConfig(max_batch_delay_ms=float(self.max_batch_delay_ms),
-                              batch_size_target=self.batch_size_target, batch_size_limit=self.batch_size_limit,
+                              batch_size_target=self.batch_size_target,
                               token_budget=self.batch_token_budget, boundaries=boundaries,
                               num_shards=self.num_shards, answer_boundaries=answer_boundaries,
                               default_max_tokens=self.default_max_tokens)
@@ -469,8 +470,24 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
                           ("generate_shards", "it generates each batch whole, on its batching key")):
             if fields.get(name):
                 problems.append(f"--{name} does not go with --engine=transformers: {why}; use --engine=vllm")
+    problems.extend(_vllm_args_problems(fields.get("vllm_args") or ""))
     if "default_max_tokens" in fields and "max_model_len" in fields and \
             fields["default_max_tokens"] >= fields["max_model_len"]:
         problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "
                         f"--max_model_len ({fields['max_model_len']})")
+    return problems
+
+
+def _vllm_args_problems(vllm_args: str) -> list[str]:
+    """Flags in ``vllm_args`` that a template parameter owns (vLLM reads '_' and '-' alike in flag names)."""
+    try:
+        args = shlex.split(vllm_args)
+    except ValueError as exc:
+        return [f"--vllm_args cannot be split into flags: {exc}"]
+    problems = []
+    for arg in args:
+        flag = arg.split("=", 1)[0].replace("_", "-")
+        if flag in VLLM_FLAGS_OWNED:
+            problems.append(f"--vllm_args sets {arg.split('=', 1)[0]}, which the template sets itself; "
+                            f"use {VLLM_FLAGS_OWNED[flag]} instead")
     return problems

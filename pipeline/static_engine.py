@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.chunking import ChunkAssembler
-from pipeline.engine import EngineBase, EngineSettings, _Stream
+from pipeline.engine import EngineBase, EngineSettings, Stream
 from pipeline.messages import InferenceRequest
 from pipeline.model_manager import resolve_model
 
@@ -80,7 +80,7 @@ class BatchPadding:
 class _Row:
     """One request's sequence within a batch."""
 
-    stream: _Stream
+    stream: Stream
     assembler: ChunkAssembler
     prompt_tokens: int
     max_tokens: int
@@ -126,7 +126,7 @@ class StaticBatchEngine(EngineBase):
         self.padding = BatchPadding()
         LOGGER.info("Static engine: %s loaded on %s (%s) in %.1f s", path, self.device,
                     self._model.dtype, time.monotonic() - started)
-        self._batches: queue.Queue[list[_Stream] | None] = queue.Queue()
+        self._batches: queue.Queue[list[Stream] | None] = queue.Queue()
         self._finished: queue.Queue[tuple[_Row, float] | None] = queue.Queue()
         for target, name in ((self._serve, "static-engine"), (self._complete_finished, "static-engine-completions")):
             threading.Thread(target=target, name=name, daemon=True).start()
@@ -151,7 +151,7 @@ class StaticBatchEngine(EngineBase):
             return new
         return 0
 
-    def _start(self, streams: list[_Stream]) -> None:
+    def _start(self, streams: list[Stream]) -> None:
         self._batches.put(streams)
 
     # Generation ------------------------------------------------------------------------
@@ -166,7 +166,7 @@ class StaticBatchEngine(EngineBase):
                     if not stream.done and not (stream.assembler and stream.assembler.finished):
                         self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
 
-    def _generate(self, batch: list[_Stream]) -> None:
+    def _generate(self, batch: list[Stream]) -> None:
         torch = self._torch
         from transformers import LogitsProcessorList, StoppingCriteriaList
 

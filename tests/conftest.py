@@ -11,14 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from local.cpu_server import LOCAL_SERVER
+from local.cpu_server import LOCAL_SERVER, apply_server_environment
+from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator, Emulator, PubSubEmulator
 from pipeline.assembly import engine_settings
-from pipeline.local_model import ensure_local_checkpoint
 from pipeline.model_manager import ServerSpec, VLLMServer
 from pipeline.options import PipelineConfig
 
 SERVED_NAME = "smollm2"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def local_server_environment() -> None:
+    """Every local vLLM a test starts, directly or through a local pipeline, gets the local CPU settings' environment."""
+    apply_server_environment()
 
 
 @pytest.fixture(scope="session")

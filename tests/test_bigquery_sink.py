@@ -121,8 +121,7 @@ def test_rows_bigquery_rejects_become_dead_letters_with_its_reason(bigquery):
     assert [row["request_id"] for row in rows(spec)] == ["r1"]
 
 
-def test_readme_schemas_are_generated_from_the_code():
-    from pathlib import Path
-    from pipeline.template_docs import readme_with_schemas
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert readme_with_schemas(readme) == readme, "README schemas are stale: run `make metadata`"
+def test_the_docs_schemas_are_generated_from_the_code():
+    from local.template_docs import DOCS, SCHEMAS_PAGE, page_with_schemas
+    page = (DOCS / SCHEMAS_PAGE).read_text()
+    assert page_with_schemas(page) == page, "docs/contract.md schemas are stale: run `make metadata`"

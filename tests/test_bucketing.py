@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.bucketing import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig,
-                                BatchRequests, BucketCounters, on_arrival, padding, split_batches)
+                                BatchRequests, BucketCounters, on_arrival, padding)
 from pipeline.messages import InferenceRequest
 
 _COLLECTED: dict[str, list] = defaultdict(list)
@@ -138,17 +138,16 @@ def test_answer_buckets_keep_short_and_long_answer_budgets_apart():
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     target=st.integers(1, 5),
-    extra_limit=st.integers(0, 3),
     delay_ms=st.sampled_from([10, 50, 200]),
     boundaries=st.sampled_from([(), (32,), (16, 64, 256)]),
     answer_boundaries=st.sampled_from([(), (16, 128)]),
     arrivals=st.lists(st.tuples(st.integers(1, 400), st.sampled_from([None, 8, 100, 300]),
                                 st.sampled_from([0, 0, 0.005, 0.3])), min_size=1, max_size=25),
 )
-def test_the_real_dofn_emits_every_request_exactly_once_within_the_limit(target, extra_limit, delay_ms,
+def test_the_real_dofn_emits_every_request_exactly_once_within_the_target(target, delay_ms,
                                                                          boundaries, answer_boundaries, arrivals):
-    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target, batch_size_limit=target + extra_limit,
-                            boundaries=boundaries, num_shards=2, answer_boundaries=answer_boundaries)
+    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target, boundaries=boundaries,
+                            num_shards=2, answer_boundaries=answer_boundaries)
     stream = EventStream()
     for index, (tokens, max_tokens, gap_s) in enumerate(arrivals):
         stream = stream.add_elements([request(f"r{index}", tokens, max_tokens)])
@@ -157,7 +156,7 @@ def test_the_real_dofn_emits_every_request_exactly_once_within_the_limit(target,
     batches, _ = run_batching(stream.advance_watermark_to_infinity(), config)
     emitted = [i for batch in batches for i, _ in batch]
     assert sorted(emitted) == sorted(f"r{i}" for i in range(len(arrivals)))
-    assert all(1 <= len(b) <= config.limit for b in batches)
+    assert all(1 <= len(b) <= config.batch_size_target for b in batches)
     budget = {f"r{i}": max_tokens for i, (_, max_tokens, _) in enumerate(arrivals)}
     assert all(len({config.bucket_name(t, budget[i]) for i, t in b}) == 1 for b in batches)
 
@@ -177,9 +176,8 @@ def simulate(config: BatchingConfig, arrivals: list[tuple[float, str, int]]):
     def emit(key: str, now: float) -> None:
         entries, buffers[key] = buffers[key], []
         counters[key] = BucketCounters()
-        for batch in split_batches(entries, config.limit):
-            batches.append([index for index, _ in batch])
-            waits.update({index: now - arrived for index, arrived in batch})
+        batches.append([index for index, _ in entries])
+        waits.update({index: now - arrived for index, arrived in entries})
 
     def fire_timers(until: float) -> None:
         while timers and timers[0][0] <= until:
@@ -202,26 +200,22 @@ def simulate(config: BatchingConfig, arrivals: list[tuple[float, str, int]]):
 @settings(max_examples=300, deadline=None)
 @given(
     target=st.integers(1, 8),
-    extra_limit=st.integers(0, 4),
     delay_ms=st.floats(0, 500),
     budget=st.one_of(st.none(), st.integers(1, 2000)),
     arrivals=st.lists(st.tuples(st.floats(0, 2), st.sampled_from("abc"), st.integers(1, 600)), max_size=60),
 )
-def test_simulated_batching_is_exactly_once_bounded_and_waits_at_most_the_delay(target, extra_limit, delay_ms,
+def test_simulated_batching_is_exactly_once_bounded_and_waits_at_most_the_delay(target, delay_ms,
                                                                                  budget, arrivals):
-    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target,
-                            batch_size_limit=target + extra_limit, token_budget=budget)
+    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target, token_budget=budget)
     arrivals = sorted(arrivals, key=lambda a: a[0])
     batches, waits = simulate(config, arrivals)
     assert sorted(i for batch in batches for i in batch) == list(range(len(arrivals)))
-    assert all(1 <= len(batch) <= config.limit for batch in batches)
+    assert all(1 <= len(batch) <= config.batch_size_target for batch in batches)
     assert all(wait <= delay_ms / 1000 + 1e-9 for wait in waits.values())
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(batch_size_target=0), "batch_size_target must be at least 1"),
-    (dict(batch_size_target=4, batch_size_limit=2), "batch_size_limit (2) is smaller than batch_size_target (4)"),
-    (dict(batch_size_limit=0), "batch_size_limit must be at least 1"),
     (dict(max_batch_delay_ms=-1), "max_batch_delay_ms must be 0 or more"),
     (dict(boundaries=(64, 32)), "strictly increasing"),
     (dict(boundaries=(0, 32)), "positive token counts"),

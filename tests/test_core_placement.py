@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from pipeline import core_placement
+from local import core_placement
 from tests.conftest import thread_cores, thread_cores_restored, wait_until
 
 CORES = sorted(os.sched_getaffinity(0))
@@ -60,3 +60,19 @@ def test_keep_off_moves_every_thread_of_this_process_and_the_threads_it_starts()
         assert core_placement.keep_off(model) is None  # already off
     assert core_placement.keep_off(frozenset()) is None
     assert core_placement.keep_off(frozenset(CORES)) is None  # no core would be left
+
+
+@pytest.mark.engine
+@needs_two_cores
+def test_the_local_launcher_finds_the_cores_vllm_computes_on_and_moves_the_pipeline_off_them(vllm_server):
+    allowed = frozenset(CORES)
+    # vLLM's CPU build binds its compute to all but the last core (one NUMA node here).
+    expected = allowed - {max(allowed)}
+    assert core_placement.model_cores(vllm_server.base_url) == expected  # a server on loopback, found by its port
+    assert core_placement.model_cores() == expected  # the session's server is a child of this process
+    assert core_placement.model_cores("http://vllm.internal:8000") == frozenset()  # a server elsewhere
+    with thread_cores_restored():
+        watcher = core_placement.keep_pipeline_off_local_model(vllm_server.base_url, interval_s=0.1)
+        watcher.join(timeout=10)
+        assert not watcher.is_alive()
+        assert all(not cores & expected for cores in thread_cores().values())

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import urllib.request
 
 import pytest
 
-from pipeline import core_placement
 from pipeline.chunking import ChunkPolicy
-from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings, StreamingEngine
+from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.messages import InferenceRequest
 from pipeline.model_manager import free_port
-from tests.conftest import SERVED_NAME, thread_cores, thread_cores_restored, wait_until
+from pipeline.vllm_engine import StreamingEngine
+from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -227,22 +226,3 @@ def test_with_a_chunk_topic_the_engine_publishes_every_chunk_before_it_hands_bac
 def test_settings_refuse_chunks_that_go_nowhere():
     with pytest.raises(ValueError, match="chunks must go somewhere"):
         EngineSettings(server=None, server_url="http://localhost:1", chunks_to_pipeline=False)
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least 2 cores")
-def test_the_engine_finds_the_cores_vllm_computes_on_and_the_pipeline_leaves_them(vllm_server):
-    allowed = frozenset(os.sched_getaffinity(0))
-    engine = engine_for(vllm_server.base_url)  # a server on loopback: found by its port
-    try:
-        # vLLM's CPU build binds its compute to all but the last core (one NUMA node here).
-        assert engine.model_cores() == allowed - {max(allowed)}
-        with thread_cores_restored():
-            core_placement.keep_pipeline_off(engine.model_cores())
-            assert all(not cores & engine.model_cores() for cores in thread_cores().values())
-    finally:
-        engine.close()
-    off = engine_for(vllm_server.base_url, keep_pipeline_off_model_cores=False)
-    try:
-        assert off.model_cores() == frozenset()
-    finally:
-        off.close()

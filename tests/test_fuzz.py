@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from pipeline.bucketing import BatchingConfig, BatchRequests
 from pipeline.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
+from pipeline.parsing import ParseRequests
 from pipeline.prompt_length import MeasurePromptLength
-from pipeline.sources import ParseRequests
 from tests.hostile_inputs import attributes, hostile_corpus, payloads
 
 LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048)

@@ -12,7 +12,7 @@ from pathlib import Path
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from benchmarks.scale import simulate, streaming_engine_cost, worker_of
-from pipeline.inference import _by_generate_key
+from pipeline.generate import _by_generate_key
 from pipeline.keying import generate_key, shard_of
 from pipeline.messages import InferenceRequest
 from pipeline.options import DATAFLOW_GENERATE_SHARDS, PipelineConfig

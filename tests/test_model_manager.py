@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from pipeline import core_placement
+from local import core_placement
 from pipeline.model_manager import ServerSpec, ServerStartError, VLLMServer, check_platform, installed_vllm_build
 from tests.conftest import chat, local_server_spec, thread_cores_restored, wait_until
 

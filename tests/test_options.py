@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_parameters
 from pipeline.options import PARAMETERS, ConfigError, PipelineConfig, StreamingLLMOptions
-from pipeline.template_docs import metadata_json, readme_with_parameters
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
@@ -26,8 +26,8 @@ def config(**overrides):
 
 def test_defaults_are_typed_and_sensible():
     cfg = config()
-    assert (cfg.max_batch_delay_ms, cfg.batch_size_target, cfg.batch_size_limit) == (10, 4, None)
-    assert cfg.batching().limit == 4 and cfg.batching().boundaries == ()  # arrival order unless opted in
+    assert (cfg.max_batch_delay_ms, cfg.batch_size_target) == (10, 4)
+    assert cfg.batching().boundaries == ()  # arrival order unless opted in
     assert cfg.prompt_format == "chat" and cfg.server_url is None and cfg.gpu_memory_utilization == 0.9
 
 
@@ -47,8 +47,6 @@ def test_launcher_strings_are_converted():
     ({"dead_letter_topic": None}, "no dead-letter output is configured: set --dead_letter_topic and/or --dead_letter_table"),
     ({"output_completions_table": "my-project:llm"}, "--output_completions_table='my-project:llm' is not valid"),
     ({"batch_size_target": "0"}, "--batch_size_target must be at least 1"),
-    ({"batch_size_target": "8", "batch_size_limit": "4"}, "batch_size_limit (4) is smaller than batch_size_target"),
-    ({"batch_size_limit": "0"}, "--batch_size_limit must be at least 1"),
     ({"length_bucketing": "true", "bucket_boundaries": "128,64"}, "must be strictly increasing"),
     ({"length_bucketing": "true", "bucket_boundaries": "0,64"}, "must be positive token counts"),
     ({"length_bucketing": "true", "bucket_boundaries": "a,b"}, "--bucket_boundaries='a,b' is not valid"),
@@ -65,6 +63,12 @@ def test_launcher_strings_are_converted():
     ({"engine": "transformers", "response_schema": '{"type": "object"}'},
      "--response_schema does not go with --engine=transformers: it cannot constrain answers"),
     ({"engine": "transformers", "generate_shards": "64"}, "--generate_shards does not go with --engine=transformers"),
+    ({"vllm_args": "--enforce-eager --max-model-len 8192"},
+     "--vllm_args sets --max-model-len, which the template sets itself; use --max_model_len instead"),
+    ({"vllm_args": "--max_model_len=8192"}, "--vllm_args sets --max_model_len, which the template sets itself"),
+    ({"vllm_args": "--dtype float16"}, "use --dtype instead"),
+    ({"vllm_args": "--port 9000"}, "--vllm_args sets --port, which the template sets itself"),
+    ({"vllm_args": "--enforce-eager '--unclosed"}, "--vllm_args cannot be split into flags"),
 ])
 def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrides, message):
     with pytest.raises(ConfigError) as excinfo:
@@ -145,6 +149,6 @@ def test_metadata_has_what_gcloud_and_the_console_need():
             assert [o["value"] for o in entry["enumOptions"]] == list(param.enum_options)
 
 
-def test_readme_parameter_table_is_generated_from_the_parameters():
-    readme = (REPO / "README.md").read_text()
-    assert readme_with_parameters(readme) == readme, "README parameter table is stale: run `make metadata`"
+def test_the_docs_parameter_table_is_generated_from_the_parameters():
+    page = (DOCS / PARAMETERS_PAGE).read_text()
+    assert page_with_parameters(page) == page, "docs/parameters.md is stale: run `make metadata`"

@@ -79,8 +79,8 @@ def test_gpu_settings_travel_to_the_workers_whatever_the_launcher_has():
 
 
 def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_server():
-    from pipeline.engine import StreamingEngine
     from pipeline.messages import InferenceRequest
+    from pipeline.vllm_engine import StreamingEngine
 
     config = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))
     settings = engine_settings(config)

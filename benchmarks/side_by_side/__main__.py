@@ -26,10 +26,10 @@ from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, 
 from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS, STATIC_PROMPT_BUCKETS
 from benchmarks.side_by_side.stats import RunResult
 from benchmarks.side_by_side.systems import BeamHandler, PubSubRelay, RawVLLM, System, Template
-from local.cpu_server import LOCAL_SERVER
+from local.cpu_server import LOCAL_SERVER, apply_server_environment
+from local.embedded_model import ensure_local_checkpoint
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT
-from pipeline.local_model import ensure_local_checkpoint
 
 SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam", "static-arrival", "static-prompt-buckets",
            "static-buckets")
@@ -316,6 +316,7 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    apply_server_environment()
     if args.from_json:
         runs, context = report.load_json(args.from_json.read_text(encoding="utf-8"))
         print(report.write(runs, context, args.from_json.parent))

@@ -24,7 +24,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 from apache_beam.ml.inference.vllm_inference import VLLMCompletionsModelHandler
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
-from pipeline.local_runner import apply_local_runner_fixes
+from local.direct_runner import apply_local_runner_fixes
 from pipeline.pubsub_sink import PublishJson
 
 

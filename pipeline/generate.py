@@ -4,7 +4,7 @@
 chunks as they arrive. Outputs of a DoFn are committed when its bundle ends,
 so a DoFn that yielded chunks from inside ``process`` would release them only
 once its longest request finished. Instead, ``process`` hands the requests to
-the worker's :class:`~pipeline.engine.StreamingEngine` and returns; a
+the worker's engine (:mod:`pipeline.engine_host`) and returns; a
 processing-time timer then polls the engine and emits whatever has arrived,
 each firing its own small bundle. With ``EngineSettings.chunk_topic`` the
 engine publishes chunks itself as they are cut (no Beam hop between a token
@@ -26,20 +26,15 @@ Per shard, keyed state holds three things, each written only when it changes:
   mid-stream is recovered: the next poll finds no stream and sends the request
   again as a new ``attempt``.
 * ``seen``: the ids of requests waiting, in flight, or finished within
-  ``dedupe_window_s``, with a fingerprint of their content. The shard is a
-  hash of the id, so every copy of an id meets here: a redelivered or retried
-  message (same content) is dropped, and a different request reusing an id in
-  use becomes a dead letter that says so.
+  ``dedupe_window_s`` (:mod:`pipeline.dedupe`).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import json
 import logging
-import threading
 import time
 import uuid
 from typing import Any, Iterator, Tuple
@@ -49,15 +44,13 @@ from apache_beam import pvalue
 from apache_beam.coders import StrUtf8Coder, VarIntCoder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.timeutil import TimeDomain
-from apache_beam.transforms.userstate import (BagStateSpec, ReadModifyWriteStateSpec, TimerSpec,
-                                              on_timer)
-from apache_beam.utils.multi_process_shared import MultiProcessShared
+from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline import core_placement
+from pipeline.dedupe import SeenIds
 from pipeline.element_guard import guarded
-from pipeline.engine import (ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings,
-                             StreamingEngine)
+from pipeline.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
+from pipeline.engine_host import acquire_engine
 from pipeline.keying import generate_key
 from pipeline.messages import STAGE_INFERENCE, DeadLetter, InferenceRequest
 
@@ -68,95 +61,6 @@ TAG_DEAD_LETTERS = "dead_letters"
 # A request whose stream is lost this many times (worker restarts) is given up.
 MAX_ATTEMPTS = 4
 DEFAULT_DEDUPE_WINDOW_S = 600.0
-
-
-# Engines this process has acquired, by tag. Runners may set up and tear down
-# DoFn instances per bundle (the DirectRunner does), so the reference is held
-# for the life of the process rather than released in teardown, which would
-# stop the server; the engine closes itself (and its server) at exit.
-_ACQUIRED: dict[str, EngineBase] = {}
-_ACQUIRE_LOCK = threading.Lock()
-
-
-def build_engine(settings: EngineSettings) -> EngineBase:
-    """The engine the settings name; transformers is imported only by workers that use it."""
-    if settings.engine == "transformers":
-        from pipeline.static_engine import StaticBatchEngine
-        if not logging.getLogger().handlers:  # its own process (see acquire_engine): log where the worker does
-            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return StaticBatchEngine(settings)
-    return StreamingEngine(settings)
-
-
-def acquire_engine(settings: EngineSettings, tag: str, *, fresh: bool = False) -> EngineBase:
-    """The worker-wide engine: the first process to ask builds it, the others proxy to it.
-
-    ``fresh`` drops this process's cached handle first (its hosting process died).
-    The transformers engine gets a process of its own: its decoding loop is Python
-    between many small torch calls, and in a process whose other threads run the
-    pipeline it waited for the GIL at every call (measured: 0.9 s a decoding step
-    instead of 0.1 s on the DirectRunner).
-    """
-    with _ACQUIRE_LOCK:
-        if fresh:
-            _ACQUIRED.pop(tag, None)
-        if tag not in _ACQUIRED:
-            shared = MultiProcessShared(functools.partial(build_engine, settings), tag=tag,
-                                        spawn_process=settings.engine == "transformers")
-            _ACQUIRED[tag] = shared.acquire()
-        return _ACQUIRED[tag]
-
-
-class _Seen:
-    """The ``seen`` state: id -> [fingerprint, forget-after time, or None while the request is open].
-
-    Read on first use only: most polls neither finish a request nor idle, and
-    then the state is neither decoded nor written.
-    """
-
-    def __init__(self, state: Any) -> None:
-        self._state = state
-        self._ids: dict[str, list] | None = None
-        self.changed = False
-
-    @property
-    def ids(self) -> dict[str, list]:
-        if self._ids is None:
-            self._ids = json.loads(self._state.read() or "{}")
-        return self._ids
-
-    def holder(self, request_id: str, now: float) -> str | None:
-        """The fingerprint of the request that holds this id now, if any."""
-        entry = self.ids.get(request_id)
-        if entry is None or (entry[1] is not None and entry[1] <= now):
-            return None
-        return entry[0]
-
-    def hold(self, request_id: str, fingerprint: str, until: float | None = None) -> None:
-        self.ids[request_id] = [fingerprint, until]
-        self.changed = True
-
-    def release(self, request_id: str, fingerprint: str, until: float) -> None:
-        if until > time.time():
-            self.hold(request_id, fingerprint, until)
-        elif self.ids.pop(request_id, None) is not None:
-            self.changed = True
-
-    def next_expiry(self) -> float | None:
-        return min((until for _, until in self.ids.values() if until is not None), default=None)
-
-    def save(self, now: float, *, prune: bool = False) -> None:
-        """Writes the ids back if they changed, forgetting those past their window (``prune``: read them first)."""
-        if self._ids is None and not prune:
-            return  # never read, so nothing changed
-        expired = [i for i, (_, until) in self.ids.items() if until is not None and until <= now]
-        for request_id in expired:
-            del self.ids[request_id]
-        if self.changed or expired:
-            if self.ids:
-                self._state.write(json.dumps(self.ids, separators=(",", ":")))
-            else:
-                self._state.clear()
 
 
 class _StreamingGenerateFn(beam.DoFn):
@@ -189,7 +93,6 @@ class _StreamingGenerateFn(beam.DoFn):
 
     def setup(self) -> None:
         self._engine = acquire_engine(self._settings, self._shared_tag)
-        core_placement.keep_pipeline_off(self._engine.model_cores())
 
     def process(self, element: tuple[object, list[InferenceRequest]],
                 window=beam.DoFn.WindowParam,
@@ -201,7 +104,7 @@ class _StreamingGenerateFn(beam.DoFn):
                 drain=beam.DoFn.TimerParam(DRAIN)) -> Iterator[Any]:
         shard, requests = element
         now = time.time()
-        seen = _Seen(seen_state)
+        seen = SeenIds(seen_state)
         batch = uuid.uuid4().hex[:12]  # the batcher's batch stays one unit for an engine that generates it so
         accepted: list[dict] = []
         for request in requests:
@@ -217,7 +120,7 @@ class _StreamingGenerateFn(beam.DoFn):
         self._arm(poll, poll_at_ms, now + self._poll_interval_s)
         drain.set(window.max_timestamp())
 
-    def _accept(self, request: InferenceRequest, seen: _Seen, batch: str, accepted: list[dict],
+    def _accept(self, request: InferenceRequest, seen: SeenIds, batch: str, accepted: list[dict],
                 now: float) -> Iterator[Any]:
         """De-duplicates a request by id and, if it is new, adds its state entry to ``accepted``."""
         fingerprint = request.fingerprint()
@@ -255,7 +158,7 @@ class _StreamingGenerateFn(beam.DoFn):
                 seen_state=beam.DoFn.StateParam(SEEN), poll=beam.DoFn.TimerParam(POLL),
                 poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS)) -> Iterator[Any]:
         poll_at_ms.clear()
-        seen = _Seen(seen_state)
+        seen = SeenIds(seen_state)
         busy = yield from self._collect(inflight, seen)
         busy += yield from self._admit(waiting, inflight, seen)
         now = time.time()
@@ -277,7 +180,7 @@ class _StreamingGenerateFn(beam.DoFn):
     def on_drain(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
                  seen_state=beam.DoFn.StateParam(SEEN)) -> Iterator[Any]:
         """The window is closing (or the job drains): serve what waits and streams, for as long as it progresses."""
-        seen = _Seen(seen_state)
+        seen = SeenIds(seen_state)
         patience = self._settings.request_timeout_s + 30
         last_busy, last_progress = None, time.time()
         while True:
@@ -306,7 +209,7 @@ class _StreamingGenerateFn(beam.DoFn):
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
             return [None] * len(request_jsons)
 
-    def _admit(self, waiting, inflight, seen: _Seen) -> Iterator[Any]:
+    def _admit(self, waiting, inflight, seen: SeenIds) -> Iterator[Any]:
         """Sends waiting requests, batch by batch, while the engine has room; returns how many it sent or left."""
         waiting_entries = list(waiting.read())
         if not waiting_entries:
@@ -338,7 +241,7 @@ class _StreamingGenerateFn(beam.DoFn):
                 waiting.add(json.dumps(entry))
         return len(live)
 
-    def _collect(self, inflight, seen: _Seen) -> Iterator[Any]:
+    def _collect(self, inflight, seen: SeenIds) -> Iterator[Any]:
         """Emits what the engine has for each in-flight request; returns how many remain.
 
         The bag is rewritten only when an entry changed (finished, resent, new attempt).

@@ -44,7 +44,7 @@ class ParseRequests(beam.PTransform):
 
     ``requests`` holds :class:`~pipeline.messages.InferenceRequest` objects;
     ``dead_letters`` holds dead-letter dicts with the raw payload and the reason.
-    ``defaults`` (a :class:`~pipeline.enrichment.RequestDefaults`) applies a
+    ``defaults`` (a :class:`~pipeline.request_defaults.RequestDefaults`) applies a
     system prompt, prompt template and response schema to every message.
     """
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.enrichment import RequestDefaults, template_fields
 from pipeline.messages import DeadLetter, InferenceRequest, parse_request
+from pipeline.request_defaults import RequestDefaults, template_fields
 from pipeline.structured_output import parse_output, schema_response_format
 
 SCHEMA = {"type": "object", "properties": {"category": {"enum": ["billing", "bug"]}, "urgency": {"type": "integer"}},

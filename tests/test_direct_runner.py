@@ -8,7 +8,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.local_runner import apply_local_runner_fixes
+from local.direct_runner import apply_local_runner_fixes
 
 
 def idle_streaming_read(emulator, name: str):

@@ -1,17 +1,21 @@
-"""On a worker without a GPU, the pipeline's threads stay off the cores the model computes on.
+"""On a machine without a GPU, the local pipeline's threads stay off the cores the model computes on.
 
 vLLM's CPU build binds its compute threads to all but the last of the cores it may use and leaves
 those to its own front end. Left to the OS, the pipeline's threads land on the model's cores too,
 where each one waits behind a compute thread that does not yield: on a 2-core machine the first
-chunk took seconds. The engine reads which cores the server's threads are bound to (the kernel's
-record, not a guess of vLLM's rule), and each of the pipeline's processes moves its threads onto
-the others. A GPU worker computes on the GPU, binds nothing, and is left as it is.
+chunk took seconds. The local launcher (:mod:`local.direct_runner`) watches for the server's
+threads to be bound (the kernel's record, not a guess of vLLM's rule) and moves the pipeline's
+threads onto the other cores. A GPU worker computes on the GPU and binds nothing, which is why this
+lives outside the worker package.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+import urllib.parse
 from pathlib import Path
 
 LOGGER = logging.getLogger(__name__)
@@ -113,3 +117,40 @@ def keep_pipeline_off(model_cores: frozenset[int]) -> None:
     if moved is not None:
         LOGGER.info("Pipeline threads of process %d moved to cores %s, off the model's cores %s",
                     os.getpid(), sorted(moved), sorted(model_cores))
+
+
+def _local_port(server_url: str) -> int | None:
+    url = urllib.parse.urlsplit(server_url)
+    return url.port if url.hostname in ("localhost", "127.0.0.1", "::1") else None
+
+
+def model_cores(server_url: str | None = None) -> frozenset[int]:
+    """The cores this machine's vLLM binds its compute to: the server listening on a loopback ``server_url``'s
+    port, else the servers this process started (its children). Empty with a GPU or a server elsewhere."""
+    if server_url:
+        port = _local_port(server_url)
+        pid = listening_pid(port) if port is not None else None
+        return bound_cores(pid) if pid is not None else frozenset()
+    children = [pid for pid in _tree(os.getpid()) if pid != os.getpid()]
+    return frozenset().union(*(bound_cores(pid) for pid in children))
+
+
+def keep_pipeline_off_local_model(server_url: str | None = None, interval_s: float = 0.5,
+                                  patience_s: float = 3600.0) -> threading.Thread:
+    """Watches (on a daemon thread) for this machine's vLLM to bind its compute, then moves this process off it.
+
+    Once moved, threads this process starts later inherit the narrower set from the thread that starts
+    them; the model manager starts every server, restarts included, on the cores it had at first.
+    """
+    def watch() -> None:
+        deadline = time.monotonic() + patience_s
+        while time.monotonic() < deadline:
+            cores = model_cores(server_url)
+            if cores:
+                keep_pipeline_off(cores)
+                return
+            time.sleep(interval_s)
+
+    watcher = threading.Thread(target=watch, name="keep-off-model-cores", daemon=True)
+    watcher.start()
+    return watcher

@@ -32,23 +32,28 @@
    pipeline's CPU. A method the class itself defines has the same arguments for
    every instance, so those are inspected once per class.
 
-All six touch private DirectRunner internals, so they are applied only when the
-pipeline runs on the DirectRunner, never on Dataflow, which has none of these
-problems.
+All six touch private DirectRunner internals, so they live outside the worker
+package (``pipeline/``) and are applied only by the local launcher,
+``python -m local.direct_runner TEMPLATE_ARGS`` (what ``make smoke``, the tests
+and the benchmarks run), never on Dataflow, which has none of these problems.
+The launcher also gives a local vLLM its CPU settings' environment
+(:mod:`local.cpu_server`) and keeps the pipeline's threads off the cores that
+vLLM computes on (:mod:`local.core_placement`).
 """
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
 from typing import Any
 
 LOGGER = logging.getLogger(__name__)
-LOCAL_RUNNERS = ("DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
 
 
 class _PrefetchingPullClient:
@@ -213,3 +218,30 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
     _applied = True
     LOGGER.info("DirectRunner Pub/Sub read prefetched in the background and scheduled every %.0f ms "
                 "(local runs only)", read_interval_s * 1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the template on the DirectRunner with the fixes above; takes the template's own arguments."""
+    parser = argparse.ArgumentParser(description="The template on the local DirectRunner (python -m template.main "
+                                     "with local-only fixes); every other argument goes to the template.")
+    parser.add_argument("--keep_pipeline_off_model_cores", choices=("true", "false"), default="true",
+                        help="move the pipeline's threads off the cores a vLLM on this machine computes on")
+    parser.add_argument("--server_url", help="the template's own parameter; read here to find a loopback server")
+    own, template_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if own.server_url:
+        template_args.append(f"--server_url={own.server_url}")
+    if not any(arg.startswith("--runner") for arg in template_args):
+        template_args.append("--runner=BundleBasedDirectRunner")
+    from local.core_placement import keep_pipeline_off_local_model
+    from local.cpu_server import apply_server_environment
+    from template.main import main as run_template
+
+    apply_local_runner_fixes()
+    apply_server_environment()
+    if own.keep_pipeline_off_model_cores == "true":
+        keep_pipeline_off_local_model(own.server_url)
+    return run_template(template_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

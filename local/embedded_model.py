@@ -5,7 +5,7 @@ Hugging Face checkpoints, so this module converts the GGUF file once with
 transformers and caches the result outside the repository. Nothing here needs
 the network.
 
-    python -m pipeline.local_model          # prints the checkpoint directory
+    python -m local.embedded_model          # prints the checkpoint directory
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from pipeline.model_weights import cache_root
 
 LOGGER = logging.getLogger(__name__)
 
@@ -26,12 +27,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT_NAME = "SmolLM2-135M-Instruct"
 # Written last: a directory without it is an interrupted conversion.
 _COMPLETE_MARKER = ".conversion-complete"
-
-
-def cache_root() -> Path:
-    """Where local models and compile caches live (``$STREAMING_LLM_CACHE``)."""
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "streaming-llm-template"
-    return Path(os.environ.get("STREAMING_LLM_CACHE", default))
 
 
 def gguf_path() -> Path:
