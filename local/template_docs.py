@@ -4,9 +4,9 @@ The template's parameters are declared once (:data:`pipeline.options.PARAMETERS`
 and so are the BigQuery schemas (:data:`pipeline.bigquery_sink.SCHEMAS`); this
 module turns them into the Flex Template's ``metadata.json`` (what the console's
 launch form shows), the parameter table of ``docs/parameters.md`` and the
-schema tables of ``docs/contract.md``. ``make metadata`` writes them; ``make check-metadata`` (and ``make template``, before it
-builds anything) refuses stale ones with ``--check``, the same comparison the
-tests make.
+schema tables of ``docs/contract.md``. ``make metadata`` writes them; ``make
+check-metadata`` (and ``make template``, before it builds anything) refuses
+stale ones with ``--check``, the same comparison the tests make.
 """
 
 from __future__ import annotations

@@ -12,11 +12,16 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def configure_logging() -> None:
+    """INFO (or ``$LOG_LEVEL``) to stderr; a no-op when logging is already configured."""
     level = os.environ.get("LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Beam logs every string type hint it meets at INFO; that is noise here.
     logging.getLogger("apache_beam.typehints.native_type_compatibility").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging()
     from pipeline.assembly import run
     from pipeline.options import ConfigError
 
