@@ -153,7 +153,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "Pub/Sub topic for the final record of each request (full text, usage, timings).",
               "projects/my-project/topics/llm-completions", GROUP_OUTPUT, "PUBSUB_TOPIC", regex=TOPIC_REGEX),
     Parameter("output_completions_table", "Completions table",
-              "BigQuery table for the final record of each request (schema in the README).",
+              "BigQuery table for the final record of each request (schema in docs/contract.md).",
               "my-project:llm.completions", GROUP_OUTPUT, "BIGQUERY_TABLE", regex=TABLE_REGEX),
     Parameter("output_chunks_table", "Chunks table",
               "BigQuery table for every streamed chunk (optional; one row per chunk).",
