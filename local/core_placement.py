@@ -126,13 +126,13 @@ def _local_port(server_url: str) -> int | None:
 
 def model_cores(server_url: str | None = None) -> frozenset[int]:
     """The cores this machine's vLLM binds its compute to: the server listening on a loopback ``server_url``'s
-    port, else the servers this process started (its children). Empty with a GPU or a server elsewhere."""
+    port, else the servers this process started (threads in its tree bound narrower than its own).
+    Empty with a GPU or a server elsewhere."""
     if server_url:
         port = _local_port(server_url)
         pid = listening_pid(port) if port is not None else None
         return bound_cores(pid) if pid is not None else frozenset()
-    children = [pid for pid in _tree(os.getpid()) if pid != os.getpid()]
-    return frozenset().union(*(bound_cores(pid) for pid in children))
+    return bound_cores(os.getpid())
 
 
 def keep_pipeline_off_local_model(server_url: str | None = None, interval_s: float = 0.5,

@@ -231,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     own, template_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if own.server_url:
         template_args.append(f"--server_url={own.server_url}")
-    if not any(arg.startswith("--runner") for arg in template_args):
-        template_args.append("--runner=BundleBasedDirectRunner")
     from local.core_placement import keep_pipeline_off_local_model
     from local.cpu_server import apply_server_environment
     from template.main import configure_logging
