@@ -123,6 +123,10 @@ bench-structured: model ## Structured answers on 55 short records: compact JSON 
 bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)
 	$(PY) -m benchmarks.scale
 
+.PHONY: bench-state-cost
+bench-state-cost: model ## Measure the generate step's timer firings and state writes per key (the figures bench-scale uses)
+	$(PY) -m benchmarks.state_cost
+
 .PHONY: bench-reliability
 bench-reliability: model ## Probe hostile input, duplicates, a server kill -9 and a backlog; REPO=DIR probes another checkout
 	$(PY) -m benchmarks.reliability $(if $(REPO),--repo $(REPO))
@@ -165,7 +169,7 @@ run-dataflow: check-deploy-settings install ## Launch directly with the Dataflow
 	$(PY) -m template.main --runner=DataflowRunner --project=$(PROJECT) --region=$(REGION) --temp_location=gs://$(BUCKET)/tmp --job_name=$(JOB_NAME) --sdk_container_image=$(IMAGE) --machine_type=$(MACHINE_TYPE) --disk_size_gb=$(DISK_SIZE_GB) --max_num_workers=$(MAX_WORKERS) --enable_streaming_engine --experiments=use_runner_v2 --dataflow_service_options="$(GPU_EXPERIMENT)" $(addprefix --,$(PARAMS))
 
 .PHONY: drain
-drain: check-deploy-settings ## Drain a running job: make drain JOB_ID=... (finishes in-flight requests, then stops)
+drain: check-deploy-settings ## Drain a running job: make drain JOB_ID=... (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
 	@[ -n "$(JOB_ID)" ] || { echo "Set JOB_ID (gcloud dataflow jobs list --region $(REGION) --status active)"; exit 1; }
 	gcloud dataflow jobs drain $(JOB_ID) --project $(PROJECT) --region $(REGION)
 

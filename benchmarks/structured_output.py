@@ -60,12 +60,13 @@ def requests(record_set: RecordSet, cfg: PipelineConfig) -> list[InferenceReques
 
 def run(engine: StreamingEngine, batch: list[InferenceRequest], timeout_s: float = 900) -> list[dict]:
     """Every request's completion, submitted as the pipeline does (again when the engine is full)."""
-    pending, unsent, done = {}, list(batch), []
+    pending, unsent, done, taken = {}, list(batch), [], {}
     deadline = time.monotonic() + timeout_s
     while (pending or unsent) and time.monotonic() < deadline:
         while unsent and (key := engine.submit(unsent[0].to_json())) is not None:
-            pending[key] = unsent.pop(0)
-        for key, items in engine.poll(list(pending)).items():
+            pending[key], taken[key] = unsent.pop(0), 0
+        for key, items in engine.poll({k: taken[k] for k in pending}).items():
+            taken[key] += len(items)
             for kind, payload in items:
                 if kind == COMPLETION:
                     done.append(json.loads(payload))

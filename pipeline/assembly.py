@@ -57,7 +57,8 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     # through the pipeline only when a BigQuery chunks table wants them too.
     common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
-                  chunk_policy=policy, priority_boundaries=config.priority_boundaries,
+                  stream_lease_s=float(config.stream_lease_s), chunk_policy=policy,
+                  priority_boundaries=config.priority_boundaries,
                   chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))
     if config.server_url:
@@ -93,6 +94,7 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     generate_shards = config.effective_generate_shards(local=is_local(pipeline.options))
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
         engine_settings(config), dedupe_window_s=float(config.dedupe_window_s),
+        drain_timeout_s=float(config.drain_timeout_s),
         # The batcher's shard already is hash(id) mod num_shards: re-keying to the same keys would only
         # add a step (a hop on the DirectRunner, which fuses nothing).
         # A static batch is the transformers engine's unit of work: it stays whole, on its batcher key.

@@ -5,7 +5,7 @@ created at launch when missing (partitioned by day on their time column), or
 required to exist. Rows are written with Beam's streaming-insert writer,
 ``BigQueryWriteFn`` — the DoFn inside ``WriteToBigQuery`` — because
 ``WriteToBigQuery`` assigns random insert ids, and ours are derived from the
-request id and attempt (and sequence number), so a retried bundle does not
+request id and stream (and sequence number), so a retried bundle does not
 duplicate rows in BigQuery. Rows BigQuery rejects come back through Beam's
 failed-rows output and become dead letters with BigQuery's reason.
 
@@ -47,6 +47,7 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
     KIND_COMPLETIONS: (
         Column("request_id", "STRING", "The request's id", "REQUIRED"),
         Column("attempt", "INTEGER", "Attempt that produced this completion (1 unless a worker was lost)", "REQUIRED"),
+        Column("stream", "STRING", "The stream whose chunks make up completion_text"),
         Column("model", "STRING", "Served model name"),
         Column("prompt", "STRING", "The prompt text; null for chat requests"),
         Column("messages", "JSON", "Chat messages; null for prompt requests"),
@@ -65,10 +66,11 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
     KIND_CHUNKS: (
         Column("request_id", "STRING", "The request's id", "REQUIRED"),
         Column("attempt", "INTEGER", "Attempt the chunk belongs to", "REQUIRED"),
-        Column("seq", "INTEGER", "Gapless sequence number within (request_id, attempt), from 0", "REQUIRED"),
+        Column("stream", "STRING", "The stream the chunk belongs to; no other stream has this id"),
+        Column("seq", "INTEGER", "Gapless sequence number within the stream, from 0", "REQUIRED"),
         Column("text", "STRING", "Text delta"),
         Column("tokens", "INTEGER", "Cumulative completion tokens"),
-        Column("final", "BOOLEAN", "Whether this is the attempt's last chunk"),
+        Column("final", "BOOLEAN", "Whether this is the stream's last chunk"),
         Column("finish_reason", "STRING", "On the final chunk: stop or length"),
         Column("time_to_first_token_ms", "FLOAT", "From receipt to the first token"),
         Column("elapsed_ms", "FLOAT", "From receipt to this chunk"),
@@ -76,7 +78,7 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
     ),
     KIND_DEAD_LETTERS: (
         Column("request_id", "STRING", "The request's id, when one could be read"),
-        Column("stage", "STRING", "parse, validate, measure, batch, inference or sink", "REQUIRED"),
+        Column("stage", "STRING", "parse, validate, measure, batch, inference, drain or sink", "REQUIRED"),
         Column("reason", "STRING", "Why it could not be served", "REQUIRED"),
         Column("payload", "STRING", "The raw message (or request) as received"),
         Column("payload_encoding", "STRING", "utf-8, or base64 for bytes that were not text"),
@@ -99,7 +101,7 @@ def _json(value: Any) -> str | None:
 def completion_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """A completion record as a table row, with its insert id."""
     row = {
-        "request_id": record["id"], "attempt": record["attempt"], "model": record["model"],
+        "request_id": record["id"], "attempt": record["attempt"], "stream": record["stream"], "model": record["model"],
         "prompt": record["prompt"], "messages": _json(record["messages"]), "completion_text": record["text"],
         "finish_reason": record["finish_reason"], "prompt_tokens": record["usage"]["prompt_tokens"],
         "completion_tokens": record["usage"]["completion_tokens"],
@@ -108,17 +110,18 @@ def completion_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "metadata": _json(record["metadata"]), "output_json": _json(record.get("output_json")),
         "output_error": record.get("output_error"),
     }
-    return row, f"{record['id']}#{record['attempt']}"
+    return row, f"{record['id']}#{record['stream']}"
 
 
 def chunk_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
     row = {
-        "request_id": record["id"], "attempt": record["attempt"], "seq": record["seq"], "text": record["text"],
+        "request_id": record["id"], "attempt": record["attempt"], "stream": record["stream"], "seq": record["seq"],
+        "text": record["text"],
         "tokens": record["tokens"], "final": record["final"], "finish_reason": record["finish_reason"],
         "time_to_first_token_ms": record["time_to_first_token_ms"], "elapsed_ms": record["elapsed_ms"],
         "emitted_at": _timestamp(record["emitted_at"]),
     }
-    return row, f"{record['id']}#{record['attempt']}#{record['seq']}"
+    return row, f"{record['stream']}#{record['seq']}"
 
 
 def dead_letter_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:

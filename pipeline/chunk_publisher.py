@@ -18,9 +18,9 @@ Nothing is weaker than through Beam:
   chunks are confirmed, so a consumer that has a completion can find every
   chunk of that attempt in Pub/Sub.
 * At least once, as before: a chunk published again may arrive twice;
-  consumers de-duplicate by ``(id, attempt, seq)``. A stream lost with its
-  worker is sent again as a new ``attempt``, and the completion names the
-  attempt whose chunks add up to it.
+  consumers de-duplicate by ``(stream, seq)``. A stream lost with its worker
+  (or left behind by a moved key) is generated again as a new stream, and the
+  completion names the stream whose chunks add up to it.
 """
 
 from __future__ import annotations

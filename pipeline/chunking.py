@@ -4,11 +4,13 @@ Publishing every token as its own Pub/Sub message is wasteful; holding text
 back hurts time to first token. The policy emits the first text at once, then
 a chunk whenever ``chunk_tokens`` new tokens have arrived or ``interval_ms``
 has passed with text waiting, and always a final chunk that carries the finish
-reason. Sequence numbers are gapless from 0 per (request, attempt).
+reason. Each assembler is one stream with an identity of its own (a random
+``stream`` id); sequence numbers are gapless from 0 per stream.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from pipeline.messages import Chunk
@@ -36,6 +38,7 @@ class ChunkAssembler:
     def __init__(self, request_id: str, attempt: int, policy: ChunkPolicy, started_at: float) -> None:
         self.request_id = request_id
         self.attempt = attempt
+        self.stream = uuid.uuid4().hex
         self.policy = policy
         self.started_at = started_at
         self.first_token_at: float | None = None
@@ -83,7 +86,8 @@ class ChunkAssembler:
 
     def _emit(self, now: float, *, final: bool, finish_reason: str | None) -> Chunk:
         chunk = Chunk(
-            id=self.request_id, attempt=self.attempt, seq=self._seq, text=self._pending, tokens=self.tokens,
+            id=self.request_id, attempt=self.attempt, stream=self.stream, seq=self._seq, text=self._pending,
+            tokens=self.tokens,
             final=final, finish_reason=finish_reason, time_to_first_token_ms=self.time_to_first_token_ms,
             elapsed_ms=round((now - self.started_at) * 1000.0, 3), emitted_at=now)
         self._seq += 1

@@ -19,6 +19,19 @@ cross-process proxy calls cheap and version-tolerant.
 With a ``chunk_topic`` the engine publishes each chunk to Pub/Sub itself the
 moment it is cut (see :mod:`pipeline.chunk_publisher`), and hands a request's
 completion to ``poll`` only once Pub/Sub has confirmed all its chunks.
+
+The contract is shaped by the runner's commit semantics (Dataflow retries a
+work item whose commit failed, and moves keys between workers):
+
+* ``poll`` is idempotent. The caller says how many of a stream's outputs it
+  has already committed (its position, kept in keyed state); outputs before it
+  are released, the rest are handed over again until a later poll's position
+  shows they were committed. A retried poll therefore gets what the failed
+  one got, instead of finding the stream gone and generating it again.
+* Streams are leased. A stream not polled for ``stream_lease_s`` (its key
+  moved to another worker, or its submission's commit failed) is cancelled at
+  the server (vLLM aborts a request whose connection closes, freeing its KV
+  cache) and forgotten, so the registry holds what is in flight or leased.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,6 +82,8 @@ class EngineSettings:
     chunks_to_pipeline: bool = True
     # How long a finished request waits for Pub/Sub to confirm its chunks before its completion goes anyway.
     chunk_publish_patience_s: float = 300.0
+    # A stream nobody polls for this long is cancelled at the server and forgotten.
+    stream_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
@@ -78,6 +94,8 @@ class EngineSettings:
             raise ValueError("engine 'transformers' loads the model itself: give a model spec, not a server_url")
         if self.chunk_topic is None and not self.chunks_to_pipeline:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
+        if self.stream_lease_s <= 0:
+            raise ValueError(f"stream_lease_s must be more than 0, got {self.stream_lease_s:g}")
 
 
 @dataclass
@@ -85,9 +103,12 @@ class Stream:
     key: str
     request: InferenceRequest
     attempt: int
+    # Outputs not yet released; outputs[0] is the stream's output number ``released``.
     outputs: list[tuple[str, str]] = field(default_factory=list)
+    released: int = 0
     assembler: ChunkAssembler | None = None
     done: bool = False
+    polled_at: float = field(default_factory=time.time)
 
 
 class EngineBase:
@@ -103,9 +124,13 @@ class EngineBase:
         self.settings = settings
         self._chunk_publisher = ChunkPublisher(settings.chunk_topic) if settings.chunk_topic else None
         self._streams: dict[str, Stream] = {}
+        self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
         self._unfinished = 0  # streams not yet done: what max_in_flight bounds
         self._lock = threading.Lock()
         self._closed = False
+        self.streams_cancelled = 0  # abandoned (lease passed) or cancelled by the caller
+        self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
+        self._janitor.start()
 
     # Public API (called through the cross-process proxy) ----------------------------
 
@@ -117,13 +142,19 @@ class EngineBase:
         """Starts a batch of requests; for each, the key to poll it with, or None where the engine had no room.
 
         A key names the request's content as well as its id and attempt, so two
-        different requests that share an id never share a stream. Submitting the
-        same request and attempt again (a retried bundle) returns the same key.
+        different requests that share an id never share a stream, and this engine
+        instance, so a key that moved away and back never mistakes another
+        worker's stream (or this worker's abandoned one) for its own. Submitting
+        the same request and attempt again here (a retried bundle) returns the same key.
         """
         requests = [InferenceRequest.from_json(text) for text in request_jsons]
-        keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}" for r, a in zip(requests, attempts)]
+        keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}"
+                                  for r, a in zip(requests, attempts)]
         started: list[Stream] = []
         with self._lock:
+            for key in keys:
+                if key in self._streams:  # joined again: a retried submission renews the lease
+                    self._streams[key].polled_at = time.time()
             new = [i for i, key in enumerate(keys) if key not in self._streams]
             room = self._room(len(new))
             for n, i in enumerate(new):
@@ -138,22 +169,40 @@ class EngineBase:
             self._start(started)
         return keys
 
-    def poll(self, keys: list[str]) -> dict[str, list[tuple[str, str]]]:
-        """Outputs ready for each key, in order; finished streams are forgotten once polled."""
+    def poll(self, positions: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
+        """For each key, its outputs from ``positions[key]`` on (the number the caller has committed).
+
+        Outputs before the position are released; a finished stream whose every
+        output is released is forgotten (its result is then ``[]``). An unknown
+        key, or a position before what was already released, gets ``UNKNOWN``:
+        the stream is lost to the caller and must be submitted again.
+        """
         now = time.time()
         ready: dict[str, list[tuple[str, str]]] = {}
         with self._lock:
-            for key in keys:
+            for key, position in positions.items():
                 stream = self._streams.get(key)
-                if stream is None:
-                    ready[key] = [(UNKNOWN, "")]
+                if stream is None or not stream.released <= position <= stream.released + len(stream.outputs):
+                    ready[key] = [(UNKNOWN, "")]  # not this stream's committed position: never splice
+                    continue
+                drop = min(position - stream.released, len(stream.outputs))
+                del stream.outputs[:drop]
+                stream.released += drop
+                stream.polled_at = now
+                if stream.done and not stream.outputs:
+                    del self._streams[key]
+                    ready[key] = []
                     continue
                 if stream.assembler is not None and not stream.done:
                     self._queue_chunks(stream, stream.assembler.due(now))
-                ready[key], stream.outputs = stream.outputs, []
-                if stream.done:
-                    del self._streams[key]
+                ready[key] = list(stream.outputs)
         return ready
+
+    def cancel(self, keys: list[str]) -> None:
+        """Stops these streams now (at the server too) and forgets them: their outputs are not wanted."""
+        with self._lock:
+            streams = [self._streams.pop(key) for key in keys if key in self._streams]
+        self._stop(streams)
 
     def in_flight(self) -> int:
         """Streams sent and not finished; never more than ``max_in_flight``."""
@@ -174,6 +223,38 @@ class EngineBase:
     def close(self) -> None:
         self._closed = True
 
+    # Leases ----------------------------------------------------------------------------
+
+    def _expire_leases(self) -> None:
+        """Cancels and forgets the streams nobody has polled within the lease (see the module docstring)."""
+        lease = self.settings.stream_lease_s
+        while not self._closed:
+            time.sleep(min(max(lease / 4, 0.05), 1.0))
+            cutoff = time.time() - lease
+            with self._lock:
+                stale = [key for key, stream in self._streams.items() if stream.polled_at < cutoff]
+                streams = [self._streams.pop(key) for key in stale]
+            if streams:
+                LOGGER.warning("%d stream(s) not polled for stream_lease_s=%g (their keys moved, or their "
+                               "submission was retried elsewhere): cancelled", len(streams), lease)
+                self._stop(streams)
+
+    def _stop(self, streams: list[Stream]) -> None:
+        """Ends streams already taken out of the registry: counted as finished, cancelled where still running."""
+        running = []
+        with self._lock:
+            for stream in streams:
+                if not stream.done:
+                    stream.done = True
+                    self._unfinished -= 1
+                    running.append(stream)
+            self.streams_cancelled += len(running)
+        for stream in streams:
+            if self._chunk_publisher is not None:
+                self._chunk_publisher.forget(stream.key)
+        if running:
+            self._cancel(running)
+
     # For subclasses ----------------------------------------------------------------------
 
     def _room(self, new: int) -> int:
@@ -183,6 +264,9 @@ class EngineBase:
     def _start(self, streams: list[Stream]) -> None:
         """Begins generating these streams (registered, counted) without waiting for them."""
         raise NotImplementedError
+
+    def _cancel(self, streams: list[Stream]) -> None:
+        """Stops generating these streams, if the engine can; their outputs are discarded either way."""
 
     def _emit(self, stream: Stream, kind: str, payload: str, *, final: bool = False) -> None:
         with self._lock:
@@ -203,6 +287,8 @@ class EngineBase:
 
     def _queue_chunks(self, stream: Stream, chunks: list[Chunk]) -> None:
         """Publishes and/or queues chunks for poll(); the caller holds the lock."""
+        if self._streams.get(stream.key) is not stream:
+            return  # cancelled: nobody will collect it
         for chunk in chunks:
             if self._chunk_publisher is not None:
                 self._chunk_publisher.publish(stream.key, chunk)
@@ -230,7 +316,8 @@ class EngineBase:
         request = stream.request
         output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
         completion = Completion(
-            id=request.id, attempt=stream.attempt, model=self.model_name, prompt=request.prompt,
+            id=request.id, attempt=stream.attempt, stream=assembler.stream, model=self.model_name,
+            prompt=request.prompt,
             messages=request.messages, text=assembler.text, finish_reason=finish_reason,
             prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
             time_to_first_token_ms=assembler.time_to_first_token_ms,

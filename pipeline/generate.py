@@ -17,16 +17,26 @@ vLLM engine takes the requests it has room for, the transformers engine
 it yet; what is not taken waits with its batch id, and is admitted batch by
 batch.
 
-Per shard, keyed state holds three things, each written only when it changes:
+Per shard, keyed state holds, each written only when it changes:
 
-* ``waiting``: requests the engine had no room for. A backlog waits here, in
-  Beam state, not in the engine, and is admitted in arrival order as streams
-  finish; waiting is never a reason to give a request up.
+* ``waiting``: requests the engine had no room for, admitted in arrival order
+  as streams finish. A key with only waiting requests backs off its polls (up
+  to :data:`WAITING_POLL_CAP_S`).
 * ``inflight``: requests the engine is streaming. A worker that dies
   mid-stream is recovered: the next poll finds no stream and sends the request
   again as a new ``attempt``.
+* ``progress``: per stream, how many of its outputs were emitted. Written in
+  the same commit as the outputs, it is what makes a poll safe to retry (see
+  :mod:`pipeline.engine`): the engine releases outputs only once a later poll
+  shows this count past them.
 * ``seen``: the ids of requests waiting, in flight, or finished within
   ``dedupe_window_s`` (:mod:`pipeline.dedupe`).
+
+Entries carry a version (:data:`STATE_VERSION`); one that cannot be decoded,
+after an update changed the format, becomes a dead letter with its raw text and
+the key goes on. A drain (the watermark timer at the window's end) gives
+requests in flight ``drain_timeout_s`` to finish and turns the rest into dead
+letters with stage ``drain`` that a redrive republishes (``ops/redrive.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from pipeline.element_guard import guarded
 from pipeline.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
 from pipeline.engine_host import acquire_engine
 from pipeline.keying import generate_key
-from pipeline.messages import STAGE_INFERENCE, DeadLetter, InferenceRequest
+from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 
 LOGGER = logging.getLogger(__name__)
 
@@ -61,22 +71,91 @@ TAG_DEAD_LETTERS = "dead_letters"
 # A request whose stream is lost this many times (worker restarts) is given up.
 MAX_ATTEMPTS = 4
 DEFAULT_DEDUPE_WINDOW_S = 600.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# A key whose requests only wait for room doubles its poll interval up to this.
+WAITING_POLL_CAP_S = 2.0
+# Version 1: today's entries without "v" (commit 41b0859); 2 adds "v" and moves progress to its own cell.
+STATE_VERSION = 2
+_ENTRY_FIELDS = {"request": (str,), "fp": (str,), "attempt": (int,), "key": (str, type(None)),
+                 "deadline_at": (int, float, type(None))}
+
+
+def template_poll_interval_ms(chunk_interval_ms: float) -> float:
+    """How often a key with requests in flight polls: half the chunk interval, within 10-100 ms."""
+    return min(max(chunk_interval_ms / 2, 10.0), 100.0)
+
+
+class StateEntryError(ValueError):
+    """A state entry this code cannot read (written by another version of it)."""
+
+
+def encode_entry(entry: dict) -> str:
+    return json.dumps({**entry, "v": STATE_VERSION}, separators=(",", ":"))
+
+
+def decode_entry(text: str) -> dict:
+    """A waiting or in-flight entry, upgraded from any version this code knows; raises StateEntryError."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise StateEntryError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise StateEntryError(f"not an object: {type(data).__name__}")
+    version = data.get("v", 1)
+    if version not in (1, STATE_VERSION):
+        raise StateEntryError(f"state version {version!r}; this code reads 1 and {STATE_VERSION}")
+    for name, types in _ENTRY_FIELDS.items():
+        if name not in data or not isinstance(data[name], types) or isinstance(data[name], bool):
+            raise StateEntryError(f"field {name!r} missing or of the wrong type")
+    try:
+        InferenceRequest.from_json(data["request"])
+    except (ValueError, TypeError) as exc:
+        raise StateEntryError(f"its request does not decode: {exc}") from None
+    return {"request": data["request"], "fp": data["fp"], "attempt": data["attempt"], "key": data["key"],
+            "deadline_at": data["deadline_at"], "batch": data.get("batch")}
+
+
+class _Progress:
+    """How many outputs of each stream were emitted, and the finished streams the engine may release."""
+
+    def __init__(self, state) -> None:
+        self._state = state
+        try:
+            data = json.loads(state.read() or "{}")
+            self.taken: dict[str, int] = dict(data.get("taken", {}))
+            self.release: dict[str, int] = dict(data.get("release", {}))
+        except (ValueError, TypeError, AttributeError):
+            LOGGER.warning("Unreadable progress state; streams will be polled from their start")
+            self.taken, self.release = {}, {}
+        self._before = (dict(self.taken), dict(self.release))
+
+    def save(self) -> None:
+        if (self.taken, self.release) == self._before:
+            return
+        if self.taken or self.release:
+            self._state.write(json.dumps({"taken": self.taken, "release": self.release}, separators=(",", ":")))
+        else:
+            self._state.clear()
+        self._before = (dict(self.taken), dict(self.release))
 
 
 class _StreamingGenerateFn(beam.DoFn):
     WAITING = BagStateSpec("waiting", StrUtf8Coder())
     INFLIGHT = BagStateSpec("inflight", StrUtf8Coder())
+    PROGRESS = ReadModifyWriteStateSpec("progress", StrUtf8Coder())
     SEEN = ReadModifyWriteStateSpec("seen", StrUtf8Coder())
     POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
     POLL_AT_MS = ReadModifyWriteStateSpec("poll_at_ms", VarIntCoder())
+    WAIT_MS = ReadModifyWriteStateSpec("wait_ms", VarIntCoder())  # backoff of a key whose requests only wait
     DRAIN = TimerSpec("drain", TimeDomain.WATERMARK)
 
     def __init__(self, settings: EngineSettings, shared_tag: str, poll_interval_ms: float,
-                 dedupe_window_s: float) -> None:
+                 dedupe_window_s: float, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         self._settings = settings
         self._shared_tag = shared_tag
         self._poll_interval_s = poll_interval_ms / 1000.0
         self._dedupe_window_s = dedupe_window_s
+        self._drain_timeout_s = drain_timeout_s
         self._engine: EngineBase | None = None
         self.requests_sent = Metrics.counter("streaming_generate", "requests_sent")
         self.requests_queued = Metrics.counter("streaming_generate", "requests_queued")
@@ -86,6 +165,8 @@ class _StreamingGenerateFn(beam.DoFn):
         self.completions_out = Metrics.counter("streaming_generate", "completions")
         self.dead_letters_out = Metrics.counter("streaming_generate", "dead_letters")
         self.resubmitted = Metrics.counter("streaming_generate", "lost_streams_resubmitted")
+        self.undecodable = Metrics.counter("streaming_generate", "undecodable_state_entries")
+        self.drained = Metrics.counter("streaming_generate", "drain_dead_letters")
         self.ttft = Metrics.distribution("streaming_generate", "time_to_first_token_ms")
         # Structured answers (a response_format) without a valid output_json, and those of them cut at max_tokens.
         self.structured_invalid = Metrics.counter("streaming_generate", "structured_output_invalid")
@@ -101,6 +182,7 @@ class _StreamingGenerateFn(beam.DoFn):
                 seen_state=beam.DoFn.StateParam(SEEN),
                 poll=beam.DoFn.TimerParam(POLL),
                 poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS),
+                wait_ms=beam.DoFn.StateParam(WAIT_MS),
                 drain=beam.DoFn.TimerParam(DRAIN)) -> Iterator[Any]:
         shard, requests = element
         now = time.time()
@@ -114,9 +196,11 @@ class _StreamingGenerateFn(beam.DoFn):
         else:
             sent = self._send(accepted, inflight)
         for entry in accepted[sent:]:
-            waiting.add(json.dumps(entry))
+            waiting.add(encode_entry(entry))
             self.requests_queued.inc()
         seen.save(now)
+        if accepted and wait_ms.read() is not None:
+            wait_ms.clear()  # new work: poll at the chunk cadence again
         self._arm(poll, poll_at_ms, now + self._poll_interval_s)
         drain.set(window.max_timestamp())
 
@@ -148,23 +232,34 @@ class _StreamingGenerateFn(beam.DoFn):
             if key is None:
                 break
             entry["key"] = key
-            inflight.add(json.dumps(entry))
+            inflight.add(encode_entry(entry))
             sent += 1
         self.requests_sent.inc(sent)
         return sent
 
     @on_timer(POLL)
     def on_poll(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
-                seen_state=beam.DoFn.StateParam(SEEN), poll=beam.DoFn.TimerParam(POLL),
-                poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS)) -> Iterator[Any]:
+                progress_state=beam.DoFn.StateParam(PROGRESS), seen_state=beam.DoFn.StateParam(SEEN),
+                poll=beam.DoFn.TimerParam(POLL), poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS),
+                wait_ms=beam.DoFn.StateParam(WAIT_MS)) -> Iterator[Any]:
         poll_at_ms.clear()
         seen = SeenIds(seen_state)
-        busy = yield from self._collect(inflight, seen)
-        busy += yield from self._admit(waiting, inflight, seen)
+        progress = _Progress(progress_state)
+        streaming = yield from self._collect(inflight, progress, seen)
+        sent, left = yield from self._admit(waiting, inflight, seen)
+        progress.save()
         now = time.time()
-        seen.save(now, prune=not busy)
-        if busy:
+        seen.save(now, prune=not (streaming or sent or left))
+        backoff_ms = wait_ms.read()
+        if streaming or sent or progress.release:
+            if backoff_ms is not None:
+                wait_ms.clear()
             self._arm(poll, poll_at_ms, now + self._poll_interval_s)
+        elif left:  # only waiting: nothing here can change until another key's stream ends
+            backoff = min(max(2 * (backoff_ms or 0), int(self._poll_interval_s * 1000)), int(WAITING_POLL_CAP_S * 1000))
+            if backoff != backoff_ms:
+                wait_ms.write(backoff)
+            self._arm(poll, poll_at_ms, now + backoff / 1000)
         elif (next_expiry := seen.next_expiry()) is not None:
             self._arm(poll, poll_at_ms, next_expiry + 1.0)  # to forget the ids whose window has passed
 
@@ -178,27 +273,39 @@ class _StreamingGenerateFn(beam.DoFn):
 
     @on_timer(DRAIN)
     def on_drain(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
-                 seen_state=beam.DoFn.StateParam(SEEN)) -> Iterator[Any]:
-        """The window is closing (or the job drains): serve what waits and streams, for as long as it progresses."""
+                 progress_state=beam.DoFn.StateParam(PROGRESS), seen_state=beam.DoFn.StateParam(SEEN),
+                 wait_ms=beam.DoFn.StateParam(WAIT_MS), poll=beam.DoFn.TimerParam(POLL),
+                 poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS)) -> Iterator[Any]:
+        """The window is closing (on the global window: the job drains).
+
+        Dataflow fires this watermark timer once the drain moves the watermark to
+        infinity; processing-time timers set after it may not fire before the job
+        stops, so the wait for requests in flight happens here, bounded by
+        ``drain_timeout_s``. What waits is not started: it becomes a ``drain``
+        dead letter at once, to be redriven into the next job.
+        """
+        deadline = time.time() + self._drain_timeout_s
         seen = SeenIds(seen_state)
-        patience = self._settings.request_timeout_s + 30
-        last_busy, last_progress = None, time.time()
-        while True:
-            busy = (yield from self._collect(inflight, seen)) + (yield from self._admit(waiting, inflight, seen))
-            if not busy:
-                break
-            if last_busy is None or busy < last_busy:
-                last_progress = time.time()
-            elif time.time() - last_progress > patience:
-                break
-            last_busy = busy
-            time.sleep(self._poll_interval_s)
-        for state in (waiting, inflight):
-            for entry in state.read():
-                yield self._dead_letter(json.loads(entry)["request"],
-                                        "the window closed (or the job drained) before the request finished")
+        entries = yield from self._decoded(waiting)
+        for entry in entries:
+            yield self._drain_letter(entry, "the job drained before the request was sent to the model server")
+        waiting.clear()
+        progress = _Progress(progress_state)
+        while (yield from self._collect(inflight, progress, seen)) and time.time() < deadline:
+            time.sleep(min(self._poll_interval_s, max(deadline - time.time(), 0.0)))
+        entries = yield from self._decoded(inflight)
+        self._engine.cancel([e["key"] for e in entries if e["key"] is not None] + list(progress.release))
+        for entry in entries:
+            yield self._drain_letter(entry, f"the job drained and the request did not finish within "
+                                            f"drain_timeout_s={self._drain_timeout_s:g}")
+        for state in (inflight, progress_state, seen_state, wait_ms, poll_at_ms):
             state.clear()
-        seen_state.clear()
+        poll.clear()
+
+    def _drain_letter(self, entry: dict, reason: str) -> pvalue.TaggedOutput:
+        self.drained.inc()
+        return self._dead_letter(entry["request"], reason + "; republish it with the redrive command",
+                                 stage=STAGE_DRAIN)
 
     def _submit(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
         """The engine's keys for new streams; None for each it has no room for (or when it must be reconnected)."""
@@ -209,15 +316,38 @@ class _StreamingGenerateFn(beam.DoFn):
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
             return [None] * len(request_jsons)
 
+    def _decoded(self, bag) -> Iterator[Any]:
+        """The bag's entries; one that cannot be decoded is a dead letter with its raw text (the bag is rewritten).
+
+        Returns the entries, as a generator's return value, after yielding the dead letters.
+        """
+        entries, broken = [], False
+        for text in bag.read():
+            try:
+                entries.append(decode_entry(text))
+            except StateEntryError as exc:
+                broken = True
+                self.undecodable.inc()
+                self.dead_letters_out.inc()
+                LOGGER.error("A state entry of this key cannot be decoded (%s); it goes to the dead letters", exc)
+                yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, DeadLetter(
+                    STAGE_INFERENCE, f"state entry could not be decoded after an update: {exc}", text,
+                    at=time.time()).to_record())
+        if broken:
+            bag.clear()
+            for entry in entries:
+                bag.add(encode_entry(entry))
+        return entries
+
     def _admit(self, waiting, inflight, seen: SeenIds) -> Iterator[Any]:
-        """Sends waiting requests, batch by batch, while the engine has room; returns how many it sent or left."""
-        waiting_entries = list(waiting.read())
-        if not waiting_entries:
-            return 0
+        """Sends waiting requests, batch by batch, while the engine has room; returns (sent, still waiting)."""
+        if next(iter(waiting.read()), None) is None:
+            return 0, 0
         if self._engine.in_flight() >= self._settings.max_in_flight:
-            return len(waiting_entries)  # full: nothing to decode
+            return 0, sum(1 for _ in waiting.read())  # full: nothing to decode
+        entries = yield from self._decoded(waiting)
         now, live, expired = time.time(), [], False
-        for entry in map(json.loads, waiting_entries):
+        for entry in entries:
             if entry["deadline_at"] is not None and now > entry["deadline_at"]:
                 request = InferenceRequest.from_json(entry["request"])
                 yield self._dead_letter(entry["request"], f"its deadline_ms={request.deadline_ms} passed while "
@@ -238,45 +368,58 @@ class _StreamingGenerateFn(beam.DoFn):
         if taken or expired:
             waiting.clear()
             for entry in live[taken:]:
-                waiting.add(json.dumps(entry))
-        return len(live)
+                waiting.add(encode_entry(entry))
+        return taken, len(live) - taken
 
-    def _collect(self, inflight, seen: SeenIds) -> Iterator[Any]:
+    def _collect(self, inflight, progress: _Progress, seen: SeenIds) -> Iterator[Any]:
         """Emits what the engine has for each in-flight request; returns how many remain.
 
-        The bag is rewritten only when an entry changed (finished, resent, new attempt).
+        The engine is asked for each stream's outputs from ``progress.taken`` on,
+        so a retried firing (whose state writes were discarded) gets the same
+        outputs again; finished streams are released on the next firing. The
+        bag is rewritten only when an entry changed (finished, resent).
         """
-        entries = [json.loads(e) for e in inflight.read()]
-        if not entries:
+        entries = yield from self._decoded(inflight)
+        if not entries and not progress.release:
             return 0  # timers can fire twice for one setting
-        keys = [e["key"] for e in entries if e["key"] is not None]
+        positions = {e["key"]: progress.taken.get(e["key"], 0) for e in entries if e["key"] is not None}
+        positions.update(progress.release)
+        progress.release = {}
         try:
-            ready = self._engine.poll(keys) if keys else {}
+            ready = self._engine.poll(positions) if positions else {}
         except (ConnectionError, EOFError) as exc:
             # The SDK process hosting the shared engine died: its streams are gone with it.
             LOGGER.warning("The worker's engine is unreachable (%s); reconnecting and resending", exc)
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
-            ready = {key: [(UNKNOWN, "")] for key in keys}
-        remaining, changed = [], False
+            ready = {key: [(UNKNOWN, "")] for key in positions}
+        remaining, changed, taken = [], False, {}
         for entry in entries:
-            before = (entry["key"], entry["attempt"])
-            outcome: list[bool] = []
-            items = ready.get(entry["key"], ())
-            if not items and entry["key"] is not None:
+            key, attempt = entry["key"], entry["attempt"]
+            items = ready.get(key, ())
+            position = positions.get(key, 0) + len(items)
+            if not items and key is not None:
                 remaining.append(entry)  # nothing new for this request
+                taken[key] = position
                 continue
+            outcome: list[bool] = []
             yield from guarded(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
                                lambda: self._outputs(entry, items, outcome), on_failure=lambda: outcome.append(True))
+            same_stream = key is not None and entry["key"] == key  # not lost and resent under a new key
             if outcome:
                 seen.release(json.loads(entry["request"])["id"], entry["fp"], time.time() + self._dedupe_window_s)
                 changed = True
+                if same_stream:
+                    progress.release[key] = position  # emitted: the engine may forget the stream
             else:
                 remaining.append(entry)
-                changed = changed or (entry["key"], entry["attempt"]) != before
+                if same_stream:
+                    taken[key] = position
+                changed = changed or (entry["key"], entry["attempt"]) != (key, attempt)
+        progress.taken = {key: n for key, n in taken.items() if n}
         if changed:
             inflight.clear()
             for entry in remaining:
-                inflight.add(json.dumps(entry))
+                inflight.add(encode_entry(entry))
         return len(remaining)
 
     def _outputs(self, entry: dict, items: Any, outcome: list[bool]) -> Iterator[Any]:
@@ -318,10 +461,14 @@ class _StreamingGenerateFn(beam.DoFn):
                     LOGGER.warning("Stream %s was lost; sent again as %s", entry["key"], key)
                 entry["key"] = key
 
-    def _dead_letter(self, request_json: str, reason: str) -> pvalue.TaggedOutput:
+    def _dead_letter(self, request_json: str, reason: str, stage: str = STAGE_INFERENCE) -> pvalue.TaggedOutput:
         self.dead_letters_out.inc()
         request = InferenceRequest.from_json(request_json)
-        letter = DeadLetter(STAGE_INFERENCE, reason, request_json, id=request.id, at=time.time())
+        if stage == STAGE_DRAIN:  # republishable as it is: already prepared, so parsing applies no defaults again
+            letter = DeadLetter(stage, reason, request.to_payload(), id=request.id,
+                                attributes={PREPARED_ATTRIBUTE: "1"}, at=time.time())
+        else:
+            letter = DeadLetter(stage, reason, request_json, id=request.id, at=time.time())
         return pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter.to_record())
 
 
@@ -351,8 +498,10 @@ class StreamingGenerate(beam.PTransform):
 
     def __init__(self, settings: EngineSettings, *, poll_interval_ms: float | None = None,
                  shared_tag: str | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
-                 generate_shards: int | None = None) -> None:
+                 generate_shards: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         super().__init__()
+        if drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be 0 or more, got {drain_timeout_s:g}")
         if dedupe_window_s < 0:
             raise ValueError(f"dedupe_window_s must be 0 or more, got {dedupe_window_s:g}")
         if generate_shards is not None and generate_shards < 1:
@@ -362,9 +511,10 @@ class StreamingGenerate(beam.PTransform):
                              "batcher key: it takes no generate_shards")
         self._settings = settings
         self._dedupe_window_s = dedupe_window_s
+        self._drain_timeout_s = drain_timeout_s
         self._generate_shards = generate_shards
-        interval = settings.chunk_policy.interval_ms / 2 if poll_interval_ms is None else poll_interval_ms
-        self._poll_interval_ms = min(max(interval, 10.0), 100.0)
+        self._poll_interval_ms = template_poll_interval_ms(
+            settings.chunk_policy.interval_ms if poll_interval_ms is None else 2 * poll_interval_ms)
         # One engine per worker for this pipeline, never shared with another job's.
         self._shared_tag = shared_tag or "streaming-llm-" + hashlib.sha1(
             (repr(settings) + uuid.uuid4().hex).encode()).hexdigest()[:16]
@@ -375,7 +525,8 @@ class StreamingGenerate(beam.PTransform):
             batches = batches | "KeyByGenerateShard" >> beam.FlatMap(
                 _by_generate_key, self._generate_shards).with_output_types(Tuple[int, Any])
         results = batches | "Generate" >> beam.ParDo(
-            _StreamingGenerateFn(self._settings, self._shared_tag, self._poll_interval_ms, self._dedupe_window_s)
+            _StreamingGenerateFn(self._settings, self._shared_tag, self._poll_interval_ms, self._dedupe_window_s,
+                                 self._drain_timeout_s)
         ).with_outputs(TAG_COMPLETIONS, TAG_DEAD_LETTERS, main="chunks")
         return results
 

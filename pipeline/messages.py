@@ -30,6 +30,7 @@ STAGE_VALIDATE = "validate"
 STAGE_MEASURE = "measure"
 STAGE_BATCH = "batch"
 STAGE_INFERENCE = "inference"
+STAGE_DRAIN = "drain"  # the job drained before the request could be served; it can be redriven
 STAGE_SINK = "sink"
 
 ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata",
@@ -47,6 +48,9 @@ MAX_JSON_DEPTH = 32
 MAX_DEAD_LETTER_BYTES = 8 * 1024 * 1024
 # The message attribute that says how to read the payload.
 CONTENT_TYPE_ATTRIBUTE = "content_type"
+# Set by the redrive command on a request the template had already prepared (defaults applied): parsing
+# applies system_prompt, prompt_template and response_schema only to requests without it.
+PREPARED_ATTRIBUTE = "llm_template_prepared"
 CONTENT_TYPE_JSON, CONTENT_TYPE_TEXT = "application/json", "text/plain"
 
 
@@ -80,6 +84,12 @@ class InferenceRequest:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
+    def to_payload(self) -> str:
+        """The request as a publisher would send it: what a redrive republishes to an input topic."""
+        fields = {name: value for name, value in dataclasses.asdict(self).items()
+                  if value is not None and name not in ("received_at", "prompt_tokens")}
+        return json.dumps(fields, separators=(",", ":"))
+
     @classmethod
     def from_json(cls, text: str) -> InferenceRequest:
         data = json.loads(text)
@@ -105,10 +115,16 @@ class InferenceRequest:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of streamed output; ``seq`` is gapless per (id, attempt)."""
+    """A piece of streamed output; ``seq`` is gapless per ``stream``.
+
+    ``stream`` names one generation of a request: random, so no other stream,
+    on this worker or another, can share it. ``attempt`` counts a request's
+    generations for people; two workers can both reach the same attempt.
+    """
 
     id: str
     attempt: int
+    stream: str
     seq: int
     text: str
     tokens: int  # cumulative completion tokens so far
@@ -124,10 +140,11 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Completion:
-    """The final record of one request."""
+    """The final record of one request; ``stream`` names the chunks that add up to ``text``."""
 
     id: str
     attempt: int
+    stream: str
     model: str
     prompt: str | None
     messages: tuple[Mapping[str, str], ...] | None
@@ -306,7 +323,7 @@ def parse_request(
         return dead(STAGE_VALIDATE, f"the request id is longer than {MAX_ID_BYTES} bytes (UTF-8); "
                                     "Pub/Sub ordering keys, which carry it, are limited", None)
     try:
-        if defaults is not None:
+        if defaults is not None and attributes.get(PREPARED_ATTRIBUTE) != "1":
             fields = defaults.apply(fields, is_text)
         return _validated(fields, request_id, limits, received_at)
     except RequestError as exc:

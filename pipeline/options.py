@@ -225,6 +225,16 @@ PARAMETERS: tuple[Parameter, ...] = (
               "while the server restarts) goes to the dead letters. Time spent waiting in a backlog does not "
               "count; a request can set its own limit with 'deadline_ms'.",
               "600", GROUP_MODEL, "NUMBER", default=600, minimum=1),
+    Parameter("stream_lease_s", "Stream lease (s)",
+              "A stream its key stops polling for this long (the key moved to another worker, or the bundle "
+              "that sent it was retried elsewhere) is cancelled at the model server, which frees its memory, "
+              "and forgotten. Keys poll their streams many times a second, so the lease covers a delayed timer.",
+              "10", GROUP_MODEL, "NUMBER", default=10, minimum=1, maximum=600),
+    Parameter("drain_timeout_s", "Drain timeout (s)",
+              "When the job drains, requests already generating get this long to finish; those still "
+              "generating then, and those waiting to be sent, become dead letters with stage 'drain' that "
+              "carry the request, for the redrive command to republish to the next job's input.",
+              "30", GROUP_MODEL, "NUMBER", default=30, minimum=0, maximum=300),
     # Prompt and structured output
     Parameter("system_prompt", "System prompt",
               "Sent as the system message of every request that has none (with prompt_format=completion, "
@@ -341,6 +351,8 @@ class PipelineConfig:
     default_max_tokens: int
     max_in_flight: int
     request_timeout_s: int
+    stream_lease_s: int
+    drain_timeout_s: int
     system_prompt: str | None
     prompt_template: str | None
     response_schema: str | None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import json
 import logging
 import threading
@@ -55,6 +56,7 @@ class StreamingEngine(EngineBase):
         self._loop_thread.start()
         self._semaphore = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
         self._session: aiohttp.ClientSession | None = None
+        self._tasks: dict[str, concurrent.futures.Future] = {}
         atexit.register(self.close)
 
     async def _make_semaphore(self) -> asyncio.Semaphore:
@@ -90,7 +92,16 @@ class StreamingEngine(EngineBase):
 
     def _start(self, streams: list[Stream]) -> None:
         for stream in streams:
-            asyncio.run_coroutine_threadsafe(self._run(stream.key), self._loop)
+            task = asyncio.run_coroutine_threadsafe(self._run(stream), self._loop)
+            self._tasks[stream.key] = task
+            task.add_done_callback(lambda done, key=stream.key: self._tasks.get(key) is done and self._tasks.pop(key))
+
+    def _cancel(self, streams: list[Stream]) -> None:
+        """Cancels the streams' tasks: their connections close, and vLLM aborts a request whose client left."""
+        for stream in streams:
+            task = self._tasks.get(stream.key)
+            if task is not None:
+                task.cancel()
 
     # Streaming ---------------------------------------------------------------------
 
@@ -98,8 +109,7 @@ class StreamingEngine(EngineBase):
         while self._awaiting_chunk_confirmation(stream):
             await asyncio.sleep(0.002)
 
-    async def _run(self, key: str) -> None:
-        stream = self._streams[key]
+    async def _run(self, stream: Stream) -> None:
         request = stream.request
         last_error = "no attempt was made"
         delay = 0.5
@@ -152,7 +162,7 @@ class StreamingEngine(EngineBase):
                     if response.status in (408, 429) or response.status >= 500:
                         raise RetryableError(f"HTTP {response.status}: {body}")
                     raise _RequestRejected(f"HTTP {response.status}: {_error_message(body)}")
-                async for event in _sse_events(response.content):
+                async for event in _sse_events(response.content, response):
                     usage = event.get("usage") or {}
                     prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
                     for choice in event.get("choices") or ():
@@ -225,8 +235,24 @@ def _error_message(body: str) -> str:
     return str(error)
 
 
-async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
-    """Server-sent events of an OpenAI-style stream, until ``[DONE]``."""
+async def _sse_events(content: aiohttp.StreamReader,
+                      response: aiohttp.ClientResponse | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Server-sent events of an OpenAI-style stream, until ``[DONE]``.
+
+    Cancelled while reading (the stream was abandoned), it closes the connection
+    rather than return it to the pool: the closed connection is what makes vLLM
+    abort the request.
+    """
+    try:
+        async for event in _events(content):
+            yield event
+    except asyncio.CancelledError:
+        if response is not None:
+            response.close()
+        raise
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
     async for raw in content:
         line = raw.decode("utf-8").strip()
         if not line.startswith("data:"):

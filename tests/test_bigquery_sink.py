@@ -15,11 +15,11 @@ from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LET
                                     TableError, WriteToBigQueryTable, bigquery_client, ensure_table)
 
 PROJECT = "local-project"
-COMPLETION = {"id": "r1", "attempt": 1, "model": "smollm2", "prompt": "Hi", "messages": None, "text": "Hello!",
+COMPLETION = {"id": "r1", "attempt": 1, "stream": "s1", "model": "smollm2", "prompt": "Hi", "messages": None, "text": "Hello!",
               "finish_reason": "stop", "usage": {"prompt_tokens": 31, "completion_tokens": 3},
               "time_to_first_token_ms": 120.5, "total_ms": 300.25, "received_at": 1795322892.5,
               "finished_at": 1795322892.8, "metadata": {"team": "qa", "n": 1}}
-CHUNK = {"id": "r1", "attempt": 1, "seq": 0, "text": "Hello!", "tokens": 3, "final": True, "finish_reason": "stop",
+CHUNK = {"id": "r1", "attempt": 1, "stream": "s1", "seq": 0, "text": "Hello!", "tokens": 3, "final": True, "finish_reason": "stop",
          "time_to_first_token_ms": 120.5, "elapsed_ms": 300.25, "emitted_at": 1795322892.8}
 DEAD_LETTER = {"stage": "validate", "reason": "'max_tokens' must be a positive integer", "payload": '{"prompt": 1}',
                "payload_encoding": "utf-8", "id": "r2", "attributes": {"source": "app"}, "at": 1795322892.9}

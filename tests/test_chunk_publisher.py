@@ -15,7 +15,7 @@ from tests.conftest import wait_until
 
 
 def _chunks(request_id: str, count: int, attempt: int = 1) -> list[Chunk]:
-    return [Chunk(id=request_id, attempt=attempt, seq=seq, text=f"t{seq} ", tokens=seq + 1, final=seq == count - 1,
+    return [Chunk(id=request_id, attempt=attempt, stream=f"{request_id}-{attempt}", seq=seq, text=f"t{seq} ", tokens=seq + 1, final=seq == count - 1,
                   finish_reason="stop" if seq == count - 1 else None, time_to_first_token_ms=5.0,
                   elapsed_ms=float(seq), emitted_at=time.time()) for seq in range(count)]
 

@@ -120,12 +120,12 @@ def test_chunks_are_gapless_and_add_up_to_the_final_text(run):
     _, collector, _, _, _ = run
     chunks = defaultdict(dict)
     for chunk in collector.chunks:  # at-least-once: a redelivered chunk is the same chunk again
-        key = (chunk.data["id"], chunk.data["attempt"])
+        key = chunk.data["stream"]
         if chunk.data["seq"] in chunks[key]:
             assert chunks[key][chunk.data["seq"]]["text"] == chunk.data["text"], "one seq, two texts"
         chunks[key][chunk.data["seq"]] = chunk.data
     for request_id, completion in completions_by_id(collector).items():
-        mine = sorted(chunks[(request_id, completion["attempt"])].values(), key=lambda c: c["seq"])
+        mine = sorted(chunks[completion["stream"]].values(), key=lambda c: c["seq"])
         assert [c["seq"] for c in mine] == list(range(len(mine))), request_id
         assert mine[-1]["final"] and not any(c["final"] for c in mine[:-1]), request_id
         assert "".join(c["text"] for c in mine) == completion["text"], request_id
@@ -185,9 +185,9 @@ def test_bigquery_holds_the_same_completions_chunks_and_dead_letters(run):
         assert (row["prompt_tokens"], row["completion_tokens"]) == \
             (record["usage"]["prompt_tokens"], record["usage"]["completion_tokens"])
         assert row["metadata"] == record["metadata"]
-    chunk_keys = {(c.data["id"], c.data["attempt"], c.data["seq"]) for c in collector.chunks}
+    chunk_keys = {(c.data["id"], c.data["stream"], c.data["seq"]) for c in collector.chunks}
     assert wait_until(lambda: len(table_rows(f"chunks_{suffix}")) >= len(chunk_keys), 60)
-    assert {(r["request_id"], r["attempt"], r["seq"]) for r in table_rows(f"chunks_{suffix}")} == chunk_keys
+    assert {(r["request_id"], r["stream"], r["seq"]) for r in table_rows(f"chunks_{suffix}")} == chunk_keys
     letters = table_rows(f"dead_letters_{suffix}")
     assert {r["request_id"] for r in letters} == set(MALFORMED)
     assert all(r["reason"] and r["stage"] in ("parse", "validate") for r in letters)

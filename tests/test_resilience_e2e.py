@@ -43,10 +43,10 @@ NAMELESS = {f"hostile-{i}" for i, (payload, _) in enumerate(HOSTILE) if carries_
 HOSTILE_IDS = [f"hostile-{i}" for i in range(len(HOSTILE))]
 
 
-def chunk_streams(collector) -> dict[tuple[str, int], list[dict]]:
-    streams: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
+def chunk_streams(collector) -> dict[str, list[dict]]:
+    streams: dict[str, dict[int, dict]] = defaultdict(dict)
     for chunk in collector.chunks:
-        streams[(chunk.data["id"], chunk.data["attempt"])][chunk.data["seq"]] = chunk.data  # a redelivery is one chunk
+        streams[chunk.data["stream"]][chunk.data["seq"]] = chunk.data  # a redelivery is one chunk
     return {key: [seqs[s] for s in sorted(seqs)] for key, seqs in streams.items()}
 
 
@@ -131,7 +131,7 @@ def test_after_a_kill_9_every_completion_has_a_whole_chunk_stream(hostile_run):
     completions = {c.data["id"]: c.data for c in collector.completions}
     assert any(c["attempt"] > 1 for c in completions.values()), "the kill should have cut a stream mid-way"
     for request_id, completion in completions.items():
-        chunks = streams[(request_id, completion["attempt"])]
+        chunks = streams[completion["stream"]]
         assert [c["seq"] for c in chunks] == list(range(len(chunks))), request_id
         assert chunks[-1]["final"] and not any(c["final"] for c in chunks[:-1]), request_id
         assert "".join(c["text"] for c in chunks) == completion["text"], request_id

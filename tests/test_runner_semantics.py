@@ -1,0 +1,253 @@
+"""The generate step under Dataflow's semantics: retried work items, moved keys, drain and update.
+
+The driver (:mod:`local.runner_semantics`) stands in for the runner around the
+real DoFn, real engines (one per worker) and the real managed vLLM. Hypothesis
+draws fault schedules; every schedule must end with exactly one committed
+completion or dead letter per request, the completion's chunk stream whole,
+no stream identity shared, and nothing left running at the server once the
+lease has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.chunking import ChunkPolicy
+from pipeline.engine import EngineSettings
+from pipeline.generate import _StreamingGenerateFn, decode_entry
+from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest, parse_request
+from pipeline.vllm_engine import StreamingEngine
+from tests.conftest import SERVED_NAME, wait_until
+from local.runner_semantics import Driver, KeyState, Worker, entry_v1
+
+pytestmark = pytest.mark.engine
+
+LEASE_S = 2.0
+POLL_MS = 50.0
+PROMPTS = ["Name a color.", "Write one sentence about rain.", "Count from 1 to 10.", "Say hello in French."]
+EVENTS = st.sampled_from(["poll", "poll", "poll", "poll_fails", "deliver_fails", "move", "deliver_elsewhere_fails"])
+MOVES = ("move", "deliver_elsewhere_fails")
+
+
+def server_metrics(base_url: str) -> dict[str, float]:
+    """vLLM's own /metrics: the gauges and counters this test reads, summed over their labels."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    figures: dict[str, float] = defaultdict(float)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total"):
+        for match in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M):
+            figures[name] += float(match.group(1))
+    return figures
+
+
+@pytest.fixture(scope="module")
+def workers(vllm_server):
+    """Two workers, each with its own engine, against the one server (as two VMs would each have theirs)."""
+    engine_settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
+                                     max_in_flight=3, request_timeout_s=120, stream_lease_s=LEASE_S,
+                                     chunk_policy=ChunkPolicy(chunk_tokens=3, interval_ms=100))
+    made = []
+    for name in ("worker-a", "worker-b"):
+        engine = StreamingEngine(engine_settings)
+        dofn = _StreamingGenerateFn(engine_settings, f"driver-{name}", POLL_MS, dedupe_window_s=600,
+                                    drain_timeout_s=20)
+        dofn._engine = engine
+        made.append(Worker(name, dofn, engine))
+    yield made
+    for worker in made:
+        worker.engine.close()
+
+
+def requests_for(run: int, count: int) -> list[InferenceRequest]:
+    return [InferenceRequest(id=f"run{run}-r{i}", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12 + 4 * i,
+                             temperature=1.0, received_at=time.time()) for i in range(count)]
+
+
+def run_to_end(driver: Driver, keys: list, timeout_s: float = 120) -> None:
+    """Fires due polls, committing, until no key has a poll timer set."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pending = [key for key in keys if driver.state.get(key, KeyState()).timers["poll"] is not None
+                   and (driver.state[key].bags["inflight"] or driver.state[key].bags["waiting"]
+                        or driver.state[key].values["progress"])]
+        if not pending:
+            return
+        if not any([driver.fire(key) is not None for key in pending]):
+            raise AssertionError(f"requests pending with no poll due soon: {[driver.state[k] for k in pending]}")
+    raise AssertionError("requests still pending when the run timed out")
+
+
+def assert_accounted(driver: Driver, requests: list[InferenceRequest]) -> None:
+    """One outcome per request; the completion's stream whole; no stream identity shared."""
+    ids = [r.id for r in requests]
+    outcomes = [c["id"] for c in driver.committed.completions] + [d["id"] for d in driver.committed.dead_letters]
+    assert sorted(outcomes) == sorted(ids), "each request must end exactly once"
+    # Every chunk ever produced, committed or not: a stream id belongs to one request, and a seq to one text.
+    by_stream: dict[str, dict[int, str]] = defaultdict(dict)
+    owner: dict[str, str] = {}
+    for chunk in driver.committed.chunks + driver.discarded.chunks:
+        assert owner.setdefault(chunk["stream"], chunk["id"]) == chunk["id"], "two requests share a stream id"
+        assert by_stream[chunk["stream"]].setdefault(chunk["seq"], chunk["text"]) == chunk["text"], \
+            "two streams share an identity"
+    committed: dict[str, dict[int, dict]] = defaultdict(dict)
+    for chunk in driver.committed.chunks:
+        committed[chunk["stream"]][chunk["seq"]] = chunk
+    streams = [c["stream"] for c in driver.committed.completions]
+    assert len(streams) == len(set(streams))
+    for completion in driver.committed.completions:
+        chunks = [committed[completion["stream"]][seq] for seq in sorted(committed[completion["stream"]])]
+        assert [c["seq"] for c in chunks] == list(range(len(chunks))), completion["id"]
+        assert chunks[-1]["final"] and not any(c["final"] for c in chunks[:-1]), completion["id"]
+        assert "".join(c["text"] for c in chunks) == completion["text"], completion["id"]
+
+
+def assert_nothing_left_running(workers: list[Worker], base_url: str) -> None:
+    """Abandoned streams are cancelled within the lease: the server runs nothing, the engines hold nothing."""
+    assert wait_until(lambda: all(not w.engine._streams and w.engine.in_flight() == 0 for w in workers),
+                      timeout_s=LEASE_S * 3 + 5), {w.name: list(w.engine._streams) for w in workers}
+    assert wait_until(lambda: (m := server_metrics(base_url))["vllm:num_requests_running"] == 0
+                      and m["vllm:num_requests_waiting"] == 0, timeout_s=10), server_metrics(base_url)
+
+
+RUNS = iter(range(10**6))
+GENERATED: list[tuple[float, float]] = []  # (tokens generated at the server, tokens delivered), per schedule
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(first=st.sampled_from(["commits", "fails", "fails_elsewhere"]),
+       schedule=st.lists(EVENTS, min_size=3, max_size=12).filter(lambda s: sum(MOVES.__contains__(e) for e in s) <= 2),
+       split=st.booleans())
+def test_every_request_ends_once_whatever_the_runner_retries_or_moves(workers, vllm_server, first, schedule, split):
+    """At most three moves per schedule: each loses the streams, and MAX_ATTEMPTS=4 gives up on a fourth loss."""
+    run = next(RUNS)
+    driver = Driver(workers)
+    requests = requests_for(run, 4)
+    batches = {0: requests[:2], 1: requests[2:]} if split else {0: requests}
+    before = server_metrics(vllm_server.base_url)["vllm:generation_tokens_total"]
+    for key, batch in batches.items():
+        if first != "commits":  # the bundle that submitted the batch fails to commit, and is retried
+            driver.deliver(key, batch, commit=False)
+            if first == "fails_elsewhere":
+                driver.move(key, workers[1])
+        driver.deliver(key, batch)
+    keys = list(batches)
+    for n, event in enumerate(schedule):
+        key = keys[n % len(keys)]
+        other = workers[1] if driver.owner[key] is workers[0] else workers[0]
+        if event == "poll":
+            driver.fire(key)
+        elif event == "poll_fails":
+            driver.fire(key, commit=False)
+        elif event == "move":
+            driver.move(key, other)
+        elif event == "deliver_fails":  # a redelivered batch whose commit fails: it joins the same streams
+            driver.deliver(key, batches[key], commit=False)
+        elif event == "deliver_elsewhere_fails":  # ... on another worker, which starts streams of its own
+            driver.move(key, other)
+            driver.deliver(key, batches[key], commit=False)
+        time.sleep(POLL_MS / 1000)
+    run_to_end(driver, keys)
+    assert_accounted(driver, requests)
+    assert not driver.committed.dead_letters, driver.committed.dead_letters
+    assert_nothing_left_running(workers, vllm_server.base_url)
+    generated = server_metrics(vllm_server.base_url)["vllm:generation_tokens_total"] - before
+    delivered = sum(c["usage"]["completion_tokens"] for c in driver.committed.completions)
+    GENERATED.append((generated, delivered))
+
+
+def test_report_tokens_generated_per_token_delivered(capsys):
+    """Prints what the fault schedules above cost in generation (run after them, in file order)."""
+    if not GENERATED:
+        pytest.skip("the schedules did not run")
+    ratios = sorted(g / d for g, d in GENERATED)
+    with capsys.disabled():
+        print(f"\nRunner semantics: tokens generated per token delivered over {len(ratios)} fault schedules: "
+              f"median {ratios[len(ratios) // 2]:.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+    assert ratios[0] >= 0.99  # the server cannot deliver more than it generated
+
+
+def test_drain_serves_what_is_in_flight_and_letters_what_waits(workers, vllm_server):
+    driver = Driver(workers[:1])
+    requests = [parse_request(json.dumps({"id": f"drain-{i}", "prompt": PROMPTS[i % 4], "max_tokens": 16,
+                                          "temperature": 0, "metadata": {"n": i}}).encode())
+                for i in range(6)]  # as the pipeline parsed them; max_in_flight=3: three wait
+    driver.deliver(0, requests)
+    assert len(driver.state[0].bags["waiting"]) == 3
+    started = time.monotonic()
+    driver.drain(0)
+    assert time.monotonic() - started < 20 + 5, "drain must be bounded by drain_timeout_s"
+    assert len(driver.committed.completions) == 3
+    letters = driver.committed.dead_letters
+    assert len(letters) == 3 and {d["stage"] for d in letters} == {STAGE_DRAIN}
+    for letter in letters:  # the payload parses back to the same request, with no defaults applied again
+        assert letter["attributes"] == {PREPARED_ATTRIBUTE: "1"}
+        again = parse_request(letter["payload"].encode(), letter["attributes"])
+        original = next(r for r in requests if r.id == letter["id"])
+        assert isinstance(again, InferenceRequest) and again.fingerprint() == original.fingerprint()
+    assert driver.state[0].is_empty()
+    assert_accounted(driver, requests)
+    assert_nothing_left_running(workers[:1], vllm_server.base_url)
+
+
+def test_a_drain_that_times_out_cancels_at_the_server_and_letters_the_rest(workers, vllm_server):
+    impatient = _StreamingGenerateFn(workers[0].dofn._settings, "driver-impatient", POLL_MS, 600, drain_timeout_s=0)
+    impatient._engine = workers[0].engine
+    driver = Driver([Worker("impatient", impatient, workers[0].engine)])
+    requests = [InferenceRequest(id=f"cut-{i}", prompt="Count from 1 to 500.", max_tokens=400, temperature=0,
+                                 received_at=time.time()) for i in range(2)]
+    driver.deliver(0, requests)
+    assert wait_until(lambda: server_metrics(vllm_server.base_url)["vllm:num_requests_running"] == 2, 30)
+    driver.drain(0)
+    assert [d["stage"] for d in driver.committed.dead_letters] == [STAGE_DRAIN, STAGE_DRAIN]
+    assert not driver.committed.completions
+    assert_nothing_left_running(workers[:1], vllm_server.base_url)  # aborted at once, not after the lease
+
+
+def test_state_written_by_the_previous_version_is_served_and_a_broken_entry_is_a_dead_letter(workers, vllm_server):
+    """An update hands state from commit 41b0859 (no version field) to this code: nothing wedges."""
+    old = [InferenceRequest(id=f"old-{i}", prompt=PROMPTS[i], max_tokens=8, temperature=0, received_at=time.time())
+           for i in range(3)]
+    state = KeyState()
+    # In flight on a worker of the old job (its engine is gone), waiting, and one entry this code cannot read.
+    state.bags["inflight"] = [entry_v1(old[0].to_json(), old[0].fingerprint(), f"old-0#{old[0].fingerprint()}#1")]
+    state.bags["waiting"] = [entry_v1(old[1].to_json(), old[1].fingerprint(), None, batch="b1"),
+                             entry_v1(old[2].to_json(), old[2].fingerprint(), None, batch="b1"),
+                             json.dumps({"request": "{}", "renamed": 1})]
+    state.timers["poll"] = time.time()
+    driver = Driver(workers[:1])
+    driver.load(0, state)
+    run_to_end(driver, [0])
+    assert sorted(c["id"] for c in driver.committed.completions) == ["old-0", "old-1", "old-2"]
+    assert next(c for c in driver.committed.completions if c["id"] == "old-0")["attempt"] == 2  # resent
+    [letter] = driver.committed.dead_letters
+    assert letter["stage"] == STAGE_INFERENCE and "could not be decoded" in letter["reason"]
+    assert json.loads(letter["payload"]) == {"request": "{}", "renamed": 1}
+    written = [decode_entry(e) for e in driver.state[0].bags["waiting"] + driver.state[0].bags["inflight"]]
+    assert not written  # all served
+
+
+def test_a_key_with_only_waiting_requests_backs_off(workers, vllm_server):
+    """While the engine is full, a key whose requests only wait polls ever more slowly, up to the cap."""
+    driver = Driver(workers[:1])
+    busy = [InferenceRequest(id=f"busy-{i}", prompt="Count from 1 to 300.", max_tokens=200, temperature=0,
+                             received_at=time.time()) for i in range(3)]
+    driver.deliver("busy", busy)  # fills max_in_flight=3
+    driver.deliver("waiter", [InferenceRequest(id="waiter", prompt="Say yes.", max_tokens=4, received_at=time.time())])
+    gaps = []
+    for _ in range(5):
+        before = driver.state["waiter"].timers["poll"]
+        driver.fire("busy")  # its key keeps its streams' lease
+        driver.fire("waiter")
+        gaps.append(driver.state["waiter"].timers["poll"] - before)
+    assert gaps == sorted(gaps) and gaps[-1] > 4 * POLL_MS / 1000, gaps
+    run_to_end(driver, ["busy", "waiter"])
+    assert sorted(c["id"] for c in driver.committed.completions) == sorted([r.id for r in busy] + ["waiter"])
