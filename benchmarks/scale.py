@@ -30,9 +30,17 @@ from typing import Callable
 
 from apache_beam.coders import StrUtf8Coder, VarIntCoder
 
+from pipeline.generate import WAITING_POLL_CAP_S, template_poll_interval_ms
 from pipeline.keying import generate_key
+from pipeline.options import PARAMETERS
 
 WORKERS = (1, 2, 4, 8, 16, 32, 64, 100)
+DEFAULT_CHUNK_INTERVAL_MS = next(p.default for p in PARAMETERS if p.name == "chunk_interval_ms")
+# State writes (adds, writes, clears, timer settings) per poll of a busy key, measured by make bench-state-cost
+# on the real generate step with chunks through the poll (docs/benchmarks.md); per request: 2.6 measured at
+# submission, plus the rewrite and release when it ends (2, counted from the code).
+WRITES_PER_POLL = 3.6
+WRITES_PER_REQUEST = 4.6
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,24 +77,31 @@ class Row:
 
 
 def streaming_engine_cost(keys: int | None, in_flight: float, requests_per_s: float, poll_interval_s: float,
-                          dedupe_window_s: float = 600.0) -> tuple[float, float]:
+                          dedupe_window_s: float = 600.0, waiting: float = 0.0) -> tuple[float, float]:
     """(timer firings/s, state writes/s) of the generate step for the whole job.
 
-    A key polls while it has a request in flight: busy keys are the occupied
-    bins when ``in_flight`` requests fall on ``keys`` keys. Each poll writes its
-    timer's armed time (2 writes); each request writes its id, its entry and
-    the entry's removal (about 4 writes), whatever the keying. A key that goes
-    quiet fires once more, a de-duplication window later, to forget its ids:
-    at most once per request, at most once per key and window.
+    A key polls at the chunk cadence while it has a request in flight: busy
+    keys are the occupied bins when ``in_flight`` requests fall on ``keys``
+    keys. A key whose requests only wait backs off to a poll every
+    :data:`~pipeline.generate.WAITING_POLL_CAP_S`: the bins ``waiting``
+    requests occupy that no in-flight request does. A key that goes quiet fires
+    once more, a de-duplication window later, to forget its ids: at most once
+    per request, at most once per key and window. Writes per firing and per
+    request are :data:`WRITES_PER_POLL` and :data:`WRITES_PER_REQUEST`, as
+    ``make bench-state-cost`` measured them on the real step.
     """
-    busy = in_flight if keys is None else keys * (1 - math.exp(-in_flight / keys))
+    if keys is None:
+        busy, waiting_keys = in_flight, waiting
+    else:
+        busy = keys * (1 - math.exp(-in_flight / keys))
+        waiting_keys = keys * (1 - math.exp(-waiting / keys)) * math.exp(-in_flight / keys)
     cleanups = requests_per_s if keys is None else min(requests_per_s, keys / dedupe_window_s)
-    timers = busy / poll_interval_s + cleanups
-    return timers, 2 * timers + 4 * requests_per_s
+    timers = busy / poll_interval_s + waiting_keys / WAITING_POLL_CAP_S + cleanups
+    return timers, WRITES_PER_POLL * timers + WRITES_PER_REQUEST * requests_per_s
 
 
 def simulate(requests: int, seed: int, in_flight: float, requests_per_s: float,
-             poll_interval_s: float) -> list[Row]:
+             poll_interval_s: float, waiting: float = 0.0) -> list[Row]:
     rng = random.Random(seed)
     # Generated tokens per request: 60 % short answers, 40 % long ones (an assumption of this simulation).
     stream = [(f"req-{rng.getrandbits(64):016x}", rng.randint(8, 40) if rng.random() < 0.6 else rng.randint(150, 400))
@@ -98,7 +113,8 @@ def simulate(requests: int, seed: int, in_flight: float, requests_per_s: float,
             key = keying.key_of(request_id)
             if key not in encoded:
                 encoded[key] = keying.encode(key)
-        timers, writes = streaming_engine_cost(keying.keys, in_flight, requests_per_s, poll_interval_s)
+        timers, writes = streaming_engine_cost(keying.keys, in_flight, requests_per_s, poll_interval_s,
+                                               waiting=waiting)
         for workers in WORKERS:
             load = [0] * workers
             for request_id, tokens in stream:
@@ -117,7 +133,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
              " | Timers/s | State writes/s |"
     lines = [f"Usable share of GPU capacity (mean / busiest worker's load), {args.requests:,} requests, seed "
              f"{args.seed}; Streaming Engine cost for the whole job at {args.in_flight:g} requests in flight, "
-             f"{args.rate:g} requests/s, a poll every {args.poll_interval_ms:g} ms.", "",
+             f"{args.rate:g} requests/s, {args.waiting:g} waiting, a poll every {args.poll_interval_ms:g} ms.", "",
              header, "|---|" + "---|" * (len(WORKERS) + 2)]
     for keying, per_workers in by_keying.items():
         cells = []
@@ -157,10 +173,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--in-flight", type=float, default=64.0 * 16, help="requests in flight, whole job")
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second, whole job")
-    parser.add_argument("--poll-interval-ms", type=float, default=50.0)
+    parser.add_argument("--poll-interval-ms", type=float, default=template_poll_interval_ms(DEFAULT_CHUNK_INTERVAL_MS),
+                        help="default: the template's, from the default chunk_interval_ms")
+    parser.add_argument("--waiting", type=float, default=0.0, help="requests waiting for room, whole job")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench" / "scale")
     args = parser.parse_args()
-    rows = simulate(args.requests, args.seed, args.in_flight, args.rate, args.poll_interval_ms / 1000)
+    rows = simulate(args.requests, args.seed, args.in_flight, args.rate, args.poll_interval_ms / 1000, args.waiting)
     table = markdown(rows, args)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

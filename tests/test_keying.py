@@ -12,7 +12,7 @@ from pathlib import Path
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from benchmarks.scale import simulate, streaming_engine_cost, worker_of
-from pipeline.generate import _by_generate_key
+from pipeline.generate import WAITING_POLL_CAP_S, _by_generate_key
 from pipeline.keying import generate_key, shard_of
 from pipeline.messages import InferenceRequest
 from pipeline.options import DATAFLOW_GENERATE_SHARDS, PipelineConfig
@@ -58,6 +58,8 @@ def test_the_simulation_respects_what_keys_allow_and_the_defaults_follow_it():
     timers_16, _ = streaming_engine_cost(16, 1024, 200, 0.05)
     timers_default, _ = streaming_engine_cost(DATAFLOW_GENERATE_SHARDS, 1024, 200, 0.05)
     assert timers_16 == 16 / 0.05 + 16 / 600 and timers_16 < timers_default <= 1024 / 0.05 + 200
+    waiting_timers, _ = streaming_engine_cost(None, 0, 0, 0.05, waiting=1000)
+    assert waiting_timers == 1000 / WAITING_POLL_CAP_S  # keys with only waiting requests poll at the cap
     args = ["--input_subscription=projects/my-project/subscriptions/in-sub",
             "--output_chunks_topic=projects/my-project/topics/chunks",
             "--dead_letter_topic=projects/my-project/topics/dead", "--num_shards=8"]
