@@ -128,7 +128,6 @@ class EngineBase:
         self._unfinished = 0  # streams not yet done: what max_in_flight bounds
         self._lock = threading.Lock()
         self._closed = False
-        self.streams_cancelled = 0  # abandoned (lease passed) or cancelled by the caller
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
         self._janitor.start()
 
@@ -174,8 +173,9 @@ class EngineBase:
 
         Outputs before the position are released; a finished stream whose every
         output is released is forgotten (its result is then ``[]``). An unknown
-        key, or a position before what was already released, gets ``UNKNOWN``:
-        the stream is lost to the caller and must be submitted again.
+        key, or a position outside what the stream holds (before what was
+        released, or past what it produced), gets ``UNKNOWN``: the stream is lost
+        to the caller and must be submitted again.
         """
         now = time.time()
         ready: dict[str, list[tuple[str, str]]] = {}
@@ -185,9 +185,8 @@ class EngineBase:
                 if stream is None or not stream.released <= position <= stream.released + len(stream.outputs):
                     ready[key] = [(UNKNOWN, "")]  # not this stream's committed position: never splice
                     continue
-                drop = min(position - stream.released, len(stream.outputs))
-                del stream.outputs[:drop]
-                stream.released += drop
+                del stream.outputs[:position - stream.released]
+                stream.released = position
                 stream.polled_at = now
                 if stream.done and not stream.outputs:
                     del self._streams[key]
@@ -248,7 +247,6 @@ class EngineBase:
                     stream.done = True
                     self._unfinished -= 1
                     running.append(stream)
-            self.streams_cancelled += len(running)
         for stream in streams:
             if self._chunk_publisher is not None:
                 self._chunk_publisher.forget(stream.key)

@@ -50,6 +50,7 @@ def run_batch(engine: StaticBatchEngine, requests: list[InferenceRequest], timeo
                     pending.discard(key)
         time.sleep(0.02)
     assert not pending, "requests without an outcome"
+    assert engine.poll(taken) == dict.fromkeys(keys, [])  # every output taken: the streams are released
     return outputs
 
 
