@@ -76,11 +76,10 @@ def measure(engine: StreamingEngine, poll_ms: float, max_tokens: int) -> dict:
     streaming, only_waiting = Phase(), Phase()
     started, streaming_until = time.monotonic(), None
     while True:
-        live = {key: state.timers["poll"] for key, state in driver.state.items() if state.timers["poll"] is not None
-                and (state.bags["inflight"] or state.bags["waiting"] or state.values["progress"])}
-        if not live:
+        busy = driver.busy_keys()
+        if not busy:
             break
-        key = min(live, key=live.get)
+        key = min(busy, key=busy.get)
         waits_only = not driver.state[key].bags["inflight"] and bool(driver.state[key].bags["waiting"])
         driver.fire(key)
         (only_waiting if waits_only else streaming).add(driver.last)

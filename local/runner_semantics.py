@@ -147,8 +147,6 @@ class Driver:
         self.owner: dict[Any, Worker] = {}
         self.committed = Outputs()
         self.discarded = Outputs()
-        self.firings = 0
-        self.bytes_written = 0
         self.last: KeyState | None = None
 
     def load(self, key: Any, state: KeyState, worker: Worker | None = None) -> None:
@@ -162,6 +160,11 @@ class Driver:
 
     def deliver(self, key: Any, requests: list, *, commit: bool = True) -> Outputs:
         return self._run(key, "process", (key, list(requests)), commit=commit)
+
+    def busy_keys(self) -> dict[Any, float]:
+        """Keys that hold requests (or a stream to release) and have a poll timer set: when each is due."""
+        return {key: state.timers["poll"] for key, state in self.state.items() if state.timers["poll"] is not None
+                and (state.bags["inflight"] or state.bags["waiting"] or state.values["progress"])}
 
     def fire(self, key: Any, *, commit: bool = True, max_wait_s: float = 5.0) -> Outputs | None:
         """Fires the key's poll timer when it is due, waiting up to ``max_wait_s``; None when none is that near."""
@@ -199,12 +202,10 @@ class Driver:
                     item.value)
             else:
                 outputs.chunks.append(item)
-        self.firings += 1
         self.last = work  # what the work item wrote, committed or not
         if commit:
             self.state[key] = work
             self.committed.extend(outputs)
-            self.bytes_written += work.bytes_written
         else:
             self.discarded.extend(outputs)
         return outputs

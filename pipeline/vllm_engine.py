@@ -94,7 +94,11 @@ class StreamingEngine(EngineBase):
         for stream in streams:
             task = asyncio.run_coroutine_threadsafe(self._run(stream), self._loop)
             self._tasks[stream.key] = task
-            task.add_done_callback(lambda done, key=stream.key: self._tasks.get(key) is done and self._tasks.pop(key))
+            task.add_done_callback(lambda done, key=stream.key: self._forget_task(key, done))
+
+    def _forget_task(self, key: str, task: concurrent.futures.Future) -> None:
+        if self._tasks.get(key) is task:  # not a newer stream's under the same key
+            self._tasks.pop(key, None)
 
     def _cancel(self, streams: list[Stream]) -> None:
         """Cancels the streams' tasks: their connections close, and vLLM aborts a request whose client left."""

@@ -71,17 +71,15 @@ def requests_for(run: int, count: int) -> list[InferenceRequest]:
                              temperature=1.0, received_at=time.time()) for i in range(count)]
 
 
-def run_to_end(driver: Driver, keys: list, timeout_s: float = 120) -> None:
-    """Fires due polls, committing, until no key has a poll timer set."""
+def run_to_end(driver: Driver, timeout_s: float = 120) -> None:
+    """Fires due polls, committing, until no key holds a request."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pending = [key for key in keys if driver.state.get(key, KeyState()).timers["poll"] is not None
-                   and (driver.state[key].bags["inflight"] or driver.state[key].bags["waiting"]
-                        or driver.state[key].values["progress"])]
-        if not pending:
+        busy = driver.busy_keys()
+        if not busy:
             return
-        if not any([driver.fire(key) is not None for key in pending]):
-            raise AssertionError(f"requests pending with no poll due soon: {[driver.state[k] for k in pending]}")
+        if not any([driver.fire(key) is not None for key in busy]):
+            raise AssertionError(f"requests pending with no poll due soon: {[driver.state[k] for k in busy]}")
     raise AssertionError("requests still pending when the run timed out")
 
 
@@ -155,7 +153,7 @@ def test_every_request_ends_once_whatever_the_runner_retries_or_moves(workers, v
             driver.move(key, other)
             driver.deliver(key, batches[key], commit=False)
         time.sleep(POLL_MS / 1000)
-    run_to_end(driver, keys)
+    run_to_end(driver)
     assert_accounted(driver, requests)
     assert not driver.committed.dead_letters, driver.committed.dead_letters
     assert_nothing_left_running(workers, vllm_server.base_url)
@@ -225,7 +223,7 @@ def test_state_written_by_the_previous_version_is_served_and_a_broken_entry_is_a
     state.timers["poll"] = time.time()
     driver = Driver(workers[:1])
     driver.load(0, state)
-    run_to_end(driver, [0])
+    run_to_end(driver)
     assert sorted(c["id"] for c in driver.committed.completions) == ["old-0", "old-1", "old-2"]
     assert next(c for c in driver.committed.completions if c["id"] == "old-0")["attempt"] == 2  # resent
     [letter] = driver.committed.dead_letters
@@ -249,5 +247,5 @@ def test_a_key_with_only_waiting_requests_backs_off(workers, vllm_server):
         driver.fire("waiter")
         gaps.append(driver.state["waiter"].timers["poll"] - before)
     assert gaps == sorted(gaps) and gaps[-1] > 4 * POLL_MS / 1000, gaps
-    run_to_end(driver, ["busy", "waiter"])
+    run_to_end(driver)
     assert sorted(c["id"] for c in driver.committed.completions) == sorted([r.id for r in busy] + ["waiter"])
