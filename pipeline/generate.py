@@ -316,13 +316,14 @@ class _StreamingGenerateFn(beam.DoFn):
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
             return [None] * len(request_jsons)
 
-    def _decoded(self, bag) -> Iterator[Any]:
+    def _decoded(self, bag, texts: list[str] | None = None) -> Iterator[Any]:
         """The bag's entries; one that cannot be decoded is a dead letter with its raw text (the bag is rewritten).
 
-        Returns the entries, as a generator's return value, after yielding the dead letters.
+        ``texts``: the bag's contents when the caller has already read them. Returns the
+        entries, as a generator's return value, after yielding the dead letters.
         """
         entries, broken = [], False
-        for text in bag.read():
+        for text in bag.read() if texts is None else texts:
             try:
                 entries.append(decode_entry(text))
             except StateEntryError as exc:
@@ -341,11 +342,12 @@ class _StreamingGenerateFn(beam.DoFn):
 
     def _admit(self, waiting, inflight, seen: SeenIds) -> Iterator[Any]:
         """Sends waiting requests, batch by batch, while the engine has room; returns (sent, still waiting)."""
-        if next(iter(waiting.read()), None) is None:
+        texts = list(waiting.read())  # one read of the bag per firing
+        if not texts:
             return 0, 0
         if self._engine.in_flight() >= self._settings.max_in_flight:
-            return 0, sum(1 for _ in waiting.read())  # full: nothing to decode
-        entries = yield from self._decoded(waiting)
+            return 0, len(texts)  # full: nothing to decode
+        entries = yield from self._decoded(waiting, texts)
         now, live, expired = time.time(), [], False
         for entry in entries:
             if entry["deadline_at"] is not None and now > entry["deadline_at"]:
