@@ -30,6 +30,9 @@ METADATA ?= metadata.json
 GPU_TYPE ?= nvidia-l4
 GPU_COUNT ?= 1
 MAX_WORKERS ?= 4
+NUM_WORKERS ?= 1
+# Target CPU utilization for autoscaling (0.1-0.9); empty: Dataflow's default. See docs/operations.md#autoscaling.
+UTILIZATION_HINT ?=
 MODEL ?= google/gemma-2-2b-it
 INPUT_SUBSCRIPTION ?=
 CHUNKS_TOPIC ?=
@@ -39,6 +42,7 @@ EXTRA_PARAMETERS ?=
 BUILDER ?= cloudbuild
 BAKE_MODEL ?=
 GPU_EXPERIMENT = worker_accelerator=type:$(GPU_TYPE);count:$(GPU_COUNT);install-nvidia-driver
+EXPERIMENTS = $(GPU_EXPERIMENT)$(if $(UTILIZATION_HINT),$(comma)worker_utilization_hint=$(UTILIZATION_HINT))
 comma := ,
 space := $(subst ,, )
 # The template parameters as name=value words; unset ones are left out.
@@ -123,6 +127,10 @@ bench-structured: model ## Structured answers on 55 short records: compact JSON 
 bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)
 	$(PY) -m benchmarks.scale
 
+.PHONY: bench-spike
+bench-spike: install ## Simulate a tenfold traffic spike: backlog in Pub/Sub (admission) vs in state, workers added, drain, first chunk
+	$(PY) -m benchmarks.spike $(BENCH_ARGS)
+
 .PHONY: bench-state-cost
 bench-state-cost: model ## Measure the generate step's timer firings and state writes per key (the figures bench-scale uses)
 	$(PY) -m benchmarks.state_cost
@@ -162,11 +170,11 @@ template: check-deploy-settings check-metadata ## Build the Flex Template spec i
 
 .PHONY: run
 run: check-deploy-settings ## Launch the template on Dataflow with a GPU per worker (`make -n run` shows the command)
-	gcloud dataflow flex-template run $(JOB_NAME) --project $(PROJECT) --region $(REGION) --template-file-gcs-location $(TEMPLATE_PATH) --worker-machine-type $(MACHINE_TYPE) --launcher-machine-type $(LAUNCHER_MACHINE_TYPE) --max-workers $(MAX_WORKERS) --enable-streaming-engine --additional-experiments "$(GPU_EXPERIMENT)" --additional-pipeline-options disk_size_gb=$(DISK_SIZE_GB) --parameters "$(TEMPLATE_PARAMETERS)"
+	gcloud dataflow flex-template run $(JOB_NAME) --project $(PROJECT) --region $(REGION) --template-file-gcs-location $(TEMPLATE_PATH) --worker-machine-type $(MACHINE_TYPE) --launcher-machine-type $(LAUNCHER_MACHINE_TYPE) --num-workers $(NUM_WORKERS) --max-workers $(MAX_WORKERS) --enable-streaming-engine --additional-experiments "$(EXPERIMENTS)" --additional-pipeline-options disk_size_gb=$(DISK_SIZE_GB) --parameters "$(TEMPLATE_PARAMETERS)"
 
 .PHONY: run-dataflow
 run-dataflow: check-deploy-settings install ## Launch directly with the DataflowRunner from this checkout (development)
-	$(PY) -m template.main --runner=DataflowRunner --project=$(PROJECT) --region=$(REGION) --temp_location=gs://$(BUCKET)/tmp --job_name=$(JOB_NAME) --sdk_container_image=$(IMAGE) --machine_type=$(MACHINE_TYPE) --disk_size_gb=$(DISK_SIZE_GB) --max_num_workers=$(MAX_WORKERS) --enable_streaming_engine --experiments=use_runner_v2 --dataflow_service_options="$(GPU_EXPERIMENT)" $(addprefix --,$(PARAMS))
+	$(PY) -m template.main --runner=DataflowRunner --project=$(PROJECT) --region=$(REGION) --temp_location=gs://$(BUCKET)/tmp --job_name=$(JOB_NAME) --sdk_container_image=$(IMAGE) --machine_type=$(MACHINE_TYPE) --disk_size_gb=$(DISK_SIZE_GB) --num_workers=$(NUM_WORKERS) --max_num_workers=$(MAX_WORKERS) --enable_streaming_engine --experiments=use_runner_v2 --dataflow_service_options="$(GPU_EXPERIMENT)" $(if $(UTILIZATION_HINT),--dataflow_service_options=worker_utilization_hint=$(UTILIZATION_HINT)) $(addprefix --,$(PARAMS))
 
 .PHONY: drain
 drain: check-deploy-settings ## Drain a running job: make drain JOB_ID=... (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)

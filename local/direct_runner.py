@@ -32,7 +32,14 @@
    pipeline's CPU. A method the class itself defines has the same arguments for
    every instance, so those are inspected once per class.
 
-All six touch private DirectRunner internals, so they live outside the worker
+7. Its read acknowledges every message it pulls, and the prefetch above pulled up
+   to 500 ahead: a backlog left the subscription for the pipeline's memory
+   within seconds. On Dataflow the admission step (:mod:`pipeline.admission`)
+   holds its bundle, and so the messages, while the worker is full; here, where
+   one thread runs every step, the read hands over only what that admission
+   grants, and prefetches no more than the worker has room for.
+
+All seven touch private DirectRunner internals, so they live outside the worker
 package (``pipeline/``) and are applied only by the local launcher,
 ``python -m local.direct_runner TEMPLATE_ARGS`` (what ``make smoke``, the tests
 and the benchmarks run), never on Dataflow, which has none of these problems.
@@ -46,12 +53,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
-import queue
+import collections
 import sys
 import threading
 import time
 import weakref
 from typing import Any
+
+from pipeline import admission
 
 LOGGER = logging.getLogger(__name__)
 
@@ -60,27 +69,37 @@ class _PrefetchingPullClient:
     """Wraps a SubscriberClient: a background thread pulls, ``pull`` returns what has arrived.
 
     The DirectRunner calls ``pull`` on its only executor thread; here it never
-    blocks. The prefetch queue is bounded so that messages are not held past
-    their ack deadline; the evaluator acks them when it takes them.
+    blocks. The evaluator acks what ``pull`` returns, so ``pull`` returns only
+    what the worker's admission grants (fix 7), and the prefetch queue holds no
+    more than the worker has room for: the rest stays in the subscription.
     """
 
     def __init__(self, client: Any, max_messages: int, max_prefetched: int = 500) -> None:
         self._client = client
         self._max_messages = max_messages
         self._max_prefetched = max_prefetched
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue: collections.deque[Any] = collections.deque()
         self._subscription: str | None = None
         self._lock = threading.Lock()
+        self.taken = 0  # messages handed to the pipeline (and so acknowledged)
+
+    def _prefetch_target(self) -> int:
+        """How many messages to hold ready: the worker's room (one before its admission step is set up)."""
+        load = admission.source_load()
+        if load is None:
+            return 1
+        return min(max(load["max_held"] - load["held"] - load["on_the_way"], 1), self._max_prefetched)
 
     def _prefetch(self) -> None:
         from google.api_core import exceptions
 
         while True:  # a daemon thread: it ends with the process
-            if self._queue.qsize() >= self._max_prefetched:
+            want = min(self._prefetch_target(), self._max_messages) - len(self._queue)
+            if want <= 0:
                 time.sleep(0.01)
                 continue
             try:
-                response = self._client.pull(subscription=self._subscription, max_messages=self._max_messages,
+                response = self._client.pull(subscription=self._subscription, max_messages=want,
                                              timeout=5.0, retry=None)
             except (exceptions.DeadlineExceeded, exceptions.ServiceUnavailable):
                 continue
@@ -88,8 +107,7 @@ class _PrefetchingPullClient:
                 LOGGER.debug("prefetching pull failed", exc_info=True)
                 time.sleep(0.5)
                 continue
-            for received in response.received_messages:
-                self._queue.put(received)
+            self._queue.extend(response.received_messages)
 
     def pull(self, subscription: str, max_messages: int = 10, timeout: float | None = None) -> Any:
         from google.cloud.pubsub_v1 import types
@@ -98,12 +116,11 @@ class _PrefetchingPullClient:
             if self._subscription is None:
                 self._subscription = subscription
                 threading.Thread(target=self._prefetch, name="pubsub-prefetch", daemon=True).start()
-        received = []
-        while len(received) < self._max_messages:
-            try:
-                received.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        admit = admission.source_admission()
+        ready = min(len(self._queue), self._max_messages)
+        granted = admit(ready) if admit is not None else min(ready, 1)
+        received = [self._queue.popleft() for _ in range(granted)]
+        self.taken += len(received)
         if not received:
             time.sleep(0.002)  # an idle source must not spin the executor thread
         return types.PullResponse(received_messages=received)
@@ -113,6 +130,7 @@ class _PrefetchingPullClient:
 
 
 _applied = False
+_CLIENTS: dict[int, _PrefetchingPullClient] = {}  # one per read transform
 
 
 def _inspect_methods_once_per_class() -> None:
@@ -137,7 +155,7 @@ def _inspect_methods_once_per_class() -> None:
 
 
 def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0.02) -> None:
-    """Applies the six DirectRunner fixes (idempotent)."""
+    """Applies the seven DirectRunner fixes (idempotent)."""
     global _applied
     if _applied:
         return
@@ -147,14 +165,12 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
     evaluator = transform_evaluator._PubSubReadEvaluator
     original_client = evaluator._get_subscriber_client.__func__
 
-    clients: dict[int, _PrefetchingPullClient] = {}
-
     def prefetching(cls, transform):
         # One prefetching client per read transform, kept across bundles.
         key = id(transform)
-        if key not in clients:
-            clients[key] = _PrefetchingPullClient(original_client(cls, transform), max_messages)
-        return clients[key]
+        if key not in _CLIENTS:
+            _CLIENTS[key] = _PrefetchingPullClient(original_client(cls, transform), max_messages)
+        return _CLIENTS[key]
 
     evaluator._get_subscriber_client = classmethod(prefetching)
 
@@ -220,6 +236,20 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
                 "(local runs only)", read_interval_s * 1000)
 
 
+def _log_load(path: str, interval_s: float = 0.5) -> None:
+    """Appends {"t", "taken", and the engine's load()} lines while the pipeline runs."""
+    import json
+
+    with open(path, "a", encoding="utf-8") as log:
+        while True:
+            time.sleep(interval_s)
+            load = admission.source_load()
+            if load is not None:
+                taken = sum(client.taken for client in _CLIENTS.values())
+                log.write(json.dumps({"t": round(time.time(), 3), "taken": taken, **load}) + "\n")
+                log.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the template on the DirectRunner with the fixes above; takes the template's own arguments."""
     parser = argparse.ArgumentParser(description="The template on the local DirectRunner (python -m template.main "
@@ -228,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep_pipeline_off_model_cores", choices=("true", "false"), default="true",
                         help="move the pipeline's threads off the cores a vLLM on this machine computes on")
     parser.add_argument("--server_url", help="the template's own parameter; read here to find a loopback server")
+    parser.add_argument("--load_log", metavar="PATH",
+                        help="append the worker's load (what it holds, what the read took) as a JSON line twice a second")
     own, template_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if own.server_url:
         template_args.append(f"--server_url={own.server_url}")
@@ -238,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging()
     apply_local_runner_fixes()
+    if own.load_log:
+        threading.Thread(target=_log_load, args=(own.load_log,), name="load-log", daemon=True).start()
     apply_server_environment()
     if own.keep_pipeline_off_model_cores == "true":
         keep_pipeline_off_local_model(own.server_url)

@@ -123,6 +123,13 @@ class LocalRun:
         self.process: subprocess.Popen[bytes] | None = None
         self._publisher = None
         self._run_id = f"{int(time.time() * 1000) % 10**9}"
+        self._topics_exist = False
+
+    def successor(self, pipeline_args: list[str], *, log_path: Path) -> LocalRun:
+        """Another pipeline on this run's emulator, topics and subscriptions (as a restarted job would be)."""
+        after = LocalRun(pipeline_args, log_path=log_path, emulator=self.emulator, repo_root=self.repo_root)
+        after._run_id, after._topics_exist = self._run_id, True
+        return after
 
     def topic_name(self, kind: str) -> str:
         return f"{TOPICS[kind]}-{self._run_id}"
@@ -131,7 +138,7 @@ class LocalRun:
         if self.owns_emulator:
             self.emulator.start()
         self.emulator.activate()
-        for kind in TOPICS:
+        for kind in () if self._topics_exist else TOPICS:
             ordering = kind == "chunks"
             self.emulator.create_topic(self.topic_name(kind), subscription=f"{self.topic_name(kind)}-sub",
                                        ordering=ordering)
@@ -183,6 +190,12 @@ class LocalRun:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def kill(self) -> None:
+        """SIGKILL the pipeline, as a crashed worker: nothing of its own is cleaned up (the emulator stays)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM the pipeline (it cancels itself and stops its model server), then the emulator."""
         code = None
@@ -206,12 +219,9 @@ class LocalRun:
 
 def requests_at_server(base_url: str) -> float:
     """Requests a vLLM server holds now, running and waiting, from its Prometheus metrics."""
-    import urllib.request
+    from pipeline.model_manager import server_metrics
 
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+    return sum(server_metrics(base_url).values())
 
 
 def server_pids_in_log(log_text: str) -> list[int]:

@@ -191,6 +191,8 @@ class Driver:
         for name in inspect.signature(callback).parameters:
             if name == "window":
                 kwargs[name] = GlobalWindow()
+            elif name == "key":
+                kwargs[name] = key
             elif name in PARAMETERS:
                 kind, state_name = PARAMETERS[name]
                 kwargs[name] = {"bag": _Bag, "value": _Value, "timer": _Timer}[kind](work, state_name)

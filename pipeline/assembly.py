@@ -1,4 +1,4 @@
-"""Pipeline assembly: parse → batch → generate (streaming) → write.
+"""Pipeline assembly: parse → measure → admit → batch → generate (streaming) → write.
 
 :func:`build` wires the reusable transforms from a validated
 :class:`~pipeline.options.PipelineConfig`; :func:`run` is what the Flex
@@ -20,9 +20,11 @@ from apache_beam.runners.runner import PipelineResult
 
 from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError, WriteToBigQueryTable,
                                     ensure_table)
+from pipeline.admission import AdmitRequests
 from pipeline.bucketing import BatchRequests
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
+from pipeline.engine_host import new_engine_tag
 from pipeline.generate import StreamingGenerate
 from pipeline.launch_checks import dataflow_launch_problems
 from pipeline.messages import RequestLimits
@@ -57,7 +59,9 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     # through the pipeline only when a BigQuery chunks table wants them too.
     common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
-                  stream_lease_s=float(config.stream_lease_s), chunk_policy=policy,
+                  stream_lease_s=float(config.stream_lease_s), worker_queue=config.worker_queue,
+                  # An admitted request reaches the generate step after the shuffle and its batch's wait.
+                  admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0, chunk_policy=policy,
                   priority_boundaries=config.priority_boundaries,
                   chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))
@@ -82,7 +86,11 @@ class PipelineOutputs:
 
 
 def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
-    """Adds the whole streaming inference graph to ``pipeline``."""
+    """Adds the whole streaming inference graph to ``pipeline``.
+
+    On a local runner the admission step does not wait (the local source admits, see
+    :mod:`pipeline.admission`).
+    """
     limits = RequestLimits(default_max_tokens=config.default_max_tokens, max_model_len=config.max_model_len)
     messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
                                                           with_attributes=True)
@@ -90,10 +98,14 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
         estimator=config.effective_length_estimator, model=config.effective_model, prompt_format=config.prompt_format,
         max_model_len=config.max_model_len)
-    batches = measured.requests | "BatchRequests" >> BatchRequests(config.batching())
-    generate_shards = config.effective_generate_shards(local=is_local(pipeline.options))
+    settings, local = engine_settings(config), is_local(pipeline.options)
+    shared_tag = new_engine_tag(settings)  # the admission step and the generate step share the worker's engine
+    # Last before the first shuffle: what it holds back is still unacknowledged in Pub/Sub.
+    admitted = measured.requests | "AdmitRequests" >> AdmitRequests(settings, shared_tag, wait=not local)
+    batches = admitted | "BatchRequests" >> BatchRequests(config.batching())
+    generate_shards = config.effective_generate_shards(local=local)
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
-        engine_settings(config), dedupe_window_s=float(config.dedupe_window_s),
+        settings, shared_tag=shared_tag, dedupe_window_s=float(config.dedupe_window_s),
         drain_timeout_s=float(config.drain_timeout_s),
         # The batcher's shard already is hash(id) mod num_shards: re-keying to the same keys would only
         # add a step (a hop on the DirectRunner, which fuses nothing).

@@ -32,6 +32,13 @@ work item whose commit failed, and moves keys between workers):
   moved to another worker, or its submission's commit failed) is cancelled at
   the server (vLLM aborts a request whose connection closes, freeing its KV
   cache) and forgotten, so the registry holds what is in flight or leased.
+
+The engine also keeps the worker's admission count (:meth:`EngineBase.admit`,
+used by :mod:`pipeline.admission`): what the worker holds is its unfinished
+streams, the requests its generate step reports waiting in state, and those
+admitted moments ago that are still on their way to the step. Beyond
+``max_in_flight + worker_queue`` the worker takes no more messages, so a
+backlog stays unacknowledged in Pub/Sub, where Dataflow's autoscaler sees it.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ LOGGER = logging.getLogger(__name__)
 # Output kinds handed back by poll(); ATTEMPT says the engine retried the stream as a new attempt.
 CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_letter", "unknown", "attempt"
 ENGINES = ("vllm", "transformers")
+# A key's report of its waiting requests counts this long unless renewed (keys that wait poll every 2 s).
+WAITING_REPORT_LAPSE_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,11 @@ class EngineSettings:
     chunk_publish_patience_s: float = 300.0
     # A stream nobody polls for this long is cancelled at the server and forgotten.
     stream_lease_s: float = 10.0
+    # Requests a worker holds beyond max_in_flight (waiting in state, or admitted and on their way)
+    # before it takes no more from the subscription (pipeline.admission).
+    worker_queue: int = 64
+    # How long an admitted request counts as on its way to the generate step (shuffle and batcher).
+    admission_transit_s: float = 2.0
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
@@ -96,6 +110,13 @@ class EngineSettings:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
         if self.stream_lease_s <= 0:
             raise ValueError(f"stream_lease_s must be more than 0, got {self.stream_lease_s:g}")
+        if self.worker_queue < 1:
+            raise ValueError(f"worker_queue must be at least 1, got {self.worker_queue}")
+
+    @property
+    def max_held(self) -> int:
+        """The most requests a worker holds (in flight, waiting, on their way) before it pushes back."""
+        return self.max_in_flight + self.worker_queue
 
 
 @dataclass
@@ -126,6 +147,8 @@ class EngineBase:
         self._streams: dict[str, Stream] = {}
         self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
         self._unfinished = 0  # streams not yet done: what max_in_flight bounds
+        self._waiting: dict[str, tuple[int, float]] = {}  # holder -> (requests waiting in its state, reported at)
+        self._admitted: list[tuple[float, int]] = []  # (admitted at, how many): on their way to the step
         self._lock = threading.Lock()
         self._closed = False
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
@@ -207,6 +230,55 @@ class EngineBase:
         """Streams sent and not finished; never more than ``max_in_flight``."""
         with self._lock:
             return self._unfinished
+
+    def admit(self, count: int, *, force: bool = False) -> int:
+        """Takes up to ``count`` requests into the worker's hold; returns how many (all of them with ``force``).
+
+        Those admitted count as held for ``admission_transit_s`` (on their way to the generate
+        step), then through the step's own reports and the engine's streams.
+        """
+        now = time.time()
+        with self._lock:
+            room = max(self.settings.max_held - self._held(now), 0)
+            granted = count if force else min(count, room)
+            if granted:
+                self._admitted.append((now, granted))
+        return granted
+
+    def report_waiting(self, holder: str, count: int) -> None:
+        """What one key of the generate step holds in state, waiting for room; a report lapses unrenewed."""
+        with self._lock:
+            if count > 0:
+                self._waiting[holder] = (count, time.time())
+            else:
+                self._waiting.pop(holder, None)
+
+    def load(self) -> dict[str, int | None]:
+        """The worker's load: what its generate step holds (in flight and waiting) against the bound, what
+        was admitted and is on its way (counted against the bound too), and what its model server runs."""
+        now = time.time()
+        with self._lock:
+            total = self._held(now)
+            waiting = sum(count for count, _ in self._waiting.values())
+            unfinished = self._unfinished
+        running, queued = self._server_load()
+        return {"held": unfinished + waiting, "on_the_way": total - unfinished - waiting,
+                "max_held": self.settings.max_held, "in_flight": unfinished, "waiting": waiting,
+                "server_running": running, "server_waiting": queued}
+
+    def _held(self, now: float) -> int:
+        """Unfinished streams + fresh waiting reports + admissions still on their way; under the lock."""
+        transit_from = now - self.settings.admission_transit_s
+        self._admitted = [entry for entry in self._admitted if entry[0] >= transit_from]
+        report_from = now - WAITING_REPORT_LAPSE_S
+        for holder in [h for h, (_, at) in self._waiting.items() if at < report_from]:
+            del self._waiting[holder]  # its key moved away, or the step stopped reporting
+        return (self._unfinished + sum(count for count, _ in self._waiting.values())
+                + sum(count for _, count in self._admitted))
+
+    def _server_load(self) -> tuple[int | None, int | None]:
+        """Requests running and waiting at the model server, where the engine can tell; else (None, None)."""
+        return None, None
 
     @property
     def chunk_publisher(self) -> ChunkPublisher | None:

@@ -10,8 +10,10 @@ through a proxy.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
+import uuid
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
@@ -24,6 +26,11 @@ from pipeline.vllm_engine import StreamingEngine
 # stop the server; the engine closes itself (and its server) at exit.
 _ACQUIRED: dict[str, EngineBase] = {}
 _ACQUIRE_LOCK = threading.Lock()
+
+
+def new_engine_tag(settings: EngineSettings) -> str:
+    """A tag for one pipeline's engine: shared by its steps on a worker, never with another job's."""
+    return "streaming-llm-" + hashlib.sha1((repr(settings) + uuid.uuid4().hex).encode()).hexdigest()[:16]
 
 
 def build_engine(settings: EngineSettings) -> EngineBase:

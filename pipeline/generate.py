@@ -41,7 +41,6 @@ letters with stage ``drain`` that a redrive republishes (``ops/redrive.py``).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -57,10 +56,11 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
+from pipeline.admission import LoadGauges
 from pipeline.dedupe import SeenIds
 from pipeline.element_guard import guarded
 from pipeline.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
-from pipeline.engine_host import acquire_engine
+from pipeline.engine_host import acquire_engine, new_engine_tag
 from pipeline.keying import generate_key
 from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 
@@ -78,6 +78,11 @@ WAITING_POLL_CAP_S = 2.0
 STATE_VERSION = 2
 _ENTRY_FIELDS = {"request": (str,), "fp": (str,), "attempt": (int,), "key": (str, type(None)),
                  "deadline_at": (int, float, type(None))}
+
+
+# (engine tag, key) -> (waiting count last reported to the engine, when): see _report_waiting.
+_REPORTED: dict[tuple[str, str], tuple[int, float]] = {}
+_MAX_REPORTS_REMEMBERED = 100_000
 
 
 def template_poll_interval_ms(chunk_interval_ms: float) -> float:
@@ -157,6 +162,7 @@ class _StreamingGenerateFn(beam.DoFn):
         self._dedupe_window_s = dedupe_window_s
         self._drain_timeout_s = drain_timeout_s
         self._engine: EngineBase | None = None
+        self._gauges = LoadGauges()
         self.requests_sent = Metrics.counter("streaming_generate", "requests_sent")
         self.requests_queued = Metrics.counter("streaming_generate", "requests_queued")
         self.requests_admitted = Metrics.counter("streaming_generate", "requests_admitted_from_queue")
@@ -191,13 +197,12 @@ class _StreamingGenerateFn(beam.DoFn):
         accepted: list[dict] = []
         for request in requests:
             yield from guarded(STAGE_INFERENCE, request, lambda: self._accept(request, seen, batch, accepted, now))
-        if next(iter(waiting.read()), None) is not None:  # once one waits, the rest queue behind it
-            sent = 0
-        else:
-            sent = self._send(accepted, inflight)
+        already = len(list(waiting.read())) if next(iter(waiting.read()), None) is not None else 0
+        sent = 0 if already else self._send(accepted, inflight)  # once one waits, the rest queue behind it
         for entry in accepted[sent:]:
             waiting.add(encode_entry(entry))
             self.requests_queued.inc()
+        self._report_waiting(shard, already + len(accepted) - sent)
         seen.save(now)
         if accepted and wait_ms.read() is not None:
             wait_ms.clear()  # new work: poll at the chunk cadence again
@@ -241,12 +246,14 @@ class _StreamingGenerateFn(beam.DoFn):
     def on_poll(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
                 progress_state=beam.DoFn.StateParam(PROGRESS), seen_state=beam.DoFn.StateParam(SEEN),
                 poll=beam.DoFn.TimerParam(POLL), poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS),
-                wait_ms=beam.DoFn.StateParam(WAIT_MS)) -> Iterator[Any]:
+                wait_ms=beam.DoFn.StateParam(WAIT_MS), key=beam.DoFn.KeyParam) -> Iterator[Any]:
         poll_at_ms.clear()
         seen = SeenIds(seen_state)
         progress = _Progress(progress_state)
         streaming = yield from self._collect(inflight, progress, seen)
         sent, left = yield from self._admit(waiting, inflight, seen)
+        self._report_waiting(key, left)
+        self._gauges.update(self._engine)
         progress.save()
         now = time.time()
         seen.save(now, prune=not (streaming or sent or left))
@@ -275,7 +282,7 @@ class _StreamingGenerateFn(beam.DoFn):
     def on_drain(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
                  progress_state=beam.DoFn.StateParam(PROGRESS), seen_state=beam.DoFn.StateParam(SEEN),
                  wait_ms=beam.DoFn.StateParam(WAIT_MS), poll=beam.DoFn.TimerParam(POLL),
-                 poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS)) -> Iterator[Any]:
+                 poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS), key=beam.DoFn.KeyParam) -> Iterator[Any]:
         """The window is closing (on the global window: the job drains).
 
         Dataflow fires this watermark timer once the drain moves the watermark to
@@ -290,6 +297,7 @@ class _StreamingGenerateFn(beam.DoFn):
         for entry in entries:
             yield self._drain_letter(entry, "the job drained before the request was sent to the model server")
         waiting.clear()
+        self._report_waiting(key, 0)
         progress = _Progress(progress_state)
         while (yield from self._collect(inflight, progress, seen)) and time.time() < deadline:
             time.sleep(min(self._poll_interval_s, max(deadline - time.time(), 0.0)))
@@ -301,6 +309,25 @@ class _StreamingGenerateFn(beam.DoFn):
         for state in (inflight, progress_state, seen_state, wait_ms, poll_at_ms):
             state.clear()
         poll.clear()
+
+    def _report_waiting(self, key: object, count: int) -> None:
+        """Tells the worker's engine how many requests this key holds waiting (admission counts them).
+
+        Sent when the count changes or its last report is a second old (reports lapse after
+        ``WAITING_REPORT_LAPSE_S``). What was reported is remembered per process, not per DoFn
+        instance: a runner may build a new instance per bundle, which must still clear an old report.
+        """
+        holder, now = repr(key), time.monotonic()
+        last = _REPORTED.get((self._shared_tag, holder))
+        if last is not None and last[0] == count and now - last[1] < 1.0:
+            return
+        try:
+            self._engine.report_waiting(holder, count)
+        except (ConnectionError, EOFError):
+            return  # the next poll reconnects; the report lapses meanwhile
+        if len(_REPORTED) > _MAX_REPORTS_REMEMBERED:
+            _REPORTED.clear()  # only costs a repeated report per key
+        _REPORTED[(self._shared_tag, holder)] = (count, now)
 
     def _drain_letter(self, entry: dict, reason: str) -> pvalue.TaggedOutput:
         self.drained.inc()
@@ -517,9 +544,8 @@ class StreamingGenerate(beam.PTransform):
         self._generate_shards = generate_shards
         self._poll_interval_ms = template_poll_interval_ms(
             settings.chunk_policy.interval_ms if poll_interval_ms is None else 2 * poll_interval_ms)
-        # One engine per worker for this pipeline, never shared with another job's.
-        self._shared_tag = shared_tag or "streaming-llm-" + hashlib.sha1(
-            (repr(settings) + uuid.uuid4().hex).encode()).hexdigest()[:16]
+        # One engine per worker for this pipeline (its admission step passes the same tag).
+        self._shared_tag = shared_tag or new_engine_tag(settings)
 
     def expand(self, batches):
         if self._generate_shards is not None:

@@ -142,6 +142,26 @@ def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+# vLLM's own Prometheus gauges of its load: requests it runs now, and requests queued for a batch slot.
+RUNNING_METRIC, WAITING_METRIC = "vllm:num_requests_running", "vllm:num_requests_waiting"
+
+
+def server_metrics(base_url: str, names: tuple[str, ...] = (RUNNING_METRIC, WAITING_METRIC),
+                   timeout_s: float = 5.0) -> dict[str, float]:
+    """Figures from a vLLM server's ``/metrics``, each summed over its label sets (0 when absent)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as response:
+        lines = response.read().decode().splitlines()
+    figures = dict.fromkeys(names, 0.0)
+    for line in lines:
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in figures:
+            try:
+                figures[name] += float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    return figures
+
+
 @dataclass
 class _ServerStats:
     starts: int = 0

@@ -220,6 +220,11 @@ PARAMETERS: tuple[Parameter, ...] = (
               "How many requests each worker keeps open against its server; vLLM batches them "
               "continuously, so this should exceed the server's max-num-seqs only slightly.",
               "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=4096),
+    Parameter("worker_queue", "Requests queued per worker",
+              "How many requests a worker holds beyond max_in_flight (waiting for room at its server). A worker "
+              "that holds that many takes no more messages: the rest of a backlog stays unacknowledged in the "
+              "subscription, where Dataflow's autoscaler counts it.",
+              "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=100000),
     Parameter("request_timeout_s", "Request timeout (s)",
               "A request that has not finished this long after it was sent to the server (including retries "
               "while the server restarts) goes to the dead letters. Time spent waiting in a backlog does not "
@@ -352,6 +357,7 @@ class PipelineConfig:
     max_in_flight: int
     request_timeout_s: int
     stream_lease_s: int
+    worker_queue: int
     drain_timeout_s: int
     system_prompt: str | None
     prompt_template: str | None

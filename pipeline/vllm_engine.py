@@ -26,7 +26,7 @@ from pipeline.chunking import ChunkAssembler
 from pipeline.engine import ATTEMPT, EngineBase, EngineSettings, Stream
 from pipeline.keying import bucket_index
 from pipeline.messages import InferenceRequest
-from pipeline.model_manager import VLLMServer
+from pipeline.model_manager import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
 LOGGER = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class StreamingEngine(EngineBase):
         self._semaphore = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, concurrent.futures.Future] = {}
+        self._server_load_at = float("-inf")
+        self._server_load_cache: tuple[int | None, int | None] = (None, None)
         atexit.register(self.close)
 
     async def _make_semaphore(self) -> asyncio.Semaphore:
@@ -86,6 +88,18 @@ class StreamingEngine(EngineBase):
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._server is not None:
             self._server.stop()
+
+    def _server_load(self) -> tuple[int | None, int | None]:
+        """vLLM's own running and waiting gauges, read at most once a second (None while it does not answer)."""
+        now = time.monotonic()
+        if now - self._server_load_at >= 1.0:
+            self._server_load_at = now
+            try:
+                figures = server_metrics(self.base_url, timeout_s=1.0)
+                self._server_load_cache = (int(figures[RUNNING_METRIC]), int(figures[WAITING_METRIC]))
+            except (OSError, ValueError):
+                self._server_load_cache = (None, None)
+        return self._server_load_cache
 
     def _room(self, new: int) -> int:
         return max(self.settings.max_in_flight - self._unfinished, 0)  # vLLM batches continuously: any that fit

@@ -127,6 +127,16 @@ def test_make_run_sizes_the_worker_disk_and_the_launcher():
     assert "--disk_size_gb=200" in make_dry_run("run-dataflow", **DEPLOY)
 
 
+def test_make_run_launches_with_the_autoscaling_settings():
+    command = make_dry_run("run", **DEPLOY).strip().splitlines()[-1]
+    assert "--num-workers 1 --max-workers 4" in command and "worker_utilization_hint" not in command
+    hinted = make_dry_run("run", UTILIZATION_HINT="0.3", **DEPLOY)
+    assert ('--additional-experiments "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver,'
+            'worker_utilization_hint=0.3"') in hinted
+    assert "--dataflow_service_options=worker_utilization_hint=0.3" in make_dry_run(
+        "run-dataflow", UTILIZATION_HINT="0.3", **DEPLOY)
+
+
 def test_make_template_refuses_a_stale_metadata_json(tmp_path):
     stale = tmp_path / "metadata.json"
     stale.write_text((REPO / "metadata.json").read_text().replace('"dedupe_window_s"', '"dedupe_window"'))

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.messages import InferenceRequest
-from pipeline.model_manager import free_port
+from pipeline.model_manager import RUNNING_METRIC, free_port, server_metrics
 from pipeline.vllm_engine import StreamingEngine
 from tests.conftest import SERVED_NAME, wait_until
 
@@ -105,10 +104,7 @@ def test_in_flight_requests_are_bounded(vllm_server):
 
     def sample() -> None:
         while not stop.is_set():
-            with urllib.request.urlopen(f"{vllm_server.base_url}/metrics", timeout=5) as response:
-                for line in response.read().decode().splitlines():
-                    if line.startswith("vllm:num_requests_running{"):
-                        running.append(float(line.rsplit(" ", 1)[1]))
+            running.append(server_metrics(vllm_server.base_url)[RUNNING_METRIC])
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)

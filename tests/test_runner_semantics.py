@@ -11,15 +11,14 @@ lease has passed.
 from __future__ import annotations
 
 import json
-import re
 import time
-import urllib.request
 from collections import defaultdict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline import model_manager
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.generate import _StreamingGenerateFn, decode_entry
@@ -39,13 +38,8 @@ MOVES = ("move", "deliver_elsewhere_fails")
 
 def server_metrics(base_url: str) -> dict[str, float]:
     """vLLM's own /metrics: the gauges and counters this test reads, summed over their labels."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    figures: dict[str, float] = defaultdict(float)
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total"):
-        for match in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M):
-            figures[name] += float(match.group(1))
-    return figures
+    return model_manager.server_metrics(base_url, ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                   "vllm:generation_tokens_total"))
 
 
 @pytest.fixture(scope="module")

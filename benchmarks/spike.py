@@ -1,0 +1,146 @@
+"""A traffic spike on paper: where the backlog waits decides whether Dataflow adds GPU workers.
+
+Arrivals rise tenfold for ten minutes. Two designs meet the same spike:
+
+- ``in state`` (the template before admission): every worker takes every
+  message at once and queues what its engine has no room for in keyed state;
+  the subscription's backlog, what the autoscaler reads, stays near zero.
+- ``in Pub/Sub`` (admission, :mod:`pipeline.admission`): a worker holds at most
+  ``max_in_flight + worker_queue`` requests; the rest stays unacknowledged in
+  the subscription and counts as backlog.
+
+The autoscaler is modelled from Dataflow's published behaviour, with the
+assumptions this file makes marked as such (see ``--help`` and the docs):
+a job that stays backlogged (backlog > ``--backlog-threshold-s`` seconds of
+work at its current throughput) for ``--decision-delay-s`` scales up to the
+workers that would serve the arrivals and clear the backlog in about 150 s
+("Horizontal Autoscaling", earlier revision: "targets clearing the backlog in
+approximately 150 seconds after scaling up"), capped by ``max_num_workers``;
+a new GPU worker serves after ``--worker-start-s`` (VM, image, weights: an
+assumption). It scales down after as long without backlog, to the workers that
+serve the arrivals at 75 % ("after scaling down, workers utilize on average 75 %").
+
+Per design: the peak backlog the autoscaler sees, the most workers it runs,
+when the queue is back to what the workers hold (drain), the time to first
+chunk of a request that arrives as the spike ends (FIFO wait + ``--ttft-s``),
+and GPU worker-hours. Needs no cloud: ``python -m benchmarks.spike``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from pipeline.options import PARAMETERS
+
+DEFAULTS = {p.name: p.default for p in PARAMETERS}
+CLEAR_BACKLOG_S = 150.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    design: str
+    peak_visible_backlog: int
+    peak_held_in_state: int
+    max_workers: int
+    drained_after_s: float | None  # from the spike's start
+    ttft_at_peak_s: float | None
+    worker_hours: float
+
+
+def simulate(design: str, args: argparse.Namespace) -> Outcome:
+    """Steps of one second: arrivals, service at each serving worker's rate, the autoscaler's rule."""
+    hold = args.max_in_flight + args.worker_queue
+    workers, booting = args.workers, []  # booting: times at which added workers start serving
+    queue = 0.0  # requests arrived and not yet finished (held by workers, waiting in state, or in Pub/Sub)
+    arrived = started = 0.0
+    backlogged_since: float | None = None
+    quiet_since: float | None = None
+    peak_visible = peak_held = max_workers = 0
+    drained_at: float | None = None
+    marker: float | None = None  # cumulative arrivals when the marked request (at the spike's end) arrives
+    marker_started_at: float | None = None
+    worker_seconds = 0.0
+    spike_end = args.spike_at_s + args.spike_s
+    for t in range(int(args.duration_s)):
+        workers += sum(1 for at in booting if at == t)
+        booting = [at for at in booting if at > t]
+        rate = args.rate * (args.spike_factor if args.spike_at_s <= t < spike_end else 1.0)
+        queue += rate
+        arrived += rate
+        if t == spike_end:
+            marker = arrived
+        capacity = workers * args.worker_rps
+        served = min(queue, capacity)
+        in_flight = min(queue - served, workers * args.max_in_flight)
+        queue -= served
+        started = arrived - queue + in_flight
+        if marker is not None and marker_started_at is None and started >= marker:
+            marker_started_at = t
+        held = min(queue, workers * hold) if design == "in Pub/Sub" else queue
+        visible = queue - held
+        peak_visible, peak_held = max(peak_visible, int(visible)), max(peak_held, int(held))
+        worker_seconds += workers + len(booting)
+        if t >= spike_end and drained_at is None and queue <= workers * args.max_in_flight:
+            drained_at = t - args.spike_at_s
+        # The autoscaler sees the subscription's backlog in seconds of work at the current throughput.
+        backlog_s = visible / max(capacity, 1e-9)
+        if backlog_s > args.backlog_threshold_s:
+            backlogged_since = t if backlogged_since is None else backlogged_since
+            if t - backlogged_since >= args.decision_delay_s and not booting:
+                target = math.ceil((rate + visible / CLEAR_BACKLOG_S) / args.worker_rps)
+                target = min(target, args.max_num_workers)
+                booting += [t + int(args.worker_start_s)] * max(target - workers, 0)
+        else:
+            backlogged_since = None
+            quiet_since = t if quiet_since is None else quiet_since
+            # Scale-down: a couple of minutes without backlog, to the workers that serve arrivals at 75 %.
+            if t - quiet_since >= args.decision_delay_s and not booting:
+                workers = min(workers, max(args.workers, math.ceil(rate / (0.75 * args.worker_rps))))
+        if backlogged_since is not None:
+            quiet_since = None
+        max_workers = max(max_workers, workers + len(booting))
+    ttft = None if marker_started_at is None else marker_started_at - spike_end + args.ttft_s
+    return Outcome(design, peak_visible, peak_held, max_workers,
+                   None if drained_at is None else float(drained_at), ttft, worker_seconds / 3600)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=1, help="workers before the spike")
+    parser.add_argument("--max-num-workers", type=int, default=8)
+    parser.add_argument("--worker-rps", type=float, default=4.0,
+                        help="requests a GPU worker finishes per second at saturation (assumption: see the docs)")
+    parser.add_argument("--rate", type=float, default=2.4, help="arrivals per second before and after the spike")
+    parser.add_argument("--spike-factor", type=float, default=10.0)
+    parser.add_argument("--spike-at-s", type=float, default=300.0)
+    parser.add_argument("--spike-s", type=float, default=600.0)
+    parser.add_argument("--duration-s", type=float, default=3 * 3600.0)
+    parser.add_argument("--max-in-flight", type=int, default=DEFAULTS["max_in_flight"])
+    parser.add_argument("--worker-queue", type=int, default=DEFAULTS["worker_queue"])
+    parser.add_argument("--backlog-threshold-s", type=float, default=10.0,
+                        help="backlog (seconds of work) above which a job counts as backlogged (assumption)")
+    parser.add_argument("--decision-delay-s", type=float, default=120.0,
+                        help="how long a job stays backlogged before it scales up ('a couple of minutes')")
+    parser.add_argument("--worker-start-s", type=float, default=360.0,
+                        help="from the decision to a new GPU worker serving: VM, image, weights (assumption)")
+    parser.add_argument("--ttft-s", type=float, default=0.3, help="time to first chunk once a request starts")
+    args = parser.parse_args(argv)
+    outcomes = [simulate(design, args) for design in ("in state", "in Pub/Sub")]
+    print(f"Spike: {args.rate:g} -> {args.rate * args.spike_factor:g} requests/s for {args.spike_s / 60:g} min; "
+          f"{args.workers} worker(s) of {args.worker_rps:g} requests/s, max_num_workers={args.max_num_workers}, "
+          f"hold {args.max_in_flight}+{args.worker_queue} a worker; new workers serve after "
+          f"{args.worker_start_s / 60:g} min, decisions after {args.decision_delay_s:g} s backlogged")
+    print("| backlog waits | peak backlog the autoscaler sees | peak held in state | workers (max) "
+          "| drained after spike start | first chunk, request at the spike's end | GPU worker-hours |")
+    print("|---|---|---|---|---|---|---|")
+    for o in outcomes:
+        drained = "not within the window" if o.drained_after_s is None else f"{o.drained_after_s / 60:.0f} min"
+        ttft = "not within the window" if o.ttft_at_peak_s is None else f"{o.ttft_at_peak_s / 60:.1f} min"
+        print(f"| {o.design} | {o.peak_visible_backlog:,} | {o.peak_held_in_state:,} | {o.max_workers} | {drained} "
+              f"| {ttft} | {o.worker_hours:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

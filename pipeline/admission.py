@@ -1,0 +1,167 @@
+"""Admission: a worker takes from the subscription only what it can hold, so a backlog waits in Pub/Sub.
+
+Dataflow's Pub/Sub source acknowledges a message once the first fused stage
+that read it has committed ("Streaming with Pub/Sub": "once they have been
+successfully processed by the first fused stage"). Every step up to the
+batcher's shuffle is that stage, and :class:`AdmitRequests` is its last step.
+It asks the worker's engine for room (:meth:`~pipeline.engine.EngineBase.admit`:
+what the worker holds is its unfinished streams, the requests its generate
+step reports waiting in state, and those admitted moments ago and on their
+way). While the worker holds ``max_in_flight + worker_queue`` requests, the
+step waits: its bundle does not commit, its messages stay unacknowledged,
+and the rest of the backlog is never pulled. Pub/Sub keeps it durably, at no
+cost to the job, and counts it as the subscription's backlog, which is what
+Dataflow's autoscaler reads ("Horizontal Autoscaling"); in keyed state it
+would be invisible to it.
+
+What waiting costs, and its bounds: one harness thread per waiting bundle
+(Beam's ``AsyncWrapper`` holds ``process`` the same way when its buffer is
+full); its bundle stays open for as long as the worker is full, each request
+in flight frees room when it finishes or reaches ``request_timeout_s``. Room
+is counted from the engine, which frees it on its own threads, and a waiting
+report lapses unless its key renews it, so a worker whose every thread waits
+here still frees room and goes on. The bound holds per worker: Dataflow
+spreads keys and source splits evenly, so each worker's hold reflects its
+share; a skewed spread can hold more on one worker than the bound.
+
+On a local runner the read itself waits instead (``local/direct_runner.py``
+takes only what :func:`source_admission` grants): the DirectRunner runs every
+step on one thread, so a step that waited would stop the timers that free
+room. The step then only reports the load.
+
+Load, as Beam metrics (namespace :data:`LOAD_NAMESPACE`, set at most once a
+second per DoFn instance): ``held_requests`` and ``max_held_requests`` (the
+worker's hold and its bound), ``in_flight_requests``, ``waiting_requests``,
+``server_running_requests`` and ``server_waiting_requests`` (vLLM's own
+``/metrics``); counters ``pushback_waits`` and ``pushback_ms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from pipeline.engine import EngineBase, EngineSettings
+from pipeline.engine_host import acquire_engine
+from pipeline.messages import InferenceRequest
+
+LOGGER = logging.getLogger(__name__)
+
+LOAD_NAMESPACE = "worker_load"
+_GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight": "in_flight_requests",
+           "waiting": "waiting_requests", "server_running": "server_running_requests",
+           "server_waiting": "server_waiting_requests"}
+# How often the load gauges are refreshed, and a waiting step says so in the log.
+GAUGE_INTERVAL_S = 1.0
+PUSHBACK_LOG_INTERVAL_S = 60.0
+_MAX_BACKOFF_S = 0.5
+
+# Engines whose admission a local source applies (shared tag -> engine); see source_admission.
+_SOURCE_ADMITTED: dict[str, EngineBase] = {}
+
+
+class LoadGauges:
+    """The worker's load as Beam gauges, refreshed at most every :data:`GAUGE_INTERVAL_S`."""
+
+    def __init__(self) -> None:
+        self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
+        self._at = float("-inf")
+
+    def update(self, engine: EngineBase, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._at < GAUGE_INTERVAL_S:
+            return
+        self._at = now
+        try:
+            load = engine.load()
+        except (ConnectionError, EOFError):
+            return  # the engine is being reconnected; the next update reports
+        for key, gauge in self._gauges.items():
+            if load.get(key) is not None:
+                gauge.set(int(load[key]))
+
+
+def source_admission() -> Callable[[int], int] | None:
+    """For a local source: takes up to n requests into the worker's hold, returns how many; None before setup."""
+    engines = list(_SOURCE_ADMITTED.values())
+    if not engines:
+        return None
+    return lambda count: min(engine.admit(count) for engine in engines) if count else 0
+
+
+def source_load() -> dict | None:
+    """The load of the worker a local source admits for (None before setup)."""
+    engines = list(_SOURCE_ADMITTED.values())
+    return engines[0].load() if engines else None
+
+
+class _AdmitFn(beam.DoFn):
+    def __init__(self, settings: EngineSettings, shared_tag: str, wait: bool) -> None:
+        self._settings = settings
+        self._shared_tag = shared_tag
+        self._wait = wait
+        self._engine: EngineBase | None = None
+        self._gauges = LoadGauges()
+        self._logged_at = float("-inf")
+        self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
+        self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
+
+    def setup(self) -> None:
+        self._engine = acquire_engine(self._settings, self._shared_tag)
+        if not self._wait:
+            _SOURCE_ADMITTED[self._shared_tag] = self._engine
+
+    def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
+        if self._wait and self._admit() == 0:
+            self._wait_for_room()
+        self._gauges.update(self._engine)
+        yield request
+
+    def _admit(self) -> int:
+        try:
+            return self._engine.admit(1)
+        except (ConnectionError, EOFError) as exc:
+            LOGGER.warning("The worker's engine is unreachable (%s); reconnecting", exc)
+            self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
+            return 0
+
+    def _wait_for_room(self) -> None:
+        """Holds this bundle (its messages unacknowledged) until the worker has room for one more request."""
+        started = time.monotonic()
+        backoff = 0.01
+        self.waits.inc()
+        while True:
+            time.sleep(backoff)
+            if self._admit():
+                break
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            self._gauges.update(self._engine)
+            now = time.monotonic()
+            if now - self._logged_at >= PUSHBACK_LOG_INTERVAL_S:
+                self._logged_at = now
+                LOGGER.info("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
+                            "of the subscription stays unacknowledged until a request finishes",
+                            self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
+        self.waited_ms.inc(int((time.monotonic() - started) * 1000))
+
+
+class AdmitRequests(beam.PTransform):
+    """Requests in, the same requests out, as fast as the worker has room for them.
+
+    Put it last before the first shuffle (the batcher), so that what it holds
+    back is unacknowledged in Pub/Sub. ``wait=False`` on local runners, whose
+    source admits instead (see the module docstring).
+    """
+
+    def __init__(self, settings: EngineSettings, shared_tag: str, *, wait: bool = True) -> None:
+        super().__init__()
+        self._settings = settings
+        self._shared_tag = shared_tag
+        self._wait = wait
+
+    def expand(self, requests):
+        return requests | "Admit" >> beam.ParDo(_AdmitFn(self._settings, self._shared_tag, self._wait))
