@@ -118,7 +118,7 @@ class _PrefetchingPullClient:
                 threading.Thread(target=self._prefetch, name="pubsub-prefetch", daemon=True).start()
         admit = admission.source_admission()
         ready = min(len(self._queue), self._max_messages)
-        granted = admit(ready) if admit is not None else min(ready, 1)
+        granted = 0 if not ready else admit(ready) if admit is not None else 1
         received = [self._queue.popleft() for _ in range(granted)]
         self.taken += len(received)
         if not received:

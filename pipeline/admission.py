@@ -60,22 +60,28 @@ GAUGE_INTERVAL_S = 1.0
 PUSHBACK_LOG_INTERVAL_S = 60.0
 _MAX_BACKOFF_S = 0.5
 
-# Engines whose admission a local source applies (shared tag -> engine); see source_admission.
-_SOURCE_ADMITTED: dict[str, EngineBase] = {}
+# Per step, when this process last refreshed the load gauges (see LoadGauges).
+_UPDATED_AT: dict[str, float] = {}
+# The engine whose admission a local source applies, once its admission step is set up; see source_admission.
+_SOURCE_ENGINE: list[EngineBase] = []
 
 
 class LoadGauges:
-    """The worker's load as Beam gauges, refreshed at most every :data:`GAUGE_INTERVAL_S`."""
+    """The worker's load as Beam gauges, refreshed by a step at most every :data:`GAUGE_INTERVAL_S` per process.
 
-    def __init__(self) -> None:
+    The interval is kept per process and step, not per instance: a runner may build a DoFn
+    instance per bundle (the DirectRunner does), and a step polls many times a second.
+    """
+
+    def __init__(self, step: str) -> None:
+        self._step = step
         self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
-        self._at = float("-inf")
 
-    def update(self, engine: EngineBase, *, force: bool = False) -> None:
+    def update(self, engine: EngineBase) -> None:
         now = time.monotonic()
-        if not force and now - self._at < GAUGE_INTERVAL_S:
+        if now - _UPDATED_AT.get(self._step, float("-inf")) < GAUGE_INTERVAL_S:
             return
-        self._at = now
+        _UPDATED_AT[self._step] = now
         try:
             load = engine.load()
         except (ConnectionError, EOFError):
@@ -87,16 +93,12 @@ class LoadGauges:
 
 def source_admission() -> Callable[[int], int] | None:
     """For a local source: takes up to n requests into the worker's hold, returns how many; None before setup."""
-    engines = list(_SOURCE_ADMITTED.values())
-    if not engines:
-        return None
-    return lambda count: min(engine.admit(count) for engine in engines) if count else 0
+    return _SOURCE_ENGINE[0].admit if _SOURCE_ENGINE else None
 
 
 def source_load() -> dict | None:
     """The load of the worker a local source admits for (None before setup)."""
-    engines = list(_SOURCE_ADMITTED.values())
-    return engines[0].load() if engines else None
+    return _SOURCE_ENGINE[0].load() if _SOURCE_ENGINE else None
 
 
 class _AdmitFn(beam.DoFn):
@@ -105,15 +107,14 @@ class _AdmitFn(beam.DoFn):
         self._shared_tag = shared_tag
         self._wait = wait
         self._engine: EngineBase | None = None
-        self._gauges = LoadGauges()
-        self._logged_at = float("-inf")
+        self._gauges = LoadGauges("admit")
         self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
         self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
 
     def setup(self) -> None:
         self._engine = acquire_engine(self._settings, self._shared_tag)
         if not self._wait:
-            _SOURCE_ADMITTED[self._shared_tag] = self._engine
+            _SOURCE_ENGINE[:] = [self._engine]
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
         if self._wait and self._admit() == 0:
@@ -141,8 +142,8 @@ class _AdmitFn(beam.DoFn):
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
             self._gauges.update(self._engine)
             now = time.monotonic()
-            if now - self._logged_at >= PUSHBACK_LOG_INTERVAL_S:
-                self._logged_at = now
+            if now - _UPDATED_AT.get("pushback log", float("-inf")) >= PUSHBACK_LOG_INTERVAL_S:
+                _UPDATED_AT["pushback log"] = now
                 LOGGER.info("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
                             "of the subscription stays unacknowledged until a request finishes",
                             self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)

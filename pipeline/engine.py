@@ -231,8 +231,8 @@ class EngineBase:
         with self._lock:
             return self._unfinished
 
-    def admit(self, count: int, *, force: bool = False) -> int:
-        """Takes up to ``count`` requests into the worker's hold; returns how many (all of them with ``force``).
+    def admit(self, count: int) -> int:
+        """Takes up to ``count`` requests into the worker's hold; returns how many.
 
         Those admitted count as held for ``admission_transit_s`` (on their way to the generate
         step), then through the step's own reports and the engine's streams.
@@ -240,7 +240,7 @@ class EngineBase:
         now = time.time()
         with self._lock:
             room = max(self.settings.max_held - self._held(now), 0)
-            granted = count if force else min(count, room)
+            granted = min(count, room)
             if granted:
                 self._admitted.append((now, granted))
         return granted

@@ -162,7 +162,7 @@ class _StreamingGenerateFn(beam.DoFn):
         self._dedupe_window_s = dedupe_window_s
         self._drain_timeout_s = drain_timeout_s
         self._engine: EngineBase | None = None
-        self._gauges = LoadGauges()
+        self._gauges = LoadGauges("generate")
         self.requests_sent = Metrics.counter("streaming_generate", "requests_sent")
         self.requests_queued = Metrics.counter("streaming_generate", "requests_queued")
         self.requests_admitted = Metrics.counter("streaming_generate", "requests_admitted_from_queue")
@@ -197,7 +197,7 @@ class _StreamingGenerateFn(beam.DoFn):
         accepted: list[dict] = []
         for request in requests:
             yield from guarded(STAGE_INFERENCE, request, lambda: self._accept(request, seen, batch, accepted, now))
-        already = len(list(waiting.read())) if next(iter(waiting.read()), None) is not None else 0
+        already = sum(1 for _ in waiting.read())
         sent = 0 if already else self._send(accepted, inflight)  # once one waits, the rest queue behind it
         for entry in accepted[sent:]:
             waiting.add(encode_entry(entry))

@@ -43,8 +43,8 @@ def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_
     engine = StreamingEngine(settings_for(vllm_server.base_url))
     try:
         assert engine.admit(10) == 4, "max_in_flight + worker_queue"
-        assert engine.admit(1) == 0 and engine.admit(3, force=True) == 3
-        assert engine.load()["on_the_way"] == 7
+        assert engine.admit(1) == 0
+        assert engine.load()["on_the_way"] == 4
         assert wait_until(lambda: engine.load()["on_the_way"] == 0, 5), "admissions count only while on their way"
 
         keys = engine.submit_batch([request(1, 64).to_json(), request(2, 64).to_json()], [1, 1])
