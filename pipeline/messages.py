@@ -33,8 +33,10 @@ STAGE_INFERENCE = "inference"
 STAGE_DRAIN = "drain"  # the job drained before the request could be served; it can be redriven
 STAGE_SINK = "sink"
 
-ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata",
-                  "deadline_ms", "response_format", "seed", "presence_penalty", "frequency_penalty")
+ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "min_tokens", "temperature", "top_p", "stop",
+                  "metadata", "deadline_ms", "response_format", "seed", "presence_penalty", "frequency_penalty")
+# Request fields newer than state written by earlier versions (an update reads that state; see fingerprint).
+_FIELDS_ADDED_LATER = ("min_tokens",)
 # vLLM takes a 64-bit seed.
 SEED_RANGE = (-2**63, 2**63 - 1)
 CHAT_ROLES = ("system", "user", "assistant")
@@ -66,6 +68,9 @@ class InferenceRequest:
     prompt: str | None = None
     messages: tuple[Mapping[str, str], ...] | None = None
     max_tokens: int | None = None
+    # vLLM's min_tokens: no end token and no stop string before this many tokens (equal to max_tokens: a fixed
+    # answer length, which is how benchmarks compare equal work).
+    min_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: tuple[str, ...] | None = None
@@ -104,6 +109,9 @@ class InferenceRequest:
         fields = dataclasses.asdict(self)
         for name in ("received_at", "prompt_tokens"):
             fields.pop(name)
+        for name in _FIELDS_ADDED_LATER:  # unset, they leave a fingerprint as earlier versions stored it
+            if fields[name] is None:
+                fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 
     def prompt_text(self) -> str:
@@ -378,6 +386,10 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
         raise RequestError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
     elif max_tokens >= limits.max_model_len:
         raise RequestError(f"'max_tokens' is {max_tokens}, but the model's context is {limits.max_model_len} tokens")
+    min_tokens = fields.get("min_tokens")
+    if min_tokens is not None and (not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens):
+        raise RequestError(f"'min_tokens' must be a whole number from 0 to max_tokens ({max_tokens}), "
+                           f"got {str(min_tokens)[:40]}")
     temperature = _optional_number(fields, "temperature", low=0.0, high=2.0)
     top_p = _optional_number(fields, "top_p", low=0.0, high=1.0, low_inclusive=False)
     stop = fields.get("stop")
@@ -403,6 +415,9 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
             response_format = checked_response_format(response_format)
         except ResponseFormatError as exc:
             raise RequestError(str(exc)) from None
+        if min_tokens:
+            raise RequestError("'min_tokens' cannot go with 'response_format': the schema decides where the "
+                               "answer ends, and no token may follow its end")
     seed = fields.get("seed")
     if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise RequestError(f"'seed' must be a whole number that fits in 64 bits, got {str(seed)[:40]}")
@@ -413,7 +428,8 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
         raise RequestError(f"'deadline_ms' must be a whole number of milliseconds from 1 to 604800000 "
                            f"(a week), got {deadline_ms!r}")
     return InferenceRequest(
-        id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=temperature,
+        id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, min_tokens=min_tokens,
+        temperature=temperature,
         top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms, response_format=response_format,
         seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, received_at=received_at)
 

@@ -10,9 +10,10 @@ once, but its row is computed on until the longest one ends, so one long prompt
 or long answer pads a batch of short ones: :class:`BatchPadding` counts those
 padded token positions from the real tensors, and every batch logs them.
 
-Per-request ``max_tokens``, ``temperature``, ``top_p`` and ``stop`` hold
-within a batch: a logits processor samples each row with its own settings
-(temperature 0 keeps only the row's best token) and a stopping criterion ends
+Per-request ``max_tokens``, ``min_tokens``, ``temperature``, ``top_p`` and
+``stop`` hold within a batch: logits processors keep a row's end token out
+until its ``min_tokens`` and sample each row with its own settings
+(temperature 0 keeps only the row's best token), and a stopping criterion ends
 each row on its own limit, stop string or end-of-sequence token. ``seed``,
 the penalties and ``response_format`` are vLLM features this engine does not
 have; a request that sets one is served without it (``response_format``: the
@@ -84,9 +85,11 @@ class _Row:
     assembler: ChunkAssembler
     prompt_tokens: int
     max_tokens: int
+    min_tokens: int
     stop: tuple[str, ...]
     token_ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters of text handed to the assembler
+    stop_from: int | None = None  # where stop strings are looked for: after the text of its first min_tokens
     steps: int = 0  # decoding steps that computed this row's own tokens (the end token's included)
     finish_reason: str | None = None
 
@@ -194,17 +197,22 @@ class StaticBatchEngine(EngineBase):
             with self._lock:
                 stream.assembler = assembler
             max_tokens = request.max_tokens or 16  # the completions API's default, as vLLM has it
-            rows.append(_Row(stream, assembler, int(length), max_tokens, tuple(request.stop or ())))
+            rows.append(_Row(stream, assembler, int(length), max_tokens, request.min_tokens or 0,
+                             tuple(request.stop or ())))
         steps = _Steps(self, rows)
         temperature = torch.tensor([[_or(s.request.temperature, 1.0)] for s in served], device=self.device)
         top_p = torch.tensor([[_or(s.request.top_p, 1.0)] for s in served], device=self.device)
+        processors = [_PerRowSampling(temperature, top_p)]
+        if any(row.min_tokens for row in rows):
+            min_tokens = torch.tensor([[row.min_tokens] for row in rows], device=self.device)
+            processors.insert(0, _NoEndBefore(min_tokens, encoded["input_ids"].shape[1], sorted(self._eos_ids)))
         with torch.inference_mode():
             self._model.generate(
                 **{name: tensor.to(self.device) for name, tensor in encoded.items()},
                 do_sample=True, temperature=1.0, top_p=1.0, top_k=0,  # per row, in _PerRowSampling
                 max_new_tokens=max(row.max_tokens for row in rows),
                 pad_token_id=self._tokenizer.pad_token_id, eos_token_id=sorted(self._eos_ids),
-                logits_processor=LogitsProcessorList([_PerRowSampling(temperature, top_p)]),
+                logits_processor=LogitsProcessorList(processors),
                 stopping_criteria=StoppingCriteriaList([_RowsDone(steps)]), streamer=steps)
         now = time.time()
         longest = max(lengths)
@@ -244,7 +252,10 @@ class StaticBatchEngine(EngineBase):
     def _send_text(self, row: _Row, now: float) -> None:
         """Hands the row's new text to its assembler, ending the row at a stop string or its max_tokens."""
         text = self._tokenizer.decode(row.token_ids, skip_special_tokens=True)
-        hit = min((i for i in (text.find(s) for s in row.stop) if i >= 0), default=-1)
+        if row.stop_from is None and len(row.token_ids) >= row.min_tokens:  # as vLLM: no stop before min_tokens
+            row.stop_from = len(self._tokenizer.decode(row.token_ids[:row.min_tokens], skip_special_tokens=True))
+        hit = -1 if row.stop_from is None else \
+            min((i for i in (text.find(s, row.stop_from) for s in row.stop) if i >= 0), default=-1)
         if hit >= 0:
             text, row.finish_reason = text[:hit], "stop"
         elif not row.done and len(row.token_ids) >= row.max_tokens:
@@ -302,6 +313,23 @@ class _RowsDone:
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
         return input_ids.new_tensor([row.done for row in self._steps.rows]).bool()
+
+
+class _NoEndBefore:
+    """Logits processor: a row's end tokens are out until it has its ``min_tokens`` ((rows, 1) tensor).
+
+    Live rows decode in step, so every row has as many new tokens as the batch has run steps.
+    """
+
+    def __init__(self, min_tokens: Any, prompt_width: int, end_ids: list[int]) -> None:
+        self._min_tokens, self._prompt_width, self._end_ids = min_tokens, prompt_width, end_ids
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        early = self._min_tokens > input_ids.shape[1] - self._prompt_width  # (rows, 1)
+        if bool(early.any()):
+            scores = scores.clone()
+            scores[:, self._end_ids] = scores[:, self._end_ids].masked_fill(early, float("-inf"))
+        return scores
 
 
 class _PerRowSampling:

@@ -207,8 +207,8 @@ class StreamingEngine(EngineBase):
             "model": self.model_name, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
-        for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-                     "response_format"):
+        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "seed", "presence_penalty",
+                     "frequency_penalty", "response_format"):
             if getattr(request, name) is not None:
                 payload[name] = getattr(request, name)
         if request.stop:

@@ -16,7 +16,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata", "deadline_ms")
+FIELDS = ("id", "prompt", "messages", "max_tokens", "min_tokens", "temperature", "top_p", "stop", "metadata",
+          "deadline_ms")
 TROUBLE_LITERALS = ("NaN", "Infinity", "-Infinity", "1e999", "-1e400", "9" * 5000, "1" * 4301,
                     '"\\ud800"', '"\\udfff tail"', '"a\\u0000b"', "[" * 3000 + "]" * 3000,
                     '{"a":' * 2000 + "1" + "}" * 2000, "[" * 40 + "]" * 40, "true", "null", "[]", "{}", '""')
@@ -42,6 +43,7 @@ def _valid_field(name: str) -> st.SearchStrategy[Any]:
         "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(("system", "user", "assistant")),
                                                     "content": st.text(max_size=40)}), min_size=1, max_size=3),
         "max_tokens": st.integers(1, 64),
+        "min_tokens": st.integers(0, 64),
         "temperature": st.floats(0, 2),
         "top_p": st.floats(0.01, 1),
         "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),

@@ -72,6 +72,20 @@ def test_streams_chunks_that_add_up_to_the_completion(vllm_server):
         engine.close()
 
 
+def test_min_tokens_equal_to_max_tokens_makes_an_answer_that_would_stop_early_run_its_full_length(vllm_server):
+    engine = engine_for(vllm_server.base_url)
+    try:
+        prompt = "What is the capital of France?"
+        requests = [InferenceRequest(id=rid, prompt=prompt, temperature=0, max_tokens=24, received_at=time.time(),
+                                     **extra) for rid, extra in (("natural", {}), ("fixed", {"min_tokens": 24}))]
+        outputs = run_to_end(engine, requests)
+        done = {rid: next(data for kind, data in items if kind == COMPLETION) for rid, items in outputs.items()}
+        assert done["natural"]["finish_reason"] == "stop" and done["natural"]["usage"]["completion_tokens"] < 24
+        assert (done["fixed"]["finish_reason"], done["fixed"]["usage"]["completion_tokens"]) == ("length", 24)
+    finally:
+        engine.close()
+
+
 def test_a_request_the_server_rejects_becomes_a_dead_letter_with_the_servers_reason(vllm_server):
     engine = engine_for(vllm_server.base_url)
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -155,6 +157,20 @@ def test_response_format_and_sampling_extras_are_kept():
     assert parse({"prompt": "x", "response_format": {"type": "json_object"}}).response_format == {"type": "json_object"}
 
 
+def test_min_tokens_is_kept_and_unset_it_leaves_the_fingerprint_as_earlier_versions_stored_it():
+    fixed = parse({"prompt": "x", "max_tokens": 16, "min_tokens": 16})
+    assert (fixed.max_tokens, fixed.min_tokens) == (16, 16)
+    assert InferenceRequest.from_json(fixed.to_json()) == fixed and json.loads(fixed.to_payload())["min_tokens"] == 16
+    assert parse({"prompt": "x", "min_tokens": 0}).min_tokens == 0
+    assert parse({"prompt": "x", "max_tokens": 16}).min_tokens is None
+    # A fingerprint as a version without min_tokens computed it: a redelivery after an update still matches.
+    plain = parse({"prompt": "x", "max_tokens": 16})
+    earlier = {k: v for k, v in dataclasses.asdict(plain).items() if k not in ("received_at", "prompt_tokens",
+                                                                             "min_tokens")}
+    assert plain.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
+    assert fixed.fingerprint() != parse({"prompt": "x", "max_tokens": 16}).fingerprint()
+
+
 @pytest.mark.parametrize("fields, reason", [
     ({"response_format": {"type": "text"}}, "'response_format' must be"),
     ({"response_format": "json"}, "'response_format' must be"),
@@ -174,6 +190,11 @@ def test_response_format_and_sampling_extras_are_kept():
     ({"seed": 2**64}, "'seed' must be a whole number"),
     ({"presence_penalty": 3}, "'presence_penalty' must be in [-2.0, 2.0]"),
     ({"frequency_penalty": "high"}, "'frequency_penalty' must be a number"),
+    ({"max_tokens": 8, "min_tokens": 9}, "'min_tokens' must be a whole number from 0 to max_tokens (8)"),
+    ({"min_tokens": -1}, "'min_tokens' must be a whole number"),
+    ({"min_tokens": 2.5}, "'min_tokens' must be a whole number"),
+    ({"min_tokens": True}, "'min_tokens' must be a whole number"),
+    ({"min_tokens": 4, "response_format": {"type": "json_object"}}, "'min_tokens' cannot go with 'response_format'"),
 ])
 def test_bad_structured_output_and_penalties_are_dead_letters_with_reasons(fields, reason):
     letter = parse({"prompt": "x", **fields})

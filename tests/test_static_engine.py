@@ -78,6 +78,23 @@ def test_each_request_keeps_its_own_parameters_within_one_batch(engine):
         assert done[rid]["usage"]["prompt_tokens"] > 0
 
 
+def test_min_tokens_equal_to_max_tokens_makes_an_answer_that_would_stop_early_run_its_full_length(engine):
+    prompt = "What is the capital of France?"
+    outputs = run_batch(engine, [request("natural", prompt, temperature=0, max_tokens=24),
+                                 request("fixed", prompt, temperature=0, max_tokens=24, min_tokens=24),
+                                 request("no-early-stop", prompt, temperature=0, max_tokens=24, min_tokens=12,
+                                         stop=("o",))])
+    done = {rid: next(data for kind, data in items if kind == COMPLETION) for rid, items in outputs.items()}
+    assert done["natural"]["finish_reason"] == "stop" and done["natural"]["usage"]["completion_tokens"] < 24
+    assert (done["fixed"]["finish_reason"], done["fixed"]["usage"]["completion_tokens"]) == ("length", 24)
+    assert done["fixed"]["text"].startswith(done["natural"]["text"])  # greedy: the same answer, then more
+    # A stop string counts only after min_tokens, as in vLLM: the "o" of "of" does not end the answer; the
+    # first "o" after its 12 tokens does.
+    cut = done["no-early-stop"]
+    assert cut["finish_reason"] == "stop" and 12 <= cut["usage"]["completion_tokens"] < 24
+    assert done["fixed"]["text"].startswith(cut["text"]) and len(cut["text"]) > len(done["natural"]["text"])
+
+
 def test_text_streams_per_decoding_step_not_when_the_batch_ends(engine):
     outputs = run_batch(engine, [request("short", "Say hi.", temperature=0, max_tokens=4),
                                  request("long", "Count from 1 to 100, separated by commas.", temperature=0,
