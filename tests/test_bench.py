@@ -140,6 +140,54 @@ def test_budgets_are_refused_with_beams_handler_which_takes_one_max_tokens():
         parse_args(["--budgets", "record=-1", "--systems", "raw"])
 
 
+def test_fixed_lengths_ask_each_answer_to_run_to_its_budget_and_say_how_many_tokens_a_run_owes():
+    prompts = workload.with_budgets(workload.mixed(12, 5), {"record": 16})
+    fixed, natural = workload.with_lengths(prompts, workload.FIXED), workload.with_lengths(prompts, workload.NATURAL)
+    assert all(m["min_tokens"] == m["max_tokens"] for m in (p.as_message(96) for p in fixed))
+    assert not any("min_tokens" in p.as_message(96) for p in natural)
+    assert workload.requested_tokens(fixed, 96) == sum(16 if p.kind == "record" else 96 for p in prompts)
+    assert workload.requested_tokens(natural, 96) is None and workload.requested_tokens([], 96) is None
+    with pytest.raises(ValueError):
+        workload.with_lengths(prompts, "fixed")
+
+
+def test_lengths_choose_fixed_bursts_and_natural_paced_arrivals_unless_told():
+    from benchmarks.side_by_side.__main__ import _shapes, parse_args, used_lengths
+
+    capacity = {workload.FIXED: 1.0, workload.NATURAL: 2.0}
+    args = parse_args(["--rates", "0.5"])
+    assert _shapes(args, capacity) == {"burst, fixed lengths": (None, workload.FIXED),
+                                       "paced 0.5× capacity, natural lengths": (1.0, workload.NATURAL)}
+    both = _shapes(parse_args(["--rates", "0.5", "--lengths", "both"]), capacity)
+    assert list(both) == ["burst, fixed lengths", "burst, natural lengths", "paced 0.5× capacity, fixed lengths",
+                          "paced 0.5× capacity, natural lengths"]
+    assert used_lengths(parse_args(["--no-burst"])) == [workload.NATURAL]
+    assert used_lengths(parse_args(["--lengths", "fixed"])) == [workload.FIXED]
+
+
+def test_the_report_says_whether_every_system_did_the_work_asked_for():
+    def run(system, shape, tokens, requested):
+        return RunResult(system, shape, 1, "shared", [_timing("a", 0.0, 0.1, 1.0, tokens)], expected=1,
+                         requested_tokens=requested)
+
+    equal = [run(report.RAW, "burst", 8, 8), run("template", "burst", 8, 8)]
+    assert report.work_note(equal, "shared", "burst").startswith("equal work: every system generated exactly")
+    assert report.equal_work(equal).startswith("Equal work: all 2 fixed-length runs")
+    unequal = [run(report.RAW, "burst", 8, 8), run("template", "burst", 7, 8)]
+    assert "template rep 1: 7 of 8" in report.work_note(unequal, "shared", "burst")
+    assert report.equal_work(unequal).startswith("UNEQUAL WORK: 1 of 2")
+    context = report.Context(machine="m", date="d", model="x", max_tokens=8, seed=1, workload="w",
+                             shapes={"burst": "burst of 1"}, rates={}, cores={"shared": "all"}, server_start_s={},
+                             capacity_rps={}, reps=1)
+    (_, _, rows, notes), = report.tables(unequal, context)
+    assert [row[0] for row in rows] == [report.RAW, "template ⚠ not the tokens asked for"]
+    assert "template / raw vLLM" in notes[-2] and notes[-2].endswith("tokens/s 0.88× (unequal work)")
+    natural = [run(report.RAW, "burst", 8, None), run("template", "burst", 5, None)]
+    assert report.work_note(natural, "shared", "burst").startswith("natural lengths:")
+    (_, _, rows, notes), = report.tables(natural, context)
+    assert rows[1][0] == "template" and "tokens/s not compared (natural lengths)" in notes[-2]
+
+
 def test_workload_from_jsonl(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "id": "x", "kind": "k"}\n{"prompt": "c"}\n')
@@ -207,7 +255,7 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
     from benchmarks.side_by_side.__main__ import parse_args, run
 
     args = parse_args(["--server-url", vllm_server.base_url, "--cores", "shared", "--reps", "1", "--requests", "3",
-                       "--paced-requests", "2", "--rates-per-s", "4", "--max-tokens", "8",
+                       "--paced-requests", "2", "--rates-per-s", "4", "--max-tokens", "24",
                        "--systems", "raw,relay,template-buckets,static-arrival,beam", "--out", str(tmp_path)])
     with pytest.MonkeyPatch.context() as patch:
         for key, value in emulator.env().items():
@@ -218,9 +266,14 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
     assert {(r["system"], r["shape"]) for r in runs} == {
         (system, shape) for system in (report.RAW, report.RELAY, "template (length buckets)", report.STATIC_ARRIVAL,
                                        report.BEAM)
-        for shape in ("burst", "paced 4/s")}
+        for shape in ("burst, fixed lengths", "paced 4/s, natural lengths")}
     for run_record in runs:
         assert len(run_record["timings"]) == run_record["expected"], run_record
+        tokens = sum(timing["tokens"] for timing in run_record["timings"])
+        if run_record["shape"].startswith("burst"):  # every system, Beam's handler too, answered at full length
+            assert tokens == run_record["requested_tokens"] == 3 * 24, run_record["system"]
+        else:
+            assert run_record["requested_tokens"] is None
         for timing in run_record["timings"]:
             assert timing["sent"] <= timing["first"] and timing["sent"] <= timing["done"]  # chunks and completions travel apart
             over_pubsub = run_record["system"].startswith("template") or run_record["system"] == report.RELAY
@@ -237,6 +290,7 @@ def test_a_tiny_run_of_the_harness_reports_every_system(vllm_server, emulator, t
         assert (run_record["padded_share"] is not None) == static
         assert 0 <= (run_record["padded_share"] or 0) < 1 and run_record["model_cpu_s"] is None
     markdown = (folder / "report.md").read_text()
+    assert "Equal work: all 5 fixed-length runs generated exactly the output tokens they asked for" in markdown
     assert "template (length buckets) / raw vLLM: first chunk p50" in markdown
     assert f"template (length buckets) / {report.RELAY}: first chunk p50" in markdown
     assert f"{report.RELAY} / raw vLLM: first chunk p50" in markdown

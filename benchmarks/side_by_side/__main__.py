@@ -36,6 +36,7 @@ SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam", "stat
 DEFAULT_SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam")
 SERVED_NAME = "bench"
 SETTLE_S = 1.0  # after resuming a paused pipeline, before sending it anything
+LENGTHS = ("by-shape", "fixed", "natural", "both")
 
 
 class ProgressLine:
@@ -85,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="paced rates as fractions of the capacity measured by raw vLLM's burst")
     parser.add_argument("--rates-per-s", default="", help="paced rates in requests/s instead (overrides --rates)")
     parser.add_argument("--no-burst", action="store_true", help="paced shapes only")
+    parser.add_argument("--lengths", choices=LENGTHS, default="by-shape",
+                        help="answer lengths: fixed (each runs to its max_tokens, so every system does the same "
+                             "work and tokens/s compare), natural (answers end where the model stops: what users "
+                             "see), both (every shape twice), by-shape (default: bursts fixed, for throughput; paced "
+                             "arrivals natural, for latency). A --template-repo older than min_tokens needs natural")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--budgets", default="", metavar="KIND=TOKENS,...",
                         help="max_tokens by prompt kind instead of --max-tokens for all, e.g. record=16,question=32 "
@@ -130,19 +136,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _shapes(args: argparse.Namespace, capacity_rps: float) -> dict[str, float | None]:
-    """Shape name → arrival rate (None: a burst)."""
-    shapes: dict[str, float | None] = {} if args.no_burst else {"burst": None}
-    if args.rates_per_s:
-        for rate in (float(r) for r in args.rates_per_s.split(",") if r):
-            shapes[f"paced {rate:g}/s"] = rate
-    else:  # named by the fraction, so that the core plans' shapes line up though their capacities differ
-        for fraction in (float(f) for f in args.rates.split(",") if f):
-            shapes[f"paced {fraction:g}× capacity"] = fraction * capacity_rps
+def shape_lengths(choice: str, paced: bool) -> list[str]:
+    """The answer lengths a burst or a paced shape runs with, for a --lengths choice."""
+    if choice == "both":
+        return [workload.FIXED, workload.NATURAL]
+    if choice == "by-shape":
+        return [workload.NATURAL if paced else workload.FIXED]
+    return [workload.FIXED if choice == "fixed" else workload.NATURAL]
+
+
+def used_lengths(args: argparse.Namespace) -> list[str]:
+    """Every answer length some shape of this run uses."""
+    used = (shape_lengths(args.lengths, False) if not args.no_burst else []) + shape_lengths(args.lengths, True)
+    return list(dict.fromkeys(used))
+
+
+def _shapes(args: argparse.Namespace, capacity_rps: dict[str, float]) -> dict[str, tuple[float | None, str]]:
+    """Shape name → (arrival rate (None: a burst), answer lengths); paced rates from the capacity at those lengths."""
+    shapes: dict[str, tuple[float | None, str]] = {}
+    if not args.no_burst:
+        for lengths in shape_lengths(args.lengths, False):
+            shapes[f"burst, {lengths}"] = (None, lengths)
+    for lengths in shape_lengths(args.lengths, True):
+        if args.rates_per_s:
+            for rate in (float(r) for r in args.rates_per_s.split(",") if r):
+                shapes[f"paced {rate:g}/s, {lengths}"] = (rate, lengths)
+        else:  # named by the fraction, so that the core plans' shapes line up though their capacities differ
+            for fraction in (float(f) for f in args.rates.split(",") if f):
+                shapes[f"paced {fraction:g}× capacity, {lengths}"] = (fraction * capacity_rps[lengths], lengths)
     return shapes
 
 
-def _load(args: argparse.Namespace, prompts: list[workload.Prompt], rate: float | None, rep: int,
+def _load(args: argparse.Namespace, prompts: list[workload.Prompt], rate: float | None, lengths: str, rep: int,
           shape_index: int) -> tuple[list[workload.Prompt], list[float]]:
     """The prompts of one run and their send offsets, the same for every system.
 
@@ -152,7 +177,8 @@ def _load(args: argparse.Namespace, prompts: list[workload.Prompt], rate: float 
         chosen = prompts
     else:
         chosen = [prompts[(i * 7 + rep) % len(prompts)] for i in range(min(args.paced_requests, len(prompts)))]
-    return chosen, workload.arrivals(len(chosen), rate, args.seed * 1000 + rep * 10 + shape_index)
+    return workload.with_lengths(chosen, lengths), workload.arrivals(len(chosen), rate,
+                                                                     args.seed * 1000 + rep * 10 + shape_index)
 
 
 class _Server:
@@ -235,7 +261,8 @@ def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server
             systems.append(Template(label, emulator, None, args.max_tokens, bucketing=bucketing, log_dir=log_dir,
                                     extra_args=static + extra + more, cores=server.plan.server | server.plan.clients))
     if "beam" in chosen:
-        systems.append(BeamHandler(emulator, server.port, server.model, args.max_tokens, log_dir=log_dir))
+        systems.append(BeamHandler(emulator, server.port, server.model, args.max_tokens, lengths=used_lengths(args),
+                                   log_dir=log_dir))
     return systems
 
 
@@ -247,7 +274,7 @@ def niceness_order(values: list[int], rep: int) -> list[int | None]:
 
 
 def _measure(system: System, server: _Server, niceness: int | None, prompts: list[workload.Prompt],
-             offsets: list[float], *, shape: str, rep: int, reps: int, variant: int,
+             offsets: list[float], *, shape: str, rep: int, reps: int, variant: int, max_tokens: int,
              progress: ProgressLine) -> RunResult:
     """One run of one system, the server first reniced to ``niceness`` unless it is None."""
     label = system.name if niceness is None else f"{system.name} · server nice {niceness}"
@@ -260,7 +287,8 @@ def _measure(system: System, server: _Server, niceness: int | None, prompts: lis
     model_cpu = server.cpu_seconds()
     try:  # request ids differ between variants: the template drops a repeated id as a copy
         result = system.run(prompts, offsets, shape=shape, rep=rep + 1000 * variant, cores=cores, progress=progress)
-        result = dataclasses.replace(result, system=label, rep=rep)
+        result = dataclasses.replace(result, system=label, rep=rep,
+                                     requested_tokens=workload.requested_tokens(prompts, max_tokens))
         if not getattr(system, "holds_model", False) and model_cpu is not None:
             result = dataclasses.replace(result, model_cpu_s=server.cpu_seconds() - model_cpu)
     finally:
@@ -285,27 +313,30 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
                 started.append(system)
                 system.pause()
             calibration = RawVLLM(server.base_url, server.model, args.max_tokens)
-            progress.context = f"[{plan.name}] calibrating: raw vLLM burst of {len(prompts)}"
-            probe = calibration.run(prompts, workload.arrivals(len(prompts), None, 0), shape="calibration", rep=0,
-                                    cores=plan.name, progress=progress)
-            wall = max(t.done for t in probe.timings) - min(t.sent for t in probe.timings)
-            capacity = len(probe.timings) / wall
-            context.capacity_rps[plan.name] = capacity
-            progress.note(f"[{plan.name}] capacity {capacity:.2f} requests/s")
-            shapes = _shapes(args, capacity)
-            for shape, rate in shapes.items():
-                count = len(_load(args, prompts, rate, 1, 0)[0])
+            capacities = context.capacity_rps.setdefault(plan.name, {})
+            for lengths in used_lengths(args):
+                progress.context = f"[{plan.name}] calibrating: raw vLLM burst of {len(prompts)}, {lengths}"
+                burst = workload.with_lengths(prompts, lengths)
+                probe = calibration.run(burst, workload.arrivals(len(burst), None, 0), shape=f"calibration-{lengths[0]}",
+                                        rep=0, cores=plan.name, progress=progress)
+                wall = max(t.done for t in probe.timings) - min(t.sent for t in probe.timings)
+                capacities[lengths] = len(probe.timings) / wall
+                progress.note(f"[{plan.name}] capacity {capacities[lengths]:.2f} requests/s ({lengths})")
+            shapes = _shapes(args, capacities)
+            for shape, (rate, lengths) in shapes.items():
+                count = len(_load(args, prompts, rate, lengths, 1, 0)[0])
                 context.shapes.setdefault(shape, f"burst of {count}" if rate is None else f"{count} Poisson arrivals")
                 if rate is not None:
                     context.rates.setdefault(plan.name, {})[shape] = rate
             for rep in range(1, args.reps + 1):
-                for shape_index, (shape, rate) in enumerate(shapes.items()):
-                    chosen, offsets = _load(args, prompts, rate, rep, shape_index)
+                for shape_index, (shape, (rate, lengths)) in enumerate(shapes.items()):
+                    chosen, offsets = _load(args, prompts, rate, lengths, rep, shape_index)
                     turn = (rep + shape_index) % len(started)
                     for system in started[turn:] + started[:turn]:  # a different order each time
                         for variant, niceness in enumerate(niceness_order(args.server_niceness, rep)):
                             results.append(_measure(system, server, niceness, chosen, offsets, shape=shape, rep=rep,
-                                                    reps=args.reps, variant=variant, progress=progress))
+                                                    reps=args.reps, variant=variant, max_tokens=args.max_tokens,
+                                                    progress=progress))
         finally:
             for system in started:
                 system.resume()

@@ -9,7 +9,10 @@ server instead of starting a server of its own. Each answer is published as
 output.
 
     python -m benchmarks.side_by_side.beam_handler_job --input_subscription=... --output_topic=... \
-        --port=8000 --model=NAME --max_tokens=96
+        --port=8000 --model=NAME --max_tokens=96 [--min_tokens=96]
+
+``--min_tokens`` (vLLM's, through the OpenAI client's ``extra_body``) fixes
+every answer's length for runs that compare equal work.
 """
 
 from __future__ import annotations
@@ -69,17 +72,21 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--max_tokens", type=int, required=True)
+    parser.add_argument("--min_tokens", type=int, help="vLLM's min_tokens for every element (default: none)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     options = PipelineOptions(flags=[], runner="BundleBasedDirectRunner")
     options.view_as(StandardOptions).streaming = True
     apply_local_runner_fixes()
+    inference_args = {"max_tokens": args.max_tokens, "temperature": 0}
+    if args.min_tokens is not None:
+        inference_args["extra_body"] = {"min_tokens": args.min_tokens}
     pipeline = beam.Pipeline(options=options)
     (pipeline
      | ReadFromPubSub(subscription=args.input_subscription)
      | beam.Map(_keyed)
      | RunInference(KeyedModelHandler(HandlerOnSharedServer(args.model, args.port)),
-                    inference_args={"max_tokens": args.max_tokens, "temperature": 0})
+                    inference_args=inference_args)
      | beam.Map(_answer)
      | PublishJson(args.output_topic))
     pipeline.run().wait_until_finish()

@@ -17,10 +17,15 @@ def session(timeout_s: float) -> aiohttp.ClientSession:
 
 
 async def completion_events(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str,
-                            max_tokens: int) -> AsyncIterator[dict]:
-    """Each server-sent event of a greedy streaming ``POST /v1/completions`` with usage at the end, parsed."""
+                            max_tokens: int, min_tokens: int | None = None) -> AsyncIterator[dict]:
+    """Each server-sent event of a greedy streaming ``POST /v1/completions`` with usage at the end, parsed.
+
+    ``min_tokens`` (vLLM's) equal to ``max_tokens`` fixes the answer's length.
+    """
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                "stream_options": {"include_usage": True}}
+    if min_tokens is not None:
+        payload["min_tokens"] = min_tokens
     async with session.post(f"{base_url}/v1/completions", json=payload) as response:
         response.raise_for_status()
         async for raw in response.content:

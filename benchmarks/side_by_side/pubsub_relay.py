@@ -67,7 +67,7 @@ class Relay:
         assembler = ChunkAssembler(request["id"], 1, CHUNK_POLICY, received_at)
         tokens, finish_reason = 0, None
         async for event in completion_events(self._session, args.base_url, args.model, request["prompt"],
-                                             request.get("max_tokens", args.max_tokens)):
+                                             request.get("max_tokens", args.max_tokens), request.get("min_tokens")):
             if event.get("choices"):
                 choice = event["choices"][0]
                 text = choice.get("text") or ""

@@ -55,7 +55,7 @@ class Context:
     rates: dict[str, dict[str, float]]  # core plan -> paced shape -> its rate in requests/s
     cores: dict[str, str]  # core plan name -> its description
     server_start_s: dict[str, float]
-    capacity_rps: dict[str, float]
+    capacity_rps: dict[str, dict[str, float]]  # core plan -> answer lengths -> raw vLLM's burst capacity
     reps: int
 
 
@@ -78,15 +78,19 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
             title = (f"{cores} cores ({context.cores[cores]}) · {shape}: {context.shapes[shape]}"
                      + (f" at {rate:.2f} requests/s" if rate is not None else ""))
             header = ["system", *(name for name, _, _ in COLUMNS)]
+            fixed = any(spreads[(cores, shape, system)]["token_surplus"].count for system in systems)
+            unequal = {system for system in systems if fixed and _unequal(spreads[(cores, shape, system)])}
             rows = []
             for system in systems:
                 figures = spreads[(cores, shape, system)]
                 finished = figures["finished"]
                 label = system if finished.low == figures["expected"].median else \
                     f"{system} (only {_number(finished.low)} of {_number(figures['expected'].median)} finished)"
+                label += " ⚠ not the tokens asked for" if system in unequal else ""
                 rows.append([label, *(fmt(figures[key]) for _, key, _ in COLUMNS)])
-            notes = []
-            notes += engine_notes({system: spreads[(cores, shape, system)] for system in systems})
+            notes = [work_note(runs, cores, shape)]
+            if fixed:  # its ratios are tokens/s
+                notes += engine_notes({system: spreads[(cores, shape, system)] for system in systems})
             for system in systems:
                 if system in (RAW, BEAM):
                     continue
@@ -95,13 +99,52 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
                     if peer == system or (system == RELAY and peer == BEAM) or (cores, shape, peer) not in spreads:
                         continue
                     other = spreads[(cores, shape, peer)]
+                    throughput = (f"tokens/s {_ratio_text(ratio(figures['tok_s'], other['tok_s']))}"
+                                  + (" (unequal work)" if {system, peer} & unequal else "")
+                                  if fixed else "tokens/s not compared (natural lengths)")
                     notes.append(f"{system} / {peer}: first chunk p50 {_ratio_text(ratio(figures['first_p50'], other['first_p50']))}, "
-                                 f"p95 {_ratio_text(ratio(figures['first_p95'], other['first_p95']))}, "
-                                 f"tokens/s {_ratio_text(ratio(figures['tok_s'], other['tok_s']))}")
+                                 f"p95 {_ratio_text(ratio(figures['first_p95'], other['first_p95']))}, {throughput}")
                 hops = [f"{hop} {fmt(figures[f'hop_p50:{hop}'])} / {fmt(figures[f'hop_p95:{hop}'])} s" for hop in HOPS]
                 notes.append(f"{system}, first chunk by hop (p50 / p95): " + "; ".join(hops))
             result.append((title, header, rows, notes))
     return result
+
+
+def _unequal(figures: dict[str, Spread]) -> bool:
+    surplus = figures["token_surplus"]
+    return surplus.count > 0 and (surplus.low != 0 or surplus.high != 0)
+
+
+def work_note(runs: Sequence[RunResult], cores: str, shape: str) -> str:
+    """Whether every system of a table did the same work: each run's output tokens against what it asked for."""
+    chosen = [r for r in runs if (r.cores, r.shape) == (cores, shape)]
+    totals: dict[str, list[int]] = {}
+    for run in chosen:
+        totals.setdefault(run.system, []).append(sum(t.tokens for t in run.timings))
+    if any(r.requested_tokens is None for r in chosen):
+        spread = ", ".join(f"{system} {_number(Spread.of(values).median)}" for system, values in totals.items())
+        return (f"natural lengths: answers end where the model stops, so the systems' output tokens differ "
+                f"(median per run: {spread}); tokens/s are not compared")
+    off = [f"{r.system} rep {r.rep}: {sum(t.tokens for t in r.timings)} of {r.requested_tokens}"
+           for r in chosen if sum(t.tokens for t in r.timings) != r.requested_tokens]
+    requested = sorted({r.requested_tokens for r in chosen})
+    asked = f"{requested[0]}" if len(requested) == 1 else f"{requested[0]}–{requested[-1]}"
+    if not off:
+        return f"equal work: every system generated exactly the tokens asked for ({asked} per run) in every repetition"
+    return f"UNEQUAL WORK, tokens/s ratios with these runs compare different work: {'; '.join(off)}"
+
+
+def equal_work(runs: Sequence[RunResult]) -> str:
+    """One line over the whole run: did every fixed-length run generate exactly what it asked for?"""
+    fixed = [r for r in runs if r.requested_tokens is not None]
+    off = [r for r in fixed if sum(t.tokens for t in r.timings) != r.requested_tokens]
+    if not fixed:
+        return "Equal work: no run had fixed answer lengths, so tokens/s compare different amounts of work."
+    if not off:
+        return (f"Equal work: all {len(fixed)} fixed-length runs generated exactly the output tokens they asked "
+                "for, so their tokens/s compare the same work.")
+    return (f"UNEQUAL WORK: {len(off)} of {len(fixed)} fixed-length runs did not generate the tokens they asked "
+            "for (see each table's notes); tokens/s ratios with them compare different work.")
 
 
 def engine_notes(figures: dict[str, dict[str, Spread]]) -> list[str]:
@@ -144,7 +187,7 @@ def headline(runs: Sequence[RunResult], context: Context) -> list[str]:
 
 
 def terminal(runs: Sequence[RunResult], context: Context) -> str:
-    lines = []
+    lines = ["", equal_work(runs)]
     for title, header, rows, notes in tables(runs, context):
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         lines += ["", title, "  ".join(h.ljust(widths[0]) if i == 0 else h.rjust(widths[i]) for i, h in enumerate(header))]
@@ -160,11 +203,15 @@ def markdown(runs: Sequence[RunResult], context: Context) -> str:
              f"{context.workload}. Each configuration {context.reps}×, interleaved; "
              "cells are the median over repetitions and (in brackets) the range. Times in seconds from the "
              "moment each prompt was sent; tokens/s are output tokens over the run's wall time; CPU excludes the "
-             "server.", ""]
+             "server. With fixed lengths every answer runs to its max_tokens (vLLM's min_tokens), so every "
+             "system does the same work; with natural lengths answers end where the model stops.", "",
+             equal_work(runs), ""]
     for cores, description in context.cores.items():
+        capacity = "; ".join(f"{rps:.2f} requests/s with {lengths}"
+                             for lengths, rps in context.capacity_rps.get(cores, {}).items())
         lines.append(f"- **{cores}**: {description}; server start {context.server_start_s.get(cores, math.nan):.0f} s "
-                     f"(not in the figures); capacity {context.capacity_rps.get(cores, math.nan):.2f} requests/s "
-                     "(raw vLLM, burst), from which the paced rates are set.")
+                     f"(not in the figures); capacity (raw vLLM, burst) {capacity or '–'}, from which the paced "
+                     "rates at those lengths are set.")
     lines += ["", "First chunk p50 / p95 and output tokens/s (medians over repetitions):", "", *headline(runs, context)]
     for title, header, rows, notes in tables(runs, context):
         lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -41,6 +41,7 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     padded_share: float | None = None  # static engine: padding / token positions computed, from its batches
     model_cpu_s: float | None = None  # the vLLM server's CPU time during the run (None: the model is in cpu_s)
+    requested_tokens: int | None = None  # fixed answer lengths: the output tokens the run must generate
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -68,6 +69,8 @@ def summarize(run: RunResult) -> dict[str, float]:
         "first_p50": percentile(first, 0.5), "first_p95": percentile(first, 0.95), "first_p99": percentile(first, 0.99),
         "done_p50": percentile(done, 0.5), "done_p95": percentile(done, 0.95),
         "tokens": tokens, "tok_s": tokens / wall if wall and wall > 0 else math.nan,
+        # Fixed lengths: tokens generated beyond (+) or short of (-) the request; 0 when the work was as asked.
+        "token_surplus": tokens - run.requested_tokens if run.requested_tokens is not None else math.nan,
         "cpu_s_per_1k_tokens": run.cpu_s / tokens * 1000 if run.cpu_s is not None and tokens else math.nan,
         "all_cpu_s_per_1k_tokens": ((run.cpu_s + (run.model_cpu_s or 0.0)) / tokens * 1000
                                     if run.cpu_s is not None and tokens else math.nan),

@@ -23,9 +23,9 @@ import aiohttp
 
 from benchmarks.side_by_side.completions_stream import completion_events, session as client_session
 from benchmarks.side_by_side.cores import peak_rss_mib, pin_tree, tree_cpu_seconds
-from benchmarks.side_by_side.report import RELAY
+from benchmarks.side_by_side.report import BEAM, RELAY
 from benchmarks.side_by_side.stats import RequestTiming, RunResult
-from benchmarks.side_by_side.workload import Prompt
+from benchmarks.side_by_side.workload import FIXED, NATURAL, Prompt
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT, LocalRun, OutputCollector
 
@@ -93,7 +93,7 @@ class RawVLLM:
             await asyncio.sleep(max(0.0, start + offset - time.time()))
             sent, first, tokens = time.time(), None, 0
             async for event in completion_events(session, self.base_url, self.model, prompt.prompt,
-                                                   prompt.budget(self.max_tokens)):
+                                                   prompt.budget(self.max_tokens), prompt.min_tokens(self.max_tokens)):
                 if first is None and event.get("choices") and event["choices"][0].get("text"):
                     first = time.time()
                 if event.get("usage"):
@@ -343,25 +343,64 @@ class _OwnProcess:
                          peak_rss_mib=peak_rss_mib(self._process.pid))
 
 
-class BeamHandler(_OwnProcess):
+class _BeamJob(_OwnProcess):
     """Beam 2.77's RunInference + VLLMCompletionsModelHandler in its own DirectRunner process."""
 
-    name = "Beam's vLLM handler"
-    module, outputs, prefix = "benchmarks.side_by_side.beam_handler_job", ("completions",), "beam-handler"
+    name = BEAM
+    module, outputs = "benchmarks.side_by_side.beam_handler_job", ("completions",)
 
-    def __init__(self, emulator: PubSubEmulator, port: int, model: str, max_tokens: int, *, log_dir: Path) -> None:
+    def __init__(self, emulator: PubSubEmulator, port: int, model: str, max_tokens: int, *, fixed: bool,
+                 log_dir: Path) -> None:
+        self.prefix = f"beam-handler-{'fixed' if fixed else 'natural'}"
         super().__init__(emulator, max_tokens, log_dir=log_dir)
-        self._port, self._model = port, model
+        self._port, self._model, self._fixed = port, model, fixed
 
     def _flags(self, topics: dict[str, str]) -> list[str]:
         return [f"--output_topic={topics['completions']}", f"--port={self._port}", f"--model={self._model}",
-                f"--max_tokens={self._max_tokens}"]
+                f"--max_tokens={self._max_tokens}", *([f"--min_tokens={self._max_tokens}"] if self._fixed else [])]
 
     def _timings(self, sent: dict[str, float], kinds: dict[str, str]) -> list[RequestTiming]:
         # It answers whole completions: its first output is its completion.
         answers = {c.data["id"]: c for c in list(self._collector.completions) if c.data["id"] in sent}
         return [RequestTiming(key, kinds[key], sent[key], received.at, received.at, received.data["tokens"])
                 for key, received in answers.items()]
+
+
+class BeamHandler:
+    """Beam's handler, one job per answer length: its ``inference_args`` are one for every element and run.
+
+    A run goes to the job whose ``min_tokens`` matches its prompts (fixed lengths, or none).
+    """
+
+    name = BEAM
+
+    def __init__(self, emulator: PubSubEmulator, port: int, model: str, max_tokens: int, *, lengths: list[str],
+                 log_dir: Path) -> None:
+        self._jobs = {mode: _BeamJob(emulator, port, model, max_tokens, fixed=mode == FIXED, log_dir=log_dir)
+                      for mode in lengths}
+
+    def start(self) -> None:
+        for job in self._jobs.values():
+            job.start()
+
+    def pause(self) -> None:
+        for job in self._jobs.values():
+            job.pause()
+
+    def resume(self) -> None:
+        for job in self._jobs.values():
+            job.resume()
+
+    def stop(self) -> None:
+        for job in self._jobs.values():
+            job.stop()
+
+    def run(self, prompts: list[Prompt], offsets: list[float], *, shape: str, rep: int, cores: str,
+            progress: Progress) -> RunResult:
+        modes = {FIXED if p.fixed else NATURAL for p in prompts}
+        if len(modes) != 1 or not modes <= set(self._jobs):
+            raise ValueError(f"Beam's handler runs answers of one length per job; got {sorted(modes)}")
+        return self._jobs[modes.pop()].run(prompts, offsets, shape=shape, rep=rep, cores=cores, progress=progress)
 
 
 class PubSubRelay(_OwnProcess):

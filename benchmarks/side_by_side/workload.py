@@ -8,6 +8,13 @@ the shares are options, and ``--prompts FILE.jsonl`` replaces it with yours.
 Decoding is greedy and every request has the same ``max_tokens``, because
 Beam's handler takes one ``inference_args`` for all elements; ``--budgets``
 gives each kind its own, as a stream of classifications would set them.
+
+Answers come in two lengths. *Fixed*: each answer runs to its budget
+(``min_tokens`` = ``max_tokens``, as vLLM's own serving benchmark ignores the
+end token), so every system generates the same tokens and tokens/s compare
+equal work; greedy answers of natural length differ between systems, since
+vLLM's output depends on what else is in the batch. *Natural*: answers end
+where the model stops, which is what users see.
 """
 
 from __future__ import annotations
@@ -42,12 +49,37 @@ class Prompt:
     prompt: str
     kind: str  # "question", "record" or "long answer": reported separately
     max_tokens: int | None = None  # None: the run's --max-tokens
+    fixed: bool = False  # the answer runs to its budget (min_tokens = max_tokens)
 
     def budget(self, run_max_tokens: int) -> int:
         return self.max_tokens or run_max_tokens
 
+    def min_tokens(self, run_max_tokens: int) -> int | None:
+        """What the request sets as vLLM's min_tokens: its budget when its length is fixed."""
+        return self.budget(run_max_tokens) if self.fixed else None
+
     def as_message(self, max_tokens: int) -> dict:
-        return {"id": self.id, "prompt": self.prompt, "max_tokens": self.budget(max_tokens), "temperature": 0}
+        message = {"id": self.id, "prompt": self.prompt, "max_tokens": self.budget(max_tokens), "temperature": 0}
+        if self.fixed:
+            message["min_tokens"] = message["max_tokens"]
+        return message
+
+
+FIXED, NATURAL = "fixed lengths", "natural lengths"
+
+
+def with_lengths(prompts: list[Prompt], lengths: str) -> list[Prompt]:
+    """The prompts with answers of ``FIXED`` or ``NATURAL`` length."""
+    if lengths not in (FIXED, NATURAL):
+        raise ValueError(f"lengths are {FIXED!r} or {NATURAL!r}, got {lengths!r}")
+    return [dataclasses.replace(p, fixed=lengths == FIXED) for p in prompts]
+
+
+def requested_tokens(prompts: list[Prompt], run_max_tokens: int) -> int | None:
+    """The output tokens a run of fixed-length prompts must generate (None: natural lengths)."""
+    if not prompts or not all(p.fixed for p in prompts):
+        return None
+    return sum(p.budget(run_max_tokens) for p in prompts)
 
 
 def parse_budgets(text: str) -> dict[str, int]:
