@@ -429,9 +429,9 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
                            f"(a week), got {deadline_ms!r}")
     return InferenceRequest(
         id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, min_tokens=min_tokens,
-        temperature=temperature,
-        top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms, response_format=response_format,
-        seed=seed, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, received_at=received_at)
+        temperature=temperature, top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms,
+        response_format=response_format, seed=seed, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, received_at=received_at)
 
 
 def _validated_messages(messages: Any) -> tuple[Mapping[str, str], ...]:
