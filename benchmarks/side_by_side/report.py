@@ -118,15 +118,14 @@ def _unequal(figures: dict[str, Spread]) -> bool:
 def work_note(runs: Sequence[RunResult], cores: str, shape: str) -> str:
     """Whether every system of a table did the same work: each run's output tokens against what it asked for."""
     chosen = [r for r in runs if (r.cores, r.shape) == (cores, shape)]
-    totals: dict[str, list[int]] = {}
-    for run in chosen:
-        totals.setdefault(run.system, []).append(sum(t.tokens for t in run.timings))
     if any(r.requested_tokens is None for r in chosen):
+        totals: dict[str, list[int]] = {}
+        for run in chosen:
+            totals.setdefault(run.system, []).append(run.output_tokens)
         spread = ", ".join(f"{system} {_number(Spread.of(values).median)}" for system, values in totals.items())
-        return (f"natural lengths: answers end where the model stops, so the systems' output tokens differ "
+        return (f"natural lengths: answers end where the model stops, so the systems' output tokens may differ "
                 f"(median per run: {spread}); tokens/s are not compared")
-    off = [f"{r.system} rep {r.rep}: {sum(t.tokens for t in r.timings)} of {r.requested_tokens}"
-           for r in chosen if sum(t.tokens for t in r.timings) != r.requested_tokens]
+    off = [f"{r.system} rep {r.rep}: {r.output_tokens} of {r.requested_tokens}" for r in chosen if r.off_request]
     requested = sorted({r.requested_tokens for r in chosen})
     asked = f"{requested[0]}" if len(requested) == 1 else f"{requested[0]}–{requested[-1]}"
     if not off:
@@ -137,7 +136,7 @@ def work_note(runs: Sequence[RunResult], cores: str, shape: str) -> str:
 def equal_work(runs: Sequence[RunResult]) -> str:
     """One line over the whole run: did every fixed-length run generate exactly what it asked for?"""
     fixed = [r for r in runs if r.requested_tokens is not None]
-    off = [r for r in fixed if sum(t.tokens for t in r.timings) != r.requested_tokens]
+    off = [r for r in fixed if r.off_request]
     if not fixed:
         return "Equal work: no run had fixed answer lengths, so tokens/s compare different amounts of work."
     if not off:

@@ -43,6 +43,15 @@ class RunResult:
     model_cpu_s: float | None = None  # the vLLM server's CPU time during the run (None: the model is in cpu_s)
     requested_tokens: int | None = None  # fixed answer lengths: the output tokens the run must generate
 
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.tokens for t in self.timings)
+
+    @property
+    def off_request(self) -> bool:
+        """Fixed lengths only: the run did not generate exactly the tokens it asked for."""
+        return self.requested_tokens is not None and self.output_tokens != self.requested_tokens
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-quantile (0..1) with linear interpolation between closest ranks (numpy's default)."""
@@ -62,7 +71,7 @@ def summarize(run: RunResult) -> dict[str, float]:
     timings = run.timings
     first = [t.first - t.sent for t in timings]
     done = [t.done - t.sent for t in timings]
-    tokens = sum(t.tokens for t in timings)
+    tokens = run.output_tokens
     wall = max(t.done for t in timings) - min(t.sent for t in timings) if timings else math.nan
     figures = {
         "finished": len(timings), "expected": run.expected,
