@@ -47,7 +47,7 @@ ORDERS = RecordSet(
     {"type": "object", "additionalProperties": False, "required": ["customer", "city", "quantity"],
      "properties": {"customer": {"type": "string", "maxLength": 40},
                     "city": {"type": "string", "maxLength": 40},
-                    "quantity": {"type": "integer", "minimum": 1}}},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 10000}}},
     ("Jane Doe ordered 3 lamps, ship to Berlin.", "Send 12 mugs to Carlos Ruiz in Madrid.",
      "Ahmed Khan, Cairo: 1 desk.", "2 chairs for Mei Lin, Shanghai.", "Olga Petrova wants 5 kettles in Moscow.",
      "Deliver 7 books to Tom Smith, London.", "Priya Patel, Mumbai, 4 pillows.",

@@ -74,7 +74,8 @@ def parse_output(text: str, response_format: Mapping[str, Any] | None,
     """(output_json, output_error) for a finished answer; (None, None) when no structure was asked for."""
     if response_format is None:
         return None, None
-    cut = (" The answer was cut at max_tokens (finish_reason=length): raise max_tokens."
+    cut = (" The answer was cut at max_tokens (finish_reason=length): raise max_tokens, or bound what the schema "
+           "leaves open (an integer's maximum, a string's maxLength, an array's maxItems)."
            if finish_reason == "length" else "")
     try:
         value = json.loads(text)
