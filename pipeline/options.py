@@ -305,12 +305,14 @@ PARAMETERS: tuple[Parameter, ...] = (
     # Streaming output
     Parameter("chunk_tokens", "Tokens per chunk",
               "A chunk is emitted once this many new tokens have arrived (the first token is always "
-              "emitted at once).",
+              "emitted at once). With vLLM the engine asks the server for one event per this many tokens "
+              "(stream_interval), so neither side handles each token on its own.",
               "8", GROUP_STREAMING, "NUMBER", default=8, minimum=1),
     Parameter("chunk_interval_ms", "Chunk interval (ms)",
-              "A chunk is also emitted when this long has passed since the last one and new text is waiting. "
-              "The generate step polls the engine every half of this (at least 10 ms, at most 100 ms), which "
-              "is how soon completions and dead letters leave it.",
+              "A chunk is also emitted when this long has passed since the last one and new text is waiting; "
+              "with vLLM, text arrives chunk_tokens tokens at a time, so a slower answer gets a chunk per "
+              "chunk_tokens tokens rather than per interval. The generate step polls the engine every half of "
+              "this (at least 10 ms, at most 100 ms), which is how soon completions and dead letters leave it.",
               "200", GROUP_STREAMING, "NUMBER", default=200, minimum=1),
 )
 

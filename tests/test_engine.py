@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -84,6 +88,77 @@ def test_min_tokens_equal_to_max_tokens_makes_an_answer_that_would_stop_early_ru
         assert (done["fixed"]["finish_reason"], done["fixed"]["usage"]["completion_tokens"]) == ("length", 24)
     finally:
         engine.close()
+
+
+def test_the_engine_asks_vllm_for_one_event_per_chunk_not_one_per_token(vllm_server):
+    """stream_interval = chunk_tokens: even a 1 ms interval cannot cut a chunk between the server's events."""
+    engine = engine_for(vllm_server.base_url, chunk_policy=ChunkPolicy(chunk_tokens=8, interval_ms=1))
+    try:
+        request = InferenceRequest(id="coarse", prompt="Count from 1 to 100 in digits.", max_tokens=64, min_tokens=64,
+                                   temperature=0, received_at=time.time())
+        outputs = run_to_end(engine, [request])
+    finally:
+        engine.close()
+    chunks = [data for kind, data in outputs["coarse"] if kind == CHUNK]
+    (completion,) = [data for kind, data in outputs["coarse"] if kind == COMPLETION]
+    assert "".join(c["text"] for c in chunks) == completion["text"] and completion["usage"]["completion_tokens"] == 64
+    assert [c["seq"] for c in chunks] == list(range(len(chunks))) and chunks[-1]["final"]
+    # The first token at once, then events of 8 tokens, the last with what is left: a chunk per event.
+    counts = [c["tokens"] for c in chunks]
+    gaps = [b - a for a, b in zip(counts, counts[1:]) if b > a]
+    assert counts[0] == 1 and set(gaps[:-1]) == {8} and 0 < gaps[-1] <= 8, counts
+
+
+@pytest.fixture(scope="module")
+def strict_server(checkpoint, tmp_path_factory):
+    """``transformers serve``: a real OpenAI-compatible server that refuses fields it does not know (HTTP 422)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("strict-server") / "server.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", str(checkpoint),
+                                    "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return True
+        except OSError:
+            return process.poll() is not None  # ended: stop waiting, the assertion below says so
+    wait_until(healthy, 120, interval_s=0.5)
+    assert process.poll() is None, log.read_text()[-3000:]
+    yield url, str(checkpoint), log
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def test_a_server_that_refuses_stream_interval_is_streamed_per_token_after_one_warning(strict_server, caplog):
+    """No dead letter: the refused request is sent again without the field, and so is every later one."""
+    url, model, log = strict_server
+    engine = engine_for(url, served_model_name=model)
+    assert engine.stream_interval == 4
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipeline.vllm_engine"):
+            requests = [InferenceRequest(id=f"s{i}", prompt="List three colours.", max_tokens=12, temperature=0,
+                                         received_at=time.time()) for i in range(3)]
+            outputs = run_to_end(engine, requests[:1])
+            outputs.update(run_to_end(engine, requests[1:]))
+    finally:
+        engine.close()
+    assert engine.stream_interval is None
+    for request in requests:
+        chunks = [data for kind, data in outputs[request.id] if kind == CHUNK]
+        (completion,) = [data for kind, data in outputs[request.id] if kind == COMPLETION]
+        assert completion["text"] and "".join(c["text"] for c in chunks) == completion["text"]
+        assert completion["usage"]["completion_tokens"] == 12 and chunks[-1]["final"]
+    warnings = [r.getMessage() for r in caplog.records if "stream_interval" in r.getMessage()]
+    assert len(warnings) == 1 and "every token" in warnings[0], warnings
+    assert log.read_text().count("422 Unprocessable") == 1  # one refused request, then none
 
 
 def test_a_request_the_server_rejects_becomes_a_dead_letter_with_the_servers_reason(vllm_server):
