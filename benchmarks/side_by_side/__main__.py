@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import platform
 import shlex
 import sys
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.side_by_side import report, workload
-from benchmarks.side_by_side.cores import CorePlan, pin_this_process, pin_tree, plans, renice_tree, tree_cpu_seconds
+from benchmarks.side_by_side.cores import CorePlan, plans, renice_tree
 from benchmarks.side_by_side.report import STATIC_ARRIVAL, STATIC_BUCKETS, STATIC_PROMPT_BUCKETS
+from benchmarks.side_by_side.server import BenchServer
 from benchmarks.side_by_side.stats import RunResult
 from benchmarks.side_by_side.systems import BeamHandler, PubSubRelay, RawVLLM, System, Template
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
@@ -34,7 +33,6 @@ from local.harness import REPO_ROOT
 SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam", "static-arrival", "static-prompt-buckets",
            "static-buckets")
 DEFAULT_SYSTEMS = ("raw", "relay", "template-arrival", "template-buckets", "beam")
-SERVED_NAME = "bench"
 SETTLE_S = 1.0  # after resuming a paused pipeline, before sending it anything
 LENGTHS = ("by-shape", "fixed", "natural", "both")
 
@@ -181,54 +179,7 @@ def _load(args: argparse.Namespace, prompts: list[workload.Prompt], rate: float 
                                                                      args.seed * 1000 + rep * 10 + shape_index)
 
 
-class _Server:
-    """The one vLLM server, started under a core plan, or a running one."""
-
-    def __init__(self, args: argparse.Namespace, plan: CorePlan) -> None:
-        self.args, self.plan = args, plan
-        self.server = None
-        self.start_s = float("nan")
-
-    def __enter__(self) -> _Server:
-        if self.args.server_url:
-            self.base_url = self.args.server_url.rstrip("/")
-            with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=10) as response:
-                self.model = json.load(response)["data"][0]["id"]
-            self.port = int(self.base_url.rsplit(":", 1)[1])
-            return self
-        from pipeline.model_manager import ServerSpec, VLLMServer
-
-        model = self.args.model or str(ensure_local_checkpoint())
-        spec = ServerSpec(model=model, dtype=self.args.dtype, served_model_name=SERVED_NAME,
-                          extra_args=tuple(shlex.split(self.args.vllm_args)), start_timeout_s=1800)
-        saved = dict(os.environ)
-        os.environ.update(self.plan.server_env())
-        os.sched_setaffinity(0, self.plan.server)  # the server inherits these cores
-        started = time.monotonic()
-        try:
-            self.server = VLLMServer(spec).start()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        self.start_s = time.monotonic() - started
-        if self.plan.name == "isolated":  # "shared" leaves vLLM's own placement (its compute threads bound) alone
-            pin_this_process(self.plan.clients)  # with every child so far: the emulator, the server ...
-            pin_tree(self.server.pid, self.plan.server)  # ... which then goes back to its own cores
-        if self.args.server_niceness:
-            renice_tree(self.server.pid, self.args.server_niceness[0])
-        self.base_url, self.port, self.model = self.server.base_url, self.server.port, SERVED_NAME
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.stop()
-
-    def cpu_seconds(self) -> float | None:
-        """The server's process tree's CPU time so far (None for a server this command did not start)."""
-        return tree_cpu_seconds(self.server.pid) if self.server is not None else None
-
-
-def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: _Server, log_dir: Path) -> list[System]:
+def _systems(args: argparse.Namespace, emulator: PubSubEmulator, server: BenchServer, log_dir: Path) -> list[System]:
     chosen = args.systems.split(",")
     extra = tuple(shlex.split(args.template_args))
     systems: list[System] = []
@@ -273,7 +224,7 @@ def niceness_order(values: list[int], rep: int) -> list[int | None]:
     return values if rep % 2 else values[::-1]
 
 
-def _measure(system: System, server: _Server, niceness: int | None, prompts: list[workload.Prompt],
+def _measure(system: System, server: BenchServer, niceness: int | None, prompts: list[workload.Prompt],
              offsets: list[float], *, shape: str, rep: int, reps: int, variant: int, max_tokens: int,
              progress: ProgressLine) -> RunResult:
     """One run of one system, the server first reniced to ``niceness`` unless it is None."""
@@ -302,7 +253,8 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
     """Every system, shape and repetition under one core plan, interleaved."""
     progress.note(f"[{plan.name}] starting the vLLM server ({plan.describe()}) ...")
     results: list[RunResult] = []
-    with _Server(args, plan) as server:
+    with BenchServer(plan, model=args.model, dtype=args.dtype, vllm_args=args.vllm_args, server_url=args.server_url,
+                     niceness=args.server_niceness[0] if args.server_niceness else None) as server:
         context.server_start_s[plan.name] = server.start_s
         systems = _systems(args, emulator, server, log_dir / plan.name)
         started: list[System] = []

@@ -17,15 +17,19 @@ def session(timeout_s: float) -> aiohttp.ClientSession:
 
 
 async def completion_events(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str,
-                            max_tokens: int, min_tokens: int | None = None) -> AsyncIterator[dict]:
+                            max_tokens: int, min_tokens: int | None = None,
+                            stream_interval: int | None = None) -> AsyncIterator[dict]:
     """Each server-sent event of a greedy streaming ``POST /v1/completions`` with usage at the end, parsed.
 
-    ``min_tokens`` (vLLM's) equal to ``max_tokens`` fixes the answer's length.
+    ``min_tokens`` (vLLM's) equal to ``max_tokens`` fixes the answer's length; ``stream_interval`` (vLLM's)
+    asks for one event per that many tokens after the first.
     """
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                "stream_options": {"include_usage": True}}
     if min_tokens is not None:
         payload["min_tokens"] = min_tokens
+    if stream_interval is not None:
+        payload["stream_interval"] = stream_interval
     async with session.post(f"{base_url}/v1/completions", json=payload) as response:
         response.raise_for_status()
         async for raw in response.content:

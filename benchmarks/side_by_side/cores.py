@@ -110,6 +110,15 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` itself so far, its children excluded (0 once it has ended)."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
 def peak_rss_mib(pid: int) -> float:
     """The peak resident memory of ``pid`` and its descendants over their lives (VmHWM), MiB."""
     total = 0

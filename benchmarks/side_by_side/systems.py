@@ -63,8 +63,9 @@ class RawVLLM:
 
     name = "raw vLLM"
 
-    def __init__(self, base_url: str, model: str, max_tokens: int) -> None:
+    def __init__(self, base_url: str, model: str, max_tokens: int, *, stream_interval: int | None = None) -> None:
         self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+        self.stream_interval = stream_interval  # vLLM's: one event per this many tokens (None: every token)
 
     def start(self) -> None:
         asyncio.run(self._all([Prompt("warm-up", "Hi", "question")], [0.0], lambda done, total: None))
@@ -93,7 +94,8 @@ class RawVLLM:
             await asyncio.sleep(max(0.0, start + offset - time.time()))
             sent, first, tokens = time.time(), None, 0
             async for event in completion_events(session, self.base_url, self.model, prompt.prompt,
-                                                   prompt.budget(self.max_tokens), prompt.min_tokens(self.max_tokens)):
+                                                   prompt.budget(self.max_tokens), prompt.min_tokens(self.max_tokens),
+                                                   self.stream_interval):
                 if first is None and event.get("choices") and event["choices"][0].get("text"):
                     first = time.time()
                 if event.get("usage"):

@@ -1,0 +1,217 @@
+"""``make bench-engine-cost``: what the engine costs a worker per token, apart from the DirectRunner.
+
+On Dataflow the DirectRunner's machinery does not run. What runs on every
+GPU worker is the engine (:class:`~pipeline.vllm_engine.StreamingEngine`: the
+server-sent-event client, chunk assembly, the chunk publisher, submit and
+poll) and the vLLM server's API front end, which turns generated tokens into
+HTTP events. This drives the real engine directly, as the generate step does
+(submit, then poll every half chunk interval), against the same server and
+prompts as a raw asyncio client, in one run: the engine with vLLM's
+``stream_interval`` (what it sends) and streaming every token (what it sent
+before), each with its chunks handed back through ``poll`` and published to
+the Pub/Sub emulator; the raw client per token and at the same interval.
+
+    python -m benchmarks.engine_cost [--reps 3] [--requests 48] [--max-tokens 96]
+
+Cores isolated as in ``make bench``: the server on its own core (a GPU
+worker's shape), this process and the emulator on the rest. Fixed answer
+lengths, so every system generates the same tokens (checked). Figures only;
+nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import time
+from datetime import datetime, timezone
+
+from benchmarks.side_by_side import workload
+from benchmarks.side_by_side.cores import plans
+from benchmarks.side_by_side.report import fmt
+from benchmarks.side_by_side.server import BenchServer
+from benchmarks.side_by_side.stats import RequestTiming, Spread, percentile, ratio
+from benchmarks.side_by_side.systems import RawVLLM
+from local.cpu_server import LOCAL_SERVER, apply_server_environment
+from local.emulators import PubSubEmulator
+from pipeline.chunking import ChunkPolicy
+from pipeline.engine import COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.messages import InferenceRequest
+from pipeline.vllm_engine import StreamingEngine
+
+CHUNKS = ChunkPolicy()  # the template's defaults: chunk_tokens 8, interval 200 ms
+POLL_S = min(max(CHUNKS.interval_ms / 2000, 0.01), 0.1)  # the generate step's polling cadence
+RAW_PER_TOKEN = "raw client, every token"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    engine: bool
+    per_token: bool
+    publish: bool = False
+
+
+VARIANTS = (
+    Variant(RAW_PER_TOKEN, engine=False, per_token=True),
+    Variant(f"raw client, stream_interval {CHUNKS.chunk_tokens}", engine=False, per_token=False),
+    Variant("engine, every token", engine=True, per_token=True),
+    Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}", engine=True, per_token=False),
+    Variant("engine, every token, publishing", engine=True, per_token=True, publish=True),
+    Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}, publishing", engine=True, per_token=False, publish=True),
+)
+
+
+@dataclasses.dataclass
+class Run:
+    variant: str
+    rep: int
+    timings: list[RequestTiming]
+    cpu_s: float  # this process: the client or the engine (its loop, its publisher, the polling caller)
+    server_cpu_s: float  # the server's process tree: on this CPU, mostly the model's compute
+    front_end_cpu_s: float  # the server's API process alone: HTTP, (de)tokenizing, one event per stream_interval
+    requested_tokens: int
+
+    def figures(self) -> dict[str, float]:
+        tokens = sum(t.tokens for t in self.timings)
+        wall = max(t.done for t in self.timings) - min(t.sent for t in self.timings)
+        first = [t.first - t.sent for t in self.timings]
+        return {"tok_s": tokens / wall, "first_p50": percentile(first, 0.5), "first_p95": percentile(first, 0.95),
+                "cpu_per_1k": self.cpu_s / tokens * 1000, "server_cpu_per_1k": self.server_cpu_s / tokens * 1000,
+                "front_end_cpu_per_1k": self.front_end_cpu_s / tokens * 1000, "tokens": tokens}
+
+
+def drive_engine(engine: StreamingEngine, prompts: list[workload.Prompt], max_tokens: int,
+                 tag: str) -> list[RequestTiming]:
+    """Submits every prompt at once and polls like the generate step until each has its completion."""
+    requests = [InferenceRequest(id=f"{tag}-{p.id}", prompt=p.prompt, max_tokens=p.budget(max_tokens),
+                                 min_tokens=p.min_tokens(max_tokens), temperature=0, received_at=time.time())
+                for p in prompts]
+    kinds = {f"{tag}-{p.id}": p.kind for p in prompts}
+    keys = {engine.submit(r.to_json()): r for r in requests}
+    if None in keys:
+        raise RuntimeError("the engine refused a request: raise max_in_flight")
+    taken, timings = dict.fromkeys(keys, 0), []
+    deadline = time.monotonic() + 900
+    while taken and time.monotonic() < deadline:
+        for key, items in engine.poll(dict(taken)).items():
+            taken[key] += len(items)
+            for kind, payload in items:
+                if kind == DEAD_LETTER:
+                    raise RuntimeError(f"dead letter: {payload[:300]}")
+                if kind == COMPLETION:
+                    record, request = json.loads(payload), keys[key]
+                    first = request.received_at + (record["time_to_first_token_ms"] or 0) / 1000
+                    timings.append(RequestTiming(request.id, kinds[request.id], request.received_at, first,
+                                                 time.time(), record["usage"]["completion_tokens"]))
+                    del taken[key]
+        time.sleep(POLL_S)
+    if taken:
+        raise RuntimeError(f"{len(taken)} requests without a completion")
+    return timings
+
+
+def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, topic: str,
+            prompts: list[workload.Prompt], args: argparse.Namespace, rep: int) -> Run:
+    engine = None
+    if variant.engine:
+        engine = StreamingEngine(EngineSettings(
+            server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
+            chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1, chunk_topic=topic if variant.publish else None,
+            chunks_to_pipeline=not variant.publish))
+        if variant.per_token:
+            engine.stream_interval = None
+        drive_engine(engine, prompts[:1], args.max_tokens, f"warm-{rep}-{variant.name}")  # the session, the pool
+    client = RawVLLM(server.base_url, server.model, args.max_tokens,
+                     stream_interval=None if variant.per_token else CHUNKS.chunk_tokens)
+    cpu, server_cpu, front_end_cpu = time.process_time(), server.cpu_seconds(), server.front_end_cpu_seconds()
+    try:
+        if engine is not None:
+            timings = drive_engine(engine, prompts, args.max_tokens, f"r{rep}-{variant.name}")
+        else:
+            timings = client.run(prompts, [0.0] * len(prompts), shape="burst", rep=rep, cores="isolated",
+                                 progress=lambda done, total: None).timings
+        cpu = time.process_time() - cpu
+        server_cpu = server.cpu_seconds() - server_cpu
+        front_end_cpu = server.front_end_cpu_seconds() - front_end_cpu
+    finally:
+        if engine is not None:
+            engine.close()
+    return Run(variant.name, rep, timings, cpu, server_cpu, front_end_cpu,
+               workload.requested_tokens(prompts, args.max_tokens))
+
+
+def report(runs: list[Run], context: str) -> str:
+    by_variant: dict[str, list[dict[str, float]]] = {}
+    for run in runs:
+        by_variant.setdefault(run.variant, []).append(run.figures())
+    spreads = {name: {key: Spread.of(f[key] for f in figures) for key in figures[0]}
+               for name, figures in by_variant.items()}
+    off = [f"{r.variant} rep {r.rep}: {sum(t.tokens for t in r.timings)} of {r.requested_tokens}"
+           for r in runs if sum(t.tokens for t in r.timings) != r.requested_tokens]
+    lines = [context, "",
+             "Equal work: every run generated exactly the tokens asked for." if not off
+             else "UNEQUAL WORK: " + "; ".join(off), "",
+             "| system | tokens/s | first chunk p50 / p95 (s) | CPU s / 1k tokens, this process | "
+             "server CPU s / 1k tokens: whole / API process |", "|---|---|---|---|---|"]
+    for name, figures in spreads.items():
+        lines.append(f"| {name} | {fmt(figures['tok_s'])} | {fmt(figures['first_p50'])} / {fmt(figures['first_p95'])} "
+                     f"| {fmt(figures['cpu_per_1k'])} | {fmt(figures['server_cpu_per_1k'])} / "
+                     f"{fmt(figures['front_end_cpu_per_1k'])} |")
+    raw = spreads.get(RAW_PER_TOKEN)
+    if raw is not None:
+        lines += ["", f"Against the {RAW_PER_TOKEN} (targets for the engine without publishing: its CPU ≤ 2×, the "
+                      "server's ≤ 1×, tokens/s ≥ 0.98×):"]
+        for name, figures in spreads.items():
+            if name != RAW_PER_TOKEN:
+                lines.append(f"- {name}: CPU {ratio(figures['cpu_per_1k'], raw['cpu_per_1k']):.2f}×, server CPU "
+                             f"{ratio(figures['server_cpu_per_1k'], raw['server_cpu_per_1k']):.2f}× (API process "
+                             f"{ratio(figures['front_end_cpu_per_1k'], raw['front_end_cpu_per_1k']):.2f}×), tokens/s "
+                             f"{ratio(figures['tok_s'], raw['tok_s']):.2f}×")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_cost", description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every system, interleaved")
+    parser.add_argument("--requests", type=int, default=48, help="prompts in the burst (the mixed workload)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="every answer's fixed length")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--model", help="model for the server (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=LOCAL_SERVER.dtype)
+    parser.add_argument("--vllm-args", default=" ".join(LOCAL_SERVER.vllm_args))
+    args = parser.parse_args(argv)
+    if min(args.reps, args.requests, args.max_tokens) < 1:
+        parser.error("--reps, --requests and --max-tokens must be at least 1")
+    logging.basicConfig(level=logging.WARNING)
+    apply_server_environment()
+    prompts = workload.with_lengths(workload.mixed(args.requests, args.seed), workload.FIXED)
+    (plan,) = plans(["isolated"])
+    runs: list[Run] = []
+    with PubSubEmulator() as emulator:
+        emulator.activate()
+        name = f"engine-cost-chunks-{os.getpid()}"
+        emulator.create_topic(name, subscription=f"{name}-sub")  # chunks kept, as a subscribed topic keeps them
+        with BenchServer(plan, model=args.model, dtype=args.dtype, vllm_args=args.vllm_args) as server:
+            print("warming the server with one untimed burst", flush=True)
+            RawVLLM(server.base_url, server.model, args.max_tokens).run(
+                prompts, [0.0] * len(prompts), shape="burst", rep=0, cores="isolated", progress=lambda done, total: None)
+            for rep in range(1, args.reps + 1):
+                turn = rep % len(VARIANTS)
+                for variant in VARIANTS[turn:] + VARIANTS[:turn]:  # a different order each repetition
+                    runs.append(measure(variant, server, emulator, emulator.topic(name), prompts, args, rep))
+                    print(f"rep {rep}/{args.reps} · {variant.name}: {runs[-1].figures()['tok_s']:.0f} tokens/s",
+                          flush=True)
+    context = (f"`make bench-engine-cost`, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+               f"{os.cpu_count()} cores ({plan.describe()}); a burst of {len(prompts)} mixed prompts, every answer "
+               f"{args.max_tokens} tokens; chunk policy {CHUNKS.chunk_tokens} tokens / {CHUNKS.interval_ms:g} ms, "
+               f"polled every {POLL_S * 1000:.0f} ms; {args.reps} interleaved repetitions, medians (range).")
+    print(report(runs, context))
+
+
+if __name__ == "__main__":
+    main()
