@@ -34,17 +34,18 @@ from benchmarks.side_by_side import workload
 from benchmarks.side_by_side.cores import plans
 from benchmarks.side_by_side.report import fmt
 from benchmarks.side_by_side.server import BenchServer
-from benchmarks.side_by_side.stats import RequestTiming, Spread, percentile, ratio
+from benchmarks.side_by_side.stats import RequestTiming, RunResult, Spread, ratio, summarize
 from benchmarks.side_by_side.systems import RawVLLM
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.emulators import PubSubEmulator
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.generate import template_poll_interval_ms
 from pipeline.messages import InferenceRequest
 from pipeline.vllm_engine import StreamingEngine
 
 CHUNKS = ChunkPolicy()  # the template's defaults: chunk_tokens 8, interval 200 ms
-POLL_S = min(max(CHUNKS.interval_ms / 2000, 0.01), 0.1)  # the generate step's polling cadence
+POLL_S = template_poll_interval_ms(CHUNKS.interval_ms) / 1000  # the generate step's polling cadence
 RAW_PER_TOKEN = "raw client, every token"
 
 
@@ -66,23 +67,18 @@ VARIANTS = (
 )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-    variant: str
-    rep: int
-    timings: list[RequestTiming]
-    cpu_s: float  # this process: the client or the engine (its loop, its publisher, the polling caller)
-    server_cpu_s: float  # the server's process tree: on this CPU, mostly the model's compute
+    """One variant, one repetition: ``make bench``'s run record, plus the server's API process on its own."""
+
+    result: RunResult  # cpu_s: this process (the client, or the engine's loop, publisher and polling caller);
+    # model_cpu_s: the server's process tree (on this CPU, mostly the model's compute)
     front_end_cpu_s: float  # the server's API process alone: HTTP, (de)tokenizing, one event per stream_interval
-    requested_tokens: int
 
     def figures(self) -> dict[str, float]:
-        tokens = sum(t.tokens for t in self.timings)
-        wall = max(t.done for t in self.timings) - min(t.sent for t in self.timings)
-        first = [t.first - t.sent for t in self.timings]
-        return {"tok_s": tokens / wall, "first_p50": percentile(first, 0.5), "first_p95": percentile(first, 0.95),
-                "cpu_per_1k": self.cpu_s / tokens * 1000, "server_cpu_per_1k": self.server_cpu_s / tokens * 1000,
-                "front_end_cpu_per_1k": self.front_end_cpu_s / tokens * 1000, "tokens": tokens}
+        figures, per_1k = summarize(self.result), 1000 / self.result.output_tokens
+        return {**figures, "server_cpu_per_1k": self.result.model_cpu_s * per_1k,
+                "front_end_cpu_per_1k": self.front_end_cpu_s * per_1k}
 
 
 def drive_engine(engine: StreamingEngine, prompts: list[workload.Prompt], max_tokens: int,
@@ -144,18 +140,19 @@ def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, top
     finally:
         if engine is not None:
             engine.close()
-    return Run(variant.name, rep, timings, cpu, server_cpu, front_end_cpu,
-               workload.requested_tokens(prompts, args.max_tokens))
+    return Run(RunResult(variant.name, "burst", rep, "isolated", timings, len(prompts), cpu_s=cpu,
+                         model_cpu_s=server_cpu, requested_tokens=workload.requested_tokens(prompts, args.max_tokens)),
+               front_end_cpu)
 
 
 def report(runs: list[Run], context: str) -> str:
     by_variant: dict[str, list[dict[str, float]]] = {}
     for run in runs:
-        by_variant.setdefault(run.variant, []).append(run.figures())
+        by_variant.setdefault(run.result.system, []).append(run.figures())
     spreads = {name: {key: Spread.of(f[key] for f in figures) for key in figures[0]}
                for name, figures in by_variant.items()}
-    off = [f"{r.variant} rep {r.rep}: {sum(t.tokens for t in r.timings)} of {r.requested_tokens}"
-           for r in runs if sum(t.tokens for t in r.timings) != r.requested_tokens]
+    off = [f"{r.system} rep {r.rep}: {r.output_tokens} of {r.requested_tokens}"
+           for r in (run.result for run in runs) if r.off_request]
     lines = [context, "",
              "Equal work: every run generated exactly the tokens asked for." if not off
              else "UNEQUAL WORK: " + "; ".join(off), "",
@@ -163,7 +160,7 @@ def report(runs: list[Run], context: str) -> str:
              "server CPU s / 1k tokens: whole / API process |", "|---|---|---|---|---|"]
     for name, figures in spreads.items():
         lines.append(f"| {name} | {fmt(figures['tok_s'])} | {fmt(figures['first_p50'])} / {fmt(figures['first_p95'])} "
-                     f"| {fmt(figures['cpu_per_1k'])} | {fmt(figures['server_cpu_per_1k'])} / "
+                     f"| {fmt(figures['cpu_s_per_1k_tokens'])} | {fmt(figures['server_cpu_per_1k'])} / "
                      f"{fmt(figures['front_end_cpu_per_1k'])} |")
     raw = spreads.get(RAW_PER_TOKEN)
     if raw is not None:
@@ -171,7 +168,7 @@ def report(runs: list[Run], context: str) -> str:
                       "server's ≤ 1×, tokens/s ≥ 0.98×):"]
         for name, figures in spreads.items():
             if name != RAW_PER_TOKEN:
-                lines.append(f"- {name}: CPU {ratio(figures['cpu_per_1k'], raw['cpu_per_1k']):.2f}×, server CPU "
+                lines.append(f"- {name}: CPU {ratio(figures['cpu_s_per_1k_tokens'], raw['cpu_s_per_1k_tokens']):.2f}×, server CPU "
                              f"{ratio(figures['server_cpu_per_1k'], raw['server_cpu_per_1k']):.2f}× (API process "
                              f"{ratio(figures['front_end_cpu_per_1k'], raw['front_end_cpu_per_1k']):.2f}×), tokens/s "
                              f"{ratio(figures['tok_s'], raw['tok_s']):.2f}×")
