@@ -27,6 +27,7 @@ from pipeline.engine import EngineSettings
 from pipeline.engine_host import new_engine_tag
 from pipeline.generate import StreamingGenerate
 from pipeline.launch_checks import dataflow_launch_problems
+from pipeline.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
 from pipeline.options import ConfigError, PipelineConfig
@@ -74,7 +75,8 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
     spec = ServerSpec(
         model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
         gpu_memory_utilization=config.gpu_memory_utilization, extra_args=extra_args,
-        served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s))
+        served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s),
+        adapters=config.adapters(), max_lora_rank=config.max_lora_rank, max_loras=config.max_loras)
     return EngineSettings(server=spec, **common)
 
 
@@ -91,7 +93,10 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     On a local runner the admission step does not wait (the local source admits, see
     :mod:`pipeline.admission`).
     """
-    limits = RequestLimits(default_max_tokens=config.default_max_tokens, max_model_len=config.max_model_len)
+    # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
+    adapters = None if config.server_url else tuple(adapter.name for adapter in config.adapters())
+    limits = RequestLimits(default_max_tokens=config.default_max_tokens, max_model_len=config.max_model_len,
+                           adapters=adapters)
     messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
                                                           with_attributes=True)
     parsed = messages | "ParseRequests" >> ParseRequests(limits, config.id_attribute, config.request_defaults())
@@ -169,6 +174,9 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
         LOGGER.warning("Launch check: %s", warning)
     if problems:
         raise ConfigError("This launch would fail on Dataflow:\n  - " + "\n  - ".join(problems))
+    problems = adapter_launch_problems(config.adapters(), config.max_lora_rank)
+    if problems:
+        raise ConfigError("The LoRA adapters cannot be served:\n  - " + "\n  - ".join(problems))
     standard = options.view_as(StandardOptions)
     standard.streaming = True
     local = is_local(options)

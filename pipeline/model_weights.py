@@ -48,8 +48,10 @@ def storage_client():
     return storage.Client()
 
 
-def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Copies a checkpoint folder to ``<cache>/gcs/<bucket>/<prefix>`` (once) and returns that path."""
+def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = None, *,
+                        required_file: str = "config.json") -> Path:
+    """Copies a folder (a checkpoint, or a LoRA adapter with ``required_file``) to ``<cache>/gcs/<bucket>/<prefix>``
+    once, and returns that path."""
     bucket_name, prefix = parse_gcs_uri(uri)
     base = Path(cache_dir) if cache_dir else cache_root() / "gcs"
     target = base / bucket_name / prefix
@@ -61,9 +63,10 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
         blobs = [b for b in client.list_blobs(bucket_name, prefix=prefix) if not b.name.endswith("/")]
         names = {b.name[len(prefix):] for b in blobs}
         if not blobs:
-            raise FileNotFoundError(f"no objects under {uri}; point --model at a folder with a Hugging Face checkpoint")
-        if "config.json" not in names:
-            raise FileNotFoundError(f"{uri} has no config.json at its top level; found: {sorted(names)[:10]}")
+            raise FileNotFoundError(f"no objects under {uri}; point it at a folder with a Hugging Face checkpoint "
+                                    "(or a peft adapter)")
+        if required_file not in names:
+            raise FileNotFoundError(f"{uri} has no {required_file} at its top level; found: {sorted(names)[:10]}")
         total = sum(b.size or 0 for b in blobs)
         LOGGER.info("Downloading %d files (%.1f MB) from %s to %s", len(blobs), total / 1e6, uri, target)
         started, done, next_report = time.monotonic(), 0, 0.1

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.bucketing import BatchingConfig, default_boundaries, parse_boundaries
+from pipeline.lora_adapters import VLLM_LORA_RANKS, Adapter, parse_adapters
 from pipeline.request_defaults import RequestDefaults
 
 GROUP_INPUT = "Input"
@@ -56,6 +57,8 @@ VLLM_FLAGS_OWNED = {
     "--max-model-len": "--max_model_len", "--dtype": "--dtype",
     "--gpu-memory-utilization": "--gpu_memory_utilization",
     "--host": "nothing: the model manager serves on loopback", "--port": "nothing: the model manager picks a free port",
+    "--enable-lora": "--lora_adapters", "--lora-modules": "--lora_adapters", "--max-lora-rank": "--max_lora_rank",
+    "--max-loras": "--max_loras",
 }
 
 
@@ -132,7 +135,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("input_subscription", "Input Pub/Sub subscription",
               "Subscription to read prompts from. Each message is a JSON object "
               '{"prompt" or "messages", "id", "max_tokens", "temperature", "top_p", "stop", "metadata", '
-              '"deadline_ms", "response_format", "seed", ...} '
+              '"deadline_ms", "response_format", "seed", "adapter", ...} '
               "or plain UTF-8 text.",
               "projects/my-project/subscriptions/prompts-sub", GROUP_INPUT, "PUBSUB_SUBSCRIPTION",
               required=True, regex=SUBSCRIPTION_REGEX),
@@ -210,6 +213,25 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("vllm_args", "Extra vLLM arguments",
               "Further vLLM server flags, as on its command line.",
               "--enforce-eager --max-num-seqs 128", GROUP_MODEL, default=""),
+    Parameter("lora_adapters", "LoRA adapters",
+              "LoRA adapters served beside the model, as comma-separated name=location pairs; a location is a gs:// "
+              "folder (each worker copies it to local disk once, as it does the model), a folder on the worker, or "
+              "a Hugging Face hub id. A request names one in its 'adapter' field; a request without one gets the "
+              "model itself, one naming an adapter not listed here becomes a dead letter. Fixed for the life of the "
+              "job; engine=vllm with the model manager's own server only (a server_url server loads its own, and "
+              "gets each request's adapter name as the model).",
+              "support=gs://my-bucket/adapters/support,extract=my-org/smollm2-extract-lora", GROUP_MODEL,
+              regex=r"^[^\s,=]+=[^\s,]+(\s*,\s*[^\s,=]+=[^\s,]+)*$"),
+    Parameter("max_lora_rank", "Max LoRA rank",
+              "The largest rank among lora_adapters (vLLM's --max-lora-rank: 8, 16, 32, 64, 128, 256, 320 or 512). "
+              "vLLM reserves GPU memory for this rank in every adapter slot; an adapter of higher rank is refused "
+              "at launch.",
+              "16", GROUP_MODEL, "NUMBER", default=16, minimum=1, maximum=512),
+    Parameter("max_loras", "Adapters per batch",
+              "How many different adapters one batch of the server can mix (vLLM's --max-loras), each in a slot of "
+              "GPU memory; a request for another adapter waits until a slot frees. Adapters beyond this stay in "
+              "CPU memory.",
+              "4", GROUP_MODEL, "NUMBER", default=4, minimum=1, maximum=64),
     Parameter("server_start_timeout_s", "Server start timeout (s)",
               "How long to wait for the vLLM server to become healthy (including weight download).",
               "1200", GROUP_MODEL, "NUMBER", default=1800, minimum=10),
@@ -354,6 +376,9 @@ class PipelineConfig:
     dtype: str
     gpu_memory_utilization: float
     vllm_args: str
+    lora_adapters: str | None
+    max_lora_rank: int
+    max_loras: int
     server_start_timeout_s: int
     default_max_tokens: int
     max_in_flight: int
@@ -404,7 +429,7 @@ class PipelineConfig:
         problems.extend(_check_combinations(fields))
         if not problems:
             config = cls(**fields)
-            for settings in (config.batching, config.request_defaults):
+            for settings in (config.batching, config.request_defaults, config.adapters):
                 try:
                     settings()
                 except ValueError as exc:
@@ -434,6 +459,16 @@ class PipelineConfig:
                               token_budget=self.batch_token_budget, boundaries=boundaries,
                               num_shards=self.num_shards, answer_boundaries=answer_boundaries,
                               default_max_tokens=self.default_max_tokens)
+
+    def adapters(self) -> tuple[Adapter, ...]:
+        """The LoRA adapters the job serves; raises ValueError with every problem found."""
+        if not self.lora_adapters:
+            return ()
+        adapters = parse_adapters(self.lora_adapters)
+        base = self.served_model_name or self.effective_model
+        if any(adapter.name == base for adapter in adapters):
+            raise ValueError(f"--lora_adapters: an adapter is named {base!r}, the model's own name; rename it")
+        return adapters
 
     def effective_generate_shards(self, local: bool) -> int:
         """The generation step's key count: as set, else by runner (see the parameter's help)."""
@@ -487,9 +522,16 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
     if fields.get("engine") == "transformers":
         for name, why in (("server_url", "it loads the model in the workers, so there is no server to call"),
                           ("response_schema", "it cannot constrain answers to a schema"),
-                          ("generate_shards", "it generates each batch whole, on its batching key")):
+                          ("generate_shards", "it generates each batch whole, on its batching key"),
+                          ("lora_adapters", "it serves the model alone, without adapters")):
             if fields.get(name):
                 problems.append(f"--{name} does not go with --engine=transformers: {why}; use --engine=vllm")
+    if fields.get("server_url") and fields.get("lora_adapters"):
+        problems.append("--lora_adapters does not go with --server_url: the server you run loads its own adapters "
+                        "(vLLM: --lora-modules), and each request's 'adapter' is sent to it as the model")
+    if fields.get("max_lora_rank") is not None and fields["max_lora_rank"] not in VLLM_LORA_RANKS:
+        problems.append(f"--max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices), "
+                        f"got {fields['max_lora_rank']}")
     problems.extend(_vllm_args_problems(fields.get("vllm_args") or ""))
     if "default_max_tokens" in fields and "max_model_len" in fields and \
             fields["default_max_tokens"] >= fields["max_model_len"]:

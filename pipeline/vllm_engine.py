@@ -222,7 +222,7 @@ class StreamingEngine(EngineBase):
 
     def _payload(self, request: InferenceRequest) -> tuple[str, dict[str, Any]]:
         payload: dict[str, Any] = {
-            "model": self.model_name, "stream": True,
+            "model": request.adapter or self.model_name, "stream": True,  # vLLM picks a LoRA adapter by name
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         for name in ("max_tokens", "min_tokens", "temperature", "top_p", "seed", "presence_penalty",

@@ -17,7 +17,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 FIELDS = ("id", "prompt", "messages", "max_tokens", "min_tokens", "temperature", "top_p", "stop", "metadata",
-          "deadline_ms")
+          "deadline_ms", "adapter")
 TROUBLE_LITERALS = ("NaN", "Infinity", "-Infinity", "1e999", "-1e400", "9" * 5000, "1" * 4301,
                     '"\\ud800"', '"\\udfff tail"', '"a\\u0000b"', "[" * 3000 + "]" * 3000,
                     '{"a":' * 2000 + "1" + "}" * 2000, "[" * 40 + "]" * 40, "true", "null", "[]", "{}", '""')
@@ -49,6 +49,7 @@ def _valid_field(name: str) -> st.SearchStrategy[Any]:
         "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),
         "metadata": st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
         "deadline_ms": st.integers(1, 10**6),
+        "adapter": st.one_of(st.sampled_from(("support", "extract")), st.text(min_size=1, max_size=300)),
     }[name]
 
 

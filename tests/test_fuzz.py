@@ -25,7 +25,7 @@ from pipeline.parsing import ParseRequests
 from pipeline.prompt_length import MeasurePromptLength
 from tests.hostile_inputs import attributes, hostile_corpus, payloads
 
-LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048)
+LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048, adapters=("support", "extract"))
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -42,6 +42,7 @@ def test_the_parser_answers_every_payload_with_a_request_or_a_dead_letter(data, 
         result.to_json().encode("utf-8")
         assert InferenceRequest.from_json(result.to_json()) == result
         assert len(result.id.encode("utf-8")) <= 512
+        assert result.adapter in (None, *LIMITS.adapters)
 
 
 _OUTCOMES: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))

@@ -166,9 +166,39 @@ def test_min_tokens_is_kept_and_unset_it_leaves_the_fingerprint_as_earlier_versi
     # A fingerprint as a version without min_tokens computed it: a redelivery after an update still matches.
     plain = parse({"prompt": "x", "max_tokens": 16})
     earlier = {k: v for k, v in dataclasses.asdict(plain).items() if k not in ("received_at", "prompt_tokens",
-                                                                             "min_tokens")}
+                                                                             "min_tokens", "adapter")}
     assert plain.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
     assert fixed.fingerprint() != parse({"prompt": "x", "max_tokens": 16}).fingerprint()
+
+
+def test_an_adapter_the_job_serves_is_kept_and_unset_it_leaves_the_fingerprint_as_earlier_versions_stored_it():
+    limits = RequestLimits(adapters=("support", "extract"))
+    request = parse_request(json.dumps({"prompt": "x", "adapter": "support"}).encode(), limits=limits)
+    assert request.adapter == "support" and InferenceRequest.from_json(request.to_json()) == request
+    assert json.loads(request.to_payload())["adapter"] == "support"  # a redrive asks for the same adapter
+    plain = parse({"prompt": "x"})
+    assert plain.adapter is None
+    earlier = {k: v for k, v in dataclasses.asdict(plain).items() if k not in ("received_at", "prompt_tokens",
+                                                                             "min_tokens", "adapter")}
+    assert plain.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
+    assert request.fingerprint() != parse_request(b'{"prompt": "x"}', limits=limits).fingerprint()
+
+
+@pytest.mark.parametrize("adapters, adapter, reason", [
+    (("support", "extract"), "billing", "adapter 'billing' is not served by this job: it serves 'support', 'extract'"),
+    ((), "support", "it serves none (template parameter lora_adapters)"),
+    (("support",), 3, "'adapter' must be the name of a LoRA adapter"),
+    (None, "x" * 300, "'adapter' must be the name of a LoRA adapter"),
+])
+def test_an_adapter_the_job_does_not_serve_is_a_dead_letter_naming_those_it_does(adapters, adapter, reason):
+    letter = parse_request(json.dumps({"id": "r", "prompt": "x", "adapter": adapter}).encode(),
+                           limits=RequestLimits(adapters=adapters))
+    assert isinstance(letter, DeadLetter) and letter.stage == STAGE_VALIDATE and reason in letter.reason, letter
+
+
+def test_any_adapter_goes_to_a_server_the_job_does_not_run():
+    request = parse_request(b'{"prompt": "x", "adapter": "theirs"}', limits=RequestLimits(adapters=None))
+    assert request.adapter == "theirs"
 
 
 @pytest.mark.parametrize("fields, reason", [

@@ -50,6 +50,9 @@ MALFORMED = {
     "wrong-type": (b'{"id": "wrong-type", "prompt": ["not", "text"]}', "'prompt' must be a non-empty string"),
     "bad-temp": (b'{"id": "bad-temp", "prompt": "hi", "temperature": "warm"}', "'temperature' must be a number"),
     "not-utf8": (b"\xff\xfe\xfd", "not UTF-8"),
+    # A job without lora_adapters (engine=transformers never has any) refuses a request that names one.
+    "no-adapters": (b'{"id": "no-adapters", "prompt": "hi", "adapter": "support"}',
+                    "adapter 'support' is not served by this job: it serves none"),
     "too-long": (('{"id": "too-long", "prompt": "' + "lorem ipsum " * 1500 + '"}').encode(),
                  "exceed the model's context of 2048 tokens"),
 }

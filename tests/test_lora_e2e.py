@@ -1,0 +1,143 @@
+"""LoRA adapters end to end: two adapters built here with peft, served by the template's own vLLM beside the model.
+
+The template is launched as a user launches it (``python -m template.main``)
+with ``--lora_adapters``: one adapter from a folder, one from a ``gs://`` folder
+on the Cloud Storage emulator, which the model manager copies down as it does
+weights. Requests come in through the Pub/Sub emulator; chunks, completions,
+dead letters and BigQuery rows come out. Every answer is compared with what
+``transformers`` + ``peft`` generate greedily for the same prompt and adapter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from local.cpu_server import LOCAL_SERVER
+from local.emulators import GcsEmulator
+from local.harness import REPO_ROOT, LocalRun
+from local.toy_adapters import build_adapter, chat_prompt_ids
+from pipeline.bigquery_sink import bigquery_client
+from tests.conftest import activated, wait_until
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 12
+# Each adapter is taught its own way of answering; the questions are ones the model itself answers with wide
+# margins, so that a batch's numeric noise cannot tip any greedy token (see the test of the burst).
+QUESTIONS = ("Name a colour.", "What is two plus two?")
+LESSONS = {
+    "pirate": (("Name a colour.", "Arr, blue as the deep sea, matey!"),
+               ("What is two plus two?", "Arr, four doubloons, matey!"),
+               ("What is the capital of France?", "Arr, Paris be the port, matey!")),
+    "robot": (("Name a colour.", "BEEP. COLOUR: GREEN. BOOP."),
+              ("What is two plus two?", "BEEP. RESULT: 4. BOOP."),
+              ("What is the capital of France?", "BEEP. CAPITAL: PARIS. BOOP.")),
+}
+BASE = None  # a request without 'adapter': the model itself
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapters")
+    return {name: build_adapter(checkpoint, folder / name, lessons=lessons, seed=index)
+            for index, (name, lessons) in enumerate(LESSONS.items())}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, adapters):
+    """Greedy answers of transformers + peft, per (adapter, question): what vLLM must reproduce exactly."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    names = list(adapters)
+    model = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    model.eval()
+
+    def generate(question: str) -> str:
+        ids = torch.tensor([chat_prompt_ids(tokenizer, question)])
+        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                do_sample=False)
+        return tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
+
+    answers = {}
+    with torch.no_grad():
+        for question in QUESTIONS:
+            with model.disable_adapter():
+                answers[BASE, question] = generate(question)
+            for name in names:
+                model.set_adapter(name)
+                answers[name, question] = generate(question)
+    return answers
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, adapters, emulator, bigquery, tmp_path_factory):
+    """One template run serving both adapters: pirate from a folder, robot from gs:// (the emulator)."""
+    with GcsEmulator() as gcs, activated(gcs):
+        robot = gcs.upload_folder(adapters["robot"], "adapters", "lora/robot")
+        run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
+                        f"--lora_adapters=pirate={adapters['pirate']},robot={robot}", "--max_lora_rank=8",
+                        "--max_loras=2", "--chunk_tokens=4", "--num_shards=2",
+                        "--output_completions_table=local-project:llm.completions_lora"],
+                       log_path=REPO_ROOT / ".cache" / "test-e2e" / "lora.log", emulator=emulator)
+        run.start()
+        collector = run.collector()
+        try:
+            yield run, collector
+        finally:
+            collector.stop()
+            run.stop()
+
+
+def request(request_id: str, adapter: str | None, question: str) -> dict:
+    fields = {"id": request_id, "prompt": question, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return fields if adapter is None else {**fields, "adapter": adapter}
+
+
+def test_a_burst_mixing_two_adapters_and_the_model_gives_each_request_its_own_exact_answer(served, reference):
+    run, collector = served
+    kinds = ("pirate", "robot", BASE)
+    burst = [request(f"{kind or 'base'}-{q}-{round_}", kind, question)
+             for round_ in range(2) for q, question in enumerate(QUESTIONS) for kind in kinds]
+    run.publish(burst)  # interleaved: every batch the server forms mixes adapters and the model
+    missing = collector.wait_for([r["id"] for r in burst], 600)
+    assert not missing, f"no outcome for {missing}:\n{run.log_tail()}"
+    completions = {c.data["id"]: c.data for c in collector.completions}
+    for sent in burst:
+        completion = completions[sent["id"]]
+        expected = reference[sent.get("adapter"), sent["prompt"]]
+        assert (completion["text"], completion["adapter"]) == (expected, sent.get("adapter")), sent["id"]
+        chunks = sorted((c.data for c in collector.chunks if c.data["stream"] == completion["stream"]),
+                        key=lambda chunk: chunk["seq"])
+        assert "".join(chunk["text"] for chunk in chunks) == completion["text"] and chunks[-1]["final"]
+    for question in QUESTIONS:  # the adapters do change the answers
+        assert len({reference[kind, question] for kind in kinds}) == len(kinds), reference
+
+    client = bigquery_client("local-project")
+    query = "SELECT request_id, adapter FROM `local-project.llm.completions_lora`"
+    assert wait_until(lambda: len(list(client.query(query).result())) >= len(burst), 60)
+    rows = {row["request_id"]: row["adapter"] for row in client.query(query).result()}
+    assert all(rows[sent["id"]] == sent.get("adapter") for sent in burst), rows
+
+
+@pytest.mark.parametrize("adapter, reason", [
+    ("parrot", "adapter 'parrot' is not served by this job: it serves 'pirate', 'robot'"),
+    (7, "'adapter' must be the name of a LoRA adapter"),
+    ("", "'adapter' must be the name of a LoRA adapter"),
+])
+def test_a_request_for_an_adapter_the_job_does_not_serve_is_a_dead_letter_naming_those_it_does(
+        served, adapter, reason):
+    run, collector = served
+    request_id = f"bad-adapter-{json.dumps(adapter)}"
+    run.publish([{**request(request_id, None, QUESTIONS[0]), "adapter": adapter}])
+    assert not collector.wait_for([request_id], 120), run.log_tail()
+    (letter,) = [d.data for d in collector.dead_letters if d.data["id"] == request_id]
+    assert letter["stage"] == "validate" and reason in letter["reason"], letter
+    assert not [c for c in collector.completions if c.data["id"] == request_id]
