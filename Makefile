@@ -119,6 +119,10 @@ bench-engines: model ## Static batching (engine=transformers, arrival order vs l
 bench-engine-cost: model ## The engine's own CPU per token (no DirectRunner) against a raw client: stream_interval and publishing on/off
 	$(PY) -m benchmarks.engine_cost $(BENCH_ARGS)
 
+.PHONY: bench-lora
+bench-lora: model ## LoRA adapters: tokens/s and first chunk with 0, 1 and 4 adapters in the mix against the model alone
+	$(PY) -m benchmarks.lora $(BENCH_ARGS)
+
 .PHONY: bench-cpu-settings
 bench-cpu-settings: model ## Compare the local vLLM's dtype and compile settings on this CPU: start time, tokens/s, correct answers
 	$(PY) -m benchmarks.cpu_settings $(BENCH_ARGS)

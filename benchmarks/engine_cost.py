@@ -82,11 +82,15 @@ class Run:
 
 
 def drive_engine(engine: StreamingEngine, prompts: list[workload.Prompt], max_tokens: int,
-                 tag: str) -> list[RequestTiming]:
-    """Submits every prompt at once and polls like the generate step until each has its completion."""
+                 tag: str, adapters: tuple[str | None, ...] = (None,)) -> list[RequestTiming]:
+    """Submits every prompt at once and polls like the generate step until each has its completion.
+
+    The prompts name ``adapters`` in turn (LoRA adapters the server serves; None for the model itself).
+    """
     requests = [InferenceRequest(id=f"{tag}-{p.id}", prompt=p.prompt, max_tokens=p.budget(max_tokens),
-                                 min_tokens=p.min_tokens(max_tokens), temperature=0, received_at=time.time())
-                for p in prompts]
+                                 min_tokens=p.min_tokens(max_tokens), temperature=0,
+                                 adapter=adapters[index % len(adapters)], received_at=time.time())
+                for index, p in enumerate(prompts)]
     kinds = {f"{tag}-{p.id}": p.kind for p in prompts}
     keys = {engine.submit(r.to_json()): r for r in requests}
     if None in keys:

@@ -11,6 +11,7 @@ import urllib.request
 from benchmarks.side_by_side.cores import (CorePlan, pin_this_process, pin_tree, process_cpu_seconds, renice_tree,
                                           tree_cpu_seconds)
 from local.embedded_model import ensure_local_checkpoint
+from pipeline.lora_adapters import Adapter
 
 SERVED_NAME = "bench"
 
@@ -19,9 +20,11 @@ class BenchServer:
     """A context manager: the server on the plan's cores (this process on the clients'), or ``server_url``'s."""
 
     def __init__(self, plan: CorePlan, *, model: str | None, dtype: str, vllm_args: str,
-                 server_url: str | None = None, niceness: int | None = None) -> None:
+                 server_url: str | None = None, niceness: int | None = None, adapters: tuple[Adapter, ...] = (),
+                 max_lora_rank: int = 16) -> None:
         self.plan, self._model, self._dtype, self._vllm_args = plan, model, dtype, vllm_args
         self._server_url, self._niceness = server_url, niceness
+        self._adapters, self._max_lora_rank = adapters, max_lora_rank
         self.server = None
         self.start_s = float("nan")
 
@@ -36,7 +39,8 @@ class BenchServer:
 
         spec = ServerSpec(model=self._model or str(ensure_local_checkpoint()), dtype=self._dtype,
                           served_model_name=SERVED_NAME, extra_args=tuple(shlex.split(self._vllm_args)),
-                          start_timeout_s=1800)
+                          start_timeout_s=1800, adapters=self._adapters, max_lora_rank=self._max_lora_rank,
+                          max_loras=max(1, len(self._adapters)))
         saved = dict(os.environ)
         os.environ.update(self.plan.server_env())
         os.sched_setaffinity(0, self.plan.server)  # the server inherits these cores
