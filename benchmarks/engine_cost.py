@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 
 from benchmarks.side_by_side import workload
 from benchmarks.side_by_side.cores import plans
-from benchmarks.side_by_side.report import fmt
+from benchmarks.side_by_side.report import fmt, work_note
 from benchmarks.side_by_side.server import BenchServer
 from benchmarks.side_by_side.stats import RequestTiming, RunResult, Spread, ratio, summarize
 from benchmarks.side_by_side.systems import RawVLLM
@@ -155,11 +155,7 @@ def report(runs: list[Run], context: str) -> str:
         by_variant.setdefault(run.result.system, []).append(run.figures())
     spreads = {name: {key: Spread.of(f[key] for f in figures) for key in figures[0]}
                for name, figures in by_variant.items()}
-    off = [f"{r.system} rep {r.rep}: {r.output_tokens} of {r.requested_tokens}"
-           for r in (run.result for run in runs) if r.off_request]
-    lines = [context, "",
-             "Equal work: every run generated exactly the tokens asked for." if not off
-             else "UNEQUAL WORK: " + "; ".join(off), "",
+    lines = [context, "", work_note([run.result for run in runs], "isolated", "burst"), "",
              "| system | tokens/s | first chunk p50 / p95 (s) | CPU s / 1k tokens, this process | "
              "server CPU s / 1k tokens: whole / API process |", "|---|---|---|---|---|"]
     for name, figures in spreads.items():
@@ -179,18 +175,29 @@ def report(runs: list[Run], context: str) -> str:
     return "\n".join(lines)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_burst_arguments(parser: argparse.ArgumentParser, *, requests: int) -> None:
+    """The burst an engine benchmark drives: repetitions, prompts of the mixed workload, fixed answer length."""
+    parser.add_argument("--reps", type=_at_least_one, default=3, help="repetitions of every system, interleaved")
+    parser.add_argument("--requests", type=_at_least_one, default=requests,
+                        help="prompts in the burst (the mixed workload)")
+    parser.add_argument("--max-tokens", type=_at_least_one, default=96, help="every answer's fixed length")
+    parser.add_argument("--seed", type=int, default=11)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of every system, interleaved")
-    parser.add_argument("--requests", type=int, default=48, help="prompts in the burst (the mixed workload)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="every answer's fixed length")
-    parser.add_argument("--seed", type=int, default=11)
+    add_burst_arguments(parser, requests=48)
     parser.add_argument("--model", help="model for the server (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=LOCAL_SERVER.dtype)
     parser.add_argument("--vllm-args", default=" ".join(LOCAL_SERVER.vllm_args))
     args = parser.parse_args(argv)
-    if min(args.reps, args.requests, args.max_tokens) < 1:
-        parser.error("--reps, --requests and --max-tokens must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     apply_server_environment()
     prompts = workload.with_lengths(workload.mixed(args.requests, args.seed), workload.FIXED)

@@ -31,10 +31,10 @@ import time
 from contextlib import ExitStack
 from datetime import datetime, timezone
 
-from benchmarks.engine_cost import CHUNKS, POLL_S, drive_engine
+from benchmarks.engine_cost import CHUNKS, POLL_S, add_burst_arguments, drive_engine
 from benchmarks.side_by_side import workload
 from benchmarks.side_by_side.cores import plans
-from benchmarks.side_by_side.report import fmt
+from benchmarks.side_by_side.report import fmt, work_note
 from benchmarks.side_by_side.server import BenchServer
 from benchmarks.side_by_side.stats import RunResult, Spread, ratio, summarize
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
@@ -100,11 +100,8 @@ def report(runs: list[RunResult], context: str) -> str:
         by_mix.setdefault(run.system, []).append(summarize(run))
     spreads = {mix.name: {key: Spread.of(f[key] for f in by_mix[mix.name]) for key in by_mix[mix.name][0]}
                for mix in MIXES if mix.name in by_mix}
-    off = [f"{r.system} rep {r.rep}: {r.output_tokens} of {r.requested_tokens}" for r in runs if r.off_request]
     alone = spreads[ALONE]
-    lines = [context, "",
-             "Equal work: every run generated exactly the tokens asked for." if not off
-             else "UNEQUAL WORK: " + "; ".join(off), "",
+    lines = [context, "", work_note(runs, "isolated", "burst"), "",
              "| mix | tokens/s | against the model alone | first chunk p50 / p95 (s) |", "|---|---|---|---|"]
     for name, figures in spreads.items():
         lines.append(f"| {name} | {fmt(figures['tok_s'])} | {ratio(figures['tok_s'], alone['tok_s']):.2f}× | "
@@ -114,13 +111,8 @@ def report(runs: list[RunResult], context: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of every mix, interleaved")
-    parser.add_argument("--requests", type=int, default=32, help="prompts in the burst (the mixed workload)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="every answer's fixed length")
-    parser.add_argument("--seed", type=int, default=11)
+    add_burst_arguments(parser, requests=32)
     args = parser.parse_args(argv)
-    if min(args.reps, args.requests, args.max_tokens) < 1:
-        parser.error("--reps, --requests and --max-tokens must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     apply_server_environment()
     checkpoint = ensure_local_checkpoint()
