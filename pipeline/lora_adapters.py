@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.model_weights import LOCAL_FOLDER_PREFIXES, download_gcs_folder, parse_gcs_uri, storage_client
+
 LOGGER = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -31,7 +33,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # A name goes into requests, records and vLLM's --lora-modules name=path: no separators, no spaces.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-_LOCAL_PREFIXES = ("/", "./", "../", "~")
 
 
 class AdapterError(ValueError):
@@ -50,7 +51,7 @@ class Adapter:
         """'gcs', 'local' (a folder on the worker) or 'hub' (a Hugging Face hub id)."""
         if self.location.startswith("gs://"):
             return "gcs"
-        return "local" if self.location.startswith(_LOCAL_PREFIXES) else "hub"
+        return "local" if self.location.startswith(LOCAL_FOLDER_PREFIXES) else "hub"
 
 
 def parse_adapters(text: str) -> tuple[Adapter, ...]:
@@ -82,7 +83,7 @@ def _location_problems(name: str, location: str) -> list[str]:
             return [f"adapter {name!r}: {scheme}:// is not a location the workers can read; use a gs:// folder, "
                     "a folder on the worker (/...) or a Hugging Face hub id (org/name)"]
         return []
-    if location.startswith(_LOCAL_PREFIXES) or _HUB_ID.match(location):
+    if location.startswith(LOCAL_FOLDER_PREFIXES) or _HUB_ID.match(location):
         return []
     return [f"adapter {name!r}: {location!r} is neither a gs:// folder, a folder on the worker (/...) "
             "nor a Hugging Face hub id (org/name)"]
@@ -110,8 +111,6 @@ def read_adapter_config(adapter: Adapter) -> dict | None:
             return None
         return json.loads(path.read_text(encoding="utf-8"))
     if adapter.kind == "gcs":
-        from pipeline.model_weights import parse_gcs_uri, storage_client
-
         bucket, prefix = parse_gcs_uri(adapter.location)
         blob = storage_client().bucket(bucket).blob(prefix + ADAPTER_CONFIG)
         if not blob.exists():
@@ -145,8 +144,6 @@ def resolve_adapter(adapter: Adapter, max_lora_rank: int, cache_dir: str | None 
     """A location vLLM can load on this worker (a gs:// folder copied down), checked where it can be read."""
     location = adapter.location
     if adapter.kind == "gcs":
-        from pipeline.model_weights import download_gcs_folder
-
         location = str(download_gcs_folder(location, cache_dir, required_file=ADAPTER_CONFIG))
     elif adapter.kind == "local":
         path = Path(location).expanduser()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.lora_adapters import Adapter, resolve_adapter
+from pipeline.model_weights import LOCAL_FOLDER_PREFIXES, download_gcs_folder
 
 LOGGER = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -87,9 +88,8 @@ class ServerSpec:
 def resolve_model(model: str, cache_dir: str | None = None) -> str:
     """A path or hub id vLLM can load: local directories are checked, gs:// is copied down."""
     if model.startswith("gs://"):
-        from pipeline.model_weights import download_gcs_folder  # needs google-cloud-storage
         return str(download_gcs_folder(model, cache_dir))
-    if model.startswith(("/", "./", "../", "~")):
+    if model.startswith(LOCAL_FOLDER_PREFIXES):
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
             raise ServerStartError(f"model directory {path} has no config.json; "

@@ -17,6 +17,8 @@ import fasteners
 
 LOGGER = logging.getLogger(__name__)
 _COMPLETE_MARKER = ".download-complete"
+# How a location names a folder on the worker (the model's, an adapter's); gs:// is copied down, the rest is a hub id.
+LOCAL_FOLDER_PREFIXES = ("/", "./", "../", "~")
 
 
 def cache_root() -> Path:
