@@ -12,45 +12,67 @@ PYTEST_ARGS ?=
 # Extra pip arguments for torch, e.g. an index that serves CPU builds.
 TORCH_PIP_ARGS ?=
 
-# Deploy settings: set them here, on the command line, or in .env (see .env.example).
--include .env
+# Deploy settings: set them here, on the command line, or in .env (see .env.example; ENV_FILE=prod.env reads
+# another). The launch targets hand them to `python -m ops.deploy` in its environment, so no value is split or
+# re-quoted on the way to gcloud. A '$' in a value is make's: write '$$', or put the value in PARAMETERS_FILE.
+ENV_FILE ?= .env
+-include $(ENV_FILE)
+DEPLOY_VENV ?= .venv-deploy
+DEPLOY_PY := $(DEPLOY_VENV)/bin/python
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
 PROJECT ?=
 REGION ?= us-central1
 BUCKET ?=
-TAG ?= latest
-IMAGE ?= $(REGION)-docker.pkg.dev/$(PROJECT)/dataflow/streaming-llm:$(TAG)
-TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm.json
-JOB_NAME ?= streaming-llm-$(shell date +%Y%m%d-%H%M%S)
+# Images are tagged with the commit they are built from, so a tag always names the same code.
+GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
+GIT_DIRTY := $(shell git status --porcelain --untracked-files=no 2>/dev/null | head -c 1)
+TAG ?= $(GIT_COMMIT)
+IMAGE_REPOSITORY ?= $(REGION)-docker.pkg.dev/$(PROJECT)/dataflow
+WORKER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-worker:$(TAG)
+LAUNCHER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-launcher:$(TAG)
+TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm-$(TAG).json
+JOB_NAME ?=
+JOB_ID ?=
+SERVICE_ACCOUNT ?=
 MACHINE_TYPE ?= g2-standard-8
-# Worker boot disk: the image unpacks to ~20 GB while it is pulled, the weights come on top
-# (2 bytes a parameter, up to twice: hub cache and working copy) plus compile caches. See the README.
+# Worker boot disk: the worker image unpacks to ~20 GB while it is pulled, the weights come on top
+# (2 bytes a parameter, up to twice: hub cache and working copy) plus compile caches. See docs/operations.md#disk.
 DISK_SIZE_GB ?= 200
 LAUNCHER_MACHINE_TYPE ?= e2-standard-4
 METADATA ?= metadata.json
 GPU_TYPE ?= nvidia-l4
 GPU_COUNT ?= 1
+# Empty: the driver Dataflow installs by default. See docs/operations.md#gpu-driver.
+NVIDIA_DRIVER ?=
 MAX_WORKERS ?= 4
 NUM_WORKERS ?= 1
 # Target CPU utilization for autoscaling (0.1-0.9); empty: Dataflow's default. See docs/operations.md#autoscaling.
 UTILIZATION_HINT ?=
-MODEL ?= google/gemma-2-2b-it
+# Empty: the template's default model (docs/parameters.md).
+MODEL ?=
 INPUT_SUBSCRIPTION ?=
 CHUNKS_TOPIC ?=
 COMPLETIONS_TOPIC ?=
 DEAD_LETTER_TOPIC ?=
+# More template parameters: name=value pairs separated by commas, or PARAMETERS_FILE=params.json for any value.
 EXTRA_PARAMETERS ?=
+PARAMETERS_FILE ?=
+# For make update: a JSON object of renamed steps, old name -> new.
+TRANSFORM_NAME_MAPPINGS ?=
+# DRY_RUN=1: the launch targets print the gcloud command and its flags file, and run nothing.
+DRY_RUN ?=
 BUILDER ?= cloudbuild
+# Further `gcloud builds submit` flags, e.g. --async to return once the build is queued.
+IMAGE_BUILD_ARGS ?=
 BAKE_MODEL ?=
-GPU_EXPERIMENT = worker_accelerator=type:$(GPU_TYPE);count:$(GPU_COUNT);install-nvidia-driver
-EXPERIMENTS = $(GPU_EXPERIMENT)$(if $(UTILIZATION_HINT),$(comma)worker_utilization_hint=$(UTILIZATION_HINT))
-comma := ,
-space := $(subst ,, )
-# The template parameters as name=value words; unset ones are left out.
-PARAMS = $(filter-out %=,input_subscription=$(INPUT_SUBSCRIPTION) output_chunks_topic=$(CHUNKS_TOPIC) \
-  output_completions_topic=$(COMPLETIONS_TOPIC) dead_letter_topic=$(DEAD_LETTER_TOPIC) model=$(MODEL) \
-  $(subst $(comma),$(space),$(EXTRA_PARAMETERS)))
-# gcloud splits --parameters on commas; the ^~^ prefix makes '~' the separator instead.
-TEMPLATE_PARAMETERS = ^~^$(subst $(space),~,$(strip $(PARAMS) sdk_container_image=$(IMAGE)))
+DEPLOY_SETTINGS := PROJECT REGION BUCKET TAG WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT \
+  MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
+  UTILIZATION_HINT MODEL INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
+  PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS
+DEPLOY = $(DEPLOY_PY) -m ops.deploy $(if $(DRY_RUN),--dry-run)
+# $(call require,NAMES): a recipe line that stops, naming every setting among NAMES that is unset.
+missing = $(strip $(foreach v,$(1),$(if $(strip $($(v))),,$(v))))
+require = $(if $(call missing,$(1)),@echo "Set $(call missing,$(1)) (in .env, see .env.example, or on the make command line)" >&2; exit 1)
 
 .PHONY: help
 help: ## List the targets with what each does
@@ -147,48 +169,71 @@ bench-state-cost: model ## Measure the generate step's timer firings and state w
 bench-reliability: model ## Probe hostile input, duplicates, a server kill -9 and a backlog; REPO=DIR probes another checkout
 	$(PY) -m benchmarks.reliability $(if $(REPO),--repo $(REPO))
 
+$(DEPLOY_STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
+	@echo "==> Creating $(DEPLOY_VENV) with Apache Beam and the pipeline's light dependencies (no serving stack)"
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/pip install --quiet --upgrade pip
+	$(DEPLOY_VENV)/bin/pip install --quiet -e .
+	@touch $(DEPLOY_STAMP)
+
 .PHONY: metadata
-metadata: install ## Regenerate metadata.json and the docs' tables (parameters, BigQuery schemas) from the code
-	$(PY) -m local.template_docs metadata.json --docs docs
+metadata: $(DEPLOY_STAMP) ## Regenerate metadata.json and the docs' tables (parameters, BigQuery schemas) from the code
+	$(DEPLOY_PY) -m local.template_docs metadata.json --docs docs
 
 .PHONY: check-metadata
-check-metadata: install ## Fail if metadata.json or the docs' tables are stale against the code (the tests' parity check)
-	$(PY) -m local.template_docs $(METADATA) --docs docs --check
+check-metadata: $(DEPLOY_STAMP) ## Fail if metadata.json or the docs' tables are stale against the code (the tests' parity check)
+	$(DEPLOY_PY) -m local.template_docs $(METADATA) --docs docs --check
 
 .PHONY: lint-container
 lint-container: install ## Lint container/Dockerfile with hadolint
 	$(VENV)/bin/hadolint container/Dockerfile
 
-.PHONY: check-deploy-settings
-check-deploy-settings:
-	@for v in PROJECT REGION BUCKET; do [ -n "$${!v}" ] || { echo "Set $$v (in .env, see .env.example, or on the make command line)"; exit 1; }; done
+# The launch targets get the settings in their environment, values as they are.
+$(foreach v,$(DEPLOY_SETTINGS),$(eval template run update run-dataflow: export $(v) := $$($(v))))
 
 .PHONY: image
-image: check-deploy-settings ## Build and push the launcher+worker image (BUILDER=cloudbuild or docker)
+image: ## 1. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker)
+	$(call require,PROJECT REGION BUCKET TAG)
+	@[ -z "$(GIT_DIRTY)" ] || [ "$(origin TAG)" != file ] || { echo "The working tree has uncommitted changes, so an image tagged $(TAG) would not hold commit $(TAG): commit them, or name the build with TAG=..." >&2; exit 1; }
 ifeq ($(BUILDER),docker)
-	docker build -f container/Dockerfile --build-arg BAKE_MODEL=$(BAKE_MODEL) -t $(IMAGE) .
-	docker push $(IMAGE)
+	docker build -f container/Dockerfile --target worker --build-arg BAKE_MODEL=$(BAKE_MODEL) -t $(WORKER_IMAGE) .
+	docker build -f container/Dockerfile --target launcher --build-arg WORKER_IMAGE=$(WORKER_IMAGE) -t $(LAUNCHER_IMAGE) .
+	docker push $(WORKER_IMAGE)
+	docker push $(LAUNCHER_IMAGE)
 else
-	gcloud builds submit --project $(PROJECT) --region $(REGION) --config container/cloudbuild.yaml --substitutions _IMAGE=$(IMAGE),_BAKE_MODEL=$(BAKE_MODEL) .
+	gcloud builds submit --project $(PROJECT) --region $(REGION) --gcs-source-staging-dir gs://$(BUCKET)/cloudbuild-source --config container/cloudbuild.yaml --substitutions _WORKER_IMAGE=$(WORKER_IMAGE),_LAUNCHER_IMAGE=$(LAUNCHER_IMAGE),_BAKE_MODEL=$(BAKE_MODEL) $(IMAGE_BUILD_ARGS) .
 endif
 
 .PHONY: template
-template: check-deploy-settings check-metadata ## Build the Flex Template spec in GCS from the image and metadata.json (refuses a stale metadata.json)
-	gcloud dataflow flex-template build $(TEMPLATE_PATH) --project $(PROJECT) --image $(IMAGE) --sdk-language PYTHON --metadata-file $(METADATA)
+template: ## 2. Build the Flex Template spec in GCS, with make run's job settings as its defaults
+	$(call require,PROJECT REGION BUCKET TAG)
+	@$(MAKE) --no-print-directory -s check-metadata
+	$(DEPLOY) template
 
 .PHONY: run
-run: check-deploy-settings ## Launch the template on Dataflow with a GPU per worker (`make -n run` shows the command)
-	gcloud dataflow flex-template run $(JOB_NAME) --project $(PROJECT) --region $(REGION) --template-file-gcs-location $(TEMPLATE_PATH) --worker-machine-type $(MACHINE_TYPE) --launcher-machine-type $(LAUNCHER_MACHINE_TYPE) --num-workers $(NUM_WORKERS) --max-workers $(MAX_WORKERS) --enable-streaming-engine --additional-experiments "$(EXPERIMENTS)" --additional-pipeline-options disk_size_gb=$(DISK_SIZE_GB) --parameters "$(TEMPLATE_PARAMETERS)"
+run: ## 3. Launch the template on Dataflow with a GPU per worker (DRY_RUN=1 prints the command)
+	$(call require,PROJECT REGION BUCKET TAG)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY) run
+
+.PHONY: update
+update: ## Update a running job in place: make update JOB_NAME=... (new parameters or image; state carries over)
+	$(call require,PROJECT REGION BUCKET TAG JOB_NAME)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY) update
 
 .PHONY: run-dataflow
-run-dataflow: check-deploy-settings install ## Launch directly with the DataflowRunner from this checkout (development)
-	$(PY) -m template.main --runner=DataflowRunner --project=$(PROJECT) --region=$(REGION) --temp_location=gs://$(BUCKET)/tmp --job_name=$(JOB_NAME) --sdk_container_image=$(IMAGE) --machine_type=$(MACHINE_TYPE) --disk_size_gb=$(DISK_SIZE_GB) --num_workers=$(NUM_WORKERS) --max_num_workers=$(MAX_WORKERS) --enable_streaming_engine --experiments=use_runner_v2 --dataflow_service_options="$(GPU_EXPERIMENT)" $(if $(UTILIZATION_HINT),--dataflow_service_options=worker_utilization_hint=$(UTILIZATION_HINT)) $(addprefix --,$(PARAMS))
+run-dataflow: ## Launch from this checkout with Beam's DataflowRunner, no template (development)
+	$(call require,PROJECT REGION BUCKET TAG)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY) run-dataflow
 
 .PHONY: drain
-drain: check-deploy-settings ## Drain a running job: make drain JOB_ID=... (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
-	@[ -n "$(JOB_ID)" ] || { echo "Set JOB_ID (gcloud dataflow jobs list --region $(REGION) --status active)"; exit 1; }
+drain: ## Drain a running job: make drain JOB_ID=... (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
+	$(call require,PROJECT REGION JOB_ID)
 	gcloud dataflow jobs drain $(JOB_ID) --project $(PROJECT) --region $(REGION)
 
 .PHONY: clean
 clean: ## Remove the virtualenv and local caches (not the model cache in ~/.cache)
-	rm -rf $(VENV) $(EMULATOR_VENV) .cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(EMULATOR_VENV) $(DEPLOY_VENV) .cache .pytest_cache .hypothesis *.egg-info

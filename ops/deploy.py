@@ -1,0 +1,294 @@
+"""What the deploy targets send to Dataflow: deploy settings in, gcloud's flags or Beam's options out, values intact.
+
+The Makefile's deploy targets (``make template``, ``run``, ``update``, ``run-dataflow``) export their
+settings (``.env``, the command line, the Makefile's defaults) to this command, which builds the
+call and runs it. Template parameter values are free text (a system prompt, a JSON schema, several
+``lora_adapters``, ``vllm_args``), and no shell or ``--parameters`` string carries every character:
+gcloud splits ``--parameters`` on commas (``gcloud topic escaping``). So the parameters, experiments
+and pipeline options go to gcloud in a ``--flags-file`` (``gcloud topic flags-file``: YAML or JSON,
+"any characters"), and to Beam's option parser as one argv element each. Nothing is split after the
+user wrote it, except ``EXTRA_PARAMETERS``, whose rule is stated in :func:`split_extra_parameters`.
+
+Before anything is launched, the parameters are checked with the template's own validation
+(:class:`pipeline.options.PipelineConfig`), so a bad value fails here, naming the parameter, rather
+than on the launcher VM minutes later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from pipeline.options import PARAMETERS_BY_NAME, ConfigError, PipelineConfig
+
+# Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
+NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "CHUNKS_TOPIC": "output_chunks_topic",
+                  "COMPLETIONS_TOPIC": "output_completions_topic", "DEAD_LETTER_TOPIC": "dead_letter_topic",
+                  "MODEL": "model"}
+# Pipeline options a launch may pass besides the template's parameters (the launcher hands every one to Beam).
+PIPELINE_OPTION_PARAMETERS = ("sdk_container_image",)
+JOB_NAME_REGEX = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"  # Dataflow's job names
+
+
+class DeployError(ValueError):
+    """A deploy setting that cannot work; the message names it and what to set."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The deploy settings, as the Makefile exports them (empty strings are unset)."""
+
+    values: Mapping[str, str]
+
+    def get(self, name: str) -> str:
+        return (self.values.get(name) or "").strip()
+
+    def require(self, *names: str) -> None:
+        missing = [name for name in names if not self.get(name)]
+        if missing:
+            raise DeployError(f"Set {', '.join(missing)} (in .env, see .env.example, or on the make command line)")
+
+
+def split_extra_parameters(text: str) -> list[tuple[str, str]]:
+    """``EXTRA_PARAMETERS`` as (name, value) pairs.
+
+    A comma starts a new pair only where a template parameter's name and ``=`` follow it, so values
+    keep their spaces, ``=`` and commas that no parameter name follows (``bucket_boundaries=64,128``,
+    ``lora_adapters=a=gs://x,b=gs://y``). A value that itself contains ``,<parameter>=`` belongs in
+    ``PARAMETERS_FILE``.
+    """
+    if not text.strip():
+        return []
+    names = "|".join(map(re.escape, sorted([*PARAMETERS_BY_NAME, *PIPELINE_OPTION_PARAMETERS], key=len,
+                                           reverse=True)))
+    pieces = re.split(rf",\s*(?=(?:{names})=)", text.strip())
+    pairs = []
+    for piece in pieces:
+        name, sep, value = piece.partition("=")
+        if not sep:
+            raise DeployError(f"EXTRA_PARAMETERS: {piece!r} is not name=value")
+        pairs.append((name.strip(), value))
+    return pairs
+
+
+def read_parameters_file(path: str) -> list[tuple[str, str]]:
+    """A JSON object of parameter name -> value; numbers and booleans become their text, objects and lists
+    their JSON text (a ``response_schema`` may be written as the schema itself)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DeployError(f"PARAMETERS_FILE={path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise DeployError(f"PARAMETERS_FILE={path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DeployError(f"PARAMETERS_FILE={path} must hold a JSON object of parameter name -> value")
+    pairs = []
+    for name, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (dict, list)):
+            text = json.dumps(value, ensure_ascii=False)
+        else:
+            text = str(value)
+        pairs.append((name, text))
+    return pairs
+
+
+def template_parameters(settings: Settings) -> dict[str, str]:
+    """The template parameters from the named settings, ``PARAMETERS_FILE`` and ``EXTRA_PARAMETERS``, checked.
+
+    A parameter given by two sources is refused (which would win is not obvious), as is a name the
+    template does not have; then the values are checked as the launcher will check them.
+    """
+    sources: list[tuple[str, list[tuple[str, str]]]] = [
+        ("the Makefile settings", [(param, settings.get(var)) for var, param in NAMED_SETTINGS.items()
+                                   if settings.get(var)])]
+    if settings.get("PARAMETERS_FILE"):
+        sources.append((f"PARAMETERS_FILE={settings.get('PARAMETERS_FILE')}",
+                        read_parameters_file(settings.get("PARAMETERS_FILE"))))
+    sources.append(("EXTRA_PARAMETERS", split_extra_parameters(settings.values.get("EXTRA_PARAMETERS") or "")))
+    parameters: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    problems = []
+    for source, pairs in sources:
+        for name, value in pairs:
+            if name not in PARAMETERS_BY_NAME and name not in PIPELINE_OPTION_PARAMETERS:
+                problems.append(f"{source}: {name!r} is not a template parameter (docs/parameters.md lists them)")
+            elif name in parameters:
+                problems.append(f"{name} is set by {origin[name]} and by {source}: set it in one place")
+            else:
+                parameters[name], origin[name] = value, source
+    if problems:
+        raise DeployError("Template parameters:\n  - " + "\n  - ".join(problems))
+    try:
+        PipelineConfig.from_mapping(parameters)
+    except ConfigError as exc:
+        raise DeployError(str(exc)) from None
+    return parameters
+
+
+def gpu_experiment(settings: Settings) -> str:
+    """Dataflow's GPU service option, as its GPU pages write it."""
+    driver = "install-nvidia-driver" + (f":{settings.get('NVIDIA_DRIVER')}" if settings.get("NVIDIA_DRIVER") else "")
+    return f"worker_accelerator=type:{settings.get('GPU_TYPE')};count:{settings.get('GPU_COUNT')};{driver}"
+
+
+def experiments(settings: Settings) -> list[str]:
+    found = [gpu_experiment(settings)] if settings.get("GPU_TYPE") else []
+    if settings.get("UTILIZATION_HINT"):
+        found.append(f"worker_utilization_hint={settings.get('UTILIZATION_HINT')}")
+    return found
+
+
+def transform_name_mappings(settings: Settings) -> dict[str, str]:
+    """``TRANSFORM_NAME_MAPPINGS``: a JSON object of old step name -> new, for an update whose steps were renamed."""
+    text = settings.get("TRANSFORM_NAME_MAPPINGS")
+    if not text:
+        return {}
+    try:
+        mappings = json.loads(text)
+    except ValueError as exc:
+        raise DeployError(f"TRANSFORM_NAME_MAPPINGS is not a JSON object: {exc}") from None
+    if not isinstance(mappings, dict) or not all(isinstance(v, str) for v in mappings.values()):
+        raise DeployError('TRANSFORM_NAME_MAPPINGS must be a JSON object of old step name -> new, e.g. {"Old": "New"}')
+    return mappings
+
+
+def job_name(settings: Settings, update: bool) -> str:
+    name = settings.get("JOB_NAME")
+    if not name:
+        if update:
+            raise DeployError("Set JOB_NAME to the name of the running job to update "
+                              "(gcloud dataflow jobs list --region REGION --status active)")
+        name = "streaming-llm-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    if not re.match(JOB_NAME_REGEX, name):
+        raise DeployError(f"JOB_NAME={name!r}: Dataflow job names are lower-case letters, digits and '-', "
+                          "starting with a letter, at most 63 characters")
+    return name
+
+
+def job_environment(settings: Settings) -> list[str]:
+    """The worker, staging and identity flags that ``flex-template run`` and ``build`` share."""
+    args = ["--worker-machine-type", settings.get("MACHINE_TYPE"), "--num-workers", settings.get("NUM_WORKERS"),
+            "--max-workers", settings.get("MAX_WORKERS"), "--enable-streaming-engine",
+            "--staging-location", f"gs://{settings.get('BUCKET')}/staging",
+            "--temp-location", f"gs://{settings.get('BUCKET')}/tmp"]
+    if settings.get("SERVICE_ACCOUNT"):
+        args += ["--service-account-email", settings.get("SERVICE_ACCOUNT")]
+    return args
+
+
+def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict[str, Any]]:
+    """``gcloud dataflow flex-template run``: its argv and its flags file."""
+    settings.require("PROJECT", "REGION", "BUCKET", "TEMPLATE_PATH", "WORKER_IMAGE", "MACHINE_TYPE",
+                     "NUM_WORKERS", "MAX_WORKERS", "DISK_SIZE_GB")
+    name = job_name(settings, update)
+    parameters = template_parameters(settings)
+    parameters.setdefault("sdk_container_image", settings.get("WORKER_IMAGE"))
+    flags: dict[str, Any] = {"--parameters": parameters,
+                             "--additional-pipeline-options": [f"disk_size_gb={settings.get('DISK_SIZE_GB')}"]}
+    if experiments(settings):
+        flags["--additional-experiments"] = experiments(settings)
+    argv = ["gcloud", "dataflow", "flex-template", "run", name, "--project", settings.get("PROJECT"),
+            "--region", settings.get("REGION"), "--template-file-gcs-location", settings.get("TEMPLATE_PATH"),
+            *job_environment(settings)]
+    if settings.get("LAUNCHER_MACHINE_TYPE"):
+        argv += ["--launcher-machine-type", settings.get("LAUNCHER_MACHINE_TYPE")]
+    if update:
+        argv.append("--update")
+        if transform_name_mappings(settings):
+            flags["--transform-name-mappings"] = transform_name_mappings(settings)
+    return argv, flags
+
+
+def flex_template_build(settings: Settings) -> tuple[list[str], dict[str, Any]]:
+    """``gcloud dataflow flex-template build``, with the job settings ``make run`` uses as the spec's defaults,
+    so that a launch from the console gets them too."""
+    settings.require("PROJECT", "REGION", "BUCKET", "TEMPLATE_PATH", "LAUNCHER_IMAGE", "METADATA", "MACHINE_TYPE",
+                     "NUM_WORKERS", "MAX_WORKERS")
+    argv = ["gcloud", "dataflow", "flex-template", "build", settings.get("TEMPLATE_PATH"),
+            "--project", settings.get("PROJECT"), "--image", settings.get("LAUNCHER_IMAGE"),
+            "--sdk-language", "PYTHON", "--metadata-file", settings.get("METADATA"), *job_environment(settings)]
+    flags = {"--additional-experiments": experiments(settings)} if experiments(settings) else {}
+    return argv, flags
+
+
+def dataflow_runner(settings: Settings) -> list[str]:
+    """The template's entry point on Beam's DataflowRunner, straight from this checkout: one argv element a value."""
+    settings.require("PROJECT", "REGION", "BUCKET", "WORKER_IMAGE", "MACHINE_TYPE", "NUM_WORKERS", "MAX_WORKERS",
+                     "DISK_SIZE_GB")
+    parameters = template_parameters(settings)
+    parameters.setdefault("sdk_container_image", settings.get("WORKER_IMAGE"))
+    argv = [sys.executable, "-m", "template.main", "--runner=DataflowRunner",
+            f"--project={settings.get('PROJECT')}", f"--region={settings.get('REGION')}",
+            f"--job_name={job_name(settings, update=False)}",
+            f"--staging_location=gs://{settings.get('BUCKET')}/staging",
+            f"--temp_location=gs://{settings.get('BUCKET')}/tmp",
+            f"--machine_type={settings.get('MACHINE_TYPE')}", f"--disk_size_gb={settings.get('DISK_SIZE_GB')}",
+            f"--num_workers={settings.get('NUM_WORKERS')}", f"--max_num_workers={settings.get('MAX_WORKERS')}",
+            "--enable_streaming_engine", "--experiments=use_runner_v2"]
+    if settings.get("SERVICE_ACCOUNT"):
+        argv.append(f"--service_account_email={settings.get('SERVICE_ACCOUNT')}")
+    argv += [f"--dataflow_service_options={option}" for option in experiments(settings)]
+    argv += [f"--{name}={value}" for name, value in parameters.items()]
+    return argv
+
+
+# Characters YAML does not allow unescaped, even in a quoted string (YAML 1.2, "c-printable"); JSON leaves these
+# alone, gcloud's YAML reader refuses them, so they are written as the \u escapes both languages read.
+_NOT_YAML_PRINTABLE = re.compile("[\x7f-\x9f\ufffe\uffff]")
+
+
+def flags_file_text(flags: dict[str, Any]) -> str:
+    """A gcloud ``--flags-file``: JSON, which gcloud reads as YAML, with every value's characters kept."""
+    text = json.dumps(flags, indent=2, ensure_ascii=False)
+    return _NOT_YAML_PRINTABLE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
+
+
+def run_gcloud(argv: list[str], flags: dict[str, Any], dry_run: bool) -> int:
+    """Prints the command and its flags file, then runs it (unless ``dry_run``)."""
+    with tempfile.TemporaryDirectory(prefix="streaming-llm-deploy-") as folder:
+        if flags:
+            flags_file = Path(folder) / "flags.json"
+            flags_file.write_text(flags_file_text(flags), encoding="utf-8")
+            argv = [*argv, f"--flags-file={flags_file}"]
+            print(f"==> {shlex.join(argv)}\n    where {flags_file.name} holds:\n"
+                  + "\n".join("      " + line for line in flags_file_text(flags).splitlines()), flush=True)
+        else:
+            print(f"==> {shlex.join(argv)}", flush=True)
+        return 0 if dry_run else subprocess.run(argv, check=False).returncode
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.deploy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("template", "run", "update", "run-dataflow"))
+    parser.add_argument("--dry-run", action="store_true", help="print the command (and its flags file); run nothing")
+    args = parser.parse_args(argv)
+    settings = Settings(dict(os.environ if environ is None else environ))
+    try:
+        if args.action == "template":
+            return run_gcloud(*flex_template_build(settings), dry_run=args.dry_run)
+        if args.action in ("run", "update"):
+            return run_gcloud(*flex_template_run(settings, update=args.action == "update"), dry_run=args.dry_run)
+        command = dataflow_runner(settings)
+        print(f"==> {shlex.join(command)}", flush=True)
+        return 0 if args.dry_run else subprocess.run(command, check=False).returncode
+    except DeployError as exc:
+        print(f"make {args.action}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

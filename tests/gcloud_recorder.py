@@ -1,0 +1,126 @@
+"""A loopback stand-in for the Google Cloud APIs that the deploy targets call, so the real gcloud runs offline.
+
+gcloud reads API endpoint overrides from its configuration (``CLOUDSDK_API_ENDPOINT_OVERRIDES_<API>``), and
+``CLOUDSDK_AUTH_DISABLE_CREDENTIALS=true`` sends no credentials: the CLI's own argument parsing, flags files
+and request building all run, and what it sends lands here. The answers are the smallest that gcloud
+accepts: a job for Dataflow's launch and update calls, an object with the uploaded bytes' hashes for Cloud
+Storage (gcloud compares them with the file it sent), a build operation for Cloud Build.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import json
+import re
+import threading
+from urllib.parse import unquote
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Recorder:
+    """Records every request; ``env()`` points gcloud at it with a throwaway configuration folder."""
+
+    def __init__(self, config_dir: str) -> None:
+        self.config_dir = config_dir
+        self.requests: list[Request] = []
+        self.objects: dict[str, bytes] = {}  # "bucket/name" -> uploaded bytes
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def handle_one(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                request = Request(self.command, self.path, body)
+                recorder.requests.append(request)
+                try:
+                    status, answer = recorder.answer(request, self.headers.get("Content-Type", ""))
+                except Exception as exc:  # an answer gcloud can show, rather than a dropped connection
+                    status, answer = 500, {"error": {"code": 500, "message": f"recorder: {exc!r}"}}
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = handle_one
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/"
+
+    def env(self) -> dict[str, str]:
+        return {"CLOUDSDK_CONFIG": self.config_dir, "CLOUDSDK_AUTH_DISABLE_CREDENTIALS": "true",
+                "CLOUDSDK_CORE_DISABLE_PROMPTS": "1", "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true",
+                "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "true",
+                **{f"CLOUDSDK_API_ENDPOINT_OVERRIDES_{api}": self.url
+                   for api in ("DATAFLOW", "STORAGE", "CLOUDBUILD")}}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def find(self, method: str, pattern: str) -> list[Request]:
+        return [r for r in self.requests if r.method == method and re.search(pattern, r.path.split("?")[0])]
+
+    def answer(self, request: Request, content_type: str) -> tuple[int, Any]:
+        path = request.path.split("?")[0]
+        job = {"id": "2026-11-25_00_00_00-1", "projectId": "recorded", "name": "recorded",
+               "currentState": "JOB_STATE_QUEUED"}
+        if path.endswith("/flexTemplates:launch"):
+            launch = request.json()["launchParameter"]
+            return 200, {"job": {**job, "name": launch["jobName"]}}
+        if "/v1b3/" in path and "/jobs/" in path:
+            return 200, job
+        upload = re.match(r"^/upload/storage/v1/b/([^/]+)/o$", path)
+        if upload and request.method == "POST":
+            return 200, self.store(upload.group(1), request, content_type)
+        if re.match(r"^/storage/v1/b/[^/]+$", path):
+            return 200, {"name": path.rsplit("/", 1)[1], "location": "US"}
+        listing = re.search(r"[?&]prefix=([^&]+)", request.path)
+        if path == "/storage/v1/b" and listing:  # the buckets gcloud builds submit looks for in the project
+            return 200, {"items": [{"name": unquote(listing.group(1)), "location": "US"}]}
+        if re.search(r"/v1/projects/[^/]+/(locations/[^/]+/)?builds/recorded$", path):  # gcloud waits for the build
+            return 200, {"id": "recorded", "projectId": "recorded", "status": "SUCCESS", "logsBucket": "gs://recorded-logs"}
+        build = re.search(r"/v1/projects/([^/]+)/(?:locations/([^/]+)/)?builds$", path)
+        if build:
+            return 200, {"name": "operations/build/recorded", "metadata": {
+                "@type": "type.googleapis.com/google.devtools.cloudbuild.v1.BuildOperationMetadata",
+                "build": {"id": "recorded", "projectId": build.group(1), "status": "QUEUED",
+                          "name": f"projects/{build.group(1)}/locations/{build.group(2) or 'global'}/builds/recorded"}}}
+        return 404, {"error": {"code": 404, "message": f"the recorder does not answer {request.method} {path}"}}
+
+    def store(self, bucket: str, request: Request, content_type: str) -> dict[str, Any]:
+        """A multipart upload: the object's metadata part, then its bytes; answered with the bytes' hashes."""
+        boundary = re.search(r"""boundary=["']?([^"';]+)""", content_type).group(1).encode()
+        parts = [part for part in request.body.split(b"--" + boundary) if part.strip() not in (b"", b"--")]
+        (_, metadata), (_, data) = (re.split(rb"\r?\n\r?\n", part.lstrip(b"\r\n"), maxsplit=1) for part in parts[:2])
+        data = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data
+        name = re.search(r"[?&]name=([^&]+)", request.path)
+        object_name = json.loads(metadata or b"{}").get("name") or (name and unquote(name.group(1)))
+        self.objects[f"{bucket}/{object_name}"] = data
+        return {"bucket": bucket, "name": object_name, "size": str(len(data)),
+                "md5Hash": base64.b64encode(hashlib.md5(data).digest()).decode(),
+                "crc32c": base64.b64encode(google_crc32c.Checksum(data).digest()).decode(),
+                "generation": "1"}
+

@@ -1,0 +1,270 @@
+"""The deploy targets, run for real as a new user runs them: `.env` from `.env.example`, `make <target>`, the real
+gcloud, whose Google Cloud endpoints point at a loopback recorder (tests/gcloud_recorder.py). What is asserted is
+the request Dataflow, Cloud Storage or Cloud Build would receive."""
+
+from __future__ import annotations
+
+import json
+import os
+import io
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from ops import deploy
+from pipeline.options import PipelineConfig
+from tests.gcloud_recorder import Recorder
+
+REPO = Path(__file__).resolve().parent.parent
+TAG = "0123456789ab"
+SETTINGS = {"PROJECT": "proj-123456", "BUCKET": "bkt-test"}
+WORKER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:{TAG}"
+LAUNCHER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-launcher:{TAG}"
+TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{TAG}.json"
+# Values no shell word, gcloud dict string or comma list carries as they are.
+HOSTILE = {
+    "system_prompt": 'You are terse, "very" terse.\nAnswer with one word ~ ^ = , ; \' $HOME `x` \\ ünïcödé 🙂 \x7f\x85',
+    "prompt_template": "Classify, please: {text}\n(category=billing|bug)",
+    "response_schema": json.dumps({"type": "object", "properties": {"category": {"enum": ["a,b", "c=d", "e~f"]}},
+                                   "required": ["category"]}),
+    "lora_adapters": "support=gs://bkt-test/adapters/support,extract=my-org/extract-lora",
+    "vllm_args": "--max-num-seqs 128 --enforce-eager",
+    "bucket_boundaries": "64,128,256",
+}
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    recording = Recorder(str(tmp_path / "gcloud-config"))
+    yield recording
+    recording.close()
+
+
+@pytest.fixture
+def env_file(tmp_path) -> Path:
+    """`.env.example`, filled in as its comments ask."""
+    text = (REPO / ".env.example").read_text().replace("my-project", SETTINGS["PROJECT"]).replace(
+        "my-bucket", SETTINGS["BUCKET"])
+    path = tmp_path / "deploy.env"
+    path.write_text(text)
+    return path
+
+
+def make(target: str, recorder: Recorder | None, env_file: Path | None, **variables: str) -> \
+        subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("CLOUDSDK_")}
+    if recorder:
+        env.update(recorder.env())
+    args = ["make", "--no-print-directory", target, f"TAG={TAG}"]
+    if env_file:
+        args.append(f"ENV_FILE={env_file}")
+    args += [f"{key}={value}" for key, value in variables.items()]
+    # The first deploy target creates .venv-deploy (Beam and the pipeline's light dependencies) from scratch.
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def launch_request(recorder: Recorder) -> dict:
+    launches = recorder.find("POST", r"/flexTemplates:launch$")
+    assert len(launches) == 1, [r.path for r in recorder.requests]
+    return launches[0].json()["launchParameter"]
+
+
+def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
+    image = make("image", recorder, env_file, IMAGE_BUILD_ARGS="--async")
+    assert image.returncode == 0, image.stdout + image.stderr
+    build = recorder.find("POST", r"/v1/projects/proj-123456/locations/us-central1/builds$")[0].json()
+    assert build["substitutions"]["_WORKER_IMAGE"] == WORKER_IMAGE
+    assert build["substitutions"]["_LAUNCHER_IMAGE"] == LAUNCHER_IMAGE
+    source = next(name for name in recorder.objects if name.startswith("bkt-test/cloudbuild-source/"))
+    with tarfile.open(fileobj=io.BytesIO(recorder.objects[source])) as archive:
+        names = set(archive.getnames())
+    assert {"container/Dockerfile", "pipeline/assembly.py", "template/main.py"} <= names
+    assert not any(name.startswith((".venv", ".git/")) for name in names)
+
+    template = make("template", recorder, env_file)
+    assert template.returncode == 0, template.stdout + template.stderr
+    spec = json.loads(recorder.objects[TEMPLATE_PATH.removeprefix("gs://")])
+    assert spec["image"] == LAUNCHER_IMAGE
+    assert spec["metadata"]["parameters"] == json.loads((REPO / "metadata.json").read_text())["parameters"]
+    # The console launches with these: the same job settings make run passes.
+    assert spec["defaultEnvironment"] == {
+        "machineType": "g2-standard-8", "numWorkers": 1, "maxWorkers": 4, "enableStreamingEngine": True,
+        "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"],
+        "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp"}
+
+    run = make("run", recorder, env_file)
+    assert run.returncode == 0, run.stdout + run.stderr
+    launch = launch_request(recorder)
+    assert launch["containerSpecGcsPath"] == TEMPLATE_PATH
+    assert launch["jobName"].startswith("streaming-llm-") and "update" not in launch
+    assert launch["parameters"] == {
+        "input_subscription": "projects/proj-123456/subscriptions/prompts-sub",
+        "output_chunks_topic": "projects/proj-123456/topics/llm-chunks",
+        "output_completions_topic": "projects/proj-123456/topics/llm-completions",
+        "dead_letter_topic": "projects/proj-123456/topics/llm-dead-letters",
+        "sdk_container_image": WORKER_IMAGE}  # one commit: the spec's launcher and the workers
+    assert launch["environment"] == {
+        "machineType": "g2-standard-8", "launcherMachineType": "e2-standard-4", "numWorkers": 1, "maxWorkers": 4,
+        "enableStreamingEngine": True, "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp",
+        "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"],
+        "additionalPipelineOptions": ["disk_size_gb=200"]}
+
+    drain = make("drain", recorder, env_file, JOB_ID="2026-11-25_00_00_00-1")
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    drained = recorder.find("PUT", r"/v1b3/projects/proj-123456/locations/us-central1/jobs/2026-11-25_00_00_00-1$")
+    assert drained[0].json() == {"requestedState": "JOB_STATE_DRAINED"}
+
+
+def test_update_relaunches_the_running_job_by_name_with_renamed_steps(recorder, env_file):
+    result = make("update", recorder, env_file, JOB_NAME="streaming-llm-prod",
+                  TRANSFORM_NAME_MAPPINGS='{"StreamingGenerate": "Generate"}', EXTRA_PARAMETERS="max_in_flight=32")
+    assert result.returncode == 0, result.stdout + result.stderr
+    launch = launch_request(recorder)
+    assert launch["jobName"] == "streaming-llm-prod" and launch["update"] is True
+    assert launch["transformNameMappings"] == {"StreamingGenerate": "Generate"}
+    assert launch["parameters"]["max_in_flight"] == "32"
+    unnamed = make("update", recorder, env_file)
+    assert unnamed.returncode != 0 and "Set JOB_NAME" in unnamed.stderr
+    assert len(recorder.find("POST", r"/flexTemplates:launch$")) == 1
+
+
+def test_any_parameter_value_reaches_dataflow_intact_through_a_parameters_file(recorder, env_file, tmp_path):
+    parameters = tmp_path / "params.json"
+    parameters.write_text(json.dumps({**HOSTILE, "max_in_flight": 32, "length_bucketing": True,
+                                      "answer_bucket_boundaries": None}))
+    result = make("run", recorder, env_file, PARAMETERS_FILE=str(parameters), SERVICE_ACCOUNT=
+                  "llm-worker@proj-123456.iam.gserviceaccount.com", UTILIZATION_HINT="0.3", NVIDIA_DRIVER="latest")
+    assert result.returncode == 0, result.stdout + result.stderr
+    launch = launch_request(recorder)
+    for name, value in HOSTILE.items():
+        assert launch["parameters"][name] == value, name
+    assert launch["parameters"]["max_in_flight"] == "32" and launch["parameters"]["length_bucketing"] == "true"
+    assert "answer_bucket_boundaries" not in launch["parameters"]  # null: left to the template's default
+    assert launch["environment"]["serviceAccountEmail"] == "llm-worker@proj-123456.iam.gserviceaccount.com"
+    assert launch["environment"]["additionalExperiments"] == [
+        "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest", "worker_utilization_hint=0.3"]
+
+
+def test_extra_parameters_keep_spaces_commas_and_equals_inside_values(recorder, env_file):
+    result = make("run", recorder, env_file, EXTRA_PARAMETERS="system_prompt=You are terse, and kind.,"
+                  "vllm_args=--max-num-seqs 128,lora_adapters=a=gs://bkt-test/a,b=org/b,bucket_boundaries=64,128")
+    assert result.returncode == 0, result.stdout + result.stderr
+    parameters = launch_request(recorder)["parameters"]
+    assert parameters["system_prompt"] == "You are terse, and kind."
+    assert parameters["vllm_args"] == "--max-num-seqs 128"
+    assert parameters["lora_adapters"] == "a=gs://bkt-test/a,b=org/b"
+    assert parameters["bucket_boundaries"] == "64,128"
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"EXTRA_PARAMETERS": "max_inflight=3"}, "'max_inflight' is not a template parameter"),
+    ({"EXTRA_PARAMETERS": "input_subscription=projects/proj-123456/subscriptions/other"},
+     "input_subscription is set by the Makefile settings and by EXTRA_PARAMETERS"),
+    ({"EXTRA_PARAMETERS": "max_in_flight=0"}, "--max_in_flight must be at least 1"),
+    ({"PARAMETERS_FILE": "/nonexistent/params.json"}, "PARAMETERS_FILE=/nonexistent/params.json"),
+    ({"JOB_NAME": "Bad_Name"}, "Dataflow job names are lower-case"),
+    ({"INPUT_SUBSCRIPTION": "", "DEAD_LETTER_TOPIC": ""}, "--input_subscription is required"),
+])
+def test_a_bad_setting_stops_the_launch_by_name_before_gcloud_runs(recorder, env_file, variables, message):
+    result = make("run", recorder, env_file, **variables)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert not recorder.requests
+
+
+def test_each_target_asks_only_for_the_settings_it_uses(recorder):
+    run = make("run", recorder, None, PROJECT="", BUCKET="")
+    assert run.returncode != 0 and "Set PROJECT BUCKET (in .env" in run.stderr  # REGION has its default
+    drain = make("drain", recorder, None, PROJECT="proj-123456", JOB_ID="")
+    assert drain.returncode != 0 and "Set JOB_ID" in drain.stderr and "BUCKET" not in drain.stderr
+    assert not recorder.requests
+
+
+def test_an_image_is_not_tagged_with_a_commit_it_does_not_hold(tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
+    shutil.copy(REPO / "Makefile", clone / "Makefile")  # this checkout's Makefile, committed in the clone
+    subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "--quiet", "-am",
+                    "this Makefile"], cwd=clone, check=True)
+    clean = subprocess.run(["make", "--no-print-directory", "-n", "image", "PROJECT=proj-123456", "BUCKET=bkt-test"],
+                           cwd=clone, capture_output=True, text=True, timeout=60)
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=clone, capture_output=True, text=True)
+    assert f"streaming-llm-worker:{commit.stdout.strip()}" in clean.stdout
+    (clone / "README.md").write_text("changed\n")
+    result = subprocess.run(["make", "--no-print-directory", "image", "PROJECT=proj-123456", "BUCKET=bkt-test"],
+                            cwd=clone, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "uncommitted changes" in result.stderr
+
+
+def test_make_run_dataflow_hands_beam_every_value_as_one_argument(env_file, tmp_path):
+    parameters = tmp_path / "params.json"
+    parameters.write_text(json.dumps(HOSTILE))
+    result = make("run-dataflow", None, env_file, PARAMETERS_FILE=str(parameters), DRY_RUN="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--runner=DataflowRunner" in result.stdout and f"--sdk_container_image={WORKER_IMAGE}" in result.stdout
+
+
+def beam_values(settings: dict[str, str]) -> PipelineConfig:
+    """What the template's own option parsing makes of the argv make run-dataflow builds."""
+    argv = deploy.dataflow_runner(deploy.Settings(settings))
+    return PipelineConfig.from_options(PipelineOptions(argv[argv.index("template.main") + 1:]))
+
+
+BASE = {"PROJECT": "proj-123456", "REGION": "us-central1", "BUCKET": "bkt-test", "WORKER_IMAGE": WORKER_IMAGE,
+        "MACHINE_TYPE": "g2-standard-8", "NUM_WORKERS": "1", "MAX_WORKERS": "4", "DISK_SIZE_GB": "200",
+        "GPU_TYPE": "nvidia-l4", "GPU_COUNT": "1", "INPUT_SUBSCRIPTION": "projects/proj-123456/subscriptions/prompts-sub",
+        "DEAD_LETTER_TOPIC": "projects/proj-123456/topics/dead", "CHUNKS_TOPIC": "projects/proj-123456/topics/chunks"}
+
+
+def test_beams_option_parser_gets_hostile_values_intact(tmp_path):
+    parameters = tmp_path / "params.json"
+    parameters.write_text(json.dumps(HOSTILE))
+    config = beam_values({**BASE, "PARAMETERS_FILE": str(parameters)})
+    for name, value in HOSTILE.items():
+        assert getattr(config, name) == value, name
+
+
+free_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1,
+                    max_size=200).filter(lambda text: text.strip() == text and text.strip())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=free_text)
+def test_fuzz_any_system_prompt_survives_beams_option_parser(prompt, tmp_path):
+    parameters = tmp_path / "params.json"
+    parameters.write_text(json.dumps({"system_prompt": prompt}))
+    assert beam_values({**BASE, "PARAMETERS_FILE": str(parameters)}).system_prompt == prompt
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=free_text)
+def test_fuzz_any_system_prompt_survives_gcloud(prompt, tmp_path):
+    """The real gcloud reads the flags file the launch targets write; drawn values come out unchanged."""
+    recording = Recorder(str(tmp_path / "gcloud-config"))
+    try:
+        parameters = tmp_path / "params.json"
+        parameters.write_text(json.dumps({"system_prompt": prompt}))
+        environment = {**BASE, "TEMPLATE_PATH": TEMPLATE_PATH, "PARAMETERS_FILE": str(parameters)}
+        argv, flags = deploy.flex_template_run(deploy.Settings(environment), update=False)
+        flags_file = tmp_path / "flags.json"
+        flags_file.write_text(deploy.flags_file_text(flags), encoding="utf-8")
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("CLOUDSDK_")}, **recording.env()}
+        result = subprocess.run([*argv, f"--flags-file={flags_file}"], env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert launch_request(recording)["parameters"]["system_prompt"] == prompt
+    finally:
+        recording.close()
+
+
+def test_extra_parameters_split_only_before_a_parameter_name():
+    assert deploy.split_extra_parameters("a_b=1") == [("a_b", "1")]
+    assert deploy.split_extra_parameters("system_prompt=x,y=z,model=m") == [("system_prompt", "x,y=z"),
+                                                                          ("model", "m")]
+    with pytest.raises(deploy.DeployError, match="is not name=value"):
+        deploy.split_extra_parameters("justtext")
+
