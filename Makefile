@@ -35,15 +35,14 @@ JOB_NAME ?=
 JOB_ID ?=
 SERVICE_ACCOUNT ?=
 MACHINE_TYPE ?= g2-standard-8
-# Worker boot disk: the worker image unpacks to ~20 GB while it is pulled, the weights come on top
-# (2 bytes a parameter, up to twice: hub cache and working copy) plus compile caches. See docs/operations.md#disk.
-DISK_SIZE_GB ?= 200
+# Worker boot disk in GB; empty: the template's default (docs/parameters.md, disk_size_gb). See docs/operations.md#disk.
+DISK_SIZE_GB ?=
 LAUNCHER_MACHINE_TYPE ?= e2-standard-4
 METADATA ?= metadata.json
 GPU_TYPE ?= nvidia-l4
 GPU_COUNT ?= 1
-# Empty: the driver Dataflow installs by default. See docs/operations.md#gpu-driver.
-NVIDIA_DRIVER ?=
+# The NVIDIA driver Dataflow installs: latest, as the image's CUDA 13 build needs (docs/operations.md#gpu-driver).
+NVIDIA_DRIVER ?= latest
 MAX_WORKERS ?= 4
 NUM_WORKERS ?= 1
 # Target CPU utilization for autoscaling (0.1-0.9); empty: Dataflow's default. See docs/operations.md#autoscaling.

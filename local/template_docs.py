@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipeline.bigquery_sink import PARTITION_COLUMN, SCHEMAS
-from pipeline.options import PARAMETERS, TEMPLATE_DESCRIPTION, TEMPLATE_NAME
+from pipeline.options import PARAMETERS, TEMPLATE_DESCRIPTION, TEMPLATE_NAME, WORKER_OPTIONS
 
 
 def template_metadata() -> dict[str, Any]:
     """The Flex Template ``metadata.json`` content, derived from :data:`PARAMETERS`."""
     params = []
-    for param in PARAMETERS:
+    for param in (*PARAMETERS, *WORKER_OPTIONS):
         entry: dict[str, Any] = {
             "name": param.name,
             "label": param.label,
@@ -73,7 +73,7 @@ PARAMETERS_END = "<!-- parameters:end -->"
 def parameters_markdown() -> str:
     """The parameter table of ``docs/parameters.md``, derived from :data:`PARAMETERS`."""
     rows = ["| Parameter | Group | Default | What it does |", "|---|---|---|---|"]
-    for param in PARAMETERS:
+    for param in (*PARAMETERS, *WORKER_OPTIONS):
         default = "**required**" if param.required else (
             f"`{_as_template_string(param.default)}`" if param.default not in (None, "") else "")
         choices = f" One of: {', '.join(param.enum_options)}." if param.enum_options else ""

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pipeline.options import PARAMETERS_BY_NAME, ConfigError, PipelineConfig
+from pipeline.options import PARAMETERS_BY_NAME, WORKER_OPTIONS, ConfigError, PipelineConfig
 
 # Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
 NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "CHUNKS_TOPIC": "output_chunks_topic",
                   "COMPLETIONS_TOPIC": "output_completions_topic", "DEAD_LETTER_TOPIC": "dead_letter_topic",
                   "MODEL": "model"}
-# Pipeline options a launch may pass besides the template's parameters (the launcher hands every one to Beam).
-PIPELINE_OPTION_PARAMETERS = ("sdk_container_image",)
+# Beam's worker options a launch may pass beside the template's parameters (the launcher hands every one to Beam).
+PIPELINE_OPTION_PARAMETERS = tuple(option.name for option in WORKER_OPTIONS)
 JOB_NAME_REGEX = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"  # Dataflow's job names
 
 
@@ -193,12 +193,13 @@ def job_environment(settings: Settings) -> list[str]:
 def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict[str, Any]]:
     """``gcloud dataflow flex-template run``: its argv and its flags file."""
     settings.require("PROJECT", "REGION", "BUCKET", "TEMPLATE_PATH", "WORKER_IMAGE", "MACHINE_TYPE",
-                     "NUM_WORKERS", "MAX_WORKERS", "DISK_SIZE_GB")
+                     "NUM_WORKERS", "MAX_WORKERS")
     name = job_name(settings, update)
     parameters = template_parameters(settings)
     parameters.setdefault("sdk_container_image", settings.get("WORKER_IMAGE"))
-    flags: dict[str, Any] = {"--parameters": parameters,
-                             "--additional-pipeline-options": [f"disk_size_gb={settings.get('DISK_SIZE_GB')}"]}
+    flags: dict[str, Any] = {"--parameters": parameters}
+    if settings.get("DISK_SIZE_GB"):
+        flags["--additional-pipeline-options"] = [f"disk_size_gb={settings.get('DISK_SIZE_GB')}"]
     if experiments(settings):
         flags["--additional-experiments"] = experiments(settings)
     argv = ["gcloud", "dataflow", "flex-template", "run", name, "--project", settings.get("PROJECT"),
@@ -227,8 +228,7 @@ def flex_template_build(settings: Settings) -> tuple[list[str], dict[str, Any]]:
 
 def dataflow_runner(settings: Settings) -> list[str]:
     """The template's entry point on Beam's DataflowRunner, straight from this checkout: one argv element a value."""
-    settings.require("PROJECT", "REGION", "BUCKET", "WORKER_IMAGE", "MACHINE_TYPE", "NUM_WORKERS", "MAX_WORKERS",
-                     "DISK_SIZE_GB")
+    settings.require("PROJECT", "REGION", "BUCKET", "WORKER_IMAGE", "MACHINE_TYPE", "NUM_WORKERS", "MAX_WORKERS")
     parameters = template_parameters(settings)
     parameters.setdefault("sdk_container_image", settings.get("WORKER_IMAGE"))
     argv = [sys.executable, "-m", "template.main", "--runner=DataflowRunner",
@@ -236,11 +236,12 @@ def dataflow_runner(settings: Settings) -> list[str]:
             f"--job_name={job_name(settings, update=False)}",
             f"--staging_location=gs://{settings.get('BUCKET')}/staging",
             f"--temp_location=gs://{settings.get('BUCKET')}/tmp",
-            f"--machine_type={settings.get('MACHINE_TYPE')}", f"--disk_size_gb={settings.get('DISK_SIZE_GB')}",
-            f"--num_workers={settings.get('NUM_WORKERS')}", f"--max_num_workers={settings.get('MAX_WORKERS')}",
+            f"--machine_type={settings.get('MACHINE_TYPE')}", f"--num_workers={settings.get('NUM_WORKERS')}", f"--max_num_workers={settings.get('MAX_WORKERS')}",
             "--enable_streaming_engine", "--experiments=use_runner_v2"]
     if settings.get("SERVICE_ACCOUNT"):
         argv.append(f"--service_account_email={settings.get('SERVICE_ACCOUNT')}")
+    if settings.get("DISK_SIZE_GB"):
+        argv.append(f"--disk_size_gb={settings.get('DISK_SIZE_GB')}")
     argv += [f"--dataflow_service_options={option}" for option in experiments(settings)]
     argv += [f"--{name}={value}" for name, value in parameters.items()]
     return argv

@@ -26,7 +26,7 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.engine_host import new_engine_tag
 from pipeline.generate import StreamingGenerate
-from pipeline.launch_checks import dataflow_launch_problems
+from pipeline.launch_checks import apply_launch_defaults, dataflow_launch_problems
 from pipeline.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.messages import RequestLimits
 from pipeline.model_manager import ServerSpec
@@ -76,7 +76,8 @@ def engine_settings(config: PipelineConfig) -> EngineSettings:
         model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
         gpu_memory_utilization=config.gpu_memory_utilization, extra_args=extra_args,
         served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s),
-        adapters=config.adapters(), max_lora_rank=config.max_lora_rank, max_loras=config.max_loras)
+        adapters=config.adapters(), max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
+        hf_token_secret=config.hf_token_secret)
     return EngineSettings(server=spec, **common)
 
 
@@ -102,7 +103,7 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     parsed = messages | "ParseRequests" >> ParseRequests(limits, config.id_attribute, config.request_defaults())
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
         estimator=config.effective_length_estimator, model=config.effective_model, prompt_format=config.prompt_format,
-        max_model_len=config.max_model_len)
+        max_model_len=config.max_model_len, hf_token_secret=config.hf_token_secret)
     settings, local = engine_settings(config), is_local(pipeline.options)
     shared_tag = new_engine_tag(settings)  # the admission step and the generate step share the worker's engine
     # Last before the first shuffle: what it holds back is still unacknowledged in Pub/Sub.
@@ -169,6 +170,7 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     """
     options = PipelineOptions(argv)
     config = PipelineConfig.from_options(options)  # raises ConfigError before any job exists
+    apply_launch_defaults(options)
     problems, warnings = dataflow_launch_problems(options, config)
     for warning in warnings:
         LOGGER.warning("Launch check: %s", warning)

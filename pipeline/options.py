@@ -23,6 +23,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.bucketing import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.lora_adapters import VLLM_LORA_RANKS, Adapter, parse_adapters
+from pipeline.model_access import SECRET_VERSION_REGEX
 from pipeline.request_defaults import RequestDefaults
 
 GROUP_INPUT = "Input"
@@ -31,6 +32,7 @@ GROUP_MODEL = "Model and engine"
 GROUP_BATCHING = "Batching"
 GROUP_STREAMING = "Streaming output"
 GROUP_ENRICHMENT = "Prompt and structured output"
+GROUP_WORKERS = "Workers"
 
 TEMPLATE_NAME = "Streaming LLM inference (vLLM)"
 TEMPLATE_DESCRIPTION = (
@@ -175,9 +177,15 @@ PARAMETERS: tuple[Parameter, ...] = (
     # Model and engine
     Parameter("model", "Model",
               "Hugging Face model id, a local directory on the worker, or a gs:// folder holding a "
-              "Hugging Face checkpoint (the console's folder picker is the next parameter).",
-              "HuggingFaceTB/SmolLM2-135M-Instruct", GROUP_MODEL,
-              default="HuggingFaceTB/SmolLM2-135M-Instruct", regex=r"^\S+$"),
+              "Hugging Face checkpoint (the console's folder picker is the next parameter). The default is an "
+              "ungated instruction model any project can download; gated ones (Gemma, Llama) need hf_token_secret.",
+              "google/gemma-2-2b-it", GROUP_MODEL, default="Qwen/Qwen2.5-1.5B-Instruct", regex=r"^\S+$"),
+    Parameter("hf_token_secret", "Hugging Face token secret",
+              "A Secret Manager secret version holding a Hugging Face token, for gated models: each worker reads it "
+              "once (its service account needs roles/secretmanager.secretAccessor) and hands it to the tokenizer and "
+              "vLLM through the environment; the token is never logged. Hub downloads need outbound internet (Cloud "
+              "NAT for workers without external IPs); a gs:// model folder needs neither.",
+              "projects/my-project/secrets/hf-token/versions/latest", GROUP_MODEL, regex=SECRET_VERSION_REGEX),
     Parameter("engine", "Engine",
               "vllm: a vLLM server on each worker (or server_url) with continuous batching, the default. "
               "transformers: the model loaded in each worker's process and every batch from the batching step "
@@ -234,7 +242,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "4", GROUP_MODEL, "NUMBER", default=4, minimum=1, maximum=64),
     Parameter("server_start_timeout_s", "Server start timeout (s)",
               "How long to wait for the vLLM server to become healthy (including weight download).",
-              "1200", GROUP_MODEL, "NUMBER", default=1800, minimum=10),
+              "3600", GROUP_MODEL, "NUMBER", default=1800, minimum=10),
     Parameter("default_max_tokens", "Default max tokens",
               "Output token limit for requests that do not set max_tokens.",
               "256", GROUP_MODEL, "NUMBER", default=256, minimum=1),
@@ -340,6 +348,21 @@ PARAMETERS: tuple[Parameter, ...] = (
 
 PARAMETERS_BY_NAME: dict[str, Parameter] = {p.name: p for p in PARAMETERS}
 
+# Beam's own worker options that the console's form shows beside the template's parameters. Beam parses them (they
+# are not StreamingLLMOptions'); the launch fills them in when a launch leaves them unset (pipeline.launch_checks).
+DEFAULT_DISK_SIZE_GB = 200
+WORKER_OPTIONS: tuple[Parameter, ...] = (
+    Parameter("sdk_container_image", "Worker image",
+              "The container image the workers run. Empty: the worker image built from the same commit as this "
+              "template's launcher (make image builds both), which the launcher knows.",
+              "us-central1-docker.pkg.dev/my-project/dataflow/streaming-llm-worker:0123456789ab", GROUP_WORKERS,
+              regex=r"^\S+$"),
+    Parameter("disk_size_gb", "Worker disk size (GB)",
+              "Each worker's boot disk: the worker image unpacks to about 20 GB while it is pulled, and the weights "
+              "come on top (2 bytes a parameter, up to twice). Empty: "
+              f"{DEFAULT_DISK_SIZE_GB}.", "500", GROUP_WORKERS, "NUMBER", minimum=30, maximum=65536),
+)
+
 
 class StreamingLLMOptions(PipelineOptions):
     """Beam options generated from :data:`PARAMETERS`."""
@@ -367,6 +390,7 @@ class PipelineConfig:
     dead_letter_table: str | None
     bigquery_create_tables: bool
     model: str
+    hf_token_secret: str | None
     engine: str
     model_gcs_folder: str | None
     server_url: str | None

@@ -19,6 +19,7 @@ from apache_beam.utils.shared import Shared
 
 from pipeline.element_guard import TAG_DEAD_LETTERS, guarded
 from pipeline.messages import STAGE_MEASURE, STAGE_VALIDATE, DeadLetter, InferenceRequest
+from pipeline.model_access import explained_fetch, resolve_model
 
 ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS = "tokenizer", "chars"
 
@@ -34,7 +35,8 @@ class TokenizerMeter:
     def __init__(self, model: str, prompt_format: str) -> None:
         from transformers import AutoTokenizer
 
-        self._tokenizer = AutoTokenizer.from_pretrained(model)
+        with explained_fetch(model):
+            self._tokenizer = AutoTokenizer.from_pretrained(model)
         self._chat = prompt_format == "chat"
 
     def __call__(self, request: InferenceRequest) -> int:
@@ -55,9 +57,11 @@ class _Holder:
 
 
 class _MeasureFn(beam.DoFn):
-    def __init__(self, estimator: str, model: str, prompt_format: str, max_model_len: int) -> None:
+    def __init__(self, estimator: str, model: str, prompt_format: str, max_model_len: int,
+                 hf_token_secret: str | None) -> None:
         self._estimator = estimator
         self._model = model
+        self._hf_token_secret = hf_token_secret
         self._prompt_format = prompt_format
         self._max_model_len = max_model_len
         self._shared = Shared()
@@ -67,9 +71,7 @@ class _MeasureFn(beam.DoFn):
 
     def setup(self) -> None:
         if self._estimator == ESTIMATOR_TOKENIZER:
-            from pipeline.model_manager import resolve_model
-
-            path = resolve_model(self._model)
+            path = resolve_model(self._model, hf_token_secret=self._hf_token_secret)
             holder = self._shared.acquire(lambda: _Holder(TokenizerMeter(path, self._prompt_format)),
                                           tag=f"{path}|{self._prompt_format}")
             self._meter = holder.meter
@@ -101,13 +103,13 @@ class MeasurePromptLength(beam.PTransform):
     """
 
     def __init__(self, *, estimator: str = ESTIMATOR_CHARS, model: str = "", prompt_format: str = "chat",
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, hf_token_secret: str | None = None) -> None:
         super().__init__()
         if estimator not in (ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS):
             raise ValueError(f"estimator must be {ESTIMATOR_TOKENIZER} or {ESTIMATOR_CHARS}, got {estimator!r}")
         if estimator == ESTIMATOR_TOKENIZER and not model:
             raise ValueError("the tokenizer estimator needs the model")
-        self._args = (estimator, model, prompt_format, max_model_len)
+        self._args = (estimator, model, prompt_format, max_model_len, hf_token_secret)
 
     def expand(self, requests):
         return requests | "Measure" >> beam.ParDo(_MeasureFn(*self._args)).with_outputs(

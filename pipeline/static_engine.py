@@ -41,7 +41,7 @@ from typing import Any
 from pipeline.chunking import ChunkAssembler
 from pipeline.engine import EngineBase, EngineSettings, Stream
 from pipeline.messages import InferenceRequest
-from pipeline.model_manager import resolve_model
+from pipeline.model_access import explained_fetch, resolve_model
 
 LOGGER = logging.getLogger(__name__)
 
@@ -114,14 +114,15 @@ class StaticBatchEngine(EngineBase):
             # that is descheduled stalls the rest (measured on 2 cores, one busy: 296 ms a step on 2 threads,
             # 95 on 1). torch would otherwise count the machine's cores, not this process's.
             torch.set_num_threads(max(len(os.sched_getaffinity(0)) - 1, 1))
-        path = resolve_model(spec.model, spec.model_cache_dir)
+        path = resolve_model(spec.model, spec.model_cache_dir, spec.hf_token_secret)
         dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
         started = time.monotonic()
-        self._tokenizer = AutoTokenizer.from_pretrained(path)
+        with explained_fetch(spec.model):
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         self._tokenizer.padding_side = "left"  # generation continues from the right end of every row
         if self._tokenizer.pad_token_id is None:
             self._tokenizer.pad_token = self._tokenizer.eos_token
-        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         eos = self._model.generation_config.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else
                                                                 self._tokenizer.eos_token_id])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -46,6 +47,15 @@ def test_every_file_the_dockerfile_copies_exists_and_is_not_docker_ignored():
         assert (REPO / source).exists(), source
         assert source.rstrip("/") not in ignored, source
     assert (REPO / "template" / "main.py").is_file()
+
+
+def test_the_base_image_carries_the_cuda_major_that_vllm_is_built_for():
+    """vLLM's release declares the CUDA version its wheels are built for; the same release's CPU build is here."""
+    from vllm import envs
+
+    assert not os.environ.get("VLLM_MAIN_CUDA_VERSION")
+    base = re.match(r"nvidia/cuda:(\d+)\.", dockerfile_args()["CUDA_IMAGE"])
+    assert base and base.group(1) == envs.VLLM_MAIN_CUDA_VERSION.split(".")[0]
 
 
 def test_image_versions_agree_with_pyproject():

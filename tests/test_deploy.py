@@ -94,7 +94,7 @@ def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
     # The console launches with these: the same job settings make run passes.
     assert spec["defaultEnvironment"] == {
         "machineType": "g2-standard-8", "numWorkers": 1, "maxWorkers": 4, "enableStreamingEngine": True,
-        "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"],
+        "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"],
         "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp"}
 
     run = make("run", recorder, env_file)
@@ -111,8 +111,8 @@ def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
     assert launch["environment"] == {
         "machineType": "g2-standard-8", "launcherMachineType": "e2-standard-4", "numWorkers": 1, "maxWorkers": 4,
         "enableStreamingEngine": True, "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp",
-        "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"],
-        "additionalPipelineOptions": ["disk_size_gb=200"]}
+        "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"]}
+    # No disk size: the template sets its own default (tests/test_dataflow_job.py sees it in the job).
 
     drain = make("drain", recorder, env_file, JOB_ID="2026-11-25_00_00_00-1")
     assert drain.returncode == 0, drain.stdout + drain.stderr
@@ -138,7 +138,8 @@ def test_any_parameter_value_reaches_dataflow_intact_through_a_parameters_file(r
     parameters.write_text(json.dumps({**HOSTILE, "max_in_flight": 32, "length_bucketing": True,
                                       "answer_bucket_boundaries": None}))
     result = make("run", recorder, env_file, PARAMETERS_FILE=str(parameters), SERVICE_ACCOUNT=
-                  "llm-worker@proj-123456.iam.gserviceaccount.com", UTILIZATION_HINT="0.3", NVIDIA_DRIVER="latest")
+                  "llm-worker@proj-123456.iam.gserviceaccount.com", UTILIZATION_HINT="0.3", NVIDIA_DRIVER="580",
+                  DISK_SIZE_GB="500")
     assert result.returncode == 0, result.stdout + result.stderr
     launch = launch_request(recorder)
     for name, value in HOSTILE.items():
@@ -147,7 +148,8 @@ def test_any_parameter_value_reaches_dataflow_intact_through_a_parameters_file(r
     assert "answer_bucket_boundaries" not in launch["parameters"]  # null: left to the template's default
     assert launch["environment"]["serviceAccountEmail"] == "llm-worker@proj-123456.iam.gserviceaccount.com"
     assert launch["environment"]["additionalExperiments"] == [
-        "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest", "worker_utilization_hint=0.3"]
+        "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:580", "worker_utilization_hint=0.3"]
+    assert launch["environment"]["additionalPipelineOptions"] == ["disk_size_gb=500"]
 
 
 def test_extra_parameters_keep_spaces_commas_and_equals_inside_values(recorder, env_file):

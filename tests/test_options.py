@@ -10,7 +10,9 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_parameters
-from pipeline.options import PARAMETERS, ConfigError, PipelineConfig, StreamingLLMOptions
+from apache_beam.options.pipeline_options import WorkerOptions
+
+from pipeline.options import PARAMETERS, WORKER_OPTIONS, ConfigError, PipelineConfig, StreamingLLMOptions
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
@@ -133,7 +135,7 @@ def test_metadata_has_what_gcloud_and_the_console_need():
     metadata = json.loads(metadata_json())
     assert metadata["name"] and metadata["description"] and metadata["streaming"] is True
     assert metadata["defaultStreamingMode"] in ("AT_LEAST_ONCE", "EXACTLY_ONCE")
-    by_name = {p.name: p for p in PARAMETERS}
+    by_name = {p.name: p for p in (*PARAMETERS, *WORKER_OPTIONS)}
     assert [p["name"] for p in metadata["parameters"]] == list(by_name)
     for entry in metadata["parameters"]:
         param = by_name[entry["name"]]
@@ -147,6 +149,14 @@ def test_metadata_has_what_gcloud_and_the_console_need():
                 assert pattern.match(entry["defaultValue"]), (param.name, entry["defaultValue"])
         if param.param_type == "ENUM":
             assert [o["value"] for o in entry["enumOptions"]] == list(param.enum_options)
+
+
+def test_the_worker_options_the_form_shows_are_beams_own():
+    """The console passes them as --name=value like any parameter; Beam's WorkerOptions must read them."""
+    for option in WORKER_OPTIONS:
+        parsed = PipelineOptions([f"--{option.name}={option.example}"]).view_as(WorkerOptions)
+        assert str(getattr(parsed, option.name)) == option.example
+        assert option.name not in PipelineConfig.__dataclass_fields__
 
 
 def test_the_docs_parameter_table_is_generated_from_the_parameters():

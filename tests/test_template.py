@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import subprocess
 import sys
@@ -105,17 +106,17 @@ IMAGE = "--sdk_container_image=us-central1-docker.pkg.dev/my-project/dataflow/st
 GPU = "--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"
 
 
-def launch(args: list[str]) -> subprocess.CompletedProcess:
+def launch(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The entry point as the Flex Template launcher calls it; a refused launch never reaches Google Cloud."""
     return subprocess.run([sys.executable, "-m", "template.main", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_a_dataflow_launch_without_the_template_image_is_refused_with_the_fix():
     result = launch(DATAFLOW + [GPU])
     assert result.returncode == 2
     assert "This launch would fail on Dataflow" in result.stderr
-    assert "add sdk_container_image=<the template's image> to the parameters" in result.stderr
+    assert "add sdk_container_image=<the worker image> to the parameters" in result.stderr
     assert "no GPU is requested" not in result.stderr
 
 
@@ -141,3 +142,44 @@ def test_launch_checks_ask_no_gpu_of_an_external_server_and_nothing_of_local_run
     problems, warnings = checks(DATAFLOW + ["--server_url=http://vllm.internal:8000", "--setup_file=./setup.py"])
     assert problems == [] and warnings == []
     assert checks(LAUNCHER_ARGS) == ([], [])  # the DirectRunner: nothing to check
+
+
+def test_the_launcher_image_supplies_its_worker_image_and_a_boot_disk_when_a_launch_sets_neither():
+    from apache_beam.options.pipeline_options import WorkerOptions
+
+    from pipeline.launch_checks import WORKER_IMAGE_ENV, apply_launch_defaults
+
+    worker_image = "us-central1-docker.pkg.dev/my-project/dataflow/streaming-llm-worker:0123456789ab"
+    options = PipelineOptions(DATAFLOW + [GPU])
+    apply_launch_defaults(options, {WORKER_IMAGE_ENV: worker_image})
+    assert options.view_as(WorkerOptions).sdk_container_image == worker_image
+    assert options.view_as(WorkerOptions).disk_size_gb == 200
+    # What the launch names wins.
+    named = PipelineOptions(DATAFLOW + [IMAGE, GPU, "--disk_size_gb=500"])
+    apply_launch_defaults(named, {WORKER_IMAGE_ENV: worker_image})
+    assert named.view_as(WorkerOptions).sdk_container_image == IMAGE.split("=", 1)[1]
+    assert named.view_as(WorkerOptions).disk_size_gb == 500
+    local = PipelineOptions(LAUNCHER_ARGS)  # nothing is set for a local run
+    apply_launch_defaults(local, {WORKER_IMAGE_ENV: worker_image})
+    assert local.view_as(WorkerOptions).sdk_container_image is None and not local.view_as(WorkerOptions).disk_size_gb
+    # Launched as the console does, with the launcher image's environment: the image check passes.
+    result = launch(DATAFLOW + [GPU, "--dry_run=True"], env={WORKER_IMAGE_ENV: worker_image})
+    assert "sdk_container_image is not set" not in result.stderr and f"Workers run {worker_image}" in result.stderr
+
+
+def test_a_gated_model_without_a_token_and_gemma_on_a_t4_are_warned_about():
+    from pipeline.launch_checks import dataflow_launch_problems
+
+    def warnings(args):
+        options = PipelineOptions(DATAFLOW + [IMAGE, *args])
+        return dataflow_launch_problems(options, PipelineConfig.from_options(options))[1]
+
+    gemma = "--model=google/gemma-2-2b-it"
+    assert any("gated on Hugging Face" in w and "hf_token_secret" in w for w in warnings([GPU, gemma]))
+    assert warnings([GPU, gemma, "--hf_token_secret=projects/my-project/secrets/hf-token/versions/latest"]) == []
+    assert warnings([GPU, gemma, "--model_gcs_folder=gs://my-bucket/models/gemma"]) == []
+    assert warnings([GPU]) == []  # the default model is ungated
+    t4 = "--dataflow_service_options=worker_accelerator=type:nvidia-tesla-t4;count:1;install-nvidia-driver:latest"
+    t4_warnings = warnings([t4, gemma, "--hf_token_secret=projects/my-project/secrets/hf-token/versions/1"])
+    assert len(t4_warnings) == 1 and "has no bfloat16" in t4_warnings[0]
+    assert warnings([t4]) == []  # Qwen is safe in float16

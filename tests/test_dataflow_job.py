@@ -1,0 +1,88 @@
+"""The Dataflow job this template submits, built offline by Beam's own DataflowRunner and checked.
+
+How it runs without Google Cloud (docs/testing.md): ``--template_location`` makes Beam 2.77's DataflowRunner write
+the job description it would send to a file instead of calling the Dataflow API
+(``apache_beam/runners/dataflow/internal/apiclient.py``, ``create_job``); ``--no_auth`` skips looking for
+credentials; the pipeline and its dependencies are staged to the project's Cloud Storage emulator
+(``STORAGE_EMULATOR_HOST``). The entry point is started as the Flex Template launcher starts it from a console
+launch: only the required parameters, in the launcher image's environment, which names its workers' image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from apache_beam.portability.api import beam_runner_api_pb2
+
+from local.emulators import GcsEmulator
+from pipeline.launch_checks import WORKER_IMAGE_ENV
+from pipeline.options import DEFAULT_DISK_SIZE_GB
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER_IMAGE = "us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:0123456789ab"
+GPU = "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"
+# Key coders whose encoding is deterministic (Beam's standard coders); a pickled key would move between workers.
+DETERMINISTIC_KEY_CODERS = {"beam:coder:string_utf8:v1", "beam:coder:varint:v1", "beam:coder:bytes:v1"}
+
+
+@pytest.fixture(scope="module")
+def built_job(tmp_path_factory):
+    """(the job description, the staged pipeline) of a console-style launch."""
+    folder = tmp_path_factory.mktemp("dataflow-job")
+    with GcsEmulator() as gcs:
+        gcs.activate()
+        from pipeline.model_weights import storage_client
+
+        client = storage_client()
+        client.create_bucket("bkt-test")
+        args = ["--runner=DataflowRunner", "--project=proj-123456", "--region=us-central1",
+                "--temp_location=gs://bkt-test/tmp", "--staging_location=gs://bkt-test/staging",
+                f"--experiments={GPU}", "--no_auth", f"--template_location={folder / 'job.json'}",
+                "--input_subscription=projects/proj-123456/subscriptions/prompts-sub",
+                "--output_completions_topic=projects/proj-123456/topics/completions",
+                "--dead_letter_topic=projects/proj-123456/topics/dead"]
+        result = subprocess.run([sys.executable, "-m", "template.main", *args], cwd=REPO, capture_output=True,
+                                text=True, timeout=300, env={**os.environ, **gcs.env(), WORKER_IMAGE_ENV: WORKER_IMAGE})
+        assert result.returncode == 0, result.stderr[-3000:]
+        staged = [blob for blob in client.list_blobs("bkt-test") if blob.name.endswith("/pipeline.pb")]
+        assert len(staged) == 1, [blob.name for blob in client.list_blobs("bkt-test")]
+        pipeline = beam_runner_api_pb2.Pipeline.FromString(staged[0].download_as_bytes())
+    return json.loads((folder / "job.json").read_text()), pipeline
+
+
+def test_the_job_is_a_streaming_job_on_gpu_workers_running_the_worker_image(built_job):
+    job, _ = built_job
+    environment = job["environment"]
+    assert job["type"] == "JOB_TYPE_STREAMING"
+    assert GPU in environment.get("serviceOptions", []) + environment["experiments"]
+    assert {"use_runner_v2", "enable_streaming_engine"} <= set(environment["experiments"])
+    (pool,) = environment["workerPools"]
+    assert pool["diskSizeGb"] == DEFAULT_DISK_SIZE_GB  # set by the launch, as the console sets none
+    assert pool["workerHarnessContainerImage"] == WORKER_IMAGE
+    assert {image["containerImage"] for image in pool["sdkHarnessContainerImages"]} == {WORKER_IMAGE}
+
+
+def test_the_job_reads_pubsub_with_attributes_and_keys_state_by_deterministic_coders(built_job):
+    _, pipeline = built_job
+    components = pipeline.components
+    reads = [beam_runner_api_pb2.PubSubReadPayload.FromString(t.spec.payload)
+             for t in components.transforms.values() if t.spec.urn == "beam:transform:pubsub_read:v1"]
+    assert [(read.subscription, read.with_attributes) for read in reads] == [
+        ("projects/proj-123456/subscriptions/prompts-sub", True)]  # the id attribute needs the attributes
+    stateful = {}
+    for transform in components.transforms.values():
+        if transform.spec.urn != "beam:transform:pardo:v1":
+            continue
+        payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
+        if payload.state_specs or payload.timer_family_specs:
+            (main,) = [pcoll for name, pcoll in transform.inputs.items() if name not in payload.side_inputs]
+            coder = components.coders[components.pcollections[main].coder_id]
+            assert coder.spec.urn == "beam:coder:kv:v1", transform.unique_name
+            stateful[transform.unique_name] = components.coders[coder.component_coder_ids[0]].spec.urn
+    assert any("BatchRequests" in name for name in stateful) and any("StreamingGenerate" in name for name in stateful)
+    assert set(stateful.values()) <= DETERMINISTIC_KEY_CODERS, stateful
