@@ -63,7 +63,10 @@ DRY_RUN ?=
 BUILDER ?= cloudbuild
 # Further `gcloud builds submit` flags, e.g. --async to return once the build is queued.
 IMAGE_BUILD_ARGS ?=
+# A Hugging Face model baked into the worker image, and for a gated one the Secret Manager secret version holding a
+# token (Cloud Build); with BUILDER=docker the token comes from $$HF_TOKEN.
 BAKE_MODEL ?=
+BAKE_TOKEN_SECRET ?=
 DEPLOY_SETTINGS := PROJECT REGION BUCKET TAG WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT \
   MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
   UTILIZATION_HINT MODEL INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
@@ -196,12 +199,12 @@ image: ## 1. Build and push the worker and launcher images, tagged with the comm
 	$(call require,PROJECT REGION BUCKET TAG)
 	@[ -z "$(GIT_DIRTY)" ] || [ "$(origin TAG)" != file ] || { echo "The working tree has uncommitted changes, so an image tagged $(TAG) would not hold commit $(TAG): commit them, or name the build with TAG=..." >&2; exit 1; }
 ifeq ($(BUILDER),docker)
-	docker build -f container/Dockerfile --target worker --build-arg BAKE_MODEL=$(BAKE_MODEL) -t $(WORKER_IMAGE) .
+	docker build -f container/Dockerfile --target worker --build-arg BAKE_MODEL=$(BAKE_MODEL) --secret id=hf_token,env=HF_TOKEN -t $(WORKER_IMAGE) .
 	docker build -f container/Dockerfile --target launcher --build-arg WORKER_IMAGE=$(WORKER_IMAGE) -t $(LAUNCHER_IMAGE) .
 	docker push $(WORKER_IMAGE)
 	docker push $(LAUNCHER_IMAGE)
 else
-	gcloud builds submit --project $(PROJECT) --region $(REGION) --gcs-source-staging-dir gs://$(BUCKET)/cloudbuild-source --config container/cloudbuild.yaml --substitutions _WORKER_IMAGE=$(WORKER_IMAGE),_LAUNCHER_IMAGE=$(LAUNCHER_IMAGE),_BAKE_MODEL=$(BAKE_MODEL) $(IMAGE_BUILD_ARGS) .
+	gcloud builds submit --project $(PROJECT) --region $(REGION) --gcs-source-staging-dir gs://$(BUCKET)/cloudbuild-source --config container/cloudbuild.yaml --substitutions _WORKER_IMAGE=$(WORKER_IMAGE),_LAUNCHER_IMAGE=$(LAUNCHER_IMAGE),_BAKE_MODEL=$(BAKE_MODEL),_BAKE_TOKEN_SECRET=$(BAKE_TOKEN_SECRET) $(IMAGE_BUILD_ARGS) .
 endif
 
 .PHONY: template

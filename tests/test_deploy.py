@@ -75,11 +75,16 @@ def launch_request(recorder: Recorder) -> dict:
 
 
 def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
-    image = make("image", recorder, env_file, IMAGE_BUILD_ARGS="--async")
+    image = make("image", recorder, env_file, IMAGE_BUILD_ARGS="--async", BAKE_MODEL="google/gemma-2-2b-it",
+                 BAKE_TOKEN_SECRET="projects/proj-123456/secrets/hf-token/versions/3")
     assert image.returncode == 0, image.stdout + image.stderr
     build = recorder.find("POST", r"/v1/projects/proj-123456/locations/us-central1/builds$")[0].json()
     assert build["substitutions"]["_WORKER_IMAGE"] == WORKER_IMAGE
     assert build["substitutions"]["_LAUNCHER_IMAGE"] == LAUNCHER_IMAGE
+    assert build["substitutions"]["_BAKE_MODEL"] == "google/gemma-2-2b-it"
+    assert build["substitutions"]["_BAKE_TOKEN_SECRET"] == "projects/proj-123456/secrets/hf-token/versions/3"
+    worker_build = next(step for step in build["steps"] if "worker" in step["args"])
+    assert "id=hf_token,src=.hf_token" in worker_build["args"]  # the token as a build secret, in no layer
     source = next(name for name in recorder.objects if name.startswith("bkt-test/cloudbuild-source/"))
     with tarfile.open(fileobj=io.BytesIO(recorder.objects[source])) as archive:
         names = set(archive.getnames())
@@ -270,3 +275,15 @@ def test_extra_parameters_split_only_before_a_parameter_name():
     with pytest.raises(deploy.DeployError, match="is not name=value"):
         deploy.split_extra_parameters("justtext")
 
+
+
+def test_the_structured_output_pages_launch_example_is_a_valid_launch(tmp_path):
+    page = (REPO / "docs" / "structured-output.md").read_text()
+    example = page.split("<!-- example:tickets", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    parameters = tmp_path / "tickets.json"
+    parameters.write_text(example)
+    settings = {**BASE, "PARAMETERS_FILE": str(parameters), "CHUNKS_TOPIC": "",
+                "INPUT_SUBSCRIPTION": "projects/my-project/subscriptions/tickets-sub"}
+    launched = deploy.template_parameters(deploy.Settings(settings))
+    assert json.loads(launched["response_schema"])["required"] == ["category", "urgency", "summary"]
+    assert launched["prompt_template"] == "Classify this support ticket: {text}"
