@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import http.server
 import json
 import re
-import threading
 from urllib.parse import unquote
 from dataclasses import dataclass
 from typing import Any
 
 import google_crc32c
+
+from tests.loopback_api import LoopbackApi
 
 
 @dataclass(frozen=True)
@@ -39,35 +39,16 @@ class Recorder:
         self.config_dir = config_dir
         self.requests: list[Request] = []
         self.objects: dict[str, bytes] = {}  # "bucket/name" -> uploaded bytes
-        recorder = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def handle_one(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                request = Request(self.command, self.path, body)
-                recorder.requests.append(request)
-                try:
-                    status, answer = recorder.answer(request, self.headers.get("Content-Type", ""))
-                except Exception as exc:  # an answer gcloud can show, rather than a dropped connection
-                    status, answer = 500, {"error": {"code": 500, "message": f"recorder: {exc!r}"}}
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = handle_one
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.api = LoopbackApi(self.record)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/"
+        return self.api.url + "/"
+
+    def record(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, Any]:
+        request = Request(method, path, body)
+        self.requests.append(request)
+        return self.answer(request, headers.get("Content-Type", ""))
 
     def env(self) -> dict[str, str]:
         return {"CLOUDSDK_CONFIG": self.config_dir, "CLOUDSDK_AUTH_DISABLE_CREDENTIALS": "true",
@@ -77,8 +58,7 @@ class Recorder:
                    for api in ("DATAFLOW", "STORAGE", "CLOUDBUILD")}}
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.api.close()
 
     def find(self, method: str, pattern: str) -> list[Request]:
         return [r for r in self.requests if r.method == method and re.search(pattern, r.path.split("?")[0])]

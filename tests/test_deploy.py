@@ -195,7 +195,7 @@ def test_an_image_is_not_tagged_with_a_commit_it_does_not_hold(tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
     shutil.copy(REPO / "Makefile", clone / "Makefile")  # this checkout's Makefile, committed in the clone
-    subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "--quiet", "-am",
+    subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "--quiet", "--allow-empty", "-am",
                     "this Makefile"], cwd=clone, check=True)
     clean = subprocess.run(["make", "--no-print-directory", "-n", "image", "PROJECT=proj-123456", "BUCKET=bkt-test"],
                            cwd=clone, capture_output=True, text=True, timeout=60)

@@ -9,11 +9,8 @@ client library (``google-cloud-secret-manager``, REST transport) talks to it.
 from __future__ import annotations
 
 import base64
-import http.server
-import json
 import logging
 import os
-import threading
 from pathlib import Path
 
 import psutil
@@ -25,6 +22,7 @@ from pipeline import model_access
 from pipeline.model_access import HF_TOKEN_ENV, ModelAccessError, explained_fetch, fetch_failure, install_hf_token
 from pipeline.model_manager import VLLMServer
 from tests.conftest import local_server_spec
+from tests.loopback_api import LoopbackApi
 
 TOKEN = "hf_streamingLLMtestToken0123456789"
 
@@ -33,40 +31,23 @@ class SecretManagerStandIn:
     """Answers GET .../versions/V:access with the payload set for that name; 404 otherwise."""
 
     def __init__(self, secrets: dict[str, str]) -> None:
+        self.secrets = secrets
         self.requests: list[str] = []
-        stand_in = self
+        self.api = LoopbackApi(self.access)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                name = self.path.split("?")[0].removeprefix("/v1/").removesuffix(":access")
-                stand_in.requests.append(name)
-                if name in secrets:
-                    status, body = 200, {"name": name, "payload": {
-                        "data": base64.b64encode(secrets[name].encode()).decode()}}
-                else:
-                    status, body = 404, {"error": {"code": 404, "message": f"Secret Version [{name}] not found.",
-                                                   "status": "NOT_FOUND"}}
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def access(self, method: str, path: str, headers, body: bytes) -> tuple[int, dict]:
+        name = path.split("?")[0].removeprefix("/v1/").removesuffix(":access")
+        self.requests.append(name)
+        if method == "GET" and name in self.secrets:
+            return 200, {"name": name, "payload": {"data": base64.b64encode(self.secrets[name].encode()).decode()}}
+        return 404, {"error": {"code": 404, "message": f"Secret Version [{name}] not found.", "status": "NOT_FOUND"}}
 
     def client(self) -> secretmanager.SecretManagerServiceClient:
         return secretmanager.SecretManagerServiceClient(
-            transport="rest", credentials=AnonymousCredentials(),
-            client_options={"api_endpoint": f"http://127.0.0.1:{self.server.server_address[1]}"})
+            transport="rest", credentials=AnonymousCredentials(), client_options={"api_endpoint": self.api.url})
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.api.close()
 
 
 SECRET = "projects/my-project/secrets/hf-token/versions/latest"
