@@ -28,10 +28,14 @@ work item whose commit failed, and moves keys between workers):
   are released, the rest are handed over again until a later poll's position
   shows they were committed. A retried poll therefore gets what the failed
   one got, instead of finding the stream gone and generating it again.
-* Streams are leased. A stream not polled for ``stream_lease_s`` (its key
-  moved to another worker, or its submission's commit failed) is cancelled at
-  the server (vLLM aborts a request whose connection closes, freeing its KV
-  cache) and forgotten, so the registry holds what is in flight or leased.
+* Streams are leased, and a pause is not a move (:mod:`pipeline.leases`). A
+  running stream is cancelled at the server (vLLM aborts a request whose
+  connection closes, freeing its KV cache) and forgotten only on evidence that
+  its key left this worker: for ``stream_lease_s`` the worker polled other
+  streams and not this one, or none at all for several leases. A process
+  that was paused finds its streams where it left them. A finished stream's
+  outputs are kept until released or for ``request_timeout_s``, so a late
+  poll collects them instead of generating the request again.
 
 The engine also keeps the worker's admission count (:meth:`EngineBase.admit`,
 used by :mod:`pipeline.admission`): what the worker holds is its unfinished
@@ -52,6 +56,7 @@ from typing import Callable
 
 from pipeline.chunk_publisher import ChunkPublisher
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
+from pipeline.leases import LeaseClocks, Stamp
 from pipeline.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
 from pipeline.model_manager import ServerSpec
 from pipeline.structured_output import parse_output
@@ -129,7 +134,7 @@ class Stream:
     released: int = 0
     assembler: ChunkAssembler | None = None
     done: bool = False
-    polled_at: float = field(default_factory=time.time)
+    lease: Stamp = (0.0, 0.0)  # the engine's lease clocks when this stream was last polled, submitted or joined
 
 
 class EngineBase:
@@ -151,6 +156,7 @@ class EngineBase:
         self._admitted: list[tuple[float, int]] = []  # (admitted at, how many): on their way to the step
         self._lock = threading.Lock()
         self._closed = False
+        self._leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
         self._janitor.start()
 
@@ -176,7 +182,7 @@ class EngineBase:
         with self._lock:
             for key in keys:
                 if key in self._streams:  # joined again: a retried submission renews the lease
-                    self._streams[key].polled_at = time.time()
+                    self._renew(self._streams[key])
             new = [i for i, key in enumerate(keys) if key not in self._streams]
             room = self._room(len(new))
             for n, i in enumerate(new):
@@ -184,6 +190,7 @@ class EngineBase:
                     keys[i] = None
                     continue
                 stream = Stream(keys[i], requests[i], attempts[i])
+                self._renew(stream)
                 self._streams[stream.key] = stream
                 started.append(stream)
             self._unfinished += len(started)
@@ -203,6 +210,7 @@ class EngineBase:
         now = time.time()
         ready: dict[str, list[tuple[str, str]]] = {}
         with self._lock:
+            self._leases.polled = self._leases.polled or bool(positions)
             for key, position in positions.items():
                 stream = self._streams.get(key)
                 if stream is None or not stream.released <= position <= stream.released + len(stream.outputs):
@@ -210,7 +218,7 @@ class EngineBase:
                     continue
                 del stream.outputs[:position - stream.released]
                 stream.released = position
-                stream.polled_at = now
+                self._renew(stream)
                 if stream.done and not stream.outputs:
                     del self._streams[key]
                     ready[key] = []
@@ -296,18 +304,33 @@ class EngineBase:
 
     # Leases ----------------------------------------------------------------------------
 
+    def _renew(self, stream: Stream) -> None:
+        """The stream's lease starts again now; under the lock."""
+        stream.lease = self._leases.stamp()
+
     def _expire_leases(self) -> None:
-        """Cancels and forgets the streams nobody has polled within the lease (see the module docstring)."""
+        """Cancels and forgets the streams whose lease ran out (see the module docstring)."""
         lease = self.settings.stream_lease_s
+        tick = min(max(lease / 4, 0.05), 1.0)
+        last = time.monotonic()
         while not self._closed:
-            time.sleep(min(max(lease / 4, 0.05), 1.0))
-            cutoff = time.time() - lease
+            time.sleep(tick)
+            now = time.monotonic()
             with self._lock:
-                stale = [key for key, stream in self._streams.items() if stream.polled_at < cutoff]
+                self._leases.tick(now - last, tick)
+                stale = [key for key, stream in self._streams.items()
+                         if self._leases.expired(stream.lease, stream.done)]
                 streams = [self._streams.pop(key) for key in stale]
+            last = now
+            finished = sum(stream.done for stream in streams)
+            if len(streams) > finished:
+                LOGGER.warning("%d stream(s) not polled for stream_lease_s=%g while this worker polled others, or "
+                               "while it polled none (their keys moved away): cancelled", len(streams) - finished,
+                               lease)
+            if finished:
+                LOGGER.warning("%d finished stream(s) not collected within request_timeout_s=%g (their keys moved "
+                               "away): forgotten", finished, self.settings.request_timeout_s)
             if streams:
-                LOGGER.warning("%d stream(s) not polled for stream_lease_s=%g (their keys moved, or their "
-                               "submission was retried elsewhere): cancelled", len(streams), lease)
                 self._stop(streams)
 
     def _stop(self, streams: list[Stream]) -> None:

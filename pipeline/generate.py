@@ -68,8 +68,9 @@ LOGGER = logging.getLogger(__name__)
 
 TAG_COMPLETIONS = "completions"
 TAG_DEAD_LETTERS = "dead_letters"
-# A request whose stream is lost this many times (worker restarts) is given up.
-MAX_ATTEMPTS = 4
+# A request whose stream is lost this many times (its key moved away, or its bundle was retried elsewhere, each
+# time) is given up. Counted apart from the engine's attempts (model server restarts), which have their own bound.
+MAX_LOST_STREAMS = 8
 DEFAULT_DEDUPE_WINDOW_S = 600.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # A key whose requests only wait for room doubles its poll interval up to this.
@@ -116,8 +117,11 @@ def decode_entry(text: str) -> dict:
         InferenceRequest.from_json(data["request"])
     except (ValueError, TypeError) as exc:
         raise StateEntryError(f"its request does not decode: {exc}") from None
+    lost = data.get("lost", 0)  # absent before streams lost were counted apart from attempts: none known
+    if not isinstance(lost, int) or isinstance(lost, bool) or lost < 0:
+        raise StateEntryError("field 'lost' of the wrong type")
     return {"request": data["request"], "fp": data["fp"], "attempt": data["attempt"], "key": data["key"],
-            "deadline_at": data["deadline_at"], "batch": data.get("batch")}
+            "deadline_at": data["deadline_at"], "batch": data.get("batch"), "lost": lost}
 
 
 class _Progress:
@@ -479,13 +483,15 @@ class _StreamingGenerateFn(beam.DoFn):
                 outcome.append(True)
                 yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(payload))
             elif kind == UNKNOWN:
-                if entry["attempt"] >= MAX_ATTEMPTS:
+                if entry.get("lost", 0) >= MAX_LOST_STREAMS:
                     outcome.append(True)
-                    yield self._dead_letter(entry["request"], f"its stream was lost {entry['attempt']} times")
+                    yield self._dead_letter(entry["request"], f"its stream was lost {entry['lost']} times (its key "
+                                                              "moved away, or its worker was lost, each time)")
                     break
                 key = self._submit([entry["request"]], [entry["attempt"] + 1])[0]
                 if key is not None:
                     entry["attempt"] += 1
+                    entry["lost"] = entry.get("lost", 0) + 1
                     self.resubmitted.inc()
                     LOGGER.warning("Stream %s was lost; sent again as %s", entry["key"], key)
                 entry["key"] = key

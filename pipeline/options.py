@@ -261,9 +261,12 @@ PARAMETERS: tuple[Parameter, ...] = (
               "count; a request can set its own limit with 'deadline_ms'.",
               "600", GROUP_MODEL, "NUMBER", default=600, minimum=1),
     Parameter("stream_lease_s", "Stream lease (s)",
-              "A stream its key stops polling for this long (the key moved to another worker, or the bundle "
-              "that sent it was retried elsewhere) is cancelled at the model server, which frees its memory, "
-              "and forgotten. Keys poll their streams many times a second, so the lease covers a delayed timer.",
+              "A stream its key stops polling for this long while the worker goes on polling its other streams (the "
+              "key moved to another worker, or the bundle that sent it was retried elsewhere) is cancelled at the "
+              "model server, which frees its memory; so is every running stream of a worker that polls none for "
+              "three times this long. Time in which the worker's process was paused does not count, and a finished "
+              "stream's text is kept for request_timeout_s, so a paused or late worker collects its streams "
+              "instead of generating them again.",
               "10", GROUP_MODEL, "NUMBER", default=10, minimum=1, maximum=600),
     Parameter("drain_timeout_s", "Drain timeout (s)",
               "When the job drains, requests already generating get this long to finish; those still "

@@ -24,6 +24,7 @@ from pipeline.engine import EngineSettings
 from pipeline.generate import _StreamingGenerateFn, decode_entry
 from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest, parse_request
 from pipeline.vllm_engine import StreamingEngine
+from pipeline.leases import ABANDONED_LEASES
 from tests.conftest import SERVED_NAME, wait_until
 from local.runner_semantics import Driver, KeyState, Worker, entry_v1
 
@@ -102,9 +103,11 @@ def assert_accounted(driver: Driver, requests: list[InferenceRequest]) -> None:
 
 
 def assert_nothing_left_running(workers: list[Worker], base_url: str) -> None:
-    """Abandoned streams are cancelled within the lease: the server runs nothing, the engines hold nothing."""
-    assert wait_until(lambda: all(not w.engine._streams and w.engine.in_flight() == 0 for w in workers),
-                      timeout_s=LEASE_S * 3 + 5), {w.name: list(w.engine._streams) for w in workers}
+    """Abandoned streams are cancelled within their lease (ABANDONED_LEASES of them on a worker no key polls any
+    more): the server runs nothing, and the engines hold only finished outputs, kept for request_timeout_s."""
+    assert wait_until(lambda: all(w.engine.in_flight() == 0 and all(s.done for s in w.engine._streams.values())
+                                  for w in workers), timeout_s=LEASE_S * (ABANDONED_LEASES + 1) + 5), \
+        {w.name: [key for key, s in w.engine._streams.items() if not s.done] for w in workers}
     assert wait_until(lambda: (m := server_metrics(base_url))["vllm:num_requests_running"] == 0
                       and m["vllm:num_requests_waiting"] == 0, timeout_s=10), server_metrics(base_url)
 
@@ -119,7 +122,7 @@ GENERATED: list[tuple[float, float]] = []  # (tokens generated at the server, to
        schedule=st.lists(EVENTS, min_size=3, max_size=12).filter(lambda s: sum(MOVES.__contains__(e) for e in s) <= 2),
        split=st.booleans())
 def test_every_request_ends_once_whatever_the_runner_retries_or_moves(workers, vllm_server, first, schedule, split):
-    """At most three moves per schedule: each loses the streams, and MAX_ATTEMPTS=4 gives up on a fourth loss."""
+    """At most two moves per schedule: each loses the streams, far below MAX_LOST_STREAMS."""
     run = next(RUNS)
     driver = Driver(workers)
     requests = requests_for(run, 4)
@@ -243,3 +246,20 @@ def test_a_key_with_only_waiting_requests_backs_off(workers, vllm_server):
     assert gaps == sorted(gaps) and gaps[-1] > 4 * POLL_MS / 1000, gaps
     run_to_end(driver)
     assert sorted(c["id"] for c in driver.committed.completions) == sorted([r.id for r in busy] + ["waiter"])
+
+
+def test_a_request_whose_key_moves_four_times_is_served_not_dead_lettered(workers, vllm_server):
+    """Lost streams have a bound of their own: four moves (each loses the stream, and the next worker sends the
+    request again as the next attempt) used to exhaust the four attempts shared with server restarts."""
+    driver = Driver(workers)
+    request = InferenceRequest(id="mover", prompt="Count from 1 to 200.", max_tokens=64, min_tokens=64,
+                               temperature=0, received_at=time.time())
+    driver.deliver("k", [request])
+    for move in range(4):
+        driver.move("k", workers[(move + 1) % 2])
+        driver.fire("k")  # the new owner finds no stream of its own: it sends the request again
+    run_to_end(driver)
+    assert not driver.committed.dead_letters, driver.committed.dead_letters
+    (completion,) = driver.committed.completions
+    assert completion["id"] == "mover" and completion["attempt"] == 5
+    assert_nothing_left_running(workers, vllm_server.base_url)
