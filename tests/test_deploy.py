@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import io
+import re
 import shutil
 import subprocess
 import tarfile
@@ -287,3 +288,14 @@ def test_the_structured_output_pages_launch_example_is_a_valid_launch(tmp_path):
     launched = deploy.template_parameters(deploy.Settings(settings))
     assert json.loads(launched["response_schema"])["required"] == ["category", "urgency", "summary"]
     assert launched["prompt_template"] == "Classify this support ticket: {text}"
+
+
+def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
+    makefile = (REPO / "Makefile").read_text()
+    declared = re.search(r"^DEPLOY_SETTINGS := ((?:.*\\\n)*.*)$", makefile, re.MULTILINE).group(1)
+    exported = set(declared.replace("\\", " ").split())
+    read = set(re.findall(r"""(?:get|require)\(\s*['"]([A-Z_]+)['"]""", (REPO / "ops" / "deploy.py").read_text()))
+    read |= set(re.findall(r"""['"]([A-Z_]+)['"],?""", re.search(
+        r"settings\.require\(([^)]*)\)", (REPO / "ops" / "deploy.py").read_text(), re.DOTALL).group(1)))
+    read |= set(deploy.NAMED_SETTINGS) | {"EXTRA_PARAMETERS"}  # read through the mapping and .values
+    assert exported == read, (sorted(exported - read), sorted(read - exported))
