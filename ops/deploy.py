@@ -179,12 +179,17 @@ def job_name(settings: Settings, update: bool) -> str:
     return name
 
 
+def staging_locations(settings: Settings) -> tuple[str, str]:
+    """(staging, temp) locations in the bucket, for gcloud and Beam alike."""
+    return f"gs://{settings.get('BUCKET')}/staging", f"gs://{settings.get('BUCKET')}/tmp"
+
+
 def job_environment(settings: Settings) -> list[str]:
     """The worker, staging and identity flags that ``flex-template run`` and ``build`` share."""
+    staging, temp = staging_locations(settings)
     args = ["--worker-machine-type", settings.get("MACHINE_TYPE"), "--num-workers", settings.get("NUM_WORKERS"),
             "--max-workers", settings.get("MAX_WORKERS"), "--enable-streaming-engine",
-            "--staging-location", f"gs://{settings.get('BUCKET')}/staging",
-            "--temp-location", f"gs://{settings.get('BUCKET')}/tmp"]
+            "--staging-location", staging, "--temp-location", temp]
     if settings.get("SERVICE_ACCOUNT"):
         args += ["--service-account-email", settings.get("SERVICE_ACCOUNT")]
     return args
@@ -200,8 +205,8 @@ def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict
     flags: dict[str, Any] = {"--parameters": parameters}
     if settings.get("DISK_SIZE_GB"):
         flags["--additional-pipeline-options"] = [f"disk_size_gb={settings.get('DISK_SIZE_GB')}"]
-    if experiments(settings):
-        flags["--additional-experiments"] = experiments(settings)
+    if found := experiments(settings):
+        flags["--additional-experiments"] = found
     argv = ["gcloud", "dataflow", "flex-template", "run", name, "--project", settings.get("PROJECT"),
             "--region", settings.get("REGION"), "--template-file-gcs-location", settings.get("TEMPLATE_PATH"),
             *job_environment(settings)]
@@ -209,8 +214,8 @@ def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict
         argv += ["--launcher-machine-type", settings.get("LAUNCHER_MACHINE_TYPE")]
     if update:
         argv.append("--update")
-        if transform_name_mappings(settings):
-            flags["--transform-name-mappings"] = transform_name_mappings(settings)
+        if mappings := transform_name_mappings(settings):
+            flags["--transform-name-mappings"] = mappings
     return argv, flags
 
 
@@ -222,7 +227,8 @@ def flex_template_build(settings: Settings) -> tuple[list[str], dict[str, Any]]:
     argv = ["gcloud", "dataflow", "flex-template", "build", settings.get("TEMPLATE_PATH"),
             "--project", settings.get("PROJECT"), "--image", settings.get("LAUNCHER_IMAGE"),
             "--sdk-language", "PYTHON", "--metadata-file", settings.get("METADATA"), *job_environment(settings)]
-    flags = {"--additional-experiments": experiments(settings)} if experiments(settings) else {}
+    found = experiments(settings)
+    flags = {"--additional-experiments": found} if found else {}
     return argv, flags
 
 
@@ -231,12 +237,13 @@ def dataflow_runner(settings: Settings) -> list[str]:
     settings.require("PROJECT", "REGION", "BUCKET", "WORKER_IMAGE", "MACHINE_TYPE", "NUM_WORKERS", "MAX_WORKERS")
     parameters = template_parameters(settings)
     parameters.setdefault("sdk_container_image", settings.get("WORKER_IMAGE"))
+    staging, temp = staging_locations(settings)
     argv = [sys.executable, "-m", "template.main", "--runner=DataflowRunner",
             f"--project={settings.get('PROJECT')}", f"--region={settings.get('REGION')}",
-            f"--job_name={job_name(settings, update=False)}",
-            f"--staging_location=gs://{settings.get('BUCKET')}/staging",
-            f"--temp_location=gs://{settings.get('BUCKET')}/tmp",
-            f"--machine_type={settings.get('MACHINE_TYPE')}", f"--num_workers={settings.get('NUM_WORKERS')}", f"--max_num_workers={settings.get('MAX_WORKERS')}",
+            f"--job_name={job_name(settings, update=False)}", f"--staging_location={staging}",
+            f"--temp_location={temp}",
+            f"--machine_type={settings.get('MACHINE_TYPE')}", f"--num_workers={settings.get('NUM_WORKERS')}",
+            f"--max_num_workers={settings.get('MAX_WORKERS')}",
             "--enable_streaming_engine", "--experiments=use_runner_v2"]
     if settings.get("SERVICE_ACCOUNT"):
         argv.append(f"--service_account_email={settings.get('SERVICE_ACCOUNT')}")
@@ -262,11 +269,12 @@ def run_gcloud(argv: list[str], flags: dict[str, Any], dry_run: bool) -> int:
     """Prints the command and its flags file, then runs it (unless ``dry_run``)."""
     with tempfile.TemporaryDirectory(prefix="streaming-llm-deploy-") as folder:
         if flags:
+            text = flags_file_text(flags)
             flags_file = Path(folder) / "flags.json"
-            flags_file.write_text(flags_file_text(flags), encoding="utf-8")
+            flags_file.write_text(text, encoding="utf-8")
             argv = [*argv, f"--flags-file={flags_file}"]
             print(f"==> {shlex.join(argv)}\n    where {flags_file.name} holds:\n"
-                  + "\n".join("      " + line for line in flags_file_text(flags).splitlines()), flush=True)
+                  + "\n".join("      " + line for line in text.splitlines()), flush=True)
         else:
             print(f"==> {shlex.join(argv)}", flush=True)
         return 0 if dry_run else subprocess.run(argv, check=False).returncode
