@@ -6,8 +6,8 @@ successfully processed by the first fused stage"). Every step up to the
 batcher's shuffle is that stage, and :class:`AdmitRequests` is its last step.
 It asks the worker's engine for room (:meth:`~pipeline.engine.EngineBase.admit`:
 what the worker holds is its unfinished streams, the requests its generate
-step reports waiting in state, and those admitted moments ago and on their
-way). While the worker holds ``max_in_flight + worker_queue`` requests, the
+step reports waiting in state, and those admitted and not yet arrived there,
+counted by id: :mod:`pipeline.worker_hold`). While the worker holds ``max_in_flight + worker_queue`` requests, the
 step waits: its bundle does not commit, its messages stay unacknowledged,
 and the rest of the backlog is never pulled. Pub/Sub keeps it durably, at no
 cost to the job, and counts it as the subscription's backlog, which is what
@@ -27,7 +27,8 @@ share; a skewed spread can hold more on one worker than the bound.
 On a local runner the read itself waits instead (``local/direct_runner.py``
 takes only what :func:`source_admission` grants): the DirectRunner runs every
 step on one thread, so a step that waited would stop the timers that free
-room. The step then only reports the load.
+room. The step then claims by id the places the source was granted, and
+reports the load.
 
 Load, as Beam metrics (namespace :data:`LOAD_NAMESPACE`, set at most once a
 second per DoFn instance): ``held_requests`` and ``max_held_requests`` (the
@@ -93,7 +94,7 @@ class LoadGauges:
 
 def source_admission() -> Callable[[int], int] | None:
     """For a local source: takes up to n requests into the worker's hold, returns how many; None before setup."""
-    return _SOURCE_ENGINE[0].admit if _SOURCE_ENGINE else None
+    return _SOURCE_ENGINE[0].admit_count if _SOURCE_ENGINE else None
 
 
 def source_load() -> dict | None:
@@ -116,28 +117,44 @@ class _AdmitFn(beam.DoFn):
         if not self._wait:
             _SOURCE_ENGINE[:] = [self._engine]
 
+    def start_bundle(self) -> None:
+        self._bundle_ids: list[str] = []
+
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
-        if self._wait and self._admit() == 0:
-            self._wait_for_room()
+        if not self._wait:
+            self._call(lambda engine: engine.claim([request.id]))  # the source was granted its place
+        elif not self._admit(request.id):
+            self._wait_for_room(request.id)
+        self._bundle_ids.append(request.id)
         self._gauges.update(self._engine)
         yield request
 
-    def _admit(self) -> int:
+    def finish_bundle(self) -> None:
+        # On a local runner every request reaches this worker's generate step, which says when it arrived;
+        # on Dataflow it may go to another worker's, so from here on it counts for admission_transit_s.
+        if self._wait and self._bundle_ids:
+            self._call(lambda engine: engine.dispatched(self._bundle_ids))
+        self._bundle_ids = []
+
+    def _admit(self, request_id: str) -> bool:
+        return bool(self._call(lambda engine: engine.admit([request_id])))
+
+    def _call(self, call: Callable[[EngineBase], int | None]) -> int | None:
         try:
-            return self._engine.admit(1)
+            return call(self._engine)
         except (ConnectionError, EOFError) as exc:
             LOGGER.warning("The worker's engine is unreachable (%s); reconnecting", exc)
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
-            return 0
+            return None
 
-    def _wait_for_room(self) -> None:
+    def _wait_for_room(self, request_id: str) -> None:
         """Holds this bundle (its messages unacknowledged) until the worker has room for one more request."""
         started = time.monotonic()
         backoff = 0.01
         self.waits.inc()
         while True:
             time.sleep(backoff)
-            if self._admit():
+            if self._admit(request_id):
                 break
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
             self._gauges.update(self._engine)

@@ -206,7 +206,7 @@ class _StreamingGenerateFn(beam.DoFn):
         for entry in accepted[sent:]:
             waiting.add(encode_entry(entry))
             self.requests_queued.inc()
-        self._report_waiting(shard, already + len(accepted) - sent)
+        self._report_waiting(shard, already + len(accepted) - sent, arrived=[r.id for r in requests])
         seen.save(now)
         if accepted and wait_ms.read() is not None:
             wait_ms.clear()  # new work: poll at the chunk cadence again
@@ -314,21 +314,22 @@ class _StreamingGenerateFn(beam.DoFn):
             state.clear()
         poll.clear()
 
-    def _report_waiting(self, key: object, count: int) -> None:
-        """Tells the worker's engine how many requests this key holds waiting (admission counts them).
+    def _report_waiting(self, key: object, count: int, arrived: list[str] | None = None) -> None:
+        """Tells the worker's engine how many requests this key holds waiting, and which requests reached it
+        (admission counts the first, and stops counting the second as on their way).
 
-        Sent when the count changes or its last report is a second old (reports lapse after
-        ``WAITING_REPORT_LAPSE_S``). What was reported is remembered per process, not per DoFn
-        instance: a runner may build a new instance per bundle, which must still clear an old report.
+        A count is sent when it changes or its last report is a second old (reports lapse after
+        ``WAITING_REPORT_LAPSE_S``); arrivals always. What was reported is remembered per process, not per
+        DoFn instance: a runner may build a new instance per bundle, which must still clear an old report.
         """
         holder, now = repr(key), time.monotonic()
         last = _REPORTED.get((self._shared_tag, holder))
-        if last is not None and last[0] == count and now - last[1] < 1.0:
+        if not arrived and last is not None and last[0] == count and now - last[1] < 1.0:
             return
         try:
-            self._engine.report_waiting(holder, count)
+            self._engine.report_waiting(holder, count, arrived or [])
         except (ConnectionError, EOFError):
-            return  # the next poll reconnects; the report lapses meanwhile
+            return  # the next poll reconnects; the report lapses meanwhile (and an arrival after transit)
         if len(_REPORTED) > _MAX_REPORTS_REMEMBERED:
             _REPORTED.clear()  # only costs a repeated report per key
         _REPORTED[(self._shared_tag, holder)] = (count, now)

@@ -15,7 +15,6 @@ import time
 import pytest
 
 from local.runner_semantics import Driver, Worker
-from pipeline import engine as engine_module
 from pipeline.admission import _AdmitFn
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
@@ -34,31 +33,39 @@ def settings_for(base_url: str, **overrides) -> EngineSettings:
     return EngineSettings(**{**values, **overrides})
 
 
-def request(i: int, max_tokens: int = 24) -> InferenceRequest:
+def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> InferenceRequest:
     return InferenceRequest(id=f"adm-{i}", prompt=f"Count from {i} upwards, in words.", max_tokens=max_tokens,
-                            temperature=0.0, received_at=time.time())
+                            min_tokens=min_tokens, temperature=0.0, received_at=time.time())
 
 
-def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_server, monkeypatch):
+def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_server):
     engine = StreamingEngine(settings_for(vllm_server.base_url))
     try:
-        assert engine.admit(10) == 4, "max_in_flight + worker_queue"
-        assert engine.admit(1) == 0
-        assert engine.load()["on_the_way"] == 4
-        assert wait_until(lambda: engine.load()["on_the_way"] == 0, 5), "admissions count only while on their way"
+        admitted = [f"adm-{i}" for i in range(10)]
+        assert engine.admit(admitted) == 4, "max_in_flight + worker_queue"
+        time.sleep(1.0)
+        assert engine.load()["on_the_way"] == 4, "an open bundle's requests count until it finishes"
+        assert engine.admit(["other"]) == 1, "held by open bundles alone, which only their finishing frees"
+        engine.dispatched(admitted[:4] + ["other"])
+        assert engine.admit(["another"]) == 0, "on their way: they arrive or lapse"
+        assert engine.admit(["adm-1"]) == 1, "a retried bundle's request is held already"
+        engine.dispatched(["adm-1"])
+        engine.report_waiting("other-key", 0, arrived=["adm-0"])
+        assert engine.load()["on_the_way"] == 4, "one arrived at this worker's generate step"
+        assert wait_until(lambda: engine.load()["on_the_way"] == 0, 5), "dispatched, they count while in transit"
 
-        keys = engine.submit_batch([request(1, 64).to_json(), request(2, 64).to_json()], [1, 1])
+        # A fixed answer length long enough for vLLM's gauge (read once a second) to see both running.
+        long = [request(i, 512, min_tokens=512).to_json() for i in (1, 2)]
+        keys = engine.submit_batch(long, [1, 1])
         engine.report_waiting("shard-0", 1)
         load = engine.load()
         assert (load["held"], load["in_flight"], load["waiting"], load["on_the_way"]) == (3, 2, 1, 0)
-        assert engine.admit(5) == 1
+        assert engine.admit([f"more-{i}" for i in range(5)]) == 1
         assert wait_until(lambda: engine.load()["server_running"] == 2, 30), "vLLM's own gauge of what it runs"
 
         engine.report_waiting("shard-0", 0)
-        monkeypatch.setattr(engine_module, "WAITING_REPORT_LAPSE_S", 0.2)
         engine.report_waiting("shard-1", 2)
-        time.sleep(0.3)
-        assert engine.load()["waiting"] == 0, "an unrenewed report lapses (its key moved, or its worker stalled)"
+        assert engine.load()["waiting"] == 2, "reports count per key (their lapse: tests/test_worker_hold.py)"
         engine.cancel(keys)
         assert engine.load()["in_flight"] == 0
     finally:
@@ -79,9 +86,10 @@ def test_a_full_worker_holds_the_read_bundle_until_the_generate_step_frees_room(
         driver.deliver("shard-0", [request(i) for i in range(5)])  # 2 in flight, 3 waiting in state
         load = engine.load()
         assert (load["in_flight"], load["waiting"]) == (2, 3), load
-        assert engine.admit(1) == 0
+        assert engine.admit(["adm-98"]) == 0
 
         passed: list[InferenceRequest] = []
+        admit.start_bundle()
         held = threading.Thread(target=lambda: passed.extend(admit.process(request(99))), daemon=True)
         held.start()
         time.sleep(1.0)
@@ -99,3 +107,50 @@ def test_a_full_worker_holds_the_read_bundle_until_the_generate_step_frees_room(
     finally:
         engine.close()
 
+
+
+def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm_server):
+    """An admitted request counts until the generate step has it, also while its bundle is still open: a
+    bundle of many requests on a full worker passes one per place freed, never the rest at once. Once only
+    open bundles hold the worker (nothing else can free a place), it goes on rather than wait forever."""
+    settings = settings_for(vllm_server.base_url, max_in_flight=2, worker_queue=1)
+    engine = StreamingEngine(settings)
+    generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
+    generate._engine = engine
+    driver = Driver([Worker("worker", generate, engine)])
+    admit = _AdmitFn(settings, "admission-test", wait=True)
+    admit._engine = engine
+    bundle = [request(i) for i in range(10, 18)]
+    passed: list[tuple[str, dict]] = []
+
+    def run_bundle() -> None:
+        admit.start_bundle()
+        for element in bundle:
+            for out in admit.process(element):
+                passed.append((out.id, engine.load()))
+        admit.finish_bundle()
+
+    try:
+        driver.deliver("shard-0", [request(i) for i in range(3)])  # full: 2 in flight, 1 waiting
+        thread = threading.Thread(target=run_bundle, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 300
+        while thread.is_alive() and time.monotonic() < deadline:
+            if driver.fire("shard-0") is None:
+                time.sleep(0.05)
+        assert not thread.is_alive(), f"the bundle never finished: {len(passed)} of {len(bundle)} passed"
+        assert [request_id for request_id, _ in passed] == [r.id for r in bundle]
+        for request_id, load in passed:
+            # Past the bound only when nothing but this bundle held the worker.
+            assert load["held"] + load["on_the_way"] <= settings.max_held or load["held"] == 0, (request_id, load)
+        assert max(load["on_the_way"] for _, load in passed) == len(bundle), "each counted until it arrives"
+        driver.deliver("shard-1", bundle)  # the bundle committed: its requests reach the generate step
+        assert engine.load()["on_the_way"] == 0, "arrived by id"
+        while driver.busy_keys() and time.monotonic() < deadline:
+            driver.fire("shard-0")
+            driver.fire("shard-1")
+        assert sorted(c["id"] for c in driver.committed.completions) == sorted(
+            [f"adm-{i}" for i in range(3)] + [r.id for r in bundle])
+        assert wait_until(lambda: engine.load()["held"] == 0, 5)
+    finally:
+        engine.close()
