@@ -303,10 +303,15 @@ class _StreamingGenerateFn(beam.DoFn):
         waiting.clear()
         self._report_waiting(key, 0)
         progress = _Progress(progress_state)
-        while (yield from self._collect(inflight, progress, seen)) and time.time() < deadline:
+        # Polled from the committed positions, pass after pass, and nothing released: if this work item's
+        # commit fails, its retry finds every stream where the last commit left it and collects it again.
+        committed = dict(progress.taken)
+        while (yield from self._collect(inflight, progress, seen, committed=committed)) and time.time() < deadline:
             time.sleep(min(self._poll_interval_s, max(deadline - time.time(), 0.0)))
         entries = yield from self._decoded(inflight)
-        self._engine.cancel([e["key"] for e in entries if e["key"] is not None] + list(progress.release))
+        # Unfinished within the timeout: stopped at the server now. Finished ones stay until the engine's
+        # own expiry (request_timeout_s), for a retry of this work item to collect.
+        self._engine.cancel([e["key"] for e in entries if e["key"] is not None])
         for entry in entries:
             yield self._drain_letter(entry, f"the job drained and the request did not finish within "
                                             f"drain_timeout_s={self._drain_timeout_s:g}")
@@ -405,22 +410,31 @@ class _StreamingGenerateFn(beam.DoFn):
                 waiting.add(encode_entry(entry))
         return taken, len(live) - taken
 
-    def _collect(self, inflight, progress: _Progress, seen: SeenIds) -> Iterator[Any]:
+    def _collect(self, inflight, progress: _Progress, seen: SeenIds,
+                 committed: dict[str, int] | None = None) -> Iterator[Any]:
         """Emits what the engine has for each in-flight request; returns how many remain.
 
         The engine is asked for each stream's outputs from ``progress.taken`` on,
         so a retried firing (whose state writes were discarded) gets the same
         outputs again; finished streams are released on the next firing. The
         bag is rewritten only when an entry changed (finished, resent).
+
+        ``committed`` (a drain, which polls many times in one work item): the
+        positions the last commit wrote. The engine is asked from them, so it
+        releases nothing this work item emitted; what was emitted by an earlier
+        pass is skipped. A stream lost meanwhile is not sent again: it becomes a
+        drain dead letter, for the next job.
         """
         entries = yield from self._decoded(inflight)
         if not entries and not progress.release:
             return 0  # timers can fire twice for one setting
         positions = {e["key"]: progress.taken.get(e["key"], 0) for e in entries if e["key"] is not None}
-        positions.update(progress.release)
-        progress.release = {}
+        asked = dict(positions) if committed is None else {key: committed.get(key, 0) for key in positions}
+        asked.update(progress.release)  # released by a committed poll: safe to forget, and idempotent
+        if committed is None:
+            progress.release = {}
         try:
-            ready = self._engine.poll(positions) if positions else {}
+            ready = self._engine.poll(asked) if asked else {}
         except (ConnectionError, EOFError) as exc:
             # The SDK process hosting the shared engine died: its streams are gone with it.
             LOGGER.warning("The worker's engine is unreachable (%s); reconnecting and resending", exc)
@@ -430,6 +444,8 @@ class _StreamingGenerateFn(beam.DoFn):
         for entry in entries:
             key, attempt = entry["key"], entry["attempt"]
             items = ready.get(key, ())
+            if committed is not None and items and items[0][0] != UNKNOWN:
+                items = items[positions.get(key, 0) - asked.get(key, 0):]  # emitted by an earlier pass
             position = positions.get(key, 0) + len(items)
             if not items and key is not None:
                 remaining.append(entry)  # nothing new for this request
@@ -437,12 +453,13 @@ class _StreamingGenerateFn(beam.DoFn):
                 continue
             outcome: list[bool] = []
             yield from guarded(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
-                               lambda: self._outputs(entry, items, outcome), on_failure=lambda: outcome.append(True))
+                               lambda: self._outputs(entry, items, outcome, draining=committed is not None),
+                               on_failure=lambda: outcome.append(True))
             same_stream = key is not None and entry["key"] == key  # not lost and resent under a new key
             if outcome:
                 seen.release(json.loads(entry["request"])["id"], entry["fp"], time.time() + self._dedupe_window_s)
                 changed = True
-                if same_stream:
+                if same_stream and committed is None:
                     progress.release[key] = position  # emitted: the engine may forget the stream
             else:
                 remaining.append(entry)
@@ -456,7 +473,7 @@ class _StreamingGenerateFn(beam.DoFn):
                 inflight.add(encode_entry(entry))
         return len(remaining)
 
-    def _outputs(self, entry: dict, items: Any, outcome: list[bool]) -> Iterator[Any]:
+    def _outputs(self, entry: dict, items: Any, outcome: list[bool], draining: bool = False) -> Iterator[Any]:
         """One request's outputs from a poll; appends to ``outcome`` when the request has ended."""
         if entry["key"] is None:  # its stream was lost while the engine was full: send it again
             items = [(UNKNOWN, "")]
@@ -484,6 +501,10 @@ class _StreamingGenerateFn(beam.DoFn):
                 outcome.append(True)
                 yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(payload))
             elif kind == UNKNOWN:
+                if draining:
+                    outcome.append(True)
+                    yield self._drain_letter(entry, "its stream was lost while the job drained")
+                    break
                 if entry.get("lost", 0) >= MAX_LOST_STREAMS:
                     outcome.append(True)
                     yield self._dead_letter(entry["request"], f"its stream was lost {entry['lost']} times (its key "

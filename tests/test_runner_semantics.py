@@ -193,6 +193,27 @@ def test_drain_serves_what_is_in_flight_and_letters_what_waits(workers, vllm_ser
     assert_nothing_left_running(workers[:1], vllm_server.base_url)
 
 
+def test_a_drain_whose_commit_fails_collects_again_and_generates_nothing_twice(workers, vllm_server):
+    """The drain polls many times in one work item: if its commit fails, the retry starts from the committed
+    positions and must find every stream still there (nothing released, nothing sent again)."""
+    driver = Driver(workers[:1])
+    requests = [InferenceRequest(id=f"redrain-{i}", prompt=PROMPTS[i % 4], max_tokens=16, temperature=0,
+                                 received_at=time.time()) for i in range(5)]  # max_in_flight=3: two wait
+    before = server_metrics(vllm_server.base_url)["vllm:generation_tokens_total"]
+    driver.deliver(0, requests)
+    failed = driver.drain(0, commit=False)
+    assert len(failed.completions) == 3, "the failed drain had collected the streams in flight"
+    driver.drain(0)
+    completions = driver.committed.completions
+    assert sorted(c["id"] for c in completions) == [f"redrain-{i}" for i in range(3)]
+    assert all(c["attempt"] == 1 for c in completions), "collected again, not generated again"
+    assert [d["stage"] for d in driver.committed.dead_letters] == [STAGE_DRAIN, STAGE_DRAIN]
+    assert driver.state[0].is_empty()
+    assert_accounted(driver, requests)
+    generated = server_metrics(vllm_server.base_url)["vllm:generation_tokens_total"] - before
+    assert generated == sum(c["usage"]["completion_tokens"] for c in completions)
+
+
 def test_a_drain_that_times_out_cancels_at_the_server_and_letters_the_rest(workers, vllm_server):
     impatient = _StreamingGenerateFn(workers[0].dofn._settings, "driver-impatient", POLL_MS, 600, drain_timeout_s=0)
     impatient._engine = workers[0].engine
