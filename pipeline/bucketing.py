@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Tuple
 
 import apache_beam as beam
+from apache_beam import pvalue
 from apache_beam.coders import StrUtf8Coder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.timeutil import TimeDomain
@@ -34,11 +35,14 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
 from pipeline.keying import bucket_index, shard_of
-from pipeline.messages import STAGE_BATCH, InferenceRequest
+from pipeline.messages import STAGE_BATCH, DeadLetter, InferenceRequest
 from pipeline.prompt_length import estimate_tokens
+from pipeline.state_format import read_cell, write_cell
 
 LOGGER = logging.getLogger(__name__)
 FLUSH_SIZE, FLUSH_BUDGET, FLUSH_TIMER, FLUSH_WATERMARK = "size", "budget", "timer", "watermark"
+# Buffer entries: version 1 had no "v" (the same fields); see pipeline.state_format.
+BUFFER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,18 @@ class BucketCounters:
 
     @classmethod
     def from_json(cls, text: str | None) -> BucketCounters:
-        return cls(*json.loads(text)) if text else cls()
+        """The counters as :meth:`to_json` wrote them; an unreadable cell (another version's) counts from zero:
+        the bucket then leaves on its delay timer or a later arrival, with nothing lost."""
+        if not text:
+            return cls()
+        try:
+            count, tokens = json.loads(text)
+            if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (count, tokens)):
+                return cls(count, tokens)
+        except (ValueError, TypeError):
+            pass
+        LOGGER.error("A batcher's counters cannot be read (%r); counting from zero", text[:80])
+        return cls()
 
 
 def on_arrival(config: BatchingConfig, counters: BucketCounters, prompt_tokens: int,
@@ -156,6 +171,7 @@ class _BatchFn(beam.DoFn):
         self.wait_ms = Metrics.distribution("bucketing", "wait_in_bucket_ms")
         self.padding_tokens = Metrics.counter("bucketing", "padding_tokens")
         self.batch_tokens = Metrics.counter("bucketing", "padded_batch_tokens")
+        self.undecodable = Metrics.counter("bucketing", "undecodable_state_entries")
         self.flushes = {reason: Metrics.counter("bucketing", f"flushes_{reason}")
                         for reason in (FLUSH_SIZE, FLUSH_BUDGET, FLUSH_TIMER, FLUSH_WATERMARK)}
 
@@ -168,7 +184,8 @@ class _BatchFn(beam.DoFn):
         key, request = element
         # The arriving request is the only thing here that can fail because of an element.
         entry, dead_letter = guarded_value(
-            STAGE_BATCH, request, lambda: json.dumps({"request": request.to_json(), "arrived_at": self._clock()}))
+            STAGE_BATCH, request, lambda: write_cell({"request": request.to_json(), "arrived_at": self._clock()},
+                                                     BUFFER_VERSION))
         if dead_letter is not None:
             yield dead_letter
             return
@@ -186,16 +203,26 @@ class _BatchFn(beam.DoFn):
 
     @on_timer(FLUSH)
     def on_flush(self, key=beam.DoFn.KeyParam, buffer=beam.DoFn.StateParam(BUFFER),
-                 counters=beam.DoFn.StateParam(COUNTERS)) -> Iterator[tuple[int, list[InferenceRequest]]]:
+                 counters=beam.DoFn.StateParam(COUNTERS)) -> Iterator[Any]:
         yield from self._emit(key, buffer, counters, FLUSH_TIMER)
 
     @on_timer(WINDOW_END)
     def on_window_end(self, key=beam.DoFn.KeyParam, buffer=beam.DoFn.StateParam(BUFFER),
-                      counters=beam.DoFn.StateParam(COUNTERS)) -> Iterator[tuple[int, list[InferenceRequest]]]:
+                      counters=beam.DoFn.StateParam(COUNTERS)) -> Iterator[Any]:
         yield from self._emit(key, buffer, counters, FLUSH_WATERMARK)
 
-    def _emit(self, key: str, buffer, counters, reason: str, flush=None) -> Iterator[tuple[int, list[InferenceRequest]]]:
-        entries = [json.loads(e) for e in buffer.read()]
+    def _emit(self, key: str, buffer, counters, reason: str, flush=None) -> Iterator[Any]:
+        entries = []
+        for text in buffer.read():
+            try:  # an entry of another version, or damaged: a dead letter with its text, and the bucket goes on
+                entry = read_cell(text, (1, BUFFER_VERSION), {"request": (str,), "arrived_at": (int, float)})
+                entries.append((InferenceRequest.from_json(entry["request"]), entry["arrived_at"]))
+            except ValueError as exc:
+                self.undecodable.inc()
+                LOGGER.error("A batcher state entry cannot be decoded (%s); it goes to the dead letters", exc)
+                yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, DeadLetter(
+                    STAGE_BATCH, f"state entry could not be decoded after an update: {exc}", text,
+                    at=time.time()).to_record())
         buffer.clear()
         counters.clear()
         if flush is not None:
@@ -207,13 +234,13 @@ class _BatchFn(beam.DoFn):
         LOGGER.debug("Bucket %s: %d requests leave (%s)", key, len(entries), reason)
         shard = int(key.rsplit(":", 1)[1])
         # A bucket leaves as soon as it holds batch_size_target requests, so it is one batch.
-        requests = [InferenceRequest.from_json(e["request"]) for e in entries]
+        requests = [request for request, _ in entries]
         padded, total = padding([r.prompt_tokens or 0 for r in requests])
         self.batch_size.update(len(requests))
         self.batch_tokens.inc(total)
         self.padding_tokens.inc(padded)
-        for entry in entries:
-            self.wait_ms.update(int((now - entry["arrived_at"]) * 1000))
+        for _, arrived_at in entries:
+            self.wait_ms.update(int((now - arrived_at) * 1000))
         yield shard, requests
 
 

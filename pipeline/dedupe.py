@@ -10,8 +10,17 @@ becomes a dead letter that says so.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
+
+from apache_beam.metrics import Metrics
+
+from pipeline.state_format import StateFormatError, read_cell, write_cell
+
+LOGGER = logging.getLogger(__name__)
+# Version 1: the ids object itself (no "v"); 2: {"ids": ..., "v": 2}, so that a request id can be anything.
+SEEN_VERSION = 2
 
 
 class SeenIds:
@@ -29,7 +38,7 @@ class SeenIds:
     @property
     def ids(self) -> dict[str, list]:
         if self._ids is None:
-            self._ids = json.loads(self._state.read() or "{}")
+            self._ids = _read(self._state.read())
         return self._ids
 
     def holder(self, request_id: str, now: float) -> str | None:
@@ -61,6 +70,28 @@ class SeenIds:
             del self.ids[request_id]
         if self.changed or expired:
             if self.ids:
-                self._state.write(json.dumps(self.ids, separators=(",", ":")))
+                self._state.write(write_cell({"ids": self.ids}, SEEN_VERSION))
             else:
                 self._state.clear()
+
+
+def _read(text: str | None) -> dict[str, list]:
+    """The ids a cell holds, from any version this code knows. An unreadable cell holds no request (those are
+    in the waiting and in-flight cells), so it is logged and forgotten: a copy of one of its ids arriving
+    within its window would be served again, once."""
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+        legacy = isinstance(data, dict) and not isinstance(data.get("v"), int)  # version 1: "v" can be an id
+        ids = data if legacy else read_cell(
+            text, (SEEN_VERSION,), {"ids": (dict,)})["ids"]
+        for entry in ids.values():
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                    and (entry[1] is None or isinstance(entry[1], (int, float)))):
+                raise StateFormatError(f"an entry is not [fingerprint, until]: {str(entry)[:80]}")
+        return ids
+    except (json.JSONDecodeError, TypeError, StateFormatError) as exc:
+        Metrics.counter("streaming_generate", "undecodable_state_entries").inc()
+        LOGGER.error("The generate step's record of request ids cannot be read (%s); it starts afresh", exc)
+        return {}

@@ -63,6 +63,7 @@ from pipeline.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, En
 from pipeline.engine_host import acquire_engine, new_engine_tag
 from pipeline.keying import generate_key
 from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
+from pipeline.state_format import StateFormatError, read_cell, write_cell
 
 LOGGER = logging.getLogger(__name__)
 
@@ -91,35 +92,20 @@ def template_poll_interval_ms(chunk_interval_ms: float) -> float:
     return min(max(chunk_interval_ms / 2, 10.0), 100.0)
 
 
-class StateEntryError(ValueError):
-    """A state entry this code cannot read (written by another version of it)."""
-
-
 def encode_entry(entry: dict) -> str:
-    return json.dumps({**entry, "v": STATE_VERSION}, separators=(",", ":"))
+    return write_cell(entry, STATE_VERSION)
 
 
 def decode_entry(text: str) -> dict:
-    """A waiting or in-flight entry, upgraded from any version this code knows; raises StateEntryError."""
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise StateEntryError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise StateEntryError(f"not an object: {type(data).__name__}")
-    version = data.get("v", 1)
-    if version not in (1, STATE_VERSION):
-        raise StateEntryError(f"state version {version!r}; this code reads 1 and {STATE_VERSION}")
-    for name, types in _ENTRY_FIELDS.items():
-        if name not in data or not isinstance(data[name], types) or isinstance(data[name], bool):
-            raise StateEntryError(f"field {name!r} missing or of the wrong type")
+    """A waiting or in-flight entry, upgraded from any version this code knows; raises StateFormatError."""
+    data = read_cell(text, (1, STATE_VERSION), _ENTRY_FIELDS)
     try:
         InferenceRequest.from_json(data["request"])
-    except (ValueError, TypeError) as exc:
-        raise StateEntryError(f"its request does not decode: {exc}") from None
+    except ValueError as exc:
+        raise StateFormatError(f"its request does not decode: {exc}") from None
     lost = data.get("lost", 0)  # absent before streams lost were counted apart from attempts: none known
     if not isinstance(lost, int) or isinstance(lost, bool) or lost < 0:
-        raise StateEntryError("field 'lost' of the wrong type")
+        raise StateFormatError("field 'lost' of the wrong type")
     return {"request": data["request"], "fp": data["fp"], "attempt": data["attempt"], "key": data["key"],
             "deadline_at": data["deadline_at"], "batch": data.get("batch"), "lost": lost}
 
@@ -127,25 +113,36 @@ def decode_entry(text: str) -> dict:
 class _Progress:
     """How many outputs of each stream were emitted, and the finished streams the engine may release."""
 
+    VERSION = 1  # cells written before versions have none: the same fields
+
     def __init__(self, state) -> None:
         self._state = state
-        try:
-            data = json.loads(state.read() or "{}")
-            self.taken: dict[str, int] = dict(data.get("taken", {}))
-            self.release: dict[str, int] = dict(data.get("release", {}))
-        except (ValueError, TypeError, AttributeError):
-            LOGGER.warning("Unreadable progress state; streams will be polled from their start")
-            self.taken, self.release = {}, {}
+        text = state.read()
+        self.taken: dict[str, int] = {}
+        self.release: dict[str, int] = {}
+        if text:
+            try:
+                data = read_cell(text, (self.VERSION,), {"taken": (dict,), "release": (dict,)})
+                self.taken, self.release = _positions(data["taken"]), _positions(data["release"])
+            except StateFormatError as exc:
+                # Polled from their start, the streams are found released and sent again: nothing is lost.
+                LOGGER.error("Unreadable progress state (%s); this key's streams will be sent again", exc)
         self._before = (dict(self.taken), dict(self.release))
 
     def save(self) -> None:
         if (self.taken, self.release) == self._before:
             return
         if self.taken or self.release:
-            self._state.write(json.dumps({"taken": self.taken, "release": self.release}, separators=(",", ":")))
+            self._state.write(write_cell({"taken": self.taken, "release": self.release}, self.VERSION))
         else:
             self._state.clear()
         self._before = (dict(self.taken), dict(self.release))
+
+
+def _positions(value: dict) -> dict[str, int]:
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value.values()):
+        raise StateFormatError("a position is not a whole number")
+    return {str(key): n for key, n in value.items()}
 
 
 class _StreamingGenerateFn(beam.DoFn):
@@ -363,7 +360,7 @@ class _StreamingGenerateFn(beam.DoFn):
         for text in bag.read() if texts is None else texts:
             try:
                 entries.append(decode_entry(text))
-            except StateEntryError as exc:
+            except StateFormatError as exc:
                 broken = True
                 self.undecodable.inc()
                 self.dead_letters_out.inc()

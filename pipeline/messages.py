@@ -100,11 +100,22 @@ class InferenceRequest:
 
     @classmethod
     def from_json(cls, text: str) -> InferenceRequest:
-        data = json.loads(text)
-        if data.get("messages") is not None:
-            data["messages"] = tuple(data["messages"])
-        if data.get("stop") is not None:
-            data["stop"] = tuple(data["stop"])
+        """A request as :meth:`to_json` wrote it, possibly by another version of this code (a state cell
+        after an update); raises ValueError, naming what does not fit, never a bare TypeError."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"a stored request is not JSON: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+            raise ValueError("a stored request is not an object with a string id")
+        unknown = sorted(set(data) - _DATACLASS_FIELDS)
+        if unknown:
+            raise ValueError(f"a stored request has fields this version does not know: {', '.join(unknown)[:200]}")
+        for name in ("messages", "stop"):
+            if data.get(name) is not None:
+                if not isinstance(data[name], list):
+                    raise ValueError(f"a stored request's {name!r} is not a list")
+                data[name] = tuple(data[name])
         return cls(**data)
 
     def fingerprint(self) -> str:
@@ -122,6 +133,9 @@ class InferenceRequest:
         if self.prompt is not None:
             return self.prompt
         return "\n".join(m["content"] for m in self.messages or ())
+
+
+_DATACLASS_FIELDS = frozenset(f.name for f in dataclasses.fields(InferenceRequest))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""Every state cell the template writes can be read after an update, or becomes a dead letter or a logged reset.
+
+A Dataflow update hands the new job the old job's state as the old code wrote it; a cell that raised
+on read would fail its work item on every retry and wedge its key. Here each stateful step's real
+reader meets cells of the previous version, of this version, damaged ones and fuzzed ones. The
+generate step's entries meet the real engine in tests/test_runner_semantics.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+from apache_beam import pvalue
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.bucketing import BatchingConfig, BucketCounters, _BatchFn
+from pipeline.dedupe import SeenIds
+from pipeline.generate import _Progress, decode_entry
+from pipeline.messages import STAGE_BATCH, InferenceRequest
+from pipeline.state_format import StateFormatError, read_cell
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     max_leaves=10)
+_texts = st.one_of(st.text(max_size=40), _json.map(json.dumps))
+
+
+class Cell:
+    """A value or bag state cell as the runner keeps it between work items."""
+
+    def __init__(self, value=None) -> None:
+        self.value = value
+
+    def read(self):
+        return self.value
+
+    def write(self, value) -> None:
+        self.value = value
+
+    def add(self, value) -> None:
+        self.value = [*(self.value or []), value]
+
+    def clear(self) -> None:
+        self.value = None
+
+
+class Timer:
+    def set(self, timestamp) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+def a_request(i: int) -> InferenceRequest:
+    return InferenceRequest(id=f"r{i}", prompt="hello", max_tokens=4, prompt_tokens=2)
+
+
+def test_the_batcher_flushes_what_it_can_read_and_letters_the_rest():
+    old = json.dumps({"request": a_request(1).to_json(), "arrived_at": 1.0})  # version 1: no "v"
+    batcher = _BatchFn(BatchingConfig(max_batch_delay_ms=10, batch_size_target=8, num_shards=1))
+    buffer, counters = Cell(), Cell("[2, 4]")
+    list(batcher.process(("b0:0", a_request(2)), window=None, buffer=buffer, counters=counters, flush=Timer(),
+                         window_end=_WindowEnd()))
+    newer = json.dumps({"request": a_request(3).to_json().replace('"prompt"', '"sketch"'), "arrived_at": 2.0})
+    buffer.value = [old, *buffer.value, "{damaged", newer]
+    out = list(batcher.on_flush(key="b0:0", buffer=buffer, counters=counters))
+    letters = [o.value for o in out if isinstance(o, pvalue.TaggedOutput)]
+    [(shard, requests)] = [o for o in out if not isinstance(o, pvalue.TaggedOutput)]
+    assert (shard, [r.id for r in requests]) == (0, ["r1", "r2"])
+    assert [(d["stage"], d["payload"]) for d in letters] == [(STAGE_BATCH, "{damaged"), (STAGE_BATCH, newer)]
+    assert "does not know: sketch" in letters[1]["reason"]
+    assert buffer.value is None and counters.value is None
+
+
+class _WindowEnd:
+    def max_timestamp(self):
+        return 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(_texts)
+def test_no_cell_text_makes_a_reader_raise_anything_but_its_format_error(text):
+    assert isinstance(BucketCounters.from_json(text), BucketCounters)
+    assert isinstance(SeenIds(Cell(text)).ids, dict)
+    progress = _Progress(Cell(text))
+    assert all(isinstance(n, int) for n in [*progress.taken.values(), *progress.release.values()])
+    for read in (decode_entry, lambda t: read_cell(t, (1,), {"request": (str,)})):
+        try:
+            read(text)
+        except StateFormatError:
+            pass
+    try:
+        InferenceRequest.from_json(text)
+    except ValueError:
+        pass
+
+
+def test_the_record_of_ids_reads_the_previous_version_and_writes_a_versioned_one():
+    old = Cell(json.dumps({"v": ["fp-v", None], "a": ["fp-a", 9e9]}))  # version 1, with a request named "v"
+    seen = SeenIds(old)
+    assert seen.holder("v", 0.0) == "fp-v" and seen.holder("a", 0.0) == "fp-a"
+    seen.hold("b", "fp-b")
+    seen.save(0.0)
+    assert json.loads(old.value)["v"] == 2
+    assert SeenIds(old).holder("b", 0.0) == "fp-b" and SeenIds(old).holder("v", 0.0) == "fp-v"
+    assert SeenIds(Cell('{"v": 9, "ids": {}}')).ids == {}, "a later version's cell starts afresh, logged"
+
+
+def test_progress_reads_the_previous_version_and_refuses_positions_that_are_not_counts():
+    assert _Progress(Cell('{"taken": {"k": 3}, "release": {}}')).taken == {"k": 3}
+    assert _Progress(Cell('{"taken": {"k": "3"}, "release": {}}')).taken == {}
+    progress = _Progress(Cell(None))
+    progress.taken = {"k": 1}
+    progress.save()
+    assert json.loads(progress._state.value) == {"taken": {"k": 1}, "release": {}, "v": 1}
