@@ -26,7 +26,7 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from pipeline.bucketing import default_boundaries
 from pipeline.keying import bucket_index
-from pipeline.model_manager import ServerSpec, VLLMServer
+from pipeline.vllm_server import ServerSpec, VLLMServer
 from pipeline.prompt_length import estimate_tokens
 
 SHORT = ["What is the capital of France?", "Name a primary color.", "What is 7 times 8?", "What do bees make?"]

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.model_manager import free_port, terminate_process_group
+from pipeline.vllm_server import free_port, terminate_process_group
 
 LOGGER = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent

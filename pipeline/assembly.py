@@ -29,7 +29,7 @@ from pipeline.generate import StreamingGenerate
 from pipeline.launch_checks import apply_launch_defaults, dataflow_launch_problems
 from pipeline.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.messages import RequestLimits
-from pipeline.model_manager import ServerSpec
+from pipeline.vllm_server import ServerSpec
 from pipeline.options import ConfigError, PipelineConfig
 from pipeline.parsing import ParseRequests
 from pipeline.prompt_length import MeasurePromptLength

@@ -58,7 +58,7 @@ from pipeline.chunk_publisher import ChunkPublisher
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.leases import LeaseClocks, Stamp
 from pipeline.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.model_manager import ServerSpec
+from pipeline.vllm_server import ServerSpec
 from pipeline.structured_output import parse_output
 from pipeline.worker_hold import WorkerHold
 

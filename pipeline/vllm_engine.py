@@ -33,7 +33,7 @@ from pipeline.chunking import ChunkAssembler
 from pipeline.engine import ATTEMPT, EngineBase, EngineSettings, Stream
 from pipeline.keying import bucket_index
 from pipeline.messages import InferenceRequest
-from pipeline.model_manager import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
+from pipeline.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
 LOGGER = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator, Emulator, PubSubEmulator
 from pipeline.assembly import engine_settings
-from pipeline.model_manager import ServerSpec, VLLMServer
+from pipeline.vllm_server import ServerSpec, VLLMServer
 from pipeline.options import PipelineConfig
 
 SERVED_NAME = "smollm2"

@@ -15,7 +15,7 @@ import pytest
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.messages import InferenceRequest
-from pipeline.model_manager import RUNNING_METRIC, free_port, server_metrics
+from pipeline.vllm_server import RUNNING_METRIC, free_port, server_metrics
 from pipeline.vllm_engine import StreamingEngine
 from tests.conftest import SERVED_NAME, wait_until
 

@@ -15,7 +15,7 @@ import pytest
 
 from local.emulators import GcsEmulator
 from pipeline.lora_adapters import Adapter, AdapterError, launch_problems, parse_adapters, resolve_adapter
-from pipeline.model_manager import ServerSpec
+from pipeline.vllm_server import ServerSpec
 from pipeline.options import ConfigError, PipelineConfig
 from tests.conftest import activated
 from tests.test_template import LAUNCHER_ARGS, REPO

@@ -20,7 +20,7 @@ from google.cloud import secretmanager
 
 from pipeline import model_access
 from pipeline.model_access import HF_TOKEN_ENV, ModelAccessError, explained_fetch, fetch_failure, install_hf_token
-from pipeline.model_manager import VLLMServer
+from pipeline.vllm_server import VLLMServer
 from tests.conftest import local_server_spec
 from tests.loopback_api import LoopbackApi
 

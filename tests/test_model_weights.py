@@ -7,7 +7,7 @@ import os
 import pytest
 
 from local.emulators import GcsEmulator
-from pipeline.model_manager import VLLMServer
+from pipeline.vllm_server import VLLMServer
 from pipeline.model_weights import download_gcs_folder, parse_gcs_uri
 from tests.conftest import activated, chat, local_server_spec
 
@@ -61,7 +61,7 @@ def test_a_folder_without_a_checkpoint_is_reported(gcs, tmp_path):
 
 
 @pytest.mark.engine
-def test_the_model_manager_serves_weights_from_gcs(gcs, checkpoint, tmp_path):
+def test_the_vllm_server_serves_weights_from_gcs(gcs, checkpoint, tmp_path):
     uri = gcs.upload_folder(checkpoint, "models", "smollm2-135m")
     server = VLLMServer(local_server_spec(checkpoint, model=uri, model_cache_dir=str(tmp_path / "cache")))
     try:

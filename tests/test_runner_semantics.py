@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import model_manager
+from pipeline.vllm_server import server_metrics as read_server_metrics
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.generate import _StreamingGenerateFn, decode_entry
@@ -39,7 +39,7 @@ MOVES = ("move", "deliver_elsewhere_fails")
 
 def server_metrics(base_url: str) -> dict[str, float]:
     """vLLM's own /metrics: the gauges and counters this test reads, summed over their labels."""
-    return model_manager.server_metrics(base_url, ("vllm:num_requests_running", "vllm:num_requests_waiting",
+    return read_server_metrics(base_url, ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                                    "vllm:generation_tokens_total"))
 
 

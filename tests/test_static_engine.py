@@ -13,7 +13,7 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.keying import bucket_index
 from pipeline.messages import InferenceRequest
-from pipeline.model_manager import ServerSpec
+from pipeline.vllm_server import ServerSpec
 from pipeline.prompt_length import TokenizerMeter
 from pipeline.static_engine import StaticBatchEngine
 

@@ -13,7 +13,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.assembly import build, engine_settings
-from pipeline.model_manager import ServerSpec
+from pipeline.vllm_server import ServerSpec
 from pipeline.options import PipelineConfig
 
 REPO = Path(__file__).resolve().parent.parent

@@ -35,7 +35,7 @@ class BenchServer:
                 self.model = json.load(response)["data"][0]["id"]
             self.port = int(self.base_url.rsplit(":", 1)[1])
             return self
-        from pipeline.model_manager import ServerSpec, VLLMServer
+        from pipeline.vllm_server import ServerSpec, VLLMServer
 
         spec = ServerSpec(model=self._model or str(ensure_local_checkpoint()), dtype=self._dtype,
                           served_model_name=SERVED_NAME, extra_args=tuple(shlex.split(self._vllm_args)),

@@ -1,4 +1,4 @@
-"""The model manager: one vLLM OpenAI-compatible server per worker.
+"""The vLLM server process: one OpenAI-compatible server per worker, which the model manager keeps alive.
 
 :class:`VLLMServer` owns the server process: it resolves the weights, starts
 ``python -m vllm.entrypoints.openai.api_server``, forwards its log, waits for
