@@ -54,13 +54,17 @@ import argparse
 import inspect
 import logging
 import collections
+import signal
 import sys
 import threading
 import time
 import weakref
 from typing import Any
 
-from pipeline import admission
+from apache_beam.runners.runner import PipelineResult
+
+from pipeline.engine import EngineBase
+from pipeline.engine_host import acquired_engines
 
 LOGGER = logging.getLogger(__name__)
 
@@ -84,8 +88,8 @@ class _PrefetchingPullClient:
         self.taken = 0  # messages handed to the pipeline (and so acknowledged)
 
     def _prefetch_target(self) -> int:
-        """How many messages to hold ready: the worker's room (one before its admission step is set up)."""
-        load = admission.source_load()
+        """How many messages to hold ready: the worker's room (one before its engine is set up)."""
+        load = _source_load()
         if load is None:
             return 1
         return min(max(load["max_held"] - load["held"] - load["on_the_way"], 1), self._max_prefetched)
@@ -116,9 +120,9 @@ class _PrefetchingPullClient:
             if self._subscription is None:
                 self._subscription = subscription
                 threading.Thread(target=self._prefetch, name="pubsub-prefetch", daemon=True).start()
-        admit = admission.source_admission()
+        engine = _source_engine()
         ready = min(len(self._queue), self._max_messages)
-        granted = 0 if not ready else admit(ready) if admit is not None else 1
+        granted = 0 if not ready else engine.admit_count(ready) if engine is not None else 1
         received = [self._queue.popleft() for _ in range(granted)]
         self.taken += len(received)
         if not received:
@@ -127,6 +131,17 @@ class _PrefetchingPullClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def _source_engine() -> EngineBase | None:
+    """The worker's engine, once the pipeline's steps have set it up: one pipeline, one engine, in a local run."""
+    engines = acquired_engines()
+    return engines[0] if engines else None
+
+
+def _source_load() -> dict | None:
+    engine = _source_engine()
+    return engine.load() if engine is not None else None
 
 
 _applied = False
@@ -243,7 +258,7 @@ def _log_load(path: str, interval_s: float = 0.5) -> None:
     with open(path, "a", encoding="utf-8") as log:
         while True:
             time.sleep(interval_s)
-            load = admission.source_load()
+            load = _source_load()
             if load is not None:
                 taken = sum(client.taken for client in _CLIENTS.values())
                 log.write(json.dumps({"t": round(time.time(), 3), "taken": taken, **load}) + "\n")
@@ -252,8 +267,8 @@ def _log_load(path: str, interval_s: float = 0.5) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the template on the DirectRunner with the fixes above; takes the template's own arguments."""
-    parser = argparse.ArgumentParser(description="The template on the local DirectRunner (python -m template.main "
-                                     "with local-only fixes); every other argument goes to the template.",
+    parser = argparse.ArgumentParser(description="The template on the local DirectRunner, with local-only fixes, "
+                                     "until SIGINT or SIGTERM cancels it; every other argument goes to the template.",
                                      allow_abbrev=False)
     parser.add_argument("--keep_pipeline_off_model_cores", choices=("true", "false"), default="true",
                         help="move the pipeline's threads off the cores a vLLM on this machine computes on")
@@ -265,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         template_args.append(f"--server_url={own.server_url}")
     from local.core_placement import keep_pipeline_off_local_model
     from local.cpu_server import apply_server_environment
+    from pipeline.assembly import run
+    from pipeline.options import ConfigError
     from template.main import configure_logging
-    from template.main import main as run_template
 
     configure_logging()
     apply_local_runner_fixes()
@@ -275,7 +291,48 @@ def main(argv: list[str] | None = None) -> int:
     apply_server_environment()
     if own.keep_pipeline_off_model_cores == "true":
         keep_pipeline_off_local_model(own.server_url)
-    return run_template(template_args)
+    # Beam's default DirectRunner first tries Prism, which needs a download: the bundle-based one runs here.
+    template_args = [arg for arg in template_args if arg not in ("--runner=DirectRunner", "--runner=SwitchingDirectRunner")]
+    if not any(arg.startswith("--runner") for arg in template_args):
+        template_args.append("--runner=BundleBasedDirectRunner")
+    try:
+        result = run(template_args)
+    except ConfigError as exc:
+        LOGGER.error("%s", exc)
+        return 2
+    _wait_until_stopped(result)
+    return 0
+
+
+def _wait_until_stopped(result: PipelineResult) -> None:
+    """Blocks until the pipeline fails or a SIGINT/SIGTERM arrives, then cancels it.
+
+    The DirectRunner's ``wait_until_finish`` never returns after ``cancel()``,
+    so it runs on a helper thread while this one waits for either outcome.
+    """
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            result.wait_until_finish()
+        except BaseException as exc:  # surfaced below
+            failure.append(exc)
+        stop.set()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        LOGGER.info("Received signal %d: cancelling the pipeline", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=wait, name="wait-until-finish", daemon=True).start()
+    while not stop.wait(0.5):
+        pass
+    if failure:
+        raise failure[0]
+    result.cancel()
+    LOGGER.info("Pipeline stopped (%s)", result.state)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ spreads keys and source splits evenly, so each worker's hold reflects its
 share; a skewed spread can hold more on one worker than the bound.
 
 On a local runner the read itself waits instead (``local/direct_runner.py``
-takes only what :func:`source_admission` grants): the DirectRunner runs every
+takes only what the worker's engine grants, :meth:`~pipeline.engine.EngineBase.admit_count`): the DirectRunner runs every
 step on one thread, so a step that waited would stop the timers that free
 room. The step then claims by id the places the source was granted, and
 reports the load.
@@ -63,8 +63,6 @@ _MAX_BACKOFF_S = 0.5
 
 # Per step, when this process last refreshed the load gauges (see LoadGauges).
 _UPDATED_AT: dict[str, float] = {}
-# The engine whose admission a local source applies, once its admission step is set up; see source_admission.
-_SOURCE_ENGINE: list[EngineBase] = []
 
 
 class LoadGauges:
@@ -92,16 +90,6 @@ class LoadGauges:
                 gauge.set(int(load[key]))
 
 
-def source_admission() -> Callable[[int], int] | None:
-    """For a local source: takes up to n requests into the worker's hold, returns how many; None before setup."""
-    return _SOURCE_ENGINE[0].admit_count if _SOURCE_ENGINE else None
-
-
-def source_load() -> dict | None:
-    """The load of the worker a local source admits for (None before setup)."""
-    return _SOURCE_ENGINE[0].load() if _SOURCE_ENGINE else None
-
-
 class _AdmitFn(beam.DoFn):
     def __init__(self, settings: EngineSettings, shared_tag: str, wait: bool) -> None:
         self._settings = settings
@@ -114,8 +102,6 @@ class _AdmitFn(beam.DoFn):
 
     def setup(self) -> None:
         self._engine = acquire_engine(self._settings, self._shared_tag)
-        if not self._wait:
-            _SOURCE_ENGINE[:] = [self._engine]
 
     def start_bundle(self) -> None:
         self._bundle_ids: list[str] = []

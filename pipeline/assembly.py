@@ -8,8 +8,6 @@ Template entry point and ``make smoke`` call.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -163,10 +161,10 @@ def prepare_tables(config: PipelineConfig) -> None:
 
 
 def run(argv: Sequence[str] | None = None) -> PipelineResult:
-    """Parses launcher-style arguments, validates them, builds and runs the pipeline.
+    """Parses launcher-style arguments, validates them, builds the pipeline and starts it; returns at once.
 
-    On the DirectRunner this blocks until the pipeline is stopped (SIGINT or
-    SIGTERM cancel it cleanly, which also stops the model server).
+    On Dataflow the job then runs on its own; the local launcher (``local/direct_runner.py``)
+    waits on the result.
     """
     options = PipelineOptions(argv)
     config = PipelineConfig.from_options(options)  # raises ConfigError before any job exists
@@ -179,47 +177,8 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     problems = adapter_launch_problems(config.adapters(), config.max_lora_rank)
     if problems:
         raise ConfigError("The LoRA adapters cannot be served:\n  - " + "\n  - ".join(problems))
-    standard = options.view_as(StandardOptions)
-    standard.streaming = True
-    local = is_local(options)
-    if local:
-        if standard.runner in (None, "DirectRunner"):
-            standard.runner = "BundleBasedDirectRunner"  # the default first tries Prism, which needs a download
+    options.view_as(StandardOptions).streaming = True
     prepare_tables(config)
     pipeline = beam.Pipeline(options=options)
     build(pipeline, config)
-    result = pipeline.run()
-    if local:
-        _wait_until_stopped(result)
-    return result
-
-
-def _wait_until_stopped(result: PipelineResult) -> None:
-    """Blocks until the pipeline fails or a SIGINT/SIGTERM arrives, then cancels it.
-
-    The DirectRunner's ``wait_until_finish`` never returns after ``cancel()``,
-    so it runs on a helper thread while this one waits for either outcome.
-    """
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            result.wait_until_finish()
-        except BaseException as exc:  # surfaced below
-            failure.append(exc)
-        stop.set()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        LOGGER.info("Received signal %d: cancelling the pipeline", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    threading.Thread(target=wait, name="wait-until-finish", daemon=True).start()
-    while not stop.wait(0.5):
-        pass
-    if failure:
-        raise failure[0]
-    result.cancel()
-    LOGGER.info("Pipeline stopped (%s)", result.state)
+    return pipeline.run()

@@ -60,3 +60,9 @@ def acquire_engine(settings: EngineSettings, tag: str, *, fresh: bool = False) -
                                         spawn_process=settings.engine == "transformers")
             _ACQUIRED[tag] = shared.acquire()
         return _ACQUIRED[tag]
+
+
+def acquired_engines() -> list[EngineBase]:
+    """The engines this process has acquired so far (a local source admits through its pipeline's)."""
+    with _ACQUIRE_LOCK:
+        return list(_ACQUIRED.values())
