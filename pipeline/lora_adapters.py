@@ -23,7 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.model_weights import LOCAL_FOLDER_PREFIXES, download_gcs_folder, parse_gcs_uri, storage_client
+from pipeline.model_weights import (LOCAL_FOLDER_PREFIXES, WeightsError, local_weights, location_kind, parse_gcs_uri,
+                                    storage_client)
 
 LOGGER = logging.getLogger(__name__)
 
@@ -48,10 +49,8 @@ class Adapter:
 
     @property
     def kind(self) -> str:
-        """'gcs', 'local' (a folder on the worker) or 'hub' (a Hugging Face hub id)."""
-        if self.location.startswith("gs://"):
-            return "gcs"
-        return "local" if self.location.startswith(LOCAL_FOLDER_PREFIXES) else "hub"
+        """'gcs', 'local' (a folder on the worker) or 'hub' (a Hugging Face hub id): see model_weights."""
+        return location_kind(self.location)
 
 
 def parse_adapters(text: str) -> tuple[Adapter, ...]:
@@ -142,15 +141,11 @@ def launch_problems(adapters: tuple[Adapter, ...], max_lora_rank: int) -> list[s
 
 def resolve_adapter(adapter: Adapter, max_lora_rank: int, cache_dir: str | None = None) -> str:
     """A location vLLM can load on this worker (a gs:// folder copied down), checked where it can be read."""
-    location = adapter.location
-    if adapter.kind == "gcs":
-        location = str(download_gcs_folder(location, cache_dir, required_file=ADAPTER_CONFIG))
-    elif adapter.kind == "local":
-        path = Path(location).expanduser()
-        if not (path / ADAPTER_CONFIG).is_file():
-            raise AdapterError(f"adapter {adapter.name!r}: {path} has no {ADAPTER_CONFIG}; point it at a folder "
-                               "saved by peft (save_pretrained)")
-        location = str(path.resolve())
+    try:
+        location = local_weights(adapter.location, ADAPTER_CONFIG, cache_dir)
+    except WeightsError as exc:
+        raise AdapterError(f"adapter {adapter.name!r}: {exc}; point it at a folder saved by peft "
+                           "(save_pretrained)") from None
     if adapter.kind != "hub":
         problem = rank_problem(adapter, json.loads((Path(location) / ADAPTER_CONFIG).read_text("utf-8")),
                                max_lora_rank)

@@ -18,10 +18,9 @@ import logging
 import os
 import re
 import threading
-from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.model_weights import LOCAL_FOLDER_PREFIXES, download_gcs_folder
+from pipeline.model_weights import WeightsError, local_weights
 
 LOGGER = logging.getLogger(__name__)
 HF_TOKEN_ENV = "HF_TOKEN"
@@ -116,15 +115,10 @@ def resolve_model(model: str, cache_dir: str | None = None, hf_token_secret: str
     """A path or hub id the tokenizer, transformers and vLLM can load: the token installed, a local folder checked,
     a gs:// folder copied down (once per worker)."""
     install_hf_token(hf_token_secret)
-    if model.startswith("gs://"):
-        return str(download_gcs_folder(model, cache_dir))
-    if model.startswith(LOCAL_FOLDER_PREFIXES):
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ModelAccessError(f"model directory {path} has no config.json; "
-                                   "point --model at a Hugging Face checkpoint folder")
-        return str(path.resolve())
-    return model
+    try:
+        return local_weights(model, "config.json", cache_dir)
+    except WeightsError as exc:
+        raise ModelAccessError(f"model directory {exc}; point --model at a Hugging Face checkpoint folder") from None
 
 
 def gated_model_warning(model: str, model_gcs_folder: str | None, hf_token_secret: str | None) -> str | None:

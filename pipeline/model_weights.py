@@ -1,5 +1,7 @@
-"""Model weights from Cloud Storage: copied to local disk once per worker.
+"""Where weights are (a model's, a LoRA adapter's), and a worker-local place to load them from.
 
+One location type for both: a hub id, a folder on the worker, or a ``gs://``
+folder (:func:`location_kind`); :func:`local_weights` is the one resolver.
 vLLM loads a checkpoint from a local directory; a ``gs://`` folder is
 downloaded into the cache first. Several SDK processes on one VM may ask at
 once, so the copy is guarded by an inter-process lock and marked complete only
@@ -19,6 +21,34 @@ LOGGER = logging.getLogger(__name__)
 _COMPLETE_MARKER = ".download-complete"
 # How a location names a folder on the worker (the model's, an adapter's); gs:// is copied down, the rest is a hub id.
 LOCAL_FOLDER_PREFIXES = ("/", "./", "../", "~")
+
+
+GCS, LOCAL, HUB = "gcs", "local", "hub"
+
+
+class WeightsError(ValueError):
+    """A weights folder that cannot be used; the message says which and what it lacks."""
+
+
+def location_kind(location: str) -> str:
+    """``gcs`` (copied down), ``local`` (a folder on the worker) or ``hub`` (a Hugging Face id, fetched by the loader)."""
+    if location.startswith("gs://"):
+        return GCS
+    return LOCAL if location.startswith(LOCAL_FOLDER_PREFIXES) else HUB
+
+
+def local_weights(location: str, required_file: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """What a loader reads on this worker: a ``gs://`` folder copied down (once), a local folder checked for
+    ``required_file`` and made absolute, a hub id as it is."""
+    kind = location_kind(location)
+    if kind == GCS:
+        return str(download_gcs_folder(location, cache_dir, required_file=required_file))
+    if kind == LOCAL:
+        path = Path(location).expanduser()
+        if not (path / required_file).is_file():
+            raise WeightsError(f"{path} has no {required_file}")
+        return str(path.resolve())
+    return location
 
 
 def cache_root() -> Path:
