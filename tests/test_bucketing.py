@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import uuid
 from collections import defaultdict
 
@@ -16,8 +14,8 @@ from apache_beam.transforms import window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.bucketing import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig,
-                                BatchRequests, BucketCounters, on_arrival, padding)
+from pipeline.bucketing import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig, BatchRequests,
+                                _BatchFn, _keyed, padding)
 from pipeline.messages import InferenceRequest
 
 _COLLECTED: dict[str, list] = defaultdict(list)
@@ -161,57 +159,98 @@ def test_the_real_dofn_emits_every_request_exactly_once_within_the_target(target
     assert all(len({config.bucket_name(t, budget[i]) for i, t in b}) == 1 for b in batches)
 
 
-def simulate(config: BatchingConfig, arrivals: list[tuple[float, str, int]]):
-    """Discrete-event run of the batching decisions, timers firing exactly at their deadline.
+class _Cell:
+    """A value or bag state cell between work items."""
 
-    Returns (batches, waits): each batch a list of request indices, and each
-    request's wait from arrival to emission.
+    def __init__(self) -> None:
+        self.value = None
+
+    def read(self):
+        return self.value
+
+    def write(self, value) -> None:
+        self.value = value
+
+    def add(self, value) -> None:
+        self.value = [*(self.value or []), value]
+
+    def clear(self) -> None:
+        self.value = None
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def set(self, timestamp) -> None:
+        self.at = float(timestamp)
+
+    def clear(self) -> None:
+        self.at = None
+
+
+class _GlobalWindow:
+    def max_timestamp(self):
+        return window.GlobalWindow().max_timestamp()
+
+
+def batch_on_a_clock(config: BatchingConfig, arrivals: list[tuple[float, InferenceRequest]]):
+    """The real batching DoFn, each key's state kept between calls and its delay timer fired at its deadline.
+
+    Returns (batches of ids, each request's wait from arrival to emission).
     """
-    buffers: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    counters: dict[str, BucketCounters] = defaultdict(BucketCounters)
-    timers: list[tuple[float, int, str]] = []
-    sequence = itertools.count()
-    batches, waits = [], {}
+    now = [0.0]
+    batcher = _BatchFn(config, clock=lambda: now[0])
+    keys: dict[str, tuple[_Cell, _Cell, _Timer]] = {}
+    batches, arrived, waits = [], {}, {}
 
-    def emit(key: str, now: float) -> None:
-        entries, buffers[key] = buffers[key], []
-        counters[key] = BucketCounters()
-        batches.append([index for index, _ in entries])
-        waits.update({index: now - arrived for index, arrived in entries})
+    def collect(outputs) -> None:
+        for shard, requests in outputs:
+            batches.append([r.id for r in requests])
+            waits.update({r.id: now[0] - arrived[r.id] for r in requests})
 
-    def fire_timers(until: float) -> None:
-        while timers and timers[0][0] <= until:
-            deadline, _, key = heapq.heappop(timers)
-            if buffers[key]:  # a timer left from a bucket already emitted by size fires on nothing
-                emit(key, deadline)
+    def fire_until(until: float) -> None:
+        while due := sorted((timer.at, key) for key, (_, _, timer) in keys.items()
+                            if timer.at is not None and timer.at <= until):
+            now[0], key = due[0]
+            buffer, counters, timer = keys[key]
+            timer.clear()  # a timer that fires is cleared unless the callback sets it again
+            collect(batcher.on_flush(key=key, buffer=buffer, counters=counters))
 
-    for index, (now, key, tokens) in enumerate(arrivals):
-        fire_timers(now)
-        counters[key], reason, deadline = on_arrival(config, counters[key], tokens, now)
-        buffers[key].append((index, now))
-        if deadline is not None:
-            heapq.heappush(timers, (deadline, next(sequence), key))
-        if reason is not None:
-            emit(key, now)
-    fire_timers(float("inf"))
+    for at, request in arrivals:
+        fire_until(at)
+        now[0] = max(now[0], at)
+        (key, keyed), = _keyed(config, request)
+        buffer, counters, timer = keys.setdefault(key, (_Cell(), _Cell(), _Timer()))
+        arrived[request.id] = now[0]
+        collect(batcher.process((key, keyed), window=_GlobalWindow(), buffer=buffer, counters=counters,
+                                flush=timer, window_end=_Timer()))
+    fire_until(float("inf"))
     return batches, waits
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     target=st.integers(1, 8),
     delay_ms=st.floats(0, 500),
     budget=st.one_of(st.none(), st.integers(1, 2000)),
-    arrivals=st.lists(st.tuples(st.floats(0, 2), st.sampled_from("abc"), st.integers(1, 600)), max_size=60),
+    boundaries=st.sampled_from([(), (64,), (16, 128)]),
+    arrivals=st.lists(st.tuples(st.floats(0, 2), st.integers(1, 600), st.sampled_from([None, 16, 256])),
+                      max_size=60),
 )
-def test_simulated_batching_is_exactly_once_bounded_and_waits_at_most_the_delay(target, delay_ms,
-                                                                                 budget, arrivals):
-    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target, token_budget=budget)
+def test_the_batcher_emits_each_request_once_within_its_delay_and_batch_size(target, delay_ms, budget, boundaries,
+                                                                            arrivals):
+    config = BatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target, token_budget=budget,
+                            boundaries=boundaries, num_shards=2)
     arrivals = sorted(arrivals, key=lambda a: a[0])
-    batches, waits = simulate(config, arrivals)
-    assert sorted(i for batch in batches for i in batch) == list(range(len(arrivals)))
+    timed = [(at, request(f"r{i}", tokens, max_tokens)) for i, (at, tokens, max_tokens) in enumerate(arrivals)]
+    batches, waits = batch_on_a_clock(config, timed)
+    assert sorted(i for batch in batches for i in batch) == sorted(r.id for _, r in timed)
     assert all(1 <= len(batch) <= config.batch_size_target for batch in batches)
     assert all(wait <= delay_ms / 1000 + 1e-9 for wait in waits.values())
+    if budget is not None:  # a batch leaves once it reaches the budget: no request joins a full one
+        tokens = {r.id: r.prompt_tokens for _, r in timed}
+        assert all(sum(tokens[i] for i in batch[:-1]) < budget for batch in batches)
 
 
 @pytest.mark.parametrize("kwargs, message", [
