@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import platform
@@ -38,8 +37,9 @@ from benchmarks.side_by_side.stats import RequestTiming, RunResult, Spread, rati
 from benchmarks.side_by_side.systems import RawVLLM
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.emulators import PubSubEmulator
+from local.engine_driver import drive_to_end
 from pipeline.chunking import ChunkPolicy
-from pipeline.engine import COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.engine import COMPLETION, EngineSettings
 from pipeline.generate import template_poll_interval_ms
 from pipeline.messages import InferenceRequest
 from pipeline.vllm_engine import StreamingEngine
@@ -92,29 +92,17 @@ def drive_engine(engine: StreamingEngine, prompts: list[workload.Prompt], max_to
                                  adapter=adapters[index % len(adapters)], received_at=time.time())
                 for index, p in enumerate(prompts)]
     kinds = {f"{tag}-{p.id}": p.kind for p in prompts}
-    keys = {engine.submit(r.to_json()): r for r in requests}
-    if None in keys:
-        raise RuntimeError("the engine refused a request: raise max_in_flight")
-    taken, timings, finished = dict.fromkeys(keys, 0), [], set()
-    deadline = time.monotonic() + 900
-    while taken and time.monotonic() < deadline:
-        for key, items in engine.poll(dict(taken)).items():
-            if key in finished:  # this poll released its last outputs, as the generate step's next poll does
-                del taken[key]
-                continue
-            taken[key] += len(items)
-            for kind, payload in items:
-                if kind == DEAD_LETTER:
-                    raise RuntimeError(f"dead letter: {payload[:300]}")
-                if kind == COMPLETION:
-                    record, request = json.loads(payload), keys[key]
-                    first = request.received_at + (record["time_to_first_token_ms"] or 0) / 1000
-                    timings.append(RequestTiming(request.id, kinds[request.id], request.received_at, first,
-                                                 time.time(), record["usage"]["completion_tokens"]))
-                    finished.add(key)
-        time.sleep(POLL_S)
-    if taken.keys() - finished:
-        raise RuntimeError(f"{len(taken.keys() - finished)} requests without a completion")
+    if engine.settings.max_in_flight < len(requests):
+        raise RuntimeError("the engine would refuse requests: raise max_in_flight")
+    drive = drive_to_end(engine, requests, timeout_s=900, poll_s=POLL_S)
+    if drive.dead_letters():
+        raise RuntimeError(f"dead letter: {str(drive.dead_letters()[0])[:300]}")
+    timings = []
+    for request in requests:
+        (record,) = [record for kind, record in drive.outputs[request.id] if kind == COMPLETION]
+        first = request.received_at + (record["time_to_first_token_ms"] or 0) / 1000
+        timings.append(RequestTiming(request.id, kinds[request.id], request.received_at, first,
+                                     drive.finished_at[request.id], record["usage"]["completion_tokens"]))
     return timings
 
 

@@ -20,13 +20,12 @@ import argparse
 import json
 import logging
 import statistics
-import time
 
 from benchmarks.structured_records import RECORD_SETS, RecordSet
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
+from local.engine_driver import drive_to_end
 from pipeline.assembly import engine_settings
-from pipeline.engine import COMPLETION, DEAD_LETTER
 from pipeline.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
 from pipeline.options import PipelineConfig
 from pipeline.vllm_engine import StreamingEngine
@@ -60,24 +59,10 @@ def requests(record_set: RecordSet, cfg: PipelineConfig) -> list[InferenceReques
 
 def run(engine: StreamingEngine, batch: list[InferenceRequest], timeout_s: float = 900) -> list[dict]:
     """Every request's completion, submitted as the pipeline does (again when the engine is full)."""
-    pending, unsent, done, taken = {}, list(batch), [], {}
-    deadline = time.monotonic() + timeout_s
-    while (pending or unsent) and time.monotonic() < deadline:
-        while unsent and (key := engine.submit(unsent[0].to_json())) is not None:
-            pending[key], taken[key] = unsent.pop(0), 0
-        for key, items in engine.poll({k: taken[k] for k in pending}).items():
-            taken[key] += len(items)
-            for kind, payload in items:
-                if kind == COMPLETION:
-                    done.append(json.loads(payload))
-                elif kind == DEAD_LETTER:
-                    raise RuntimeError(f"request {pending[key].id} became a dead letter: {payload}")
-                if kind in (COMPLETION, DEAD_LETTER):
-                    pending.pop(key)
-        time.sleep(0.05)
-    if pending or unsent:
-        raise RuntimeError(f"{len(pending) + len(unsent)} requests had no outcome within {timeout_s:.0f} s")
-    return done
+    drive = drive_to_end(engine, batch, timeout_s=timeout_s)
+    if drive.dead_letters():
+        raise RuntimeError(f"a request became a dead letter: {drive.dead_letters()[0]}")
+    return drive.completions()
 
 
 def describe(completions: list[dict]) -> str:

@@ -17,6 +17,7 @@ from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.messages import InferenceRequest
 from pipeline.vllm_server import RUNNING_METRIC, free_port, server_metrics
 from pipeline.vllm_engine import StreamingEngine
+from local.engine_driver import drive_to_end
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
@@ -30,28 +31,11 @@ def engine_for(url: str, **overrides) -> StreamingEngine:
 
 
 def run_to_end(engine: StreamingEngine, requests: list[InferenceRequest], timeout_s: float = 180):
-    """Submits like the pipeline does (again later when the engine is full) and polls every outcome."""
-    keys: dict[str, str] = {}
-    unsent = list(requests)
-    outputs: dict[str, list[tuple[str, dict]]] = {r.id: [] for r in requests}
-    deadline = time.monotonic() + timeout_s
-    pending: set[str] = set()
-    taken: dict[str, int] = {}  # outputs taken per stream: poll hands over the rest
-    while (pending or unsent) and time.monotonic() < deadline:
-        while unsent and (key := engine.submit(unsent[0].to_json())) is not None:
-            keys[key] = unsent.pop(0).id
-            pending.add(key)
-            taken[key] = 0
+    """Every request's outputs, driven as the generate step drives the engine, never past max_in_flight."""
+    def within_bound() -> None:
         assert engine.in_flight() <= engine.settings.max_in_flight
-        for key, items in engine.poll({k: taken[k] for k in pending}).items():
-            taken[key] += len(items)
-            for kind, payload in items:
-                outputs[keys[key]].append((kind, json.loads(payload)))
-                if kind in (COMPLETION, DEAD_LETTER):
-                    pending.discard(key)
-        time.sleep(0.05)
-    assert not pending and not unsent, f"requests without an outcome: {pending}, never sent: {unsent}"
-    return outputs
+
+    return drive_to_end(engine, requests, timeout_s=timeout_s, each_poll=within_bound).outputs
 
 
 def test_streams_chunks_that_add_up_to_the_completion(vllm_server):
@@ -264,19 +248,8 @@ def test_chunks_cut_by_polls_and_by_the_stream_share_one_gapless_sequence(vllm_s
     try:
         requests = [InferenceRequest(id=f"race-{i}", prompt="Count from 1 to 200 in digits.", max_tokens=160,
                                      temperature=0, received_at=time.time()) for i in range(3)]
-        keys = {engine.submit(r.to_json()): r.id for r in requests}
-        chunks: dict[str, list[dict]] = {rid: [] for rid in keys.values()}
-        pending, deadline = set(keys), time.monotonic() + 180
-        taken = dict.fromkeys(keys, 0)
-        while pending and time.monotonic() < deadline:  # poll as fast as possible
-            for key, items in engine.poll({k: taken[k] for k in pending}).items():
-                taken[key] += len(items)
-                for kind, payload in items:
-                    if kind == CHUNK:
-                        chunks[keys[key]].append(json.loads(payload))
-                    elif kind in (COMPLETION, DEAD_LETTER):
-                        pending.discard(key)
-        assert not pending
+        outputs = drive_to_end(engine, requests, poll_s=0).outputs  # poll as fast as possible
+        chunks = {rid: [record for kind, record in items if kind == CHUNK] for rid, items in outputs.items()}
     finally:
         sys.setswitchinterval(switch_interval)
         engine.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from pipeline.messages import InferenceRequest
 from pipeline.vllm_server import ServerSpec
 from pipeline.prompt_length import TokenizerMeter
 from pipeline.static_engine import StaticBatchEngine
+from local.engine_driver import drive_to_end
 
 pytestmark = pytest.mark.engine
 
@@ -34,24 +34,8 @@ def request(request_id: str, prompt: str, **params) -> InferenceRequest:
 
 
 def run_batch(engine: StaticBatchEngine, requests: list[InferenceRequest], timeout_s: float = 300):
-    """Submits the requests as one batch and polls until each has its outcome: id -> [(kind, record), ...]."""
-    keys = engine.submit_batch([r.to_json() for r in requests], [1] * len(requests))
-    assert None not in keys
-    by_key = dict(zip(keys, (r.id for r in requests)))
-    outputs = {r.id: [] for r in requests}
-    pending, deadline = set(keys), time.monotonic() + timeout_s
-    taken = dict.fromkeys(keys, 0)  # outputs taken per stream: poll hands over the rest
-    while pending and time.monotonic() < deadline:
-        for key, items in engine.poll({k: taken[k] for k in pending}).items():
-            taken[key] += len(items)
-            for kind, payload in items:
-                outputs[by_key[key]].append((kind, json.loads(payload)))
-                if kind in (COMPLETION, DEAD_LETTER):
-                    pending.discard(key)
-        time.sleep(0.02)
-    assert not pending, "requests without an outcome"
-    assert engine.poll(taken) == dict.fromkeys(keys, [])  # every output taken: the streams are released
-    return outputs
+    """Submits the requests as one batch and drives them to their outcomes: id -> [(kind, record), ...]."""
+    return drive_to_end(engine, requests, as_batch=True, timeout_s=timeout_s, poll_s=0.02).outputs
 
 
 def test_each_request_keeps_its_own_parameters_within_one_batch(engine):
@@ -169,16 +153,9 @@ def test_a_full_engine_takes_a_batch_whole_or_not_at_all(engine):
     more = [request(f"more-{i}", "Say yes.", max_tokens=2) for i in range(3)]
     assert engine.submit_batch([r.to_json() for r in more], [1] * 3) == [None, None, None]  # 6 + 3 > 8
     assert engine.submit_batch([first[0].to_json()], [1]) == keys[:1]  # a retried bundle: the same stream
-    pending = set(keys)
-    taken = dict.fromkeys(keys, 0)
-    deadline = time.monotonic() + 300
-    while pending and time.monotonic() < deadline:
-        for key, items in engine.poll({k: taken[k] for k in pending}).items():
-            taken[key] += len(items)
-            if any(kind == COMPLETION for kind, _ in items):
-                pending.discard(key)
-        time.sleep(0.05)
-    assert not pending and engine.in_flight() == 0
+    outputs = run_batch(engine, first)  # submitted again, as a retried bundle would: the same streams, driven
+    assert all(any(kind == COMPLETION for kind, _ in items) for items in outputs.values())
+    assert engine.in_flight() == 0
     assert None not in engine.submit_batch([r.to_json() for r in more], [1] * 3)
 
 
