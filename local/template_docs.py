@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipeline.bigquery_sink import PARTITION_COLUMN, SCHEMAS
-from pipeline.options import PARAMETERS, TEMPLATE_DESCRIPTION, TEMPLATE_NAME, WORKER_OPTIONS
+from pipeline.options import PARAMETERS, TEMPLATE_DESCRIPTION, TEMPLATE_NAME, WORKER_OPTIONS, Parameter
 
 
 def template_metadata() -> dict[str, Any]:
@@ -28,7 +28,7 @@ def template_metadata() -> dict[str, Any]:
         entry: dict[str, Any] = {
             "name": param.name,
             "label": param.label,
-            "helpText": f"{param.help_text} For example: {param.example}",
+            "helpText": console_help(param),
             "isOptional": not param.required,
             "paramType": param.param_type,
             "groupName": param.group,
@@ -52,6 +52,18 @@ def template_metadata() -> dict[str, Any]:
         "defaultStreamingMode": "AT_LEAST_ONCE",
         "parameters": params,
     }
+
+
+def console_help(param: Parameter) -> str:
+    """The help the console shows: the text, the default where there is one, and an example unless it is it."""
+    text = param.help_text
+    if param.default not in (None, ""):
+        default = _as_template_string(param.default)
+        text += f" Default: {default}."
+        if param.example != default:
+            text += f" For example: {param.example}"
+        return text
+    return f"{text} For example: {param.example}"
 
 
 def _as_template_string(value: Any) -> str:

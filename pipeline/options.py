@@ -47,8 +47,8 @@ TOPIC_REGEX = rf"^projects/{_PROJECT}/topics/[A-Za-z][-A-Za-z0-9_.~+%]{{2,254}}$
 TABLE_REGEX = rf"^{_PROJECT}[:.][A-Za-z0-9_]{{1,1024}}\.[A-Za-z0-9_$-]{{1,1024}}$"
 
 
-# Generation keys on Dataflow: the fewest with which make bench-scale keeps over 90 % of the GPUs usable
-# at 100 workers (per-request keys do no better, and poll timers cost the same: one per busy key).
+# Generation keys on Dataflow: the fewest with which make bench-scale's usable share of the GPUs is about what
+# per-request keys give at up to 100 workers (and poll timers cost the same: one per busy key).
 DATAFLOW_GENERATE_SHARDS = 262144
 
 
@@ -190,7 +190,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "vllm: a vLLM server on each worker (or server_url) with continuous batching, the default. "
               "transformers: the model loaded in each worker's process and every batch from the batching step "
               "padded to its longest prompt and generated together (static batching): no vLLM needed, runs on "
-              "CPU-only workers, no response_schema. make bench-engines compares the two.",
+              "CPU-only workers, no response_schema. docs/benchmarks.md compares the two.",
               "vllm", GROUP_MODEL, "ENUM", default="vllm", enum_options=("vllm", "transformers")),
     Parameter("model_gcs_folder", "Model folder in Cloud Storage",
               "A gs:// folder holding a Hugging Face checkpoint (config.json, weights, tokenizer). When set, "
@@ -357,7 +357,7 @@ DEFAULT_DISK_SIZE_GB = 200
 WORKER_OPTIONS: tuple[Parameter, ...] = (
     Parameter("sdk_container_image", "Worker image",
               "The container image the workers run. Empty: the worker image built from the same commit as this "
-              "template's launcher (make image builds both), which the launcher knows.",
+              "template's launcher (built together), which the launcher knows.",
               "us-central1-docker.pkg.dev/my-project/dataflow/streaming-llm-worker:0123456789ab", GROUP_WORKERS,
               regex=r"^\S+$"),
     Parameter("disk_size_gb", "Worker disk size (GB)",

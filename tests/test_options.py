@@ -140,6 +140,17 @@ def test_a_value_given_to_the_launcher_reaches_the_config_converted():
         assert getattr(config_, param.name) == param.convert(str(param.example)), param.name
 
 
+def test_the_console_help_states_each_default_and_names_no_make_target():
+    """The console shows helpText beside an empty field: its default must be there, and a console user has no make."""
+    targets = set(re.findall(r"(?m)^([a-z][-a-z0-9]*):", (REPO / "Makefile").read_text(encoding="utf-8")))
+    assert {"image", "template", "bench-engines"} <= targets
+    for entry in json.loads(metadata_json())["parameters"]:
+        if "defaultValue" in entry:
+            assert f"Default: {entry['defaultValue']}." in entry["helpText"], entry["name"]
+        named = {target for target in re.findall(r"\bmake ([-a-z0-9]+)", entry["helpText"]) if target in targets}
+        assert not named, (entry["name"], named)
+
+
 def test_metadata_json_is_generated_from_the_parameters():
     committed = (REPO / "metadata.json").read_text()
     assert committed == metadata_json(), "metadata.json is stale: run `make metadata`"
