@@ -49,8 +49,8 @@ def acquire_engine(settings: EngineSettings, tag: str, *, fresh: bool = False) -
     ``fresh`` drops this process's cached handle first (its hosting process died).
     The transformers engine gets a process of its own: its decoding loop is Python
     between many small torch calls, and in a process whose other threads run the
-    pipeline it waited for the GIL at every call (measured: 0.9 s a decoding step
-    instead of 0.1 s on the DirectRunner).
+    pipeline it waited for the GIL at every call, several times slower a decoding
+    step on the DirectRunner.
     """
     with _ACQUIRE_LOCK:
         if fresh:

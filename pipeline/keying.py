@@ -12,7 +12,8 @@ steps of the template are keyed:
   work: with K keys over W workers the busiest worker holds more than the mean
   (balls into bins), and the job runs at the pace of its hottest GPU.
   ``make bench-scale`` measures that share; ``generate_shards`` defaults to
-  what keeps it at 90 % or more up to 100 workers.
+  the fewest keys with which it is about what per-request keys give
+  (docs/benchmarks.md#scale-out).
 
 A request's length bucket (:func:`bucket_index`) is also its vLLM priority when
 shorter prompts go first, so the engine reads it from here, not from the batcher.

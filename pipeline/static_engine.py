@@ -111,8 +111,8 @@ class StaticBatchEngine(EngineBase):
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and hasattr(os, "sched_getaffinity"):
             # One core left to the pipeline's own threads: OpenMP threads spin-wait on each other, so one
-            # that is descheduled stalls the rest (measured on 2 cores, one busy: 296 ms a step on 2 threads,
-            # 95 on 1). torch would otherwise count the machine's cores, not this process's.
+            # that is descheduled stalls every step. torch would otherwise count the machine's cores, not
+            # this process's.
             torch.set_num_threads(max(len(os.sched_getaffinity(0)) - 1, 1))
         path = resolve_model(spec.model, spec.model_cache_dir, spec.hf_token_secret)
         dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
