@@ -21,14 +21,14 @@ way again). Example::
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import logging
 import sys
 from dataclasses import dataclass
 
 from google.api_core import exceptions as api_exceptions
 from google.cloud import pubsub_v1
+
+from pipeline.messages import DeadLetter
 
 LOGGER = logging.getLogger("ops.redrive")
 PULL_BATCH = 100
@@ -39,16 +39,6 @@ class Tally:
     redriven: int = 0
     other_stage: int = 0
     not_redrivable: int = 0  # not a dead letter record, or its payload was truncated
-
-
-def _payload(record: object) -> tuple[bytes, dict[str, str]] | None:
-    """The message to republish, or None when the record cannot be redriven."""
-    if not isinstance(record, dict) or not isinstance(record.get("payload"), str) or record.get("payload_truncated"):
-        return None
-    data = record["payload"]
-    raw = base64.b64decode(data) if record.get("payload_encoding") == "base64" else data.encode("utf-8")
-    attributes = record.get("attributes") or {}
-    return raw, {str(k): str(v) for k, v in attributes.items()}
 
 
 def redrive(dead_letter_subscription: str, input_topic: str, stages: tuple[str, ...] = ("drain",),
@@ -71,19 +61,18 @@ def redrive(dead_letter_subscription: str, input_topic: str, stages: tuple[str, 
             done, skip = [], []
             for received in fresh:
                 try:
-                    record = json.loads(received.message.data)
-                except (ValueError, UnicodeDecodeError):
-                    record = None
-                message = _payload(record)
-                if message is None:
+                    letter = DeadLetter.from_json(received.message.data)
+                except ValueError:
+                    letter = None
+                if letter is None or letter.payload_truncated:
                     tally.not_redrivable += 1
-                elif record.get("stage") not in stages:
+                elif letter.stage not in stages:
                     tally.other_stage += 1
                 elif max_messages is not None and tally.redriven >= max_messages:
                     pass  # left for a later run
                 else:
                     if not dry_run:
-                        publisher.publish(input_topic, message[0], **message[1]).result(timeout=60)
+                        publisher.publish(input_topic, letter.original_bytes(), **letter.attributes).result(timeout=60)
                     tally.redriven += 1
                     if not dry_run:
                         done.append(received)

@@ -239,6 +239,30 @@ class DeadLetter:
         """The JSON-ready dict every stage emits as a dead letter: :meth:`to_json`'s record, cut to fit."""
         return json.loads(self.to_json())
 
+    @classmethod
+    def from_json(cls, data: str | bytes) -> DeadLetter:
+        """A record as :meth:`to_json` wrote it (a dead-letter message); raises ValueError if it is not one."""
+        try:
+            record = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"not a JSON dead-letter record: {exc}") from None
+        if not isinstance(record, dict) or not all(isinstance(record.get(name), str)
+                                                    for name in ("stage", "reason", "payload")):
+            raise ValueError("not a dead-letter record: stage, reason and payload must be strings")
+        attributes = record.get("attributes") or {}
+        if not isinstance(attributes, dict) or record.get("payload_encoding", "utf-8") not in ("utf-8", "base64"):
+            raise ValueError("not a dead-letter record: attributes or payload_encoding of the wrong kind")
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {name: value for name, value in record.items() if name in known}
+        fields["attributes"] = {str(k): str(v) for k, v in attributes.items()}
+        return cls(**fields)
+
+    def original_bytes(self) -> bytes:
+        """The message as it arrived (or as a drain prepared it), decoded from its payload encoding."""
+        if self.payload_encoding == "base64":
+            return base64.b64decode(self.payload)
+        return self.payload.encode("utf-8")
+
 
 @dataclass(frozen=True)
 class RequestLimits:

@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 import json
 
+import hypothesis
+import hypothesis.strategies
 import pytest
 
 from pipeline.messages import (STAGE_PARSE, STAGE_VALIDATE, DeadLetter, InferenceRequest, RequestLimits,
@@ -229,3 +231,19 @@ def test_any_adapter_goes_to_a_server_the_job_does_not_run():
 def test_bad_structured_output_and_penalties_are_dead_letters_with_reasons(fields, reason):
     letter = parse({"prompt": "x", **fields})
     assert isinstance(letter, DeadLetter) and letter.stage == STAGE_VALIDATE and reason in letter.reason
+
+
+@pytest.mark.parametrize("data", [b'{"id": "x", "prompt": "caf\xc3\xa9"}', b"\xff\xfe not text"])
+def test_a_dead_letter_record_reads_back_to_the_message_it_came_from(data):
+    letter = DeadLetter.from_bytes(STAGE_PARSE, "why", data, attributes={"k": "v"}, id="x")
+    again = DeadLetter.from_json(letter.to_json())
+    assert again == letter and again.original_bytes() == data
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(hypothesis.strategies.binary(max_size=200) | hypothesis.strategies.text(max_size=200).map(str.encode))
+def test_anything_else_on_a_dead_letter_subscription_is_refused_with_a_value_error(data):
+    try:
+        DeadLetter.from_json(data).original_bytes()
+    except ValueError:
+        pass
