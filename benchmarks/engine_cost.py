@@ -1,7 +1,7 @@
 """``make bench-engine-cost``: what the engine costs a worker per token, apart from the DirectRunner.
 
 On Dataflow the DirectRunner's machinery does not run. What runs on every
-GPU worker is the engine (:class:`~pipeline.vllm_engine.StreamingEngine`: the
+GPU worker is the engine (:class:`~pipeline.vllm_engine.VLLMEngine`: the
 server-sent-event client, chunk assembly, the chunk publisher, submit and
 poll) and the vLLM server's API front end, which turns generated tokens into
 HTTP events. This drives the real engine directly, as the generate step does
@@ -42,7 +42,7 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import COMPLETION, EngineSettings
 from pipeline.generate import template_poll_interval_ms
 from pipeline.messages import InferenceRequest
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 
 CHUNKS = ChunkPolicy()  # the template's defaults: chunk_tokens 8, interval 200 ms
 POLL_S = template_poll_interval_ms(CHUNKS.interval_ms) / 1000  # the generate step's polling cadence
@@ -81,7 +81,7 @@ class Run:
                 "front_end_cpu_per_1k": self.front_end_cpu_s * per_1k}
 
 
-def drive_engine(engine: StreamingEngine, prompts: list[workload.Prompt], max_tokens: int,
+def drive_engine(engine: VLLMEngine, prompts: list[workload.Prompt], max_tokens: int,
                  tag: str, adapters: tuple[str | None, ...] = (None,)) -> list[RequestTiming]:
     """Submits every prompt at once and polls like the generate step until each has its completion.
 
@@ -110,7 +110,7 @@ def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, top
             prompts: list[workload.Prompt], args: argparse.Namespace, rep: int) -> Run:
     engine = None
     if variant.engine:
-        engine = StreamingEngine(EngineSettings(
+        engine = VLLMEngine(EngineSettings(
             server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
             chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1, chunk_topic=topic if variant.publish else None,
             chunks_to_pipeline=not variant.publish))

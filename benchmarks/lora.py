@@ -3,7 +3,7 @@
 Two servers of the same model, started the way the template starts them: one
 alone, one with four adapters (``--enable-lora``, the template's
 ``lora_adapters``; untrained, random, rank 8, built here with peft). The real
-engine (:class:`~pipeline.vllm_engine.StreamingEngine`) drives each with the
+engine (:class:`~pipeline.vllm_engine.VLLMEngine`) drives each with the
 same burst of mixed prompts, polled as the generate step polls, and the
 prompts name no adapter, one, or four in turn:
 
@@ -43,7 +43,7 @@ from local.toy_adapters import build_adapter
 from pipeline.engine import EngineSettings
 from pipeline.lora_adapters import Adapter
 from pipeline.model_weights import cache_root
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 
 ADAPTERS = 4
 RANK = 8
@@ -80,7 +80,7 @@ def bench_adapters(checkpoint) -> tuple[Adapter, ...]:
 
 
 def measure(mix: Mix, server: BenchServer, prompts: list[workload.Prompt], max_tokens: int, rep: int) -> RunResult:
-    engine = StreamingEngine(EngineSettings(
+    engine = VLLMEngine(EngineSettings(
         server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
         chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1))
     try:

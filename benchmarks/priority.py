@@ -24,7 +24,7 @@ import aiohttp
 
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
-from pipeline.bucketing import default_boundaries
+from pipeline.batching import default_boundaries
 from pipeline.keying import bucket_index
 from pipeline.vllm_server import ServerSpec, VLLMServer
 from pipeline.prompt_length import estimate_tokens

@@ -30,7 +30,7 @@ from pipeline.assembly import engine_settings
 from pipeline.generate import WAITING_POLL_CAP_S, _StreamingGenerateFn, template_poll_interval_ms
 from pipeline.messages import InferenceRequest
 from pipeline.options import PipelineConfig
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 
 IN_FLIGHT = 3
 
@@ -47,7 +47,7 @@ class Phase:
         self.bytes += state.bytes_written
 
 
-def template_engine() -> tuple[StreamingEngine, float]:
+def template_engine() -> tuple[VLLMEngine, float]:
     """The engine the template builds for the local model (its own managed server), and its poll cadence."""
     config = PipelineConfig.from_mapping({
         "input_subscription": "projects/local-project/subscriptions/unused",
@@ -56,10 +56,10 @@ def template_engine() -> tuple[StreamingEngine, float]:
         "served_model_name": "smollm2", "dtype": LOCAL_SERVER.dtype, "vllm_args": " ".join(LOCAL_SERVER.vllm_args),
         "max_in_flight": IN_FLIGHT, "server_start_timeout_s": 900})
     settings = engine_settings(config)
-    return StreamingEngine(settings), template_poll_interval_ms(settings.chunk_policy.interval_ms)
+    return VLLMEngine(settings), template_poll_interval_ms(settings.chunk_policy.interval_ms)
 
 
-def measure(engine: StreamingEngine, poll_ms: float, max_tokens: int) -> dict:
+def measure(engine: VLLMEngine, poll_ms: float, max_tokens: int) -> dict:
     """Fires the keys' timers when due until every request ended; per-key costs by phase."""
     dofn = _StreamingGenerateFn(engine.settings, "state-cost", poll_ms, 600)
     dofn._engine = engine

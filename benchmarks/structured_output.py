@@ -28,7 +28,7 @@ from local.engine_driver import drive_to_end
 from pipeline.assembly import engine_settings
 from pipeline.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
 from pipeline.options import PipelineConfig
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 
 SERVED = "smollm2"
 FREE_WHITESPACE = "--structured-outputs-config.disable_any_whitespace false"
@@ -57,7 +57,7 @@ def requests(record_set: RecordSet, cfg: PipelineConfig) -> list[InferenceReques
     return parsed
 
 
-def run(engine: StreamingEngine, batch: list[InferenceRequest], timeout_s: float = 900) -> list[dict]:
+def run(engine: VLLMEngine, batch: list[InferenceRequest], timeout_s: float = 900) -> list[dict]:
     """Every request's completion, submitted as the pipeline does (again when the engine is full)."""
     drive = drive_to_end(engine, batch, timeout_s=timeout_s)
     if drive.dead_letters():
@@ -79,7 +79,7 @@ def main() -> None:
     parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     apply_server_environment()
-    engines = {label: StreamingEngine(engine_settings(config(None, args))) for label, args in SETTINGS.items()}
+    engines = {label: VLLMEngine(engine_settings(config(None, args))) for label, args in SETTINGS.items()}
     results: dict[tuple[str, str], list[dict]] = {}
     try:
         for index, record_set in enumerate(RECORD_SETS):

@@ -30,11 +30,8 @@ step on one thread, so a step that waited would stop the timers that free
 room. The step then claims by id the places the source was granted, and
 reports the load.
 
-Load, as Beam metrics (namespace :data:`LOAD_NAMESPACE`, set at most once a
-second per DoFn instance): ``held_requests`` and ``max_held_requests`` (the
-worker's hold and its bound), ``in_flight_requests``, ``waiting_requests``,
-``server_running_requests`` and ``server_waiting_requests`` (vLLM's own
-``/metrics``); counters ``pushback_waits`` and ``pushback_ms``.
+The step reports the worker's load (:mod:`pipeline.worker_load`), and counts
+its waits in the same namespace: ``pushback_waits`` and ``pushback_ms``.
 """
 
 from __future__ import annotations
@@ -49,45 +46,14 @@ from apache_beam.metrics import Metrics
 from pipeline.engine import EngineBase, EngineSettings
 from pipeline.engine_host import acquire_engine
 from pipeline.messages import InferenceRequest
+from pipeline.worker_load import LOAD_NAMESPACE, LoadGauges
 
 LOGGER = logging.getLogger(__name__)
 
-LOAD_NAMESPACE = "worker_load"
-_GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight": "in_flight_requests",
-           "waiting": "waiting_requests", "server_running": "server_running_requests",
-           "server_waiting": "server_waiting_requests"}
-# How often the load gauges are refreshed, and a waiting step says so in the log.
-GAUGE_INTERVAL_S = 1.0
+# How often a waiting step says so in the log.
 PUSHBACK_LOG_INTERVAL_S = 60.0
 _MAX_BACKOFF_S = 0.5
-
-# Per step, when this process last refreshed the load gauges (see LoadGauges).
-_UPDATED_AT: dict[str, float] = {}
-
-
-class LoadGauges:
-    """The worker's load as Beam gauges, refreshed by a step at most every :data:`GAUGE_INTERVAL_S` per process.
-
-    The interval is kept per process and step, not per instance: a runner may build a DoFn
-    instance per bundle (the DirectRunner does), and a step polls many times a second.
-    """
-
-    def __init__(self, step: str) -> None:
-        self._step = step
-        self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
-
-    def update(self, engine: EngineBase) -> None:
-        now = time.monotonic()
-        if now - _UPDATED_AT.get(self._step, float("-inf")) < GAUGE_INTERVAL_S:
-            return
-        _UPDATED_AT[self._step] = now
-        try:
-            load = engine.load()
-        except (ConnectionError, EOFError):
-            return  # the engine is being reconnected; the next update reports
-        for key, gauge in self._gauges.items():
-            if load.get(key) is not None:
-                gauge.set(int(load[key]))
+_LOGGED_AT: list[float] = [float("-inf")]  # when this process last logged a wait
 
 
 class _AdmitFn(beam.DoFn):
@@ -145,8 +111,8 @@ class _AdmitFn(beam.DoFn):
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
             self._gauges.update(self._engine)
             now = time.monotonic()
-            if now - _UPDATED_AT.get("pushback log", float("-inf")) >= PUSHBACK_LOG_INTERVAL_S:
-                _UPDATED_AT["pushback log"] = now
+            if now - _LOGGED_AT[0] >= PUSHBACK_LOG_INTERVAL_S:
+                _LOGGED_AT[0] = now
                 LOGGER.info("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
                             "of the subscription stays unacknowledged until a request finishes",
                             self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)

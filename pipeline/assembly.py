@@ -19,7 +19,7 @@ from apache_beam.runners.runner import PipelineResult
 from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError, WriteToBigQueryTable,
                                     ensure_table)
 from pipeline.admission import AdmitRequests
-from pipeline.bucketing import BatchRequests
+from pipeline.batching import BatchRequests
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.engine_host import new_engine_tag

@@ -5,7 +5,7 @@ One engine per worker VM (shared through Beam's ``MultiProcessShared``, see
 ``submit_batch`` starts requests and returns at once; ``poll`` hands back
 whatever chunks, completions or dead letters have accumulated. Two engines
 implement it: :mod:`pipeline.vllm_engine` (many requests in flight against a
-vLLM server, continuous batching) and :mod:`pipeline.static_engine` (the model
+vLLM server, continuous batching) and :mod:`pipeline.transformers_engine` (the model
 in-process, each batch generated together).
 
 The engine holds at most ``max_in_flight`` unfinished streams: ``submit_batch``
@@ -78,7 +78,7 @@ class EngineSettings:
     server: ServerSpec | None  # None: use server_url (with engine "transformers": the model to load)
     server_url: str | None = None
     # "vllm": the model manager's server (or server_url); "transformers": the model in-process,
-    # each batch generated together (pipeline.static_engine).
+    # each batch generated together (pipeline.transformers_engine).
     engine: str = "vllm"
     served_model_name: str | None = None
     prompt_format: str = "chat"
@@ -142,7 +142,7 @@ class Stream:
 class EngineBase:
     """What every engine shares: the registry of streams that ``poll`` reads, chunk publishing and outcomes.
 
-    An engine is built once per worker (see :func:`pipeline.inference.acquire_engine`)
+    An engine is built once per worker (see :func:`pipeline.engine_host.acquire_engine`)
     and called through Beam's cross-process proxy: ``submit_batch`` starts requests
     and returns at once, ``poll`` hands back what they produced. Subclasses say how
     many of a batch they take (``_room``) and how they generate (``_start``).

@@ -18,7 +18,7 @@ import uuid
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
 from pipeline.engine import EngineBase, EngineSettings
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 
 # Engines this process has acquired, by tag. Runners may set up and tear down
 # DoFn instances per bundle (the DirectRunner does), so the reference is held
@@ -36,11 +36,11 @@ def new_engine_tag(settings: EngineSettings) -> str:
 def build_engine(settings: EngineSettings) -> EngineBase:
     """The engine the settings name; transformers is imported only by workers that use it."""
     if settings.engine == "transformers":
-        from pipeline.static_engine import StaticBatchEngine
+        from pipeline.transformers_engine import TransformersEngine
         if not logging.getLogger().handlers:  # its own process (see acquire_engine): log where the worker does
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return StaticBatchEngine(settings)
-    return StreamingEngine(settings)
+        return TransformersEngine(settings)
+    return VLLMEngine(settings)
 
 
 def acquire_engine(settings: EngineSettings, tag: str, *, fresh: bool = False) -> EngineBase:

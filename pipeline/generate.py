@@ -13,7 +13,7 @@ streams; the template runs this way.
 
 Each batch from the batcher is submitted as one unit (``submit_batch``): the
 vLLM engine takes the requests it has room for, the transformers engine
-(:mod:`pipeline.static_engine`) generates the batch together or takes none of
+(:mod:`pipeline.transformers_engine`) generates the batch together or takes none of
 it yet; what is not taken waits with its batch id, and is admitted batch by
 batch.
 
@@ -56,7 +56,6 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline.admission import LoadGauges
 from pipeline.dedupe import SeenIds
 from pipeline.element_guard import guarded
 from pipeline.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
@@ -64,6 +63,7 @@ from pipeline.engine_host import acquire_engine, new_engine_tag
 from pipeline.keying import generate_key
 from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 from pipeline.state_format import StateFormatError, read_cell, write_cell
+from pipeline.worker_load import LoadGauges
 
 LOGGER = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the key space is split into ranges of the keys' hashes over the workers. Two
 steps of the template are keyed:
 
 * ``BatchRequests``: ``"bucket:shard"`` with ``shard_of(id, num_shards)`` (the bucket is
-  ``"prompt.answer"`` with answer buckets, see :mod:`pipeline.bucketing`).
+  ``"prompt.answer"`` with answer buckets, see :mod:`pipeline.batching`).
   Few keys per bucket let batches fill within ``max_batch_delay_ms``.
 * ``StreamingGenerate``: ``generate_key(id, generate_shards)``. Its worker's
   engine serves the request, so these keys decide each GPU's share of the

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.bucketing import BatchingConfig, default_boundaries, parse_boundaries
+from pipeline.batching import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.lora_adapters import VLLM_LORA_RANKS, Adapter, parse_adapters
 from pipeline.model_access import SECRET_VERSION_REGEX
 from pipeline.request_defaults import RequestDefaults

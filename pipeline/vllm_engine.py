@@ -1,6 +1,6 @@
 """The vLLM engine: many requests in flight against one OpenAI-compatible server.
 
-:class:`StreamingEngine` implements the engine contract (:mod:`pipeline.engine`)
+:class:`VLLMEngine` implements the engine contract (:mod:`pipeline.engine`)
 for vLLM. It owns the model manager's server (or calls ``server_url``) and
 streams each request to it from an asyncio loop on a background thread;
 vLLM's continuous batching sees every in-flight request, so a short request
@@ -46,7 +46,7 @@ class RetryableError(Exception):
     """The server was unreachable or broke off; the request can be sent again."""
 
 
-class StreamingEngine(EngineBase):
+class VLLMEngine(EngineBase):
     """Hosts the vLLM server (if managed) and streams requests to it concurrently."""
 
     def __init__(self, settings: EngineSettings) -> None:

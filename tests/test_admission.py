@@ -20,7 +20,7 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.generate import _StreamingGenerateFn
 from pipeline.messages import InferenceRequest
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
@@ -39,7 +39,7 @@ def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> Infe
 
 
 def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_server):
-    engine = StreamingEngine(settings_for(vllm_server.base_url))
+    engine = VLLMEngine(settings_for(vllm_server.base_url))
     try:
         admitted = [f"adm-{i}" for i in range(10)]
         assert engine.admit(admitted) == 4, "max_in_flight + worker_queue"
@@ -76,7 +76,7 @@ def test_a_full_worker_holds_the_read_bundle_until_the_generate_step_frees_room(
     """The Dataflow path: the admission step waits inside its bundle while the generate step, with its
     waiting requests reported, works its backlog down; then the held element goes on."""
     settings = settings_for(vllm_server.base_url, max_in_flight=2, worker_queue=1)
-    engine = StreamingEngine(settings)
+    engine = VLLMEngine(settings)
     generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
     generate._engine = engine
     driver = Driver([Worker("worker", generate, engine)])
@@ -114,7 +114,7 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
     bundle of many requests on a full worker passes one per place freed, never the rest at once. Once only
     open bundles hold the worker (nothing else can free a place), it goes on rather than wait forever."""
     settings = settings_for(vllm_server.base_url, max_in_flight=2, worker_queue=1)
-    engine = StreamingEngine(settings)
+    engine = VLLMEngine(settings)
     generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
     generate._engine = engine
     driver = Driver([Worker("worker", generate, engine)])

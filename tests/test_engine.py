@@ -16,21 +16,21 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.messages import InferenceRequest
 from pipeline.vllm_server import RUNNING_METRIC, free_port, server_metrics
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 from local.engine_driver import drive_to_end
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
 
 
-def engine_for(url: str, **overrides) -> StreamingEngine:
+def engine_for(url: str, **overrides) -> VLLMEngine:
     settings = dict(server=None, server_url=url, served_model_name=SERVED_NAME,
                     chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100), request_timeout_s=120)
     settings.update(overrides)
-    return StreamingEngine(EngineSettings(**settings))
+    return VLLMEngine(EngineSettings(**settings))
 
 
-def run_to_end(engine: StreamingEngine, requests: list[InferenceRequest], timeout_s: float = 180):
+def run_to_end(engine: VLLMEngine, requests: list[InferenceRequest], timeout_s: float = 180):
     """Every request's outputs, driven as the generate step drives the engine, never past max_in_flight."""
     def within_bound() -> None:
         assert engine.in_flight() <= engine.settings.max_in_flight

@@ -19,7 +19,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.bucketing import BatchingConfig, BatchRequests
+from pipeline.batching import BatchingConfig, BatchRequests
 from pipeline.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
 from pipeline.parsing import ParseRequests
 from pipeline.prompt_length import MeasurePromptLength

@@ -69,7 +69,7 @@ def test_the_default_generate_keys_keep_a_hundred_workers_busy_and_local_runs_us
 
 def test_the_batchers_shard_is_the_generate_key_when_the_counts_agree():
     """Why the template skips re-keying when generate_shards equals num_shards (as on local runners)."""
-    from pipeline.bucketing import BatchingConfig, _keyed
+    from pipeline.batching import BatchingConfig, _keyed
 
     config = BatchingConfig(boundaries=(16, 64), num_shards=8)
     for request_id in IDS[:2000]:

@@ -9,6 +9,7 @@ count too: they run on the worker when called.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,3 +74,22 @@ def test_the_layout_test_sees_a_local_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from local.direct_runner import main\n    import benchmarks.scale\n")
     assert {"local.direct_runner", "benchmarks.scale"} <= imports(module)
+
+
+def test_the_architecture_page_names_every_worker_module_and_no_other():
+    page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([a-z_]+)\.py` \|", page, flags=re.M))
+    modules = {path.stem for path in (REPO / "pipeline").glob("*.py") if path.stem != "__init__"}
+    assert listed == modules, {"not listed": sorted(modules - listed), "no such module": sorted(listed - modules)}
+
+
+def test_every_reference_to_a_worker_module_names_one_that_exists():
+    """Docstrings and docs that point at ``pipeline.x`` (or ``pipeline/x.py``) point at a module that is there."""
+    modules = {path.stem for path in (REPO / "pipeline").glob("*.py")}
+    texts = [*(REPO / "pipeline").glob("*.py"), *(REPO / "local").glob("*.py"), *(REPO / "docs").glob("*.md"),
+             REPO / "README.md"]
+    reference = re.compile(r"pipeline/([a-z_]+)\.py|(?<![\w/.])pipeline\.([a-z_]+)(?=[`.\s:,)])")
+    dangling = {(path.name, name) for path in texts
+                for found in reference.findall(path.read_text(encoding="utf-8")) for name in found
+                if name and name not in modules}
+    assert not dangling, sorted(dangling)

@@ -23,7 +23,7 @@ from pipeline.chunking import ChunkPolicy
 from pipeline.engine import EngineSettings
 from pipeline.generate import _StreamingGenerateFn, decode_entry
 from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest, parse_request
-from pipeline.vllm_engine import StreamingEngine
+from pipeline.vllm_engine import VLLMEngine
 from pipeline.leases import ABANDONED_LEASES
 from tests.conftest import SERVED_NAME, wait_until
 from local.runner_semantics import Driver, KeyState, Worker, entry_v1
@@ -51,7 +51,7 @@ def workers(vllm_server):
                                      chunk_policy=ChunkPolicy(chunk_tokens=3, interval_ms=100))
     made = []
     for name in ("worker-a", "worker-b"):
-        engine = StreamingEngine(engine_settings)
+        engine = VLLMEngine(engine_settings)
         dofn = _StreamingGenerateFn(engine_settings, f"driver-{name}", POLL_MS, dedupe_window_s=600,
                                     drain_timeout_s=20)
         dofn._engine = engine

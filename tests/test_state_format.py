@@ -14,7 +14,7 @@ from apache_beam import pvalue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.bucketing import BatchingConfig, BucketCounters, _BatchFn
+from pipeline.batching import BatchingConfig, BucketCounters, _BatchFn
 from pipeline.dedupe import SeenIds
 from pipeline.generate import _Progress, decode_entry
 from pipeline.messages import STAGE_BATCH, InferenceRequest

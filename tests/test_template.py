@@ -81,13 +81,13 @@ def test_gpu_settings_travel_to_the_workers_whatever_the_launcher_has():
 
 def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_server():
     from pipeline.messages import InferenceRequest
-    from pipeline.vllm_engine import StreamingEngine
+    from pipeline.vllm_engine import VLLMEngine
 
     config = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))
     settings = engine_settings(config)
     assert settings.priority_boundaries == config.batching().boundaries
     # An engine for an unreachable address: only its request payloads are looked at.
-    engine = StreamingEngine(dataclasses.replace(settings, server=None, server_url="http://127.0.0.1:9",
+    engine = VLLMEngine(dataclasses.replace(settings, server=None, server_url="http://127.0.0.1:9",
                                                  served_model_name="m", chunk_topic=None, chunks_to_pipeline=True))
     try:
         _, short = engine._payload(InferenceRequest(id="a", prompt="hi", prompt_tokens=20))

@@ -14,7 +14,7 @@ from apache_beam.transforms import window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.bucketing import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig, BatchRequests,
+from pipeline.batching import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig, BatchRequests,
                                 _BatchFn, _keyed, padding)
 from pipeline.messages import InferenceRequest
 

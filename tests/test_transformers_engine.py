@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from pipeline.bucketing import BatchingConfig
+from pipeline.batching import BatchingConfig
 from pipeline.chunking import ChunkPolicy
 from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
 from pipeline.keying import bucket_index
 from pipeline.messages import InferenceRequest
 from pipeline.vllm_server import ServerSpec
 from pipeline.prompt_length import TokenizerMeter
-from pipeline.static_engine import StaticBatchEngine
+from pipeline.transformers_engine import TransformersEngine
 from local.engine_driver import drive_to_end
 
 pytestmark = pytest.mark.engine
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    engine = StaticBatchEngine(EngineSettings(
+    engine = TransformersEngine(EngineSettings(
         server=ServerSpec(model=str(checkpoint), dtype="float32", served_model_name="smollm2"), engine="transformers",
         chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100), max_in_flight=8))
     yield engine
@@ -33,7 +33,7 @@ def request(request_id: str, prompt: str, **params) -> InferenceRequest:
     return InferenceRequest(id=request_id, prompt=prompt, received_at=time.time(), **params)
 
 
-def run_batch(engine: StaticBatchEngine, requests: list[InferenceRequest], timeout_s: float = 300):
+def run_batch(engine: TransformersEngine, requests: list[InferenceRequest], timeout_s: float = 300):
     """Submits the requests as one batch and drives them to their outcomes: id -> [(kind, record), ...]."""
     return drive_to_end(engine, requests, as_batch=True, timeout_s=timeout_s, poll_s=0.02).outputs
 

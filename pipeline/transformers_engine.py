@@ -3,7 +3,7 @@
 This is the engine the length-bucketing argument is about, and the baseline
 vLLM is measured against. Each worker loads the model once, in a process of its
 own that its SDK processes reach through Beam's ``MultiProcessShared`` (see
-:func:`pipeline.inference.acquire_engine`), takes each batch the batcher formed
+:func:`pipeline.engine_host.acquire_engine`), takes each batch the batcher formed
 as one unit, left-pads it to its longest prompt and runs transformers'
 ``generate`` over the whole batch. A finished sequence's record goes out at
 once, but its row is computed on until the longest one ends, so one long prompt
@@ -98,7 +98,7 @@ class _Row:
         return self.finish_reason is not None
 
 
-class StaticBatchEngine(EngineBase):
+class TransformersEngine(EngineBase):
     """Loads the model in-process and generates each submitted batch together, one batch at a time."""
 
     def __init__(self, settings: EngineSettings) -> None:
@@ -290,7 +290,7 @@ def _or(value: float | None, default: float) -> float:
 class _Steps:
     """The streamer ``generate`` feeds: the prompt once, then each step's new token for every row."""
 
-    def __init__(self, engine: StaticBatchEngine, rows: list[_Row]) -> None:
+    def __init__(self, engine: TransformersEngine, rows: list[_Row]) -> None:
         self._engine, self.rows = engine, rows
         self.count = 0  # decoding steps run
         self._prompt_seen = False
