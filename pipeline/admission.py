@@ -25,7 +25,8 @@ spreads keys and source splits evenly, so each worker's hold reflects its
 share; a skewed spread can hold more on one worker than the bound.
 
 On a local runner the read itself waits instead (``local/direct_runner.py``
-takes only what the worker's engine grants, :meth:`~pipeline.engine.EngineBase.admit_count`): the DirectRunner runs every
+takes only what the worker's engine grants,
+:meth:`~pipeline.engine.EngineBase.admit_count`): the DirectRunner runs every
 step on one thread, so a step that waited would stop the timers that free
 room. The step then claims by id the places the source was granted, and
 reports the load.
