@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if own.keep_pipeline_off_model_cores == "true":
         keep_pipeline_off_local_model(own.server_url)
     # Beam's default DirectRunner first tries Prism, which needs a download: the bundle-based one runs here.
-    template_args = [arg for arg in template_args if arg not in ("--runner=DirectRunner", "--runner=SwitchingDirectRunner")]
+    template_args = [arg for arg in template_args
+                     if arg not in ("--runner=DirectRunner", "--runner=SwitchingDirectRunner")]
     if not any(arg.startswith("--runner") for arg in template_args):
         template_args.append("--runner=BundleBasedDirectRunner")
     try:

@@ -31,7 +31,7 @@ class WeightsError(ValueError):
 
 
 def location_kind(location: str) -> str:
-    """``gcs`` (copied down), ``local`` (a folder on the worker) or ``hub`` (a Hugging Face id, fetched by the loader)."""
+    """``gcs`` (copied down), ``local`` (a folder on the worker) or ``hub`` (a Hugging Face id the loader fetches)."""
     if location.startswith("gs://"):
         return GCS
     return LOCAL if location.startswith(LOCAL_FOLDER_PREFIXES) else HUB
