@@ -38,6 +38,18 @@ def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> Infe
                             min_tokens=min_tokens, temperature=0.0, received_at=time.time())
 
 
+def full_worker(base_url: str) -> tuple[EngineSettings, VLLMEngine, Driver, _AdmitFn]:
+    """A worker of 3 places (2 in flight, 1 waiting): its engine, the generate step under the runner stand-in,
+    and its admission step as Dataflow runs it (waiting inside its bundle)."""
+    settings = settings_for(base_url, max_in_flight=2, worker_queue=1)
+    engine = VLLMEngine(settings)
+    generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
+    generate._engine = engine
+    admit = _AdmitFn(settings, "admission-test", wait=True)
+    admit._engine = engine
+    return settings, engine, Driver([Worker("worker", generate, engine)]), admit
+
+
 def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_server):
     engine = VLLMEngine(settings_for(vllm_server.base_url))
     try:
@@ -75,13 +87,7 @@ def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_
 def test_a_full_worker_holds_the_read_bundle_until_the_generate_step_frees_room(vllm_server):
     """The Dataflow path: the admission step waits inside its bundle while the generate step, with its
     waiting requests reported, works its backlog down; then the held element goes on."""
-    settings = settings_for(vllm_server.base_url, max_in_flight=2, worker_queue=1)
-    engine = VLLMEngine(settings)
-    generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
-    generate._engine = engine
-    driver = Driver([Worker("worker", generate, engine)])
-    admit = _AdmitFn(settings, "admission-test", wait=True)
-    admit._engine = engine
+    settings, engine, driver, admit = full_worker(vllm_server.base_url)
     try:
         driver.deliver("shard-0", [request(i) for i in range(5)])  # 2 in flight, 3 waiting in state
         load = engine.load()
@@ -113,13 +119,7 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
     """An admitted request counts until the generate step has it, also while its bundle is still open: a
     bundle of many requests on a full worker passes one per place freed, never the rest at once. Once only
     open bundles hold the worker (nothing else can free a place), it goes on rather than wait forever."""
-    settings = settings_for(vllm_server.base_url, max_in_flight=2, worker_queue=1)
-    engine = VLLMEngine(settings)
-    generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
-    generate._engine = engine
-    driver = Driver([Worker("worker", generate, engine)])
-    admit = _AdmitFn(settings, "admission-test", wait=True)
-    admit._engine = engine
+    settings, engine, driver, admit = full_worker(vllm_server.base_url)
     bundle = [request(i) for i in range(10, 18)]
     passed: list[tuple[str, dict]] = []
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pipeline.batching import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig, BatchRequests,
                                 _BatchFn, _keyed, padding)
 from pipeline.messages import InferenceRequest
+from tests.state_stand_in import Cell, Timer
 
 _COLLECTED: dict[str, list] = defaultdict(list)
 
@@ -159,36 +160,6 @@ def test_the_real_dofn_emits_every_request_exactly_once_within_the_target(target
     assert all(len({config.bucket_name(t, budget[i]) for i, t in b}) == 1 for b in batches)
 
 
-class _Cell:
-    """A value or bag state cell between work items."""
-
-    def __init__(self) -> None:
-        self.value = None
-
-    def read(self):
-        return self.value
-
-    def write(self, value) -> None:
-        self.value = value
-
-    def add(self, value) -> None:
-        self.value = [*(self.value or []), value]
-
-    def clear(self) -> None:
-        self.value = None
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.at: float | None = None
-
-    def set(self, timestamp) -> None:
-        self.at = float(timestamp)
-
-    def clear(self) -> None:
-        self.at = None
-
-
 class _GlobalWindow:
     def max_timestamp(self):
         return window.GlobalWindow().max_timestamp()
@@ -201,7 +172,7 @@ def batch_on_a_clock(config: BatchingConfig, arrivals: list[tuple[float, Inferen
     """
     now = [0.0]
     batcher = _BatchFn(config, clock=lambda: now[0])
-    keys: dict[str, tuple[_Cell, _Cell, _Timer]] = {}
+    keys: dict[str, tuple[Cell, Cell, Timer]] = {}
     batches, arrived, waits = [], {}, {}
 
     def collect(outputs) -> None:
@@ -221,10 +192,10 @@ def batch_on_a_clock(config: BatchingConfig, arrivals: list[tuple[float, Inferen
         fire_until(at)
         now[0] = max(now[0], at)
         (key, keyed), = _keyed(config, request)
-        buffer, counters, timer = keys.setdefault(key, (_Cell(), _Cell(), _Timer()))
+        buffer, counters, timer = keys.setdefault(key, (Cell(), Cell(), Timer()))
         arrived[request.id] = now[0]
         collect(batcher.process((key, keyed), window=_GlobalWindow(), buffer=buffer, counters=counters,
-                                flush=timer, window_end=_Timer()))
+                                flush=timer, window_end=Timer()))
     fire_until(float("inf"))
     return batches, waits
 

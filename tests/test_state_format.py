@@ -19,38 +19,12 @@ from pipeline.dedupe import SeenIds
 from pipeline.generate import _Progress, decode_entry
 from pipeline.messages import STAGE_BATCH, InferenceRequest
 from pipeline.state_format import StateFormatError, read_cell
+from tests.state_stand_in import Cell, Timer
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                      max_leaves=10)
 _texts = st.one_of(st.text(max_size=40), _json.map(json.dumps))
-
-
-class Cell:
-    """A value or bag state cell as the runner keeps it between work items."""
-
-    def __init__(self, value=None) -> None:
-        self.value = value
-
-    def read(self):
-        return self.value
-
-    def write(self, value) -> None:
-        self.value = value
-
-    def add(self, value) -> None:
-        self.value = [*(self.value or []), value]
-
-    def clear(self) -> None:
-        self.value = None
-
-
-class Timer:
-    def set(self, timestamp) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
 
 
 def a_request(i: int) -> InferenceRequest:
