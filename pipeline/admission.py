@@ -7,8 +7,8 @@ batcher's shuffle is that stage, and :class:`AdmitRequests` is its last step.
 It asks the worker's engine for room (:meth:`~pipeline.engine.EngineBase.admit`:
 what the worker holds is its unfinished streams, the requests its generate
 step reports waiting in state, and those admitted and not yet arrived there,
-counted by id: :mod:`pipeline.worker_hold`). While the worker holds ``max_in_flight + worker_queue`` requests, the
-step waits: its bundle does not commit, its messages stay unacknowledged,
+counted by id: :mod:`pipeline.worker_hold`). While the worker holds
+``max_in_flight + worker_queue`` requests, the step waits: its bundle does not commit, its messages stay unacknowledged,
 and the rest of the backlog is never pulled. Pub/Sub keeps it durably, at no
 cost to the job, and counts it as the subscription's backlog, which is what
 Dataflow's autoscaler reads ("Horizontal Autoscaling"); in keyed state it

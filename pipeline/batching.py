@@ -130,6 +130,7 @@ class BucketCounters:
                 return cls(count, tokens)
         except (ValueError, TypeError):
             pass
+        Metrics.counter("bucketing", "undecodable_state_entries").inc()
         LOGGER.error("A batcher's counters cannot be read (%r); counting from zero", text[:80])
         return cls()
 

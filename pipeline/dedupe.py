@@ -16,7 +16,7 @@ from typing import Any
 
 from apache_beam.metrics import Metrics
 
-from pipeline.state_format import StateFormatError, read_cell, write_cell
+from pipeline.state_format import StateFormatError, check_cell, write_cell
 
 LOGGER = logging.getLogger(__name__)
 # Version 1: the ids object itself (no "v"); 2: {"ids": ..., "v": 2}, so that a request id can be anything.
@@ -84,8 +84,7 @@ def _read(text: str | None) -> dict[str, list]:
     try:
         data = json.loads(text)
         legacy = isinstance(data, dict) and not isinstance(data.get("v"), int)  # version 1: "v" can be an id
-        ids = data if legacy else read_cell(
-            text, (SEEN_VERSION,), {"ids": (dict,)})["ids"]
+        ids = data if legacy else check_cell(data, (SEEN_VERSION,), {"ids": (dict,)})["ids"]
         for entry in ids.values():
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
                     and (entry[1] is None or isinstance(entry[1], (int, float)))):

@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from pipeline.chunk_publisher import ChunkPublisher
 from pipeline.chunking import ChunkAssembler, ChunkPolicy
@@ -271,7 +271,7 @@ class EngineBase:
         with self._lock:
             self._hold.dispatched(time.time(), ids)
 
-    def report_waiting(self, holder: str, count: int, arrived: list[str] = ()) -> None:
+    def report_waiting(self, holder: str, count: int, arrived: Sequence[str] = ()) -> None:
         """What one key of the generate step holds in state, waiting for room (a report lapses unrenewed),
         and the ids that reached it since its last report: they no longer count as on their way."""
         with self._lock:

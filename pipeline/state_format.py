@@ -3,10 +3,12 @@
 A Dataflow update hands the replacement job the old job's state as the old code
 wrote it ("Update an existing pipeline"). A cell this code cannot read must not
 raise: its work item would be retried for ever and wedge its key. So every cell
-the template writes is a JSON object with a version ``"v"`` (cells written before
-versions existed have none, and are version 1 of their kind), and every reader
-goes through :func:`read_cell`, which says what is wrong in a
-:class:`StateFormatError`. The step then turns what it cannot read into a dead
+that holds requests or their bookkeeping as records (the generate step's entries,
+progress and ids, the batcher's buffer) is a JSON object with a version ``"v"``
+(cells written before versions existed have none, and are version 1 of their
+kind), and its reader goes through :func:`read_cell`, which says what is wrong in
+a :class:`StateFormatError`. The batcher's counters (checked when read) and the
+timer bookkeeping (integers, under Beam's integer coder) carry no version. The step then turns what it cannot read into a dead
 letter with the raw text (or, for bookkeeping that holds no request, a logged
 error and the ``undecodable_state_entries`` counter) and goes on.
 """
@@ -31,6 +33,11 @@ def read_cell(text: Any, versions: tuple[int, ...], required: dict[str, tuple[ty
         data = json.loads(text)
     except (json.JSONDecodeError, TypeError) as exc:
         raise StateFormatError(f"not JSON: {exc}") from None
+    return check_cell(data, versions, required)
+
+
+def check_cell(data: Any, versions: tuple[int, ...], required: dict[str, tuple[type, ...]]) -> dict[str, Any]:
+    """:func:`read_cell` for a cell already parsed (a reader that must look at it first, for an older format)."""
     if not isinstance(data, dict):
         raise StateFormatError(f"not an object: {type(data).__name__}")
     version = data.get("v", 1)

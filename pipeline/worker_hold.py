@@ -65,8 +65,8 @@ class WorkerHold:
         one when the worker is full of requests in open bundles alone, which only their finishing frees."""
         if held < bound:
             return bound - held
-        self.counts(now)
-        return 1 if held == sum(1 for _, sent in self._ids.values() if sent is None) else 0
+        open_ids = sum(1 for at, sent in self._ids.values() if sent is None and now - at < self.unclaimed_s)
+        return 1 if held == open_ids else 0
 
     def grant(self, now: float, count: int) -> None:
         if count > 0:
