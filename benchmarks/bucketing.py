@@ -30,9 +30,9 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 
 from local.direct_runner import apply_local_runner_fixes
 from local.emulators import PubSubEmulator
-from pipeline.batching import BatchingConfig, BatchRequests, default_boundaries, padding
-from pipeline.parsing import ParseRequests
-from pipeline.prompt_length import ESTIMATOR_CHARS, MeasurePromptLength
+from pipeline.flow.batching import BatchingConfig, BatchRequests, default_boundaries, padding
+from pipeline.intake.parsing import ParseRequests
+from pipeline.intake.prompt_length import ESTIMATOR_CHARS, MeasurePromptLength
 
 
 def workload(count: int, seed: int) -> list[int]:

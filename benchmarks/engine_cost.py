@@ -1,7 +1,7 @@
 """``make bench-engine-cost``: what the engine costs a worker per token, apart from the DirectRunner.
 
 On Dataflow the DirectRunner's machinery does not run. What runs on every
-GPU worker is the engine (:class:`~pipeline.vllm_engine.VLLMEngine`: the
+GPU worker is the engine (:class:`~pipeline.engines.vllm_engine.VLLMEngine`: the
 server-sent-event client, chunk assembly, the chunk publisher, submit and
 poll) and the vLLM server's API front end, which turns generated tokens into
 HTTP events. This drives the real engine directly, as the generate step does
@@ -38,11 +38,11 @@ from benchmarks.side_by_side.systems import RawVLLM
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.emulators import PubSubEmulator
 from local.engine_driver import drive_to_end
-from pipeline.chunking import ChunkPolicy
-from pipeline.engine import COMPLETION, EngineSettings
-from pipeline.generate import template_poll_interval_ms
-from pipeline.messages import InferenceRequest
-from pipeline.vllm_engine import VLLMEngine
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import COMPLETION, EngineSettings
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.generation.generate import template_poll_interval_ms
 
 CHUNKS = ChunkPolicy()  # the template's defaults: chunk_tokens 8, interval 200 ms
 POLL_S = template_poll_interval_ms(CHUNKS.interval_ms) / 1000  # the generate step's polling cadence

@@ -3,7 +3,7 @@
 Two servers of the same model, started the way the template starts them: one
 alone, one with four adapters (``--enable-lora``, the template's
 ``lora_adapters``; untrained, random, rank 8, built here with peft). The real
-engine (:class:`~pipeline.vllm_engine.VLLMEngine`) drives each with the
+engine (:class:`~pipeline.engines.vllm_engine.VLLMEngine`) drives each with the
 same burst of mixed prompts, polled as the generate step polls, and the
 prompts name no adapter, one, or four in turn:
 
@@ -40,10 +40,10 @@ from benchmarks.side_by_side.stats import RunResult, Spread, ratio, summarize
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.toy_adapters import build_adapter
-from pipeline.engine import EngineSettings
-from pipeline.lora_adapters import Adapter
-from pipeline.model_weights import cache_root
-from pipeline.vllm_engine import VLLMEngine
+from pipeline.engines.engine import EngineSettings
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.serving.lora_adapters import Adapter
+from pipeline.serving.model_weights import cache_root
 
 ADAPTERS = 4
 RANK = 8

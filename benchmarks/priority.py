@@ -24,10 +24,10 @@ import aiohttp
 
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
-from pipeline.batching import default_boundaries
-from pipeline.keying import bucket_index
-from pipeline.vllm_server import ServerSpec, VLLMServer
-from pipeline.prompt_length import estimate_tokens
+from pipeline.contract.keying import bucket_index
+from pipeline.flow.batching import default_boundaries
+from pipeline.intake.prompt_length import estimate_tokens
+from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 
 SHORT = ["What is the capital of France?", "Name a primary color.", "What is 7 times 8?", "What do bees make?"]
 PARAGRAPH = ("The river wound through the valley, past farms and mills, carrying boats of grain to the towns "

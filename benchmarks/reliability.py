@@ -36,7 +36,7 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT, LocalRun, requests_at_server, server_pids_in_log
-from pipeline.vllm_server import ServerSpec, VLLMServer
+from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 from tests.hostile_inputs import carries_too_long_id, hostile_corpus
 
 LOGGER = logging.getLogger("reliability")

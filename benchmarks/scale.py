@@ -30,9 +30,9 @@ from typing import Callable
 
 from apache_beam.coders import StrUtf8Coder, VarIntCoder
 
-from pipeline.generate import WAITING_POLL_CAP_S, template_poll_interval_ms
-from pipeline.keying import generate_key
-from pipeline.options import PARAMETERS
+from pipeline.config.options import PARAMETERS
+from pipeline.contract.keying import generate_key
+from pipeline.generation.generate import WAITING_POLL_CAP_S, template_poll_interval_ms
 
 WORKERS = (1, 2, 4, 8, 16, 32, 64, 100)
 DEFAULT_CHUNK_INTERVAL_MS = next(p.default for p in PARAMETERS if p.name == "chunk_interval_ms")
@@ -83,7 +83,7 @@ def streaming_engine_cost(keys: int | None, in_flight: float, requests_per_s: fl
     A key polls at the chunk cadence while it has a request in flight: busy
     keys are the occupied bins when ``in_flight`` requests fall on ``keys``
     keys. A key whose requests only wait backs off to a poll every
-    :data:`~pipeline.generate.WAITING_POLL_CAP_S`: the bins ``waiting``
+    :data:`~pipeline.generation.generate.WAITING_POLL_CAP_S`: the bins ``waiting``
     requests occupy that no in-flight request does. A key that goes quiet fires
     once more, a de-duplication window later, to forget its ids: at most once
     per request, at most once per key and window. Writes per firing and per

@@ -5,7 +5,7 @@ Arrivals rise tenfold for ten minutes. Two designs meet the same spike:
 - ``in state`` (the template before admission): every worker takes every
   message at once and queues what its engine has no room for in keyed state;
   the subscription's backlog, what the autoscaler reads, stays near zero.
-- ``in Pub/Sub`` (admission, :mod:`pipeline.admission`): a worker holds at most
+- ``in Pub/Sub`` (admission, :mod:`pipeline.flow.admission`): a worker holds at most
   ``max_in_flight + worker_queue`` requests; the rest stays unacknowledged in
   the subscription and counts as backlog.
 
@@ -32,7 +32,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from pipeline.options import PARAMETERS
+from pipeline.config.options import PARAMETERS
 
 DEFAULTS = {p.name: p.default for p in PARAMETERS}
 CLEAR_BACKLOG_S = 150.0

@@ -27,10 +27,10 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.runner_semantics import Driver, KeyState, Worker
 from pipeline.assembly import engine_settings
-from pipeline.generate import WAITING_POLL_CAP_S, _StreamingGenerateFn, template_poll_interval_ms
-from pipeline.messages import InferenceRequest
-from pipeline.options import PipelineConfig
-from pipeline.vllm_engine import VLLMEngine
+from pipeline.config.options import PipelineConfig
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.generation.generate import WAITING_POLL_CAP_S, _StreamingGenerateFn, template_poll_interval_ms
 
 IN_FLIGHT = 3
 

@@ -26,9 +26,9 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.engine_driver import drive_to_end
 from pipeline.assembly import engine_settings
-from pipeline.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
-from pipeline.options import PipelineConfig
-from pipeline.vllm_engine import VLLMEngine
+from pipeline.config.options import PipelineConfig
+from pipeline.contract.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
+from pipeline.engines.vllm_engine import VLLMEngine
 
 SERVED = "smollm2"
 FREE_WHITESPACE = "--structured-outputs-config.disable_any_whitespace false"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pipeline.model_weights import cache_root
+from pipeline.serving.model_weights import cache_root
 
 # A greedy chat question the embedded model answers right whenever its numeric path is right.
 KNOWN_QUESTION = "What is the capital of France?"

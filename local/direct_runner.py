@@ -34,7 +34,7 @@
 
 7. Its read acknowledges every message it pulls, and the prefetch above pulled up
    to 500 ahead: a backlog left the subscription for the pipeline's memory
-   within seconds. On Dataflow the admission step (:mod:`pipeline.admission`)
+   within seconds. On Dataflow the admission step (:mod:`pipeline.flow.admission`)
    holds its bundle, and so the messages, while the worker is full; here, where
    one thread runs every step, the read hands over only what that admission
    grants, and prefetches no more than the worker has room for.
@@ -63,8 +63,8 @@ from typing import Any
 
 from apache_beam.runners.runner import PipelineResult
 
-from pipeline.engine import EngineBase
-from pipeline.engine_host import acquired_engines
+from pipeline.engines.engine import EngineBase
+from pipeline.engines.engine_host import acquired_engines
 
 LOGGER = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     from local.core_placement import keep_pipeline_off_local_model
     from local.cpu_server import apply_server_environment
     from pipeline.assembly import run
-    from pipeline.options import ConfigError
+    from pipeline.config.options import ConfigError
     from template.main import configure_logging
 
     configure_logging()

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.model_weights import cache_root
+from pipeline.serving.model_weights import cache_root
 
 LOGGER = logging.getLogger(__name__)
 

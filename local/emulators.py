@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.vllm_server import free_port, terminate_process_group
+from pipeline.serving.vllm_server import free_port, terminate_process_group
 
 LOGGER = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +155,7 @@ class GcsEmulator(Emulator):
 
     def upload_folder(self, folder: Path, bucket: str, prefix: str) -> str:
         """Uploads every file under ``folder``; returns the gs:// URI of the copy."""
-        from pipeline.model_weights import storage_client
+        from pipeline.serving.model_weights import storage_client
 
         self.activate()
         client = storage_client()

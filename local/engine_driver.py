@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.engine import COMPLETION, DEAD_LETTER, EngineBase
-from pipeline.messages import InferenceRequest
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import COMPLETION, DEAD_LETTER, EngineBase
 
 
 @dataclass

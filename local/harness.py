@@ -219,7 +219,7 @@ class LocalRun:
 
 def requests_at_server(base_url: str) -> float:
     """Requests a vLLM server holds now, running and waiting, from its Prometheus metrics."""
-    from pipeline.vllm_server import server_metrics
+    from pipeline.serving.vllm_server import server_metrics
 
     return sum(server_metrics(base_url).values())
 

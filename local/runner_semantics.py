@@ -44,8 +44,8 @@ from typing import Any
 from apache_beam import pvalue
 from apache_beam.transforms.window import GlobalWindow
 
-from pipeline.engine import EngineBase
-from pipeline.generate import TAG_COMPLETIONS, TAG_DEAD_LETTERS, _StreamingGenerateFn
+from pipeline.engines.engine import EngineBase
+from pipeline.generation.generate import TAG_COMPLETIONS, TAG_DEAD_LETTERS, _StreamingGenerateFn
 
 BAGS = ("waiting", "inflight")
 VALUES = ("progress", "seen", "poll_at_ms", "wait_ms")

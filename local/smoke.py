@@ -28,7 +28,7 @@ from local.cpu_server import KNOWN_QUESTION, LOCAL_SERVER, known_answer_problem
 from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator
 from local.harness import REPO_ROOT, LocalRun, Received
-from pipeline.model_weights import cache_root
+from pipeline.serving.model_weights import cache_root
 
 PROMPTS = [
     {"id": "capital", "prompt": KNOWN_QUESTION, "temperature": 0, "max_tokens": 24},
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print("==> Starting the BigQuery emulator (dataset llm)", flush=True)
             bigquery = stack.enter_context(BigQueryEmulator())
             bigquery.activate()  # the pipeline subprocess inherits the emulator's address
-            from pipeline.bigquery_sink import bigquery_client
+            from pipeline.sinks.bigquery_sink import bigquery_client
             bigquery_client(bigquery.project).create_dataset("llm")
             tables = [f"--output_completions_table={bigquery.project}:llm.completions",
                       f"--output_chunks_table={bigquery.project}:llm.chunks",
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def completions_query() -> str:
-    from pipeline.bigquery_sink import bigquery_client
+    from pipeline.sinks.bigquery_sink import bigquery_client
 
     client = bigquery_client(os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"))
     rows = client.query("SELECT request_id, finish_reason, completion_tokens, time_to_first_token_ms "

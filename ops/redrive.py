@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from google.api_core import exceptions as api_exceptions
 from google.cloud import pubsub_v1
 
-from pipeline.messages import DeadLetter
+from pipeline.contract.messages import DeadLetter
 
 LOGGER = logging.getLogger("ops.redrive")
 PULL_BATCH = 100

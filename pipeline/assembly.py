@@ -1,7 +1,7 @@
 """Pipeline assembly: parse → measure → admit → batch → generate (streaming) → write.
 
 :func:`build` wires the reusable transforms from a validated
-:class:`~pipeline.options.PipelineConfig`; :func:`run` is what the Flex
+:class:`~pipeline.config.options.PipelineConfig`; :func:`run` is what the Flex
 Template entry point and ``make smoke`` call.
 """
 
@@ -16,22 +16,22 @@ from apache_beam.io.gcp.pubsub import ReadFromPubSub
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
-from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError, WriteToBigQueryTable,
-                                    ensure_table)
-from pipeline.admission import AdmitRequests
-from pipeline.batching import BatchRequests
-from pipeline.chunking import ChunkPolicy
-from pipeline.engine import EngineSettings
-from pipeline.engine_host import new_engine_tag
-from pipeline.generate import StreamingGenerate
-from pipeline.launch_checks import apply_launch_defaults, dataflow_launch_problems
-from pipeline.lora_adapters import launch_problems as adapter_launch_problems
-from pipeline.messages import RequestLimits
-from pipeline.vllm_server import ServerSpec
-from pipeline.options import ConfigError, PipelineConfig
-from pipeline.parsing import ParseRequests
-from pipeline.prompt_length import MeasurePromptLength
-from pipeline.pubsub_sink import PublishJson
+from pipeline.config.launch_checks import apply_launch_defaults, dataflow_launch_problems
+from pipeline.config.options import ConfigError, PipelineConfig
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import RequestLimits
+from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_host import new_engine_tag
+from pipeline.flow.admission import AdmitRequests
+from pipeline.flow.batching import BatchRequests
+from pipeline.generation.generate import StreamingGenerate
+from pipeline.intake.parsing import ParseRequests
+from pipeline.intake.prompt_length import MeasurePromptLength
+from pipeline.serving.lora_adapters import launch_problems as adapter_launch_problems
+from pipeline.serving.vllm_server import ServerSpec
+from pipeline.sinks.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError,
+                                          WriteToBigQueryTable, ensure_table)
+from pipeline.sinks.pubsub_sink import PublishJson
 
 LOGGER = logging.getLogger(__name__)
 LOCAL_RUNNERS = ("DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
@@ -54,7 +54,7 @@ def compact_json_by_default(vllm_args: tuple[str, ...]) -> bool:
 
 def engine_settings(config: PipelineConfig) -> EngineSettings:
     policy = ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms))
-    # The chunks topic is published by the engine itself (pipeline.chunk_publisher); chunks pass
+    # The chunks topic is published by the engine itself (pipeline.engines.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
     common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
@@ -90,7 +90,7 @@ def build(pipeline: beam.Pipeline, config: PipelineConfig) -> PipelineOutputs:
     """Adds the whole streaming inference graph to ``pipeline``.
 
     On a local runner the admission step does not wait (the local source admits, see
-    :mod:`pipeline.admission`).
+    :mod:`pipeline.flow.admission`).
     """
     # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
     adapters = None if config.server_url else tuple(adapter.name for adapter in config.adapters())

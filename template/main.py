@@ -23,7 +23,7 @@ def configure_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     configure_logging()
     from pipeline.assembly import run
-    from pipeline.options import ConfigError
+    from pipeline.config.options import ConfigError
 
     try:
         run(sys.argv[1:] if argv is None else argv)

@@ -15,8 +15,8 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator, Emulator, PubSubEmulator
 from pipeline.assembly import engine_settings
-from pipeline.vllm_server import ServerSpec, VLLMServer
-from pipeline.options import PipelineConfig
+from pipeline.config.options import PipelineConfig
+from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 
 SERVED_NAME = "smollm2"
 
@@ -83,7 +83,7 @@ def activated(emulator: Emulator):
 def bigquery():
     """The BigQuery emulator with a dataset named ``llm``."""
     with BigQueryEmulator() as running, activated(running):
-        from pipeline.bigquery_sink import bigquery_client
+        from pipeline.sinks.bigquery_sink import bigquery_client
         bigquery_client(running.project).create_dataset("llm")
         yield running
 

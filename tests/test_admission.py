@@ -15,12 +15,12 @@ import time
 import pytest
 
 from local.runner_semantics import Driver, Worker
-from pipeline.admission import _AdmitFn
-from pipeline.chunking import ChunkPolicy
-from pipeline.engine import EngineSettings
-from pipeline.generate import _StreamingGenerateFn
-from pipeline.messages import InferenceRequest
-from pipeline.vllm_engine import VLLMEngine
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import EngineSettings
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.flow.admission import _AdmitFn
+from pipeline.generation.generate import _StreamingGenerateFn
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine

@@ -14,9 +14,8 @@ from apache_beam.transforms import window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.batching import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig, BatchRequests,
-                                _BatchFn, _keyed, padding)
-from pipeline.messages import InferenceRequest
+from pipeline.contract.messages import InferenceRequest
+from pipeline.flow.batching import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig, BatchRequests, _BatchFn, _keyed, padding)
 from tests.state_stand_in import Cell, Timer
 
 _COLLECTED: dict[str, list] = defaultdict(list)

@@ -57,10 +57,10 @@ def test_summarize_measures_from_each_send_and_over_the_run_wall_time():
 
 def test_padding_comes_from_the_batches_the_static_engine_logs_and_cpu_counts_the_model():
     from benchmarks.side_by_side.systems import padded_share
-    from pipeline.transformers_engine import BATCH_LOG, BatchPadding
+    from pipeline.engines.transformers_engine import BATCH_LOG, BatchPadding
 
     batches = [BatchPadding(4, 160, 20, 480, 300), BatchPadding(2, 80, 0, 100, 10)]
-    log = "\n".join("2026-11-22 INFO pipeline.transformers_engine: " + BATCH_LOG % (
+    log = "\n".join("2026-11-22 INFO pipeline.engines.transformers_engine: " + BATCH_LOG % (
         b.requests, b.positions, b.padding, 100 * b.share, b.prompt_padding, b.prompt_positions, b.decode_padding,
         b.decode_positions, 1.5) for b in batches)
     assert padded_share(log) == pytest.approx(330 / 820)

@@ -11,8 +11,8 @@ import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, PARTITION_COLUMN, SCHEMAS,
-                                    TableError, WriteToBigQueryTable, bigquery_client, ensure_table)
+from pipeline.sinks.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, PARTITION_COLUMN, SCHEMAS,
+                                          TableError, WriteToBigQueryTable, bigquery_client, ensure_table)
 
 PROJECT = "local-project"
 COMPLETION = {"id": "r1", "attempt": 1, "stream": "s1", "model": "smollm2", "prompt": "Hi", "messages": None, "text": "Hello!",

@@ -9,8 +9,8 @@ import uuid
 
 from google.cloud import pubsub_v1
 
-from pipeline.chunk_publisher import ChunkPublisher
-from pipeline.messages import Chunk
+from pipeline.contract.messages import Chunk
+from pipeline.engines.chunk_publisher import ChunkPublisher
 from tests.conftest import wait_until
 
 

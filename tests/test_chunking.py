@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.chunking import ChunkAssembler, ChunkPolicy
+from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 
 
 def test_first_text_is_emitted_at_once_then_every_n_tokens():

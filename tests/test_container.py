@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,19 @@ def test_a_broken_image_fails_its_build_not_the_workers():
     result = subprocess.run([sys.executable, "-c", imports.group(1)], cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_images_install_carries_every_worker_module(tmp_path):
+    """Both images ``pip install .`` the project: what that installs is what a worker can import."""
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                             "--wheel-dir", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        packed = {name for name in archive.namelist() if name.endswith(".py")}
+    wanted = {path.relative_to(REPO).as_posix() for folder in ("pipeline", "template")
+              for path in (REPO / folder).rglob("*.py")}
+    assert wanted <= packed, sorted(wanted - packed)
 
 
 DEPLOY = dict(PROJECT="proj-123456", REGION="europe-west4", BUCKET="bkt-test", TAG="0123456789ab")

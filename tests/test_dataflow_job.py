@@ -20,8 +20,8 @@ import pytest
 from apache_beam.portability.api import beam_runner_api_pb2
 
 from local.emulators import GcsEmulator
-from pipeline.launch_checks import WORKER_IMAGE_ENV
-from pipeline.options import DEFAULT_DISK_SIZE_GB
+from pipeline.config.launch_checks import WORKER_IMAGE_ENV
+from pipeline.config.options import DEFAULT_DISK_SIZE_GB
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_IMAGE = "us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:0123456789ab"
@@ -36,7 +36,7 @@ def built_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dataflow-job")
     with GcsEmulator() as gcs:
         gcs.activate()
-        from pipeline.model_weights import storage_client
+        from pipeline.serving.model_weights import storage_client
 
         client = storage_client()
         client.create_bucket("bkt-test")

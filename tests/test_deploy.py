@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ops import deploy
-from pipeline.options import PipelineConfig
+from pipeline.config.options import PipelineConfig
 from tests.gcloud_recorder import Recorder
 
 REPO = Path(__file__).resolve().parent.parent

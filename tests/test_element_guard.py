@@ -5,8 +5,8 @@ from __future__ import annotations
 from apache_beam import pvalue
 from apache_beam.io.gcp.pubsub import PubsubMessage
 
-from pipeline.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
-from pipeline.messages import InferenceRequest
+from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
+from pipeline.contract.messages import InferenceRequest
 
 
 def test_outputs_pass_through_whole_or_not_at_all():

@@ -12,11 +12,11 @@ import urllib.request
 
 import pytest
 
-from pipeline.chunking import ChunkPolicy
-from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
-from pipeline.messages import InferenceRequest
-from pipeline.vllm_server import RUNNING_METRIC, free_port, server_metrics
-from pipeline.vllm_engine import VLLMEngine
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.serving.vllm_server import RUNNING_METRIC, free_port, server_metrics
 from local.engine_driver import drive_to_end
 from tests.conftest import SERVED_NAME, wait_until
 
@@ -127,7 +127,7 @@ def test_a_server_that_refuses_stream_interval_is_streamed_per_token_after_one_w
     engine = engine_for(url, served_model_name=model)
     assert engine.stream_interval == 4
     try:
-        with caplog.at_level(logging.WARNING, logger="pipeline.vllm_engine"):
+        with caplog.at_level(logging.WARNING, logger="pipeline.engines.vllm_engine"):
             requests = [InferenceRequest(id=f"s{i}", prompt="List three colours.", max_tokens=12, temperature=0,
                                          received_at=time.time()) for i in range(3)]
             outputs = run_to_end(engine, requests[:1])
@@ -207,7 +207,7 @@ TICKETS = ["I was charged twice for my subscription this month.", "The app crash
 def test_structured_requests_come_back_as_json_that_fits_their_schema(vllm_server):
     from jsonschema import validate
 
-    from pipeline.structured_output import schema_response_format
+    from pipeline.contract.structured_output import schema_response_format
 
     engine = engine_for(vllm_server.base_url)
     ticket_format = schema_response_format(TICKET_SCHEMA, "ticket")

@@ -19,10 +19,10 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.batching import BatchingConfig, BatchRequests
-from pipeline.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
-from pipeline.parsing import ParseRequests
-from pipeline.prompt_length import MeasurePromptLength
+from pipeline.contract.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
+from pipeline.flow.batching import BatchingConfig, BatchRequests
+from pipeline.intake.parsing import ParseRequests
+from pipeline.intake.prompt_length import MeasurePromptLength
 from tests.hostile_inputs import attributes, hostile_corpus, payloads
 
 LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048, adapters=("support", "extract"))

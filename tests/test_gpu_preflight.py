@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.vllm_server import GpuInfo, ServerSpec, ServerStartError, check_platform, driver_problem
+from pipeline.serving.vllm_server import GpuInfo, ServerSpec, ServerStartError, check_platform, driver_problem
 
 
 @pytest.mark.parametrize("driver, cuda, fits", [

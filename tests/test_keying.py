@@ -12,17 +12,18 @@ from pathlib import Path
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from benchmarks.scale import simulate, worker_of
-from pipeline.generate import _by_generate_key
-from pipeline.keying import generate_key, shard_of
-from pipeline.messages import InferenceRequest
-from pipeline.options import DATAFLOW_GENERATE_SHARDS, PipelineConfig
+from pipeline.config.options import DATAFLOW_GENERATE_SHARDS, PipelineConfig
+from pipeline.contract.keying import generate_key, shard_of
+from pipeline.contract.messages import InferenceRequest
+from pipeline.generation.generate import _by_generate_key
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [f"req-{i}" for i in range(20_000)] + ["é-ünïcode", "🦙", "x" * 512]
 
 
 def test_keys_are_the_same_in_every_process_whatever_its_hash_seed():
-    code = ("import json, sys; from pipeline.keying import shard_of, generate_key; ids = json.load(sys.stdin); "
+    code = ("import json, sys; from pipeline.contract.keying import shard_of, generate_key; "
+            "ids = json.load(sys.stdin); "
             "print(json.dumps([[shard_of(i, 16), generate_key(i, 262144)] for i in ids]))")
     here = [[shard_of(i, 16), generate_key(i, 262144)] for i in IDS]
     for seed in ("0", "12345"):
@@ -69,7 +70,7 @@ def test_the_default_generate_keys_keep_a_hundred_workers_busy_and_local_runs_us
 
 def test_the_batchers_shard_is_the_generate_key_when_the_counts_agree():
     """Why the template skips re-keying when generate_shards equals num_shards (as on local runners)."""
-    from pipeline.batching import BatchingConfig, _keyed
+    from pipeline.flow.batching import BatchingConfig, _keyed
 
     config = BatchingConfig(boundaries=(16, 64), num_shards=8)
     for request_id in IDS[:2000]:

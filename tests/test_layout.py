@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,8 +30,32 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+# The stage packages, ground first: a module imports only from its own package or one listed before it (the data path
+# reads upward: records at the ground, then the model's server, intake, the engines, flow control, generation, the
+# sinks and the configuration that names them all); ``pipeline.assembly`` wires them and sits on top.
+STAGES = ("contract", "serving", "intake", "engines", "flow", "generation", "sinks", "config")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def pipeline_modules() -> dict[str, set[str]]:
-    return {f"pipeline.{path.stem}": imports(path) for path in sorted((REPO / "pipeline").glob("*.py"))}
+    """Every worker module (packages' ``__init__`` included) and what it imports."""
+    return {module_name(path): imports(path) for path in sorted((REPO / "pipeline").rglob("*.py"))}
+
+
+def stage_of(module: str) -> int:
+    """A module's floor: its stage package's place in :data:`STAGES`; the top for modules outside the stages."""
+    parts = module.split(".")
+    return STAGES.index(parts[1]) if len(parts) > 1 and parts[1] in STAGES else len(STAGES)
+
+
+def upward_imports(modules: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports that go from a stage package to one above it."""
+    return sorted((module, name) for module, names in modules.items() for name in names
+                  if name.startswith("pipeline.") and stage_of(name) > stage_of(module))
 
 
 def test_no_pipeline_module_imports_local_only_code():
@@ -76,20 +101,65 @@ def test_the_layout_test_sees_a_local_import(tmp_path):
     assert {"local.direct_runner", "benchmarks.scale"} <= imports(module)
 
 
-def test_the_architecture_page_names_every_worker_module_and_no_other():
+def test_stage_packages_import_only_downward():
+    assert not upward_imports(pipeline_modules())
+
+
+def test_the_direction_check_sees_an_arrow_back_up():
+    modules = {"pipeline.contract.messages": {"pipeline.engines.engine"}, "pipeline.engines.engine": {
+        "pipeline.contract.messages", "json"}, "pipeline.assembly": {"pipeline.config.options"}}
+    assert upward_imports(modules) == [("pipeline.contract.messages", "pipeline.engines.engine")]
+
+
+def test_every_worker_module_sits_in_a_stage_package_that_says_what_enters_and_leaves_it():
+    packages = sorted(path.name for path in (REPO / "pipeline").iterdir() if (path / "__init__.py").is_file())
+    assert sorted(STAGES) == packages
+    loose = sorted(path.name for path in (REPO / "pipeline").glob("*.py"))
+    assert loose == ["__init__.py", "assembly.py"]  # assembly wires the stages: it is no stage of its own
+    for stage in STAGES:
+        docstring = ast.get_docstring(ast.parse((REPO / "pipeline" / stage / "__init__.py").read_text()))
+        assert docstring and len(docstring) > 40, stage
+
+
+def test_the_architecture_page_names_every_worker_module_and_no_other_in_stage_order():
     page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
-    listed = set(re.findall(r"^\| `([a-z_]+)\.py` \|", page, flags=re.M))
-    modules = {path.stem for path in (REPO / "pipeline").glob("*.py") if path.stem != "__init__"}
-    assert listed == modules, {"not listed": sorted(modules - listed), "no such module": sorted(listed - modules)}
+    listed = re.findall(r"^\| `(?:([a-z_]+)/)?([a-z_]+)\.py` \|", page, flags=re.M)
+    modules = {name.removeprefix("pipeline.").replace(".", "/") for name in pipeline_modules()
+               if not name.endswith("__init__") and name.count(".") >= 1 and (REPO / f"{name.replace('.', '/')}.py").is_file()}
+    named = {f"{stage}/{module}" if stage else module for stage, module in listed}
+    assert named == modules, {"not listed": sorted(modules - named), "no such module": sorted(named - modules)}
+    order = [stage for stage, _ in listed if stage]
+    assert order == sorted(order, key=STAGES.index), "list the stages ground first, as STAGES does"
+
+
+def prose(path: Path) -> str:
+    """What a reader reads: a page whole, a Python file's strings and comments (its code may name a Beam pipeline)."""
+    if path.suffix != ".py":
+        return path.read_text(encoding="utf-8")
+    with path.open("rb") as source:
+        return "\n".join(token.string for token in tokenize.tokenize(source.readline)
+                         if token.type in (tokenize.STRING, tokenize.COMMENT))
 
 
 def test_every_reference_to_a_worker_module_names_one_that_exists():
     """Docstrings and docs that point at ``pipeline.x`` (or ``pipeline/x.py``) point at a module that is there."""
-    modules = {path.stem for path in (REPO / "pipeline").glob("*.py")}
-    texts = [*(REPO / "pipeline").glob("*.py"), *(REPO / "local").glob("*.py"), *(REPO / "docs").glob("*.md"),
-             REPO / "README.md"]
-    reference = re.compile(r"pipeline/([a-z_]+)\.py|(?<![\w/.])pipeline\.([a-z_]+)(?=[`.\s:,)])")
-    dangling = {(path.name, name) for path in texts
-                for found in reference.findall(path.read_text(encoding="utf-8")) for name in found
-                if name and name not in modules}
+    modules = set(pipeline_modules())
+    texts = [*(REPO / "pipeline").rglob("*.py"), *(REPO / "local").glob("*.py"), *(REPO / "docs").glob("*.md"),
+             REPO / "README.md", *(REPO / "benchmarks").rglob("*.py"),
+             *(path for path in (REPO / "tests").glob("*.py") if path.name != "test_layout.py"),
+             *(REPO / "ops").glob("*.py")]
+    reference = re.compile(r"(?<![\w/.])pipeline/([a-z_/]+)\.py|(?<![\w/.])pipeline((?:\.[A-Za-z_]+)+)")
+    dangling = set()
+    for path in texts:
+        for slashed, dotted in reference.findall(prose(path)):
+            if slashed and "pipeline." + slashed.replace("/", ".") not in modules:
+                dangling.add((path.name, f"pipeline/{slashed}.py"))
+            if dotted and not re.search(r"\.(log|json|pb|txt|ya?ml)$", dotted):  # a file named pipeline.log
+                parts = dotted.strip(".").split(".")
+                # The longest module the reference names; what follows it is an attribute (a class, a function).
+                named = next((".".join(parts[:n]) for n in range(len(parts), 0, -1)
+                              if "pipeline." + ".".join(parts[:n]) in modules), None)
+                whole = parts[1:] if named is None else parts[len(named.split(".")):]
+                if named is None or (whole and whole[0].islower() and not named.count(".")):
+                    dangling.add((path.name, "pipeline" + dotted))
     assert not dangling, sorted(dangling)

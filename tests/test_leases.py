@@ -1,10 +1,11 @@
-"""The lease rule (pipeline/leases.py): a pause is not a move, a moved key's stream is given up within its lease."""
+"""The lease rule (pipeline/engines/leases.py): a pause is not a move, a moved key's stream is given up within its
+lease."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pipeline.leases import ABANDONED_LEASES, LeaseClocks
+from pipeline.engines.leases import ABANDONED_LEASES, LeaseClocks
 
 TICK = 0.5  # the janitor's tick for a lease of 2 s or more: min(max(lease / 4, 0.05), 1)
 

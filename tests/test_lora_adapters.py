@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from local.emulators import GcsEmulator
-from pipeline.lora_adapters import Adapter, AdapterError, launch_problems, parse_adapters, resolve_adapter
-from pipeline.vllm_server import ServerSpec
-from pipeline.options import ConfigError, PipelineConfig
+from pipeline.config.options import ConfigError, PipelineConfig
+from pipeline.serving.lora_adapters import Adapter, AdapterError, launch_problems, parse_adapters, resolve_adapter
+from pipeline.serving.vllm_server import ServerSpec
 from tests.conftest import activated
 from tests.test_template import LAUNCHER_ARGS, REPO
 

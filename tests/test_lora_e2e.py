@@ -18,7 +18,7 @@ from local.cpu_server import LOCAL_SERVER
 from local.emulators import GcsEmulator
 from local.harness import REPO_ROOT, LocalRun
 from local.toy_adapters import build_adapter, chat_prompt_ids
-from pipeline.bigquery_sink import bigquery_client
+from pipeline.sinks.bigquery_sink import bigquery_client
 from tests.conftest import activated, wait_until
 
 pytestmark = pytest.mark.engine

@@ -18,9 +18,10 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import secretmanager
 
-from pipeline import model_access
-from pipeline.model_access import HF_TOKEN_ENV, ModelAccessError, explained_fetch, fetch_failure, install_hf_token
-from pipeline.vllm_server import VLLMServer
+from pipeline.serving import model_access
+from pipeline.serving.model_access import (HF_TOKEN_ENV, ModelAccessError, explained_fetch, fetch_failure,
+                                           install_hf_token)
+from pipeline.serving.vllm_server import VLLMServer
 from tests.conftest import local_server_spec
 from tests.loopback_api import LoopbackApi
 
@@ -111,7 +112,7 @@ def test_an_unrelated_error_is_not_dressed_as_a_fetch_failure():
 
 def test_the_real_tokenizer_without_a_route_to_the_hub_says_so(monkeypatch):
     """transformers offline, as a worker without a route to huggingface.co ends up: the message names the fix."""
-    from pipeline.prompt_length import TokenizerMeter
+    from pipeline.intake.prompt_length import TokenizerMeter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelAccessError, match="cannot reach huggingface.co.*Cloud NAT"):

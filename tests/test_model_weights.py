@@ -7,8 +7,8 @@ import os
 import pytest
 
 from local.emulators import GcsEmulator
-from pipeline.vllm_server import VLLMServer
-from pipeline.model_weights import download_gcs_folder, parse_gcs_uri
+from pipeline.serving.model_weights import download_gcs_folder, parse_gcs_uri
+from pipeline.serving.vllm_server import VLLMServer
 from tests.conftest import activated, chat, local_server_spec
 
 
@@ -43,7 +43,7 @@ def test_a_folder_is_copied_once_with_its_structure(gcs, tmp_path):
     assert (local / "config.json").read_text() == '{"model_type": "llama"}'
     assert (local / "sub" / "weights.bin").read_bytes() == (source / "sub" / "weights.bin").read_bytes()
     # A second worker process finds the completed copy and does not download again.
-    from pipeline.model_weights import storage_client
+    from pipeline.serving.model_weights import storage_client
     storage_client().bucket("weights").blob("models/tiny/config.json").delete()
     assert download_gcs_folder(uri, tmp_path / "cache") == local
     assert (local / "config.json").exists()

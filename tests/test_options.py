@@ -12,7 +12,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_parameters
 from apache_beam.options.pipeline_options import WorkerOptions
 
-from pipeline.options import PARAMETERS, WORKER_OPTIONS, ConfigError, PipelineConfig, StreamingLLMOptions
+from pipeline.config.options import PARAMETERS, WORKER_OPTIONS, ConfigError, PipelineConfig, StreamingLLMOptions
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {

@@ -17,7 +17,7 @@ import pytest
 
 from local.cpu_server import LOCAL_SERVER
 from local.harness import REPO_ROOT, LocalRun, server_pids_in_log
-from pipeline.bigquery_sink import bigquery_client
+from pipeline.sinks.bigquery_sink import bigquery_client
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.engine

@@ -9,7 +9,7 @@ import uuid
 from google.cloud import pubsub_v1
 
 from ops.redrive import redrive
-from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_PARSE, DeadLetter, InferenceRequest
+from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_PARSE, DeadLetter, InferenceRequest
 
 
 def pull_all(subscription: str, *, ack: bool, wait_s: float = 5.0) -> list:

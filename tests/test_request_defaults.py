@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pipeline.messages import DeadLetter, InferenceRequest, parse_request
-from pipeline.request_defaults import RequestDefaults, template_fields
-from pipeline.structured_output import parse_output, schema_response_format
+from pipeline.contract.messages import DeadLetter, InferenceRequest, parse_request
+from pipeline.contract.structured_output import parse_output, schema_response_format
+from pipeline.intake.request_defaults import RequestDefaults, template_fields
 
 SCHEMA = {"type": "object", "properties": {"category": {"enum": ["billing", "bug"]}, "urgency": {"type": "integer"}},
           "required": ["category", "urgency"]}

@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.vllm_server import server_metrics as read_server_metrics
-from pipeline.chunking import ChunkPolicy
-from pipeline.engine import EngineSettings
-from pipeline.generate import _StreamingGenerateFn, decode_entry
-from pipeline.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest, parse_request
-from pipeline.vllm_engine import VLLMEngine
-from pipeline.leases import ABANDONED_LEASES
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest, parse_request
+from pipeline.engines.engine import EngineSettings
+from pipeline.engines.leases import ABANDONED_LEASES
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.generation.generate import _StreamingGenerateFn, decode_entry
+from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from tests.conftest import SERVED_NAME, wait_until
 from local.runner_semantics import Driver, KeyState, Worker, entry_v1
 

@@ -14,11 +14,11 @@ from apache_beam import pvalue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.batching import BatchingConfig, BucketCounters, _BatchFn
-from pipeline.dedupe import SeenIds
-from pipeline.generate import _Progress, decode_entry
-from pipeline.messages import STAGE_BATCH, InferenceRequest
-from pipeline.state_format import StateFormatError, read_cell
+from pipeline.contract.messages import STAGE_BATCH, InferenceRequest
+from pipeline.contract.state_format import StateFormatError, read_cell
+from pipeline.flow.batching import BatchingConfig, BucketCounters, _BatchFn
+from pipeline.generation.dedupe import SeenIds
+from pipeline.generation.generate import _Progress, decode_entry
 from tests.state_stand_in import Cell, Timer
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),

@@ -15,7 +15,7 @@ from jsonschema import validate
 
 from benchmarks.structured_records import RECORD_SETS, RecordSet
 from local.harness import REPO_ROOT, LocalRun
-from pipeline.bigquery_sink import bigquery_client
+from pipeline.sinks.bigquery_sink import bigquery_client
 from tests.conftest import SERVED_NAME, wait_until
 from tests.test_engine import TICKET_SCHEMA, TICKETS
 

@@ -13,8 +13,8 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.assembly import build, engine_settings
-from pipeline.vllm_server import ServerSpec
-from pipeline.options import PipelineConfig
+from pipeline.config.options import PipelineConfig
+from pipeline.serving.vllm_server import ServerSpec
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER_ARGS = ["--input_subscription=projects/my-project/subscriptions/prompts-sub",
@@ -80,8 +80,8 @@ def test_gpu_settings_travel_to_the_workers_whatever_the_launcher_has():
 
 
 def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_server():
-    from pipeline.messages import InferenceRequest
-    from pipeline.vllm_engine import VLLMEngine
+    from pipeline.contract.messages import InferenceRequest
+    from pipeline.engines.vllm_engine import VLLMEngine
 
     config = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))
     settings = engine_settings(config)
@@ -127,7 +127,7 @@ def test_a_dataflow_launch_without_a_gpu_is_warned_about_loudly():
 
 
 def test_launch_checks_ask_no_gpu_of_an_external_server_and_nothing_of_local_runs():
-    from pipeline.launch_checks import dataflow_launch_problems
+    from pipeline.config.launch_checks import dataflow_launch_problems
 
     def checks(args):
         options = PipelineOptions(args)
@@ -147,7 +147,7 @@ def test_launch_checks_ask_no_gpu_of_an_external_server_and_nothing_of_local_run
 def test_the_launcher_image_supplies_its_worker_image_and_a_boot_disk_when_a_launch_sets_neither():
     from apache_beam.options.pipeline_options import WorkerOptions
 
-    from pipeline.launch_checks import WORKER_IMAGE_ENV, apply_launch_defaults
+    from pipeline.config.launch_checks import WORKER_IMAGE_ENV, apply_launch_defaults
 
     worker_image = "us-central1-docker.pkg.dev/my-project/dataflow/streaming-llm-worker:0123456789ab"
     options = PipelineOptions(DATAFLOW + [GPU])
@@ -168,7 +168,7 @@ def test_the_launcher_image_supplies_its_worker_image_and_a_boot_disk_when_a_lau
 
 
 def test_a_gated_model_without_a_token_and_gemma_on_a_t4_are_warned_about():
-    from pipeline.launch_checks import dataflow_launch_problems
+    from pipeline.config.launch_checks import dataflow_launch_problems
 
     def warnings(args):
         options = PipelineOptions(DATAFLOW + [IMAGE, *args])

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from pipeline.batching import BatchingConfig
-from pipeline.chunking import ChunkPolicy
-from pipeline.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
-from pipeline.keying import bucket_index
-from pipeline.messages import InferenceRequest
-from pipeline.vllm_server import ServerSpec
-from pipeline.prompt_length import TokenizerMeter
-from pipeline.transformers_engine import TransformersEngine
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.keying import bucket_index
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.engines.transformers_engine import TransformersEngine
+from pipeline.flow.batching import BatchingConfig
+from pipeline.intake.prompt_length import TokenizerMeter
+from pipeline.serving.vllm_server import ServerSpec
 from local.engine_driver import drive_to_end
 
 pytestmark = pytest.mark.engine

@@ -28,7 +28,7 @@ from apache_beam.ml.inference.vllm_inference import VLLMCompletionsModelHandler
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
 from local.direct_runner import apply_local_runner_fixes
-from pipeline.pubsub_sink import PublishJson
+from pipeline.sinks.pubsub_sink import PublishJson
 
 
 class _SharedServer:

@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from pipeline.vllm_engine import IDLE_CONNECTION_REUSE_S
+from pipeline.engines.vllm_engine import IDLE_CONNECTION_REUSE_S
 
 
 def session(timeout_s: float) -> aiohttp.ClientSession:

@@ -11,7 +11,7 @@ import urllib.request
 from benchmarks.side_by_side.cores import (CorePlan, pin_this_process, pin_tree, process_cpu_seconds, renice_tree,
                                           tree_cpu_seconds)
 from local.embedded_model import ensure_local_checkpoint
-from pipeline.lora_adapters import Adapter
+from pipeline.serving.lora_adapters import Adapter
 
 SERVED_NAME = "bench"
 
@@ -35,7 +35,7 @@ class BenchServer:
                 self.model = json.load(response)["data"][0]["id"]
             self.port = int(self.base_url.rsplit(":", 1)[1])
             return self
-        from pipeline.vllm_server import ServerSpec, VLLMServer
+        from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 
         spec = ServerSpec(model=self._model or str(ensure_local_checkpoint()), dtype=self._dtype,
                           served_model_name=SERVED_NAME, extra_args=tuple(shlex.split(self._vllm_args)),

@@ -150,7 +150,7 @@ def _wait(collector: OutputCollector, ids: set[str], timeout_s: float, progress:
 
 # ---------------------------------------------------------------- this template
 
-# The line the transformers engine logs per batch (pipeline.transformers_engine.BATCH_LOG).
+# The line the transformers engine logs per batch (pipeline.engines.transformers_engine.BATCH_LOG).
 _BATCH_LINE = re.compile(r"Static batch: (\d+) requests, (\d+) token positions computed, (\d+) of them padding")
 
 

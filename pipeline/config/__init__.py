@@ -1,0 +1,1 @@
+"""Template parameters in, validated configuration and launch checks out: the one definition of every option."""

@@ -1,0 +1,118 @@
+"""Pre-flight checks of a Dataflow launch: what would fail the first job, caught before the job exists.
+
+The Flex Template launcher runs the entry point with the template parameters
+and the pipeline options it was given as ``--name=value`` arguments, and the
+Beam SDK builds the job from what reaches it; so what the workers will run can
+be read here, offline. A check refuses the launch only where Beam's own code
+makes the failure certain; otherwise it warns, since a check that misfired
+would block every launch and cannot be tried against Dataflow from here.
+
+What the launcher passes, from Dataflow's documentation: "Run a Flex
+Template" (https://cloud.google.com/dataflow/docs/guides/templates/run-flex-templates)
+runs ``gcloud dataflow flex-template run ... --parameters PARAMETERS``, the
+job's pipeline parameters; Google's Flex Template sample that the "Configure
+Flex Templates" page points to for building a template from the workers' own
+image (python-docs-samples, ``dataflow/flex-templates/pipeline_with_dependencies``,
+see https://cloud.google.com/dataflow/docs/guides/templates/configuring-flex-templates#use_custom_container_images)
+passes the worker image itself, ``--parameters sdk_container_image=IMAGE``, at
+every run: the template's own image is not made the workers' image for you.
+
+So the worker image is a case where the failure is certain: Beam 2.77 sets the
+job's worker image from ``sdk_container_image`` alone
+(``apache_beam/runners/dataflow/internal/apiclient.py``,
+``get_container_image_from_options``) and otherwise uses its default SDK image,
+which has neither this code nor vLLM. The launcher image built by ``make image``
+knows the worker image of its own commit (``STREAMING_LLM_WORKER_IMAGE``), and
+:func:`apply_launch_defaults` uses it when a launch names none, as it sets a
+boot disk the worker image fits on; without either the launch is refused.
+Whether a GPU comes with the workers cannot be read with certainty (a machine
+type can bring its own), so a missing ``worker_accelerator`` is a warning, as is
+a gated model without a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Mapping
+
+from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOptions, PipelineOptions, SetupOptions, \
+    StandardOptions, WorkerOptions
+
+from pipeline.config.options import DEFAULT_DISK_SIZE_GB, PipelineConfig
+from pipeline.serving.model_access import gated_model_warning
+
+LOGGER = logging.getLogger(__name__)
+DATAFLOW_RUNNERS = ("DataflowRunner",)
+GPU_OPTION = "worker_accelerator"
+WORKER_IMAGE_ENV = "STREAMING_LLM_WORKER_IMAGE"  # set in the launcher image (container/Dockerfile)
+# GPUs without bfloat16 (compute capability below 8.0) that Dataflow offers, and model families known to overflow
+# in float16, the dtype they fall back to.
+NO_BFLOAT16_GPUS = ("nvidia-tesla-t4", "nvidia-tesla-v100", "nvidia-tesla-p100", "nvidia-tesla-p4")
+FLOAT16_UNSAFE_FAMILIES = ("google/gemma", "google/medgemma", "google/codegemma")
+
+
+def is_dataflow(options: PipelineOptions) -> bool:
+    return (options.view_as(StandardOptions).runner or "").split(".")[-1] in DATAFLOW_RUNNERS
+
+
+def apply_launch_defaults(options: PipelineOptions, environ: Mapping[str, str] = os.environ) -> None:
+    """Fills in, for a Dataflow launch, the worker image of this launcher's commit and a boot disk the image fits on,
+    where the launch set none, so a console launch with only the required parameters builds the job make run does."""
+    if not is_dataflow(options):
+        return
+    worker = options.view_as(WorkerOptions)
+    if not worker.sdk_container_image and environ.get(WORKER_IMAGE_ENV):
+        worker.sdk_container_image = environ[WORKER_IMAGE_ENV]
+        LOGGER.info("Workers run %s, the worker image built with this launcher", worker.sdk_container_image)
+    if not worker.disk_size_gb:
+        worker.disk_size_gb = DEFAULT_DISK_SIZE_GB
+        LOGGER.info("Worker boot disk: %d GB (set disk_size_gb for another size)", DEFAULT_DISK_SIZE_GB)
+
+
+def requested_gpu_type(options: PipelineOptions) -> str | None:
+    """The GPU type a launch asks Dataflow for, from its worker_accelerator service option or experiment."""
+    service_options = options.view_as(GoogleCloudOptions).dataflow_service_options or []
+    experiments = options.view_as(DebugOptions).experiments or []
+    for option in [*service_options, *experiments]:
+        found = re.search(rf"{GPU_OPTION}=type:([^;,\s]+)", option)
+        if found:
+            return found.group(1)
+    return None
+
+
+def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig) -> tuple[list[str], list[str]]:
+    """(problems that must stop the launch, warnings) for a Dataflow launch; nothing for other runners."""
+    if not is_dataflow(options):
+        return [], []
+    problems, warnings = [], []
+    managed_server = not config.server_url and config.engine == "vllm"  # the worker starts vLLM itself
+    image = options.view_as(WorkerOptions).sdk_container_image
+    if not image:
+        # Beam 2.77, apache_beam/runners/dataflow/internal/apiclient.py, get_container_image_from_options:
+        # without sdk_container_image the job's workers run Beam's default beam_python3.x_sdk image.
+        if options.view_as(SetupOptions).setup_file is None or managed_server:
+            problems.append(
+                "sdk_container_image is not set, so the workers would run Beam's default SDK image, which has "
+                "neither this template's code nor its engine (vLLM or transformers); add sdk_container_image=<the "
+                "worker image> to the parameters (make run does; a launcher built by make image knows its own)")
+    if not config.server_url:
+        gated = gated_model_warning(config.model, config.model_gcs_folder, config.hf_token_secret)
+        if gated:
+            warnings.append(gated)
+    gpu = requested_gpu_type(options)
+    if managed_server and gpu in NO_BFLOAT16_GPUS and config.dtype in ("auto", "float16") and \
+            config.effective_model.lower().startswith(FLOAT16_UNSAFE_FAMILIES):
+        warnings.append(f"{gpu} has no bfloat16, so the workers run {config.effective_model} in float16, in which "
+                        "this family's activations are known to overflow (empty or garbled answers): use an L4 or "
+                        "newer GPU, or --dtype=float32 if it fits")
+    if managed_server:
+        if gpu is None:
+            warnings.append(
+                "no GPU is requested (no worker_accelerator in --dataflow_service_options or experiments), and the "
+                "template starts vLLM on each worker: unless the machine type brings its own GPU, every worker will "
+                "refuse to start the server. Add --dataflow_service_options=worker_accelerator=type:nvidia-l4;"
+                "count:1;install-nvidia-driver (make run does, from GPU_TYPE and GPU_COUNT), or set server_url "
+                "to a server you run")
+    return problems, warnings

@@ -1,0 +1,437 @@
+"""The engine contract: what every engine shares, and what the generate step may ask of one.
+
+One engine per worker VM (shared through Beam's ``MultiProcessShared``, see
+:mod:`pipeline.engines.engine_host`) holds a registry of streams (:class:`EngineBase`):
+``submit_batch`` starts requests and returns at once; ``poll`` hands back
+whatever chunks, completions or dead letters have accumulated. Two engines
+implement it: :mod:`pipeline.engines.vllm_engine` (many requests in flight against a
+vLLM server, continuous batching) and :mod:`pipeline.engines.transformers_engine` (the model
+in-process, each batch generated together).
+
+The engine holds at most ``max_in_flight`` unfinished streams: ``submit_batch``
+refuses more (None for those) rather than queueing them, so a backlog waits in
+the pipeline's keyed state, bounded here, and a request's ``request_timeout_s``
+runs from when it is actually sent, not from when it joined a queue.
+
+Requests and outputs cross this boundary as JSON strings, which keeps the
+cross-process proxy calls cheap and version-tolerant.
+
+With a ``chunk_topic`` the engine publishes each chunk to Pub/Sub itself the
+moment it is cut (see :mod:`pipeline.engines.chunk_publisher`), and hands a request's
+completion to ``poll`` only once Pub/Sub has confirmed all its chunks.
+
+The contract is shaped by the runner's commit semantics (Dataflow retries a
+work item whose commit failed, and moves keys between workers):
+
+* ``poll`` is idempotent. The caller says how many of a stream's outputs it
+  has already committed (its position, kept in keyed state); outputs before it
+  are released, the rest are handed over again until a later poll's position
+  shows they were committed. A retried poll therefore gets what the failed
+  one got, instead of finding the stream gone and generating it again.
+* Streams are leased, and a pause is not a move (:mod:`pipeline.engines.leases`). A
+  running stream is cancelled at the server (vLLM aborts a request whose
+  connection closes, freeing its KV cache) and forgotten only on evidence that
+  its key left this worker: for ``stream_lease_s`` the worker polled other
+  streams and not this one, or none at all for several leases. A process
+  that was paused finds its streams where it left them. A finished stream's
+  outputs are kept until released or for ``request_timeout_s``, so a late
+  poll collects them instead of generating the request again.
+
+The engine also keeps the worker's admission count (:meth:`EngineBase.admit`,
+used by :mod:`pipeline.flow.admission`): what the worker holds is its unfinished
+streams, the requests its generate step reports waiting in state, and those
+admitted and not yet arrived at the step (by id, :mod:`pipeline.engines.worker_hold`). Beyond
+``max_in_flight + worker_queue`` the worker takes no more messages, so a
+backlog stays unacknowledged in Pub/Sub, where Dataflow's autoscaler sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
+from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
+from pipeline.contract.structured_output import parse_output
+from pipeline.engines.chunk_publisher import ChunkPublisher
+from pipeline.engines.leases import LeaseClocks, Stamp
+from pipeline.engines.worker_hold import WorkerHold
+from pipeline.serving.vllm_server import ServerSpec
+
+LOGGER = logging.getLogger(__name__)
+
+# Output kinds handed back by poll(); ATTEMPT says the engine retried the stream as a new attempt.
+CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_letter", "unknown", "attempt"
+ENGINES = ("vllm", "transformers")
+# A key's report of its waiting requests counts this long unless renewed (keys that wait poll every 2 s).
+WAITING_REPORT_LAPSE_S = 6.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything a worker needs to serve requests; picklable into the DoFn."""
+
+    server: ServerSpec | None  # None: use server_url (with engine "transformers": the model to load)
+    server_url: str | None = None
+    # "vllm": the model manager's server (or server_url); "transformers": the model in-process,
+    # each batch generated together (pipeline.engines.transformers_engine).
+    engine: str = "vllm"
+    served_model_name: str | None = None
+    prompt_format: str = "chat"
+    max_in_flight: int = 64
+    # How long one request may take once sent, retries included (its own deadline_ms may be shorter).
+    request_timeout_s: float = 600.0
+    chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
+    # A stream that sends nothing for this long is treated as broken and retried.
+    stall_timeout_s: float = 120.0
+    # With these length-bucket bounds, each request carries its bucket as vLLM priority
+    # (the server must run --scheduling-policy priority); None sends no priority.
+    priority_boundaries: tuple[int, ...] | None = None
+    # Publish chunks to this Pub/Sub topic from the engine the moment they are cut ...
+    chunk_topic: str | None = None
+    # ... and hand them to the pipeline through poll() as well (always, without a chunk_topic).
+    chunks_to_pipeline: bool = True
+    # How long a finished request waits for Pub/Sub to confirm its chunks before its completion goes anyway.
+    chunk_publish_patience_s: float = 300.0
+    # A stream nobody polls for this long is cancelled at the server and forgotten.
+    stream_lease_s: float = 10.0
+    # Requests a worker holds beyond max_in_flight (waiting in state, or admitted and on their way)
+    # before it takes no more from the subscription (pipeline.flow.admission).
+    worker_queue: int = 64
+    # How long an admitted request counts, once its bundle finished, unless this worker's generate step
+    # reports it first (the shuffle and the batcher's wait; it may go to another worker).
+    admission_transit_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if (self.server is None) == (self.server_url is None):
+            raise ValueError("give exactly one of a server spec or a server_url")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "transformers" and self.server is None:
+            raise ValueError("engine 'transformers' loads the model itself: give a model spec, not a server_url")
+        if self.chunk_topic is None and not self.chunks_to_pipeline:
+            raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
+        if self.stream_lease_s <= 0:
+            raise ValueError(f"stream_lease_s must be more than 0, got {self.stream_lease_s:g}")
+        if self.worker_queue < 1:
+            raise ValueError(f"worker_queue must be at least 1, got {self.worker_queue}")
+
+    @property
+    def max_held(self) -> int:
+        """The most requests a worker holds (in flight, waiting, on their way) before it pushes back."""
+        return self.max_in_flight + self.worker_queue
+
+
+@dataclass
+class Stream:
+    key: str
+    request: InferenceRequest
+    attempt: int
+    # Outputs not yet released; outputs[0] is the stream's output number ``released``.
+    outputs: list[tuple[str, str]] = field(default_factory=list)
+    released: int = 0
+    assembler: ChunkAssembler | None = None
+    done: bool = False
+    lease: Stamp = (0.0, 0.0)  # the engine's lease clocks when this stream was last polled, submitted or joined
+
+
+class EngineBase:
+    """What every engine shares: the registry of streams that ``poll`` reads, chunk publishing and outcomes.
+
+    An engine is built once per worker (see :func:`pipeline.engines.engine_host.acquire_engine`)
+    and called through Beam's cross-process proxy: ``submit_batch`` starts requests
+    and returns at once, ``poll`` hands back what they produced. Subclasses say how
+    many of a batch they take (``_room``) and how they generate (``_start``).
+    """
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self._chunk_publisher = ChunkPublisher(settings.chunk_topic) if settings.chunk_topic else None
+        self._streams: dict[str, Stream] = {}
+        self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
+        self._unfinished = 0  # streams not yet done: what max_in_flight bounds
+        self._hold = WorkerHold(transit_s=settings.admission_transit_s, unclaimed_s=settings.request_timeout_s,
+                                report_lapse_s=WAITING_REPORT_LAPSE_S)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
+        self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
+        self._janitor.start()
+
+    # Public API (called through the cross-process proxy) ----------------------------
+
+    def submit(self, request_json: str, attempt: int = 1) -> str | None:
+        """One request: its key, or None while the engine is full."""
+        return self.submit_batch([request_json], [attempt])[0]
+
+    def submit_batch(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
+        """Starts a batch of requests; for each, the key to poll it with, or None where the engine had no room.
+
+        A key names the request's content as well as its id and attempt, so two
+        different requests that share an id never share a stream, and this engine
+        instance, so a key that moved away and back never mistakes another
+        worker's stream (or this worker's abandoned one) for its own. Submitting
+        the same request and attempt again here (a retried bundle) returns the same key.
+        """
+        requests = [InferenceRequest.from_json(text) for text in request_jsons]
+        keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}"
+                                  for r, a in zip(requests, attempts)]
+        started: list[Stream] = []
+        with self._lock:
+            for key in keys:
+                if key in self._streams:  # joined again: a retried submission renews the lease
+                    self._renew(self._streams[key])
+            new = [i for i, key in enumerate(keys) if key not in self._streams]
+            room = self._room(len(new))
+            for n, i in enumerate(new):
+                if n >= room:
+                    keys[i] = None
+                    continue
+                stream = Stream(keys[i], requests[i], attempts[i])
+                self._renew(stream)
+                self._streams[stream.key] = stream
+                started.append(stream)
+            self._unfinished += len(started)
+        if started:
+            self._start(started)
+        return keys
+
+    def poll(self, positions: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
+        """For each key, its outputs from ``positions[key]`` on (the number the caller has committed).
+
+        Outputs before the position are released; a finished stream whose every
+        output is released is forgotten (its result is then ``[]``). An unknown
+        key, or a position outside what the stream holds (before what was
+        released, or past what it produced), gets ``UNKNOWN``: the stream is lost
+        to the caller and must be submitted again.
+        """
+        now = time.time()
+        ready: dict[str, list[tuple[str, str]]] = {}
+        with self._lock:
+            self._leases.polled = self._leases.polled or bool(positions)
+            for key, position in positions.items():
+                stream = self._streams.get(key)
+                if stream is None or not stream.released <= position <= stream.released + len(stream.outputs):
+                    ready[key] = [(UNKNOWN, "")]  # not this stream's committed position: never splice
+                    continue
+                del stream.outputs[:position - stream.released]
+                stream.released = position
+                self._renew(stream)
+                if stream.done and not stream.outputs:
+                    del self._streams[key]
+                    ready[key] = []
+                    continue
+                if stream.assembler is not None and not stream.done:
+                    self._queue_chunks(stream, stream.assembler.due(now))
+                ready[key] = list(stream.outputs)
+        return ready
+
+    def cancel(self, keys: list[str]) -> None:
+        """Stops these streams now (at the server too) and forgets them: their outputs are not wanted."""
+        with self._lock:
+            streams = [self._streams.pop(key) for key in keys if key in self._streams]
+        self._stop(streams)
+
+    def in_flight(self) -> int:
+        """Streams sent and not finished; never more than ``max_in_flight``."""
+        with self._lock:
+            return self._unfinished
+
+    def admit(self, ids: list[str]) -> int:
+        """Takes requests into the worker's hold while it has room, in order; returns how many.
+
+        They count as held until the generate step reports them arrived, or for
+        ``admission_transit_s`` after :meth:`dispatched` (they may be generated by
+        another worker); see :mod:`pipeline.engines.worker_hold`.
+        """
+        now = time.time()
+        with self._lock:
+            room = self._hold.room(now, self._held(now), self.settings.max_held)
+            return len(self._hold.admit(now, ids, room))
+
+    def admit_count(self, count: int) -> int:
+        """For a local source, before messages are parsed: up to ``count`` places, held until claimed by id."""
+        now = time.time()
+        with self._lock:
+            granted = min(count, max(self.settings.max_held - self._held(now), 0))
+            self._hold.grant(now, granted)
+        return granted
+
+    def claim(self, ids: list[str]) -> None:
+        """The ids of requests a local source was granted places for (:meth:`admit_count`)."""
+        with self._lock:
+            self._hold.claim(time.time(), ids)
+
+    def dispatched(self, ids: list[str]) -> None:
+        """The admission bundle of these requests finished: they are on their way to the generate step."""
+        with self._lock:
+            self._hold.dispatched(time.time(), ids)
+
+    def report_waiting(self, holder: str, count: int, arrived: Sequence[str] = ()) -> None:
+        """What one key of the generate step holds in state, waiting for room (a report lapses unrenewed),
+        and the ids that reached it since its last report: they no longer count as on their way."""
+        with self._lock:
+            self._hold.report_waiting(time.time(), holder, count)
+            self._hold.arrived(arrived)
+
+    def load(self) -> dict[str, int | None]:
+        """The worker's load: what its generate step holds (in flight and waiting) against the bound, what
+        was admitted and is on its way (counted against the bound too), and what its model server runs."""
+        with self._lock:
+            waiting, on_the_way = self._hold.counts(time.time())
+            unfinished = self._unfinished
+        running, queued = self._server_load()
+        return {"held": unfinished + waiting, "on_the_way": on_the_way,
+                "max_held": self.settings.max_held, "in_flight": unfinished, "waiting": waiting,
+                "server_running": running, "server_waiting": queued}
+
+    def _held(self, now: float) -> int:
+        """Unfinished streams + waiting reports + admissions on their way; under the lock."""
+        waiting, on_the_way = self._hold.counts(now)
+        return self._unfinished + waiting + on_the_way
+
+    def _server_load(self) -> tuple[int | None, int | None]:
+        """Requests running and waiting at the model server, where the engine can tell; else (None, None)."""
+        return None, None
+
+    @property
+    def chunk_publisher(self) -> ChunkPublisher | None:
+        """The publisher of the chunk topic, when the engine publishes chunks itself."""
+        return self._chunk_publisher
+
+    def server_pid(self) -> int | None:
+        return None
+
+    def server_restarts(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._closed = True
+
+    # Leases ----------------------------------------------------------------------------
+
+    def _renew(self, stream: Stream) -> None:
+        """The stream's lease starts again now; under the lock."""
+        stream.lease = self._leases.stamp()
+
+    def _expire_leases(self) -> None:
+        """Cancels and forgets the streams whose lease ran out (see the module docstring)."""
+        lease = self.settings.stream_lease_s
+        tick = min(max(lease / 4, 0.05), 1.0)
+        last = time.monotonic()
+        while not self._closed:
+            time.sleep(tick)
+            now = time.monotonic()
+            with self._lock:
+                self._leases.tick(now - last, tick)
+                stale = [key for key, stream in self._streams.items()
+                         if self._leases.expired(stream.lease, stream.done)]
+                streams = [self._streams.pop(key) for key in stale]
+            last = now
+            finished = sum(stream.done for stream in streams)
+            if len(streams) > finished:
+                LOGGER.warning("%d stream(s) not polled for stream_lease_s=%g while this worker polled others, or "
+                               "while it polled none (their keys moved away): cancelled", len(streams) - finished,
+                               lease)
+            if finished:
+                LOGGER.warning("%d finished stream(s) not collected within request_timeout_s=%g (their keys moved "
+                               "away): forgotten", finished, self.settings.request_timeout_s)
+            if streams:
+                self._stop(streams)
+
+    def _stop(self, streams: list[Stream]) -> None:
+        """Ends streams already taken out of the registry: counted as finished, cancelled where still running."""
+        running = []
+        with self._lock:
+            for stream in streams:
+                if not stream.done:
+                    stream.done = True
+                    self._unfinished -= 1
+                    running.append(stream)
+        for stream in streams:
+            if self._chunk_publisher is not None:
+                self._chunk_publisher.forget(stream.key)
+        if running:
+            self._cancel(running)
+
+    # For subclasses ----------------------------------------------------------------------
+
+    def _room(self, new: int) -> int:
+        """How many of ``new`` requests to take now; called under the lock."""
+        raise NotImplementedError
+
+    def _start(self, streams: list[Stream]) -> None:
+        """Begins generating these streams (registered, counted) without waiting for them."""
+        raise NotImplementedError
+
+    def _cancel(self, streams: list[Stream]) -> None:
+        """Stops generating these streams, if the engine can; their outputs are discarded either way."""
+
+    def _emit(self, stream: Stream, kind: str, payload: str, *, final: bool = False) -> None:
+        with self._lock:
+            stream.outputs.append((kind, payload))
+            if final and not stream.done:
+                stream.done = True
+                self._unfinished -= 1
+
+    def _cut(self, stream: Stream, cut: Callable[[], list[Chunk]]) -> None:
+        """Runs a step of the stream's chunk assembler and sends its chunks on, under the lock poll() cuts under.
+
+        poll() cuts interval chunks on the caller's thread, the engine cuts the
+        stream's own on its thread: one lock keeps their sequence numbers one gapless
+        sequence, published in that order.
+        """
+        with self._lock:
+            self._queue_chunks(stream, cut())
+
+    def _queue_chunks(self, stream: Stream, chunks: list[Chunk]) -> None:
+        """Publishes and/or queues chunks for poll(); the caller holds the lock."""
+        if self._streams.get(stream.key) is not stream:
+            return  # cancelled: nobody will collect it
+        for chunk in chunks:
+            if self._chunk_publisher is not None:
+                self._chunk_publisher.publish(stream.key, chunk)
+            if self.settings.chunks_to_pipeline:
+                stream.outputs.append((CHUNK, chunk.to_json()))
+
+    def _awaiting_chunk_confirmation(self, stream: Stream) -> bool:
+        """Whether Pub/Sub has yet to confirm a chunk of the stream (failed ones are published again).
+
+        Past ``chunk_publish_patience_s`` of failures the chunks are given up and the completion goes anyway.
+        """
+        if self._chunk_publisher is None or self._chunk_publisher.settled(stream.key):
+            return False
+        failing_since = self._chunk_publisher.failing_since(stream.key)
+        if failing_since is not None and time.time() - failing_since > self.settings.chunk_publish_patience_s:
+            LOGGER.error("Request %s: Pub/Sub did not confirm its chunks within chunk_publish_patience_s=%g; "
+                         "its completion goes without them", stream.request.id, self.settings.chunk_publish_patience_s)
+            self._chunk_publisher.forget(stream.key)
+            return False
+        return True
+
+    def _complete(self, stream: Stream, assembler: ChunkAssembler, finish_reason: str | None, prompt_tokens: int,
+                  now: float) -> None:
+        """Emits the stream's completion record (its final chunk is already cut and confirmed)."""
+        request = stream.request
+        output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
+        completion = Completion(
+            id=request.id, attempt=stream.attempt, stream=assembler.stream, model=self.model_name,
+            prompt=request.prompt,
+            messages=request.messages, text=assembler.text, finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
+            time_to_first_token_ms=assembler.time_to_first_token_ms,
+            total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
+            finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error,
+            adapter=request.adapter)
+        self._emit(stream, COMPLETION, completion.to_json(), final=True)
+
+    def _dead_letter(self, stream: Stream, reason: str) -> None:
+        request = stream.request
+        if self._chunk_publisher is not None:
+            self._chunk_publisher.forget(stream.key)  # no completion will wait for its chunks
+        letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time())
+        self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)

@@ -1,0 +1,308 @@
+"""The vLLM engine: many requests in flight against one OpenAI-compatible server.
+
+:class:`VLLMEngine` implements the engine contract (:mod:`pipeline.engines.engine`)
+for vLLM. It owns the model manager's server (or calls ``server_url``) and
+streams each request to it from an asyncio loop on a background thread;
+vLLM's continuous batching sees every in-flight request, so a short request
+never waits for a long one. Each server-sent event is cut into chunks by the
+request's :class:`~pipeline.contract.chunking.ChunkAssembler`.
+
+The engine asks vLLM for the events it will publish: a request carries
+``stream_interval`` = ``chunk_tokens`` (vLLM sends the first token at once,
+then one event per that many tokens, and the last at once), so neither the
+server's API front end nor this client turns every token into an HTTP event
+only for the assembler to regroup them. A server that refuses the field is
+asked per token from then on, after one warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+import urllib.request
+from typing import Any, AsyncIterator
+
+import aiohttp
+
+from pipeline.contract.chunking import ChunkAssembler
+from pipeline.contract.keying import bucket_index
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import ATTEMPT, EngineBase, EngineSettings, Stream
+from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
+
+LOGGER = logging.getLogger(__name__)
+
+# vLLM's HTTP server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a client that reuses one
+# at that moment gets "Server disconnected" (seen at 0.25 requests/s). Dropping idle connections sooner avoids it.
+IDLE_CONNECTION_REUSE_S = 2.0
+
+
+class RetryableError(Exception):
+    """The server was unreachable or broke off; the request can be sent again."""
+
+
+class VLLMEngine(EngineBase):
+    """Hosts the vLLM server (if managed) and streams requests to it concurrently."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        self._server: VLLMServer | None = None
+        if settings.server is not None:
+            self._server = VLLMServer(settings.server).start()
+            self.base_url = self._server.base_url
+        else:
+            self.base_url = settings.server_url.rstrip("/")
+        self.model_name = settings.served_model_name or self._discover_model_name()
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
+        self._loop_thread.start()
+        self._semaphore = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: dict[str, concurrent.futures.Future] = {}
+        self._server_load_at = float("-inf")
+        self._server_load_cache: tuple[int | None, int | None] = (None, None)
+        # vLLM's stream_interval: events of chunk_tokens tokens each, until a server refuses the field (None: every
+        # token; make bench-engine-cost sets it to measure what it saves).
+        self.stream_interval = settings.chunk_policy.chunk_tokens if settings.chunk_policy.chunk_tokens > 1 else None
+        atexit.register(self.close)
+
+    async def _make_semaphore(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(self.settings.max_in_flight)
+
+    def _discover_model_name(self) -> str:
+        if self.settings.server is not None:
+            return self.settings.server.model_name
+        with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=30) as response:
+            models = json.load(response)["data"]
+        if not models:
+            raise RuntimeError(f"{self.base_url} serves no models")
+        return models[0]["id"]
+
+    def server_pid(self) -> int | None:
+        return self._server.pid if self._server else None
+
+    def server_restarts(self) -> int:
+        return self._server.stats.restarts if self._server else 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        if self._session is not None:
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._server is not None:
+            self._server.stop()
+
+    def _server_load(self) -> tuple[int | None, int | None]:
+        """vLLM's own running and waiting gauges, read at most once a second (None while it does not answer)."""
+        now = time.monotonic()
+        if now - self._server_load_at >= 1.0:
+            self._server_load_at = now
+            try:
+                figures = server_metrics(self.base_url, timeout_s=1.0)
+                self._server_load_cache = (int(figures[RUNNING_METRIC]), int(figures[WAITING_METRIC]))
+            except (OSError, ValueError):
+                self._server_load_cache = (None, None)
+        return self._server_load_cache
+
+    def _room(self, new: int) -> int:
+        return max(self.settings.max_in_flight - self._unfinished, 0)  # vLLM batches continuously: any that fit
+
+    def _start(self, streams: list[Stream]) -> None:
+        for stream in streams:
+            task = asyncio.run_coroutine_threadsafe(self._run(stream), self._loop)
+            self._tasks[stream.key] = task
+            task.add_done_callback(lambda done, key=stream.key: self._forget_task(key, done))
+
+    def _forget_task(self, key: str, task: concurrent.futures.Future) -> None:
+        if self._tasks.get(key) is task:  # not a newer stream's under the same key
+            self._tasks.pop(key, None)
+
+    def _cancel(self, streams: list[Stream]) -> None:
+        """Cancels the streams' tasks: their connections close, and vLLM aborts a request whose client left."""
+        for stream in streams:
+            task = self._tasks.get(stream.key)
+            if task is not None:
+                task.cancel()
+
+    # Streaming ---------------------------------------------------------------------
+
+    async def _chunks_confirmed(self, stream: Stream) -> None:
+        while self._awaiting_chunk_confirmation(stream):
+            await asyncio.sleep(0.002)
+
+    async def _run(self, stream: Stream) -> None:
+        request = stream.request
+        last_error = "no attempt was made"
+        delay = 0.5
+        async with self._semaphore:
+            deadline = time.time() + self.settings.request_timeout_s  # from sending, not from queueing
+            limit = f"request_timeout_s={self.settings.request_timeout_s:g}"
+            if request.deadline_ms is not None:
+                own_deadline = request.received_at + request.deadline_ms / 1000
+                if own_deadline < deadline:
+                    deadline, limit = own_deadline, f"its deadline_ms={request.deadline_ms}"
+            while time.time() < deadline:
+                try:
+                    await asyncio.wait_for(self._stream_once(stream, deadline), timeout=deadline - time.time())
+                    return
+                except TimeoutError:
+                    last_error = "generation was still running"
+                    break
+                except RetryableError as exc:
+                    last_error = str(exc)
+                except _StreamIntervalRefused as exc:
+                    if self.stream_interval is not None:
+                        self.stream_interval = None
+                        LOGGER.warning("The model server refused stream_interval (%s); streaming every token from "
+                                       "now on, which costs more CPU per token on both sides", exc)
+                    continue  # at once: nothing was generated
+                except _RequestRejected as exc:
+                    self._dead_letter(stream, f"the server rejected the request: {exc}")
+                    return
+                except Exception as exc:  # a bug must not leave a request without an outcome
+                    LOGGER.exception("Unexpected error streaming request %s", request.id)
+                    self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
+                    return
+                if stream.assembler is not None and stream.assembler.chunks_emitted > 0:
+                    # Chunks of this attempt are already out: restart as a new attempt.
+                    with self._lock:
+                        stream.attempt += 1
+                        stream.outputs.append((ATTEMPT, str(stream.attempt)))
+                LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
+                await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
+                delay = min(delay * 2, 10.0)
+        self._dead_letter(stream, f"no answer within {limit}: {last_error}")
+
+    async def _stream_once(self, stream: Stream, deadline: float) -> None:
+        request = stream.request
+        await self._wait_for_server(deadline)
+        assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
+        with self._lock:
+            stream.assembler = assembler
+        path, payload = self._payload(request)
+        session = await self._get_session()
+        prompt_tokens, tokens, finish_reason, finished = 0, 0, None, False
+        try:
+            async with session.post(f"{self.base_url}{path}", json=payload) as response:
+                if response.status >= 400:
+                    body = (await response.text())[:2000]
+                    if response.status in (408, 429) or response.status >= 500:
+                        raise RetryableError(f"HTTP {response.status}: {body}")
+                    if "stream_interval" in payload and "stream_interval" in body:
+                        raise _StreamIntervalRefused(f"HTTP {response.status}: {_error_message(body)}")
+                    raise _RequestRejected(f"HTTP {response.status}: {_error_message(body)}")
+                async for event in _sse_events(response.content, response):
+                    usage = event.get("usage") or {}
+                    prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
+                    for choice in event.get("choices") or ():
+                        delta = choice.get("text")
+                        if delta is None:
+                            delta = (choice.get("delta") or {}).get("content") or ""
+                        tokens = usage.get("completion_tokens", tokens + (1 if delta else 0))
+                        self._cut(stream, lambda: assembler.add(delta, tokens, time.time()))
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                        finished = finished or choice.get("finish_reason") is not None
+                    if not event.get("choices") and usage:
+                        tokens = usage.get("completion_tokens", tokens)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise RetryableError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
+        if not finished:
+            raise RetryableError("the stream ended before a finish reason")
+        now = time.time()
+        self._cut(stream, lambda: [assembler.finish(finish_reason, tokens, now)])
+        await self._chunks_confirmed(stream)
+        self._complete(stream, assembler, finish_reason, prompt_tokens, now)
+
+    def _payload(self, request: InferenceRequest) -> tuple[str, dict[str, Any]]:
+        payload: dict[str, Any] = {
+            "model": request.adapter or self.model_name, "stream": True,  # vLLM picks a LoRA adapter by name
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "seed", "presence_penalty",
+                     "frequency_penalty", "response_format"):
+            if getattr(request, name) is not None:
+                payload[name] = getattr(request, name)
+        if request.stop:
+            payload["stop"] = list(request.stop)
+        if self.stream_interval is not None:
+            payload["stream_interval"] = self.stream_interval
+        if self.settings.priority_boundaries is not None and request.prompt_tokens is not None:
+            payload["priority"] = bucket_index(self.settings.priority_boundaries, request.prompt_tokens)
+        if request.messages is not None or self.settings.prompt_format == "chat":
+            payload["messages"] = list(request.messages or [{"role": "user", "content": request.prompt}])
+            return "/v1/chat/completions", payload
+        payload["prompt"] = request.prompt
+        return "/v1/completions", payload
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.settings.stall_timeout_s)
+            connector = aiohttp.TCPConnector(limit=self.settings.max_in_flight + 8,
+                                             keepalive_timeout=IDLE_CONNECTION_REUSE_S)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        return self._session
+
+    async def _wait_for_server(self, deadline: float) -> None:
+        if self._server is None:
+            return
+        while not self._server.healthy:
+            if time.time() > deadline:
+                raise RetryableError("the model server is not healthy (restarting or failed to start)")
+            await asyncio.sleep(0.5)
+
+
+class _RequestRejected(Exception):
+    """The server refused the request itself (HTTP 4xx); sending it again will not help."""
+
+
+class _StreamIntervalRefused(Exception):
+    """The server refused ``stream_interval`` itself (a server without it that checks fields): ask per token."""
+
+
+def _error_message(body: str) -> str:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return body
+    error = data.get("error", data)
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+async def _sse_events(content: aiohttp.StreamReader,
+                      response: aiohttp.ClientResponse | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Server-sent events of an OpenAI-style stream, until ``[DONE]``.
+
+    Cancelled while reading (the stream was abandoned), it closes the connection
+    rather than return it to the pool: the closed connection is what makes vLLM
+    abort the request.
+    """
+    try:
+        async for event in _events(content):
+            yield event
+    except asyncio.CancelledError:
+        if response is not None:
+            response.close()
+        raise
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    async for raw in content:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event and "choices" not in event:
+            raise _RequestRejected(_error_message(data))
+        yield event

@@ -1,0 +1,138 @@
+"""Admission: a worker takes from the subscription only what it can hold, so a backlog waits in Pub/Sub.
+
+Dataflow's Pub/Sub source acknowledges a message once the first fused stage
+that read it has committed ("Streaming with Pub/Sub": "once they have been
+successfully processed by the first fused stage"). Every step up to the
+batcher's shuffle is that stage, and :class:`AdmitRequests` is its last step.
+It asks the worker's engine for room (:meth:`~pipeline.engines.engine.EngineBase.admit`:
+what the worker holds is its unfinished streams, the requests its generate
+step reports waiting in state, and those admitted and not yet arrived there,
+counted by id: :mod:`pipeline.engines.worker_hold`). While the worker holds
+``max_in_flight + worker_queue`` requests, the step waits: its bundle does not commit, its messages stay unacknowledged,
+and the rest of the backlog is never pulled. Pub/Sub keeps it durably, at no
+cost to the job, and counts it as the subscription's backlog, which is what
+Dataflow's autoscaler reads ("Horizontal Autoscaling"); in keyed state it
+would be invisible to it.
+
+What waiting costs, and its bounds: one harness thread per waiting bundle
+(Beam's ``AsyncWrapper`` holds ``process`` the same way when its buffer is
+full); its bundle stays open for as long as the worker is full, each request
+in flight frees room when it finishes or reaches ``request_timeout_s``. Room
+is counted from the engine, which frees it on its own threads, and a waiting
+report lapses unless its key renews it, so a worker whose every thread waits
+here still frees room and goes on. The bound holds per worker: Dataflow
+spreads keys and source splits evenly, so each worker's hold reflects its
+share; a skewed spread can hold more on one worker than the bound.
+
+On a local runner the read itself waits instead (``local/direct_runner.py``
+takes only what the worker's engine grants,
+:meth:`~pipeline.engines.engine.EngineBase.admit_count`): the DirectRunner runs every
+step on one thread, so a step that waited would stop the timers that free
+room. The step then claims by id the places the source was granted, and
+reports the load.
+
+The step reports the worker's load (:mod:`pipeline.engines.worker_load`), and counts
+its waits in the same namespace: ``pushback_waits`` and ``pushback_ms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import EngineBase, EngineSettings
+from pipeline.engines.engine_host import acquire_engine
+from pipeline.engines.worker_load import LOAD_NAMESPACE, LoadGauges
+
+LOGGER = logging.getLogger(__name__)
+
+# How often a waiting step says so in the log.
+PUSHBACK_LOG_INTERVAL_S = 60.0
+_MAX_BACKOFF_S = 0.5
+_LOGGED_AT: list[float] = [float("-inf")]  # when this process last logged a wait
+
+
+class _AdmitFn(beam.DoFn):
+    def __init__(self, settings: EngineSettings, shared_tag: str, wait: bool) -> None:
+        self._settings = settings
+        self._shared_tag = shared_tag
+        self._wait = wait
+        self._engine: EngineBase | None = None
+        self._gauges = LoadGauges("admit")
+        self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
+        self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
+
+    def setup(self) -> None:
+        self._engine = acquire_engine(self._settings, self._shared_tag)
+
+    def start_bundle(self) -> None:
+        self._bundle_ids: list[str] = []
+
+    def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
+        if not self._wait:
+            self._call(lambda engine: engine.claim([request.id]))  # the source was granted its place
+        elif not self._admit(request.id):
+            self._wait_for_room(request.id)
+        self._bundle_ids.append(request.id)
+        self._gauges.update(self._engine)
+        yield request
+
+    def finish_bundle(self) -> None:
+        # On a local runner every request reaches this worker's generate step, which says when it arrived;
+        # on Dataflow it may go to another worker's, so from here on it counts for admission_transit_s.
+        if self._wait and self._bundle_ids:
+            self._call(lambda engine: engine.dispatched(self._bundle_ids))
+        self._bundle_ids = []
+
+    def _admit(self, request_id: str) -> bool:
+        return bool(self._call(lambda engine: engine.admit([request_id])))
+
+    def _call(self, call: Callable[[EngineBase], int | None]) -> int | None:
+        try:
+            return call(self._engine)
+        except (ConnectionError, EOFError) as exc:
+            LOGGER.warning("The worker's engine is unreachable (%s); reconnecting", exc)
+            self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
+            return None
+
+    def _wait_for_room(self, request_id: str) -> None:
+        """Holds this bundle (its messages unacknowledged) until the worker has room for one more request."""
+        started = time.monotonic()
+        backoff = 0.01
+        self.waits.inc()
+        while True:
+            time.sleep(backoff)
+            if self._admit(request_id):
+                break
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            self._gauges.update(self._engine)
+            now = time.monotonic()
+            if now - _LOGGED_AT[0] >= PUSHBACK_LOG_INTERVAL_S:
+                _LOGGED_AT[0] = now
+                LOGGER.info("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
+                            "of the subscription stays unacknowledged until a request finishes",
+                            self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
+        self.waited_ms.inc(int((time.monotonic() - started) * 1000))
+
+
+class AdmitRequests(beam.PTransform):
+    """Requests in, the same requests out, as fast as the worker has room for them.
+
+    Put it last before the first shuffle (the batcher), so that what it holds
+    back is unacknowledged in Pub/Sub. ``wait=False`` on local runners, whose
+    source admits instead (see the module docstring).
+    """
+
+    def __init__(self, settings: EngineSettings, shared_tag: str, *, wait: bool = True) -> None:
+        super().__init__()
+        self._settings = settings
+        self._shared_tag = shared_tag
+        self._wait = wait
+
+    def expand(self, requests):
+        return requests | "Admit" >> beam.ParDo(_AdmitFn(self._settings, self._shared_tag, self._wait))

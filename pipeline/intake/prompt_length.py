@@ -1,0 +1,116 @@
+"""Prompt length in tokens, for length bucketing and the context check.
+
+The model's own tokenizer gives the length the server will see (chat prompts
+through the model's chat template); it is loaded once per worker process. A
+cheap character-based estimate is the fallback for models whose tokenizer is
+not available where the pipeline runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterator
+
+import apache_beam as beam
+from apache_beam import pvalue
+from apache_beam.metrics import Metrics
+from apache_beam.utils.shared import Shared
+
+from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded
+from pipeline.contract.messages import STAGE_MEASURE, STAGE_VALIDATE, DeadLetter, InferenceRequest
+from pipeline.serving.model_access import explained_fetch, resolve_model
+
+ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS = "tokenizer", "chars"
+
+
+def estimate_tokens(text: str) -> int:
+    """About four characters a token for English BPE vocabularies."""
+    return max(1, (len(text) + 3) // 4)
+
+
+class TokenizerMeter:
+    """Counts tokens as the server will: chat requests through the chat template."""
+
+    def __init__(self, model: str, prompt_format: str) -> None:
+        from transformers import AutoTokenizer
+
+        with explained_fetch(model):
+            self._tokenizer = AutoTokenizer.from_pretrained(model)
+        self._chat = prompt_format == "chat"
+
+    def __call__(self, request: InferenceRequest) -> int:
+        if request.messages is not None or (self._chat and self._tokenizer.chat_template):
+            messages = list(request.messages or [{"role": "user", "content": request.prompt}])
+            encoded = self._tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            if isinstance(encoded, dict) or hasattr(encoded, "keys"):
+                encoded = encoded["input_ids"]
+            return len(encoded)
+        return len(self._tokenizer.encode(request.prompt))
+
+
+class _Holder:
+    """Shared() needs a weak-referenceable object."""
+
+    def __init__(self, meter: TokenizerMeter) -> None:
+        self.meter = meter
+
+
+class _MeasureFn(beam.DoFn):
+    def __init__(self, estimator: str, model: str, prompt_format: str, max_model_len: int,
+                 hf_token_secret: str | None) -> None:
+        self._estimator = estimator
+        self._model = model
+        self._hf_token_secret = hf_token_secret
+        self._prompt_format = prompt_format
+        self._max_model_len = max_model_len
+        self._shared = Shared()
+        self._meter = None
+        self.too_long = Metrics.counter("prompt_length", "longer_than_context")
+        self.tokens = Metrics.distribution("prompt_length", "prompt_tokens")
+
+    def setup(self) -> None:
+        if self._estimator == ESTIMATOR_TOKENIZER:
+            path = resolve_model(self._model, hf_token_secret=self._hf_token_secret)
+            holder = self._shared.acquire(lambda: _Holder(TokenizerMeter(path, self._prompt_format)),
+                                          tag=f"{path}|{self._prompt_format}")
+            self._meter = holder.meter
+        else:
+            self._meter = lambda request: estimate_tokens(request.prompt_text())
+
+    def process(self, request: InferenceRequest) -> Iterator[Any]:
+        return guarded(STAGE_MEASURE, request, lambda: self._measure(request))
+
+    def _measure(self, request: InferenceRequest) -> Iterator[Any]:
+        tokens = self._meter(request)
+        self.tokens.update(tokens)
+        # Only the tokenizer's count is exact enough to refuse a request on.
+        if self._estimator == ESTIMATOR_TOKENIZER and tokens + (request.max_tokens or 1) > self._max_model_len:
+            self.too_long.inc()
+            reason = (f"the prompt has {tokens} tokens and max_tokens is {request.max_tokens}; together they exceed "
+                      f"the model's context of {self._max_model_len} tokens")
+            letter = DeadLetter(STAGE_VALIDATE, reason, request.to_json(), id=request.id, at=time.time())
+            yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter.to_record())
+            return
+        yield dataclasses.replace(request, prompt_tokens=tokens)
+
+
+class MeasurePromptLength(beam.PTransform):
+    """Requests in; ``requests`` (with ``prompt_tokens`` set) and ``dead_letters`` out.
+
+    With the tokenizer, a request whose prompt plus ``max_tokens`` exceeds the
+    model's context becomes a dead letter here instead of occupying a bucket.
+    """
+
+    def __init__(self, *, estimator: str = ESTIMATOR_CHARS, model: str = "", prompt_format: str = "chat",
+                 max_model_len: int = 2048, hf_token_secret: str | None = None) -> None:
+        super().__init__()
+        if estimator not in (ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS):
+            raise ValueError(f"estimator must be {ESTIMATOR_TOKENIZER} or {ESTIMATOR_CHARS}, got {estimator!r}")
+        if estimator == ESTIMATOR_TOKENIZER and not model:
+            raise ValueError("the tokenizer estimator needs the model")
+        self._args = (estimator, model, prompt_format, max_model_len, hf_token_secret)
+
+    def expand(self, requests):
+        return requests | "Measure" >> beam.ParDo(_MeasureFn(*self._args)).with_outputs(
+            TAG_DEAD_LETTERS, main="requests")

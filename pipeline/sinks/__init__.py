@@ -1,0 +1,3 @@
+"""Where results land: Pub/Sub and BigQuery writers. In: completions, chunks and dead letters; out: published messages,
+table rows, and rejected rows as dead letters.
+"""
