@@ -30,8 +30,8 @@ from typing import Callable
 
 from apache_beam.coders import StrUtf8Coder, VarIntCoder
 
-from pipeline.config.options import PARAMETERS
 from pipeline.contract.keying import generate_key
+from pipeline.contract.parameters import PARAMETERS
 from pipeline.generation.generate import WAITING_POLL_CAP_S, template_poll_interval_ms
 
 WORKERS = (1, 2, 4, 8, 16, 32, 64, 100)

@@ -32,7 +32,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from pipeline.config.options import PARAMETERS
+from pipeline.contract.parameters import PARAMETERS
 
 DEFAULTS = {p.name: p.default for p in PARAMETERS}
 CLEAR_BACKLOG_S = 150.0

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.runner_semantics import Driver, KeyState, Worker
-from pipeline.assembly import engine_settings
-from pipeline.config.options import PipelineConfig
+from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.generation.generate import WAITING_POLL_CAP_S, _StreamingGenerateFn, template_poll_interval_ms
@@ -49,13 +48,12 @@ class Phase:
 
 def template_engine() -> tuple[VLLMEngine, float]:
     """The engine the template builds for the local model (its own managed server), and its poll cadence."""
-    config = PipelineConfig.from_mapping({
+    settings = JobSettings.from_mapping({
         "input_subscription": "projects/local-project/subscriptions/unused",
         "output_completions_topic": "projects/local-project/topics/unused",
         "dead_letter_topic": "projects/local-project/topics/unused", "model": str(ensure_local_checkpoint()),
         "served_model_name": "smollm2", "dtype": LOCAL_SERVER.dtype, "vllm_args": " ".join(LOCAL_SERVER.vllm_args),
-        "max_in_flight": IN_FLIGHT, "server_start_timeout_s": 900})
-    settings = engine_settings(config)
+        "max_in_flight": IN_FLIGHT, "server_start_timeout_s": 900}).engine
     return VLLMEngine(settings), template_poll_interval_ms(settings.chunk_policy.interval_ms)
 
 

@@ -25,9 +25,8 @@ from benchmarks.structured_records import RECORD_SETS, RecordSet
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.engine_driver import drive_to_end
-from pipeline.assembly import engine_settings
-from pipeline.config.options import PipelineConfig
-from pipeline.contract.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
+from pipeline.config.settings import JobSettings
+from pipeline.contract.messages import DeadLetter, InferenceRequest, parse_request
 from pipeline.engines.vllm_engine import VLLMEngine
 
 SERVED = "smollm2"
@@ -35,7 +34,7 @@ FREE_WHITESPACE = "--structured-outputs-config.disable_any_whitespace false"
 SETTINGS = {"free whitespace (vLLM's default)": FREE_WHITESPACE, "compact JSON (the template's default)": ""}
 
 
-def config(record_set: RecordSet | None, vllm_args: str) -> PipelineConfig:
+def config(record_set: RecordSet | None, vllm_args: str) -> JobSettings:
     values = {"input_subscription": "projects/local-project/subscriptions/unused",
               "output_completions_topic": "projects/local-project/topics/unused",
               "dead_letter_topic": "projects/local-project/topics/unused",
@@ -44,12 +43,11 @@ def config(record_set: RecordSet | None, vllm_args: str) -> PipelineConfig:
     if record_set is not None:
         values.update(system_prompt=record_set.system_prompt, prompt_template=record_set.prompt_template,
                       response_schema=json.dumps(record_set.schema))
-    return PipelineConfig.from_mapping(values)
+    return JobSettings.from_mapping(values)
 
 
-def requests(record_set: RecordSet, cfg: PipelineConfig) -> list[InferenceRequest]:
-    limits = RequestLimits(default_max_tokens=cfg.default_max_tokens, max_model_len=cfg.max_model_len)
-    parsed = [parse_request(record.encode(), {"id": f"r{i}"}, limits=limits, defaults=cfg.request_defaults())
+def requests(record_set: RecordSet, job: JobSettings) -> list[InferenceRequest]:
+    parsed = [parse_request(record.encode(), {"id": f"r{i}"}, limits=job.limits, defaults=job.request_defaults)
               for i, record in enumerate(record_set.records)]
     rejected = [p for p in parsed if isinstance(p, DeadLetter)]
     if rejected:
@@ -79,7 +77,7 @@ def main() -> None:
     parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     apply_server_environment()
-    engines = {label: VLLMEngine(engine_settings(config(None, args))) for label, args in SETTINGS.items()}
+    engines = {label: VLLMEngine(config(None, args).engine) for label, args in SETTINGS.items()}
     results: dict[tuple[str, str], list[dict]] = {}
     try:
         for index, record_set in enumerate(RECORD_SETS):
@@ -93,7 +91,7 @@ def main() -> None:
             engine.close()
     cfg = config(None, "")
     print(f"\nEmbedded model (SmolLM2-135M-Instruct, {LOCAL_SERVER.label}), the server's default sampling, "
-          f"the template's default answer budget {cfg.default_max_tokens} tokens:")
+          f"the template's default answer budget {cfg.config.default_max_tokens} tokens:")
     for (name, label), completions in results.items():
         print(f"{name:18} {label:38} {describe(completions)}")
     for label in SETTINGS:

@@ -10,7 +10,7 @@ and pipeline options go to gcloud in a ``--flags-file`` (``gcloud topic flags-fi
 user wrote it, except ``EXTRA_PARAMETERS``, whose rule is stated in :func:`split_extra_parameters`.
 
 Before anything is launched, the parameters are checked with the template's own validation
-(:class:`pipeline.config.options.PipelineConfig`), so a bad value fails here, naming the parameter, rather
+(:class:`pipeline.config.settings.JobSettings`), so a bad value fails here, naming the parameter, rather
 than on the launcher VM minutes later.
 """
 
@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pipeline.config.options import PARAMETERS_BY_NAME, WORKER_OPTIONS, ConfigError, PipelineConfig
+from pipeline.config.options import ConfigError
+from pipeline.config.settings import JobSettings
+from pipeline.contract.parameters import PARAMETERS_BY_NAME, WORKER_OPTIONS
 
 # Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
 NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "CHUNKS_TOPIC": "output_chunks_topic",
@@ -133,7 +135,7 @@ def template_parameters(settings: Settings) -> dict[str, str]:
     if problems:
         raise DeployError("Template parameters:\n  - " + "\n  - ".join(problems))
     try:
-        PipelineConfig.from_mapping(parameters)
+        JobSettings.from_mapping(parameters)
     except ConfigError as exc:
         raise DeployError(str(exc)) from None
     return parameters

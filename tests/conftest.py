@@ -14,8 +14,7 @@ import pytest
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator, Emulator, PubSubEmulator
-from pipeline.assembly import engine_settings
-from pipeline.config.options import PipelineConfig
+from pipeline.config.settings import JobSettings
 from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 
 SERVED_NAME = "smollm2"
@@ -34,11 +33,11 @@ def checkpoint() -> Path:
 
 def local_server_spec(checkpoint: Path, **overrides) -> ServerSpec:
     """The spec the pipeline itself builds for the local model, via the real option path."""
-    config = PipelineConfig.from_mapping({
+    settings = JobSettings.from_mapping({
         "input_subscription": "projects/my-project/subscriptions/unused", "output_chunks_topic": "projects/my-project/topics/unused",
         "dead_letter_topic": "projects/my-project/topics/unused", "model": str(checkpoint), "dtype": LOCAL_SERVER.dtype,
         "served_model_name": SERVED_NAME, "vllm_args": " ".join(LOCAL_SERVER.vllm_args), "server_start_timeout_s": 900})
-    spec = engine_settings(config).server
+    spec = settings.engine.server
     return ServerSpec(**{**spec.__dict__, **overrides})
 
 

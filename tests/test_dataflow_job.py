@@ -21,7 +21,7 @@ from apache_beam.portability.api import beam_runner_api_pb2
 
 from local.emulators import GcsEmulator
 from pipeline.config.launch_checks import WORKER_IMAGE_ENV
-from pipeline.config.options import DEFAULT_DISK_SIZE_GB
+from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_IMAGE = "us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:0123456789ab"

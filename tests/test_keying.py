@@ -12,9 +12,10 @@ from pathlib import Path
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from benchmarks.scale import simulate, worker_of
-from pipeline.config.options import DATAFLOW_GENERATE_SHARDS, PipelineConfig
+from pipeline.config.settings import JobSettings
 from pipeline.contract.keying import generate_key, shard_of
 from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS
 from pipeline.generation.generate import _by_generate_key
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +52,7 @@ def test_a_batch_is_regrouped_by_generate_key_with_every_copy_of_an_id_together(
 
 
 def test_the_default_generate_keys_keep_a_hundred_workers_busy_and_local_runs_use_the_batchers():
-    """The claim behind DATAFLOW_GENERATE_SHARDS (options.py): per-request keys do no better at 100 workers,
+    """The claim behind DATAFLOW_GENERATE_SHARDS (pipeline/contract/parameters.py): per-request keys do no better at 100 workers,
     where the batcher's 16 shards leave most GPUs idle (benchmarks/scale.py places real ids on workers)."""
     rows = {(r.keying, r.workers): r for r in simulate(20_000, seed=1, in_flight=1024, requests_per_s=200,
                                                          poll_interval_s=0.05)}
@@ -61,10 +62,10 @@ def test_the_default_generate_keys_keep_a_hundred_workers_busy_and_local_runs_us
     args = ["--input_subscription=projects/my-project/subscriptions/in-sub",
             "--output_chunks_topic=projects/my-project/topics/chunks",
             "--dead_letter_topic=projects/my-project/topics/dead", "--num_shards=8"]
-    config = PipelineConfig.from_options(PipelineOptions(args))
-    assert config.effective_generate_shards(local=False) == DATAFLOW_GENERATE_SHARDS
-    assert config.effective_generate_shards(local=True) == 8
-    assert PipelineConfig.from_options(PipelineOptions(args + ["--generate_shards=1024"])).effective_generate_shards(
+    settings = JobSettings.from_options(PipelineOptions(args))
+    assert settings.generate_keys(local=False) == DATAFLOW_GENERATE_SHARDS
+    assert settings.generate_keys(local=True) == 8
+    assert JobSettings.from_options(PipelineOptions(args + ["--generate_shards=1024"])).generate_keys(
         local=False) == 1024
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from local.emulators import GcsEmulator
 from pipeline.config.options import ConfigError, PipelineConfig
+from pipeline.config.settings import JobSettings
 from pipeline.serving.lora_adapters import Adapter, AdapterError, launch_problems, parse_adapters, resolve_adapter
 from pipeline.serving.vllm_server import ServerSpec
 from tests.conftest import activated
@@ -60,14 +61,15 @@ def test_every_problem_of_the_list_is_named_at_once():
 ])
 def test_a_configuration_that_cannot_serve_its_adapters_is_refused(values, problem):
     with pytest.raises(ConfigError, match=problem):
-        PipelineConfig.from_mapping({**BASE_CONFIG, **values})
+        JobSettings.from_mapping({**BASE_CONFIG, **values})
 
 
 def test_the_server_is_started_with_the_adapters_and_limits(tmp_path):
-    config = PipelineConfig.from_mapping({**BASE_CONFIG, "lora_adapters": "a=/x/a,b=org/b", "max_lora_rank": "32",
-                                          "max_loras": "2"})
-    assert config.adapters() == (Adapter("a", "/x/a"), Adapter("b", "org/b"))
-    spec = ServerSpec(model="m", adapters=config.adapters(), max_lora_rank=32, max_loras=2)
+    settings = JobSettings.from_mapping({**BASE_CONFIG, "lora_adapters": "a=/x/a,b=org/b", "max_lora_rank": "32",
+                                         "max_loras": "2"})
+    assert settings.adapters == (Adapter("a", "/x/a"), Adapter("b", "org/b"))
+    spec = settings.engine.server
+    assert (spec.adapters, spec.max_lora_rank, spec.max_loras) == (settings.adapters, 32, 2)
     command = spec.command("/weights", 8000, adapter_paths=("/local/a", "org/b"))
     start = command.index("--enable-lora")
     assert command[start:start + 8] == ["--enable-lora", "--max-lora-rank", "32", "--max-loras", "2",

@@ -12,7 +12,15 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_parameters
 from apache_beam.options.pipeline_options import WorkerOptions
 
-from pipeline.config.options import PARAMETERS, WORKER_OPTIONS, ConfigError, PipelineConfig, StreamingLLMOptions
+from pipeline.config.options import ConfigError, PipelineConfig, StreamingLLMOptions
+from pipeline.config.settings import JobSettings
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import RequestLimits
+from pipeline.contract.parameters import PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
+from pipeline.engines.engine import EngineSettings
+from pipeline.flow.batching import BatchingConfig
+from pipeline.generation.generate import DEFAULT_DEDUPE_WINDOW_S, DEFAULT_DRAIN_TIMEOUT_S
+from pipeline.serving.vllm_server import ServerSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
@@ -26,10 +34,14 @@ def config(**overrides):
     return PipelineConfig.from_mapping({**BASE, **overrides})
 
 
+def settings(**overrides):
+    return JobSettings.from_mapping({**BASE, **overrides})
+
+
 def test_defaults_are_typed_and_sensible():
     cfg = config()
     assert (cfg.max_batch_delay_ms, cfg.batch_size_target) == (10, 4)
-    assert cfg.batching().boundaries == ()  # arrival order unless opted in
+    assert settings().batching.boundaries == ()  # arrival order unless opted in
     assert cfg.prompt_format == "chat" and cfg.server_url is None and cfg.gpu_memory_utilization == 0.9
 
 
@@ -74,7 +86,7 @@ def test_launcher_strings_are_converted():
 ])
 def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrides, message):
     with pytest.raises(ConfigError) as excinfo:
-        config(**overrides)
+        settings(**overrides)
     assert message in str(excinfo.value)
 
 
@@ -86,46 +98,72 @@ def test_bigquery_tables_alone_are_enough_outputs():
 
 
 def test_length_bucketing_defaults_to_powers_of_two_below_the_context():
-    cfg = config(length_bucketing="true", max_model_len="1024")
-    assert cfg.batching().boundaries == (32, 64, 128, 256, 512)
-    assert config(length_bucketing="true", bucket_boundaries=" 10, 200 ").batching().boundaries == (10, 200)
+    assert settings(length_bucketing="true", max_model_len="1024").batching.boundaries == (32, 64, 128, 256, 512)
+    assert settings(length_bucketing="true", bucket_boundaries=" 10, 200 ").batching.boundaries == (10, 200)
 
 
 def test_answer_buckets_default_on_for_the_static_engine_only():
     """A static batch runs until its longest answer; vLLM's continuous batching pads nothing."""
-    static = config(length_bucketing="true", engine="transformers", max_model_len="1024", default_max_tokens="100")
-    assert static.batching().answer_boundaries == (16, 32, 64, 128, 256, 512)
-    assert static.batching().bucket_name(20, None) == "0.3"  # no max_tokens: the default answer budget, 100
-    assert static.batching().bucket_name(20, 8) == "0.0" and static.batching().bucket_name(300, 600) == "4.6"
-    assert config(length_bucketing="true").batching().answer_boundaries == ()
-    assert config(length_bucketing="true", engine="transformers",
-                  answer_bucket_boundaries="none").batching().answer_boundaries == ()
-    assert config(length_bucketing="true", answer_bucket_boundaries="8, 64").batching().answer_boundaries == (8, 64)
-    assert config(engine="transformers").batching().answer_boundaries == ()  # arrival order: one bucket
+    static = settings(length_bucketing="true", engine="transformers", max_model_len="1024",
+                      default_max_tokens="100").batching
+    assert static.answer_boundaries == (16, 32, 64, 128, 256, 512)
+    assert static.bucket_name(20, None) == "0.3"  # no max_tokens: the default answer budget, 100
+    assert static.bucket_name(20, 8) == "0.0" and static.bucket_name(300, 600) == "4.6"
+    assert settings(length_bucketing="true").batching.answer_boundaries == ()
+    assert settings(length_bucketing="true", engine="transformers",
+                    answer_bucket_boundaries="none").batching.answer_boundaries == ()
+    assert settings(length_bucketing="true", answer_bucket_boundaries="8, 64").batching.answer_boundaries == (8, 64)
+    assert settings(engine="transformers").batching.answer_boundaries == ()  # arrival order: one bucket
 
 
 def test_length_estimator_auto_uses_the_tokenizer_only_with_a_managed_server():
-    assert config().effective_length_estimator == "tokenizer"
-    assert config(server_url="http://127.0.0.1:8000").effective_length_estimator == "chars"
-    assert config(server_url="http://127.0.0.1:8000", length_estimator="tokenizer").effective_length_estimator == \
+    assert settings().prompt_length.estimator == "tokenizer"
+    assert settings(server_url="http://127.0.0.1:8000").prompt_length.estimator == "chars"
+    assert settings(server_url="http://127.0.0.1:8000", length_estimator="tokenizer").prompt_length.estimator == \
         "tokenizer"
 
 
 def test_all_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as excinfo:
-        config(batch_size_target="0", max_batch_delay_ms="-5")
+        settings(batch_size_target="0", max_batch_delay_ms="-5")
     assert "batch_size_target" in str(excinfo.value) and "max_batch_delay_ms" in str(excinfo.value)
 
 
-def test_every_parameter_acts_somewhere_in_the_worker_code():
-    """A parameter that does nothing does not exist: each is read from the config outside options.py."""
-    code = "\n".join(path.read_text(encoding="utf-8") for path in (REPO / "pipeline").glob("*.py")
-                     if path.name != "options.py")
-    inside = (REPO / "pipeline" / "options.py").read_text(encoding="utf-8")
+def test_every_parameter_acts_and_is_read_only_where_configuration_becomes_settings():
+    """A parameter that does nothing does not exist, and it travels forward: read from the config (or through one of
+    its properties) in the room that builds the components' settings, the launch checks, or assembly's wiring of
+    the input and outputs; the components get settings, never the config."""
+    readers = {path: path.read_text(encoding="utf-8") for path in (REPO / "pipeline").rglob("*.py")
+               if path.name != "options.py"}
+    inside = (REPO / "pipeline" / "config" / "options.py").read_text(encoding="utf-8")
+    code = "\n".join(readers.values())
     unread = [p.name for p in PARAMETERS
               if not re.search(rf"config\.{p.name}\b", code)
-              and not re.search(rf"self\.{p.name}\b", inside)]  # used by a PipelineConfig method others call
+              and not re.search(rf"self\.{p.name}\b", inside)]  # read through a PipelineConfig property
     assert not unread, f"parameters no step reads: {unread}"
+    rooms = {REPO / "pipeline" / "config" / "settings.py", REPO / "pipeline" / "config" / "launch_checks.py",
+             REPO / "pipeline" / "assembly.py"}
+    elsewhere = sorted(path.relative_to(REPO).as_posix() for path, text in readers.items()
+                       if path not in rooms and re.search(r"\bPipelineConfig\b", text))
+    assert not elsewhere, f"modules that read the config instead of their settings: {elsewhere}"
+
+
+def test_components_default_to_what_the_parameters_declare():
+    """Defaults are written once, in PARAMETERS: a job with every parameter unset builds the components' own
+    defaults, field for field."""
+    job = settings()
+    assert job.batching == BatchingConfig()
+    assert job.limits == RequestLimits()
+    assert job.engine.chunk_policy == ChunkPolicy()
+    bare_engine = EngineSettings(server=job.engine.server)
+    for name in ("engine", "prompt_format", "max_in_flight", "request_timeout_s", "stream_lease_s", "worker_queue"):
+        assert getattr(job.engine, name) == getattr(bare_engine, name), name
+    spec, bare_spec = job.engine.server, ServerSpec(model=job.engine.server.model)
+    for name in ("max_model_len", "dtype", "gpu_memory_utilization", "start_timeout_s", "max_lora_rank", "max_loras"):
+        assert getattr(spec, name) == getattr(bare_spec, name), name
+    assert (job.generate.dedupe_window_s, job.generate.drain_timeout_s) == (DEFAULT_DEDUPE_WINDOW_S,
+                                                                            DEFAULT_DRAIN_TIMEOUT_S)
+    assert job.config.max_in_flight == PARAMETERS_BY_NAME["max_in_flight"].default == bare_engine.max_in_flight
 
 
 def test_a_value_given_to_the_launcher_reaches_the_config_converted():

@@ -12,8 +12,9 @@ from pathlib import Path
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.assembly import build, engine_settings
+from pipeline.assembly import build
 from pipeline.config.options import PipelineConfig
+from pipeline.config.settings import JobSettings
 from pipeline.serving.vllm_server import ServerSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,19 +37,20 @@ def test_invalid_parameters_stop_the_launch_with_every_problem_listed():
 
 def test_launcher_strings_build_the_whole_pipeline():
     options = PipelineOptions(LAUNCHER_ARGS)
-    config = PipelineConfig.from_options(options)
+    job = JobSettings.from_options(options)
+    config = job.config
     pipeline = beam.Pipeline(options=options)
-    build(pipeline, config)
+    build(pipeline, job)
     labels = {t.full_label for t in pipeline.transforms_stack[0].parts}
     assert {"ReadPrompts", "ParseRequests", "MeasurePromptLength", "BatchRequests", "StreamingGenerate",
             "PublishCompletions", "PublishDeadLetters"} <= labels
     # Chunks go from the worker's engine straight to their topic, not through a pipeline step.
-    settings = engine_settings(config)
+    settings = job.engine
     assert "PublishChunks" not in labels and settings.chunk_topic == config.output_chunks_topic
     assert not settings.chunks_to_pipeline
-    with_table = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS + ["--output_chunks_table=my-project:llm.chunks"]))
-    assert engine_settings(with_table).chunks_to_pipeline  # a BigQuery chunks table still gets them through Beam
-    assert config.batching().boundaries[0] == 32 and config.max_batch_delay_ms == 25
+    with_table = JobSettings.from_options(PipelineOptions(LAUNCHER_ARGS + ["--output_chunks_table=my-project:llm.chunks"]))
+    assert with_table.engine.chunks_to_pipeline  # a BigQuery chunks table still gets them through Beam
+    assert job.batching.boundaries[0] == 32 and config.max_batch_delay_ms == 25
 
 
 def flag_pairs(args: tuple[str, ...]) -> dict[str, str]:
@@ -57,21 +59,20 @@ def flag_pairs(args: tuple[str, ...]) -> dict[str, str]:
 
 
 def test_the_managed_server_makes_structured_answers_compact_unless_vllm_args_say_otherwise():
-    default = engine_settings(PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))).server
+    default = JobSettings.from_options(PipelineOptions(LAUNCHER_ARGS)).engine.server
     assert flag_pairs(default.extra_args)["--structured-outputs-config.disable_any_whitespace"] == "true"
     assert flag_pairs(default.extra_args)["--structured-outputs-config.backend"] == "xgrammar"  # vLLM needs one
     for own in ("--structured-outputs-config.disable_any_whitespace false",
                 "--structured-outputs-config.backend guidance",
                 """--structured-outputs-config '{"backend": "guidance"}'"""):
-        spec = engine_settings(PipelineConfig.from_options(PipelineOptions(
-            LAUNCHER_ARGS[:-1] + [f"--vllm_args={own}"]))).server
+        spec = JobSettings.from_options(PipelineOptions(LAUNCHER_ARGS[:-1] + [f"--vllm_args={own}"])).engine.server
         structured = [arg for arg in spec.extra_args if arg.startswith("--structured-outputs-config")]
         assert structured == [shlex.split(own)[0]], own  # the user's setting alone
 
 
 def test_gpu_settings_travel_to_the_workers_whatever_the_launcher_has():
     # The launcher VM has no GPU; the worker decides at spawn time what its platform accepts.
-    spec = engine_settings(PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))).server
+    spec = JobSettings.from_options(PipelineOptions(LAUNCHER_ARGS)).engine.server
     assert spec.gpu_memory_utilization == 0.85 and flag_pairs(spec.extra_args)["--max-num-seqs"] == "64"
     assert flag_pairs(spec.extra_args)["--scheduling-policy"] == "priority"  # shorter prompts first
     gpu_command = spec.command("/models/m", 8000, on_cpu=False)
@@ -83,9 +84,9 @@ def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_serv
     from pipeline.contract.messages import InferenceRequest
     from pipeline.engines.vllm_engine import VLLMEngine
 
-    config = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS))
-    settings = engine_settings(config)
-    assert settings.priority_boundaries == config.batching().boundaries
+    job = JobSettings.from_options(PipelineOptions(LAUNCHER_ARGS))
+    settings = job.engine
+    assert settings.priority_boundaries == job.batching.boundaries
     # An engine for an unreachable address: only its request payloads are looked at.
     engine = VLLMEngine(dataclasses.replace(settings, server=None, server_url="http://127.0.0.1:9",
                                                  served_model_name="m", chunk_topic=None, chunks_to_pipeline=True))
@@ -96,8 +97,8 @@ def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_serv
     finally:
         engine.close()
     assert short["priority"] < long["priority"] and "priority" not in unmeasured
-    external = PipelineConfig.from_options(PipelineOptions(LAUNCHER_ARGS + ["--server_url=http://vllm:8000"]))
-    assert engine_settings(external).priority_boundaries is None
+    external = JobSettings.from_options(PipelineOptions(LAUNCHER_ARGS + ["--server_url=http://vllm:8000"]))
+    assert external.engine.priority_boundaries is None
 
 
 DATAFLOW = LAUNCHER_ARGS + ["--runner=DataflowRunner", "--project=my-project", "--region=us-central1",

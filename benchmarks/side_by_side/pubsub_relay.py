@@ -30,9 +30,9 @@ import time
 import aiohttp
 
 from benchmarks.side_by_side.completions_stream import completion_events, session as client_session
-from pipeline.config.options import PARAMETERS_BY_NAME
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import Chunk
+from pipeline.contract.parameters import PARAMETERS_BY_NAME
 
 # The template's defaults, so that the relay publishes as many chunks as the template does.
 CHUNK_POLICY = ChunkPolicy(PARAMETERS_BY_NAME["chunk_tokens"].default,

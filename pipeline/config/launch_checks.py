@@ -40,7 +40,8 @@ from typing import Mapping
 from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOptions, PipelineOptions, SetupOptions, \
     StandardOptions, WorkerOptions
 
-from pipeline.config.options import DEFAULT_DISK_SIZE_GB, PipelineConfig
+from pipeline.config.options import PipelineConfig
+from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB
 from pipeline.serving.model_access import gated_model_warning
 
 LOGGER = logging.getLogger(__name__)

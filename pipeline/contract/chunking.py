@@ -14,12 +14,13 @@ import uuid
 from dataclasses import dataclass
 
 from pipeline.contract.messages import Chunk
+from pipeline.contract.parameters import default
 
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    chunk_tokens: int = 8
-    interval_ms: float = 200.0
+    chunk_tokens: int = default("chunk_tokens")
+    interval_ms: float = float(default("chunk_interval_ms"))
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
+from pipeline.contract.parameters import default
 from pipeline.contract.structured_output import ResponseFormatError, checked_response_format
 
 # Stages a dead letter can come from, so operators can filter by where it failed.
@@ -268,8 +269,8 @@ class DeadLetter:
 class RequestLimits:
     """Pipeline-wide limits that a request's own parameters are checked against."""
 
-    default_max_tokens: int = 256
-    max_model_len: int = 2048
+    default_max_tokens: int = default("default_max_tokens")
+    max_model_len: int = default("max_model_len")
     max_prompt_chars: int = 200_000
     # The LoRA adapters a request may name; None: any (a server the job does not run decides).
     adapters: tuple[str, ...] | None = ()

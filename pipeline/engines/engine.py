@@ -56,6 +56,7 @@ from typing import Callable, Sequence
 
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
+from pipeline.contract.parameters import default
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.chunk_publisher import ChunkPublisher
 from pipeline.engines.leases import LeaseClocks, Stamp
@@ -79,12 +80,12 @@ class EngineSettings:
     server_url: str | None = None
     # "vllm": the model manager's server (or server_url); "transformers": the model in-process,
     # each batch generated together (pipeline.engines.transformers_engine).
-    engine: str = "vllm"
+    engine: str = default("engine")
     served_model_name: str | None = None
-    prompt_format: str = "chat"
-    max_in_flight: int = 64
+    prompt_format: str = default("prompt_format")
+    max_in_flight: int = default("max_in_flight")
     # How long one request may take once sent, retries included (its own deadline_ms may be shorter).
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = float(default("request_timeout_s"))
     chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
     # A stream that sends nothing for this long is treated as broken and retried.
     stall_timeout_s: float = 120.0
@@ -98,10 +99,10 @@ class EngineSettings:
     # How long a finished request waits for Pub/Sub to confirm its chunks before its completion goes anyway.
     chunk_publish_patience_s: float = 300.0
     # A stream nobody polls for this long is cancelled at the server and forgotten.
-    stream_lease_s: float = 10.0
+    stream_lease_s: float = float(default("stream_lease_s"))
     # Requests a worker holds beyond max_in_flight (waiting in state, or admitted and on their way)
     # before it takes no more from the subscription (pipeline.flow.admission).
-    worker_queue: int = 64
+    worker_queue: int = default("worker_queue")
     # How long an admitted request counts, once its bundle finished, unless this worker's generate step
     # reports it first (the shuffle and the batcher's wait; it may go to another worker).
     admission_transit_s: float = 2.0
@@ -240,6 +241,11 @@ class EngineBase:
         """Streams sent and not finished; never more than ``max_in_flight``."""
         with self._lock:
             return self._unfinished
+
+    def has_room(self) -> bool:
+        """Whether :meth:`submit_batch` would take a request now: the one place ``max_in_flight`` is enforced."""
+        with self._lock:
+            return self._room(1) > 0
 
     def admit(self, ids: list[str]) -> int:
         """Takes requests into the worker's hold while it has room, in order; returns how many.

@@ -36,6 +36,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
 from pipeline.contract.keying import bucket_index, shard_of
 from pipeline.contract.messages import STAGE_BATCH, DeadLetter, InferenceRequest
+from pipeline.contract.parameters import default
 from pipeline.contract.state_format import read_cell, write_cell
 from pipeline.intake.prompt_length import estimate_tokens
 
@@ -49,13 +50,13 @@ BUFFER_VERSION = 2
 class BatchingConfig:
     """Batching settings in the vocabulary of serving systems (Wallaroo, Triton)."""
 
-    max_batch_delay_ms: float = 10.0
-    batch_size_target: int = 4
+    max_batch_delay_ms: float = float(default("max_batch_delay_ms"))
+    batch_size_target: int = default("batch_size_target")
     token_budget: int | None = None  # None: no token budget
     boundaries: tuple[int, ...] = ()  # upper token bounds of all but the last bucket
-    num_shards: int = 16
+    num_shards: int = default("num_shards")
     answer_boundaries: tuple[int, ...] = ()  # upper max_tokens bounds of answer buckets; (): not split
-    default_max_tokens: int = 256  # the answer budget of a request that sets no max_tokens
+    default_max_tokens: int = default("default_max_tokens")  # the answer budget of a request that sets none
 
     def __post_init__(self) -> None:
         problems = []

@@ -59,6 +59,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.contract.element_guard import guarded
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
+from pipeline.contract.parameters import default
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
 from pipeline.engines.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
 from pipeline.engines.engine_host import acquire_engine, new_engine_tag
@@ -72,8 +73,8 @@ TAG_DEAD_LETTERS = "dead_letters"
 # A request whose stream is lost this many times (its key moved away, or its bundle was retried elsewhere, each
 # time) is given up. Counted apart from the engine's attempts (model server restarts), which have their own bound.
 MAX_LOST_STREAMS = 8
-DEFAULT_DEDUPE_WINDOW_S = 600.0
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_DEDUPE_WINDOW_S = float(default("dedupe_window_s"))
+DEFAULT_DRAIN_TIMEOUT_S = float(default("drain_timeout_s"))
 # A key whose requests only wait for room doubles its poll interval up to this.
 WAITING_POLL_CAP_S = 2.0
 # Version 1: today's entries without "v" (commit 41b0859); 2 adds "v" and moves progress to its own cell.
@@ -379,7 +380,7 @@ class _StreamingGenerateFn(beam.DoFn):
         texts = list(waiting.read())  # one read of the bag per firing
         if not texts:
             return 0, 0
-        if self._engine.in_flight() >= self._settings.max_in_flight:
+        if not self._engine.has_room():
             return 0, len(texts)  # full: nothing to decode
         entries = yield from self._decoded(waiting, texts)
         now, live, expired = time.time(), [], False

@@ -19,6 +19,7 @@ from apache_beam.utils.shared import Shared
 
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded
 from pipeline.contract.messages import STAGE_MEASURE, STAGE_VALIDATE, DeadLetter, InferenceRequest
+from pipeline.contract.parameters import default
 from pipeline.serving.model_access import explained_fetch, resolve_model
 
 ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS = "tokenizer", "chars"
@@ -102,8 +103,8 @@ class MeasurePromptLength(beam.PTransform):
     model's context becomes a dead letter here instead of occupying a bucket.
     """
 
-    def __init__(self, *, estimator: str = ESTIMATOR_CHARS, model: str = "", prompt_format: str = "chat",
-                 max_model_len: int = 2048, hf_token_secret: str | None = None) -> None:
+    def __init__(self, *, estimator: str = ESTIMATOR_CHARS, model: str = "", prompt_format: str = default("prompt_format"),
+                 max_model_len: int = default("max_model_len"), hf_token_secret: str | None = None) -> None:
         super().__init__()
         if estimator not in (ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS):
             raise ValueError(f"estimator must be {ESTIMATOR_TOKENIZER} or {ESTIMATOR_CHARS}, got {estimator!r}")

@@ -24,7 +24,6 @@ from pipeline.serving.model_weights import WeightsError, local_weights
 
 LOGGER = logging.getLogger(__name__)
 HF_TOKEN_ENV = "HF_TOKEN"
-SECRET_VERSION_REGEX = r"^projects/[^/\s]+/secrets/[A-Za-z0-9_-]{1,255}/versions/([0-9]+|latest)$"
 
 # Model families whose Hugging Face repositories are gated (a licence to accept before any download).
 GATED_FAMILIES = ("google/gemma", "meta-llama/", "mistralai/", "google/medgemma", "google/codegemma")

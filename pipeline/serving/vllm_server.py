@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pipeline.contract.parameters import default
 from pipeline.serving.lora_adapters import Adapter, resolve_adapter
 from pipeline.serving.model_access import fetch_failure, resolve_model
 
@@ -45,20 +46,20 @@ class ServerSpec:
     """How to start the server: everything a worker needs, picklable."""
 
     model: str
-    max_model_len: int = 2048
-    dtype: str = "auto"
-    gpu_memory_utilization: float | None = 0.9
+    max_model_len: int = default("max_model_len")
+    dtype: str = default("dtype")
+    gpu_memory_utilization: float | None = default("gpu_memory_utilization")
     extra_args: tuple[str, ...] = ()
     served_model_name: str | None = None
-    start_timeout_s: float = 1800.0
+    start_timeout_s: float = float(default("server_start_timeout_s"))
     # The watchdog restarts a server whose /health fails for this long.
     stall_timeout_s: float = 60.0
     health_interval_s: float = 2.0
     model_cache_dir: str | None = None
     # LoRA adapters served beside the base model (pipeline.serving.lora_adapters), and vLLM's limits for them.
     adapters: tuple[Adapter, ...] = ()
-    max_lora_rank: int = 16
-    max_loras: int = 4
+    max_lora_rank: int = default("max_lora_rank")
+    max_loras: int = default("max_loras")
     # A Secret Manager secret version holding a Hugging Face token (pipeline.serving.model_access); its name, not the
     # token.
     hf_token_secret: str | None = None

@@ -1,0 +1,180 @@
+"""The one room that turns a validated :class:`~pipeline.config.options.PipelineConfig` into every component's settings.
+
+Each stage takes one settings record, and each is built here, once: the request limits and template defaults
+(intake), the prompt-length measure, the batching (flow), the engine's settings with the vLLM server's spec
+(engines, serving) and the generate step's. The LoRA adapters are parsed here, once. A parameter goes forward
+through the house: declared in :mod:`pipeline.contract.parameters`, converted and checked by
+:class:`PipelineConfig`, turned into a component's settings here, acted on by the component;
+:mod:`pipeline.assembly` only wires transforms from a :class:`JobSettings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline.config.options import ConfigError, PipelineConfig
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import RequestLimits
+from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS
+from pipeline.engines.engine import EngineSettings
+from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
+from pipeline.intake.request_defaults import RequestDefaults
+from pipeline.serving.lora_adapters import Adapter, parse_adapters
+from pipeline.serving.vllm_server import ServerSpec
+
+# Structured answers as compact JSON: the grammar allows no whitespace between JSON tokens, so a small model cannot
+# spend its budget on newlines. vLLM reads this server-wide, and only for a named backend (it refuses it with its
+# default "auto"): xgrammar is the one "auto" picks for JSON schemas.
+COMPACT_JSON_ARGS = ("--structured-outputs-config.backend", "xgrammar",
+                     "--structured-outputs-config.disable_any_whitespace", "true")
+
+
+def compact_json_by_default(vllm_args: tuple[str, ...]) -> bool:
+    """Whether the template adds :data:`COMPACT_JSON_ARGS`: unless ``vllm_args`` sets the structured-output config.
+
+    vLLM merges dotted config flags, but a whole ``--structured-outputs-config JSON`` would replace ours
+    (or ours it), so a user who sets any of it decides all of it.
+    """
+    return not any(arg.startswith("--structured-outputs-config") for arg in vllm_args)
+
+
+@dataclass(frozen=True)
+class PromptLengthSettings:
+    """How :class:`~pipeline.intake.prompt_length.MeasurePromptLength` counts a prompt's tokens."""
+
+    estimator: str  # "tokenizer" or "chars"
+    model: str
+    prompt_format: str
+    max_model_len: int
+    hf_token_secret: str | None
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """The generate step's own settings, beside the engine's."""
+
+    dedupe_window_s: float
+    drain_timeout_s: float
+    generate_shards: int | None  # as set; None: by runner (:meth:`JobSettings.generate_keys`)
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """Every component's settings for one job, built once from its configuration."""
+
+    config: PipelineConfig  # the input and outputs (subscription, topics, tables), which assembly wires as named
+    limits: RequestLimits
+    request_defaults: RequestDefaults
+    prompt_length: PromptLengthSettings
+    batching: BatchingConfig
+    engine: EngineSettings
+    generate: GenerateSettings
+    adapters: tuple[Adapter, ...]
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> JobSettings:
+        """Builds them all; raises :class:`ConfigError` with every problem found, before any job exists."""
+        problems: list[str] = []
+        parts: dict[str, Any] = {}
+        for name, build in (("batching", _batching), ("request_defaults", _request_defaults),
+                            ("adapters", _adapters)):
+            try:
+                parts[name] = build(config)
+            except ValueError as exc:
+                problems.extend(str(exc).split("; "))
+        if problems:
+            raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
+        # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
+        names = None if config.server_url else tuple(adapter.name for adapter in parts["adapters"])
+        limits = RequestLimits(default_max_tokens=config.default_max_tokens, max_model_len=config.max_model_len,
+                               adapters=names)
+        estimator = config.length_estimator
+        if estimator == "auto":
+            estimator = "chars" if config.server_url else "tokenizer"
+        prompt_length = PromptLengthSettings(estimator, config.effective_model, config.prompt_format,
+                                             config.max_model_len, config.hf_token_secret)
+        generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
+                                    config.generate_shards)
+        return cls(config=config, limits=limits, prompt_length=prompt_length,
+                   engine=_engine(config, parts["batching"], parts["adapters"]), generate=generate, **parts)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> JobSettings:
+        return cls.from_config(PipelineConfig.from_mapping(values))
+
+    @classmethod
+    def from_options(cls, options: PipelineOptions) -> JobSettings:
+        return cls.from_config(PipelineConfig.from_options(options))
+
+    def generate_keys(self, local: bool) -> int:
+        """The generate step's key count: as set, else by runner (see the ``generate_shards`` parameter's help)."""
+        return self.generate.generate_shards or (self.batching.num_shards if local else DATAFLOW_GENERATE_SHARDS)
+
+
+def _batching(config: PipelineConfig) -> BatchingConfig:
+    boundaries: tuple[int, ...] = ()
+    answer_boundaries: tuple[int, ...] = ()
+    if config.length_bucketing:
+        boundaries = (parse_boundaries(config.bucket_boundaries) if config.bucket_boundaries.strip()
+                      else default_boundaries(config.max_model_len))
+        answers = config.answer_bucket_boundaries.strip()
+        if answers and answers != "none":
+            answer_boundaries = parse_boundaries(answers)
+        elif not answers and config.engine == "transformers":
+            answer_boundaries = default_boundaries(config.max_model_len, smallest=16)
+    return BatchingConfig(max_batch_delay_ms=float(config.max_batch_delay_ms),
+                          batch_size_target=config.batch_size_target, token_budget=config.batch_token_budget,
+                          boundaries=boundaries, num_shards=config.num_shards, answer_boundaries=answer_boundaries,
+                          default_max_tokens=config.default_max_tokens)
+
+
+def _request_defaults(config: PipelineConfig) -> RequestDefaults:
+    return RequestDefaults(system_prompt=config.system_prompt or None, prompt_template=config.prompt_template or None,
+                           response_schema=config.response_schema or None, prompt_format=config.prompt_format)
+
+
+def _adapters(config: PipelineConfig) -> tuple[Adapter, ...]:
+    if not config.lora_adapters:
+        return ()
+    adapters = parse_adapters(config.lora_adapters)
+    base = config.served_model_name or config.effective_model
+    if any(adapter.name == base for adapter in adapters):
+        raise ValueError(f"--lora_adapters: an adapter is named {base!r}, the model's own name; rename it")
+    return adapters
+
+
+def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tuple[int, ...] | None:
+    """Length-bucket bounds that set each request's priority, or None for no priorities."""
+    if not config.prioritize_short_prompts or config.server_url or config.engine != "vllm":
+        return None
+    return batching.boundaries or default_boundaries(config.max_model_len)
+
+
+def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...]) -> EngineSettings:
+    priority_boundaries = _priority_boundaries(config, batching)
+    # The chunks topic is published by the engine itself (pipeline.engines.chunk_publisher); chunks pass
+    # through the pipeline only when a BigQuery chunks table wants them too.
+    common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
+                  max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
+                  stream_lease_s=float(config.stream_lease_s), worker_queue=config.worker_queue,
+                  # An admitted request reaches the generate step after the shuffle and its batch's wait.
+                  admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0,
+                  chunk_policy=ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms)),
+                  priority_boundaries=priority_boundaries, chunk_topic=config.output_chunks_topic,
+                  chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))
+    if config.server_url:
+        return EngineSettings(server=None, server_url=config.server_url, **common)
+    extra_args = tuple(config.extra_vllm_args)
+    if priority_boundaries is not None and "--scheduling-policy" not in extra_args:
+        extra_args += ("--scheduling-policy", "priority")
+    extra_args = COMPACT_JSON_ARGS + extra_args if compact_json_by_default(extra_args) else extra_args
+    spec = ServerSpec(
+        model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization, extra_args=extra_args,
+        served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s),
+        adapters=adapters, max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
+        hf_token_secret=config.hf_token_secret)
+    return EngineSettings(server=spec, **common)
