@@ -106,16 +106,23 @@ def drive_engine(engine: VLLMEngine, prompts: list[workload.Prompt], max_tokens:
     return timings
 
 
+class PerTokenEngine(VLLMEngine):
+    """The engine as it streams after a server refused ``stream_interval``: one event per token, to measure
+    what the field saves."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        self._stream_interval = None
+
+
 def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, topic: str,
             prompts: list[workload.Prompt], args: argparse.Namespace, rep: int) -> Run:
     engine = None
     if variant.engine:
-        engine = VLLMEngine(EngineSettings(
+        engine = (PerTokenEngine if variant.per_token else VLLMEngine)(EngineSettings(
             server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
             chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1, chunk_topic=topic if variant.publish else None,
             chunks_to_pipeline=not variant.publish))
-        if variant.per_token:
-            engine.stream_interval = None
         drive_engine(engine, prompts[:1], args.max_tokens, f"warm-{rep}-{variant.name}")  # the session, the pool
     client = RawVLLM(server.base_url, server.model, args.max_tokens,
                      stream_interval=None if variant.per_token else CHUNKS.chunk_tokens)

@@ -280,12 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         template_args.append(f"--server_url={own.server_url}")
     from local.core_placement import keep_pipeline_off_local_model
     from local.cpu_server import apply_server_environment
+    from local.emulators import use_bigquery_emulator
     from pipeline.assembly import run
     from pipeline.config.options import ConfigError
     from template.main import configure_logging
 
     configure_logging()
     apply_local_runner_fixes()
+    use_bigquery_emulator()  # when the smoke run or a test named one
     if own.load_log:
         threading.Thread(target=_log_load, args=(own.load_log,), name="load-log", daemon=True).start()
     apply_server_environment()

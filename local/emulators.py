@@ -176,4 +176,32 @@ class BigQueryEmulator(Emulator):
                 "--grpc-port", "0", "--ephemeral", "--project", self.project, "--log-level", "warning"]
 
     def env(self) -> dict[str, str]:
-        return {**super().env(), "BIGQUERY_EMULATOR_HOST": f"http://{self.host}"}
+        return {**super().env(), BIGQUERY_EMULATOR_ENV: f"http://{self.host}"}
+
+    def activate(self) -> None:
+        super().activate()
+        use_bigquery_emulator()
+
+
+# Google's BigQuery library, unlike its Pub/Sub and Storage libraries, reads no emulator variable: a local process
+# that writes to the emulator registers a client factory with the worker code (pipeline.sinks.bigquery_sink).
+BIGQUERY_EMULATOR_ENV = "BIGQUERY_EMULATOR_HOST"
+
+
+def emulator_bigquery_client(project: str):
+    """An anonymous BigQuery client on the emulator this process's environment names."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import bigquery
+
+    return bigquery.Client(project=project, credentials=AnonymousCredentials(),
+                           client_options={"api_endpoint": os.environ[BIGQUERY_EMULATOR_ENV]})
+
+
+def use_bigquery_emulator() -> bool:
+    """Points this process's BigQuery clients at the emulator its environment names, if it names one."""
+    from pipeline.sinks.bigquery_sink import use_client_factory
+
+    if not os.environ.get(BIGQUERY_EMULATOR_ENV):
+        return False
+    use_client_factory(emulator_bigquery_client)
+    return True

@@ -89,6 +89,16 @@ def test_the_worker_package_has_no_import_cycles():
     assert first_cycle(graph) is None, first_cycle(graph)
 
 
+def test_no_worker_module_switches_on_local_emulators_or_benchmarks():
+    """Local and benchmark hooks live in local/ and benchmarks/, registered from there (an emulator's BigQuery client:
+    local/emulators.py; the per-token engine: benchmarks/engine_cost.py). Google's own libraries find the Pub/Sub
+    and Storage emulators by themselves."""
+    named = {module: sorted(set(re.findall(r"[A-Z_]*EMULATOR[A-Z_]*|(?<![/\w])benchmarks\.(?!md\b)[a-z_]+", prose_and_code)))
+             for module, prose_and_code in ((path.relative_to(REPO).as_posix(), path.read_text(encoding="utf-8"))
+                                            for path in (REPO / "pipeline").rglob("*.py"))}
+    assert not {module: names for module, names in named.items() if names}
+
+
 def test_the_cycle_search_finds_a_ring_and_passes_a_diamond():
     assert first_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
     assert first_cycle({"a": ["b", "c"], "b": ["d"], "c": ["d"], "d": []}) is None

@@ -45,7 +45,7 @@ from pipeline.serving.model_access import explained_fetch, resolve_model
 
 LOGGER = logging.getLogger(__name__)
 
-# What every batch logs, in one parseable line (make bench reads it).
+# What each batch cost in padding, one line per batch for the operator (and parseable: make bench reads it).
 BATCH_LOG = ("Static batch: %d requests, %d token positions computed, %d of them padding (%.1f %%): "
              "prompt %d/%d padded, decode %d/%d padded; %.2f s")
 

@@ -61,18 +61,14 @@ class VLLMEngine(EngineBase):
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
         self._loop_thread.start()
-        self._semaphore = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, concurrent.futures.Future] = {}
         self._server_load_at = float("-inf")
         self._server_load_cache: tuple[int | None, int | None] = (None, None)
         # vLLM's stream_interval: events of chunk_tokens tokens each, until a server refuses the field (None: every
-        # token; make bench-engine-cost sets it to measure what it saves).
-        self.stream_interval = settings.chunk_policy.chunk_tokens if settings.chunk_policy.chunk_tokens > 1 else None
+        # token).
+        self._stream_interval = settings.chunk_policy.chunk_tokens if settings.chunk_policy.chunk_tokens > 1 else None
         atexit.register(self.close)
-
-    async def _make_semaphore(self) -> asyncio.Semaphore:
-        return asyncio.Semaphore(self.settings.max_in_flight)
 
     def _discover_model_name(self) -> str:
         if self.settings.server is not None:
@@ -82,6 +78,11 @@ class VLLMEngine(EngineBase):
         if not models:
             raise RuntimeError(f"{self.base_url} serves no models")
         return models[0]["id"]
+
+    @property
+    def stream_interval(self) -> int | None:
+        """Tokens per server event (vLLM's ``stream_interval``); None: one event per token."""
+        return self._stream_interval
 
     def server_pid(self) -> int | None:
         return self._server.pid if self._server else None
@@ -141,43 +142,42 @@ class VLLMEngine(EngineBase):
         request = stream.request
         last_error = "no attempt was made"
         delay = 0.5
-        async with self._semaphore:
-            deadline = time.time() + self.settings.request_timeout_s  # from sending, not from queueing
-            limit = f"request_timeout_s={self.settings.request_timeout_s:g}"
-            if request.deadline_ms is not None:
-                own_deadline = request.received_at + request.deadline_ms / 1000
-                if own_deadline < deadline:
-                    deadline, limit = own_deadline, f"its deadline_ms={request.deadline_ms}"
-            while time.time() < deadline:
-                try:
-                    await asyncio.wait_for(self._stream_once(stream, deadline), timeout=deadline - time.time())
-                    return
-                except TimeoutError:
-                    last_error = "generation was still running"
-                    break
-                except RetryableError as exc:
-                    last_error = str(exc)
-                except _StreamIntervalRefused as exc:
-                    if self.stream_interval is not None:
-                        self.stream_interval = None
-                        LOGGER.warning("The model server refused stream_interval (%s); streaming every token from "
-                                       "now on, which costs more CPU per token on both sides", exc)
-                    continue  # at once: nothing was generated
-                except _RequestRejected as exc:
-                    self._dead_letter(stream, f"the server rejected the request: {exc}")
-                    return
-                except Exception as exc:  # a bug must not leave a request without an outcome
-                    LOGGER.exception("Unexpected error streaming request %s", request.id)
-                    self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
-                    return
-                if stream.assembler is not None and stream.assembler.chunks_emitted > 0:
-                    # Chunks of this attempt are already out: restart as a new attempt.
-                    with self._lock:
-                        stream.attempt += 1
-                        stream.outputs.append((ATTEMPT, str(stream.attempt)))
-                LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
-                await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
-                delay = min(delay * 2, 10.0)
+        deadline = time.time() + self.settings.request_timeout_s  # from sending, not from queueing
+        limit = f"request_timeout_s={self.settings.request_timeout_s:g}"
+        if request.deadline_ms is not None:
+            own_deadline = request.received_at + request.deadline_ms / 1000
+            if own_deadline < deadline:
+                deadline, limit = own_deadline, f"its deadline_ms={request.deadline_ms}"
+        while time.time() < deadline:
+            try:
+                await asyncio.wait_for(self._stream_once(stream, deadline), timeout=deadline - time.time())
+                return
+            except TimeoutError:
+                last_error = "generation was still running"
+                break
+            except RetryableError as exc:
+                last_error = str(exc)
+            except _StreamIntervalRefused as exc:
+                if self._stream_interval is not None:
+                    self._stream_interval = None
+                    LOGGER.warning("The model server refused stream_interval (%s); streaming every token from "
+                                   "now on, which costs more CPU per token on both sides", exc)
+                continue  # at once: nothing was generated
+            except _RequestRejected as exc:
+                self._dead_letter(stream, f"the server rejected the request: {exc}")
+                return
+            except Exception as exc:  # a bug must not leave a request without an outcome
+                LOGGER.exception("Unexpected error streaming request %s", request.id)
+                self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
+                return
+            if stream.assembler is not None and stream.assembler.chunks_emitted > 0:
+                # Chunks of this attempt are already out: restart as a new attempt.
+                with self._lock:
+                    stream.attempt += 1
+                    stream.outputs.append((ATTEMPT, str(stream.attempt)))
+            LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
+            await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
+            delay = min(delay * 2, 10.0)
         self._dead_letter(stream, f"no answer within {limit}: {last_error}")
 
     async def _stream_once(self, stream: Stream, deadline: float) -> None:
@@ -231,8 +231,8 @@ class VLLMEngine(EngineBase):
                 payload[name] = getattr(request, name)
         if request.stop:
             payload["stop"] = list(request.stop)
-        if self.stream_interval is not None:
-            payload["stream_interval"] = self.stream_interval
+        if self._stream_interval is not None:
+            payload["stream_interval"] = self._stream_interval
         if self.settings.priority_boundaries is not None and request.prompt_tokens is not None:
             payload["priority"] = bucket_index(self.settings.priority_boundaries, request.prompt_tokens)
         if request.messages is not None or self.settings.prompt_format == "chat":

@@ -69,14 +69,9 @@ def parse_gcs_uri(uri: str) -> tuple[str, str]:
 
 
 def storage_client():
-    """A Storage client; anonymous against a local emulator (``STORAGE_EMULATOR_HOST``)."""
+    """Google's Storage client (which, like Pub/Sub's, goes to an emulator by itself where one is named)."""
     from google.cloud import storage
 
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        from google.auth.credentials import AnonymousCredentials
-
-        return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"),
-                              credentials=AnonymousCredentials())
     return storage.Client()
 
 

@@ -19,7 +19,6 @@ import datetime
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -149,16 +148,22 @@ def parse_table(spec: str) -> tuple[str, str, str]:
     return project, dataset, table
 
 
+# Makes this process's BigQuery clients when set: a local launcher registers its emulator's (local/emulators.py).
+_client_factory: Callable[[str], Any] | None = None
+
+
+def use_client_factory(factory: Callable[[str], Any] | None) -> None:
+    """Makes every BigQuery client of this process, the sink's included, with ``factory(project)``; None: Google's."""
+    global _client_factory
+    _client_factory = factory
+
+
 def bigquery_client(project: str):
-    """A BigQuery client; anonymous against a local emulator (``BIGQUERY_EMULATOR_HOST``)."""
+    """A BigQuery client for ``project``: Google's, unless this process registered another."""
+    if _client_factory is not None:
+        return _client_factory(project)
     from google.cloud import bigquery
 
-    endpoint = os.environ.get("BIGQUERY_EMULATOR_HOST")
-    if endpoint:
-        from google.auth.credentials import AnonymousCredentials
-
-        return bigquery.Client(project=project, credentials=AnonymousCredentials(),
-                               client_options={"api_endpoint": endpoint})
     return bigquery.Client(project=project)
 
 
@@ -208,7 +213,7 @@ def ensure_table(spec: str, kind: str, *, create: bool, deadline_s: float = 60.0
 
 
 class _InsertFn(BigQueryWriteFn):
-    """Beam's streaming-insert DoFn, taking our records, pointed at a local emulator when one is configured."""
+    """Beam's streaming-insert DoFn, taking our records; with the process's own client when one is registered."""
 
     def __init__(self, table: str, kind: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -216,8 +221,8 @@ class _InsertFn(BigQueryWriteFn):
         self._kind = kind
 
     def start_bundle(self) -> None:
-        if self.test_client is None and os.environ.get("BIGQUERY_EMULATOR_HOST"):
-            self.test_client = bigquery_client(os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"))
+        if self.test_client is None and _client_factory is not None:
+            self.test_client = _client_factory(parse_table(self._table)[0])
         super().start_bundle()
 
     def process(self, record: dict[str, Any], window_value=beam.DoFn.WindowedValueParam):
