@@ -333,7 +333,7 @@ def parse_request(
     message_id: str | None = None,
     *,
     limits: RequestLimits = RequestLimits(),
-    id_attribute: str = "id",
+    id_attribute: str = default("id_attribute"),
     now: float | None = None,
     defaults: Defaults | None = None,
 ) -> InferenceRequest | DeadLetter:

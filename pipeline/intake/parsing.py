@@ -11,6 +11,7 @@ from apache_beam.metrics import Metrics
 
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded
 from pipeline.contract.messages import STAGE_PARSE, DeadLetter, Defaults, RequestLimits, parse_request
+from pipeline.contract.parameters import default
 
 
 class _ParseFn(beam.DoFn):
@@ -48,7 +49,7 @@ class ParseRequests(beam.PTransform):
     system prompt, prompt template and response schema to every message.
     """
 
-    def __init__(self, limits: RequestLimits = RequestLimits(), id_attribute: str = "id",
+    def __init__(self, limits: RequestLimits = RequestLimits(), id_attribute: str = default("id_attribute"),
                  defaults: Defaults | None = None) -> None:
         super().__init__()
         self._limits = limits
