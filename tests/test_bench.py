@@ -53,6 +53,17 @@ def test_summarize_measures_from_each_send_and_over_the_run_wall_time():
     assert figures["cpu_s_per_1k_tokens"] == pytest.approx(2.0 / 40 * 1000)
     assert figures[f"hop_p50:{HOPS[0]}"] == pytest.approx(0.075)
     assert figures[f"hop_p50:{HOPS[3]}"] == pytest.approx(0.125)
+    assert math.isnan(figures["accel_s_per_1k_tokens"])  # no system here reported its accelerator time
+
+
+def test_accelerator_seconds_per_1k_tokens_come_from_every_answer_or_not_at_all():
+    shared = dict(kind="question", sent=0.0, first=0.5, done=1.0)
+    both = [RequestTiming("a", tokens=30, accelerator_s=0.3, **shared),
+            RequestTiming("b", tokens=10, accelerator_s=0.1, **shared)]
+    assert summarize(RunResult("s", "burst", 1, "shared", both, expected=2))["accel_s_per_1k_tokens"] == \
+        pytest.approx(0.4 / 40 * 1000)
+    partial = [both[0], RequestTiming("b", tokens=10, **shared)]  # a figure over some answers would flatter it
+    assert math.isnan(summarize(RunResult("s", "burst", 1, "shared", partial, expected=2))["accel_s_per_1k_tokens"])
 
 
 def test_padding_comes_from_the_batches_the_static_engine_logs_and_cpu_counts_the_model():

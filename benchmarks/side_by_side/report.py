@@ -19,7 +19,8 @@ STATIC = (STATIC_ARRIVAL, STATIC_PROMPT_BUCKETS, STATIC_BUCKETS)
 COLUMNS = (("first chunk p50", "first_p50", "s"), ("p95", "first_p95", "s"), ("p99", "first_p99", "s"),
            ("done p50", "done_p50", "s"), ("p95", "done_p95", "s"), ("tokens/s", "tok_s", ""),
            ("CPU s / 1k tokens", "cpu_s_per_1k_tokens", ""), ("with the model's", "all_cpu_s_per_1k_tokens", ""),
-           ("padded %", "padded_pct", ""), ("peak MiB", "peak_rss_mib", ""))
+           ("accel. s / 1k tokens", "accel_s_per_1k_tokens", ""), ("padded %", "padded_pct", ""),
+           ("peak MiB", "peak_rss_mib", ""))
 
 
 def _number(value: float) -> str:

@@ -24,6 +24,7 @@ class RequestTiming:
     done: float  # completion at the client
     tokens: int  # output tokens
     hops: tuple[float, float, float, float] | None = None  # seconds, in HOPS order (the template only)
+    accelerator_s: float | None = None  # the completion's accelerator_seconds (the template only)
 
 
 @dataclass
@@ -84,6 +85,10 @@ def summarize(run: RunResult) -> dict[str, float]:
         "all_cpu_s_per_1k_tokens": ((run.cpu_s + (run.model_cpu_s or 0.0)) / tokens * 1000
                                     if run.cpu_s is not None and tokens else math.nan),
         "padded_pct": 100 * run.padded_share if run.padded_share is not None else math.nan,
+        # The model's busy time as the template apportions it to the answers, per 1k of their tokens.
+        "accel_s_per_1k_tokens": (sum(t.accelerator_s for t in timings) / tokens * 1000
+                                  if timings and tokens and all(t.accelerator_s is not None for t in timings)
+                                  else math.nan),
         "peak_rss_mib": run.peak_rss_mib if run.peak_rss_mib is not None else math.nan,
     }
     for index, name in enumerate(HOPS):

@@ -191,7 +191,8 @@ def pipeline_timings(collector: OutputCollector, sent: dict[str, float], kinds: 
             hops = (record["received_at"] - sent[key], token_at - record["received_at"],
                     chunk["emitted_at"] - token_at, at - chunk["emitted_at"])
         first = first_chunks[key][0] if key in first_chunks else done
-        timings.append(RequestTiming(key, kinds[key], sent[key], first, done, record["usage"]["completion_tokens"], hops))
+        timings.append(RequestTiming(key, kinds[key], sent[key], first, done, record["usage"]["completion_tokens"], hops,
+                                     record.get("accelerator_seconds")))
     return timings
 
 
