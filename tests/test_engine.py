@@ -154,8 +154,48 @@ def test_a_request_the_server_rejects_becomes_a_dead_letter_with_the_servers_rea
         assert kind == DEAD_LETTER and letter["stage"] == "inference"
         assert "rejected" in letter["reason"] and "2048" in letter["reason"]
         assert json.loads(letter["payload"])["id"] == "huge"
+        assert 0 <= letter["accelerator_seconds"] < 1  # it reached the server, which refused it at once
     finally:
         engine.close()
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by at least one interval: a sweep over the merged intervals."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach[1]:
+            total += 0.0 if reach is None else reach[1] - reach[0]
+            reach = [start, end]
+        else:
+            reach[1] = max(reach[1], end)
+    return total + (reach[1] - reach[0] if reach else 0.0)
+
+
+def test_each_answer_carries_its_share_of_the_servers_busy_time_and_the_shares_add_up(vllm_server):
+    """accelerator_seconds apportions each moment across the requests running then: a lone request gets its own
+    time at the server; over an overlapping burst the shares add up to the time the server had any request,
+    measured apart from the engine's ledger as the union of the completions' own [sent, finished] intervals."""
+    engine = engine_for(vllm_server.base_url, max_in_flight=8)
+    fixed = dict(prompt="Count from one to fifty in words.", temperature=0)
+    try:
+        alone = run_to_end(engine, [InferenceRequest(id="alone", max_tokens=24, min_tokens=24, received_at=time.time(),
+                                                     **fixed)])
+        burst = [InferenceRequest(id=f"b{i}", max_tokens=n, min_tokens=n, received_at=time.time(), **fixed)
+                 for i, n in enumerate((8, 16, 24, 32, 40, 48))]
+        outputs = run_to_end(engine, burst)
+    finally:
+        engine.close()
+    (one,) = [data for kind, data in alone["alone"] if kind == COMPLETION]
+    sent = one["received_at"] + one["queue_ms"] / 1000
+    assert one["accelerator_seconds"] == pytest.approx(one["finished_at"] - sent, rel=0.05)
+    assert one["time_to_first_token_ms"] + one["decode_ms"] == pytest.approx(one["total_ms"], abs=1)
+    records = [data for request in burst for kind, data in outputs[request.id] if kind == COMPLETION]
+    assert len(records) == len(burst)
+    spans = [(r["received_at"] + r["queue_ms"] / 1000, r["finished_at"]) for r in records]
+    shares = [r["accelerator_seconds"] for r in records]
+    assert sum(shares) == pytest.approx(union_seconds(spans), rel=0.05)
+    assert sum(shares) < 0.8 * sum(end - start for start, end in spans)  # they did overlap, and shared
+    assert all(0 < share <= end - start + 0.01 for share, (start, end) in zip(shares, spans))
 
 
 def test_an_unreachable_server_ends_in_a_dead_letter_after_the_timeout():
@@ -166,6 +206,7 @@ def test_an_unreachable_server_ends_in_a_dead_letter_after_the_timeout():
         (kind, letter), = outputs["x"]
         assert kind == DEAD_LETTER and "no answer within request_timeout_s=2" in letter["reason"]
         assert time.monotonic() - started < 15
+        assert letter["accelerator_seconds"] is None  # it never reached a server
     finally:
         engine.close()
 

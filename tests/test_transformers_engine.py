@@ -79,6 +79,21 @@ def test_min_tokens_equal_to_max_tokens_makes_an_answer_that_would_stop_early_ru
     assert done["fixed"]["text"].startswith(cut["text"]) and len(cut["text"]) > len(done["natural"]["text"])
 
 
+def test_a_batch_shares_its_time_among_its_rows_until_each_ends(engine):
+    """Rows share the batch's time while they run; a row that ended stops paying, and the shares of a batch add up
+    to the time the model computed it (the engine's own busy clock)."""
+    requests = [request(f"n{n}", "Count from one to fifty in words.", temperature=0, max_tokens=n, min_tokens=n)
+                for n in (4, 12, 24)]
+    before = engine.busy_seconds()
+    outputs = run_batch(engine, requests)
+    busy = engine.busy_seconds() - before
+    shares = {rid: next(data for kind, data in items if kind == COMPLETION)["accelerator_seconds"]
+              for rid, items in outputs.items()}
+    assert sum(shares.values()) == pytest.approx(busy, rel=0.01)
+    assert 0 < shares["n4"] < shares["n12"] < shares["n24"]  # the longer answer ran longer, most of it alone
+    assert shares["n24"] > busy / 3
+
+
 def test_text_streams_per_decoding_step_not_when_the_batch_ends(engine):
     outputs = run_batch(engine, [request("short", "Say hi.", temperature=0, max_tokens=4),
                                  request("long", "Count from 1 to 100, separated by commas.", temperature=0,

@@ -188,6 +188,11 @@ class Completion:
     output_error: str | None = None
     # The LoRA adapter that answered; None: the model itself.
     adapter: str | None = None
+    # What it cost: how long it waited before the model took it, how long the model then took from its first
+    # token to its last, and its share of the model's busy time (docs/contract.md#what-each-answer-cost).
+    queue_ms: float | None = None
+    decode_ms: float | None = None
+    accelerator_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
@@ -213,6 +218,8 @@ class DeadLetter:
     attributes: Mapping[str, str] = field(default_factory=dict)
     at: float = 0.0
     payload_truncated: bool = False
+    # For a request that reached the model: its share of the model's busy time, spent on an answer it did not get.
+    accelerator_seconds: float | None = None
 
     @classmethod
     def from_bytes(cls, stage: str, reason: str, data: bytes, **kwargs: Any) -> DeadLetter:

@@ -58,6 +58,7 @@ from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import default
 from pipeline.contract.structured_output import parse_output
+from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.chunk_publisher import ChunkPublisher
 from pipeline.engines.leases import LeaseClocks, Stamp
 from pipeline.engines.worker_hold import WorkerHold
@@ -138,6 +139,8 @@ class Stream:
     assembler: ChunkAssembler | None = None
     done: bool = False
     lease: Stamp = (0.0, 0.0)  # the engine's lease clocks when this stream was last polled, submitted or joined
+    sent_at: float | None = None  # when the model first took it (wall clock): what it waited before is its queue
+    accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
 
 
 class EngineBase:
@@ -158,6 +161,7 @@ class EngineBase:
         self._hold = WorkerHold(transit_s=settings.admission_transit_s, unclaimed_s=settings.request_timeout_s,
                                 report_lapse_s=WAITING_REPORT_LAPSE_S)
         self._lock = threading.Lock()
+        self._busy = BusyShares()
         self._closed = False
         self._leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
@@ -354,6 +358,7 @@ class EngineBase:
         running = []
         with self._lock:
             for stream in streams:
+                stream.accelerator_s += self._busy.end(stream.key, time.monotonic())
                 if not stream.done:
                     stream.done = True
                     self._unfinished -= 1
@@ -419,11 +424,31 @@ class EngineBase:
             return False
         return True
 
+    def _began(self, stream: Stream) -> None:
+        """The model took the stream (an attempt of it) now: it shares the model's time from here."""
+        with self._lock:
+            if stream.sent_at is None:
+                stream.sent_at = time.time()
+            self._busy.begin(stream.key, time.monotonic())
+
+    def _ended(self, stream: Stream) -> None:
+        """The model no longer works on the stream (finished, failed or cancelled); idempotent."""
+        with self._lock:
+            stream.accelerator_s += self._busy.end(stream.key, time.monotonic())
+
+    def busy_seconds(self) -> float:
+        """How long the model has had at least one request running: what every request's share adds up to."""
+        with self._lock:
+            return self._busy.busy_s
+
     def _complete(self, stream: Stream, assembler: ChunkAssembler, finish_reason: str | None, prompt_tokens: int,
                   now: float) -> None:
         """Emits the stream's completion record (its final chunk is already cut and confirmed)."""
+        self._ended(stream)
         request = stream.request
         output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
+        first_token_ms = assembler.time_to_first_token_ms
+        sent_at = stream.sent_at if stream.sent_at is not None else request.received_at
         completion = Completion(
             id=request.id, attempt=stream.attempt, stream=assembler.stream, model=self.model_name,
             prompt=request.prompt,
@@ -432,12 +457,18 @@ class EngineBase:
             time_to_first_token_ms=assembler.time_to_first_token_ms,
             total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
             finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error,
-            adapter=request.adapter)
+            adapter=request.adapter, queue_ms=round(max(sent_at - request.received_at, 0.0) * 1000.0, 3),
+            decode_ms=None if first_token_ms is None else
+            round(max((now - request.received_at) * 1000.0 - first_token_ms, 0.0), 3),
+            accelerator_seconds=round(stream.accelerator_s, 6))
         self._emit(stream, COMPLETION, completion.to_json(), final=True)
 
     def _dead_letter(self, stream: Stream, reason: str) -> None:
         request = stream.request
         if self._chunk_publisher is not None:
             self._chunk_publisher.forget(stream.key)  # no completion will wait for its chunks
-        letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time())
+        self._ended(stream)
+        consumed = round(stream.accelerator_s, 6) if stream.sent_at is not None else None  # None: never reached it
+        letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time(),
+                            accelerator_seconds=consumed)
         self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)

@@ -207,6 +207,8 @@ class TransformersEngine(EngineBase):
         if any(row.min_tokens for row in rows):
             min_tokens = torch.tensor([[row.min_tokens] for row in rows], device=self.device)
             processors.insert(0, _NoEndBefore(min_tokens, encoded["input_ids"].shape[1], sorted(self._eos_ids)))
+        for row in rows:  # each shares the model's time until its own end; the batch's padded rest is the others'
+            self._began(row.stream)
         with torch.inference_mode():
             self._model.generate(
                 **{name: tensor.to(self.device) for name, tensor in encoded.items()},
@@ -268,6 +270,7 @@ class TransformersEngine(EngineBase):
         delta, row.sent = text[row.sent:ready], max(ready, row.sent)
         self._cut(row.stream, lambda: row.assembler.add(delta, len(row.token_ids), now))
         if row.done:  # its record goes now, while the batch computes on (its row padded) for the others
+            self._ended(row.stream)
             self._cut(row.stream, lambda: [row.assembler.finish(row.finish_reason, len(row.token_ids), now)])
             self._finished.put((row, now))
 

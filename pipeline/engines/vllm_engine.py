@@ -191,6 +191,7 @@ class VLLMEngine(EngineBase):
         prompt_tokens, tokens, finish_reason, finished = 0, 0, None, False
         try:
             async with session.post(f"{self.base_url}{path}", json=payload) as response:
+                self._began(stream)  # the server answered: it has the request (vLLM answers before it generates)
                 if response.status >= 400:
                     body = (await response.text())[:2000]
                     if response.status in (408, 429) or response.status >= 500:
@@ -213,6 +214,8 @@ class VLLMEngine(EngineBase):
                         tokens = usage.get("completion_tokens", tokens)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             raise RetryableError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
+        finally:
+            self._ended(stream)  # the server is done with this attempt, however it ended (a cancel included)
         if not finished:
             raise RetryableError("the stream ended before a finish reason")
         now = time.time()

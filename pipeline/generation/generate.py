@@ -176,6 +176,8 @@ class _StreamingGenerateFn(beam.DoFn):
         self.undecodable = Metrics.counter("streaming_generate", "undecodable_state_entries")
         self.drained = Metrics.counter("streaming_generate", "drain_dead_letters")
         self.ttft = Metrics.distribution("streaming_generate", "time_to_first_token_ms")
+        # The model's busy time as apportioned to what this step emits (answers and dead letters alike).
+        self.accelerator_ms = Metrics.counter("streaming_generate", "accelerator_ms")
         # Structured answers (a response_format) without a valid output_json, and those of them cut at max_tokens.
         self.structured_invalid = Metrics.counter("streaming_generate", "structured_output_invalid")
         self.structured_cut = Metrics.counter("streaming_generate", "structured_output_cut_at_max_tokens")
@@ -489,6 +491,7 @@ class _StreamingGenerateFn(beam.DoFn):
                 completion = json.loads(payload)
                 if completion["time_to_first_token_ms"] is not None:
                     self.ttft.update(int(completion["time_to_first_token_ms"]))
+                self.accelerator_ms.inc(round(1000 * (completion.get("accelerator_seconds") or 0.0)))
                 if completion["output_error"] is not None:
                     self.structured_invalid.inc()
                     if completion["finish_reason"] == "length":
@@ -497,7 +500,9 @@ class _StreamingGenerateFn(beam.DoFn):
             elif kind == DEAD_LETTER:
                 self.dead_letters_out.inc()
                 outcome.append(True)
-                yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, json.loads(payload))
+                letter = json.loads(payload)
+                self.accelerator_ms.inc(round(1000 * (letter.get("accelerator_seconds") or 0.0)))
+                yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter)
             elif kind == UNKNOWN:
                 if draining:
                     outcome.append(True)

@@ -62,6 +62,10 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
         Column("output_json", "JSON", "With a response_format or response_schema: the answer, parsed"),
         Column("output_error", "STRING", "With a response_format: why the answer could not be parsed or validated"),
         Column("adapter", "STRING", "The LoRA adapter that answered; null for the model itself"),
+        Column("queue_ms", "FLOAT", "From receipt to when the model took the request (the backlog it waited in)"),
+        Column("decode_ms", "FLOAT", "From the first token to the last"),
+        Column("accelerator_seconds", "FLOAT", "Its share of the model's busy time: each moment split evenly "
+                                               "across the requests running then"),
     ),
     KIND_CHUNKS: (
         Column("request_id", "STRING", "The request's id", "REQUIRED"),
@@ -85,6 +89,8 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
         Column("payload_truncated", "BOOLEAN", "True when the payload was cut to fit Pub/Sub and BigQuery (over 8 MB)"),
         Column("attributes", "JSON", "The Pub/Sub message attributes"),
         Column("failed_at", "TIMESTAMP", "When it failed (partitioning column)", "REQUIRED"),
+        Column("accelerator_seconds", "FLOAT", "For a request that reached the model: its share of the model's "
+                                               "busy time"),
     ),
 }
 PARTITION_COLUMN = {KIND_COMPLETIONS: "finished_at", KIND_CHUNKS: "emitted_at", KIND_DEAD_LETTERS: "failed_at"}
@@ -109,6 +115,8 @@ def completion_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "received_at": _timestamp(record["received_at"]), "finished_at": _timestamp(record["finished_at"]),
         "metadata": _json(record["metadata"]), "output_json": _json(record.get("output_json")),
         "output_error": record.get("output_error"), "adapter": record.get("adapter"),
+        "queue_ms": record.get("queue_ms"), "decode_ms": record.get("decode_ms"),
+        "accelerator_seconds": record.get("accelerator_seconds"),
     }
     return row, f"{record['id']}#{record['stream']}"
 
@@ -130,6 +138,7 @@ def dead_letter_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "payload": record["payload"], "payload_encoding": record["payload_encoding"],
         "payload_truncated": record.get("payload_truncated", False),
         "attributes": _json(record.get("attributes") or {}), "failed_at": _timestamp(record["at"]),
+        "accelerator_seconds": record.get("accelerator_seconds"),
     }
     digest = hashlib.sha1(f"{record['stage']}|{record['payload']}".encode()).hexdigest()[:16]
     return row, f"{record.get('id')}#{record['stage']}#{digest}"
@@ -194,9 +203,20 @@ def ensure_table(spec: str, kind: str, *, create: bool, deadline_s: float = 60.0
     except exceptions.NotFound:
         existing = None
     if existing is not None:
-        missing = {c.name for c in SCHEMAS[kind]} - {f.name for f in existing.schema}
-        if missing:
-            raise TableError(f"BigQuery table {spec} lacks the column(s) {', '.join(sorted(missing))}")
+        have = {f.name for f in existing.schema}
+        missing = [c for c in SCHEMAS[kind] if c.name not in have]
+        if missing and create and all(c.mode == "NULLABLE" for c in missing):
+            # A table of an earlier version: BigQuery adds nullable columns in place (its rows read null there).
+            from google.cloud import bigquery
+
+            existing.schema = list(existing.schema) + [
+                bigquery.SchemaField(c.name, c.type, mode=c.mode, description=c.description) for c in missing]
+            client.update_table(existing, ["schema"], retry=retry)
+            LOGGER.info("Added the column(s) %s to BigQuery table %s", ", ".join(c.name for c in missing), spec)
+        elif missing:
+            raise TableError(f"BigQuery table {spec} lacks the column(s) {', '.join(c.name for c in missing)}; "
+                             "set --bigquery_create_tables=true to add them, or add them as the schema in "
+                             "docs/contract.md says")
         return
     if not create:
         raise TableError(f"BigQuery table {spec} does not exist; create it (schema in the README) "
