@@ -19,6 +19,7 @@ from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.serving.vllm_server import RUNNING_METRIC, free_port, server_metrics
 from local.engine_driver import drive_to_end
 from tests.conftest import SERVED_NAME, wait_until
+from tests.test_accelerator_time import union_seconds
 
 pytestmark = pytest.mark.engine
 
@@ -157,18 +158,6 @@ def test_a_request_the_server_rejects_becomes_a_dead_letter_with_the_servers_rea
         assert 0 <= letter["accelerator_seconds"] < 1  # it reached the server, which refused it at once
     finally:
         engine.close()
-
-
-def union_seconds(intervals: list[tuple[float, float]]) -> float:
-    """The time covered by at least one interval: a sweep over the merged intervals."""
-    total, reach = 0.0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach[1]:
-            total += 0.0 if reach is None else reach[1] - reach[0]
-            reach = [start, end]
-        else:
-            reach[1] = max(reach[1], end)
-    return total + (reach[1] - reach[0] if reach else 0.0)
 
 
 def test_each_answer_carries_its_share_of_the_servers_busy_time_and_the_shares_add_up(vllm_server):
