@@ -454,7 +454,7 @@ class EngineBase:
             prompt=request.prompt,
             messages=request.messages, text=assembler.text, finish_reason=finish_reason,
             prompt_tokens=prompt_tokens, completion_tokens=assembler.tokens,
-            time_to_first_token_ms=assembler.time_to_first_token_ms,
+            time_to_first_token_ms=first_token_ms,
             total_ms=round((now - request.received_at) * 1000.0, 3), received_at=request.received_at,
             finished_at=now, metadata=request.metadata, output_json=output_json, output_error=output_error,
             adapter=request.adapter, queue_ms=round(max(sent_at - request.received_at, 0.0) * 1000.0, 3),
