@@ -110,20 +110,23 @@ def main(argv: list[str] | None = None) -> int:
                       f"--dead_letter_table={bigquery.project}:llm.dead_letters"]
         code = smoke(args, tables)
         if code == 0 and args.bigquery:
-            print("==> BigQuery: SELECT request_id, finish_reason, completion_tokens, time_to_first_token_ms "
-                  "FROM llm.completions ORDER BY finished_at\n" + completions_query(), flush=True)
+            print(f"==> BigQuery: {COMPLETIONS_QUERY.format(table='llm.completions')}\n" + completions_query(),
+                  flush=True)
         return code
+
+
+COMPLETIONS_QUERY = ("SELECT request_id, finish_reason, completion_tokens, time_to_first_token_ms, "
+                     "accelerator_seconds FROM {table} ORDER BY finished_at")
 
 
 def completions_query() -> str:
     from pipeline.sinks.bigquery_sink import bigquery_client
 
     client = bigquery_client(os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"))
-    rows = client.query("SELECT request_id, finish_reason, completion_tokens, time_to_first_token_ms "
-                        "FROM `local-project.llm.completions` ORDER BY finished_at").result()
-    lines = [f"{'request_id':>12} {'finish':>7} {'tokens':>7} {'first token ms':>15}"]
-    lines += [f"{r.request_id:>12} {r.finish_reason:>7} {r.completion_tokens:>7} {r.time_to_first_token_ms:>15.0f}"
-              for r in rows]
+    rows = client.query(COMPLETIONS_QUERY.format(table="`local-project.llm.completions`")).result()
+    lines = [f"{'request_id':>12} {'finish':>7} {'tokens':>7} {'first token ms':>15} {'accelerator s':>14}"]
+    lines += [f"{r.request_id:>12} {r.finish_reason:>7} {r.completion_tokens:>7} {r.time_to_first_token_ms:>15.0f} "
+              f"{r.accelerator_seconds:>14.3f}" for r in rows]
     return "\n".join(lines)
 
 
