@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import apache_beam as beam
 from apache_beam.io.gcp.bigquery import BigQueryDisposition, BigQueryWriteFn
@@ -176,11 +176,17 @@ def bigquery_client(project: str):
     return bigquery.Client(project=project)
 
 
+def schema_fields(columns: Sequence[Column]) -> list:
+    """Our columns as BigQuery's schema fields."""
+    from google.cloud import bigquery
+
+    return [bigquery.SchemaField(c.name, c.type, mode=c.mode, description=c.description) for c in columns]
+
+
 def table_definition(spec: str, kind: str):
     from google.cloud import bigquery
 
-    table = bigquery.Table(".".join(parse_table(spec)), schema=[
-        bigquery.SchemaField(c.name, c.type, mode=c.mode, description=c.description) for c in SCHEMAS[kind]])
+    table = bigquery.Table(".".join(parse_table(spec)), schema=schema_fields(SCHEMAS[kind]))
     table.time_partitioning = bigquery.TimePartitioning(type_=bigquery.TimePartitioningType.DAY,
                                                         field=PARTITION_COLUMN[kind])
     return table
@@ -207,10 +213,7 @@ def ensure_table(spec: str, kind: str, *, create: bool, deadline_s: float = 60.0
         missing = [c for c in SCHEMAS[kind] if c.name not in have]
         if missing and create and all(c.mode == "NULLABLE" for c in missing):
             # A table of an earlier version: BigQuery adds nullable columns in place (its rows read null there).
-            from google.cloud import bigquery
-
-            existing.schema = list(existing.schema) + [
-                bigquery.SchemaField(c.name, c.type, mode=c.mode, description=c.description) for c in missing]
+            existing.schema = list(existing.schema) + schema_fields(missing)
             client.update_table(existing, ["schema"], retry=retry)
             LOGGER.info("Added the column(s) %s to BigQuery table %s", ", ".join(c.name for c in missing), spec)
         elif missing:
