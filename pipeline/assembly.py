@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import apache_beam as beam
@@ -51,10 +51,8 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
                                                           with_attributes=True)
     parsed = messages | "ParseRequests" >> ParseRequests(settings.limits, config.id_attribute,
                                                          settings.request_defaults)
-    length = settings.prompt_length
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
-        estimator=length.estimator, model=length.model, prompt_format=length.prompt_format,
-        max_model_len=length.max_model_len, hf_token_secret=length.hf_token_secret)
+        **asdict(settings.prompt_length))
     shared_tag = new_engine_tag(settings.engine)  # the admission step and the generate step share the engine
     # Last before the first shuffle: what it holds back is still unacknowledged in Pub/Sub.
     admitted = measured.requests | "AdmitRequests" >> AdmitRequests(settings.engine, shared_tag, wait=not local)

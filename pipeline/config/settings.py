@@ -43,7 +43,7 @@ def compact_json_by_default(vllm_args: tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True)
 class PromptLengthSettings:
-    """How :class:`~pipeline.intake.prompt_length.MeasurePromptLength` counts a prompt's tokens."""
+    """How :class:`~pipeline.intake.prompt_length.MeasurePromptLength` counts a prompt's tokens: its arguments."""
 
     estimator: str  # "tokenizer" or "chars"
     model: str
