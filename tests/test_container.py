@@ -115,11 +115,18 @@ def test_a_broken_image_fails_its_build_not_the_workers():
 
 
 def test_the_images_install_carries_every_worker_module(tmp_path):
-    """Both images ``pip install .`` the project: what that installs is what a worker can import."""
+    """Both images ``pip install .`` the project: what that installs is what a worker can import. Built from a
+    copy of what they copy, so that no build/ folder in the checkout (stale files included) takes part."""
+    source, wheels = tmp_path / "source", tmp_path / "wheels"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "metadata.json"):
+        shutil.copy(REPO / name, source / name)
+    for folder in ("pipeline", "template"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                             "--wheel-dir", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+                             "--wheel-dir", str(wheels), str(source)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    (wheel,) = tmp_path.glob("*.whl")
+    (wheel,) = wheels.glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
         packed = {name for name in archive.namelist() if name.endswith(".py")}
     wanted = {path.relative_to(REPO).as_posix() for folder in ("pipeline", "template")
