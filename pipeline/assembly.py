@@ -28,6 +28,7 @@ from pipeline.intake.prompt_length import MeasurePromptLength
 from pipeline.serving.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.sinks.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError,
                                           WriteToBigQueryTable, ensure_table)
+from pipeline.sinks.dead_letter_count import CountDeadLetters
 from pipeline.sinks.pubsub_sink import PublishJson
 
 LOGGER = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
     if config.output_chunks_table:
         failures.append(generated.chunks | "WriteChunksTable" >> WriteToBigQueryTable(
             config.output_chunks_table, KIND_CHUNKS))
-    dead_letters = failures | "AllDeadLetters" >> beam.Flatten()
+    dead_letters = failures | "AllDeadLetters" >> beam.Flatten() | "CountDeadLetters" >> beam.ParDo(CountDeadLetters())
     lost = []
     if config.dead_letter_topic:
         lost.append(dead_letters | "PublishDeadLetters" >> PublishJson(config.dead_letter_topic))

@@ -67,6 +67,15 @@ from pipeline.engines.worker_load import LoadGauges
 from pipeline.generation.dedupe import SeenIds
 
 LOGGER = logging.getLogger(__name__)
+# Bounds, in seconds, of the counters of answers whose first token took longer (``first_token_over_<b>s``).
+# Cloud Monitoring charts Beam counters, not distributions' percentiles, so a percentile is read from them:
+# the p95 of time to first token is over ``b`` exactly when more than 5 % of ``first_tokens`` are over ``b``.
+FIRST_TOKEN_BOUNDS_S = (1, 2, 5, 10, 30)
+
+
+def first_token_counter_name(bound_s: int) -> str:
+    return f"first_token_over_{bound_s}s"
+
 
 TAG_COMPLETIONS = "completions"
 TAG_DEAD_LETTERS = "dead_letters"
@@ -176,6 +185,9 @@ class _StreamingGenerateFn(beam.DoFn):
         self.undecodable = Metrics.counter("streaming_generate", "undecodable_state_entries")
         self.drained = Metrics.counter("streaming_generate", "drain_dead_letters")
         self.ttft = Metrics.distribution("streaming_generate", "time_to_first_token_ms")
+        self.first_tokens = Metrics.counter("streaming_generate", "first_tokens")
+        self.first_token_over = [(1000 * bound, Metrics.counter("streaming_generate", first_token_counter_name(bound)))
+                                 for bound in FIRST_TOKEN_BOUNDS_S]
         # The model's busy time as apportioned to what this step emits (answers and dead letters alike).
         self.accelerator_ms = Metrics.counter("streaming_generate", "accelerator_ms")
         # Structured answers (a response_format) without a valid output_json, and those of them cut at max_tokens.
@@ -184,6 +196,13 @@ class _StreamingGenerateFn(beam.DoFn):
 
     def setup(self) -> None:
         self._engine = acquire_engine(self._settings, self._shared_tag)
+
+    def _count_first_token(self, ttft_ms: int) -> None:
+        self.ttft.update(ttft_ms)
+        self.first_tokens.inc()
+        for bound_ms, counter in self.first_token_over:
+            if ttft_ms > bound_ms:
+                counter.inc()
 
     def process(self, element: tuple[object, list[InferenceRequest]],
                 window=beam.DoFn.WindowParam,
@@ -490,7 +509,7 @@ class _StreamingGenerateFn(beam.DoFn):
                 outcome.append(True)
                 completion = json.loads(payload)
                 if completion["time_to_first_token_ms"] is not None:
-                    self.ttft.update(int(completion["time_to_first_token_ms"]))
+                    self._count_first_token(int(completion["time_to_first_token_ms"]))
                 self.accelerator_ms.inc(round(1000 * (completion.get("accelerator_seconds") or 0.0)))
                 if completion["output_error"] is not None:
                     self.structured_invalid.inc()
