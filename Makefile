@@ -67,10 +67,17 @@ IMAGE_BUILD_ARGS ?=
 # token (Cloud Build); with BUILDER=docker the token comes from $$HF_TOKEN.
 BAKE_MODEL ?=
 BAKE_TOKEN_SECRET ?=
+# make dashboard / make alerts: Cloud Monitoring notification channels (comma-separated projects/P/notificationChannels/N)
+# for the alerts, and their thresholds (docs/operations.md#alerts; TTFT: one of the bounds the job counts).
+NOTIFICATION_CHANNELS ?=
+ALERT_BACKLOG_AGE_S ?= 600
+ALERT_DEAD_LETTER_RATIO ?= 0.01
+ALERT_TTFT_P95_S ?= 5
 DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT \
   MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
   UTILIZATION_HINT MODEL INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
-  PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS
+  PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS NOTIFICATION_CHANNELS ALERT_BACKLOG_AGE_S ALERT_DEAD_LETTER_RATIO \
+  ALERT_TTFT_P95_S
 DEPLOY = $(DEPLOY_PY) -m ops.deploy $(if $(DRY_RUN),--dry-run)
 # $(call require,NAMES): a recipe line that stops, naming every setting among NAMES that is unset.
 missing = $(strip $(foreach v,$(1),$(if $(strip $($(v))),,$(v))))
@@ -192,7 +199,7 @@ lint-container: install ## Lint container/Dockerfile with hadolint
 	$(VENV)/bin/hadolint container/Dockerfile
 
 # The launch targets get the settings in their environment, values as they are.
-$(foreach v,$(DEPLOY_SETTINGS),$(eval template run update run-dataflow: export $(v) := $$($(v))))
+$(foreach v,$(DEPLOY_SETTINGS),$(eval template run update run-dataflow dashboard alerts: export $(v) := $$($(v))))
 
 .PHONY: image
 image: ## 1. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker)
@@ -235,6 +242,18 @@ run-dataflow: ## Launch from this checkout with Beam's DataflowRunner, no templa
 drain: ## Drain a running job: make drain JOB_ID=... (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
 	$(call require,PROJECT REGION JOB_ID)
 	gcloud dataflow jobs drain $(JOB_ID) --project $(PROJECT) --region $(REGION)
+
+.PHONY: dashboard
+dashboard: ## 4. Create the job's Cloud Monitoring dashboard: make dashboard JOB_NAME=... (ops/dashboard.json)
+	$(call require,PROJECT JOB_NAME INPUT_SUBSCRIPTION)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.monitoring dashboard $(if $(DRY_RUN),--dry-run)
+
+.PHONY: alerts
+alerts: ## 5. Create the job's alert policies: make alerts JOB_NAME=... [NOTIFICATION_CHANNELS=...] (ops/alerts/)
+	$(call require,PROJECT JOB_NAME INPUT_SUBSCRIPTION)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.monitoring alerts $(if $(DRY_RUN),--dry-run)
 
 .PHONY: clean
 clean: ## Remove the virtualenv and local caches (not the model cache in ~/.cache)

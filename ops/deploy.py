@@ -267,18 +267,24 @@ def flags_file_text(flags: dict[str, Any]) -> str:
     return _NOT_YAML_PRINTABLE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
-def run_gcloud(argv: list[str], flags: dict[str, Any], dry_run: bool) -> int:
-    """Prints the command and its flags file, then runs it (unless ``dry_run``)."""
+def run_gcloud(argv: list[str], flags: dict[str, Any], dry_run: bool,
+               files: Mapping[str, Any] | None = None) -> int:
+    """Prints the command and the files it reads, then runs it (unless ``dry_run``).
+
+    ``flags`` go in a flags file; ``files`` maps a flag that takes a file's path (``--config-from-file``) to
+    the JSON that file holds.
+    """
     with tempfile.TemporaryDirectory(prefix="streaming-llm-deploy-") as folder:
-        if flags:
-            text = flags_file_text(flags)
-            flags_file = Path(folder) / "flags.json"
-            flags_file.write_text(text, encoding="utf-8")
-            argv = [*argv, f"--flags-file={flags_file}"]
-            print(f"==> {shlex.join(argv)}\n    where {flags_file.name} holds:\n"
-                  + "\n".join("      " + line for line in text.splitlines()), flush=True)
-        else:
-            print(f"==> {shlex.join(argv)}", flush=True)
+        written = []
+        for flag, content in {**({"--flags-file": flags} if flags else {}), **(files or {})}.items():
+            text = flags_file_text(content)
+            path = Path(folder) / f"{flag.lstrip('-')}.json"
+            path.write_text(text, encoding="utf-8")
+            argv = [*argv, f"{flag}={path}"]
+            written.append((path.name, text))
+        print(f"==> {shlex.join(argv)}", flush=True)
+        for name, text in written:
+            print(f"    where {name} holds:\n" + "\n".join("      " + line for line in text.splitlines()), flush=True)
         return 0 if dry_run else subprocess.run(argv, check=False).returncode
 
 

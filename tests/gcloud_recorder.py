@@ -4,7 +4,8 @@ gcloud reads API endpoint overrides from its configuration (``CLOUDSDK_API_ENDPO
 ``CLOUDSDK_AUTH_DISABLE_CREDENTIALS=true`` sends no credentials: the CLI's own argument parsing, flags files
 and request building all run, and what it sends lands here. The answers are the smallest that gcloud
 accepts: a job for Dataflow's launch and update calls, an object with the uploaded bytes' hashes for Cloud
-Storage (gcloud compares them with the file it sent), a build operation for Cloud Build.
+Storage (gcloud compares them with the file it sent), a build operation for Cloud Build, and for Cloud
+Monitoring the dashboard or alert policy it was sent, named.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Recorder:
                 "CLOUDSDK_CORE_DISABLE_PROMPTS": "1", "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true",
                 "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "true",
                 **{f"CLOUDSDK_API_ENDPOINT_OVERRIDES_{api}": self.url
-                   for api in ("DATAFLOW", "STORAGE", "CLOUDBUILD")}}
+                   for api in ("DATAFLOW", "STORAGE", "CLOUDBUILD", "MONITORING")}}
 
     def close(self) -> None:
         self.api.close()
@@ -88,6 +89,9 @@ class Recorder:
                 "@type": "type.googleapis.com/google.devtools.cloudbuild.v1.BuildOperationMetadata",
                 "build": {"id": "recorded", "projectId": build.group(1), "status": "QUEUED",
                           "name": f"projects/{build.group(1)}/locations/{build.group(2) or 'global'}/builds/recorded"}}}
+        created = re.match(r"^/v[13]/projects/([^/]+)/(dashboards|alertPolicies)$", path)
+        if created and request.method == "POST":
+            return 200, {**request.json(), "name": f"projects/{created.group(1)}/{created.group(2)}/recorded"}
         return 404, {"error": {"code": 404, "message": f"the recorder does not answer {request.method} {path}"}}
 
     def store(self, bucket: str, request: Request, content_type: str) -> dict[str, Any]:

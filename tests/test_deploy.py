@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from ops import deploy
+from ops import deploy, monitoring
 from pipeline.config.options import PipelineConfig
 from tests.gcloud_recorder import Recorder
 
@@ -291,10 +291,13 @@ def test_the_structured_output_pages_launch_example_is_a_valid_launch(tmp_path):
 
 
 def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
+    """... and the monitoring command (make dashboard, make alerts)."""
     makefile = (REPO / "Makefile").read_text()
     declared = re.search(r"^DEPLOY_SETTINGS := ((?:.*\\\n)*.*)$", makefile, re.MULTILINE).group(1)
     exported = set(declared.replace("\\", " ").split())
-    read = set(re.findall(r"""(?:get|require)\(\s*['"]([A-Z_]+)['"]""", (REPO / "ops" / "deploy.py").read_text()))
+    read = set(re.findall(r"""(?:get|require)\(\s*['"]([A-Z_]+)['"]""", (REPO / "ops" / "deploy.py").read_text()
+                          + (REPO / "ops" / "monitoring.py").read_text()))
+    read |= set(monitoring.THRESHOLDS)
     read |= set(re.findall(r"""['"]([A-Z_]+)['"],?""", re.search(
         r"settings\.require\(([^)]*)\)", (REPO / "ops" / "deploy.py").read_text(), re.DOTALL).group(1)))
     read |= set(deploy.NAMED_SETTINGS) | {"EXTRA_PARAMETERS"}  # read through the mapping and .values
