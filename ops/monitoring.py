@@ -50,12 +50,9 @@ def placeholders(settings: Settings) -> dict[str, str]:
     values = {"JOB_NAME": name, "SUBSCRIPTION_ID": subscription.group(1)}
     for setting, fallback in THRESHOLDS.items():
         text = settings.get(setting) or fallback
-        try:
-            number = float(text)
-        except ValueError:
-            number = float("nan")
-        if not number > 0:
-            raise DeployError(f"{setting}={text!r} must be a number above 0")
+        # Plain decimals only: Python's float() also takes "1_000", "inf" or other scripts' digits, PromQL does not.
+        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) or not float(text) > 0:
+            raise DeployError(f"{setting}={text!r} must be a number above 0, written like 600 or 0.01")
         values[setting] = text
     if float(values["ALERT_DEAD_LETTER_RATIO"]) >= 1:
         raise DeployError("ALERT_DEAD_LETTER_RATIO is a share of the answers: above 0 and below 1")

@@ -187,7 +187,11 @@ def test_a_bad_setting_is_named_and_nothing_is_sent(tmp_path, bad, words):
     assert not recorder.requests
 
 
-@given(st.dictionaries(st.sampled_from(sorted(SETTINGS) + sorted(monitoring.THRESHOLDS)), st.text(max_size=40)))
+NUMBER_LOOKALIKES = st.sampled_from(["1_000", "\uff15", "inf", "1e3", "0x10", " 5", "0.5", "10", "600.0", "-0"])
+
+
+@given(st.dictionaries(st.sampled_from(sorted(SETTINGS) + sorted(monitoring.THRESHOLDS)),
+                       st.one_of(st.text(max_size=40), NUMBER_LOOKALIKES)))
 @settings(max_examples=300, deadline=None)
 def test_any_setting_fills_valid_files_or_is_refused_by_name(changes):
     """Fuzzed settings: either DeployError, or files whose queries still parse and name only this job."""
