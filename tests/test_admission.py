@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,10 +39,10 @@ def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> Infe
                             min_tokens=min_tokens, temperature=0.0, received_at=time.time())
 
 
-def full_worker(base_url: str) -> tuple[EngineSettings, VLLMEngine, Driver, _AdmitFn]:
+def full_worker(base_url: str, **overrides) -> tuple[EngineSettings, VLLMEngine, Driver, _AdmitFn]:
     """A worker of 3 places (2 in flight, 1 waiting): its engine, the generate step under the runner stand-in,
     and its admission step as Dataflow runs it (waiting inside its bundle)."""
-    settings = settings_for(base_url, max_in_flight=2, worker_queue=1)
+    settings = settings_for(base_url, **{"max_in_flight": 2, "worker_queue": 1, **overrides})
     engine = VLLMEngine(settings)
     generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
     generate._engine = engine
@@ -153,4 +154,44 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
             [f"adm-{i}" for i in range(3)] + [r.id for r in bundle])
         assert wait_until(lambda: engine.load()["held"] == 0, 5)
     finally:
+        engine.close()
+
+
+def test_the_timers_keep_threads_while_every_read_bundle_of_a_full_worker_waits(vllm_server):
+    """Dataflow runs number_of_worker_harness_threads work items at once on a worker, read bundles and timer
+    firings alike. A pool of 4 threads stands for them: with admission_waiters=2 (half), two read bundles wait
+    for room and a third and fourth go on over the bound, so the generate step's polls still get a thread
+    while both waiting bundles hold theirs, and collect the work that frees the room they wait for."""
+    settings, engine, driver, _ = full_worker(vllm_server.base_url, admission_waiters=2)
+    harness = ThreadPoolExecutor(max_workers=4, thread_name_prefix="harness")
+
+    def read_bundle(i: int) -> list[str]:
+        admit = _AdmitFn(settings, "admission-test", wait=True)  # one DoFn instance per bundle, as a runner may
+        admit._engine = engine
+        admit.start_bundle()
+        passed = [out.id for out in admit.process(request(i))]
+        admit.finish_bundle()
+        return passed
+
+    try:
+        # Full (2 in flight, 1 waiting), with answers long enough that nothing frees room before the first poll.
+        driver.deliver("shard-0", [request(i, 256, min_tokens=256) for i in range(3)])
+        assert engine.admit(["probe"]) == 0
+        bundles = [harness.submit(read_bundle, i) for i in range(20, 24)]
+        assert wait_until(lambda: sum(b.done() for b in bundles) >= 2, 30), "two bundles found no waiting place"
+        waiting = [b for b in bundles if not b.done()]
+        assert len(waiting) == 2, "exactly admission_waiters bundles wait"
+        assert engine.load()["on_the_way"] >= 2, "the bundles let through over the bound count in the hold"
+        harness.submit(driver.fire, "shard-0").result(timeout=30)
+        assert not any(b.done() for b in waiting), "the timer ran on a free thread while both bundles waited"
+        deadline = time.monotonic() + 300
+        while any(not b.done() for b in waiting) and time.monotonic() < deadline:
+            harness.submit(driver.fire, "shard-0").result(timeout=30)
+        assert all(b.done() for b in waiting), "room freed by the polls let the waiting bundles go on"
+        assert sorted(i for b in bundles for i in b.result()) == [f"adm-{i}" for i in range(20, 24)]
+        while driver.busy_keys() and time.monotonic() < deadline:
+            driver.fire("shard-0")
+        assert sorted(c["id"] for c in driver.committed.completions) == [f"adm-{i}" for i in range(3)]
+    finally:
+        harness.shutdown(wait=False, cancel_futures=True)
         engine.close()

@@ -21,7 +21,7 @@ from apache_beam.portability.api import beam_runner_api_pb2
 
 from local.emulators import GcsEmulator
 from pipeline.config.launch_checks import WORKER_IMAGE_ENV
-from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB
+from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, DEFAULT_HARNESS_THREADS
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_IMAGE = "us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:0123456789ab"
@@ -63,6 +63,8 @@ def test_the_job_is_a_streaming_job_on_gpu_workers_running_the_worker_image(buil
     assert {"use_runner_v2", "enable_streaming_engine"} <= set(environment["experiments"])
     (pool,) = environment["workerPools"]
     assert pool["diskSizeGb"] == DEFAULT_DISK_SIZE_GB  # set by the launch, as the console sets none
+    # Set by the launch too: admission waits for room in at most half of the work items a worker runs at once.
+    assert pool["numThreadsPerWorker"] == DEFAULT_HARNESS_THREADS
     assert pool["workerHarnessContainerImage"] == WORKER_IMAGE
     assert {image["containerImage"] for image in pool["sdkHarnessContainerImages"]} == {WORKER_IMAGE}
 

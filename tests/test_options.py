@@ -10,7 +10,6 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_parameters
-from apache_beam.options.pipeline_options import WorkerOptions
 
 from pipeline.config.options import ConfigError, PipelineConfig, StreamingLLMOptions
 from pipeline.config.settings import JobSettings
@@ -83,6 +82,8 @@ def test_launcher_strings_are_converted():
     ({"vllm_args": "--dtype float16"}, "use --dtype instead"),
     ({"vllm_args": "--port 9000"}, "--vllm_args sets --port, which the template sets itself"),
     ({"vllm_args": "--enforce-eager '--unclosed"}, "--vllm_args cannot be split into flags"),
+    ({"number_of_worker_harness_threads": "1"}, "number_of_worker_harness_threads must be at least 2"),
+    ({"number_of_worker_harness_threads": "many"}, "number_of_worker_harness_threads must be a whole number"),
 ])
 def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrides, message):
     with pytest.raises(ConfigError) as excinfo:
@@ -156,7 +157,8 @@ def test_components_default_to_what_the_parameters_declare():
     assert job.limits == RequestLimits()
     assert job.engine.chunk_policy == ChunkPolicy()
     bare_engine = EngineSettings(server=job.engine.server)
-    for name in ("engine", "prompt_format", "max_in_flight", "request_timeout_s", "stream_lease_s", "worker_queue"):
+    for name in ("engine", "prompt_format", "max_in_flight", "request_timeout_s", "stream_lease_s", "worker_queue",
+                 "admission_waiters"):
         assert getattr(job.engine, name) == getattr(bare_engine, name), name
     spec, bare_spec = job.engine.server, ServerSpec(model=job.engine.server.model)
     for name in ("max_model_len", "dtype", "gpu_memory_utilization", "start_timeout_s", "max_lora_rank", "max_loras"):
@@ -164,6 +166,13 @@ def test_components_default_to_what_the_parameters_declare():
     assert (job.generate.dedupe_window_s, job.generate.drain_timeout_s) == (DEFAULT_DEDUPE_WINDOW_S,
                                                                             DEFAULT_DRAIN_TIMEOUT_S)
     assert job.config.max_in_flight == PARAMETERS_BY_NAME["max_in_flight"].default == bare_engine.max_in_flight
+
+
+def test_admission_waits_in_at_most_half_of_the_threads_the_launch_sets():
+    assert settings(number_of_worker_harness_threads="8").engine.admission_waiters == 4
+    assert settings(number_of_worker_harness_threads="3").engine.admission_waiters == 1
+    options = PipelineOptions([f"--{k}={v}" for k, v in BASE.items()] + ["--number_of_worker_harness_threads=20"])
+    assert JobSettings.from_options(options).engine.admission_waiters == 10
 
 
 def test_a_value_given_to_the_launcher_reaches_the_config_converted():
@@ -215,10 +224,10 @@ def test_metadata_has_what_gcloud_and_the_console_need():
 
 
 def test_the_worker_options_the_form_shows_are_beams_own():
-    """The console passes them as --name=value like any parameter; Beam's WorkerOptions must read them."""
+    """The console passes them as --name=value like any parameter; Beam must read them as its own options."""
     for option in WORKER_OPTIONS:
-        parsed = PipelineOptions([f"--{option.name}={option.example}"]).view_as(WorkerOptions)
-        assert str(getattr(parsed, option.name)) == option.example
+        parsed = PipelineOptions([f"--{option.name}={option.example}"]).get_all_options()
+        assert str(parsed[option.name]) == option.example
         assert option.name not in PipelineConfig.__dataclass_fields__
 
 

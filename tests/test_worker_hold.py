@@ -60,6 +60,39 @@ def test_waiting_reports_count_per_key_until_they_lapse():
     assert hold.counts(7.3) == (0, 0)
 
 
+def test_at_most_so_many_bundles_wait_and_a_place_lapses_unless_renewed():
+    hold = ledger()
+    assert hold.wait_place(0.0, "b1", most=2, lapse_s=5.0)
+    assert hold.wait_place(0.1, "b2", most=2, lapse_s=5.0)
+    assert not hold.wait_place(0.2, "b3", most=2, lapse_s=5.0), "every place taken: b3 must not wait"
+    assert hold.wait_place(4.0, "b1", most=2, lapse_s=5.0), "a bundle renews its own place"
+    assert hold.wait_place(5.2, "b3", most=2, lapse_s=5.0), "b2 stopped renewing (its process died): free again"
+    assert not hold.wait_place(5.3, "b2", most=2, lapse_s=5.0), "and taken"
+    hold.leave_place("b1")
+    assert hold.wait_place(5.4, "b2", most=2, lapse_s=5.0)
+
+
+_places = st.lists(st.tuples(st.sampled_from(["take", "leave"]), st.sampled_from(["b1", "b2", "b3", "b4"]),
+                             st.floats(0.0, 3.0)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_places, st.integers(1, 3))
+def test_no_schedule_has_more_bundles_waiting_than_places(operations, most):
+    hold, now, holding = ledger(), 0.0, {}
+    for operation, bundle, step in operations:
+        now += step
+        holding = {b: at for b, at in holding.items() if now - at < 5.0}
+        if operation == "leave":
+            hold.leave_place(bundle)
+            holding.pop(bundle, None)
+        elif hold.wait_place(now, bundle, most=most, lapse_s=5.0):
+            holding[bundle] = now
+        else:
+            assert bundle not in holding and len(holding) >= most, "refused only when every place is held"
+        assert len(holding) <= most
+
+
 _ids = st.sampled_from([f"r{i}" for i in range(8)])
 _operations = st.lists(st.one_of(
     st.tuples(st.just("admit"), st.lists(_ids, max_size=4), st.integers(0, 3)),

@@ -41,7 +41,7 @@ from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOption
     StandardOptions, WorkerOptions
 
 from pipeline.config.options import PipelineConfig
-from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB
+from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, DEFAULT_HARNESS_THREADS
 from pipeline.serving.model_access import gated_model_warning
 
 LOGGER = logging.getLogger(__name__)
@@ -59,8 +59,16 @@ def is_dataflow(options: PipelineOptions) -> bool:
 
 
 def apply_launch_defaults(options: PipelineOptions, environ: Mapping[str, str] = os.environ) -> None:
-    """Fills in, for a Dataflow launch, the worker image of this launcher's commit and a boot disk the image fits on,
-    where the launch set none, so a console launch with only the required parameters builds the job make run does."""
+    """Fills in, for a Dataflow launch, the worker image of this launcher's commit, a boot disk the image fits on
+    and the number of work items a worker runs at once, where the launch set none, so a console launch with only
+    the required parameters builds the job make run does.
+
+    The thread count is set because the admission step must know it: it waits for room in at most half of them
+    (:func:`pipeline.engines.engine.waiting_places`). Dataflow's own default "depends on multiple factors and
+    varies between batch and streaming jobs" ("Troubleshoot Dataflow out of memory errors"); Beam hands the
+    option to the job's worker pool as ``numThreadsPerWorker`` (``apiclient.py``), and the Python SDK harness
+    runs whatever bundles the runner sends on an unbounded thread pool, so the runner's count is the bound.
+    """
     if not is_dataflow(options):
         return
     worker = options.view_as(WorkerOptions)
@@ -70,6 +78,9 @@ def apply_launch_defaults(options: PipelineOptions, environ: Mapping[str, str] =
     if not worker.disk_size_gb:
         worker.disk_size_gb = DEFAULT_DISK_SIZE_GB
         LOGGER.info("Worker boot disk: %d GB (set disk_size_gb for another size)", DEFAULT_DISK_SIZE_GB)
+    debug = options.view_as(DebugOptions)
+    if not debug.number_of_worker_harness_threads:
+        debug.number_of_worker_harness_threads = DEFAULT_HARNESS_THREADS
 
 
 def requested_gpu_type(options: PipelineOptions) -> str | None:

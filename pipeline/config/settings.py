@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import RequestLimits
-from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS
-from pipeline.engines.engine import EngineSettings
+from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS
+from pipeline.engines.engine import EngineSettings, waiting_places
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.intake.request_defaults import RequestDefaults
 from pipeline.serving.lora_adapters import Adapter, parse_adapters
@@ -75,8 +75,12 @@ class JobSettings:
     adapters: tuple[Adapter, ...]
 
     @classmethod
-    def from_config(cls, config: PipelineConfig) -> JobSettings:
-        """Builds them all; raises :class:`ConfigError` with every problem found, before any job exists."""
+    def from_config(cls, config: PipelineConfig, harness_threads: Any = None) -> JobSettings:
+        """Builds them all; raises :class:`ConfigError` with every problem found, before any job exists.
+
+        ``harness_threads``: Beam's ``number_of_worker_harness_threads`` as the launch sets it (None: the
+        template's default, which the launch then sets, :mod:`pipeline.config.launch_checks`).
+        """
         problems: list[str] = []
         parts: dict[str, Any] = {}
         for name, build in (("batching", _batching), ("request_defaults", _request_defaults),
@@ -85,6 +89,13 @@ class JobSettings:
                 parts[name] = build(config)
             except ValueError as exc:
                 problems.extend(str(exc).split("; "))
+        waiters = 0
+        try:
+            threads = DEFAULT_HARNESS_THREADS if harness_threads in (None, "") else int(harness_threads)
+            waiters = waiting_places(threads)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc) if "harness" in str(exc) else
+                            f"number_of_worker_harness_threads must be a whole number, got {harness_threads!r}")
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
         # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
@@ -99,15 +110,16 @@ class JobSettings:
         generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
                                     config.generate_shards)
         return cls(config=config, limits=limits, prompt_length=prompt_length,
-                   engine=_engine(config, parts["batching"], parts["adapters"]), generate=generate, **parts)
+                   engine=_engine(config, parts["batching"], parts["adapters"], waiters), generate=generate, **parts)
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> JobSettings:
-        return cls.from_config(PipelineConfig.from_mapping(values))
+        return cls.from_config(PipelineConfig.from_mapping(values), values.get("number_of_worker_harness_threads"))
 
     @classmethod
     def from_options(cls, options: PipelineOptions) -> JobSettings:
-        return cls.from_config(PipelineConfig.from_options(options))
+        return cls.from_config(PipelineConfig.from_options(options),
+                               options.view_as(DebugOptions).number_of_worker_harness_threads)
 
     def generate_keys(self, local: bool) -> int:
         """The generate step's key count: as set, else by runner (see the ``generate_shards`` parameter's help)."""
@@ -153,7 +165,8 @@ def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tu
     return batching.boundaries or default_boundaries(config.max_model_len)
 
 
-def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...]) -> EngineSettings:
+def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...],
+            admission_waiters: int) -> EngineSettings:
     priority_boundaries = _priority_boundaries(config, batching)
     # The chunks topic is published by the engine itself (pipeline.engines.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
@@ -161,7 +174,7 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
                   stream_lease_s=float(config.stream_lease_s), worker_queue=config.worker_queue,
                   # An admitted request reaches the generate step after the shuffle and its batch's wait.
-                  admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0,
+                  admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0, admission_waiters=admission_waiters,
                   chunk_policy=ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms)),
                   priority_boundaries=priority_boundaries, chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))

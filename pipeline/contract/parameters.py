@@ -332,6 +332,9 @@ PARAMETERS_BY_NAME: dict[str, Parameter] = {p.name: p for p in PARAMETERS}
 # are not StreamingLLMOptions'); the launch fills them in when a launch leaves them unset
 # (pipeline.config.launch_checks).
 DEFAULT_DISK_SIZE_GB = 200
+# How many work items a worker runs at once when the launch does not say: the admission step waits for room in at
+# most half of them (pipeline.engines.engine.waiting_places), so the rest stay free for the timers.
+DEFAULT_HARNESS_THREADS = 12
 WORKER_OPTIONS: tuple[Parameter, ...] = (
     Parameter("sdk_container_image", "Worker image",
               "The container image the workers run. Empty: the worker image built from the same commit as this "
@@ -342,6 +345,13 @@ WORKER_OPTIONS: tuple[Parameter, ...] = (
               "Each worker's boot disk: the worker image unpacks to about 20 GB while it is pulled, and the weights "
               "come on top (2 bytes a parameter, up to twice). Empty: "
               f"{DEFAULT_DISK_SIZE_GB}.", "500", GROUP_WORKERS, "NUMBER", minimum=30, maximum=65536),
+    Parameter("number_of_worker_harness_threads", "Work items a worker runs at once",
+              "How many bundles and timer firings each worker runs at once (Dataflow's threads per worker). While "
+              "a worker holds max_in_flight + worker_queue requests, the admission step waits for room inside its "
+              "bundle, leaving the rest of the backlog in Pub/Sub; it waits in at most half of these threads, so "
+              "the other half is free for the timers that collect finished work, and a further bundle goes on "
+              f"over the bound. Empty: {DEFAULT_HARNESS_THREADS}.", "16", GROUP_WORKERS, "NUMBER", minimum=2,
+              maximum=1000),
 )
 
 

@@ -56,7 +56,7 @@ from typing import Callable, Sequence
 
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import default
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, default
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.chunk_publisher import ChunkPublisher
@@ -71,6 +71,18 @@ CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_
 ENGINES = ("vllm", "transformers")
 # A key's report of its waiting requests counts this long unless renewed (keys that wait poll every 2 s).
 WAITING_REPORT_LAPSE_S = 6.0
+# An admission bundle's waiting place is free again unless it renews it this often (it does every half second).
+WAITING_PLACE_LAPSE_S = 5.0
+
+
+def waiting_places(harness_threads: int) -> int:
+    """How many admission bundles may wait at once on a worker that runs ``harness_threads`` work items at once:
+    half, so the other half is always free for the timers that collect finished work and so free room."""
+    if harness_threads < 2:
+        raise ValueError(f"number_of_worker_harness_threads must be at least 2, got {harness_threads}: the "
+                         "admission step waits in at most half of the worker's threads, and the generate step's "
+                         "timers need the rest")
+    return harness_threads // 2
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,9 @@ class EngineSettings:
     # How long an admitted request counts, once its bundle finished, unless this worker's generate step
     # reports it first (the shuffle and the batcher's wait; it may go to another worker).
     admission_transit_s: float = 2.0
+    # How many admission bundles may wait for room at once (each holds a harness thread); a further bundle
+    # goes on over the bound rather than take a thread the timers need (pipeline.flow.admission).
+    admission_waiters: int = waiting_places(DEFAULT_HARNESS_THREADS)
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
@@ -121,6 +136,8 @@ class EngineSettings:
             raise ValueError(f"stream_lease_s must be more than 0, got {self.stream_lease_s:g}")
         if self.worker_queue < 1:
             raise ValueError(f"worker_queue must be at least 1, got {self.worker_queue}")
+        if self.admission_waiters < 1:
+            raise ValueError(f"admission_waiters must be at least 1, got {self.admission_waiters}")
 
     @property
     def max_held(self) -> int:
@@ -262,6 +279,24 @@ class EngineBase:
         with self._lock:
             room = self._hold.room(now, self._held(now), self.settings.max_held)
             return len(self._hold.admit(now, ids, room))
+
+    def wait_place(self, bundle: str) -> bool:
+        """Whether the admission bundle ``bundle`` may wait for room (it takes or renews one of the worker's
+        ``admission_waiters`` places); False when that many other bundles wait already."""
+        with self._lock:
+            return self._hold.wait_place(time.time(), bundle, self.settings.admission_waiters, WAITING_PLACE_LAPSE_S)
+
+    def leave_place(self, bundle: str) -> None:
+        """The bundle no longer waits (it finished)."""
+        with self._lock:
+            self._hold.leave_place(bundle)
+
+    def admit_over(self, ids: list[str]) -> None:
+        """Takes requests into the hold past its bound: their bundle found no waiting place. They count as
+        admitted ones do, so the worker takes no more until what it holds is back under the bound."""
+        now = time.time()
+        with self._lock:
+            self._hold.admit(now, ids, len(ids))
 
     def admit_count(self, count: int) -> int:
         """For a local source, before messages are parsed: up to ``count`` places, held until claimed by id."""

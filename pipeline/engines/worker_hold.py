@@ -24,6 +24,11 @@ request the worker has taken and not yet finished, wherever it is on the way:
 * **waiting**: what each key of the generate step reports waiting in its state
   (a report lapses unless renewed: its key moved, or its worker stalled).
 
+Apart from the count, the ledger keeps the worker's **waiting places**: each
+admission bundle that waits for room holds a harness thread, and the generate
+step's timers need threads too, so at most ``most`` bundles wait at once
+(:meth:`WorkerHold.wait_place`; a place lapses unless its bundle renews it).
+
 No clock is read here: callers pass ``now``, which is what makes the ledger
 testable on its own (``tests/test_worker_hold.py``).
 """
@@ -45,6 +50,7 @@ class WorkerHold:
     _ids: dict[str, tuple[float, float | None]] = field(default_factory=dict)
     _grants: list[tuple[float, int]] = field(default_factory=list)  # (granted at, how many), oldest first
     _waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # holder -> (count, reported at)
+    _places: dict[str, float] = field(default_factory=dict)  # admission bundle -> when it last waited
 
     def admit(self, now: float, ids: Iterable[str], room: int) -> list[str]:
         """Takes ids while ``room`` allows (an id already held takes none); returns those taken, in order."""
@@ -93,6 +99,18 @@ class WorkerHold:
         """The generate step on this worker has them: from now on its streams and reports count them."""
         for request_id in ids:
             self._ids.pop(request_id, None)
+
+    def wait_place(self, now: float, bundle: str, most: int, lapse_s: float) -> bool:
+        """Whether admission bundle ``bundle`` may wait for room: it holds (or renews) one of ``most`` waiting
+        places. Places not renewed for ``lapse_s`` are free again (their bundle ended without saying so)."""
+        self._places = {name: at for name, at in self._places.items() if now - at < lapse_s}
+        if bundle in self._places or len(self._places) < most:
+            self._places[bundle] = now
+            return True
+        return False
+
+    def leave_place(self, bundle: str) -> None:
+        self._places.pop(bundle, None)
 
     def report_waiting(self, now: float, holder: str, count: int) -> None:
         if count > 0:

@@ -18,9 +18,16 @@ What waiting costs, and its bounds: one harness thread per waiting bundle
 (Beam's ``AsyncWrapper`` holds ``process`` the same way when its buffer is
 full); its bundle stays open for as long as the worker is full, each request
 in flight frees room when it finishes or reaches ``request_timeout_s``. Room
-is counted from the engine, which frees it on its own threads, and a waiting
-report lapses unless its key renews it, so a worker whose every thread waits
-here still frees room and goes on. The bound holds per worker: Dataflow
+is counted from the engine, which frees it on its own threads. A worker runs
+``number_of_worker_harness_threads`` work items at once (the launch sets it,
+:mod:`pipeline.config.launch_checks`), and the generate step's poll timers,
+which collect what finished and submit what waits, need those threads too. So
+at most half of them wait here (``admission_waiters``, places held in the
+engine, :meth:`~pipeline.engines.engine.EngineBase.wait_place`): a bundle that
+finds every place taken goes on at once, its requests counted in the hold
+over the bound (``pushback_overflow``), and the worker admits nothing more
+until it is back under it. The waiting bundles thus hold back the backlog,
+and the timers always have threads. The bound holds per worker: Dataflow
 spreads keys and source splits evenly, so each worker's hold reflects its
 share; a skewed spread can hold more on one worker than the bound.
 
@@ -32,13 +39,15 @@ room. The step then claims by id the places the source was granted, and
 reports the load.
 
 The step reports the worker's load (:mod:`pipeline.engines.worker_load`), and counts
-its waits in the same namespace: ``pushback_waits`` and ``pushback_ms``.
+its waits in the same namespace: ``pushback_waits``, ``pushback_ms`` and ``pushback_overflow`` (requests let
+through over the bound because every waiting place was taken).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Callable, Iterator
 
 import apache_beam as beam
@@ -66,12 +75,15 @@ class _AdmitFn(beam.DoFn):
         self._gauges = LoadGauges("admit")
         self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
         self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
+        self.overflow = Metrics.counter(LOAD_NAMESPACE, "pushback_overflow")
 
     def setup(self) -> None:
         self._engine = acquire_engine(self._settings, self._shared_tag)
 
     def start_bundle(self) -> None:
         self._bundle_ids: list[str] = []
+        self._bundle = uuid.uuid4().hex  # names this bundle's waiting place, if it takes one
+        self._waited = False
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
         if not self._wait:
@@ -87,7 +99,9 @@ class _AdmitFn(beam.DoFn):
         # on Dataflow it may go to another worker's, so from here on it counts for admission_transit_s.
         if self._wait and self._bundle_ids:
             self._call(lambda engine: engine.dispatched(self._bundle_ids))
-        self._bundle_ids = []
+        if self._waited:
+            self._call(lambda engine: engine.leave_place(self._bundle))
+        self._bundle_ids, self._waited = [], False
 
     def _admit(self, request_id: str) -> bool:
         return bool(self._call(lambda engine: engine.admit([request_id])))
@@ -101,23 +115,35 @@ class _AdmitFn(beam.DoFn):
             return None
 
     def _wait_for_room(self, request_id: str) -> None:
-        """Holds this bundle (its messages unacknowledged) until the worker has room for one more request."""
+        """Holds this bundle (its messages unacknowledged) until the worker has room for one more request, if it
+        gets one of the worker's waiting places; otherwise lets the request through over the bound."""
         started = time.monotonic()
         backoff = 0.01
         self.waits.inc()
-        while True:
+        while self._call(lambda engine: engine.wait_place(self._bundle)):  # taken, or renewed each round
+            self._waited = True
             time.sleep(backoff)
             if self._admit(request_id):
                 break
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
             self._gauges.update(self._engine)
-            now = time.monotonic()
-            if now - _LOGGED_AT[0] >= PUSHBACK_LOG_INTERVAL_S:
-                _LOGGED_AT[0] = now
-                LOGGER.info("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
-                            "of the subscription stays unacknowledged until a request finishes",
-                            self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
+            self._log_wait("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
+                           "of the subscription stays unacknowledged until a request finishes",
+                           self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
+        else:
+            self.overflow.inc()
+            self._call(lambda engine: engine.admit_over([request_id]))
+            self._log_wait("Worker full and %d admission bundles already wait for room (half of its harness "
+                           "threads, the rest kept for the timers): a request goes on over the bound",
+                           self._settings.admission_waiters)
         self.waited_ms.inc(int((time.monotonic() - started) * 1000))
+
+    @staticmethod
+    def _log_wait(message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - _LOGGED_AT[0] >= PUSHBACK_LOG_INTERVAL_S:
+            _LOGGED_AT[0] = now
+            LOGGER.info(message, *args)
 
 
 class AdmitRequests(beam.PTransform):
