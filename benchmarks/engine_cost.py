@@ -55,6 +55,7 @@ class Variant:
     engine: bool
     per_token: bool
     publish: bool = False
+    accounting: bool = True  # the engine records each answer's cost (queue time, its share of the busy time)
 
 
 VARIANTS = (
@@ -62,6 +63,8 @@ VARIANTS = (
     Variant(f"raw client, stream_interval {CHUNKS.chunk_tokens}", engine=False, per_token=False),
     Variant("engine, every token", engine=True, per_token=True),
     Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}", engine=True, per_token=False),
+    Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}, no cost record", engine=True, per_token=False,
+            accounting=False),
     Variant("engine, every token, publishing", engine=True, per_token=True, publish=True),
     Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}, publishing", engine=True, per_token=False, publish=True),
 )
@@ -115,11 +118,28 @@ class PerTokenEngine(VLLMEngine):
         self._stream_interval = None
 
 
+class UncostedEngine(VLLMEngine):
+    """The engine without the record of what each answer cost (when the model took it, its share of the model's
+    busy time: :mod:`pipeline.engines.accelerator_time`), to measure what that record costs per token."""
+
+    def _began(self, stream) -> None:
+        pass
+
+    def _ended(self, stream) -> None:
+        pass
+
+
+def engine_class(variant: Variant) -> type[VLLMEngine]:
+    if variant.per_token:
+        return PerTokenEngine
+    return VLLMEngine if variant.accounting else UncostedEngine
+
+
 def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, topic: str,
             prompts: list[workload.Prompt], args: argparse.Namespace, rep: int) -> Run:
     engine = None
     if variant.engine:
-        engine = (PerTokenEngine if variant.per_token else VLLMEngine)(EngineSettings(
+        engine = engine_class(variant)(EngineSettings(
             server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
             chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1, chunk_topic=topic if variant.publish else None,
             chunks_to_pipeline=not variant.publish))

@@ -27,7 +27,9 @@ real engines against the real vLLM server. The rules it reproduces:
   :meth:`Driver.load` starts a key from given state.
 
 What it does not reproduce: the runner's timing (a due poll timer fires when
-the test says, never early), bundle sizes, and parallelism across keys.
+the test says, never early, so a test makes timers late by firing them late),
+bundle sizes, and parallelism across keys (``tests/test_admission.py`` runs
+work items on a small pool of threads, as a worker's harness threads).
 ``setup`` is not called: each worker's engine is built in-process and given
 to its DoFn, as ``acquire_engine`` would hand it over on a worker of its own.
 """

@@ -162,7 +162,8 @@ def test_the_timers_keep_threads_while_every_read_bundle_of_a_full_worker_waits(
     firings alike. A pool of 4 threads stands for them: with admission_waiters=2 (half), two read bundles wait
     for room and a third and fourth go on over the bound, so the generate step's polls still get a thread
     while both waiting bundles hold theirs, and collect the work that frees the room they wait for."""
-    settings, engine, driver, _ = full_worker(vllm_server.base_url, admission_waiters=2)
+    # Requests let through count in the hold while on their way (here for 5 s: long enough to read them).
+    settings, engine, driver, _ = full_worker(vllm_server.base_url, admission_waiters=2, admission_transit_s=5.0)
     harness = ThreadPoolExecutor(max_workers=4, thread_name_prefix="harness")
 
     def read_bundle(i: int) -> list[str]:
