@@ -26,7 +26,7 @@ work item whose commit failed, and moves keys between workers):
 * ``poll`` is idempotent. The caller says how many of a stream's outputs it
   has already committed (its position, kept in keyed state); outputs before it
   are released, the rest are handed over again until a later poll's position
-  shows they were committed. A retried poll therefore gets what the failed
+  shows they were committed (both sides' arithmetic: :mod:`pipeline.engines.stream_progress`). A retried poll therefore gets what the failed
   one got, instead of finding the stream gone and generating it again.
 * Streams are leased, and a pause is not a move (:mod:`pipeline.engines.leases`). A
   running stream is cancelled at the server (vLLM aborts a request whose
@@ -61,6 +61,7 @@ from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.chunk_publisher import ChunkPublisher
 from pipeline.engines.leases import LeaseClocks, Stamp
+from pipeline.engines.stream_progress import OutputWindow
 from pipeline.engines.worker_hold import WorkerHold
 from pipeline.serving.vllm_server import ServerSpec
 
@@ -150,9 +151,7 @@ class Stream:
     key: str
     request: InferenceRequest
     attempt: int
-    # Outputs not yet released; outputs[0] is the stream's output number ``released``.
-    outputs: list[tuple[str, str]] = field(default_factory=list)
-    released: int = 0
+    window: OutputWindow = field(default_factory=OutputWindow)  # outputs not yet released by the caller
     assembler: ChunkAssembler | None = None
     done: bool = False
     lease: Stamp = (0.0, 0.0)  # the engine's lease clocks when this stream was last polled, submitted or joined
@@ -225,8 +224,8 @@ class EngineBase:
     def poll(self, positions: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
         """For each key, its outputs from ``positions[key]`` on (the number the caller has committed).
 
-        Outputs before the position are released; a finished stream whose every
-        output is released is forgotten (its result is then ``[]``). An unknown
+        Outputs before the position are released (:class:`~pipeline.engines.stream_progress.OutputWindow`);
+        a finished stream whose every output is released is forgotten (its result is then ``[]``). An unknown
         key, or a position outside what the stream holds (before what was
         released, or past what it produced), gets ``UNKNOWN``: the stream is lost
         to the caller and must be submitted again.
@@ -237,19 +236,17 @@ class EngineBase:
             self._leases.polled = self._leases.polled or bool(positions)
             for key, position in positions.items():
                 stream = self._streams.get(key)
-                if stream is None or not stream.released <= position <= stream.released + len(stream.outputs):
+                if stream is None or stream.window.read(position) is None:
                     ready[key] = [(UNKNOWN, "")]  # not this stream's committed position: never splice
                     continue
-                del stream.outputs[:position - stream.released]
-                stream.released = position
                 self._renew(stream)
-                if stream.done and not stream.outputs:
+                if stream.done and not len(stream.window):
                     del self._streams[key]
                     ready[key] = []
                     continue
                 if stream.assembler is not None and not stream.done:
                     self._queue_chunks(stream, stream.assembler.due(now))
-                ready[key] = list(stream.outputs)
+                ready[key] = list(stream.window.outputs)
         return ready
 
     def cancel(self, keys: list[str]) -> None:
@@ -419,7 +416,7 @@ class EngineBase:
 
     def _emit(self, stream: Stream, kind: str, payload: str, *, final: bool = False) -> None:
         with self._lock:
-            stream.outputs.append((kind, payload))
+            stream.window.add((kind, payload))
             if final and not stream.done:
                 stream.done = True
                 self._unfinished -= 1
@@ -442,7 +439,7 @@ class EngineBase:
             if self._chunk_publisher is not None:
                 self._chunk_publisher.publish(stream.key, chunk)
             if self.settings.chunks_to_pipeline:
-                stream.outputs.append((CHUNK, chunk.to_json()))
+                stream.window.add((CHUNK, chunk.to_json()))
 
     def _awaiting_chunk_confirmation(self, stream: Stream) -> bool:
         """Whether Pub/Sub has yet to confirm a chunk of the stream (failed ones are published again).

@@ -174,7 +174,7 @@ class VLLMEngine(EngineBase):
                 # Chunks of this attempt are already out: restart as a new attempt.
                 with self._lock:
                     stream.attempt += 1
-                    stream.outputs.append((ATTEMPT, str(stream.attempt)))
+                    stream.window.add((ATTEMPT, str(stream.attempt)))
             LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
             await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
             delay = min(delay * 2, 10.0)

@@ -56,13 +56,14 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline.contract.element_guard import guarded
+from pipeline.contract.element_guard import guarded, guarded_value
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import default
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
 from pipeline.engines.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
 from pipeline.engines.engine_host import acquire_engine, new_engine_tag
+from pipeline.engines.stream_progress import KeyProgress
 from pipeline.engines.worker_load import LoadGauges
 from pipeline.generation.dedupe import SeenIds
 
@@ -121,32 +122,36 @@ def decode_entry(text: str) -> dict:
 
 
 class _Progress:
-    """How many outputs of each stream were emitted, and the finished streams the engine may release."""
+    """The key's stream progress (:class:`~pipeline.engines.stream_progress.KeyProgress`) in its state cell."""
 
     VERSION = 1  # cells written before versions have none: the same fields
 
     def __init__(self, state) -> None:
         self._state = state
         text = state.read()
-        self.taken: dict[str, int] = {}
-        self.release: dict[str, int] = {}
+        self.streams = KeyProgress()
         if text:
             try:
                 data = read_cell(text, (self.VERSION,), {"taken": (dict,), "release": (dict,)})
-                self.taken, self.release = _positions(data["taken"]), _positions(data["release"])
+                self.streams = KeyProgress(_positions(data["taken"]), _positions(data["release"]))
             except StateFormatError as exc:
                 # Polled from their start, the streams are found released and sent again: nothing is lost.
                 LOGGER.error("Unreadable progress state (%s); this key's streams will be sent again", exc)
-        self._before = (dict(self.taken), dict(self.release))
+        self._before = self._cells()
+
+    def _cells(self) -> tuple[dict[str, int], dict[str, int]]:
+        return dict(self.streams.taken), dict(self.streams.release)
 
     def save(self) -> None:
-        if (self.taken, self.release) == self._before:
+        cells = self._cells()
+        if cells == self._before:
             return
-        if self.taken or self.release:
-            self._state.write(write_cell({"taken": self.taken, "release": self.release}, self.VERSION))
+        taken, release = cells
+        if taken or release:
+            self._state.write(write_cell({"taken": taken, "release": release}, self.VERSION))
         else:
             self._state.clear()
-        self._before = (dict(self.taken), dict(self.release))
+        self._before = cells
 
 
 def _positions(value: dict) -> dict[str, int]:
@@ -281,7 +286,7 @@ class _StreamingGenerateFn(beam.DoFn):
         now = time.time()
         seen.save(now, prune=not (streaming or sent or left))
         backoff_ms = wait_ms.read()
-        if streaming or sent or progress.release:
+        if streaming or sent or progress.streams.release:
             if backoff_ms is not None:
                 wait_ms.clear()
             self._arm(poll, poll_at_ms, now + self._poll_interval_s)
@@ -324,7 +329,7 @@ class _StreamingGenerateFn(beam.DoFn):
         progress = _Progress(progress_state)
         # Polled from the committed positions, pass after pass, and nothing released: if this work item's
         # commit fails, its retry finds every stream where the last commit left it and collects it again.
-        committed = dict(progress.taken)
+        committed = dict(progress.streams.taken)
         while (yield from self._collect(inflight, progress, seen, committed=committed)) and time.time() < deadline:
             time.sleep(min(self._poll_interval_s, max(deadline - time.time(), 0.0)))
         entries = yield from self._decoded(inflight)
@@ -433,10 +438,11 @@ class _StreamingGenerateFn(beam.DoFn):
                  committed: dict[str, int] | None = None) -> Iterator[Any]:
         """Emits what the engine has for each in-flight request; returns how many remain.
 
-        The engine is asked for each stream's outputs from ``progress.taken`` on,
-        so a retried firing (whose state writes were discarded) gets the same
-        outputs again; finished streams are released on the next firing. The
-        bag is rewritten only when an entry changed (finished, resent).
+        The engine is asked for each stream's outputs from its committed
+        position on (:mod:`pipeline.engines.stream_progress`), so a retried
+        firing (whose state writes were discarded) gets the same outputs again;
+        finished streams are released on the next firing. The bag is rewritten
+        only when an entry changed (finished, resent).
 
         ``committed`` (a drain, which polls many times in one work item): the
         positions the last commit wrote. The engine is asked from them, so it
@@ -445,55 +451,48 @@ class _StreamingGenerateFn(beam.DoFn):
         drain dead letter, for the next job.
         """
         entries = yield from self._decoded(inflight)
-        if not entries and not progress.release:
+        streams = progress.streams
+        if not entries and not streams.release:
             return 0  # timers can fire twice for one setting
-        positions = {e["key"]: progress.taken.get(e["key"], 0) for e in entries if e["key"] is not None}
-        asked = dict(positions) if committed is None else {key: committed.get(key, 0) for key in positions}
-        asked.update(progress.release)  # released by a committed poll: safe to forget, and idempotent
-        if committed is None:
-            progress.release = {}
+        asked = streams.ask([e["key"] for e in entries if e["key"] is not None], committed)
         try:
             ready = self._engine.poll(asked) if asked else {}
         except (ConnectionError, EOFError) as exc:
             # The SDK process hosting the shared engine died: its streams are gone with it.
             LOGGER.warning("The worker's engine is unreachable (%s); reconnecting and resending", exc)
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
-            ready = {key: [(UNKNOWN, "")] for key in positions}
-        remaining, changed, taken = [], False, {}
+            ready = {e["key"]: [(UNKNOWN, "")] for e in entries if e["key"] is not None}
+        remaining, changed = [], False
         for entry in entries:
             key, attempt = entry["key"], entry["attempt"]
-            items = ready.get(key, ())
-            if committed is not None and items and items[0][0] != UNKNOWN:
-                items = items[positions.get(key, 0) - asked.get(key, 0):]  # emitted by an earlier pass
-            position = positions.get(key, 0) + len(items)
+            items = ready.get(key, [])
+            if not (items and items[0][0] == UNKNOWN):
+                items = streams.unseen(key, items)
             if not items and key is not None:
                 remaining.append(entry)  # nothing new for this request
-                taken[key] = position
+                streams.emitted(key, 0, ended=False)
                 continue
-            outcome: list[bool] = []
-            yield from guarded(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
-                               lambda: self._outputs(entry, items, outcome, draining=committed is not None),
-                               on_failure=lambda: outcome.append(True))
-            same_stream = key is not None and entry["key"] == key  # not lost and resent under a new key
-            if outcome:
+            step, failure = guarded_value(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
+                                          lambda: self._outputs(entry, items, draining=committed is not None))
+            emit, ended, now = ([failure], True, entry) if failure is not None else step
+            yield from emit
+            if ended:
                 seen.release(json.loads(entry["request"])["id"], entry["fp"], time.time() + self._dedupe_window_s)
                 changed = True
-                if same_stream and committed is None:
-                    progress.release[key] = position  # emitted: the engine may forget the stream
             else:
-                remaining.append(entry)
-                if same_stream:
-                    taken[key] = position
-                changed = changed or (entry["key"], entry["attempt"]) != (key, attempt)
-        progress.taken = {key: n for key, n in taken.items() if n}
+                remaining.append(now)
+                changed = changed or (now["key"], now["attempt"]) != (key, attempt)
+            if key is not None and now["key"] == key:  # the same stream, not lost and sent again under a new key
+                streams.emitted(key, len(items), ended=ended)
         if changed:
             inflight.clear()
             for entry in remaining:
                 inflight.add(encode_entry(entry))
         return len(remaining)
 
-    def _outputs(self, entry: dict, items: Any, outcome: list[bool], draining: bool = False) -> Iterator[Any]:
-        """One request's outputs from a poll; appends to ``outcome`` when the request has ended."""
+    def _outputs(self, entry: dict, items: Any, draining: bool) -> tuple[list[Any], bool, dict]:
+        """One request's outputs from a poll: (what to emit, whether the request ended, its entry now)."""
+        entry, emit, ended = dict(entry), [], False
         if entry["key"] is None:  # its stream was lost while the engine was full: send it again
             items = [(UNKNOWN, "")]
         for kind, payload in items:
@@ -501,12 +500,12 @@ class _StreamingGenerateFn(beam.DoFn):
                 self.chunks_out.inc()
                 chunk = json.loads(payload)
                 entry["attempt"] = max(entry["attempt"], chunk["attempt"])
-                yield chunk
+                emit.append(chunk)
             elif kind == ATTEMPT:  # the engine retried the stream: a lost stream must be resent past it
                 entry["attempt"] = max(entry["attempt"], int(payload))
             elif kind == COMPLETION:
                 self.completions_out.inc()
-                outcome.append(True)
+                ended = True
                 completion = json.loads(payload)
                 if completion["time_to_first_token_ms"] is not None:
                     self._count_first_token(int(completion["time_to_first_token_ms"]))
@@ -515,23 +514,20 @@ class _StreamingGenerateFn(beam.DoFn):
                     self.structured_invalid.inc()
                     if completion["finish_reason"] == "length":
                         self.structured_cut.inc()
-                yield pvalue.TaggedOutput(TAG_COMPLETIONS, completion)
+                emit.append(pvalue.TaggedOutput(TAG_COMPLETIONS, completion))
             elif kind == DEAD_LETTER:
                 self.dead_letters_out.inc()
-                outcome.append(True)
+                ended = True
                 letter = json.loads(payload)
                 self.accelerator_ms.inc(round(1000 * (letter.get("accelerator_seconds") or 0.0)))
-                yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter)
+                emit.append(pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter))
             elif kind == UNKNOWN:
                 if draining:
-                    outcome.append(True)
-                    yield self._drain_letter(entry, "its stream was lost while the job drained")
-                    break
+                    return emit + [self._drain_letter(entry, "its stream was lost while the job drained")], True, entry
                 if entry.get("lost", 0) >= MAX_LOST_STREAMS:
-                    outcome.append(True)
-                    yield self._dead_letter(entry["request"], f"its stream was lost {entry['lost']} times (its key "
-                                                              "moved away, or its worker was lost, each time)")
-                    break
+                    return emit + [self._dead_letter(entry["request"], f"its stream was lost {entry['lost']} times "
+                                                     "(its key moved away, or its worker was lost, each time)")], \
+                        True, entry
                 key = self._submit([entry["request"]], [entry["attempt"] + 1])[0]
                 if key is not None:
                     entry["attempt"] += 1
@@ -539,6 +535,7 @@ class _StreamingGenerateFn(beam.DoFn):
                     self.resubmitted.inc()
                     LOGGER.warning("Stream %s was lost; sent again as %s", entry["key"], key)
                 entry["key"] = key
+        return emit, ended, entry
 
     def _dead_letter(self, request_json: str, reason: str, stage: str = STAGE_INFERENCE) -> pvalue.TaggedOutput:
         self.dead_letters_out.inc()
