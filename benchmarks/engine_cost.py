@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import platform
 import time
@@ -40,13 +41,14 @@ from local.emulators import PubSubEmulator
 from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import COMPLETION, EngineSettings
+from pipeline.engines.engine import COMPLETION, EngineSettings, Stream
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.generation.generate import template_poll_interval_ms
 
 CHUNKS = ChunkPolicy()  # the template's defaults: chunk_tokens 8, interval 200 ms
 POLL_S = template_poll_interval_ms(CHUNKS.interval_ms) / 1000  # the generate step's polling cadence
 RAW_PER_TOKEN = "raw client, every token"
+COST_RECORD_ANSWERS = 20_000  # answers the cost record is timed over, per engine run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,6 @@ class Variant:
     engine: bool
     per_token: bool
     publish: bool = False
-    accounting: bool = True  # the engine records each answer's cost (queue time, its share of the busy time)
 
 
 VARIANTS = (
@@ -63,8 +64,6 @@ VARIANTS = (
     Variant(f"raw client, stream_interval {CHUNKS.chunk_tokens}", engine=False, per_token=False),
     Variant("engine, every token", engine=True, per_token=True),
     Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}", engine=True, per_token=False),
-    Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}, no cost record", engine=True, per_token=False,
-            accounting=False),
     Variant("engine, every token, publishing", engine=True, per_token=True, publish=True),
     Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}, publishing", engine=True, per_token=False, publish=True),
 )
@@ -77,11 +76,13 @@ class Run:
     result: RunResult  # cpu_s: this process (the client, or the engine's loop, publisher and polling caller);
     # model_cpu_s: the server's process tree (on this CPU, mostly the model's compute)
     front_end_cpu_s: float  # the server's API process alone: HTTP, (de)tokenizing, one event per stream_interval
+    cost_record_cpu_s: float = math.nan  # what the engine's cost record took for this run's answers (engines only)
 
     def figures(self) -> dict[str, float]:
         figures, per_1k = summarize(self.result), 1000 / self.result.output_tokens
         return {**figures, "server_cpu_per_1k": self.result.model_cpu_s * per_1k,
-                "front_end_cpu_per_1k": self.front_end_cpu_s * per_1k}
+                "front_end_cpu_per_1k": self.front_end_cpu_s * per_1k,
+                "cost_record_cpu_per_1k": self.cost_record_cpu_s * per_1k}
 
 
 def drive_engine(engine: VLLMEngine, prompts: list[workload.Prompt], max_tokens: int,
@@ -118,28 +119,27 @@ class PerTokenEngine(VLLMEngine):
         self._stream_interval = None
 
 
-class UncostedEngine(VLLMEngine):
-    """The engine without the record of what each answer cost (when the model took it, its share of the model's
-    busy time: :mod:`pipeline.engines.accelerator_time`), to measure what that record costs per token."""
-
-    def _began(self, stream) -> None:
-        pass
-
-    def _ended(self, stream) -> None:
-        pass
-
-
-def engine_class(variant: Variant) -> type[VLLMEngine]:
-    if variant.per_token:
-        return PerTokenEngine
-    return VLLMEngine if variant.accounting else UncostedEngine
+def cost_record_cpu_s(engine: VLLMEngine, answers: int, together: int) -> float:
+    """CPU seconds the engine's record of what each answer cost takes for ``answers`` answers: when the model
+    took it and its share of the model's busy time (:mod:`pipeline.engines.accelerator_time`), one begin and
+    one end an attempt, ``together`` running at once, through the engine's own methods and lock."""
+    request = InferenceRequest(id="cost", prompt="x", received_at=time.time())
+    streams = [Stream(f"cost-{i}", request, 1) for i in range(answers)]
+    started = time.process_time()
+    for first in range(0, answers, together):
+        group = streams[first:first + together]
+        for stream in group:
+            engine._began(stream)
+        for stream in group:
+            engine._ended(stream)
+    return time.process_time() - started
 
 
 def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, topic: str,
             prompts: list[workload.Prompt], args: argparse.Namespace, rep: int) -> Run:
     engine = None
     if variant.engine:
-        engine = engine_class(variant)(EngineSettings(
+        engine = (PerTokenEngine if variant.per_token else VLLMEngine)(EngineSettings(
             server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
             chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1, chunk_topic=topic if variant.publish else None,
             chunks_to_pipeline=not variant.publish))
@@ -156,12 +156,15 @@ def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, top
         cpu = time.process_time() - cpu
         server_cpu = server.cpu_seconds() - server_cpu
         front_end_cpu = server.front_end_cpu_seconds() - front_end_cpu
+        record = math.nan
+        if engine is not None:  # timed over many answers, scaled to this run's
+            record = cost_record_cpu_s(engine, COST_RECORD_ANSWERS, len(prompts)) * len(prompts) / COST_RECORD_ANSWERS
     finally:
         if engine is not None:
             engine.close()
     return Run(RunResult(variant.name, "burst", rep, "isolated", timings, len(prompts), cpu_s=cpu,
                          model_cpu_s=server_cpu, requested_tokens=workload.requested_tokens(prompts, args.max_tokens)),
-               front_end_cpu)
+               front_end_cpu, record)
 
 
 def report(runs: list[Run], context: str) -> str:
@@ -187,6 +190,13 @@ def report(runs: list[Run], context: str) -> str:
                              f"{ratio(figures['server_cpu_per_1k'], raw['server_cpu_per_1k']):.2f}× (API process "
                              f"{ratio(figures['front_end_cpu_per_1k'], raw['front_end_cpu_per_1k']):.2f}×), tokens/s "
                              f"{ratio(figures['tok_s'], raw['tok_s']):.2f}×")
+    lines += ["", "The cost record (each answer's queue time and share of the model's busy time: one begin and one "
+                  "end an attempt, through the engine's lock), timed in the same engines after each run:"]
+    for name, figures in spreads.items():
+        record = figures["cost_record_cpu_per_1k"]
+        if record.count:
+            lines.append(f"- {name}: {record.median * 1000:.2f} CPU-ms / 1k tokens, "
+                         f"{100 * ratio(record, figures['cpu_s_per_1k_tokens']):.2f} % of the engine's CPU per token")
     return "\n".join(lines)
 
 
