@@ -92,10 +92,13 @@ class JobSettings:
         waiters = 0
         try:
             threads = DEFAULT_HARNESS_THREADS if harness_threads in (None, "") else int(harness_threads)
-            waiters = waiting_places(threads)
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc) if "harness" in str(exc) else
-                            f"number_of_worker_harness_threads must be a whole number, got {harness_threads!r}")
+        except (TypeError, ValueError):
+            problems.append(f"number_of_worker_harness_threads must be a whole number, got {harness_threads!r}")
+        else:
+            try:
+                waiters = waiting_places(threads)
+            except ValueError as exc:
+                problems.append(str(exc))
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
         # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.

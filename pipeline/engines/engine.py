@@ -26,8 +26,9 @@ work item whose commit failed, and moves keys between workers):
 * ``poll`` is idempotent. The caller says how many of a stream's outputs it
   has already committed (its position, kept in keyed state); outputs before it
   are released, the rest are handed over again until a later poll's position
-  shows they were committed (both sides' arithmetic: :mod:`pipeline.engines.stream_progress`). A retried poll therefore gets what the failed
-  one got, instead of finding the stream gone and generating it again.
+  shows they were committed (both sides' arithmetic:
+  :mod:`pipeline.engines.stream_progress`). A retried poll therefore gets what
+  the failed one got, instead of finding the stream gone and generating it again.
 * Streams are leased, and a pause is not a move (:mod:`pipeline.engines.leases`). A
   running stream is cancelled at the server (vLLM aborts a request whose
   connection closes, freeing its KV cache) and forgotten only on evidence that

@@ -474,15 +474,15 @@ class _StreamingGenerateFn(beam.DoFn):
                 continue
             step, failure = guarded_value(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
                                           lambda: self._outputs(entry, items, draining=committed is not None))
-            emit, ended, now = ([failure], True, entry) if failure is not None else step
+            emit, ended, current = ([failure], True, entry) if failure is not None else step
             yield from emit
             if ended:
                 seen.release(json.loads(entry["request"])["id"], entry["fp"], time.time() + self._dedupe_window_s)
                 changed = True
             else:
-                remaining.append(now)
-                changed = changed or (now["key"], now["attempt"]) != (key, attempt)
-            if key is not None and now["key"] == key:  # the same stream, not lost and sent again under a new key
+                remaining.append(current)
+                changed = changed or (current["key"], current["attempt"]) != (key, attempt)
+            if key is not None and current["key"] == key:  # the same stream, not lost and sent again under a new key
                 streams.emitted(key, len(items), ended=ended)
         if changed:
             inflight.clear()
