@@ -11,7 +11,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.engines.stream_progress import KeyProgress, OutputWindow
+from pipeline.engines.stream_progress import MAX_LOST_STREAMS, Attempts, KeyProgress, OutputWindow
 
 END = "completion"
 
@@ -47,6 +47,17 @@ def test_a_poll_that_ends_a_stream_releases_it_on_the_next_and_a_drain_releases_
     assert draining.unseen("d", [("chunk", "1"), ("chunk", "2"), ("chunk", "3")]) == [("chunk", "3")]
     draining.emitted("d", 1, ended=True)
     assert draining.release == {}, "a drain releases nothing: its retry must find the stream"
+
+
+def test_a_lost_stream_is_sent_again_past_every_attempt_seen_until_too_many_were_lost():
+    attempts = Attempts()
+    assert attempts.seen(3) == Attempts(3, 0), "the engine retried at a failing server: not a lost stream"
+    assert attempts.seen(3).seen(2) == Attempts(3, 0)
+    again = attempts.seen(3).resent()
+    assert again == Attempts(4, 1), "sent again past the engine's own attempts"
+    for _ in range(MAX_LOST_STREAMS - 1):
+        again = again.resent()
+    assert again.lost == MAX_LOST_STREAMS and again.resent() is None, "moves have a bound of their own"
 
 
 # A schedule: the stream produces outputs (the last one its end), and work items that commit or fail.

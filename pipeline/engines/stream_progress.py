@@ -14,20 +14,27 @@ and gets the same outputs instead of finding the stream gone. A position outside
 caller cannot continue (lost, or another worker's): it is never spliced. A finished stream is released
 whole by the poll after the one that emitted its end, and then forgotten.
 
+A stream the engine no longer knows (its key moved away, its worker was lost) is sent again as the request's
+next attempt (:class:`Attempts`), under a bound of its own: moves are not the request's failures, so they do not
+use up the engine's retries at a failing server, nor those the moves.
+
 A drain polls many times in one work item and commits once: it asks from the positions committed before it
 each pass, releasing nothing, so a retried drain finds every stream where the last commit left it, and skips
 what an earlier pass of the same work item already emitted.
 
 No clock, no lock, no I/O: the engine calls an :class:`OutputWindow` under its lock, the generate step owns
-its :class:`KeyProgress` for one work item (``tests/test_stream_progress.py``).
+its :class:`KeyProgress` for one work item and an :class:`Attempts` per request (``tests/test_stream_progress.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 Output = tuple[str, str]  # (kind, payload) as the engine hands it over
+# A request whose stream is lost this many times (its key moved away, or its bundle was retried elsewhere, each
+# time) is given up. Counted apart from the engine's attempts (model server restarts), which have their own bound.
+MAX_LOST_STREAMS = 8
 
 
 @dataclass
@@ -94,3 +101,21 @@ class KeyProgress:
                 self.release[stream] = position
         elif position:
             self.taken[stream] = position
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """A request's attempt number (its streams' ``attempt``) and how many of its streams were lost."""
+
+    attempt: int = 1
+    lost: int = 0
+
+    def seen(self, attempt: int) -> Attempts:
+        """The engine reported ``attempt`` (it retried the stream at a failing server): a resend goes past it."""
+        return self if attempt <= self.attempt else replace(self, attempt=attempt)
+
+    def resent(self) -> Attempts | None:
+        """What the request is sent again as once its stream was lost; None when it has lost too many."""
+        if self.lost >= MAX_LOST_STREAMS:
+            return None
+        return Attempts(self.attempt + 1, self.lost + 1)

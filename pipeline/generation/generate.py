@@ -63,7 +63,7 @@ from pipeline.contract.parameters import default
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
 from pipeline.engines.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
 from pipeline.engines.engine_host import acquire_engine, new_engine_tag
-from pipeline.engines.stream_progress import KeyProgress
+from pipeline.engines.stream_progress import MAX_LOST_STREAMS, Attempts, KeyProgress
 from pipeline.engines.worker_load import LoadGauges
 from pipeline.generation.dedupe import SeenIds
 
@@ -80,9 +80,6 @@ def first_token_counter_name(bound_s: int) -> str:
 
 TAG_COMPLETIONS = "completions"
 TAG_DEAD_LETTERS = "dead_letters"
-# A request whose stream is lost this many times (its key moved away, or its bundle was retried elsewhere, each
-# time) is given up. Counted apart from the engine's attempts (model server restarts), which have their own bound.
-MAX_LOST_STREAMS = 8
 DEFAULT_DEDUPE_WINDOW_S = float(default("dedupe_window_s"))
 DEFAULT_DRAIN_TIMEOUT_S = float(default("drain_timeout_s"))
 # A key whose requests only wait for room doubles its poll interval up to this.
@@ -492,17 +489,18 @@ class _StreamingGenerateFn(beam.DoFn):
 
     def _outputs(self, entry: dict, items: Any, draining: bool) -> tuple[list[Any], bool, dict]:
         """One request's outputs from a poll: (what to emit, whether the request ended, its entry now)."""
-        entry, emit, ended = dict(entry), [], False
+        emit, ended = [], False
+        attempts = Attempts(entry["attempt"], entry.get("lost", 0))
         if entry["key"] is None:  # its stream was lost while the engine was full: send it again
             items = [(UNKNOWN, "")]
         for kind, payload in items:
             if kind == CHUNK:
                 self.chunks_out.inc()
                 chunk = json.loads(payload)
-                entry["attempt"] = max(entry["attempt"], chunk["attempt"])
+                attempts = attempts.seen(chunk["attempt"])
                 emit.append(chunk)
             elif kind == ATTEMPT:  # the engine retried the stream: a lost stream must be resent past it
-                entry["attempt"] = max(entry["attempt"], int(payload))
+                attempts = attempts.seen(int(payload))
             elif kind == COMPLETION:
                 self.completions_out.inc()
                 ended = True
@@ -524,18 +522,18 @@ class _StreamingGenerateFn(beam.DoFn):
             elif kind == UNKNOWN:
                 if draining:
                     return emit + [self._drain_letter(entry, "its stream was lost while the job drained")], True, entry
-                if entry.get("lost", 0) >= MAX_LOST_STREAMS:
-                    return emit + [self._dead_letter(entry["request"], f"its stream was lost {entry['lost']} times "
+                again = attempts.resent()
+                if again is None:
+                    return emit + [self._dead_letter(entry["request"], f"its stream was lost {attempts.lost} times "
                                                      "(its key moved away, or its worker was lost, each time)")], \
                         True, entry
-                key = self._submit([entry["request"]], [entry["attempt"] + 1])[0]
+                key = self._submit([entry["request"]], [again.attempt])[0]
                 if key is not None:
-                    entry["attempt"] += 1
-                    entry["lost"] = entry.get("lost", 0) + 1
+                    attempts = again
                     self.resubmitted.inc()
                     LOGGER.warning("Stream %s was lost; sent again as %s", entry["key"], key)
-                entry["key"] = key
-        return emit, ended, entry
+                entry = {**entry, "key": key}
+        return emit, ended, {**entry, "attempt": attempts.attempt, "lost": attempts.lost}
 
     def _dead_letter(self, request_json: str, reason: str, stage: str = STAGE_INFERENCE) -> pvalue.TaggedOutput:
         self.dead_letters_out.inc()
