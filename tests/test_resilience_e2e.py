@@ -163,6 +163,9 @@ BACKLOG_TIMEOUT_S = 3
 BACKLOG_IN_FLIGHT = 2
 BACKLOG_QUEUE = 4
 MAX_HELD = BACKLOG_IN_FLIGHT + BACKLOG_QUEUE
+# A completion reaches the collector up to a second or so after its request left the worker's hold (at 2-3
+# requests a second: up to 4 of them). A kill loses those not yet published, on top of what the worker held.
+COLLECTOR_LAG = 4
 KILL_AFTER = 60  # completions before the first pipeline is killed
 
 
@@ -211,9 +214,9 @@ def test_a_backlog_waits_in_the_subscription_and_is_served_whole(vllm_server, em
         first.kill()
         killed_at, finished_by_kill = time.time(), len(collector.finished_ids() & set(ids))
         second.start()
-        # What the first took and had not finished died with it (on Dataflow it would survive in state);
-        # everything else must still have been in the subscription.
-        assert wait_until(lambda: len(set(ids) - collector.finished_ids()) <= MAX_HELD, 900), (
+        # What the first took and had not finished, or not yet published, died with it (on Dataflow it would
+        # survive in state); everything else must still have been in the subscription.
+        assert wait_until(lambda: len(set(ids) - collector.finished_ids()) <= MAX_HELD + COLLECTOR_LAG, 900), (
             f"{len(set(ids) - collector.finished_ids())} without an outcome:\n{second.log_tail()}")
     finally:
         stop.set()
@@ -244,9 +247,8 @@ def test_a_backlog_waits_in_the_subscription_and_is_served_whole(vllm_server, em
                       f"{BACKLOG + 1 - line['taken'] - offset:5}")
             # A key's report trails its submit by one call: a request being sent can count twice, briefly.
             assert line["held"] <= MAX_HELD + BACKLOG_IN_FLIGHT, line
-            # Outside, a completion is counted when the collector receives it, up to a second or so after
-            # its request left the worker's hold (at 2-3 requests a second: up to 4 more).
-            assert outside <= MAX_HELD + 4, (name, line, done)
+            # Outside, a completion is counted when the collector receives it (COLLECTOR_LAG).
+            assert outside <= MAX_HELD + COLLECTOR_LAG, (name, line, done)
     assert first_lines[-1]["taken"] < BACKLOG / 2, "the first pipeline must have left most of the backlog in Pub/Sub"
     print(f"peak in flight at the server {peaks['in_flight']:.0f}; peak pipeline memory {peaks['rss'] / 2**20:.0f} MiB")
     assert peaks["in_flight"] <= BACKLOG_IN_FLIGHT, "the engine must not queue the backlog at the server"

@@ -58,8 +58,8 @@ class _WindowEnd:
 def test_no_cell_text_makes_a_reader_raise_anything_but_its_format_error(text):
     assert isinstance(BucketCounters.from_json(text), BucketCounters)
     assert isinstance(SeenIds(Cell(text)).ids, dict)
-    progress = _Progress(Cell(text))
-    assert all(isinstance(n, int) for n in [*progress.taken.values(), *progress.release.values()])
+    streams = _Progress(Cell(text)).streams
+    assert all(isinstance(n, int) for n in [*streams.taken.values(), *streams.release.values()])
     for read in (decode_entry, lambda t: read_cell(t, (1,), {"request": (str,)})):
         try:
             read(text)
@@ -83,9 +83,10 @@ def test_the_record_of_ids_reads_the_previous_version_and_writes_a_versioned_one
 
 
 def test_progress_reads_the_previous_version_and_refuses_positions_that_are_not_counts():
-    assert _Progress(Cell('{"taken": {"k": 3}, "release": {}}')).taken == {"k": 3}
-    assert _Progress(Cell('{"taken": {"k": "3"}, "release": {}}')).taken == {}
+    assert _Progress(Cell('{"taken": {"k": 3}, "release": {}}')).streams.taken == {"k": 3}
+    assert _Progress(Cell('{"taken": {"k": "3"}, "release": {}}')).streams.taken == {}
     progress = _Progress(Cell(None))
-    progress.taken = {"k": 1}
+    progress.streams.ask(["k"])
+    progress.streams.emitted("k", 1, ended=False)  # a poll emitted the stream's first output
     progress.save()
     assert json.loads(progress._state.value) == {"taken": {"k": 1}, "release": {}, "v": 1}
