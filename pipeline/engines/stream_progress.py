@@ -16,7 +16,7 @@ whole by the poll after the one that emitted its end, and then forgotten.
 
 A stream the engine no longer knows (its key moved away, its worker was lost) is sent again as the request's
 next attempt (:class:`Attempts`), under a bound of its own: moves are not the request's failures, so they do not
-use up the engine's retries at a failing server, nor those the moves.
+use up the engine's retries at a failing server, nor does a failing server use up the moves.
 
 A drain polls many times in one work item and commits once: it asks from the positions committed before it
 each pass, releasing nothing, so a retried drain finds every stream where the last commit left it, and skips

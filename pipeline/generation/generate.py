@@ -63,7 +63,7 @@ from pipeline.contract.parameters import default
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
 from pipeline.engines.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
 from pipeline.engines.engine_host import acquire_engine, new_engine_tag
-from pipeline.engines.stream_progress import MAX_LOST_STREAMS, Attempts, KeyProgress
+from pipeline.engines.stream_progress import Attempts, KeyProgress
 from pipeline.engines.worker_load import LoadGauges
 from pipeline.generation.dedupe import SeenIds
 
