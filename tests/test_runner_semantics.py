@@ -321,6 +321,36 @@ def test_a_key_with_only_waiting_requests_backs_off(workers, vllm_server):
     assert sorted(c["id"] for c in driver.committed.completions) == sorted([r.id for r in busy] + ["waiter"])
 
 
+def test_a_retried_firing_joins_the_streams_its_failed_try_sent_though_they_fill_the_engine(workers, vllm_server,
+                                                                                         chunk_subscription):
+    """A poll that sent a waiting request and failed to commit: its retry finds the engine full of that very
+    stream and must take it up again, not leave it running unpolled (cancelled, then generated a second time)."""
+    driver = Driver(workers[:1])
+    engine = workers[0].engine
+    before = server_metrics(vllm_server.base_url)["vllm:generation_tokens_total"]
+    busy = [InferenceRequest(id=f"full-{i}", prompt="Count from 1 to 100.", max_tokens=48, min_tokens=48,
+                             temperature=0, received_at=time.time()) for i in range(2)]
+    short, waiter = (InferenceRequest(id=f"full-{name}", prompt="Say yes.", max_tokens=2, min_tokens=2,
+                                      temperature=0, received_at=time.time()) for name in ("short", "waiter"))
+    driver.deliver("busy", busy)
+    driver.deliver("k", [short, waiter])  # max_in_flight=3: the short one is sent, the waiter waits
+    assert [decode_entry(e)["request"] for e in driver.state["k"].bags["waiting"]] == [waiter.to_json()]
+    assert wait_until(lambda: engine.in_flight() == 2, 30), "the short stream ends first"
+    failed = driver.fire("k", commit=False)
+    assert [c["id"] for c in failed.completions] == ["full-short"]
+    (sent,) = [decode_entry(e)["key"] for e in driver.last.bags["inflight"] if "full-waiter" in e]
+    assert engine.in_flight() == 3, "the failed try sent the waiter: the engine is full"
+    driver.fire("k")  # the retry
+    assert [decode_entry(e)["key"] for e in driver.state["k"].bags["inflight"]] == [sent]
+    run_to_end(driver)
+    completions = driver.committed.completions
+    assert sorted(c["id"] for c in completions) == sorted(r.id for r in [*busy, short, waiter])
+    assert all(c["attempt"] == 1 for c in completions)
+    assert_accounted(driver, [*busy, short, waiter], chunk_subscription[1])
+    generated = server_metrics(vllm_server.base_url)["vllm:generation_tokens_total"] - before
+    assert generated == sum(c["usage"]["completion_tokens"] for c in completions), "nothing generated twice"
+
+
 def test_a_request_whose_key_moves_four_times_is_served_not_dead_lettered(workers, vllm_server):
     """Lost streams have a bound of their own: four moves (each loses the stream, and the next worker sends the
     request again as the next attempt) used to exhaust the four attempts shared with server restarts."""

@@ -261,11 +261,6 @@ class EngineBase:
         with self._lock:
             return self._unfinished
 
-    def has_room(self) -> bool:
-        """Whether :meth:`submit_batch` would take a request now: the one place ``max_in_flight`` is enforced."""
-        with self._lock:
-            return self._room(1) > 0
-
     def admit(self, ids: list[str]) -> int:
         """Takes requests into the worker's hold while it has room, in order; returns how many.
 

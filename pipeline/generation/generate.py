@@ -403,8 +403,8 @@ class _StreamingGenerateFn(beam.DoFn):
         texts = list(waiting.read())  # one read of the bag per firing
         if not texts:
             return 0, 0
-        if not self._engine.has_room():
-            return 0, len(texts)  # full: nothing to decode
+        # Offered even when the engine is full: a retried firing whose first try sent some of them finds the engine
+        # full of exactly those, and submitting again is what joins them (their keys come back, not None).
         entries = yield from self._decoded(waiting, texts)
         now, live, expired = time.time(), [], False
         for entry in entries:
