@@ -165,7 +165,9 @@ class Driver:
 
     def busy_keys(self) -> dict[Any, float]:
         """Keys that hold requests (or a stream to release) and have a poll timer set: when each is due."""
-        return {key: state.timers["poll"] for key, state in self.state.items() if state.timers["poll"] is not None
+        # A copy: tests/test_worker_rig.py runs work items for new keys on other threads meanwhile.
+        return {key: state.timers["poll"] for key, state in list(self.state.items())
+                if state.timers["poll"] is not None
                 and (state.bags["inflight"] or state.bags["waiting"] or state.values["progress"])}
 
     def fire(self, key: Any, *, commit: bool = True, max_wait_s: float = 5.0) -> Outputs | None:
