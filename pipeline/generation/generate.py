@@ -451,14 +451,15 @@ class _StreamingGenerateFn(beam.DoFn):
         streams = progress.streams
         if not entries and not streams.release:
             return 0  # timers can fire twice for one setting
-        asked = streams.ask([e["key"] for e in entries if e["key"] is not None], committed)
+        keys = [e["key"] for e in entries if e["key"] is not None]
+        asked = streams.ask(keys, committed)
         try:
             ready = self._engine.poll(asked) if asked else {}
         except (ConnectionError, EOFError) as exc:
             # The SDK process hosting the shared engine died: its streams are gone with it.
             LOGGER.warning("The worker's engine is unreachable (%s); reconnecting and resending", exc)
             self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
-            ready = {e["key"]: [(UNKNOWN, "")] for e in entries if e["key"] is not None}
+            ready = {key: [(UNKNOWN, "")] for key in keys}
         remaining, changed = [], False
         for entry in entries:
             key, attempt = entry["key"], entry["attempt"]
