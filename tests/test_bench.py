@@ -350,3 +350,22 @@ def test_the_relay_publishes_as_many_chunks_as_the_template_would(vllm_server, e
         relay.join(timeout=30)
         chunks.stop()
         completions.stop()
+
+
+def test_the_scale_models_ranges_spread_real_ids_evenly_and_back_the_default_generate_keys():
+    """benchmarks/scale.py's model of Dataflow's key ranges, and the claim behind DATAFLOW_GENERATE_SHARDS
+    (pipeline/contract/parameters.py) that it measures: per-request keys do no better at 100 workers, where the
+    batcher's 16 shards leave most GPUs idle."""
+    from collections import Counter
+
+    from benchmarks.scale import simulate, worker_of
+    from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS
+
+    ids = [f"req-{i}" for i in range(20_000)]
+    workers = Counter(worker_of(i.encode(), 10) for i in ids)
+    assert sorted(workers) == list(range(10)) and max(workers.values()) < 1.1 * len(ids) / 10
+    rows = {(r.keying, r.workers): r for r in simulate(20_000, seed=1, in_flight=1024, requests_per_s=200,
+                                                         poll_interval_s=0.05)}
+    default, per_request = rows[(f"{DATAFLOW_GENERATE_SHARDS} shards", 100)], rows[("request id", 100)]
+    assert default.usable_share >= 0.9 * per_request.usable_share and default.idle_workers == 0
+    assert rows[("16 shards", 100)].usable_share < 0.5 * default.usable_share

@@ -48,3 +48,32 @@ def test_the_link_check_sees_a_dead_anchor(tmp_path):
 
 def test_the_readme_stays_short():
     assert len((REPO / "README.md").read_text(encoding="utf-8").encode()) <= 15 * 1024
+
+
+TEST_NAME = re.compile(r"\btest_[a-z0-9_]*[a-z0-9]\b")
+
+
+def named_tests(text: str) -> set[str]:
+    """The test files and test functions a page names (``test_x`` or ``test_x.py``)."""
+    return set(TEST_NAME.findall(text))
+
+
+def existing_tests() -> set[str]:
+    """Every test module's name and every test function defined in tests/."""
+    found = set()
+    for module in (REPO / "tests").glob("test_*.py"):
+        found.add(module.stem)
+        found.update(re.findall(r"^\s*(?:async )?def (test_\w+)", module.read_text(encoding="utf-8"), re.M))
+    return found
+
+
+def test_every_test_a_page_names_exists():
+    known = existing_tests()
+    missing = {page.name: sorted(named_tests(page.read_text(encoding="utf-8")) - known) for page in PAGES}
+    assert not {name: tests for name, tests in missing.items() if tests}
+
+
+def test_the_test_name_check_sees_a_test_that_is_gone():
+    assert named_tests("`test_docs` and `test_nowhere_at_all.py`, not tests/test_X.py") == {
+        "test_docs", "test_nowhere_at_all"}
+    assert "test_nowhere_at_all" not in existing_tests()

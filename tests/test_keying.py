@@ -1,4 +1,5 @@
-"""Keying: stable across processes, spread as the scale-out simulation assumes, and the defaults it chose."""
+"""Keying: the keys the template's own transforms produce are stable across processes, spread evenly, and keep
+every copy of an id together; the defaults by runner are what the parameters say."""
 
 from __future__ import annotations
 
@@ -6,20 +7,40 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections import Counter
 from pathlib import Path
 
+import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing.test_stream import TestStream as EventStream
 
-from benchmarks.scale import simulate, worker_of
 from pipeline.config.settings import JobSettings
 from pipeline.contract.keying import generate_key, shard_of
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS
-from pipeline.generation.generate import _by_generate_key
+from pipeline.flow.batching import BatchingConfig, BatchRequests
+from pipeline.generation.generate import KeyByGenerateShard
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [f"req-{i}" for i in range(20_000)] + ["é-ünïcode", "🦙", "x" * 512]
+_SEEN: dict[str, list] = {}  # run id -> what a pipeline's last step saw (DoFns are pickled: no closures)
+
+
+class _Keep(beam.DoFn):
+    def __init__(self, run: str) -> None:
+        self._run = run
+
+    def process(self, element):
+        _SEEN.setdefault(self._run, []).append(element)
+
+
+def _run(build) -> list:
+    """Runs ``build(pipeline)`` on the DirectRunner and returns what its last step emitted."""
+    run = uuid.uuid4().hex
+    with beam.Pipeline(options=PipelineOptions(runner="BundleBasedDirectRunner")) as pipeline:
+        build(pipeline) | beam.ParDo(_Keep(run))
+    return _SEEN.pop(run, [])
 
 
 def test_keys_are_the_same_in_every_process_whatever_its_hash_seed():
@@ -33,32 +54,36 @@ def test_keys_are_the_same_in_every_process_whatever_its_hash_seed():
         assert json.loads(result.stdout) == here
 
 
-def test_shards_and_worker_ranges_spread_uniformly():
-    shards = Counter(shard_of(i, 64) for i in IDS)
+def test_the_generate_step_rekeys_a_batch_by_shard_evenly_with_every_copy_of_an_id_together():
+    batches = [(shard, [InferenceRequest(id=IDS[i], prompt=str(i)) for i in range(shard, len(IDS), 8)])
+               for shard in range(8)]
+    batches.append((0, [InferenceRequest(id="r7", prompt=f"copy {n}") for n in range(5)]))
+    keyed = _run(lambda p: p | beam.Create(batches) | KeyByGenerateShard(64))
+    requests = [(key, r) for key, group in keyed for r in group]
+    assert sorted(r.prompt for _, r in requests) == sorted(r.prompt for _, group in batches for r in group)
+    assert all(key == generate_key(r.id, 64) for key, r in requests)
+    assert len({key for key, r in requests if r.id == "r7"}) == 1
+    per_key = Counter(key for key, r in requests if r.id != "r7")
     expected = len(IDS) / 64
-    chi_square = sum((shards[s] - expected) ** 2 / expected for s in range(64))
-    assert len(shards) == 64 and chi_square < 120  # 63 degrees of freedom: p > 0.9999 for a fair hash
-    workers = Counter(worker_of(i.encode(), 10) for i in IDS)
-    assert sorted(workers) == list(range(10)) and max(workers.values()) < 1.1 * len(IDS) / 10
+    chi_square = sum((per_key[k] - expected) ** 2 / expected for k in range(64))
+    assert len(per_key) == 64 and chi_square < 120  # 63 degrees of freedom: p > 0.9999 for a fair hash
 
 
-def test_a_batch_is_regrouped_by_generate_key_with_every_copy_of_an_id_together():
-    requests = [InferenceRequest(id=f"r{i % 50}", prompt=str(i)) for i in range(200)]
-    groups = list(_by_generate_key((3, requests), 64))
-    assert sorted(r.prompt for _, group in groups for r in group) == sorted(r.prompt for r in requests)
-    for key, group in groups:
-        assert 0 <= key < 64 and {generate_key(r.id, 64) for r in group} == {key}
-    assert len({key for key, group in groups for r in group if r.id == "r7"}) == 1
+def test_the_batchers_shard_is_the_generate_key_when_the_counts_agree():
+    """Why the template skips re-keying when generate_shards equals num_shards (as on local runners)."""
+    config = BatchingConfig(boundaries=(16, 64), num_shards=8, batch_size_target=4)
+    requests = [InferenceRequest(id=request_id, prompt="x", prompt_tokens=20) for request_id in IDS[:400]]
+    stream = EventStream().add_elements(requests).advance_watermark_to_infinity()
+
+    def build(pipeline):
+        return (pipeline | stream | BatchRequests(config, clock=lambda: 0.0)).batches
+
+    batches = _run(build)
+    assert sum(len(group) for _, group in batches) == len(requests)
+    assert all(shard == generate_key(r.id, 8) for shard, group in batches for r in group)
 
 
-def test_the_default_generate_keys_keep_a_hundred_workers_busy_and_local_runs_use_the_batchers():
-    """The claim behind DATAFLOW_GENERATE_SHARDS (pipeline/contract/parameters.py): per-request keys do no better at 100 workers,
-    where the batcher's 16 shards leave most GPUs idle (benchmarks/scale.py places real ids on workers)."""
-    rows = {(r.keying, r.workers): r for r in simulate(20_000, seed=1, in_flight=1024, requests_per_s=200,
-                                                         poll_interval_s=0.05)}
-    default, per_request = rows[(f"{DATAFLOW_GENERATE_SHARDS} shards", 100)], rows[("request id", 100)]
-    assert default.usable_share >= 0.9 * per_request.usable_share and default.idle_workers == 0
-    assert rows[("16 shards", 100)].usable_share < 0.5 * default.usable_share
+def test_the_generate_keys_default_by_runner():
     args = ["--input_subscription=projects/my-project/subscriptions/in-sub",
             "--output_chunks_topic=projects/my-project/topics/chunks",
             "--dead_letter_topic=projects/my-project/topics/dead", "--num_shards=8"]
@@ -67,13 +92,3 @@ def test_the_default_generate_keys_keep_a_hundred_workers_busy_and_local_runs_us
     assert settings.generate_keys(local=True) == 8
     assert JobSettings.from_options(PipelineOptions(args + ["--generate_shards=1024"])).generate_keys(
         local=False) == 1024
-
-
-def test_the_batchers_shard_is_the_generate_key_when_the_counts_agree():
-    """Why the template skips re-keying when generate_shards equals num_shards (as on local runners)."""
-    from pipeline.flow.batching import BatchingConfig, _keyed
-
-    config = BatchingConfig(boundaries=(16, 64), num_shards=8)
-    for request_id in IDS[:2000]:
-        (key, _), = _keyed(config, InferenceRequest(id=request_id, prompt="x", prompt_tokens=20))
-        assert int(key.rsplit(":", 1)[1]) == generate_key(request_id, 8)

@@ -555,6 +555,20 @@ def _by_generate_key(batch: tuple[object, list[InferenceRequest]],
     yield from groups.items()
 
 
+class KeyByGenerateShard(beam.PTransform):
+    """Batches in, re-keyed by each request's generate shard (:func:`~pipeline.contract.keying.generate_key`):
+    the keys that decide which worker's engine serves a request. Every copy of an id lands on one key."""
+
+    def __init__(self, generate_shards: int) -> None:
+        super().__init__()
+        if generate_shards < 1:
+            raise ValueError(f"generate_shards must be at least 1, got {generate_shards}")
+        self._generate_shards = generate_shards
+
+    def expand(self, batches):
+        return batches | beam.FlatMap(_by_generate_key, self._generate_shards).with_output_types(Tuple[int, Any])
+
+
 class StreamingGenerate(beam.PTransform):
     """Batches of requests in, streamed chunks out.
 
@@ -579,8 +593,6 @@ class StreamingGenerate(beam.PTransform):
             raise ValueError(f"drain_timeout_s must be 0 or more, got {drain_timeout_s:g}")
         if dedupe_window_s < 0:
             raise ValueError(f"dedupe_window_s must be 0 or more, got {dedupe_window_s:g}")
-        if generate_shards is not None and generate_shards < 1:
-            raise ValueError(f"generate_shards must be at least 1, got {generate_shards}")
         if generate_shards is not None and settings.engine == "transformers":
             raise ValueError("engine 'transformers' generates each batch as it came from the batcher, on its "
                              "batcher key: it takes no generate_shards")
@@ -596,8 +608,7 @@ class StreamingGenerate(beam.PTransform):
     def expand(self, batches):
         if self._generate_shards is not None:
             # Re-keyed by the id's generate shard: these keys decide which worker's GPU serves a request.
-            batches = batches | "KeyByGenerateShard" >> beam.FlatMap(
-                _by_generate_key, self._generate_shards).with_output_types(Tuple[int, Any])
+            batches = batches | "KeyByGenerateShard" >> KeyByGenerateShard(self._generate_shards)
         results = batches | "Generate" >> beam.ParDo(
             _StreamingGenerateFn(self._settings, self._shared_tag, self._poll_interval_ms, self._dedupe_window_s,
                                  self._drain_timeout_s)
