@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
-from local.runner_semantics import Driver, KeyState, Worker
+from local.runner_semantics import Driver, KeyState, Worker, generate_fn, in_process
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.generation.generate import WAITING_POLL_CAP_S, _StreamingGenerateFn, template_poll_interval_ms
+from pipeline.generation.generate import WAITING_POLL_CAP_S, template_poll_interval_ms
 
 IN_FLIGHT = 3
 
@@ -59,8 +59,7 @@ def template_engine() -> tuple[VLLMEngine, float]:
 
 def measure(engine: VLLMEngine, poll_ms: float, max_tokens: int) -> dict:
     """Fires the keys' timers when due until every request ended; per-key costs by phase."""
-    dofn = _StreamingGenerateFn(engine.settings, "state-cost", poll_ms, 600)
-    dofn._engine = engine
+    dofn = generate_fn(in_process(engine, "state-cost"), poll_ms, dedupe_window_s=600)
     driver = Driver([Worker("w", dofn, engine)])
     stamp = time.time()
     busy = [InferenceRequest(id=f"busy-{stamp}-{i}", prompt="Count from 1 to 300.", max_tokens=max_tokens,

@@ -63,8 +63,8 @@ from typing import Any
 
 from apache_beam.runners.runner import PipelineResult
 
-from pipeline.engines.engine import EngineBase
-from pipeline.engines.engine_host import acquired_engines
+
+from pipeline.worker.runtime import WorkerRuntime, acquired_runtimes
 
 LOGGER = logging.getLogger(__name__)
 
@@ -120,9 +120,9 @@ class _PrefetchingPullClient:
             if self._subscription is None:
                 self._subscription = subscription
                 threading.Thread(target=self._prefetch, name="pubsub-prefetch", daemon=True).start()
-        engine = _source_engine()
+        runtime = _source_runtime()
         ready = min(len(self._queue), self._max_messages)
-        granted = 0 if not ready else engine.admit_count(ready) if engine is not None else 1
+        granted = 0 if not ready else runtime.admit_count(ready) if runtime is not None else 1
         received = [self._queue.popleft() for _ in range(granted)]
         self.taken += len(received)
         if not received:
@@ -133,15 +133,15 @@ class _PrefetchingPullClient:
         return getattr(self._client, name)
 
 
-def _source_engine() -> EngineBase | None:
-    """The worker's engine, once the pipeline's steps have set it up: one pipeline, one engine, in a local run."""
-    engines = acquired_engines()
-    return engines[0] if engines else None
+def _source_runtime() -> WorkerRuntime | None:
+    """The worker's runtime, once the pipeline's steps have set it up: one pipeline, one runtime, in a local run."""
+    runtimes = acquired_runtimes()
+    return runtimes[0] if runtimes else None
 
 
 def _source_load() -> dict | None:
-    engine = _source_engine()
-    return engine.load() if engine is not None else None
+    runtime = _source_runtime()
+    return runtime.load() if runtime is not None else None
 
 
 _applied = False

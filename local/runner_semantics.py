@@ -1,7 +1,7 @@
 """A stand-in for Dataflow's commit semantics around the real generate DoFn, and nothing else.
 
 No local runner retries a bundle, moves a key or updates a job, so this driver
-does what the runner would, around the real ``_StreamingGenerateFn`` (its
+does what the runner would, around the real ``StreamingGenerateFn`` (its
 ``process`` and timer callbacks, called with in-memory state and timers) and
 real engines against the real vLLM server. The rules it reproduces:
 
@@ -30,8 +30,8 @@ What it does not reproduce: the runner's timing (a due poll timer fires when
 the test says, never early, so a test makes timers late by firing them late),
 bundle sizes, and parallelism across keys (``tests/test_admission.py`` runs
 work items on a small pool of threads, as a worker's harness threads).
-``setup`` is not called: each worker's engine is built in-process and given
-to its DoFn, as ``acquire_engine`` would hand it over on a worker of its own.
+Each worker's runtime is built in-process and handed to its DoFns by an
+:class:`InProcessRuntime`, as ``SharedRuntime.acquire`` would on a worker of its own.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ from typing import Any
 from apache_beam import pvalue
 from apache_beam.transforms.window import GlobalWindow
 
-from pipeline.engines.engine import EngineBase
-from pipeline.generation.generate import TAG_COMPLETIONS, TAG_DEAD_LETTERS, _StreamingGenerateFn
+from pipeline.engines.engine import EngineBase, EngineSettings
+from pipeline.generation.generate import TAG_COMPLETIONS, TAG_DEAD_LETTERS, StreamingGenerateFn
+from pipeline.worker.runtime import WorkerRuntime
 
 BAGS = ("waiting", "inflight")
 VALUES = ("progress", "seen", "poll_at_ms", "wait_ms")
@@ -119,10 +120,38 @@ class _Timer:
         self._state.writes += 1
 
 
+@dataclass(frozen=True)
+class InProcessRuntime:
+    """A runtime source (:class:`~pipeline.worker.runtime.RuntimeSource`) for a runtime built in this process: every
+    step given the same one shares its engine and admission ledger, as the steps of one worker VM do."""
+
+    runtime: WorkerRuntime
+    tag: str
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self.runtime.engine.settings
+
+    def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
+        return self.runtime
+
+
+def in_process(engine: EngineBase, tag: str) -> InProcessRuntime:
+    """A runtime around ``engine`` for the steps of one stand-in worker."""
+    return InProcessRuntime(WorkerRuntime(engine), tag)
+
+
+def generate_fn(source: InProcessRuntime, poll_interval_ms: float, **options: Any) -> StreamingGenerateFn:
+    """The generate step's DoFn on ``source``'s runtime, set up as a runner would."""
+    dofn = StreamingGenerateFn(source, poll_interval_ms, **options)
+    dofn.setup()
+    return dofn
+
+
 @dataclass
 class Worker:
     name: str
-    dofn: _StreamingGenerateFn
+    dofn: StreamingGenerateFn
     engine: EngineBase
 
 

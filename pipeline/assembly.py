@@ -19,7 +19,6 @@ from apache_beam.runners.runner import PipelineResult
 from pipeline.config.launch_checks import apply_launch_defaults, dataflow_launch_problems
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
-from pipeline.engines.engine_host import new_engine_tag
 from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.batching import BatchRequests
 from pipeline.generation.generate import StreamingGenerate
@@ -30,6 +29,7 @@ from pipeline.sinks.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DE
                                           WriteToBigQueryTable, ensure_table)
 from pipeline.sinks.dead_letter_count import CountDeadLetters
 from pipeline.sinks.pubsub_sink import PublishJson
+from pipeline.worker.runtime import SharedRuntime, new_runtime_tag
 
 LOGGER = logging.getLogger(__name__)
 LOCAL_RUNNERS = ("DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
@@ -54,13 +54,14 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
                                                          settings.request_defaults)
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
         **asdict(settings.prompt_length))
-    shared_tag = new_engine_tag(settings.engine)  # the admission step and the generate step share the engine
+    # The admission step and the generate step share the worker's runtime: its engine and admission ledger.
+    runtime = SharedRuntime(settings.engine, new_runtime_tag(settings.engine))
     # Last before the first shuffle: what it holds back is still unacknowledged in Pub/Sub.
-    admitted = measured.requests | "AdmitRequests" >> AdmitRequests(settings.engine, shared_tag, wait=not local)
+    admitted = measured.requests | "AdmitRequests" >> AdmitRequests(runtime, wait=not local)
     batches = admitted | "BatchRequests" >> BatchRequests(settings.batching)
     generate_keys = settings.generate_keys(local=local)
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
-        settings.engine, shared_tag=shared_tag, dedupe_window_s=settings.generate.dedupe_window_s,
+        settings.engine, runtime=runtime, dedupe_window_s=settings.generate.dedupe_window_s,
         drain_timeout_s=settings.generate.drain_timeout_s,
         # The batcher's shard already is hash(id) mod num_shards: re-keying to the same keys would only
         # add a step (a hop on the DirectRunner, which fuses nothing).

@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from local.runner_semantics import Driver, Worker
+from local.runner_semantics import Driver, InProcessRuntime, Worker, generate_fn, in_process
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.flow.admission import _AdmitFn
-from pipeline.generation.generate import _StreamingGenerateFn
+from pipeline.flow.admission import AdmitFn
+from pipeline.worker.runtime import WorkerRuntime
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
@@ -39,20 +39,24 @@ def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> Infe
                             min_tokens=min_tokens, temperature=0.0, received_at=time.time())
 
 
-def full_worker(base_url: str, **overrides) -> tuple[EngineSettings, VLLMEngine, Driver, _AdmitFn]:
-    """A worker of 3 places (2 in flight, 1 waiting): its engine, the generate step under the runner stand-in,
-    and its admission step as Dataflow runs it (waiting inside its bundle)."""
+def full_worker(base_url: str, **overrides) -> tuple[InProcessRuntime, VLLMEngine, Driver, AdmitFn]:
+    """A worker of 3 places (2 in flight, 1 waiting): its runtime (engine and admission ledger), the generate step
+    under the runner stand-in, and its admission step as Dataflow runs it (waiting inside its bundle)."""
     settings = settings_for(base_url, **{"max_in_flight": 2, "worker_queue": 1, **overrides})
     engine = VLLMEngine(settings)
-    generate = _StreamingGenerateFn(settings, "admission-test", 50.0, dedupe_window_s=600)
-    generate._engine = engine
-    admit = _AdmitFn(settings, "admission-test", wait=True)
-    admit._engine = engine
-    return settings, engine, Driver([Worker("worker", generate, engine)]), admit
+    source = in_process(engine, "admission-test")
+    generate = generate_fn(source, 50.0, dedupe_window_s=600)
+    return source, engine, Driver([Worker("worker", generate, engine)]), admit_fn(source)
+
+
+def admit_fn(source: InProcessRuntime) -> AdmitFn:
+    admit = AdmitFn(source, wait=True)
+    admit.setup()
+    return admit
 
 
 def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_server):
-    engine = VLLMEngine(settings_for(vllm_server.base_url))
+    engine = WorkerRuntime(VLLMEngine(settings_for(vllm_server.base_url)))  # its engine and admission ledger
     try:
         admitted = [f"adm-{i}" for i in range(10)]
         assert engine.admit(admitted) == 4, "max_in_flight + worker_queue"
@@ -78,7 +82,7 @@ def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_
 
         engine.report_waiting("shard-0", 0)
         engine.report_waiting("shard-1", 2)
-        assert engine.load()["waiting"] == 2, "reports count per key (their lapse: tests/test_worker_hold.py)"
+        assert engine.load()["waiting"] == 2, "reports count per key (their lapse: tests/test_hold.py)"
         engine.cancel(keys)
         assert engine.load()["in_flight"] == 0
     finally:
@@ -88,12 +92,12 @@ def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_
 def test_a_full_worker_holds_the_read_bundle_until_the_generate_step_frees_room(vllm_server):
     """The Dataflow path: the admission step waits inside its bundle while the generate step, with its
     waiting requests reported, works its backlog down; then the held element goes on."""
-    settings, engine, driver, admit = full_worker(vllm_server.base_url)
+    source, engine, driver, admit = full_worker(vllm_server.base_url)
     try:
         driver.deliver("shard-0", [request(i) for i in range(5)])  # 2 in flight, 3 waiting in state
-        load = engine.load()
+        load = source.runtime.load()
         assert (load["in_flight"], load["waiting"]) == (2, 3), load
-        assert engine.admit(["adm-98"]) == 0
+        assert source.runtime.admit(["adm-98"]) == 0
 
         passed: list[InferenceRequest] = []
         admit.start_bundle()
@@ -106,11 +110,11 @@ def test_a_full_worker_holds_the_read_bundle_until_the_generate_step_frees_room(
         while held.is_alive() and time.monotonic() < deadline:
             driver.fire("shard-0")
         assert not held.is_alive() and [r.id for r in passed] == ["adm-99"]
-        assert engine.load()["held"] <= settings.max_held
+        assert source.runtime.load()["held"] <= source.settings.max_held
         while driver.busy_keys() and time.monotonic() < deadline:
             driver.fire("shard-0")
         assert sorted(c["id"] for c in driver.committed.completions) == [f"adm-{i}" for i in range(5)]
-        assert wait_until(lambda: engine.load()["held"] == 0, 5)
+        assert wait_until(lambda: source.runtime.load()["held"] == 0, 5)
     finally:
         engine.close()
 
@@ -120,7 +124,7 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
     """An admitted request counts until the generate step has it, also while its bundle is still open: a
     bundle of many requests on a full worker passes one per place freed, never the rest at once. Once only
     open bundles hold the worker (nothing else can free a place), it goes on rather than wait forever."""
-    settings, engine, driver, admit = full_worker(vllm_server.base_url)
+    source, engine, driver, admit = full_worker(vllm_server.base_url)
     bundle = [request(i) for i in range(10, 18)]
     passed: list[tuple[str, dict]] = []
 
@@ -128,7 +132,7 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
         admit.start_bundle()
         for element in bundle:
             for out in admit.process(element):
-                passed.append((out.id, engine.load()))
+                passed.append((out.id, source.runtime.load()))
         admit.finish_bundle()
 
     try:
@@ -143,16 +147,16 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
         assert [request_id for request_id, _ in passed] == [r.id for r in bundle]
         for request_id, load in passed:
             # Past the bound only when nothing but this bundle held the worker.
-            assert load["held"] + load["on_the_way"] <= settings.max_held or load["held"] == 0, (request_id, load)
+            assert load["held"] + load["on_the_way"] <= source.settings.max_held or load["held"] == 0, (request_id, load)
         assert max(load["on_the_way"] for _, load in passed) == len(bundle), "each counted until it arrives"
         driver.deliver("shard-1", bundle)  # the bundle committed: its requests reach the generate step
-        assert engine.load()["on_the_way"] == 0, "arrived by id"
+        assert source.runtime.load()["on_the_way"] == 0, "arrived by id"
         while driver.busy_keys() and time.monotonic() < deadline:
             driver.fire("shard-0")
             driver.fire("shard-1")
         assert sorted(c["id"] for c in driver.committed.completions) == sorted(
             [f"adm-{i}" for i in range(3)] + [r.id for r in bundle])
-        assert wait_until(lambda: engine.load()["held"] == 0, 5)
+        assert wait_until(lambda: source.runtime.load()["held"] == 0, 5)
     finally:
         engine.close()
 
@@ -163,12 +167,11 @@ def test_the_timers_keep_threads_while_every_read_bundle_of_a_full_worker_waits(
     for room and a third and fourth go on over the bound, so the generate step's polls still get a thread
     while both waiting bundles hold theirs, and collect the work that frees the room they wait for."""
     # Requests let through count in the hold while on their way (here for 5 s: long enough to read them).
-    settings, engine, driver, _ = full_worker(vllm_server.base_url, admission_waiters=2, admission_transit_s=5.0)
+    source, engine, driver, _ = full_worker(vllm_server.base_url, admission_waiters=2, admission_transit_s=5.0)
     harness = ThreadPoolExecutor(max_workers=4, thread_name_prefix="harness")
 
     def read_bundle(i: int) -> list[str]:
-        admit = _AdmitFn(settings, "admission-test", wait=True)  # one DoFn instance per bundle, as a runner may
-        admit._engine = engine
+        admit = admit_fn(source)  # one DoFn instance per bundle, as a runner may
         admit.start_bundle()
         passed = [out.id for out in admit.process(request(i))]
         admit.finish_bundle()
@@ -177,12 +180,12 @@ def test_the_timers_keep_threads_while_every_read_bundle_of_a_full_worker_waits(
     try:
         # Full (2 in flight, 1 waiting), with answers long enough that nothing frees room before the first poll.
         driver.deliver("shard-0", [request(i, 256, min_tokens=256) for i in range(3)])
-        assert engine.admit(["probe"]) == 0
+        assert source.runtime.admit(["probe"]) == 0
         bundles = [harness.submit(read_bundle, i) for i in range(20, 24)]
         assert wait_until(lambda: sum(b.done() for b in bundles) >= 2, 30), "two bundles found no waiting place"
         waiting = [b for b in bundles if not b.done()]
         assert len(waiting) == 2, "exactly admission_waiters bundles wait"
-        assert engine.load()["on_the_way"] >= 2, "the bundles let through over the bound count in the hold"
+        assert source.runtime.load()["on_the_way"] >= 2, "the bundles let through over the bound count in the hold"
         harness.submit(driver.fire, "shard-0").result(timeout=30)
         assert not any(b.done() for b in waiting), "the timer ran on a free thread while both bundles waited"
         deadline = time.monotonic() + 300

@@ -14,7 +14,8 @@ import pytest
 
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
+from pipeline.engines.engine import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.serving.vllm_server import RUNNING_METRIC, free_port, server_metrics
 from local.engine_driver import drive_to_end

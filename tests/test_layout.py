@@ -31,9 +31,9 @@ def imports(path: Path) -> set[str]:
 
 
 # The stage packages, ground first: a module imports only from its own package or one listed before it (the data path
-# reads upward: records at the ground, then the model's server, intake, the engines, flow control, generation, the
+# reads upward: records at the ground, then the model's server, intake, the engines, the worker's runtime, flow control, generation, the
 # sinks and the configuration that names them all); ``pipeline.assembly`` wires them and sits on top.
-STAGES = ("contract", "serving", "intake", "engines", "flow", "generation", "sinks", "config")
+STAGES = ("contract", "serving", "intake", "engines", "worker", "flow", "generation", "sinks", "config")
 
 
 def module_name(path: Path) -> str:

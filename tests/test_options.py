@@ -76,6 +76,8 @@ def test_launcher_strings_are_converted():
     ({"engine": "transformers", "response_schema": '{"type": "object"}'},
      "--response_schema does not go with --engine=transformers: it cannot constrain answers"),
     ({"engine": "transformers", "generate_shards": "64"}, "--generate_shards does not go with --engine=transformers"),
+    ({"engine": "transformers", "batch_size_target": "8", "max_in_flight": "4"},
+     "--batch_size_target (8) must be at most --max_in_flight (4) with --engine=transformers"),
     ({"vllm_args": "--enforce-eager --max-model-len 8192"},
      "--vllm_args sets --max-model-len, which the template sets itself; use --max_model_len instead"),
     ({"vllm_args": "--max_model_len=8192"}, "--vllm_args sets --max_model_len, which the template sets itself"),

@@ -27,10 +27,10 @@ from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_IN
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.generation.generate import _StreamingGenerateFn, decode_entry
+from pipeline.generation.generate import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from tests.conftest import SERVED_NAME, wait_until
-from local.runner_semantics import Driver, KeyState, Worker, entry_v1
+from local.runner_semantics import Driver, KeyState, Worker, entry_v1, generate_fn, in_process
 
 pytestmark = pytest.mark.engine
 
@@ -68,9 +68,7 @@ def workers(vllm_server, chunk_subscription):
     made = []
     for name in ("worker-a", "worker-b"):
         engine = VLLMEngine(engine_settings)
-        dofn = _StreamingGenerateFn(engine_settings, f"driver-{name}", POLL_MS, dedupe_window_s=600,
-                                    drain_timeout_s=20)
-        dofn._engine = engine
+        dofn = generate_fn(in_process(engine, f"driver-{name}"), POLL_MS, dedupe_window_s=600, drain_timeout_s=20)
         made.append(Worker(name, dofn, engine))
     yield made
     for worker in made:
@@ -264,8 +262,8 @@ def test_a_drain_whose_commit_fails_collects_again_and_generates_nothing_twice(w
 
 
 def test_a_drain_that_times_out_cancels_at_the_server_and_letters_the_rest(workers, vllm_server):
-    impatient = _StreamingGenerateFn(workers[0].dofn._settings, "driver-impatient", POLL_MS, 600, drain_timeout_s=0)
-    impatient._engine = workers[0].engine
+    impatient = generate_fn(in_process(workers[0].engine, "driver-impatient"), POLL_MS, dedupe_window_s=600,
+                            drain_timeout_s=0)
     driver = Driver([Worker("impatient", impatient, workers[0].engine)])
     requests = [InferenceRequest(id=f"cut-{i}", prompt="Count from 1 to 500.", max_tokens=400, temperature=0,
                                  received_at=time.time()) for i in range(2)]
@@ -299,7 +297,7 @@ def test_state_written_by_the_previous_version_is_served_and_a_broken_entry_is_a
     [letter] = driver.committed.dead_letters
     assert letter["stage"] == STAGE_INFERENCE and "could not be decoded" in letter["reason"]
     assert json.loads(letter["payload"]) == {"request": "{}", "renamed": 1}
-    written = [decode_entry(e) for e in driver.state[0].bags["waiting"] + driver.state[0].bags["inflight"]]
+    written = [RequestEntry.decode(e) for e in driver.state[0].bags["waiting"] + driver.state[0].bags["inflight"]]
     assert not written  # all served
 
 
@@ -334,14 +332,14 @@ def test_a_retried_firing_joins_the_streams_its_failed_try_sent_though_they_fill
                                       temperature=0, received_at=time.time()) for name in ("short", "waiter"))
     driver.deliver("busy", busy)
     driver.deliver("k", [short, waiter])  # max_in_flight=3: the short one is sent, the waiter waits
-    assert [decode_entry(e)["request"] for e in driver.state["k"].bags["waiting"]] == [waiter.to_json()]
+    assert [RequestEntry.decode(e).request for e in driver.state["k"].bags["waiting"]] == [waiter.to_json()]
     assert wait_until(lambda: engine.in_flight() == 2, 30), "the short stream ends first"
     failed = driver.fire("k", commit=False)
     assert [c["id"] for c in failed.completions] == ["full-short"]
-    (sent,) = [decode_entry(e)["key"] for e in driver.last.bags["inflight"] if "full-waiter" in e]
+    (sent,) = [RequestEntry.decode(e).key for e in driver.last.bags["inflight"] if "full-waiter" in e]
     assert engine.in_flight() == 3, "the failed try sent the waiter: the engine is full"
     driver.fire("k")  # the retry
-    assert [decode_entry(e)["key"] for e in driver.state["k"].bags["inflight"]] == [sent]
+    assert [RequestEntry.decode(e).key for e in driver.state["k"].bags["inflight"]] == [sent]
     run_to_end(driver)
     completions = driver.committed.completions
     assert sorted(c["id"] for c in completions) == sorted(r.id for r in [*busy, short, waiter])

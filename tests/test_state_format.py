@@ -18,7 +18,8 @@ from pipeline.contract.messages import STAGE_BATCH, InferenceRequest
 from pipeline.contract.state_format import StateFormatError, read_cell
 from pipeline.flow.batching import BatchingConfig, BucketCounters, _BatchFn
 from pipeline.generation.dedupe import SeenIds
-from pipeline.generation.generate import _Progress, decode_entry
+from pipeline.contract.stream_progress import KeyProgress
+from pipeline.generation.generate import RequestEntry, read_progress, write_progress
 from tests.state_stand_in import Cell, Timer
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -58,9 +59,9 @@ class _WindowEnd:
 def test_no_cell_text_makes_a_reader_raise_anything_but_its_format_error(text):
     assert isinstance(BucketCounters.from_json(text), BucketCounters)
     assert isinstance(SeenIds(Cell(text)).ids, dict)
-    streams = _Progress(Cell(text)).streams
+    streams = read_progress(text)
     assert all(isinstance(n, int) for n in [*streams.taken.values(), *streams.release.values()])
-    for read in (decode_entry, lambda t: read_cell(t, (1,), {"request": (str,)})):
+    for read in (RequestEntry.decode, lambda t: read_cell(t, (1,), {"request": (str,)})):
         try:
             read(text)
         except StateFormatError:
@@ -83,10 +84,8 @@ def test_the_record_of_ids_reads_the_previous_version_and_writes_a_versioned_one
 
 
 def test_progress_reads_the_previous_version_and_refuses_positions_that_are_not_counts():
-    assert _Progress(Cell('{"taken": {"k": 3}, "release": {}}')).streams.taken == {"k": 3}
-    assert _Progress(Cell('{"taken": {"k": "3"}, "release": {}}')).streams.taken == {}
-    progress = _Progress(Cell(None))
-    progress.streams.ask(["k"])
-    progress.streams.emitted("k", 1, ended=False)  # a poll emitted the stream's first output
-    progress.save()
-    assert json.loads(progress._state.value) == {"taken": {"k": 1}, "release": {}, "v": 1}
+    assert read_progress('{"taken": {"k": 3}, "release": {}}').taken == {"k": 3}
+    assert read_progress('{"taken": {"k": "3"}, "release": {}}').taken == {}
+    cell = Cell(None)
+    write_progress(cell, KeyProgress(), KeyProgress({"k": 1}, {}))  # a poll emitted the stream's first output
+    assert json.loads(cell.value) == {"taken": {"k": 1}, "release": {}, "v": 1}

@@ -1,4 +1,4 @@
-"""Stream progress (pipeline/engines/stream_progress.py): retried polls hand every output over exactly once.
+"""Stream progress (pipeline/contract/stream_progress.py): retried polls hand every output over exactly once.
 
 The two sides of a poll are driven here as the generate step and the engine use them, under schedules a runner
 may impose: the stream produces outputs, polls and drain passes commit or fail (their writes discarded).
@@ -6,14 +6,20 @@ may impose: the stream produces outputs, polls and drain passes commit or fail (
 
 from __future__ import annotations
 
-import copy
+import json
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.engines.stream_progress import MAX_LOST_STREAMS, Attempts, KeyProgress, OutputWindow
+from pipeline.contract.stream_progress import (ATTEMPT, CHUNK, MAX_LOST_STREAMS, UNKNOWN, KeyProgress, OutputWindow,
+                                               RequestProgress, advance)
 
 END = "completion"
+
+
+def chunk(n: int, attempt: int = 1) -> tuple[str, str]:
+    return CHUNK, json.dumps({"seq": n, "attempt": attempt})
 
 
 def test_a_window_hands_over_from_the_position_and_refuses_to_splice():
@@ -30,34 +36,45 @@ def test_a_window_hands_over_from_the_position_and_refuses_to_splice():
 
 def test_a_poll_that_ends_a_stream_releases_it_on_the_next_and_a_drain_releases_nothing():
     progress = KeyProgress()
-    assert progress.ask(["s"]) == {"s": 0}
-    progress.emitted("s", 2, ended=False)
-    assert progress.taken == {"s": 2}
-    assert progress.ask(["s"]) == {"s": 2}
-    progress.emitted("s", 1, ended=True)
-    assert (progress.taken, progress.release) == ({}, {"s": 3})
-    assert progress.ask([]) == {"s": 3}, "the next poll tells the engine it may forget the stream"
-    assert progress.release == {}
+    assert progress.asks(["s"]) == {"s": 0}
+    after, step = advance(RequestProgress("s"), [chunk(0), chunk(1)], 0)
+    assert step.emit == (chunk(0), chunk(1)) and not step.ended
+    progress = progress.settled([(after, step.ended)])
+    assert progress == KeyProgress({"s": 2}, {})
+    assert progress.asks(["s"]) == {"s": 2}
+    after, step = advance(replace(after, position=progress.position("s")), [(END, "{}")], 2)
+    progress = progress.settled([(after, step.ended)])
+    assert step.ended and progress == KeyProgress({}, {"s": 3})
+    assert progress.asks([]) == {"s": 3}, "the next poll tells the engine it may forget the stream"
+    assert progress.settled([]) == KeyProgress(), "and forgets it once that poll is committed"
 
-    draining = KeyProgress(taken={"d": 1})
+    draining = KeyProgress(taken={"d": 1}, release={"gone": 4})
     committed = dict(draining.taken)
-    assert draining.ask(["d"], committed) == {"d": 1}
-    draining.emitted("d", 2, ended=False)
-    assert draining.ask(["d"], committed) == {"d": 1}, "a drain asks from the committed position every pass"
-    assert draining.unseen("d", [("chunk", "1"), ("chunk", "2"), ("chunk", "3")]) == [("chunk", "3")]
-    draining.emitted("d", 1, ended=True)
-    assert draining.release == {}, "a drain releases nothing: its retry must find the stream"
+    assert draining.asks(["d"], committed) == {"d": 1, "gone": 4}
+    after, step = advance(RequestProgress("d", 1), [chunk(1), chunk(2)], 1, draining=True)
+    draining = draining.settled([(after, step.ended)], draining=True)
+    assert draining.asks(["d"], committed) == {"d": 1, "gone": 4}, "a drain asks from the committed position"
+    after, step = advance(RequestProgress("d", draining.position("d")), [chunk(1), chunk(2), (END, "{}")], 1,
+                          draining=True)
+    assert step.emit == ((END, "{}"),), "only what this work item has not emitted yet"
+    assert draining.settled([(after, step.ended)], draining=True) == KeyProgress({}, {"gone": 4}), \
+        "a drain releases nothing: its retry must find the stream"
 
 
 def test_a_lost_stream_is_sent_again_past_every_attempt_seen_until_too_many_were_lost():
-    attempts = Attempts()
-    assert attempts.seen(3) == Attempts(3, 0), "the engine retried at a failing server: not a lost stream"
-    assert attempts.seen(3).seen(2) == Attempts(3, 0)
-    again = attempts.seen(3).resent()
-    assert again == Attempts(4, 1), "sent again past the engine's own attempts"
+    progress, step = advance(RequestProgress("s"), [(ATTEMPT, "3"), chunk(0, attempt=3)], 0)
+    assert (progress.attempt, progress.lost) == (3, 0), "the engine retried at a failing server: not a lost stream"
+    assert step.emit == (chunk(0, attempt=3),), "an attempt marker is not emitted"
+    progress, step = advance(progress, [(UNKNOWN, "")], 1)
+    assert progress.stream is None and step.resend == RequestProgress(None, 0, 4, 1), "sent again past attempt 3"
+    assert not step.ended and not step.give_up
     for _ in range(MAX_LOST_STREAMS - 1):
-        again = again.resent()
-    assert again.lost == MAX_LOST_STREAMS and again.resent() is None, "moves have a bound of their own"
+        progress, step = advance(replace(step.resend, stream="again"), None, 0)
+    assert step.resend.lost == MAX_LOST_STREAMS
+    progress, step = advance(replace(step.resend, stream="again"), [(UNKNOWN, "")], 0)
+    assert step.ended and step.give_up and step.resend is None, "moves have a bound of their own"
+    _, step = advance(RequestProgress("s"), [(UNKNOWN, "")], 0, draining=True)
+    assert step.ended and step.give_up, "a drain sends nothing again: the stream goes to the next job"
 
 
 # A schedule: the stream produces outputs (the last one its end), and work items that commit or fail.
@@ -77,36 +94,38 @@ def test_every_schedule_delivers_each_output_once_in_order_and_releases_only_wha
     def produce(count: int) -> None:
         for _ in range(count):
             if len(produced) < length:
-                produced.append((END if len(produced) == length - 1 else "chunk", str(len(produced))))
+                n = len(produced)
+                produced.append((END, "{}") if n == length - 1 else chunk(n))
                 window.add(produced[-1])
 
-    def poll(progress: KeyProgress, drain_from: dict[str, int] | None, emitted: list) -> None:
+    def poll(progress: KeyProgress, drain_from: dict[str, int] | None, emitted: list) -> KeyProgress:
         nonlocal forgotten
+        draining = drain_from is not None
         streaming = [] if any(kind == END for kind, _ in delivered + emitted) else ["s"]  # its request ended
-        asked = progress.ask(streaming, drain_from)
+        asked = progress.asks(streaming, drain_from)
         if "s" not in asked:
-            return
+            return progress.settled([], draining=draining)
         outputs = window.read(asked["s"])
         assert outputs is not None, "a committed position is always inside the window"
         if "s" not in streaming:  # the release of a finished stream
             forgotten = not outputs
-            return
-        fresh = progress.unseen("s", outputs)
-        emitted.extend(fresh)
-        progress.emitted("s", len(fresh), ended=any(kind == END for kind, _ in fresh))
+            return progress.settled([], draining=draining)
+        after, step = advance(RequestProgress("s", progress.position("s")), outputs, asked["s"], draining=draining)
+        emitted.extend(step.emit)
+        return progress.settled([(after, step.ended)], draining=draining)
 
     for step in steps:
         if step[0] == "produce":
             produce(step[1])
         elif step[0] == "poll":
-            work, emitted = copy.deepcopy(committed), []
-            poll(work, None, emitted)
+            emitted = []
+            work = poll(committed, None, emitted)
             if step[1]:
                 committed, delivered = work, delivered + emitted
         else:  # a drain: passes in one work item from the positions committed before it
-            work, emitted, before = copy.deepcopy(committed), [], dict(committed.taken)
+            work, emitted, before = committed, [], dict(committed.taken)
             for _ in range(step[1]):
-                poll(work, before, emitted)
+                work = poll(work, before, emitted)
                 produce(1)
             if step[2]:
                 committed, delivered = work, delivered + emitted
@@ -116,7 +135,7 @@ def test_every_schedule_delivers_each_output_once_in_order_and_releases_only_wha
             return  # the drain committed: the job is over (the engine expires what it keeps, request_timeout_s)
     produce(length)
     for _ in range(3):  # the stream ends, and polls commit: everything arrives, and the stream is released
-        work, emitted = copy.deepcopy(committed), []
-        poll(work, None, emitted)
-        committed, delivered = work, delivered + emitted
+        emitted = []
+        committed = poll(committed, None, emitted)
+        delivered = delivered + emitted
     assert delivered == produced and forgotten and committed.taken == {} and committed.release == {}

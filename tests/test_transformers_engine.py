@@ -10,7 +10,8 @@ import pytest
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import CHUNK, COMPLETION, DEAD_LETTER, EngineSettings
+from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
+from pipeline.engines.engine import EngineSettings
 from pipeline.engines.transformers_engine import TransformersEngine
 from pipeline.flow.batching import BatchingConfig
 from pipeline.intake.prompt_length import TokenizerMeter

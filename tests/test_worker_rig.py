@@ -23,15 +23,15 @@ from apache_beam.transforms.window import GlobalWindow
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from local.runner_semantics import Driver, Worker
+from local.runner_semantics import Driver, InProcessRuntime, Worker, generate_fn
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.flow.admission import _AdmitFn
+from pipeline.flow.admission import AdmitFn
 from pipeline.flow.batching import BatchingConfig, _BatchFn, _keyed
-from pipeline.generation.generate import _StreamingGenerateFn
 from pipeline.serving.vllm_server import server_metrics
+from pipeline.worker.runtime import WorkerRuntime
 from tests.conftest import SERVED_NAME, wait_until
 from tests.state_stand_in import Cell, Timer
 
@@ -67,8 +67,8 @@ class Batcher:
         return list(self.fn.on_flush(key=key, buffer=buffer, counters=counters))
 
 
-class CountingEngine(VLLMEngine):
-    """The real engine, counting the requests read bundles let through over the bound (no waiting place)."""
+class CountingRuntime(WorkerRuntime):
+    """The real runtime, counting the requests read bundles let through over the bound (no waiting place)."""
 
     over = 0
 
@@ -83,9 +83,9 @@ def worker(vllm_server):
                                max_in_flight=2, worker_queue=2, request_timeout_s=120, stream_lease_s=LEASE_S,
                                admission_transit_s=1.0, admission_waiters=THREADS // 2,
                                chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
-    engine = CountingEngine(settings_)
-    yield settings_, engine
-    engine.close()
+    runtime = CountingRuntime(VLLMEngine(settings_))
+    yield InProcessRuntime(runtime, "rig"), runtime.engine
+    runtime.close()
 
 
 @settings(max_examples=4, deadline=None, derandomize=True,
@@ -93,15 +93,14 @@ def worker(vllm_server):
 @given(cuts=st.lists(st.integers(1, 9), min_size=1, max_size=4), failing=st.floats(0.0, 0.3),
        late=st.booleans())
 def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, vllm_server, cuts, failing, late):
-    settings_, engine = worker
+    source, engine = worker
     run = next(RUNS)
     requests = [InferenceRequest(id=f"rig{run}-{i}", prompt=f"Count from {i} to {i + 20}.", max_tokens=24,
                                  min_tokens=24, temperature=0.0, prompt_tokens=12, received_at=time.time())
                 for i in range(10)]
     bounds = sorted({0, len(requests), *(c for c in cuts if c < len(requests))})
     bundles = [requests[a:b] for a, b in zip(bounds, bounds[1:])]  # the backlog as Dataflow reads it
-    generate = _StreamingGenerateFn(settings_, "rig", 50.0, dedupe_window_s=600)
-    generate._engine = engine
+    generate = generate_fn(source, 50.0, dedupe_window_s=600)
     driver, batcher = Driver([Worker("rig", generate, engine)]), Batcher()
     harness = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="harness")
     busy: set[object] = set()  # keys with a work item running: one at a time per key
@@ -141,8 +140,8 @@ def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, 
                 later(("generate", shard), lambda shard=shard, batch=batch: driver.deliver(shard, batch))
 
     def read_bundle(bundle: list[InferenceRequest]) -> None:
-        admit = _AdmitFn(settings_, "rig", wait=True)
-        admit._engine = engine
+        admit = AdmitFn(source, wait=True)
+        admit.setup()
         admit.start_bundle()
         passed = [out for request in bundle for out in admit.process(request)]
         admit.finish_bundle()
@@ -173,7 +172,7 @@ def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, 
                 if due_at <= now:
                     commit = chance.random() >= failing
                     start(("generate", key), lambda key=key, commit=commit: driver.fire(key, commit=commit))
-            holds.append((engine.load(), engine.over))
+            holds.append((source.runtime.load(), source.runtime.over))
             time.sleep(0.02)
         for read in reads:
             read.result(timeout=5)  # a read bundle that raised fails the test here
@@ -183,14 +182,14 @@ def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, 
     assert sorted(c["id"] for c in completions) == sorted(r.id for r in requests), (len(completions), dead_letters)
     assert not dead_letters, dead_letters
     assert all(c["attempt"] == 1 for c in completions), "a failed poll or a late timer never sends a request again"
-    # The hold's bound itself is the ledger's (tests/test_worker_hold.py, tests/test_admission.py): a read bundle
+    # The hold's bound itself is the ledger's (tests/test_hold.py, tests/test_admission.py): a read bundle
     # larger than the bound passes whole when nothing else holds the worker, so it is not asserted per sample here.
-    assert all(load["in_flight"] <= settings_.max_in_flight for load, _ in holds)
+    assert all(load["in_flight"] <= source.settings.max_in_flight for load, _ in holds)
     peak = max(load["held"] + load["on_the_way"] for load, _ in holds)
     assert wait_until(lambda: engine.in_flight() == 0, 10)
     generated = server_metrics(vllm_server.base_url, ("vllm:generation_tokens_total",))[
         "vllm:generation_tokens_total"] - before
     delivered = sum(c["usage"]["completion_tokens"] for c in completions)
     assert generated / delivered <= 1.05, (generated, delivered)
-    print(f"rig run {run}: read bundles {[len(b) for b in bundles]}, peak hold {peak} of {settings_.max_held}, "
+    print(f"rig run {run}: read bundles {[len(b) for b in bundles]}, peak hold {peak} of {source.settings.max_held}, "
           f"{engine.over} requests let through for want of a waiting place")

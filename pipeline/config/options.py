@@ -164,6 +164,10 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
                           ("lora_adapters", "it serves the model alone, without adapters")):
             if fields.get(name):
                 problems.append(f"--{name} does not go with --engine=transformers: {why}; use --engine=vllm")
+        if (fields.get("batch_size_target") or 0) > (fields.get("max_in_flight") or 0):
+            problems.append(f"--batch_size_target ({fields['batch_size_target']}) must be at most --max_in_flight "
+                            f"({fields['max_in_flight']}) with --engine=transformers: it generates each batch whole, "
+                            "so a larger batch would run more requests at once than max_in_flight allows")
     if fields.get("server_url") and fields.get("lora_adapters"):
         problems.append("--lora_adapters does not go with --server_url: the server you run loads its own adapters "
                         "(vLLM: --lora-modules), and each request's 'adapter' is sent to it as the model")

@@ -1,15 +1,15 @@
 """The engine contract: what every engine shares, and what the generate step may ask of one.
 
 One engine per worker VM (shared through Beam's ``MultiProcessShared``, see
-:mod:`pipeline.engines.engine_host`) holds a registry of streams (:class:`EngineBase`):
+:mod:`pipeline.worker.runtime`) holds a registry of streams (:class:`EngineBase`):
 ``submit_batch`` starts requests and returns at once; ``poll`` hands back
 whatever chunks, completions or dead letters have accumulated. Two engines
 implement it: :mod:`pipeline.engines.vllm_engine` (many requests in flight against a
 vLLM server, continuous batching) and :mod:`pipeline.engines.transformers_engine` (the model
 in-process, each batch generated together).
 
-The engine holds at most ``max_in_flight`` unfinished streams: ``submit_batch``
-refuses more (None for those) rather than queueing them, so a backlog waits in
+The engine holds at most ``max_in_flight`` unfinished streams (:meth:`EngineBase._room`, the one rule
+for both engines): ``submit_batch`` refuses more (None for those) rather than queueing them, so a backlog waits in
 the pipeline's keyed state, bounded here, and a request's ``request_timeout_s``
 runs from when it is actually sent, not from when it joined a queue.
 
@@ -27,7 +27,7 @@ work item whose commit failed, and moves keys between workers):
   has already committed (its position, kept in keyed state); outputs before it
   are released, the rest are handed over again until a later poll's position
   shows they were committed (both sides' arithmetic:
-  :mod:`pipeline.engines.stream_progress`). A retried poll therefore gets what
+  :mod:`pipeline.contract.stream_progress`). A retried poll therefore gets what
   the failed one got, instead of finding the stream gone and generating it again.
 * Streams are leased, and a pause is not a move (:mod:`pipeline.engines.leases`). A
   running stream is cancelled at the server (vLLM aborts a request whose
@@ -38,12 +38,8 @@ work item whose commit failed, and moves keys between workers):
   outputs are kept until released or for ``request_timeout_s``, so a late
   poll collects them instead of generating the request again.
 
-The engine also keeps the worker's admission count (:meth:`EngineBase.admit`,
-used by :mod:`pipeline.flow.admission`): what the worker holds is its unfinished
-streams, the requests its generate step reports waiting in state, and those
-admitted and not yet arrived at the step (by id, :mod:`pipeline.engines.worker_hold`). Beyond
-``max_in_flight + worker_queue`` the worker takes no more messages, so a
-backlog stays unacknowledged in Pub/Sub, where Dataflow's autoscaler sees it.
+The worker's admission ledger is not the engine's: it sits beside it in the worker's runtime
+(:mod:`pipeline.worker.runtime`) and asks the engine only how many streams are unfinished (:meth:`EngineBase.in_flight`).
 """
 
 from __future__ import annotations
@@ -53,7 +49,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
@@ -62,21 +58,12 @@ from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.chunk_publisher import ChunkPublisher
 from pipeline.engines.leases import LeaseClocks, Stamp
-from pipeline.engines.stream_progress import OutputWindow
-from pipeline.engines.worker_hold import WorkerHold
+from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
 from pipeline.serving.vllm_server import ServerSpec
 
 LOGGER = logging.getLogger(__name__)
 
-# Output kinds handed back by poll(); ATTEMPT says the engine retried the stream as a new attempt.
-CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_letter", "unknown", "attempt"
 ENGINES = ("vllm", "transformers")
-# A key's report of its waiting requests counts this long unless renewed (keys that wait poll every 2 s).
-WAITING_REPORT_LAPSE_S = 6.0
-# An admission bundle's waiting place is free again unless it renews it this often (it does every half second).
-WAITING_PLACE_LAPSE_S = 5.0
-
-
 def waiting_places(harness_threads: int) -> int:
     """How many admission bundles may wait at once on a worker that runs ``harness_threads`` work items at once:
     half, so the other half is always free for the timers that collect finished work and so free room."""
@@ -163,7 +150,7 @@ class Stream:
 class EngineBase:
     """What every engine shares: the registry of streams that ``poll`` reads, chunk publishing and outcomes.
 
-    An engine is built once per worker (see :func:`pipeline.engines.engine_host.acquire_engine`)
+    An engine is built once per worker (see :func:`pipeline.worker.runtime.acquire_runtime`)
     and called through Beam's cross-process proxy: ``submit_batch`` starts requests
     and returns at once, ``poll`` hands back what they produced. Subclasses say how
     many of a batch they take (``_room``) and how they generate (``_start``).
@@ -175,8 +162,6 @@ class EngineBase:
         self._streams: dict[str, Stream] = {}
         self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
         self._unfinished = 0  # streams not yet done: what max_in_flight bounds
-        self._hold = WorkerHold(transit_s=settings.admission_transit_s, unclaimed_s=settings.request_timeout_s,
-                                report_lapse_s=WAITING_REPORT_LAPSE_S)
         self._lock = threading.Lock()
         self._busy = BusyShares()
         self._closed = False
@@ -225,7 +210,7 @@ class EngineBase:
     def poll(self, positions: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
         """For each key, its outputs from ``positions[key]`` on (the number the caller has committed).
 
-        Outputs before the position are released (:class:`~pipeline.engines.stream_progress.OutputWindow`);
+        Outputs before the position are released (:class:`~pipeline.contract.stream_progress.OutputWindow`);
         a finished stream whose every output is released is forgotten (its result is then ``[]``). An unknown
         key, or a position outside what the stream holds (before what was
         released, or past what it produced), gets ``UNKNOWN``: the stream is lost
@@ -257,80 +242,14 @@ class EngineBase:
         self._stop(streams)
 
     def in_flight(self) -> int:
-        """Streams sent and not finished; never more than ``max_in_flight``."""
+        """Streams sent and not finished; never more than ``max_in_flight`` (with the transformers engine,
+        because the launch refuses a ``batch_size_target`` above it)."""
         with self._lock:
             return self._unfinished
 
-    def admit(self, ids: list[str]) -> int:
-        """Takes requests into the worker's hold while it has room, in order; returns how many.
-
-        They count as held until the generate step reports them arrived, or for
-        ``admission_transit_s`` after :meth:`dispatched` (they may be generated by
-        another worker); see :mod:`pipeline.engines.worker_hold`.
-        """
-        now = time.time()
-        with self._lock:
-            room = self._hold.room(now, self._held(now), self.settings.max_held)
-            return len(self._hold.admit(now, ids, room))
-
-    def wait_place(self, bundle: str) -> bool:
-        """Whether the admission bundle ``bundle`` may wait for room (it takes or renews one of the worker's
-        ``admission_waiters`` places); False when that many other bundles wait already."""
-        with self._lock:
-            return self._hold.wait_place(time.time(), bundle, self.settings.admission_waiters, WAITING_PLACE_LAPSE_S)
-
-    def leave_place(self, bundle: str) -> None:
-        """The bundle no longer waits (it finished)."""
-        with self._lock:
-            self._hold.leave_place(bundle)
-
-    def admit_over(self, ids: list[str]) -> None:
-        """Takes requests into the hold past its bound: their bundle found no waiting place. They count as
-        admitted ones do, so the worker takes no more until what it holds is back under the bound."""
-        now = time.time()
-        with self._lock:
-            self._hold.admit(now, ids, len(ids))
-
-    def admit_count(self, count: int) -> int:
-        """For a local source, before messages are parsed: up to ``count`` places, held until claimed by id."""
-        now = time.time()
-        with self._lock:
-            granted = min(count, max(self.settings.max_held - self._held(now), 0))
-            self._hold.grant(now, granted)
-        return granted
-
-    def claim(self, ids: list[str]) -> None:
-        """The ids of requests a local source was granted places for (:meth:`admit_count`)."""
-        with self._lock:
-            self._hold.claim(time.time(), ids)
-
-    def dispatched(self, ids: list[str]) -> None:
-        """The admission bundle of these requests finished: they are on their way to the generate step."""
-        with self._lock:
-            self._hold.dispatched(time.time(), ids)
-
-    def report_waiting(self, holder: str, count: int, arrived: Sequence[str] = ()) -> None:
-        """What one key of the generate step holds in state, waiting for room (a report lapses unrenewed),
-        and the ids that reached it since its last report: they no longer count as on their way."""
-        with self._lock:
-            self._hold.report_waiting(time.time(), holder, count)
-            self._hold.arrived(arrived)
-
-    def load(self) -> dict[str, int | None]:
-        """The worker's load: what its generate step holds (in flight and waiting) against the bound, what
-        was admitted and is on its way (counted against the bound too), and what its model server runs."""
-        with self._lock:
-            waiting, on_the_way = self._hold.counts(time.time())
-            unfinished = self._unfinished
-        running, queued = self._server_load()
-        return {"held": unfinished + waiting, "on_the_way": on_the_way,
-                "max_held": self.settings.max_held, "in_flight": unfinished, "waiting": waiting,
-                "server_running": running, "server_waiting": queued}
-
-    def _held(self, now: float) -> int:
-        """Unfinished streams + waiting reports + admissions on their way; under the lock."""
-        waiting, on_the_way = self._hold.counts(now)
-        return self._unfinished + waiting + on_the_way
+    def server_load(self) -> tuple[int | None, int | None]:
+        """Requests running and waiting at the model server, where the engine can tell; else (None, None)."""
+        return self._server_load()
 
     def _server_load(self) -> tuple[int | None, int | None]:
         """Requests running and waiting at the model server, where the engine can tell; else (None, None)."""
@@ -399,9 +318,18 @@ class EngineBase:
 
     # For subclasses ----------------------------------------------------------------------
 
+    # Whether a batch is taken whole or not at all (static batching); otherwise any that fit are taken.
+    WHOLE_BATCHES = False
+
     def _room(self, new: int) -> int:
-        """How many of ``new`` requests to take now; called under the lock."""
-        raise NotImplementedError
+        """How many of ``new`` requests to take now, under ``max_in_flight``; called under the lock.
+
+        An engine that takes batches whole takes none of a batch that does not fit, except when idle, so no batch
+        waits forever (the launch refuses batches larger than ``max_in_flight`` for it)."""
+        free = max(self.settings.max_in_flight - self._unfinished, 0)
+        if not self.WHOLE_BATCHES:
+            return min(new, free)
+        return new if new <= free or self._unfinished == 0 else 0
 
     def _start(self, streams: list[Stream]) -> None:
         """Begins generating these streams (registered, counted) without waiting for them."""

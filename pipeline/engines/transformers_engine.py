@@ -3,7 +3,7 @@
 This is the engine the length-bucketing argument is about, and the baseline
 vLLM is measured against. Each worker loads the model once, in a process of its
 own that its SDK processes reach through Beam's ``MultiProcessShared`` (see
-:func:`pipeline.engines.engine_host.acquire_engine`), takes each batch the batcher formed
+:func:`pipeline.worker.runtime.acquire_runtime`), takes each batch the batcher formed
 as one unit, left-pads it to its longest prompt and runs transformers'
 ``generate`` over the whole batch. A finished sequence's record goes out at
 once, but its row is computed on until the longest one ends, so one long prompt
@@ -101,6 +101,8 @@ class _Row:
 class TransformersEngine(EngineBase):
     """Loads the model in-process and generates each submitted batch together, one batch at a time."""
 
+    WHOLE_BATCHES = True
+
     def __init__(self, settings: EngineSettings) -> None:
         super().__init__(settings)
         import torch  # here, not at module level: the vLLM path never needs transformers loaded
@@ -148,12 +150,6 @@ class TransformersEngine(EngineBase):
             self._finished.put(None)
 
     # EngineBase ------------------------------------------------------------------------
-
-    def _room(self, new: int) -> int:
-        # A batch is taken whole or not at all; an idle engine takes any batch, so none waits forever.
-        if self._unfinished == 0 or self._unfinished + new <= self.settings.max_in_flight:
-            return new
-        return 0
 
     def _start(self, streams: list[Stream]) -> None:
         self._batches.put(streams)

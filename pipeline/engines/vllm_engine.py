@@ -32,7 +32,8 @@ import aiohttp
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import ATTEMPT, EngineBase, EngineSettings, Stream
+from pipeline.contract.stream_progress import ATTEMPT
+from pipeline.engines.engine import EngineBase, EngineSettings, Stream
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
 LOGGER = logging.getLogger(__name__)
@@ -111,9 +112,6 @@ class VLLMEngine(EngineBase):
             except (OSError, ValueError):
                 self._server_load_cache = (None, None)
         return self._server_load_cache
-
-    def _room(self, new: int) -> int:
-        return max(self.settings.max_in_flight - self._unfinished, 0)  # vLLM batches continuously: any that fit
 
     def _start(self, streams: list[Stream]) -> None:
         for stream in streams:

@@ -4,10 +4,10 @@ Dataflow's Pub/Sub source acknowledges a message once the first fused stage
 that read it has committed ("Streaming with Pub/Sub": "once they have been
 successfully processed by the first fused stage"). Every step up to the
 batcher's shuffle is that stage, and :class:`AdmitRequests` is its last step.
-It asks the worker's engine for room (:meth:`~pipeline.engines.engine.EngineBase.admit`:
+It asks the worker's admission ledger for room (:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit`:
 what the worker holds is its unfinished streams, the requests its generate
 step reports waiting in state, and those admitted and not yet arrived there,
-counted by id: :mod:`pipeline.engines.worker_hold`). While the worker holds
+counted by id: :mod:`pipeline.worker.hold`). While the worker holds
 ``max_in_flight + worker_queue`` requests, the step waits: its bundle does not commit, its messages stay unacknowledged,
 and the rest of the backlog is never pulled. Pub/Sub keeps it durably, at no
 cost to the job, and counts it as the subscription's backlog, which is what
@@ -23,7 +23,7 @@ is counted from the engine, which frees it on its own threads. A worker runs
 :mod:`pipeline.config.launch_checks`), and the generate step's poll timers,
 which collect what finished and submit what waits, need those threads too. So
 at most half of them wait here (``admission_waiters``, places held in the
-engine, :meth:`~pipeline.engines.engine.EngineBase.wait_place`): a bundle that
+ledger, :meth:`~pipeline.worker.admission_ledger.AdmissionLedger.wait_place`): a bundle that
 finds every place taken goes on at once, its requests counted in the hold
 over the bound (``pushback_overflow``), and the worker admits nothing more
 until it is back under it. The waiting bundles thus hold back the backlog,
@@ -33,12 +33,12 @@ share; a skewed spread can hold more on one worker than the bound.
 
 On a local runner the read itself waits instead (``local/direct_runner.py``
 takes only what the worker's engine grants,
-:meth:`~pipeline.engines.engine.EngineBase.admit_count`): the DirectRunner runs every
+:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit_count`): the DirectRunner runs every
 step on one thread, so a step that waited would stop the timers that free
 room. The step then claims by id the places the source was granted, and
 reports the load.
 
-The step reports the worker's load (:mod:`pipeline.engines.worker_load`), and counts
+The step reports the worker's load (:mod:`pipeline.worker.load`), and counts
 its waits in the same namespace: ``pushback_waits``, ``pushback_ms`` and ``pushback_overflow`` (requests let
 through over the bound because every waiting place was taken).
 """
@@ -54,9 +54,8 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineBase, EngineSettings
-from pipeline.engines.engine_host import acquire_engine
-from pipeline.engines.worker_load import LOAD_NAMESPACE, LoadGauges
+from pipeline.worker.load import LOAD_NAMESPACE, LoadGauges
+from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime
 
 LOGGER = logging.getLogger(__name__)
 
@@ -66,19 +65,21 @@ _MAX_BACKOFF_S = 0.5
 _LOGGED_AT: list[float] = [float("-inf")]  # when this process last logged a wait
 
 
-class _AdmitFn(beam.DoFn):
-    def __init__(self, settings: EngineSettings, shared_tag: str, wait: bool) -> None:
-        self._settings = settings
-        self._shared_tag = shared_tag
+class AdmitFn(beam.DoFn):
+    """The admission step's DoFn (see the module docstring); ``runtime`` says how it reaches its worker's runtime."""
+
+    def __init__(self, runtime: RuntimeSource, wait: bool = True) -> None:
+        self._source = runtime
+        self._settings = runtime.settings
         self._wait = wait
-        self._engine: EngineBase | None = None
+        self._runtime: WorkerRuntime | None = None
         self._gauges = LoadGauges("admit")
         self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
         self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
         self.overflow = Metrics.counter(LOAD_NAMESPACE, "pushback_overflow")
 
     def setup(self) -> None:
-        self._engine = acquire_engine(self._settings, self._shared_tag)
+        self._runtime = self._source.acquire()
 
     def start_bundle(self) -> None:
         self._bundle_ids: list[str] = []
@@ -87,31 +88,31 @@ class _AdmitFn(beam.DoFn):
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
         if not self._wait:
-            self._call(lambda engine: engine.claim([request.id]))  # the source was granted its place
+            self._call(lambda runtime: runtime.claim([request.id]))  # the source was granted its place
         elif not self._admit(request.id):
             self._wait_for_room(request.id)
         self._bundle_ids.append(request.id)
-        self._gauges.update(self._engine)
+        self._gauges.update(self._runtime)
         yield request
 
     def finish_bundle(self) -> None:
         # On a local runner every request reaches this worker's generate step, which says when it arrived;
         # on Dataflow it may go to another worker's, so from here on it counts for admission_transit_s.
         if self._wait and self._bundle_ids:
-            self._call(lambda engine: engine.dispatched(self._bundle_ids))
+            self._call(lambda runtime: runtime.dispatched(self._bundle_ids))
         if self._waited:
-            self._call(lambda engine: engine.leave_place(self._bundle))
+            self._call(lambda runtime: runtime.leave_place(self._bundle))
         self._bundle_ids, self._waited = [], False
 
     def _admit(self, request_id: str) -> bool:
-        return bool(self._call(lambda engine: engine.admit([request_id])))
+        return bool(self._call(lambda runtime: runtime.admit([request_id])))
 
-    def _call(self, call: Callable[[EngineBase], int | None]) -> int | None:
+    def _call(self, call: Callable[[WorkerRuntime], int | None]) -> int | None:
         try:
-            return call(self._engine)
+            return call(self._runtime)
         except (ConnectionError, EOFError) as exc:
-            LOGGER.warning("The worker's engine is unreachable (%s); reconnecting", exc)
-            self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
+            LOGGER.warning("The worker's runtime is unreachable (%s); reconnecting", exc)
+            self._runtime = self._source.acquire(fresh=True)
             return None
 
     def _wait_for_room(self, request_id: str) -> None:
@@ -120,19 +121,19 @@ class _AdmitFn(beam.DoFn):
         started = time.monotonic()
         backoff = 0.01
         self.waits.inc()
-        while self._call(lambda engine: engine.wait_place(self._bundle)):  # taken, or renewed each round
+        while self._call(lambda runtime: runtime.wait_place(self._bundle)):  # taken, or renewed each round
             self._waited = True
             time.sleep(backoff)
             if self._admit(request_id):
                 break
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            self._gauges.update(self._engine)
+            self._gauges.update(self._runtime)
             self._log_wait("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
                            "of the subscription stays unacknowledged until a request finishes",
                            self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
         else:
             self.overflow.inc()
-            self._call(lambda engine: engine.admit_over([request_id]))
+            self._call(lambda runtime: runtime.admit_over([request_id]))
             self._log_wait("Worker full and %d admission bundles already wait for room (half of its harness "
                            "threads, the rest kept for the timers): a request goes on over the bound",
                            self._settings.admission_waiters)
@@ -154,11 +155,10 @@ class AdmitRequests(beam.PTransform):
     source admits instead (see the module docstring).
     """
 
-    def __init__(self, settings: EngineSettings, shared_tag: str, *, wait: bool = True) -> None:
+    def __init__(self, runtime: SharedRuntime, *, wait: bool = True) -> None:
         super().__init__()
-        self._settings = settings
-        self._shared_tag = shared_tag
+        self._runtime = runtime
         self._wait = wait
 
     def expand(self, requests):
-        return requests | "Admit" >> beam.ParDo(_AdmitFn(self._settings, self._shared_tag, self._wait))
+        return requests | "Admit" >> beam.ParDo(AdmitFn(self._runtime, self._wait))

@@ -4,7 +4,7 @@
 chunks as they arrive. Outputs of a DoFn are committed when its bundle ends,
 so a DoFn that yielded chunks from inside ``process`` would release them only
 once its longest request finished. Instead, ``process`` hands the requests to
-the worker's engine (:mod:`pipeline.engines.engine_host`) and returns; a
+the worker's engine (:mod:`pipeline.worker.runtime`) and returns; a
 processing-time timer then polls the engine and emits whatever has arrived,
 each firing its own small bundle. With ``EngineSettings.chunk_topic`` the
 engine publishes chunks itself as they are cut (no Beam hop between a token
@@ -46,6 +46,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Tuple
 
 import apache_beam as beam
@@ -56,16 +57,17 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline.contract.element_guard import guarded, guarded_value
+from pipeline.contract.element_guard import guarded_value
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import default
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
-from pipeline.engines.engine import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, EngineBase, EngineSettings
-from pipeline.engines.engine_host import acquire_engine, new_engine_tag
-from pipeline.engines.stream_progress import Attempts, KeyProgress
-from pipeline.engines.worker_load import LoadGauges
+from pipeline.contract.stream_progress import (CHUNK, COMPLETION, DEAD_LETTER, KeyProgress, Output, RequestProgress,
+                                               Step, advance)
+from pipeline.engines.engine import EngineSettings
 from pipeline.generation.dedupe import SeenIds
+from pipeline.worker.load import LoadGauges
+from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, new_runtime_tag
 
 LOGGER = logging.getLogger(__name__)
 # Bounds, in seconds, of the counters of answers whose first token took longer (``first_token_over_<b>s``).
@@ -88,9 +90,9 @@ WAITING_POLL_CAP_S = 2.0
 STATE_VERSION = 2
 _ENTRY_FIELDS = {"request": (str,), "fp": (str,), "attempt": (int,), "key": (str, type(None)),
                  "deadline_at": (int, float, type(None))}
-
-
-# (engine tag, key) -> (waiting count last reported to the engine, when): see _report_waiting.
+# Per process, what this process last reported waiting for each (runtime tag, key), and when: a client-side
+# cache of the reports sent to the worker's runtime (see _report_waiting). Per process, not per DoFn instance:
+# a runner may build a new instance per bundle, which must still clear an old report.
 _REPORTED: dict[tuple[str, str], tuple[int, float]] = {}
 _MAX_REPORTS_REMEMBERED = 100_000
 
@@ -100,55 +102,44 @@ def template_poll_interval_ms(chunk_interval_ms: float) -> float:
     return min(max(chunk_interval_ms / 2, 10.0), 100.0)
 
 
-def encode_entry(entry: dict) -> str:
-    return write_cell(entry, STATE_VERSION)
+@dataclass(frozen=True)
+class RequestEntry:
+    """One request this key holds, waiting for room or in flight: an entry of the ``waiting`` or ``inflight`` bag."""
 
+    request: str  # the request as JSON (InferenceRequest.to_json)
+    fp: str  # its fingerprint: two requests that share an id are told apart by it
+    attempt: int = 1  # the attempt its stream runs as (a lost stream is sent again as the next)
+    key: str | None = None  # its stream at the engine; None while waiting, or lost while the engine was full
+    deadline_at: float | None = None  # when its own deadline_ms passes (epoch seconds), if it has one
+    batch: str | None = None  # the batcher's batch it came in: a static-batching engine takes a batch whole
+    lost: int = 0  # how many of its streams were lost (bounded apart from attempts)
 
-def decode_entry(text: str) -> dict:
-    """A waiting or in-flight entry, upgraded from any version this code knows; raises StateFormatError."""
-    data = read_cell(text, (1, STATE_VERSION), _ENTRY_FIELDS)
-    try:
-        InferenceRequest.from_json(data["request"])
-    except ValueError as exc:
-        raise StateFormatError(f"its request does not decode: {exc}") from None
-    lost = data.get("lost", 0)  # absent before streams lost were counted apart from attempts: none known
-    if not isinstance(lost, int) or isinstance(lost, bool) or lost < 0:
-        raise StateFormatError("field 'lost' of the wrong type")
-    return {"request": data["request"], "fp": data["fp"], "attempt": data["attempt"], "key": data["key"],
-            "deadline_at": data["deadline_at"], "batch": data.get("batch"), "lost": lost}
+    @property
+    def request_id(self) -> str:
+        return InferenceRequest.from_json(self.request).id
 
+    @property
+    def progress(self) -> RequestProgress:
+        return RequestProgress(self.key, 0, self.attempt, self.lost)
 
-class _Progress:
-    """The key's stream progress (:class:`~pipeline.engines.stream_progress.KeyProgress`) in its state cell."""
+    def encode(self) -> str:
+        return write_cell(asdict(self), STATE_VERSION)
 
-    VERSION = 1  # cells written before versions have none: the same fields
-
-    def __init__(self, state) -> None:
-        self._state = state
-        text = state.read()
-        self.streams = KeyProgress()
-        if text:
-            try:
-                data = read_cell(text, (self.VERSION,), {"taken": (dict,), "release": (dict,)})
-                self.streams = KeyProgress(_positions(data["taken"]), _positions(data["release"]))
-            except StateFormatError as exc:
-                # Polled from their start, the streams are found released and sent again: nothing is lost.
-                LOGGER.error("Unreadable progress state (%s); this key's streams will be sent again", exc)
-        self._before = self._cells()
-
-    def _cells(self) -> tuple[dict[str, int], dict[str, int]]:
-        return dict(self.streams.taken), dict(self.streams.release)
-
-    def save(self) -> None:
-        cells = self._cells()
-        if cells == self._before:
-            return
-        taken, release = cells
-        if taken or release:
-            self._state.write(write_cell({"taken": taken, "release": release}, self.VERSION))
-        else:
-            self._state.clear()
-        self._before = cells
+    @classmethod
+    def decode(cls, text: str) -> RequestEntry:
+        """An entry, upgraded from any version this code knows; raises StateFormatError."""
+        data = read_cell(text, (1, STATE_VERSION), _ENTRY_FIELDS)
+        try:
+            InferenceRequest.from_json(data["request"])
+        except ValueError as exc:
+            raise StateFormatError(f"its request does not decode: {exc}") from None
+        lost = data.get("lost", 0)  # absent before streams lost were counted apart from attempts: none known
+        if not isinstance(lost, int) or isinstance(lost, bool) or lost < 0:
+            raise StateFormatError("field 'lost' of the wrong type")
+        batch = data.get("batch")  # absent before batches were kept whole: each entry its own
+        if batch is not None and not isinstance(batch, str):
+            raise StateFormatError("field 'batch' of the wrong type")
+        return cls(data["request"], data["fp"], data["attempt"], data["key"], data["deadline_at"], batch, lost)
 
 
 def _positions(value: dict) -> dict[str, int]:
@@ -157,7 +148,44 @@ def _positions(value: dict) -> dict[str, int]:
     return {str(key): n for key, n in value.items()}
 
 
-class _StreamingGenerateFn(beam.DoFn):
+PROGRESS_VERSION = 1  # cells written before versions have none: the same fields
+
+
+def read_progress(text: str | None) -> KeyProgress:
+    """The key's progress cell; an unreadable one reads as empty: polled from their start, its streams are found
+    released and sent again, so nothing is lost."""
+    if not text:
+        return KeyProgress()
+    try:
+        data = read_cell(text, (PROGRESS_VERSION,), {"taken": (dict,), "release": (dict,)})
+        return KeyProgress(_positions(data["taken"]), _positions(data["release"]))
+    except StateFormatError as exc:
+        LOGGER.error("Unreadable progress state (%s); this key's streams will be sent again", exc)
+        return KeyProgress()
+
+
+def write_progress(state, before: KeyProgress, after: KeyProgress) -> None:
+    """Writes the key's progress cell when it changed (cleared when empty)."""
+    if after == before:
+        return
+    if after.taken or after.release:
+        state.write(write_cell({"taken": dict(after.taken), "release": dict(after.release)}, PROGRESS_VERSION))
+    else:
+        state.clear()
+
+
+@dataclass(frozen=True)
+class _Polled:
+    """What collecting a key's streams came to: what to emit, the requests still in flight, and the key's progress."""
+
+    emit: list[Any]
+    remaining: list[RequestEntry]
+    progress: KeyProgress
+
+
+class StreamingGenerateFn(beam.DoFn):
+    """The generate step's DoFn (see the module docstring); ``runtime`` says how it reaches its worker's runtime."""
+
     WAITING = BagStateSpec("waiting", StrUtf8Coder())
     INFLIGHT = BagStateSpec("inflight", StrUtf8Coder())
     PROGRESS = ReadModifyWriteStateSpec("progress", StrUtf8Coder())
@@ -167,14 +195,14 @@ class _StreamingGenerateFn(beam.DoFn):
     WAIT_MS = ReadModifyWriteStateSpec("wait_ms", VarIntCoder())  # backoff of a key whose requests only wait
     DRAIN = TimerSpec("drain", TimeDomain.WATERMARK)
 
-    def __init__(self, settings: EngineSettings, shared_tag: str, poll_interval_ms: float,
-                 dedupe_window_s: float, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
-        self._settings = settings
-        self._shared_tag = shared_tag
+    def __init__(self, runtime: RuntimeSource, poll_interval_ms: float,
+                 dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
+                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        self._source = runtime
         self._poll_interval_s = poll_interval_ms / 1000.0
         self._dedupe_window_s = dedupe_window_s
         self._drain_timeout_s = drain_timeout_s
-        self._engine: EngineBase | None = None
+        self._runtime: WorkerRuntime | None = None
         self._gauges = LoadGauges("generate")
         self.requests_sent = Metrics.counter("streaming_generate", "requests_sent")
         self.requests_queued = Metrics.counter("streaming_generate", "requests_queued")
@@ -197,14 +225,9 @@ class _StreamingGenerateFn(beam.DoFn):
         self.structured_cut = Metrics.counter("streaming_generate", "structured_output_cut_at_max_tokens")
 
     def setup(self) -> None:
-        self._engine = acquire_engine(self._settings, self._shared_tag)
+        self._runtime = self._source.acquire()
 
-    def _count_first_token(self, ttft_ms: int) -> None:
-        self.ttft.update(ttft_ms)
-        self.first_tokens.inc()
-        for bound_ms, counter in self.first_token_over:
-            if ttft_ms > bound_ms:
-                counter.inc()
+    # Beam's callbacks: load the key's state, apply the transitions, commit -----------------
 
     def process(self, element: tuple[object, list[InferenceRequest]],
                 window=beam.DoFn.WindowParam,
@@ -219,53 +242,28 @@ class _StreamingGenerateFn(beam.DoFn):
         now = time.time()
         seen = SeenIds(seen_state)
         batch = uuid.uuid4().hex[:12]  # the batcher's batch stays one unit for an engine that generates it so
-        accepted: list[dict] = []
+        accepted: list[RequestEntry] = []
         for request in requests:
-            yield from guarded(STAGE_INFERENCE, request, lambda: self._accept(request, seen, batch, accepted, now))
+            entry, failure = guarded_value(STAGE_INFERENCE, request, lambda: self._accept(request, seen, batch, now))
+            if failure is not None:
+                yield failure
+            elif isinstance(entry, RequestEntry):
+                accepted.append(entry)
+            elif entry is not None:
+                yield entry  # its dead letter: another request holds the id
         already = sum(1 for _ in waiting.read())
-        sent = 0 if already else self._send(accepted, inflight)  # once one waits, the rest queue behind it
-        for entry in accepted[sent:]:
-            waiting.add(encode_entry(entry))
+        sent = [] if already else self._send(accepted)  # once one waits, the rest queue behind it
+        for entry in sent:
+            inflight.add(entry.encode())
+        for entry in accepted[len(sent):]:
+            waiting.add(entry.encode())
             self.requests_queued.inc()
-        self._report_waiting(shard, already + len(accepted) - sent, arrived=[r.id for r in requests])
+        self._report_waiting(shard, already + len(accepted) - len(sent), arrived=[r.id for r in requests])
         seen.save(now)
         if accepted and wait_ms.read() is not None:
             wait_ms.clear()  # new work: poll at the chunk cadence again
         self._arm(poll, poll_at_ms, now + self._poll_interval_s)
         drain.set(window.max_timestamp())
-
-    def _accept(self, request: InferenceRequest, seen: SeenIds, batch: str, accepted: list[dict],
-                now: float) -> Iterator[Any]:
-        """De-duplicates a request by id and, if it is new, adds its state entry to ``accepted``."""
-        fingerprint = request.fingerprint()
-        holder = seen.holder(request.id, now)
-        if holder == fingerprint:
-            self.duplicates.inc()
-            LOGGER.info("Request %s: a copy is in flight or finished within dedupe_window_s; dropped", request.id)
-            return
-        if holder is not None:
-            yield self._dead_letter(request.to_json(), "another request with this id is in flight or finished "
-                                    f"within dedupe_window_s={self._dedupe_window_s:g}; give each request its own id")
-            return
-        deadline_at = None if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
-        accepted.append({"request": request.to_json(), "fp": fingerprint, "attempt": 1, "key": None,
-                         "deadline_at": deadline_at, "batch": batch})
-        seen.hold(request.id, fingerprint)
-
-    def _send(self, entries: list[dict], inflight) -> int:
-        """Submits entries as one batch; those the engine took go in flight. Returns how many (a prefix)."""
-        if not entries:
-            return 0
-        keys = self._submit([e["request"] for e in entries], [e["attempt"] for e in entries])
-        sent = 0
-        for entry, key in zip(entries, keys):
-            if key is None:
-                break
-            entry["key"] = key
-            inflight.add(encode_entry(entry))
-            sent += 1
-        self.requests_sent.inc(sent)
-        return sent
 
     @on_timer(POLL)
     def on_poll(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
@@ -274,34 +272,28 @@ class _StreamingGenerateFn(beam.DoFn):
                 wait_ms=beam.DoFn.StateParam(WAIT_MS), key=beam.DoFn.KeyParam) -> Iterator[Any]:
         poll_at_ms.clear()
         seen = SeenIds(seen_state)
-        progress = _Progress(progress_state)
-        streaming = yield from self._collect(inflight, progress, seen)
-        sent, left = yield from self._admit(waiting, inflight, seen)
-        self._report_waiting(key, left)
-        self._gauges.update(self._engine)
-        progress.save()
+        before = read_progress(progress_state.read())
+        letters, entries = self._decoded(inflight)
+        polled = self._collect(entries, before, seen)
+        yield from letters
+        yield from polled.emit
+        if polled.remaining != entries or letters:
+            self._rewrite(inflight, polled.remaining)
+        letters, left = self._decoded(waiting)
+        yield from letters
+        emitted, sent, left = self._admit(left, seen)
+        yield from emitted
+        for entry in sent:
+            inflight.add(entry.encode())
+        if sent or emitted or letters:
+            self._rewrite(waiting, left)
+        self._report_waiting(key, len(left))
+        self._gauges.update(self._runtime)
+        write_progress(progress_state, before, polled.progress)
         now = time.time()
-        seen.save(now, prune=not (streaming or sent or left))
-        backoff_ms = wait_ms.read()
-        if streaming or sent or progress.streams.release:
-            if backoff_ms is not None:
-                wait_ms.clear()
-            self._arm(poll, poll_at_ms, now + self._poll_interval_s)
-        elif left:  # only waiting: nothing here can change until another key's stream ends
-            backoff = min(max(2 * (backoff_ms or 0), int(self._poll_interval_s * 1000)), int(WAITING_POLL_CAP_S * 1000))
-            if backoff != backoff_ms:
-                wait_ms.write(backoff)
-            self._arm(poll, poll_at_ms, now + backoff / 1000)
-        elif (next_expiry := seen.next_expiry()) is not None:
-            self._arm(poll, poll_at_ms, next_expiry + 1.0)  # to forget the ids whose window has passed
-
-    def _arm(self, poll, poll_at_ms, at: float) -> None:
-        """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
-        armed = poll_at_ms.read()
-        if armed is not None and armed / 1000.0 <= at:
-            return
-        poll.set(Timestamp(at))
-        poll_at_ms.write(int(at * 1000))
+        seen.save(now, prune=not (polled.remaining or sent or left))
+        self._schedule(poll, poll_at_ms, wait_ms, seen, now,
+                       busy=bool(polled.remaining or sent or polled.progress.release), waiting=bool(left))
 
     @on_timer(DRAIN)
     def on_drain(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
@@ -318,223 +310,265 @@ class _StreamingGenerateFn(beam.DoFn):
         """
         deadline = time.time() + self._drain_timeout_s
         seen = SeenIds(seen_state)
-        entries = yield from self._decoded(waiting)
+        letters, entries = self._decoded(waiting)
+        yield from letters
         for entry in entries:
             yield self._drain_letter(entry, "the job drained before the request was sent to the model server")
-        waiting.clear()
         self._report_waiting(key, 0)
-        progress = _Progress(progress_state)
         # Polled from the committed positions, pass after pass, and nothing released: if this work item's
         # commit fails, its retry finds every stream where the last commit left it and collects it again.
-        committed = dict(progress.streams.taken)
-        while (yield from self._collect(inflight, progress, seen, committed=committed)) and time.time() < deadline:
+        progress = read_progress(progress_state.read())
+        committed = dict(progress.taken)
+        letters, entries = self._decoded(inflight)
+        yield from letters
+        while entries:
+            polled = self._collect(entries, progress, seen, committed=committed)
+            yield from polled.emit
+            entries, progress = polled.remaining, polled.progress
+            if not entries or time.time() >= deadline:
+                break
             time.sleep(min(self._poll_interval_s, max(deadline - time.time(), 0.0)))
-        entries = yield from self._decoded(inflight)
         # Unfinished within the timeout: stopped at the server now. Finished ones stay until the engine's
         # own expiry (request_timeout_s), for a retry of this work item to collect.
-        self._engine.cancel([e["key"] for e in entries if e["key"] is not None])
+        self._runtime.cancel([e.key for e in entries if e.key is not None])
         for entry in entries:
             yield self._drain_letter(entry, f"the job drained and the request did not finish within "
                                             f"drain_timeout_s={self._drain_timeout_s:g}")
-        for state in (inflight, progress_state, seen_state, wait_ms, poll_at_ms):
+        for state in (waiting, inflight, progress_state, seen_state, wait_ms, poll_at_ms):
             state.clear()
         poll.clear()
 
-    def _report_waiting(self, key: object, count: int, arrived: list[str] | None = None) -> None:
-        """Tells the worker's engine how many requests this key holds waiting, and which requests reached it
-        (admission counts the first, and stops counting the second as on their way).
+    # Transitions ------------------------------------------------------------------------------
 
-        A count is sent when it changes or its last report is a second old (reports lapse after
-        ``WAITING_REPORT_LAPSE_S``); arrivals always. What was reported is remembered per process, not per
-        DoFn instance: a runner may build a new instance per bundle, which must still clear an old report.
+    def _accept(self, request: InferenceRequest, seen: SeenIds, batch: str,
+                now: float) -> RequestEntry | pvalue.TaggedOutput | None:
+        """A new request's entry; None for a copy of one held (dropped), a dead letter for another request that
+        shares its id."""
+        fingerprint = request.fingerprint()
+        holder = seen.holder(request.id, now)
+        if holder == fingerprint:
+            self.duplicates.inc()
+            LOGGER.info("Request %s: a copy is in flight or finished within dedupe_window_s; dropped", request.id)
+            return None
+        if holder is not None:
+            return self._dead_letter(request.to_json(), "another request with this id is in flight or finished "
+                                     f"within dedupe_window_s={self._dedupe_window_s:g}; give each request its own id")
+        seen.hold(request.id, fingerprint)
+        deadline_at = None if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
+        return RequestEntry(request.to_json(), fingerprint, deadline_at=deadline_at, batch=batch)
+
+    def _send(self, entries: list[RequestEntry]) -> list[RequestEntry]:
+        """Submits entries as one batch; returns those the engine took (a prefix), with their streams."""
+        if not entries:
+            return []
+        keys = self._submit([e.request for e in entries], [e.attempt for e in entries])
+        sent = [replace(entry, key=key) for entry, key in itertools.takewhile(lambda pair: pair[1] is not None,
+                                                                               zip(entries, keys))]
+        self.requests_sent.inc(len(sent))
+        return sent
+
+    def _admit(self, entries: list[RequestEntry],
+               seen: SeenIds) -> tuple[list[Any], list[RequestEntry], list[RequestEntry]]:
+        """Waiting requests sent batch by batch while the engine has room: (dead letters of those whose deadline
+        passed, those sent, those still waiting).
+
+        Offered even when the engine is full: a retried firing whose first try sent some of them finds the engine
+        full of exactly those, and submitting again is what joins them (their keys come back, not None).
         """
-        holder, now = repr(key), time.monotonic()
-        last = _REPORTED.get((self._shared_tag, holder))
-        if not arrived and last is not None and last[0] == count and now - last[1] < 1.0:
-            return
-        try:
-            self._engine.report_waiting(holder, count, arrived or [])
-        except (ConnectionError, EOFError):
-            return  # the next poll reconnects; the report lapses meanwhile (and an arrival after transit)
-        if len(_REPORTED) > _MAX_REPORTS_REMEMBERED:
-            _REPORTED.clear()  # only costs a repeated report per key
-        _REPORTED[(self._shared_tag, holder)] = (count, now)
+        now, live, letters = time.time(), [], []
+        for entry in entries:
+            if entry.deadline_at is not None and now > entry.deadline_at:
+                request = InferenceRequest.from_json(entry.request)
+                letters.append(self._dead_letter(entry.request, f"its deadline_ms={request.deadline_ms} passed "
+                                                                "while it waited for the model server (backlog)"))
+                seen.release(request.id, entry.fp, now + self._dedupe_window_s)
+            else:
+                live.append(entry)
+        sent: list[RequestEntry] = []
+        for _, group in itertools.groupby(live, key=lambda e: e.batch):
+            group = list(group)
+            taken = self._send(group)
+            sent += taken
+            self.requests_admitted.inc(len(taken))
+            if len(taken) < len(group):
+                break
+        return letters, sent, live[len(sent):]
 
-    def _drain_letter(self, entry: dict, reason: str) -> pvalue.TaggedOutput:
-        self.drained.inc()
-        return self._dead_letter(entry["request"], reason + "; republish it with the redrive command",
-                                 stage=STAGE_DRAIN)
+    def _collect(self, entries: list[RequestEntry], progress: KeyProgress, seen: SeenIds,
+                 committed: dict[str, int] | None = None) -> _Polled:
+        """Polls the engine for the key's streams and advances each request (:func:`~pipeline.contract.
+        stream_progress.advance`).
+
+        The engine is asked for each stream's outputs from its committed position, so a retried firing (whose
+        state writes were discarded) gets the same outputs again; finished streams are released on the next
+        firing. ``committed`` (a drain, which polls many times in one work item): the positions the last commit
+        wrote; the engine is asked from them, so it releases nothing this work item emitted, and a stream lost
+        meanwhile becomes a drain dead letter, for the next job.
+        """
+        if not entries and not progress.release:
+            return _Polled([], [], progress)  # timers can fire twice for one setting
+        draining = committed is not None
+        asked = progress.asks([e.key for e in entries if e.key is not None], committed)
+        answers = self._poll(asked, [e.key for e in entries if e.key is not None])
+        emit, remaining, settled = [], [], []
+        for entry in entries:
+            current = replace(entry.progress, position=progress.position(entry.key))
+            answer = answers.get(entry.key, []) if entry.key is not None else None
+            after, step = advance(current, answer, asked.get(entry.key, 0), draining=draining)
+            request = InferenceRequest.from_json(entry.request)
+            outcome, failure = guarded_value(STAGE_INFERENCE, request,
+                                             lambda: self._apply(entry, after, step, draining))
+            if failure is not None:
+                emit.append(failure)
+                outcome = ([], None, after)
+            outputs, still, final = outcome
+            emit += outputs
+            if still is None:
+                seen.release(request.id, entry.fp, time.time() + self._dedupe_window_s)
+            else:
+                remaining.append(still)
+            settled.append((final, still is None))
+        return _Polled(emit, remaining, progress.settled(settled, draining=draining))
+
+    def _apply(self, entry: RequestEntry, after: RequestProgress, step: Step,
+               draining: bool) -> tuple[list[Any], RequestEntry | None, RequestProgress]:
+        """Carries out one request's step: its outputs as Beam emits them, its entry now (None: it ended), and its
+        progress as the key records it."""
+        outputs = [self._output(output) for output in step.emit]
+        if step.give_up:
+            if draining:
+                return outputs + [self._drain_letter(entry, "its stream was lost while the job drained")], None, after
+            return outputs + [self._dead_letter(entry.request, f"its stream was lost {entry.lost} times (its key "
+                                                "moved away, or its worker was lost, each time)")], None, after
+        if step.ended:
+            return outputs, None, after
+        if step.resend is not None:
+            key = self._submit([entry.request], [step.resend.attempt])[0]
+            if key is not None:
+                self.resubmitted.inc()
+                LOGGER.warning("Stream %s was lost; sent again as %s", entry.key, key)
+                after = replace(step.resend, stream=key)
+        return outputs, replace(entry, key=after.stream, attempt=after.attempt, lost=after.lost), after
+
+    def _output(self, output: Output) -> Any:
+        """One of the engine's outputs as the step emits it, counted."""
+        kind, payload = output
+        if kind == CHUNK:
+            self.chunks_out.inc()
+            return json.loads(payload)
+        record = json.loads(payload)
+        self.accelerator_ms.inc(round(1000 * (record.get("accelerator_seconds") or 0.0)))
+        if kind == DEAD_LETTER:
+            self.dead_letters_out.inc()
+            return pvalue.TaggedOutput(TAG_DEAD_LETTERS, record)
+        assert kind == COMPLETION, kind
+        self.completions_out.inc()
+        if record["time_to_first_token_ms"] is not None:
+            self._count_first_token(int(record["time_to_first_token_ms"]))
+        if record["output_error"] is not None:
+            self.structured_invalid.inc()
+            if record["finish_reason"] == "length":
+                self.structured_cut.inc()
+        return pvalue.TaggedOutput(TAG_COMPLETIONS, record)
+
+    # State and the runtime ------------------------------------------------------------------
+
+    def _decoded(self, bag) -> tuple[list[pvalue.TaggedOutput], list[RequestEntry]]:
+        """The bag's entries, and a dead letter (with its raw text) for each that cannot be decoded; the caller
+        rewrites the bag when there are any."""
+        letters, entries = [], []
+        for text in bag.read():
+            try:
+                entries.append(RequestEntry.decode(text))
+            except StateFormatError as exc:
+                self.undecodable.inc()
+                self.dead_letters_out.inc()
+                LOGGER.error("A state entry of this key cannot be decoded (%s); it goes to the dead letters", exc)
+                letters.append(pvalue.TaggedOutput(TAG_DEAD_LETTERS, DeadLetter(
+                    STAGE_INFERENCE, f"state entry could not be decoded after an update: {exc}", text,
+                    at=time.time()).to_record()))
+        return letters, entries
+
+    @staticmethod
+    def _rewrite(bag, entries: list[RequestEntry]) -> None:
+        bag.clear()
+        for entry in entries:
+            bag.add(entry.encode())
+
+    def _schedule(self, poll, poll_at_ms, wait_ms, seen: SeenIds, now: float, *, busy: bool, waiting: bool) -> None:
+        """The next poll: at the chunk cadence while anything streams; backing off while requests only wait
+        (nothing here can change until another key's stream ends); to forget ids once nothing else is left."""
+        backoff_ms = wait_ms.read()
+        if busy:
+            if backoff_ms is not None:
+                wait_ms.clear()
+            self._arm(poll, poll_at_ms, now + self._poll_interval_s)
+        elif waiting:
+            backoff = min(max(2 * (backoff_ms or 0), int(self._poll_interval_s * 1000)), int(WAITING_POLL_CAP_S * 1000))
+            if backoff != backoff_ms:
+                wait_ms.write(backoff)
+            self._arm(poll, poll_at_ms, now + backoff / 1000)
+        elif (next_expiry := seen.next_expiry()) is not None:
+            self._arm(poll, poll_at_ms, next_expiry + 1.0)
+
+    def _arm(self, poll, poll_at_ms, at: float) -> None:
+        """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
+        armed = poll_at_ms.read()
+        if armed is not None and armed / 1000.0 <= at:
+            return
+        poll.set(Timestamp(at))
+        poll_at_ms.write(int(at * 1000))
+
+    def _count_first_token(self, ttft_ms: int) -> None:
+        self.ttft.update(ttft_ms)
+        self.first_tokens.inc()
+        for bound_ms, counter in self.first_token_over:
+            if ttft_ms > bound_ms:
+                counter.inc()
+
+    def _reconnect(self, exc: Exception) -> None:
+        LOGGER.warning("The worker's runtime is unreachable (%s); reconnecting", exc)
+        self._runtime = self._source.acquire(fresh=True)
+
+    def _poll(self, asked: dict[str, int], streams: list[str]) -> dict[str, list[Output] | None]:
+        """The engine's answers; when its host process died, every stream is lost with it (sent again)."""
+        try:
+            return self._runtime.poll(asked) if asked else {}
+        except (ConnectionError, EOFError) as exc:
+            self._reconnect(exc)
+            return {stream: None for stream in streams}
 
     def _submit(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
         """The engine's keys for new streams; None for each it has no room for (or when it must be reconnected)."""
         try:
-            return self._engine.submit_batch(request_jsons, attempts)
+            return self._runtime.submit_batch(request_jsons, attempts)
         except (ConnectionError, EOFError) as exc:
-            LOGGER.warning("The worker's engine is unreachable (%s); reconnecting", exc)
-            self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
+            self._reconnect(exc)
             return [None] * len(request_jsons)
 
-    def _decoded(self, bag, texts: list[str] | None = None) -> Iterator[Any]:
-        """The bag's entries; one that cannot be decoded is a dead letter with its raw text (the bag is rewritten).
+    def _report_waiting(self, key: object, count: int, arrived: list[str] | None = None) -> None:
+        """Tells the worker's admission ledger how many requests this key holds waiting, and which requests
+        reached it (admission counts the first, and stops counting the second as on their way).
 
-        ``texts``: the bag's contents when the caller has already read them. Returns the
-        entries, as a generator's return value, after yielding the dead letters.
+        A count is sent when it changes or its last report is a second old (reports lapse after
+        ``WAITING_REPORT_LAPSE_S``, :mod:`pipeline.worker.admission_ledger`); arrivals always.
         """
-        entries, broken = [], False
-        for text in bag.read() if texts is None else texts:
-            try:
-                entries.append(decode_entry(text))
-            except StateFormatError as exc:
-                broken = True
-                self.undecodable.inc()
-                self.dead_letters_out.inc()
-                LOGGER.error("A state entry of this key cannot be decoded (%s); it goes to the dead letters", exc)
-                yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, DeadLetter(
-                    STAGE_INFERENCE, f"state entry could not be decoded after an update: {exc}", text,
-                    at=time.time()).to_record())
-        if broken:
-            bag.clear()
-            for entry in entries:
-                bag.add(encode_entry(entry))
-        return entries
-
-    def _admit(self, waiting, inflight, seen: SeenIds) -> Iterator[Any]:
-        """Sends waiting requests, batch by batch, while the engine has room; returns (sent, still waiting)."""
-        texts = list(waiting.read())  # one read of the bag per firing
-        if not texts:
-            return 0, 0
-        # Offered even when the engine is full: a retried firing whose first try sent some of them finds the engine
-        # full of exactly those, and submitting again is what joins them (their keys come back, not None).
-        entries = yield from self._decoded(waiting, texts)
-        now, live, expired = time.time(), [], False
-        for entry in entries:
-            if entry["deadline_at"] is not None and now > entry["deadline_at"]:
-                request = InferenceRequest.from_json(entry["request"])
-                yield self._dead_letter(entry["request"], f"its deadline_ms={request.deadline_ms} passed while "
-                                                          "it waited for the model server (backlog)")
-                seen.release(request.id, entry["fp"], now + self._dedupe_window_s)
-                expired = True
-            else:
-                live.append(entry)
-        taken = 0
-        while taken < len(live):
-            batch = live[taken].get("batch")
-            group = list(itertools.takewhile(lambda e: e.get("batch") == batch, live[taken:]))
-            sent = self._send(group, inflight)
-            taken += sent
-            self.requests_admitted.inc(sent)
-            if sent < len(group):
-                break
-        if taken or expired:
-            waiting.clear()
-            for entry in live[taken:]:
-                waiting.add(encode_entry(entry))
-        return taken, len(live) - taken
-
-    def _collect(self, inflight, progress: _Progress, seen: SeenIds,
-                 committed: dict[str, int] | None = None) -> Iterator[Any]:
-        """Emits what the engine has for each in-flight request; returns how many remain.
-
-        The engine is asked for each stream's outputs from its committed
-        position on (:mod:`pipeline.engines.stream_progress`), so a retried
-        firing (whose state writes were discarded) gets the same outputs again;
-        finished streams are released on the next firing. The bag is rewritten
-        only when an entry changed (finished, resent).
-
-        ``committed`` (a drain, which polls many times in one work item): the
-        positions the last commit wrote. The engine is asked from them, so it
-        releases nothing this work item emitted; what was emitted by an earlier
-        pass is skipped. A stream lost meanwhile is not sent again: it becomes a
-        drain dead letter, for the next job.
-        """
-        entries = yield from self._decoded(inflight)
-        streams = progress.streams
-        if not entries and not streams.release:
-            return 0  # timers can fire twice for one setting
-        keys = [e["key"] for e in entries if e["key"] is not None]
-        asked = streams.ask(keys, committed)
+        holder, now = repr(key), time.monotonic()
+        tag = self._source.tag
+        last = _REPORTED.get((tag, holder))
+        if not arrived and last is not None and last[0] == count and now - last[1] < 1.0:
+            return
         try:
-            ready = self._engine.poll(asked) if asked else {}
-        except (ConnectionError, EOFError) as exc:
-            # The SDK process hosting the shared engine died: its streams are gone with it.
-            LOGGER.warning("The worker's engine is unreachable (%s); reconnecting and resending", exc)
-            self._engine = acquire_engine(self._settings, self._shared_tag, fresh=True)
-            ready = {key: [(UNKNOWN, "")] for key in keys}
-        remaining, changed = [], False
-        for entry in entries:
-            key, attempt = entry["key"], entry["attempt"]
-            items = ready.get(key, [])
-            if not (items and items[0][0] == UNKNOWN):
-                items = streams.unseen(key, items)
-            if not items and key is not None:
-                remaining.append(entry)  # nothing new for this request
-                streams.emitted(key, 0, ended=False)
-                continue
-            step, failure = guarded_value(STAGE_INFERENCE, InferenceRequest.from_json(entry["request"]),
-                                          lambda: self._outputs(entry, items, draining=committed is not None))
-            emit, ended, current = ([failure], True, entry) if failure is not None else step
-            yield from emit
-            if ended:
-                seen.release(json.loads(entry["request"])["id"], entry["fp"], time.time() + self._dedupe_window_s)
-                changed = True
-            else:
-                remaining.append(current)
-                changed = changed or (current["key"], current["attempt"]) != (key, attempt)
-            if key is not None and current["key"] == key:  # the same stream, not lost and sent again under a new key
-                streams.emitted(key, len(items), ended=ended)
-        if changed:
-            inflight.clear()
-            for entry in remaining:
-                inflight.add(encode_entry(entry))
-        return len(remaining)
+            self._runtime.report_waiting(holder, count, arrived or [])
+        except (ConnectionError, EOFError):
+            return  # the next poll reconnects; the report lapses meanwhile (and an arrival after transit)
+        if len(_REPORTED) > _MAX_REPORTS_REMEMBERED:
+            _REPORTED.clear()  # only costs a repeated report per key
+        _REPORTED[(tag, holder)] = (count, now)
 
-    def _outputs(self, entry: dict, items: Any, draining: bool) -> tuple[list[Any], bool, dict]:
-        """One request's outputs from a poll: (what to emit, whether the request ended, its entry now)."""
-        emit, ended = [], False
-        attempts = Attempts(entry["attempt"], entry.get("lost", 0))
-        if entry["key"] is None:  # its stream was lost while the engine was full: send it again
-            items = [(UNKNOWN, "")]
-        for kind, payload in items:
-            if kind == CHUNK:
-                self.chunks_out.inc()
-                chunk = json.loads(payload)
-                attempts = attempts.seen(chunk["attempt"])
-                emit.append(chunk)
-            elif kind == ATTEMPT:  # the engine retried the stream: a lost stream must be resent past it
-                attempts = attempts.seen(int(payload))
-            elif kind == COMPLETION:
-                self.completions_out.inc()
-                ended = True
-                completion = json.loads(payload)
-                if completion["time_to_first_token_ms"] is not None:
-                    self._count_first_token(int(completion["time_to_first_token_ms"]))
-                self.accelerator_ms.inc(round(1000 * (completion.get("accelerator_seconds") or 0.0)))
-                if completion["output_error"] is not None:
-                    self.structured_invalid.inc()
-                    if completion["finish_reason"] == "length":
-                        self.structured_cut.inc()
-                emit.append(pvalue.TaggedOutput(TAG_COMPLETIONS, completion))
-            elif kind == DEAD_LETTER:
-                self.dead_letters_out.inc()
-                ended = True
-                letter = json.loads(payload)
-                self.accelerator_ms.inc(round(1000 * (letter.get("accelerator_seconds") or 0.0)))
-                emit.append(pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter))
-            elif kind == UNKNOWN:
-                if draining:
-                    return emit + [self._drain_letter(entry, "its stream was lost while the job drained")], True, entry
-                again = attempts.resent()
-                if again is None:
-                    return emit + [self._dead_letter(entry["request"], f"its stream was lost {attempts.lost} times "
-                                                     "(its key moved away, or its worker was lost, each time)")], \
-                        True, entry
-                key = self._submit([entry["request"]], [again.attempt])[0]
-                if key is not None:
-                    attempts = again
-                    self.resubmitted.inc()
-                    LOGGER.warning("Stream %s was lost; sent again as %s", entry["key"], key)
-                entry = {**entry, "key": key}
-        return emit, ended, {**entry, "attempt": attempts.attempt, "lost": attempts.lost}
+    def _drain_letter(self, entry: RequestEntry, reason: str) -> pvalue.TaggedOutput:
+        self.drained.inc()
+        return self._dead_letter(entry.request, reason + "; republish it with the redrive command", stage=STAGE_DRAIN)
 
     def _dead_letter(self, request_json: str, reason: str, stage: str = STAGE_INFERENCE) -> pvalue.TaggedOutput:
         self.dead_letters_out.inc()
@@ -586,7 +620,7 @@ class StreamingGenerate(beam.PTransform):
     """
 
     def __init__(self, settings: EngineSettings, *, poll_interval_ms: float | None = None,
-                 shared_tag: str | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
+                 runtime: SharedRuntime | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
                  generate_shards: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         super().__init__()
         if drain_timeout_s < 0:
@@ -596,22 +630,20 @@ class StreamingGenerate(beam.PTransform):
         if generate_shards is not None and settings.engine == "transformers":
             raise ValueError("engine 'transformers' generates each batch as it came from the batcher, on its "
                              "batcher key: it takes no generate_shards")
-        self._settings = settings
         self._dedupe_window_s = dedupe_window_s
         self._drain_timeout_s = drain_timeout_s
         self._generate_shards = generate_shards
-        self._poll_interval_ms = template_poll_interval_ms(
-            settings.chunk_policy.interval_ms if poll_interval_ms is None else 2 * poll_interval_ms)
-        # One engine per worker for this pipeline (its admission step passes the same tag).
-        self._shared_tag = shared_tag or new_engine_tag(settings)
+        self._poll_interval_ms = (template_poll_interval_ms(settings.chunk_policy.interval_ms)
+                                  if poll_interval_ms is None else poll_interval_ms)
+        # One runtime per worker for this pipeline (its admission step shares it).
+        self._runtime = runtime or SharedRuntime(settings, new_runtime_tag(settings))
 
     def expand(self, batches):
         if self._generate_shards is not None:
             # Re-keyed by the id's generate shard: these keys decide which worker's GPU serves a request.
             batches = batches | "KeyByGenerateShard" >> KeyByGenerateShard(self._generate_shards)
         results = batches | "Generate" >> beam.ParDo(
-            _StreamingGenerateFn(self._settings, self._shared_tag, self._poll_interval_ms, self._dedupe_window_s,
-                                 self._drain_timeout_s)
+            StreamingGenerateFn(self._runtime, self._poll_interval_ms, self._dedupe_window_s, self._drain_timeout_s)
         ).with_outputs(TAG_COMPLETIONS, TAG_DEAD_LETTERS, main="chunks")
         return results
 

@@ -2,7 +2,7 @@
 
 Namespace :data:`LOAD_NAMESPACE`, set at most once a second per process and
 step: ``held_requests`` and ``max_held_requests`` (the worker's hold and its
-bound, :mod:`pipeline.engines.worker_hold`), ``in_flight_requests``,
+bound, :mod:`pipeline.worker.hold`), ``in_flight_requests``,
 ``waiting_requests``, ``server_running_requests`` and
 ``server_waiting_requests`` (vLLM's own ``/metrics``). The admission step and
 the generate step both report them.

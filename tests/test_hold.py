@@ -1,11 +1,11 @@
-"""The worker's hold ledger (pipeline/engines/worker_hold.py): an admitted request counts once until it arrives."""
+"""The worker's hold ledger (pipeline/worker/hold.py): an admitted request counts once until it arrives."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.engines.worker_hold import WorkerHold
+from pipeline.worker.hold import WorkerHold
 
 
 def ledger() -> WorkerHold:

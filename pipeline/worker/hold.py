@@ -30,7 +30,7 @@ step's timers need threads too, so at most ``most`` bundles wait at once
 (:meth:`WorkerHold.wait_place`; a place lapses unless its bundle renews it).
 
 No clock is read here: callers pass ``now``, which is what makes the ledger
-testable on its own (``tests/test_worker_hold.py``).
+testable on its own (``tests/test_hold.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""The worker's runtime: one engine and one admission ledger per worker VM, shared by every SDK process.
+
+vLLM's continuous batching works best with every request of the worker in flight against one server, and
+admission must count what the whole VM holds, so all DoFn instances and SDK processes on a VM share one
+:class:`WorkerRuntime` through Beam's ``MultiProcessShared``: the first process to ask builds it (and with it
+the model manager's server), the others call it through a proxy. A proxy reaches an object's methods, not the
+objects it holds, so the runtime forwards each call to its part: generation to the engine
+(:mod:`pipeline.engines.engine`), admission to the ledger (:mod:`pipeline.worker.admission_ledger`). A step
+reaches it through a :class:`SharedRuntime` (picklable: settings and the pipeline's tag).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from apache_beam.utils.multi_process_shared import MultiProcessShared
+
+from pipeline.engines.engine import EngineBase, EngineSettings
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.worker.admission_ledger import AdmissionLedger
+
+# Runtimes this process has acquired, by tag: a per-process cache of proxies. Runners may set up and tear down
+# DoFn instances per bundle (the DirectRunner does), so the reference is held for the life of the process rather
+# than released in teardown, which would stop the server; the engine closes itself (and its server) at exit.
+_ACQUIRED: dict[str, "WorkerRuntime"] = {}
+_ACQUIRE_LOCK = threading.Lock()
+
+
+class WorkerRuntime:
+    """One VM's engine and admission ledger; every public method is a call a step may make through the proxy."""
+
+    def __init__(self, engine: EngineBase) -> None:
+        self.engine = engine
+        self.admission = AdmissionLedger(engine.settings, engine.in_flight)
+
+    # Generation (the generate step) -----------------------------------------------------
+
+    def submit_batch(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
+        return self.engine.submit_batch(request_jsons, attempts)
+
+    def poll(self, positions: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
+        return self.engine.poll(positions)
+
+    def cancel(self, keys: list[str]) -> None:
+        self.engine.cancel(keys)
+
+    def in_flight(self) -> int:
+        return self.engine.in_flight()
+
+    def server_restarts(self) -> int:
+        return self.engine.server_restarts()
+
+    # Admission (the admission step; the generate step reports what waits) ------------------
+
+    def admit(self, ids: list[str]) -> int:
+        return self.admission.admit(ids)
+
+    def admit_over(self, ids: list[str]) -> None:
+        self.admission.admit_over(ids)
+
+    def wait_place(self, bundle: str) -> bool:
+        return self.admission.wait_place(bundle)
+
+    def leave_place(self, bundle: str) -> None:
+        self.admission.leave_place(bundle)
+
+    def dispatched(self, ids: list[str]) -> None:
+        self.admission.dispatched(ids)
+
+    def report_waiting(self, holder: str, count: int, arrived: Sequence[str] = ()) -> None:
+        self.admission.report_waiting(holder, count, arrived)
+
+    def admit_count(self, count: int) -> int:
+        return self.admission.admit_count(count)
+
+    def claim(self, ids: list[str]) -> None:
+        self.admission.claim(ids)
+
+    # Both ---------------------------------------------------------------------------------
+
+    def load(self) -> dict[str, int | None]:
+        """The worker's load: what its generate step holds (in flight and waiting) against the bound, what
+        was admitted and is on its way (counted against the bound too), and what its model server runs."""
+        unfinished, waiting, on_the_way = self.admission.counts()
+        running, queued = self.engine.server_load()
+        return {"held": unfinished + waiting, "on_the_way": on_the_way, "max_held": self.admission.bound,
+                "in_flight": unfinished, "waiting": waiting, "server_running": running, "server_waiting": queued}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class RuntimeSource(Protocol):
+    """How a step reaches its worker's runtime: the settings it was built for, a tag that names the runtime among
+    others in the process, and the runtime itself."""
+
+    settings: EngineSettings
+    tag: str
+
+    def acquire(self, *, fresh: bool = False) -> WorkerRuntime: ...
+
+
+@dataclass(frozen=True)
+class SharedRuntime:
+    """The runtime one pipeline's steps share on a worker, named by the pipeline's tag (:func:`new_runtime_tag`)."""
+
+    settings: EngineSettings
+    tag: str
+
+    def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
+        """The worker-wide runtime; ``fresh`` drops this process's handle first (its hosting process died)."""
+        return acquire_runtime(self.settings, self.tag, fresh=fresh)
+
+
+def new_runtime_tag(settings: EngineSettings) -> str:
+    """A tag for one pipeline's runtime: shared by its steps on a worker, never with another job's."""
+    return "streaming-llm-" + hashlib.sha1((repr(settings) + uuid.uuid4().hex).encode()).hexdigest()[:16]
+
+
+def build_engine(settings: EngineSettings) -> EngineBase:
+    """The engine the settings name; transformers is imported only by workers that use it."""
+    if settings.engine == "transformers":
+        from pipeline.engines.transformers_engine import TransformersEngine
+        if not logging.getLogger().handlers:  # its own process (see acquire_runtime): log where the worker does
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return TransformersEngine(settings)
+    return VLLMEngine(settings)
+
+
+def build_runtime(settings: EngineSettings) -> WorkerRuntime:
+    return WorkerRuntime(build_engine(settings))
+
+
+def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) -> WorkerRuntime:
+    """The worker-wide runtime: the first process to ask builds it, the others proxy to it.
+
+    ``fresh`` drops this process's cached handle first (its hosting process died).
+    The transformers engine gets a process of its own: its decoding loop is Python
+    between many small torch calls, and in a process whose other threads run the
+    pipeline it waited for the GIL at every call, several times slower a decoding
+    step on the DirectRunner.
+    """
+    with _ACQUIRE_LOCK:
+        if fresh:
+            _ACQUIRED.pop(tag, None)
+        if tag not in _ACQUIRED:
+            shared = MultiProcessShared(functools.partial(build_runtime, settings), tag=tag,
+                                        spawn_process=settings.engine == "transformers")
+            _ACQUIRED[tag] = shared.acquire()
+        return _ACQUIRED[tag]
+
+
+def acquired_runtimes() -> list[WorkerRuntime]:
+    """The runtimes this process has acquired so far (a local source admits through its pipeline's)."""
+    with _ACQUIRE_LOCK:
+        return list(_ACQUIRED.values())
