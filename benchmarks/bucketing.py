@@ -32,7 +32,7 @@ from local.direct_runner import apply_local_runner_fixes
 from local.emulators import PubSubEmulator
 from pipeline.flow.batching import BatchingConfig, BatchRequests, default_boundaries, padding
 from pipeline.intake.parsing import ParseRequests
-from pipeline.intake.prompt_length import ESTIMATOR_CHARS, MeasurePromptLength
+from pipeline.intake.prompt_length import ESTIMATOR_CHARS, MeasurePromptLength, PromptLength
 
 
 def workload(count: int, seed: int) -> list[int]:
@@ -72,7 +72,7 @@ def run_once(emulator: PubSubEmulator, config: BatchingConfig, lengths: list[int
     pipeline = beam.Pipeline(options=options)
     parsed = (pipeline | ReadFromPubSub(subscription=emulator.subscription(f"bench-{tag}-sub"), with_attributes=True)
               | ParseRequests())
-    measured = parsed.requests | MeasurePromptLength(estimator=ESTIMATOR_CHARS)
+    measured = parsed.requests | MeasurePromptLength(PromptLength(estimator=ESTIMATOR_CHARS))
     (measured.requests | BatchRequests(config)).batches | beam.ParDo(_Record(str(out)))
     result = pipeline.run()
     from google.cloud import pubsub_v1

@@ -36,10 +36,19 @@
    to 500 ahead: a backlog left the subscription for the pipeline's memory
    within seconds. On Dataflow the admission step (:mod:`pipeline.flow.admission`)
    holds its bundle, and so the messages, while the worker is full; here, where
-   one thread runs every step, the read hands over only what that admission
-   grants, and prefetches no more than the worker has room for.
+   one thread runs every step, a step that waited would stop the timers. So the
+   read hands over only what the worker's admission ledger admits, and prefetches
+   no more than the worker has room for: :class:`SourceAdmission` wraps the
+   worker's runtime from outside (every step acquires it through it) and admits
+   each message under a place-holder id before it is parsed, through the
+   ledger's public ``admit``; when the admission step then admits the request by
+   its id, it takes over the place-holder's place (``admit_over`` and the
+   place-holder reported arrived) instead of waiting. A place-holder that no
+   request takes over (a message that failed to parse) lapses like any admitted
+   request on its way.
 
-All seven touch private DirectRunner internals, so they live outside the worker
+All seven touch private DirectRunner internals (the seventh wraps the worker's
+runtime from outside), so they live outside the worker
 package (``pipeline/``) and are applied only by the local launcher,
 ``python -m local.direct_runner TEMPLATE_ARGS`` (what ``make smoke``, the tests
 and the benchmarks run), never on Dataflow, which has none of these problems.
@@ -56,6 +65,7 @@ import logging
 import collections
 import signal
 import sys
+import uuid
 import threading
 import time
 import weakref
@@ -64,7 +74,8 @@ from typing import Any
 from apache_beam.runners.runner import PipelineResult
 
 
-from pipeline.worker.runtime import WorkerRuntime, acquired_runtimes
+from pipeline.engines.engine import EngineSettings
+from pipeline.worker.runtime import WorkerRuntime
 
 LOGGER = logging.getLogger(__name__)
 
@@ -122,7 +133,7 @@ class _PrefetchingPullClient:
                 threading.Thread(target=self._prefetch, name="pubsub-prefetch", daemon=True).start()
         runtime = _source_runtime()
         ready = min(len(self._queue), self._max_messages)
-        granted = 0 if not ready else runtime.admit_count(ready) if runtime is not None else 1
+        granted = 0 if not ready else runtime.admit_messages(ready) if runtime is not None else 1
         received = [self._queue.popleft() for _ in range(granted)]
         self.taken += len(received)
         if not received:
@@ -133,10 +144,67 @@ class _PrefetchingPullClient:
         return getattr(self._client, name)
 
 
-def _source_runtime() -> WorkerRuntime | None:
+# The place-holders' holder in the ledger's reports: the source is no key of the generate step.
+SOURCE_HOLDER = "local-source"
+
+
+class SourceAdmission:
+    """Fix 7: the worker's runtime as the local steps see it, so the source admits and the admission step finds
+    each request admitted already. Any other call goes to the runtime as it is."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self._places: collections.deque[str] = collections.deque()  # admitted place-holders, oldest first
+        self._lock = threading.Lock()
+
+    def admit_messages(self, count: int) -> int:
+        """Places for up to ``count`` messages not yet parsed, while the worker has room; how many it took."""
+        places = [f"{SOURCE_HOLDER}:{uuid.uuid4().hex}" for _ in range(count)]
+        taken = self.runtime.admit(places) if places else 0
+        if taken:
+            self.runtime.dispatched(places[:taken])  # counted for admission_transit_s unless taken over
+            with self._lock:
+                self._places.extend(places[:taken])
+        return taken
+
+    def admit(self, ids: list[str]) -> int:
+        """The admission step's call: each request takes over a place-holder's place, without waiting."""
+        with self._lock:
+            places = [self._places.popleft() for _ in range(min(len(ids), len(self._places)))]
+        if places:
+            self.runtime.admit_over(ids[:len(places)])
+            self.runtime.report_waiting(SOURCE_HOLDER, 0, places)
+        rest = ids[len(places):]
+        return len(places) + (self.runtime.admit(rest) if rest else 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runtime, name)
+
+
+_ADMISSIONS: dict[str, SourceAdmission] = {}  # by runtime tag
+_ADMISSIONS_LOCK = threading.Lock()
+
+
+def _admit_in_the_source() -> None:
+    """Fix 7: every step of this process acquires its runtime wrapped in a :class:`SourceAdmission`."""
+    from pipeline.worker import runtime as worker_runtime
+
+    original = worker_runtime.acquire_runtime
+
+    def acquire(settings: EngineSettings, tag: str, *, fresh: bool = False) -> SourceAdmission:
+        runtime = original(settings, tag, fresh=fresh)
+        with _ADMISSIONS_LOCK:
+            if tag not in _ADMISSIONS or _ADMISSIONS[tag].runtime is not runtime:
+                _ADMISSIONS[tag] = SourceAdmission(runtime)
+            return _ADMISSIONS[tag]
+
+    worker_runtime.acquire_runtime = acquire
+
+
+def _source_runtime() -> SourceAdmission | None:
     """The worker's runtime, once the pipeline's steps have set it up: one pipeline, one runtime, in a local run."""
-    runtimes = acquired_runtimes()
-    return runtimes[0] if runtimes else None
+    with _ADMISSIONS_LOCK:
+        return next(iter(_ADMISSIONS.values()), None)
 
 
 def _source_load() -> dict | None:
@@ -237,6 +305,7 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
     transform_evaluator.get_dofn_specs = dofn_specs_by_class
 
     _inspect_methods_once_per_class()
+    _admit_in_the_source()
 
     watermarks = watermark_manager._TransformWatermarks
     original_add_pending = watermarks.add_pending

@@ -183,8 +183,9 @@ class BigQueryEmulator(Emulator):
         use_bigquery_emulator()
 
 
-# Google's BigQuery library, unlike its Pub/Sub and Storage libraries, reads no emulator variable: a local process
-# that writes to the emulator registers a client factory with the worker code (pipeline.sinks.bigquery_sink).
+# Google's BigQuery library, unlike its Pub/Sub and Storage libraries, does not go anonymous for an emulator, and
+# Beam's streaming inserts call BigQuery's own address: a local process that writes to the emulator wraps both
+# from outside the worker code (use_bigquery_emulator).
 BIGQUERY_EMULATOR_ENV = "BIGQUERY_EMULATOR_HOST"
 
 
@@ -198,10 +199,24 @@ def emulator_bigquery_client(project: str):
 
 
 def use_bigquery_emulator() -> bool:
-    """Points this process's BigQuery clients at the emulator its environment names, if it names one."""
-    from pipeline.sinks.bigquery_sink import use_client_factory
-
+    """Points this process's BigQuery clients at the emulator its environment names, if it names one: the sink's
+    table checks (``pipeline.sinks.bigquery_sink.bigquery_client``) and Beam's streaming inserts (its
+    ``BigQueryWriteFn`` takes a client, its own test seam)."""
     if not os.environ.get(BIGQUERY_EMULATOR_ENV):
         return False
-    use_client_factory(emulator_bigquery_client)
+    from apache_beam.io.gcp.bigquery import BigQueryWriteFn
+
+    from pipeline.sinks import bigquery_sink
+
+    bigquery_sink.bigquery_client = emulator_bigquery_client
+    if not getattr(BigQueryWriteFn, "_emulator_client", False):
+        original = BigQueryWriteFn.start_bundle
+
+        def start_bundle(self) -> None:
+            if self.test_client is None:
+                self.test_client = emulator_bigquery_client(PROJECT)
+            original(self)
+
+        BigQueryWriteFn.start_bundle = start_bundle
+        BigQueryWriteFn._emulator_client = True
     return True

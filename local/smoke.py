@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             print("==> Starting the BigQuery emulator (dataset llm)", flush=True)
             bigquery = stack.enter_context(BigQueryEmulator())
             bigquery.activate()  # the pipeline subprocess inherits the emulator's address
-            from pipeline.sinks.bigquery_sink import bigquery_client
-            bigquery_client(bigquery.project).create_dataset("llm")
+            from local.emulators import emulator_bigquery_client
+            emulator_bigquery_client(bigquery.project).create_dataset("llm")
             tables = [f"--output_completions_table={bigquery.project}:llm.completions",
                       f"--output_chunks_table={bigquery.project}:llm.chunks",
                       f"--dead_letter_table={bigquery.project}:llm.dead_letters"]
@@ -120,9 +120,9 @@ COMPLETIONS_QUERY = ("SELECT request_id, finish_reason, completion_tokens, time_
 
 
 def completions_query() -> str:
-    from pipeline.sinks.bigquery_sink import bigquery_client
+    from local.emulators import emulator_bigquery_client
 
-    client = bigquery_client(os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"))
+    client = emulator_bigquery_client(os.environ.get("GOOGLE_CLOUD_PROJECT", "local-project"))
     rows = client.query(COMPLETIONS_QUERY.format(table="`local-project.llm.completions`")).result()
     lines = [f"{'request_id':>12} {'finish':>7} {'tokens':>7} {'first token ms':>15} {'accelerator s':>14}"]
     lines += [f"{r.request_id:>12} {r.finish_reason:>7} {r.completion_tokens:>7} {r.time_to_first_token_ms:>15.0f} "

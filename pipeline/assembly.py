@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 import apache_beam as beam
@@ -42,32 +42,21 @@ class PipelineOutputs:
 
 
 def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
-    """Adds the whole streaming inference graph to ``pipeline``.
-
-    On a local runner the admission step does not wait (the local source admits, see
-    :mod:`pipeline.flow.admission`).
-    """
+    """Adds the whole streaming inference graph to ``pipeline``."""
     config, local = settings.config, is_local(pipeline.options)
     messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
                                                           with_attributes=True)
     parsed = messages | "ParseRequests" >> ParseRequests(settings.limits, config.id_attribute,
                                                          settings.request_defaults)
-    measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(
-        **asdict(settings.prompt_length))
+    measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(settings.prompt_length)
     # The admission step and the generate step share the worker's runtime: its engine and admission ledger.
     runtime = SharedRuntime(settings.engine, new_runtime_tag(settings.engine))
     # Last before the first shuffle: what it holds back is still unacknowledged in Pub/Sub.
-    admitted = measured.requests | "AdmitRequests" >> AdmitRequests(runtime, wait=not local)
+    admitted = measured.requests | "AdmitRequests" >> AdmitRequests(runtime)
     batches = admitted | "BatchRequests" >> BatchRequests(settings.batching)
-    generate_keys = settings.generate_keys(local=local)
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
         settings.engine, runtime=runtime, dedupe_window_s=settings.generate.dedupe_window_s,
-        drain_timeout_s=settings.generate.drain_timeout_s,
-        # The batcher's shard already is hash(id) mod num_shards: re-keying to the same keys would only
-        # add a step (a hop on the DirectRunner, which fuses nothing).
-        # A static batch is the transformers engine's unit of work: it stays whole, on its batcher key.
-        generate_shards=None if generate_keys == settings.batching.num_shards or config.engine != "vllm"
-        else generate_keys)
+        drain_timeout_s=settings.generate.drain_timeout_s, generate_shards=settings.rekey_shards(local=local))
     failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
     if config.output_completions_topic:
         failures.append(generated.completions | "PublishCompletions" >> PublishJson(

@@ -82,8 +82,8 @@ def activated(emulator: Emulator):
 def bigquery():
     """The BigQuery emulator with a dataset named ``llm``."""
     with BigQueryEmulator() as running, activated(running):
-        from pipeline.sinks.bigquery_sink import bigquery_client
-        bigquery_client(running.project).create_dataset("llm")
+        from local.emulators import emulator_bigquery_client
+        emulator_bigquery_client(running.project).create_dataset("llm")
         yield running
 
 

@@ -50,7 +50,7 @@ def full_worker(base_url: str, **overrides) -> tuple[InProcessRuntime, VLLMEngin
 
 
 def admit_fn(source: InProcessRuntime) -> AdmitFn:
-    admit = AdmitFn(source, wait=True)
+    admit = AdmitFn(source)
     admit.setup()
     return admit
 

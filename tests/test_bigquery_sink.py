@@ -11,8 +11,9 @@ import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from local.emulators import emulator_bigquery_client
 from pipeline.sinks.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, PARTITION_COLUMN, SCHEMAS,
-                                          TableError, WriteToBigQueryTable, bigquery_client, ensure_table)
+                                          TableError, WriteToBigQueryTable, ensure_table)
 
 PROJECT = "local-project"
 COMPLETION = {"id": "r1", "attempt": 1, "stream": "s1", "model": "smollm2", "prompt": "Hi", "messages": None, "text": "Hello!",
@@ -33,7 +34,7 @@ def table(name: str) -> str:
 
 def rows(spec: str) -> list[dict]:
     name = spec.replace(":", ".")
-    return [dict(row) for row in bigquery_client(PROJECT).query(f"SELECT * FROM `{name}`").result()]
+    return [dict(row) for row in emulator_bigquery_client(PROJECT).query(f"SELECT * FROM `{name}`").result()]
 
 
 def _record(letter: dict, run_id: str) -> None:
@@ -54,7 +55,7 @@ def write(spec: str, kind: str, records: list[dict], **kwargs) -> list[dict]:
 def test_missing_tables_are_created_with_the_schema_and_day_partitions(bigquery, kind):
     spec = table(kind)
     ensure_table(spec, kind, create=True)
-    created = bigquery_client(PROJECT).get_table(spec.replace(":", "."))
+    created = emulator_bigquery_client(PROJECT).get_table(spec.replace(":", "."))
     assert [(f.name, f.field_type, f.mode) for f in created.schema] == [
         (c.name, c.type, c.mode) for c in SCHEMAS[kind]]
     assert created.time_partitioning.field == PARTITION_COLUMN[kind]
@@ -72,7 +73,7 @@ def test_required_tables_that_are_missing_stop_the_launch(bigquery):
 def test_a_table_without_our_columns_is_refused(bigquery):
     from google.cloud import bigquery as bq
     spec = table("foreign")
-    bigquery_client(PROJECT).create_table(bq.Table(spec.replace(":", "."), schema=[bq.SchemaField("x", "STRING")]))
+    emulator_bigquery_client(PROJECT).create_table(bq.Table(spec.replace(":", "."), schema=[bq.SchemaField("x", "STRING")]))
     with pytest.raises(TableError, match="lacks the column"):
         ensure_table(spec, KIND_CHUNKS, create=True)
 
@@ -82,13 +83,13 @@ def test_a_table_of_an_earlier_version_gets_the_new_nullable_columns_only_when_t
     from google.cloud import bigquery as bq
     spec = table("earlier")
     earlier = [c for c in SCHEMAS[KIND_COMPLETIONS] if c.name not in ("queue_ms", "decode_ms", "accelerator_seconds")]
-    bigquery_client(PROJECT).create_table(bq.Table(spec.replace(":", "."), schema=[
+    emulator_bigquery_client(PROJECT).create_table(bq.Table(spec.replace(":", "."), schema=[
         bq.SchemaField(c.name, c.type, mode=c.mode) for c in earlier]))
     with pytest.raises(TableError, match="lacks the column.*queue_ms, decode_ms, accelerator_seconds.*"
                                          "bigquery_create_tables=true"):
         ensure_table(spec, KIND_COMPLETIONS, create=False)
     ensure_table(spec, KIND_COMPLETIONS, create=True)
-    grown = bigquery_client(PROJECT).get_table(spec.replace(":", "."))
+    grown = emulator_bigquery_client(PROJECT).get_table(spec.replace(":", "."))
     assert [f.name for f in grown.schema] == [c.name for c in SCHEMAS[KIND_COMPLETIONS]]
     ensure_table(spec, KIND_COMPLETIONS, create=False)  # now it has them all
 
@@ -125,7 +126,7 @@ def test_rows_bigquery_rejects_become_dead_letters_with_its_reason(bigquery):
     # refusals it does give: a table that vanished after launch, and a row over the insert size limit.
     gone = table("gone")
     ensure_table(gone, KIND_COMPLETIONS, create=True)
-    bigquery_client(PROJECT).delete_table(gone.replace(":", "."))
+    emulator_bigquery_client(PROJECT).delete_table(gone.replace(":", "."))
     letters = write(gone, KIND_COMPLETIONS, [COMPLETION], max_retries=0)
     assert len(letters) == 1 and letters[0]["stage"] == "sink" and letters[0]["id"] == "r1"
     assert letters[0]["reason"].startswith(f"BigQuery rejected the row for {gone}") and "Not Found" in letters[0]["reason"]

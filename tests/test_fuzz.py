@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pipeline.contract.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
 from pipeline.flow.batching import BatchingConfig, BatchRequests
 from pipeline.intake.parsing import ParseRequests
-from pipeline.intake.prompt_length import MeasurePromptLength
+from pipeline.intake.prompt_length import MeasurePromptLength, PromptLength
 from tests.hostile_inputs import attributes, hostile_corpus, payloads
 
 LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048, adapters=("support", "extract"))
@@ -61,8 +61,8 @@ def run_input_stages(messages: list[PubsubMessage], model_dir: str) -> dict[str,
     run_id = uuid.uuid4().hex
     with beam.Pipeline(options=PipelineOptions(flags=[], runner="BundleBasedDirectRunner")) as pipeline:
         parsed = pipeline | beam.Create(messages, reshuffle=False) | ParseRequests(LIMITS)
-        measured = parsed.requests | MeasurePromptLength(estimator="tokenizer", model=model_dir,
-                                                         max_model_len=LIMITS.max_model_len)
+        measured = parsed.requests | MeasurePromptLength(PromptLength(
+            estimator="tokenizer", model=model_dir, max_model_len=LIMITS.max_model_len))
         batched = measured.requests | BatchRequests(BatchingConfig(boundaries=(16, 64, 256), num_shards=4))
         batched.batches | beam.FlatMap(lambda batch: batch[1]) | "Requests" >> beam.ParDo(_Record(run_id, "requests"))
         ((parsed.dead_letters, measured.dead_letters, batched.dead_letters) | beam.Flatten()

@@ -39,16 +39,6 @@ def test_a_worker_held_only_by_open_bundles_lets_one_more_through():
     assert hold.room(0.5, held=2, bound=2) == 0, "on their way: they arrive or lapse"
 
 
-def test_grants_by_count_are_claimed_by_id_and_lapse_unclaimed():
-    hold = ledger()
-    hold.grant(0.0, 3)
-    hold.claim(0.5, ["a"])
-    assert hold.counts(1.0) == (0, 3)
-    assert hold.counts(2.5) == (0, 1), "the unclaimed grants lapse (a message that failed to parse)"
-    hold.arrived(["a"])
-    assert hold.counts(2.5) == (0, 0)
-
-
 def test_waiting_reports_count_per_key_until_they_lapse():
     hold = ledger()
     hold.report_waiting(0.0, "k1", 3)

@@ -173,3 +173,68 @@ def test_every_reference_to_a_worker_module_names_one_that_exists():
                 if named is None or (whole and whole[0].islower() and not named.count(".")):
                     dangling.add((path.name, "pipeline" + dotted))
     assert not dangling, sorted(dangling)
+
+
+# Beam calls these on a DoFn or PTransform: a public method of that name is the runner's, not a seam.
+BEAM_CALLBACKS = {"setup", "start_bundle", "process", "finish_bundle", "teardown", "expand"}
+
+
+def exposed(path: Path) -> set[str]:
+    """The public names a worker module defines: its functions, classes and globals, and its classes' methods
+    (Beam's callbacks and timer callbacks aside)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(target.id for target in targets if isinstance(target, ast.Name))
+        if isinstance(node, ast.ClassDef):
+            names.update(item.name for item in node.body if isinstance(item, ast.FunctionDef)
+                         and item.name not in BEAM_CALLBACKS and not item.decorator_list)
+    return {name for name in names if not name.startswith("_")}
+
+
+def referenced(paths) -> set[str]:
+    """Every name, attribute and imported name the files use."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.alias):
+                names.add(node.name.split(".")[-1])
+    return names
+
+
+def only_for_local_code(product: set[str], local: set[str], modules: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Per worker module, the public names local code or benchmarks use and the product never does."""
+    found = {module: sorted(names & local - product) for module, names in modules.items()}
+    return {module: names for module, names in found.items() if names}
+
+
+def test_nothing_in_the_worker_package_exists_only_for_local_code_or_benchmarks():
+    """A seam for a local run or a benchmark (a client factory, a count-based grant, a registry of engines) is a name
+    the worker package exposes that only local/ or benchmarks/ use. The product is what a worker runs (pipeline/,
+    template/), the operator's commands (ops/) and the build of the console form (local/template_docs.py). Local
+    code may wrap the worker's functions from outside; it must not need one made for it."""
+    build = REPO / "local" / "template_docs.py"
+    product = referenced([*(REPO / "pipeline").rglob("*.py"), *(REPO / "template").rglob("*.py"),
+                          *(REPO / "ops").rglob("*.py"), build])
+    local = referenced([*(path for path in (REPO / "local").rglob("*.py") if path != build),
+                        *(REPO / "benchmarks").rglob("*.py")])
+    modules = {module_name(path): exposed(path) for path in (REPO / "pipeline").rglob("*.py")}
+    assert not only_for_local_code(product, local, modules)
+
+
+def test_the_seam_check_sees_a_factory_only_a_launcher_sets(tmp_path):
+    module = tmp_path / "sink.py"
+    module.write_text("_factory = None\n\ndef use_factory(f):\n    global _factory\n    _factory = f\n\n"
+                      "class Sink:\n    def process(self):\n        return _factory\n\n    def setup(self):\n        pass\n")
+    launcher = tmp_path / "launch.py"
+    launcher.write_text("from sink import use_factory\nuse_factory(print)\n")
+    assert exposed(module) == {"use_factory", "Sink"}
+    assert only_for_local_code(referenced([module]), referenced([launcher]), {"sink": exposed(module)}) == {
+        "sink": ["use_factory"]}

@@ -18,7 +18,7 @@ from local.cpu_server import LOCAL_SERVER
 from local.emulators import GcsEmulator
 from local.harness import REPO_ROOT, LocalRun
 from local.toy_adapters import build_adapter, chat_prompt_ids
-from pipeline.sinks.bigquery_sink import bigquery_client
+from local.emulators import emulator_bigquery_client
 from tests.conftest import activated, wait_until
 
 pytestmark = pytest.mark.engine
@@ -120,7 +120,7 @@ def test_a_burst_mixing_two_adapters_and_the_model_gives_each_request_its_own_ex
     for question in QUESTIONS:  # the adapters do change the answers
         assert len({reference[kind, question] for kind in kinds}) == len(kinds), reference
 
-    client = bigquery_client("local-project")
+    client = emulator_bigquery_client("local-project")
     query = "SELECT request_id, adapter FROM `local-project.llm.completions_lora`"
     assert wait_until(lambda: len(list(client.query(query).result())) >= len(burst), 60)
     rows = {row["request_id"]: row["adapter"] for row in client.query(query).result()}

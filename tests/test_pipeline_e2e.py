@@ -17,7 +17,7 @@ import pytest
 
 from local.cpu_server import LOCAL_SERVER
 from local.harness import REPO_ROOT, LocalRun, server_pids_in_log
-from pipeline.sinks.bigquery_sink import bigquery_client
+from local.emulators import emulator_bigquery_client
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.engine
@@ -172,7 +172,7 @@ def test_a_short_request_is_not_blocked_by_a_long_one(run):
 
 
 def table_rows(table: str) -> list[dict]:
-    return [dict(row) for row in bigquery_client("local-project").query(f"SELECT * FROM `local-project.llm.{table}`").result()]
+    return [dict(row) for row in emulator_bigquery_client("local-project").query(f"SELECT * FROM `local-project.llm.{table}`").result()]
 
 
 def test_bigquery_holds_the_same_completions_chunks_and_dead_letters(run):

@@ -15,7 +15,7 @@ from jsonschema import validate
 
 from benchmarks.structured_records import RECORD_SETS, RecordSet
 from local.harness import REPO_ROOT, LocalRun
-from pipeline.sinks.bigquery_sink import bigquery_client
+from local.emulators import emulator_bigquery_client
 from tests.conftest import SERVED_NAME, wait_until
 from tests.test_engine import TICKET_SCHEMA, TICKETS
 
@@ -52,7 +52,7 @@ def test_a_plain_text_stream_becomes_structured_completions_and_rows(vllm_server
     (letter,) = [d.data for d in collector.dead_letters if d.data["id"] == "no-text"]
     assert "prompt_template needs {text}" in letter["reason"]
 
-    client = bigquery_client("local-project")
+    client = emulator_bigquery_client("local-project")
     query = ("SELECT request_id, JSON_VALUE(output_json, '$.category') AS category, output_error "
              "FROM `local-project.llm.completions_structured`")
     assert wait_until(lambda: len(list(client.query(query).result())) >= len(ids), 60)

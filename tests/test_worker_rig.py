@@ -140,7 +140,7 @@ def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, 
                 later(("generate", shard), lambda shard=shard, batch=batch: driver.deliver(shard, batch))
 
     def read_bundle(bundle: list[InferenceRequest]) -> None:
-        admit = AdmitFn(source, wait=True)
+        admit = AdmitFn(source)
         admit.setup()
         admit.start_bundle()
         passed = [out for request in bundle for out in admit.process(request)]
@@ -192,4 +192,4 @@ def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, 
     delivered = sum(c["usage"]["completion_tokens"] for c in completions)
     assert generated / delivered <= 1.05, (generated, delivered)
     print(f"rig run {run}: read bundles {[len(b) for b in bundles]}, peak hold {peak} of {source.settings.max_held}, "
-          f"{engine.over} requests let through for want of a waiting place")
+          f"{source.runtime.over} requests let through for want of a waiting place")

@@ -21,6 +21,7 @@ from pipeline.contract.messages import RequestLimits
 from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS
 from pipeline.engines.engine import EngineSettings, waiting_places
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
+from pipeline.intake.prompt_length import PromptLength
 from pipeline.intake.request_defaults import RequestDefaults
 from pipeline.serving.lora_adapters import Adapter, parse_adapters
 from pipeline.serving.vllm_server import ServerSpec
@@ -42,17 +43,6 @@ def compact_json_by_default(vllm_args: tuple[str, ...]) -> bool:
 
 
 @dataclass(frozen=True)
-class PromptLengthSettings:
-    """How :class:`~pipeline.intake.prompt_length.MeasurePromptLength` counts a prompt's tokens: its arguments."""
-
-    estimator: str  # "tokenizer" or "chars"
-    model: str
-    prompt_format: str
-    max_model_len: int
-    hf_token_secret: str | None
-
-
-@dataclass(frozen=True)
 class GenerateSettings:
     """The generate step's own settings, beside the engine's."""
 
@@ -68,7 +58,7 @@ class JobSettings:
     config: PipelineConfig  # the input and outputs (subscription, topics, tables), which assembly wires as named
     limits: RequestLimits
     request_defaults: RequestDefaults
-    prompt_length: PromptLengthSettings
+    prompt_length: PromptLength
     batching: BatchingConfig
     engine: EngineSettings
     generate: GenerateSettings
@@ -108,7 +98,7 @@ class JobSettings:
         estimator = config.length_estimator
         if estimator == "auto":
             estimator = "chars" if config.server_url else "tokenizer"
-        prompt_length = PromptLengthSettings(estimator, config.effective_model, config.prompt_format,
+        prompt_length = PromptLength(estimator, config.effective_model, config.prompt_format,
                                              config.max_model_len, config.hf_token_secret)
         generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
                                     config.generate_shards)
@@ -127,6 +117,16 @@ class JobSettings:
     def generate_keys(self, local: bool) -> int:
         """The generate step's key count: as set, else by runner (see the ``generate_shards`` parameter's help)."""
         return self.generate.generate_shards or (self.batching.num_shards if local else DATAFLOW_GENERATE_SHARDS)
+
+    def rekey_shards(self, local: bool) -> int | None:
+        """How many generate shards the generate step re-keys batches to; None to keep the batcher's keys.
+
+        The batcher's shard already is hash(id) mod num_shards, so with as many generate keys re-keying would only
+        add a step (a hop on the DirectRunner, which fuses nothing); and a static batch is the transformers
+        engine's unit of work: it stays whole, on its batcher key.
+        """
+        keys = self.generate_keys(local)
+        return None if keys == self.batching.num_shards or self.config.engine != "vllm" else keys
 
 
 def _batching(config: PipelineConfig) -> BatchingConfig:

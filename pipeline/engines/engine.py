@@ -171,10 +171,6 @@ class EngineBase:
 
     # Public API (called through the cross-process proxy) ----------------------------
 
-    def submit(self, request_json: str, attempt: int = 1) -> str | None:
-        """One request: its key, or None while the engine is full."""
-        return self.submit_batch([request_json], [attempt])[0]
-
     def submit_batch(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
         """Starts a batch of requests; for each, the key to poll it with, or None where the engine had no room.
 
@@ -259,9 +255,6 @@ class EngineBase:
     def chunk_publisher(self) -> ChunkPublisher | None:
         """The publisher of the chunk topic, when the engine publishes chunks itself."""
         return self._chunk_publisher
-
-    def server_pid(self) -> int | None:
-        return None
 
     def server_restarts(self) -> int:
         return 0

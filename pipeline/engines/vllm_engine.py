@@ -85,9 +85,6 @@ class VLLMEngine(EngineBase):
         """Tokens per server event (vLLM's ``stream_interval``); None: one event per token."""
         return self._stream_interval
 
-    def server_pid(self) -> int | None:
-        return self._server.pid if self._server else None
-
     def server_restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
 

@@ -31,12 +31,9 @@ and the timers always have threads. The bound holds per worker: Dataflow
 spreads keys and source splits evenly, so each worker's hold reflects its
 share; a skewed spread can hold more on one worker than the bound.
 
-On a local runner the read itself waits instead (``local/direct_runner.py``
-takes only what the worker's engine grants,
-:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit_count`): the DirectRunner runs every
-step on one thread, so a step that waited would stop the timers that free
-room. The step then claims by id the places the source was granted, and
-reports the load.
+On the DirectRunner every step runs on one thread, so a step that waited would stop the timers that free
+room; the local runner admits in its source instead, through this same ledger, before this step runs
+(``local/direct_runner.py``), and this step finds its requests admitted already.
 
 The step reports the worker's load (:mod:`pipeline.worker.load`), and counts
 its waits in the same namespace: ``pushback_waits``, ``pushback_ms`` and ``pushback_overflow`` (requests let
@@ -68,10 +65,9 @@ _LOGGED_AT: list[float] = [float("-inf")]  # when this process last logged a wai
 class AdmitFn(beam.DoFn):
     """The admission step's DoFn (see the module docstring); ``runtime`` says how it reaches its worker's runtime."""
 
-    def __init__(self, runtime: RuntimeSource, wait: bool = True) -> None:
+    def __init__(self, runtime: RuntimeSource) -> None:
         self._source = runtime
         self._settings = runtime.settings
-        self._wait = wait
         self._runtime: WorkerRuntime | None = None
         self._gauges = LoadGauges("admit")
         self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
@@ -87,18 +83,16 @@ class AdmitFn(beam.DoFn):
         self._waited = False
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
-        if not self._wait:
-            self._call(lambda runtime: runtime.claim([request.id]))  # the source was granted its place
-        elif not self._admit(request.id):
+        if not self._admit(request.id):
             self._wait_for_room(request.id)
         self._bundle_ids.append(request.id)
         self._gauges.update(self._runtime)
         yield request
 
     def finish_bundle(self) -> None:
-        # On a local runner every request reaches this worker's generate step, which says when it arrived;
-        # on Dataflow it may go to another worker's, so from here on it counts for admission_transit_s.
-        if self._wait and self._bundle_ids:
+        # It may go to another worker's generate step, so from here on it counts for admission_transit_s
+        # unless this worker's says it arrived.
+        if self._bundle_ids:
             self._call(lambda runtime: runtime.dispatched(self._bundle_ids))
         if self._waited:
             self._call(lambda runtime: runtime.leave_place(self._bundle))
@@ -151,14 +145,12 @@ class AdmitRequests(beam.PTransform):
     """Requests in, the same requests out, as fast as the worker has room for them.
 
     Put it last before the first shuffle (the batcher), so that what it holds
-    back is unacknowledged in Pub/Sub. ``wait=False`` on local runners, whose
-    source admits instead (see the module docstring).
+    back is unacknowledged in Pub/Sub.
     """
 
-    def __init__(self, runtime: SharedRuntime, *, wait: bool = True) -> None:
+    def __init__(self, runtime: SharedRuntime) -> None:
         super().__init__()
         self._runtime = runtime
-        self._wait = wait
 
     def expand(self, requests):
-        return requests | "Admit" >> beam.ParDo(AdmitFn(self._runtime, self._wait))
+        return requests | "Admit" >> beam.ParDo(AdmitFn(self._runtime))

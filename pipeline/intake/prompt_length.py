@@ -9,6 +9,7 @@ not available where the pipeline runs.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import time
 from typing import Any, Iterator
 
@@ -96,6 +97,23 @@ class _MeasureFn(beam.DoFn):
         yield dataclasses.replace(request, prompt_tokens=tokens)
 
 
+@dataclass(frozen=True)
+class PromptLength:
+    """How :class:`MeasurePromptLength` counts a prompt's tokens; validated once, here."""
+
+    estimator: str = ESTIMATOR_CHARS  # "tokenizer" or "chars"
+    model: str = ""  # the model whose tokenizer counts (the tokenizer estimator's)
+    prompt_format: str = default("prompt_format")
+    max_model_len: int = default("max_model_len")
+    hf_token_secret: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.estimator not in (ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS):
+            raise ValueError(f"estimator must be {ESTIMATOR_TOKENIZER} or {ESTIMATOR_CHARS}, got {self.estimator!r}")
+        if self.estimator == ESTIMATOR_TOKENIZER and not self.model:
+            raise ValueError("the tokenizer estimator needs the model")
+
+
 class MeasurePromptLength(beam.PTransform):
     """Requests in; ``requests`` (with ``prompt_tokens`` set) and ``dead_letters`` out.
 
@@ -103,15 +121,12 @@ class MeasurePromptLength(beam.PTransform):
     model's context becomes a dead letter here instead of occupying a bucket.
     """
 
-    def __init__(self, *, estimator: str = ESTIMATOR_CHARS, model: str = "", prompt_format: str = default("prompt_format"),
-                 max_model_len: int = default("max_model_len"), hf_token_secret: str | None = None) -> None:
+    def __init__(self, settings: PromptLength = PromptLength()) -> None:
         super().__init__()
-        if estimator not in (ESTIMATOR_TOKENIZER, ESTIMATOR_CHARS):
-            raise ValueError(f"estimator must be {ESTIMATOR_TOKENIZER} or {ESTIMATOR_CHARS}, got {estimator!r}")
-        if estimator == ESTIMATOR_TOKENIZER and not model:
-            raise ValueError("the tokenizer estimator needs the model")
-        self._args = (estimator, model, prompt_format, max_model_len, hf_token_secret)
+        self._settings = settings
 
     def expand(self, requests):
-        return requests | "Measure" >> beam.ParDo(_MeasureFn(*self._args)).with_outputs(
+        s = self._settings
+        return requests | "Measure" >> beam.ParDo(_MeasureFn(
+            s.estimator, s.model, s.prompt_format, s.max_model_len, s.hf_token_secret)).with_outputs(
             TAG_DEAD_LETTERS, main="requests")

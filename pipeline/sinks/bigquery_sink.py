@@ -157,20 +157,8 @@ def parse_table(spec: str) -> tuple[str, str, str]:
     return project, dataset, table
 
 
-# Makes this process's BigQuery clients when set: a local launcher registers its emulator's (local/emulators.py).
-_client_factory: Callable[[str], Any] | None = None
-
-
-def use_client_factory(factory: Callable[[str], Any] | None) -> None:
-    """Makes every BigQuery client of this process, the sink's included, with ``factory(project)``; None: Google's."""
-    global _client_factory
-    _client_factory = factory
-
-
 def bigquery_client(project: str):
-    """A BigQuery client for ``project``: Google's, unless this process registered another."""
-    if _client_factory is not None:
-        return _client_factory(project)
+    """A BigQuery client for ``project`` (the table checks' and creation's; the writes use Beam's own)."""
     from google.cloud import bigquery
 
     return bigquery.Client(project=project)
@@ -236,17 +224,12 @@ def ensure_table(spec: str, kind: str, *, create: bool, deadline_s: float = 60.0
 
 
 class _InsertFn(BigQueryWriteFn):
-    """Beam's streaming-insert DoFn, taking our records; with the process's own client when one is registered."""
+    """Beam's streaming-insert DoFn, taking our records."""
 
     def __init__(self, table: str, kind: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._table = table
         self._kind = kind
-
-    def start_bundle(self) -> None:
-        if self.test_client is None and _client_factory is not None:
-            self.test_client = _client_factory(parse_table(self._table)[0])
-        super().start_bundle()
 
     def process(self, record: dict[str, Any], window_value=beam.DoFn.WindowedValueParam):
         # The row is built here rather than in a Map before: one step less per chunk bundle.

@@ -76,20 +76,6 @@ class AdmissionLedger:
             self._hold.report_waiting(time.time(), holder, count)
             self._hold.arrived(arrived)
 
-    def admit_count(self, count: int) -> int:
-        """For a source that admits before messages are parsed (the local runner's): up to ``count`` places,
-        each held for ``admission_transit_s`` unless claimed by id (:meth:`claim`)."""
-        now = time.time()
-        with self._lock:
-            granted = min(count, max(self._bound - self._held(now), 0))
-            self._hold.grant(now, granted)
-        return granted
-
-    def claim(self, ids: list[str]) -> None:
-        """The ids of requests a source was granted places for (:meth:`admit_count`)."""
-        with self._lock:
-            self._hold.claim(time.time(), ids)
-
     def counts(self) -> tuple[int, int, int]:
         """(unfinished streams, waiting in the generate step's state, admitted and on their way)."""
         with self._lock:

@@ -18,9 +18,6 @@ request the worker has taken and not yet finished, wherever it is on the way:
   open bundles would wait forever: then one more request goes through
   (:meth:`WorkerHold.room`), and the bound is exceeded by no more than what
   open bundles had to let through to finish.
-* **granted by count**: a local source admits messages before they are parsed
-  (``local/direct_runner.py``); each grant counts for ``transit_s`` or until
-  the admission step claims it by id.
 * **waiting**: what each key of the generate step reports waiting in its state
   (a report lapses unless renewed: its key moved, or its worker stalled).
 
@@ -48,7 +45,6 @@ class WorkerHold:
     report_lapse_s: float
     # id -> (admitted at, dispatched at or None while its bundle is open)
     _ids: dict[str, tuple[float, float | None]] = field(default_factory=dict)
-    _grants: list[tuple[float, int]] = field(default_factory=list)  # (granted at, how many), oldest first
     _waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # holder -> (count, reported at)
     _places: dict[str, float] = field(default_factory=dict)  # admission bundle -> when it last waited
 
@@ -73,21 +69,6 @@ class WorkerHold:
             return bound - held
         open_ids = sum(1 for at, sent in self._ids.values() if sent is None and now - at < self.unclaimed_s)
         return 1 if held == open_ids else 0
-
-    def grant(self, now: float, count: int) -> None:
-        if count > 0:
-            self._grants.append((now, count))
-
-    def claim(self, now: float, ids: Iterable[str]) -> None:
-        """Ids for earlier grants (oldest first): they count from now as admitted ids, in an open bundle."""
-        for request_id in ids:
-            if self._grants:
-                at, count = self._grants[0]
-                if count > 1:
-                    self._grants[0] = (at, count - 1)
-                else:
-                    self._grants.pop(0)
-            self._ids[request_id] = (now, None)
 
     def dispatched(self, now: float, ids: Iterable[str]) -> None:
         """Their bundle finished: they are on their way to the generate step (here or on another worker)."""
@@ -121,10 +102,9 @@ class WorkerHold:
     def counts(self, now: float) -> tuple[int, int]:
         """(waiting in the generate step's state, on their way to it); forgets what has lapsed."""
         self._ids = {request_id: entry for request_id, entry in self._ids.items() if self._counts(now, *entry)}
-        self._grants = [(at, count) for at, count in self._grants if now - at < self.transit_s]
         self._waiting = {holder: (count, at) for holder, (count, at) in self._waiting.items()
                          if now - at < self.report_lapse_s}
-        on_the_way = len(self._ids) + sum(count for _, count in self._grants)
+        on_the_way = len(self._ids)
         return sum(count for count, _ in self._waiting.values()), on_the_way
 
     def _counts(self, now: float, admitted_at: float, dispatched_at: float | None) -> bool:

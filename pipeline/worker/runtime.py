@@ -76,12 +76,6 @@ class WorkerRuntime:
     def report_waiting(self, holder: str, count: int, arrived: Sequence[str] = ()) -> None:
         self.admission.report_waiting(holder, count, arrived)
 
-    def admit_count(self, count: int) -> int:
-        return self.admission.admit_count(count)
-
-    def claim(self, ids: list[str]) -> None:
-        self.admission.claim(ids)
-
     # Both ---------------------------------------------------------------------------------
 
     def load(self) -> dict[str, int | None]:
@@ -154,9 +148,3 @@ def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) 
                                         spawn_process=settings.engine == "transformers")
             _ACQUIRED[tag] = shared.acquire()
         return _ACQUIRED[tag]
-
-
-def acquired_runtimes() -> list[WorkerRuntime]:
-    """The runtimes this process has acquired so far (a local source admits through its pipeline's)."""
-    with _ACQUIRE_LOCK:
-        return list(_ACQUIRED.values())
