@@ -10,7 +10,7 @@ import uuid
 from google.cloud import pubsub_v1
 
 from pipeline.contract.messages import Chunk
-from pipeline.engines.chunk_publisher import ChunkPublisher
+from pipeline.sinks.chunk_publisher import ChunkPublisher
 from tests.conftest import wait_until
 
 

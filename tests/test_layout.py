@@ -30,10 +30,11 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-# The stage packages, ground first: a module imports only from its own package or one listed before it (the data path
-# reads upward: records at the ground, then the model's server, intake, the engines, the worker's runtime, flow control, generation, the
-# sinks and the configuration that names them all); ``pipeline.assembly`` wires them and sits on top.
-STAGES = ("contract", "serving", "intake", "engines", "worker", "flow", "generation", "sinks", "config")
+# The stage packages, ground first: a module imports only from its own package or one listed before it (records at
+# the ground, then the sinks that write them, which the engine uses too (each chunk published as it is cut); then
+# the data path upward: the model's server, intake, the engines, the worker's runtime, flow control, generation, and
+# the configuration that names them all); ``pipeline.assembly`` wires them and sits on top.
+STAGES = ("contract", "sinks", "serving", "intake", "engines", "worker", "flow", "generation", "config")
 
 
 def module_name(path: Path) -> str:
@@ -238,3 +239,46 @@ def test_the_seam_check_sees_a_factory_only_a_launcher_sets(tmp_path):
     assert exposed(module) == {"use_factory", "Sink"}
     assert only_for_local_code(referenced([module]), referenced([launcher]), {"sink": exposed(module)}) == {
         "sink": ["use_factory"]}
+
+
+MUTATORS = {"append", "clear", "pop", "popleft", "setdefault", "update", "extend", "add", "remove", "discard"}
+
+
+def process_globals(path: Path) -> dict[str, bool]:
+    """A module's globals that its code changes after import (items set, or a mutating method called), each with
+    whether the comment just above it says it is kept per process."""
+    text = path.read_text(encoding="utf-8")
+    lines, tree = text.splitlines(), ast.parse(text)
+    containers = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if isinstance(getattr(node, "value", None), (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp)):
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    above = lines[node.lineno - 2] if node.lineno > 1 else ""
+                    containers[target.id] = above.lstrip().startswith("#") and "per process" in above.lower()
+    changed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
+            changed.add(node.value.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS \
+                and isinstance(node.func.value, ast.Name):
+            changed.add(node.func.value.id)
+    return {name: documented for name, documented in containers.items() if name in changed}
+
+
+def test_the_worker_package_keeps_no_mutable_global_but_documented_per_process_caches():
+    """A runner may build a DoFn instance per bundle, so a few things must be kept per process (clients, the
+    worker's runtime and what this process told it); each says so where it is declared. Nothing else is global."""
+    undocumented = {module_name(path): sorted(name for name, documented in process_globals(path).items()
+                                              if not documented)
+                    for path in (REPO / "pipeline").rglob("*.py")}
+    assert not {module: names for module, names in undocumented.items() if names}
+
+
+def test_the_global_check_sees_a_changed_global_and_its_comment(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("TABLE = {'a': 1}\n_seen = {}\n# Per process: clients, kept for its life.\n_clients = {}\n"
+                      "def f(k):\n    _seen[k] = True\n    _clients.setdefault(k, 1)\n    return TABLE[k]\n")
+    assert process_globals(module) == {"_seen": False, "_clients": True}

@@ -171,7 +171,7 @@ def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tu
 def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...],
             admission_waiters: int) -> EngineSettings:
     priority_boundaries = _priority_boundaries(config, batching)
-    # The chunks topic is published by the engine itself (pipeline.engines.chunk_publisher); chunks pass
+    # The chunks topic is published by the engine itself (pipeline.sinks.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
     common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),

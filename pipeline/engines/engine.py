@@ -17,7 +17,7 @@ Requests and outputs cross this boundary as JSON strings, which keeps the
 cross-process proxy calls cheap and version-tolerant.
 
 With a ``chunk_topic`` the engine publishes each chunk to Pub/Sub itself the
-moment it is cut (see :mod:`pipeline.engines.chunk_publisher`), and hands a request's
+moment it is cut (see :mod:`pipeline.sinks.chunk_publisher`), and hands a request's
 completion to ``poll`` only once Pub/Sub has confirmed all its chunks.
 
 The contract is shaped by the runner's commit semantics (Dataflow retries a
@@ -56,7 +56,7 @@ from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadL
 from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, default
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
-from pipeline.engines.chunk_publisher import ChunkPublisher
+from pipeline.sinks.chunk_publisher import ChunkPublisher
 from pipeline.engines.leases import LeaseClocks, Stamp
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
 from pipeline.serving.vllm_server import ServerSpec

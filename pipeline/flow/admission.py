@@ -52,14 +52,13 @@ from apache_beam.metrics import Metrics
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.worker.load import LOAD_NAMESPACE, LoadGauges
-from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime
+from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, process_record
 
 LOGGER = logging.getLogger(__name__)
 
 # How often a waiting step says so in the log.
 PUSHBACK_LOG_INTERVAL_S = 60.0
 _MAX_BACKOFF_S = 0.5
-_LOGGED_AT: list[float] = [float("-inf")]  # when this process last logged a wait
 
 
 class AdmitFn(beam.DoFn):
@@ -76,6 +75,7 @@ class AdmitFn(beam.DoFn):
 
     def setup(self) -> None:
         self._runtime = self._source.acquire()
+        self._record = process_record(self._source.tag)
 
     def start_bundle(self) -> None:
         self._bundle_ids: list[str] = []
@@ -86,7 +86,7 @@ class AdmitFn(beam.DoFn):
         if not self._admit(request.id):
             self._wait_for_room(request.id)
         self._bundle_ids.append(request.id)
-        self._gauges.update(self._runtime)
+        self._gauges.update(self._runtime, self._record)
         yield request
 
     def finish_bundle(self) -> None:
@@ -121,7 +121,7 @@ class AdmitFn(beam.DoFn):
             if self._admit(request_id):
                 break
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            self._gauges.update(self._runtime)
+            self._gauges.update(self._runtime, self._record)
             self._log_wait("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
                            "of the subscription stays unacknowledged until a request finishes",
                            self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
@@ -133,12 +133,13 @@ class AdmitFn(beam.DoFn):
                            self._settings.admission_waiters)
         self.waited_ms.inc(int((time.monotonic() - started) * 1000))
 
-    @staticmethod
-    def _log_wait(message: str, *args: object) -> None:
+    def _log_wait(self, message: str, *args: object) -> None:
         now = time.monotonic()
-        if now - _LOGGED_AT[0] >= PUSHBACK_LOG_INTERVAL_S:
-            _LOGGED_AT[0] = now
-            LOGGER.info(message, *args)
+        with self._record.lock:
+            if now - self._record.wait_logged_at < PUSHBACK_LOG_INTERVAL_S:
+                return
+            self._record.wait_logged_at = now
+        LOGGER.info(message, *args)
 
 
 class AdmitRequests(beam.PTransform):

@@ -67,7 +67,7 @@ from pipeline.contract.stream_progress import (CHUNK, COMPLETION, DEAD_LETTER, K
 from pipeline.engines.engine import EngineSettings
 from pipeline.generation.dedupe import SeenIds
 from pipeline.worker.load import LoadGauges
-from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, new_runtime_tag
+from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, new_runtime_tag, process_record
 
 LOGGER = logging.getLogger(__name__)
 # Bounds, in seconds, of the counters of answers whose first token took longer (``first_token_over_<b>s``).
@@ -90,10 +90,7 @@ WAITING_POLL_CAP_S = 2.0
 STATE_VERSION = 2
 _ENTRY_FIELDS = {"request": (str,), "fp": (str,), "attempt": (int,), "key": (str, type(None)),
                  "deadline_at": (int, float, type(None))}
-# Per process, what this process last reported waiting for each (runtime tag, key), and when: a client-side
-# cache of the reports sent to the worker's runtime (see _report_waiting). Per process, not per DoFn instance:
-# a runner may build a new instance per bundle, which must still clear an old report.
-_REPORTED: dict[tuple[str, str], tuple[int, float]] = {}
+# How many keys' waiting reports a process remembers (ProcessRecord.reported_waiting) before it starts afresh.
 _MAX_REPORTS_REMEMBERED = 100_000
 
 
@@ -226,6 +223,7 @@ class StreamingGenerateFn(beam.DoFn):
 
     def setup(self) -> None:
         self._runtime = self._source.acquire()
+        self._record = process_record(self._source.tag)
 
     # Beam's callbacks: load the key's state, apply the transitions, commit -----------------
 
@@ -288,7 +286,7 @@ class StreamingGenerateFn(beam.DoFn):
         if sent or emitted or letters:
             self._rewrite(waiting, left)
         self._report_waiting(key, len(left))
-        self._gauges.update(self._runtime)
+        self._gauges.update(self._runtime, self._record)
         write_progress(progress_state, before, polled.progress)
         now = time.time()
         seen.save(now, prune=not (polled.remaining or sent or left))
@@ -554,17 +552,18 @@ class StreamingGenerateFn(beam.DoFn):
         ``WAITING_REPORT_LAPSE_S``, :mod:`pipeline.worker.admission_ledger`); arrivals always.
         """
         holder, now = repr(key), time.monotonic()
-        tag = self._source.tag
-        last = _REPORTED.get((tag, holder))
+        reported = self._record.reported_waiting  # per process, not per instance: an instance may be per bundle
+        last = reported.get(holder)
         if not arrived and last is not None and last[0] == count and now - last[1] < 1.0:
             return
         try:
             self._runtime.report_waiting(holder, count, arrived or [])
         except (ConnectionError, EOFError):
             return  # the next poll reconnects; the report lapses meanwhile (and an arrival after transit)
-        if len(_REPORTED) > _MAX_REPORTS_REMEMBERED:
-            _REPORTED.clear()  # only costs a repeated report per key
-        _REPORTED[(tag, holder)] = (count, now)
+        with self._record.lock:
+            if len(reported) > _MAX_REPORTS_REMEMBERED:
+                reported.clear()  # only costs a repeated report per key
+            reported[holder] = (count, now)
 
     def _drain_letter(self, entry: RequestEntry, reason: str) -> pvalue.TaggedOutput:
         self.drained.inc()

@@ -28,6 +28,7 @@ HF_TOKEN_ENV = "HF_TOKEN"
 # Model families whose Hugging Face repositories are gated (a licence to accept before any download).
 GATED_FAMILIES = ("google/gemma", "meta-llama/", "mistralai/", "google/medgemma", "google/codegemma")
 
+# Per process: the token secret versions already read into this process's environment (read once; a cache).
 _installed: dict[str, bool] = {}
 _lock = threading.Lock()
 

@@ -1,7 +1,7 @@
 """Writing results from the pipeline: JSON records to Pub/Sub, with ordering keys if asked.
 
 The template publishes completions and dead letters here (its chunks leave
-from the engine: :mod:`pipeline.engines.chunk_publisher`); a pipeline of your own can
+from the engine: :mod:`pipeline.sinks.chunk_publisher`); a pipeline of your own can
 publish ``StreamingGenerate``'s chunks with the request id as ordering key.
 Beam's ``WriteToPubSub`` cannot set ordering keys on every runner, so records
 are published with the Pub/Sub client directly. Each bundle waits for its
@@ -88,8 +88,8 @@ class _PublishJsonFn(beam.DoFn):
 
 
 
-# Publisher clients are shared per process and kept for its life: runners may set
-# up a DoFn per bundle (the DirectRunner does), and a client per bundle is costly.
+# Runners may set up a DoFn per bundle (the DirectRunner does), and a client per bundle is costly:
+# per process, publisher clients are shared and kept for its life.
 _PUBLISHERS: dict[tuple[bool, float], Any] = {}
 _PUBLISHERS_LOCK = threading.Lock()
 

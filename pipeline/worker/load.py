@@ -15,30 +15,25 @@ count in). Cloud Monitoring charts counters, not gauges (docs/operations.md).
 
 from __future__ import annotations
 
-import threading
 import time
 
 from apache_beam.metrics import Metrics
 
-from pipeline.engines.engine import EngineBase
+from pipeline.worker.runtime import ProcessRecord, WorkerRuntime
 
 LOAD_NAMESPACE = "worker_load"
 _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight": "in_flight_requests",
            "waiting": "waiting_requests", "server_running": "server_running_requests",
            "server_waiting": "server_waiting_requests"}
 GAUGE_INTERVAL_S = 1.0
-# Per step, when this process last refreshed the load gauges.
-_UPDATED_AT: dict[str, float] = {}
-# The server restarts this process has counted so far, whichever step counted them.
-_RESTARTS_COUNTED = [0]
-_RESTARTS_LOCK = threading.Lock()
 
 
 class LoadGauges:
     """The worker's load as Beam gauges, refreshed by a step at most every :data:`GAUGE_INTERVAL_S` per process.
 
-    The interval is kept per process and step, not per instance: a runner may build a DoFn
-    instance per bundle (the DirectRunner does), and a step polls many times a second.
+    The interval is kept per process and step (in the runtime's :class:`~pipeline.worker.runtime.ProcessRecord`),
+    not per instance: a runner may build a DoFn instance per bundle (the DirectRunner does), and a step polls many
+    times a second.
     """
 
     def __init__(self, step: str) -> None:
@@ -46,19 +41,20 @@ class LoadGauges:
         self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
         self._restarts = Metrics.counter(LOAD_NAMESPACE, "server_restarts")
 
-    def update(self, engine: EngineBase) -> None:
+    def update(self, runtime: WorkerRuntime, record: ProcessRecord) -> None:
         now = time.monotonic()
-        if now - _UPDATED_AT.get(self._step, float("-inf")) < GAUGE_INTERVAL_S:
-            return
-        _UPDATED_AT[self._step] = now
+        with record.lock:
+            if now - record.gauges_at.get(self._step, float("-inf")) < GAUGE_INTERVAL_S:
+                return
+            record.gauges_at[self._step] = now
         try:
-            load = engine.load()
-            restarts = engine.server_restarts()
+            load = runtime.load()
+            restarts = runtime.server_restarts()
         except (ConnectionError, EOFError):
-            return  # the engine is being reconnected; the next update reports
-        with _RESTARTS_LOCK:
-            new = max(restarts - _RESTARTS_COUNTED[0], 0)
-            _RESTARTS_COUNTED[0] += new
+            return  # the runtime is being reconnected; the next update reports
+        with record.lock:
+            new = max(restarts - record.restarts_counted, 0)
+            record.restarts_counted += new
         if new:
             self._restarts.inc(new)
         for key, gauge in self._gauges.items():

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
@@ -25,11 +25,33 @@ from pipeline.engines.engine import EngineBase, EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.worker.admission_ledger import AdmissionLedger
 
-# Runtimes this process has acquired, by tag: a per-process cache of proxies. Runners may set up and tear down
-# DoFn instances per bundle (the DirectRunner does), so the reference is held for the life of the process rather
-# than released in teardown, which would stop the server; the engine closes itself (and its server) at exit.
+# Runners may set up and tear down DoFn instances per bundle (the DirectRunner does), so the reference is held for
+# the life of the process rather than released in teardown, which would stop the server; the engine closes itself
+# (and its server) at exit. Per process: the runtimes it has acquired (proxies), by tag.
 _ACQUIRED: dict[str, "WorkerRuntime"] = {}
 _ACQUIRE_LOCK = threading.Lock()
+
+
+@dataclass
+class ProcessRecord:
+    """What this process's steps have told one runtime, or counted of it: the client side of the per-process cache
+    above. It cannot live in a DoFn instance, which a runner may build anew for each bundle; keep it here only."""
+
+    reported_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (count, monotonic when)
+    gauges_at: dict[str, float] = field(default_factory=dict)  # step -> when it last set the load gauges
+    restarts_counted: int = 0  # the model server's restarts counted as Beam counters so far
+    wait_logged_at: float = float("-inf")  # when the admission step last logged that it waits
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# Per process: its record of each runtime, by tag.
+_RECORDS: dict[str, ProcessRecord] = {}
+
+
+def process_record(tag: str) -> ProcessRecord:
+    """This process's record of the runtime named ``tag``."""
+    with _ACQUIRE_LOCK:
+        return _RECORDS.setdefault(tag, ProcessRecord())
 
 
 class WorkerRuntime:
