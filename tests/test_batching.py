@@ -225,10 +225,11 @@ def test_the_batcher_emits_each_request_once_within_its_delay_and_batch_size(tar
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(batch_size_target=0), "batch_size_target must be at least 1"),
-    (dict(max_batch_delay_ms=-1), "max_batch_delay_ms must be 0 or more"),
+    (dict(max_batch_delay_ms=-1), "max_batch_delay_ms must be at least 0"),
     (dict(boundaries=(64, 32)), "strictly increasing"),
     (dict(boundaries=(0, 32)), "positive token counts"),
-    (dict(token_budget=0), "token budget must be positive"),
+    (dict(token_budget=0), "batch_token_budget must be at least 1"),
+    (dict(num_shards=10_001), "num_shards must be at most 10000"),
 ])
 def test_invalid_batching_config_says_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError) as excinfo:

@@ -236,3 +236,24 @@ def test_the_worker_options_the_form_shows_are_beams_own():
 def test_the_docs_parameter_table_is_generated_from_the_parameters():
     page = (DOCS / PARAMETERS_PAGE).read_text()
     assert page_with_parameters(page) == page, "docs/parameters.md is stale: run `make metadata`"
+
+
+def test_records_built_without_the_options_hold_the_parameters_bounds():
+    """A settings record made in code (the transforms' API) is checked against the same declaration as the options."""
+    from pipeline.engines.engine import EngineSettings
+    from pipeline.flow.batching import BatchingConfig
+    from pipeline.generation.generate import KeyByGenerateShard, StreamingGenerate
+
+    engine = dict(server=None, server_url="http://127.0.0.1:1")
+    for kwargs, message in ((dict(stream_lease_s=0), "--stream_lease_s must be at least 1"),
+                            (dict(worker_queue=0), "--worker_queue must be at least 1"),
+                            (dict(engine="tgi"), "--engine must be one of vllm, transformers"),
+                            (dict(max_in_flight=5000), "--max_in_flight must be at most 4096")):
+        with pytest.raises(ValueError, match=message):
+            EngineSettings(**engine, **kwargs)
+    with pytest.raises(ValueError, match="--num_shards must be at least 1"):
+        BatchingConfig(num_shards=0)
+    with pytest.raises(ValueError, match="--drain_timeout_s must be at least 0"):
+        StreamingGenerate(EngineSettings(**engine), drain_timeout_s=-1)
+    with pytest.raises(ValueError, match="--generate_shards must be at least 1"):
+        KeyByGenerateShard(0)

@@ -9,14 +9,13 @@ every component's settings.
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 from dataclasses import dataclass
 from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.contract.parameters import PARAMETERS, Parameter
+from pipeline.contract.parameters import PARAMETERS
 from pipeline.serving.lora_adapters import VLLM_LORA_RANKS
 
 # vLLM server flags that a template parameter (or the model manager) sets: inside vllm_args they would silently
@@ -119,7 +118,7 @@ class PipelineConfig:
             except argparse.ArgumentTypeError as exc:
                 problems.append(f"--{param.name}: {exc}")
                 continue
-            problems.extend(_check_value(param, value))
+            problems.extend(param.problems(value))
             fields[param.name] = value
         problems.extend(_check_combinations(fields))
         if problems:
@@ -134,19 +133,6 @@ class PipelineConfig:
     def effective_model(self) -> str:
         """What the model manager loads: the Cloud Storage folder if one is given."""
         return self.model_gcs_folder or self.model
-
-
-def _check_value(param: Parameter, value: Any) -> list[str]:
-    problems = []
-    if param.enum_options and value not in param.enum_options:
-        problems.append(f"--{param.name} must be one of {', '.join(param.enum_options)}, got {value!r}")
-    if param.regex and isinstance(value, str) and not re.match(param.regex, value):
-        problems.append(f"--{param.name}={value!r} is not valid; expected something like {param.example}")
-    if param.minimum is not None and value < param.minimum:
-        problems.append(f"--{param.name} must be at least {param.minimum:g}, got {value}")
-    if param.maximum is not None and value > param.maximum:
-        problems.append(f"--{param.name} must be at most {param.maximum:g}, got {value}")
-    return problems
 
 
 def _check_combinations(fields: dict[str, Any]) -> list[str]:

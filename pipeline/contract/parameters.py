@@ -96,6 +96,20 @@ class Parameter:
             return _to_float if isinstance(self.default, float) else _to_int
         return str
 
+    def problems(self, value: Any) -> list[str]:
+        """What is wrong with ``value`` (already converted) against this parameter's declared choices and bounds;
+        the one check of them, for the options and for a settings record built without them."""
+        problems = []
+        if self.enum_options and value not in self.enum_options:
+            problems.append(f"--{self.name} must be one of {', '.join(self.enum_options)}, got {value!r}")
+        if self.regex and isinstance(value, str) and not re.match(self.regex, value):
+            problems.append(f"--{self.name}={value!r} is not valid; expected something like {self.example}")
+        if self.minimum is not None and value < self.minimum:
+            problems.append(f"--{self.name} must be at least {self.minimum:g}, got {value}")
+        if self.maximum is not None and value > self.maximum:
+            problems.append(f"--{self.name} must be at most {self.maximum:g}, got {value}")
+        return problems
+
     @property
     def regexes(self) -> tuple[str, ...]:
         if self.regex:
@@ -327,6 +341,13 @@ PARAMETERS: tuple[Parameter, ...] = (
 )
 
 PARAMETERS_BY_NAME: dict[str, Parameter] = {p.name: p for p in PARAMETERS}
+
+
+def check_parameters(values: dict[str, Any]) -> None:
+    """Raises ValueError naming every value outside its parameter's declared choices and bounds."""
+    problems = [problem for name, value in values.items() for problem in PARAMETERS_BY_NAME[name].problems(value)]
+    if problems:
+        raise ValueError("; ".join(problems))
 
 # Beam's own worker options that the console's form shows beside the template's parameters. Beam parses them (they
 # are not StreamingLLMOptions'); the launch fills them in when a launch leaves them unset

@@ -53,7 +53,7 @@ from typing import Callable
 
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, default
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_parameters, default
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
 from pipeline.sinks.chunk_publisher import ChunkPublisher
@@ -63,7 +63,6 @@ from pipeline.serving.vllm_server import ServerSpec
 
 LOGGER = logging.getLogger(__name__)
 
-ENGINES = ("vllm", "transformers")
 def waiting_places(harness_threads: int) -> int:
     """How many admission bundles may wait at once on a worker that runs ``harness_threads`` work items at once:
     half, so the other half is always free for the timers that collect finished work and so free room."""
@@ -115,16 +114,12 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
             raise ValueError("give exactly one of a server spec or a server_url")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        check_parameters({"engine": self.engine, "max_in_flight": self.max_in_flight,
+                          "stream_lease_s": self.stream_lease_s, "worker_queue": self.worker_queue})
         if self.engine == "transformers" and self.server is None:
             raise ValueError("engine 'transformers' loads the model itself: give a model spec, not a server_url")
         if self.chunk_topic is None and not self.chunks_to_pipeline:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
-        if self.stream_lease_s <= 0:
-            raise ValueError(f"stream_lease_s must be more than 0, got {self.stream_lease_s:g}")
-        if self.worker_queue < 1:
-            raise ValueError(f"worker_queue must be at least 1, got {self.worker_queue}")
         if self.admission_waiters < 1:
             raise ValueError(f"admission_waiters must be at least 1, got {self.admission_waiters}")
 

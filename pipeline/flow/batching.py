@@ -36,7 +36,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
 from pipeline.contract.keying import bucket_index, shard_of
 from pipeline.contract.messages import STAGE_BATCH, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import default
+from pipeline.contract.parameters import check_parameters, default
 from pipeline.contract.state_format import read_cell, write_cell
 from pipeline.intake.prompt_length import estimate_tokens
 
@@ -59,17 +59,11 @@ class BatchingConfig:
     default_max_tokens: int = default("default_max_tokens")  # the answer budget of a request that sets none
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.max_batch_delay_ms < 0:
-            problems.append(f"max_batch_delay_ms must be 0 or more, got {self.max_batch_delay_ms:g}")
-        if self.batch_size_target <= 0:
-            problems.append(f"batch_size_target must be at least 1, got {self.batch_size_target}")
-        if self.token_budget is not None and self.token_budget <= 0:
-            problems.append(f"token budget must be positive, got {self.token_budget}")
-        problems += _boundary_problems("bucket boundaries", self.boundaries)
+        check_parameters({"max_batch_delay_ms": self.max_batch_delay_ms, "batch_size_target": self.batch_size_target,
+                          "num_shards": self.num_shards,
+                          **({} if self.token_budget is None else {"batch_token_budget": self.token_budget})})
+        problems = _boundary_problems("bucket boundaries", self.boundaries)
         problems += _boundary_problems("answer bucket boundaries", self.answer_boundaries)
-        if self.num_shards <= 0:
-            problems.append(f"num_shards must be at least 1, got {self.num_shards}")
         if problems:
             raise ValueError("; ".join(problems))
 

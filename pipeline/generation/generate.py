@@ -60,7 +60,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.contract.element_guard import guarded_value
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import default
+from pipeline.contract.parameters import check_parameters, default
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
 from pipeline.contract.stream_progress import (CHUNK, COMPLETION, DEAD_LETTER, KeyProgress, Output, RequestProgress,
                                                Step, advance)
@@ -594,8 +594,7 @@ class KeyByGenerateShard(beam.PTransform):
 
     def __init__(self, generate_shards: int) -> None:
         super().__init__()
-        if generate_shards < 1:
-            raise ValueError(f"generate_shards must be at least 1, got {generate_shards}")
+        check_parameters({"generate_shards": generate_shards})
         self._generate_shards = generate_shards
 
     def expand(self, batches):
@@ -622,10 +621,7 @@ class StreamingGenerate(beam.PTransform):
                  runtime: SharedRuntime | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
                  generate_shards: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         super().__init__()
-        if drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be 0 or more, got {drain_timeout_s:g}")
-        if dedupe_window_s < 0:
-            raise ValueError(f"dedupe_window_s must be 0 or more, got {dedupe_window_s:g}")
+        check_parameters({"drain_timeout_s": drain_timeout_s, "dedupe_window_s": dedupe_window_s})
         if generate_shards is not None and settings.engine == "transformers":
             raise ValueError("engine 'transformers' generates each batch as it came from the batcher, on its "
                              "batcher key: it takes no generate_shards")
