@@ -192,7 +192,9 @@ def exposed(path: Path) -> set[str]:
             names.update(target.id for target in targets if isinstance(target, ast.Name))
         if isinstance(node, ast.ClassDef):
             names.update(item.name for item in node.body if isinstance(item, ast.FunctionDef)
-                         and item.name not in BEAM_CALLBACKS and not item.decorator_list)
+                         and item.name not in BEAM_CALLBACKS and not any(
+                             isinstance(d, ast.Call) and getattr(d.func, "id", None) == "on_timer"
+                             for d in item.decorator_list))
     return {name for name in names if not name.startswith("_")}
 
 
@@ -216,16 +218,17 @@ def only_for_local_code(product: set[str], local: set[str], modules: dict[str, s
     return {module: names for module, names in found.items() if names}
 
 
-def test_nothing_in_the_worker_package_exists_only_for_local_code_or_benchmarks():
-    """A seam for a local run or a benchmark (a client factory, a count-based grant, a registry of engines) is a name
-    the worker package exposes that only local/ or benchmarks/ use. The product is what a worker runs (pipeline/,
-    template/), the operator's commands (ops/) and the build of the console form (local/template_docs.py). Local
-    code may wrap the worker's functions from outside; it must not need one made for it."""
+def test_nothing_in_the_worker_package_exists_only_for_local_code_benchmarks_or_tests():
+    """A seam for a local run, a benchmark or a test (a client factory, a count-based grant, a registry of engines,
+    a getter only a test reads) is a name the worker package exposes that only local/, benchmarks/ or tests/ use.
+    The product is what a worker runs (pipeline/, template/), the operator's commands (ops/) and the build of the
+    console form (local/template_docs.py). Local code may wrap the worker's functions from outside; it must not
+    need one made for it, and tests read what the product itself reports."""
     build = REPO / "local" / "template_docs.py"
     product = referenced([*(REPO / "pipeline").rglob("*.py"), *(REPO / "template").rglob("*.py"),
                           *(REPO / "ops").rglob("*.py"), build])
     local = referenced([*(path for path in (REPO / "local").rglob("*.py") if path != build),
-                        *(REPO / "benchmarks").rglob("*.py")])
+                        *(REPO / "benchmarks").rglob("*.py"), *(REPO / "tests").rglob("*.py")])
     modules = {module_name(path): exposed(path) for path in (REPO / "pipeline").rglob("*.py")}
     assert not only_for_local_code(product, local, modules)
 

@@ -85,9 +85,9 @@ def test_a_batch_shares_its_time_among_its_rows_until_each_ends(engine):
     to the time the model computed it (the engine's own busy clock)."""
     requests = [request(f"n{n}", "Count from one to fifty in words.", temperature=0, max_tokens=n, min_tokens=n)
                 for n in (4, 12, 24)]
-    before = engine.busy_seconds()
+    before = engine.stats()["busy_ms"]
     outputs = run_batch(engine, requests)
-    busy = engine.busy_seconds() - before
+    busy = (engine.stats()["busy_ms"] - before) / 1000
     shares = {rid: next(data for kind, data in items if kind == COMPLETION)["accelerator_seconds"]
               for rid, items in outputs.items()}
     assert sum(shares.values()) == pytest.approx(busy, rel=0.01)
@@ -120,13 +120,13 @@ def test_a_long_prompt_pads_a_batch_of_short_ones_and_length_buckets_stop_it(eng
         by_bucket.setdefault(bucket_index(boundaries, r.prompt_tokens), []).append(r)
     assert len(by_bucket) == 2, "the long prompt falls in a bucket of its own"
 
-    before = engine.padding_totals()
+    before = engine.stats()
     run_batch(engine, measured)  # arrival order: one batch
-    arrival = _since(before, engine.padding_totals())
-    before = engine.padding_totals()
+    arrival = _since(before, engine.stats())
+    before = engine.stats()
     for batch in by_bucket.values():
         run_batch(engine, batch)
-    buckets = _since(before, engine.padding_totals())
+    buckets = _since(before, engine.stats())
 
     assert arrival["prompt_padding"] / arrival["prompt_positions"] > 0.5  # three short rows padded to the long one
     assert buckets["prompt_padding"] / buckets["prompt_positions"] < 0.1
@@ -144,13 +144,13 @@ def test_a_long_answer_pads_a_batch_of_short_ones_and_answer_buckets_stop_it(eng
         by_bucket.setdefault(config.bucket_name(20, r.max_tokens), []).append(r)
     assert len(by_bucket) == 2, "the 40-token answer falls in an answer bucket of its own"
 
-    before = engine.padding_totals()
+    before = engine.stats()
     run_batch(engine, requests)  # one batch: three 4-token rows computed on for the 40-token one
-    arrival = _since(before, engine.padding_totals())
-    before = engine.padding_totals()
+    arrival = _since(before, engine.stats())
+    before = engine.stats()
     for batch in by_bucket.values():
         run_batch(engine, batch)
-    buckets = _since(before, engine.padding_totals())
+    buckets = _since(before, engine.stats())
 
     assert arrival["decode_padding"] / arrival["decode_positions"] > 0.5
     assert buckets["decode_padding"] / buckets["decode_positions"] < 0.1
@@ -158,7 +158,7 @@ def test_a_long_answer_pads_a_batch_of_short_ones_and_answer_buckets_stop_it(eng
 
 
 def _since(before: dict, after: dict) -> dict:
-    return {name: after[name] - before[name] for name in ("requests", "prompt_positions", "prompt_padding",
+    return {name: after[name] - before[name] for name in ("batch_requests", "prompt_positions", "prompt_padding",
                                                            "decode_positions", "decode_padding")}
 
 

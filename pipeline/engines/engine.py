@@ -238,18 +238,21 @@ class EngineBase:
         with self._lock:
             return self._unfinished
 
-    def server_load(self) -> tuple[int | None, int | None]:
-        """Requests running and waiting at the model server, where the engine can tell; else (None, None)."""
-        return self._server_load()
+    def stats(self) -> dict[str, int | None]:
+        """What the engine holds and has done, for the worker's load gauges: requests running and waiting at the
+        model server (None where it cannot tell), the model's busy time so far (ms: what every request's
+        ``accelerator_seconds`` adds up to), and chunks published to the chunk topic, and of them not yet confirmed."""
+        running, queued = self._server_load()
+        with self._lock:
+            busy_ms = round(self._busy.busy_s * 1000)
+        publisher = self._chunk_publisher
+        return {"server_running": running, "server_waiting": queued, "busy_ms": busy_ms,
+                "chunks_published": publisher.published if publisher else 0,
+                "chunks_unconfirmed": publisher.unconfirmed() if publisher else 0}
 
     def _server_load(self) -> tuple[int | None, int | None]:
         """Requests running and waiting at the model server, where the engine can tell; else (None, None)."""
         return None, None
-
-    @property
-    def chunk_publisher(self) -> ChunkPublisher | None:
-        """The publisher of the chunk topic, when the engine publishes chunks itself."""
-        return self._chunk_publisher
 
     def server_restarts(self) -> int:
         return 0
@@ -379,11 +382,6 @@ class EngineBase:
         """The model no longer works on the stream (finished, failed or cancelled); idempotent."""
         with self._lock:
             stream.accelerator_s += self._busy.end(stream.key, time.monotonic())
-
-    def busy_seconds(self) -> float:
-        """How long the model has had at least one request running: what every request's share adds up to."""
-        with self._lock:
-            return self._busy.busy_s
 
     def _complete(self, stream: Stream, assembler: ChunkAssembler, finish_reason: str | None, prompt_tokens: int,
                   now: float) -> None:

@@ -138,10 +138,11 @@ class TransformersEngine(EngineBase):
             threading.Thread(target=target, name=name, daemon=True).start()
         atexit.register(self.close)
 
-    def padding_totals(self) -> dict[str, Any]:
-        """Padding over every batch so far (benchmarks read the per-batch log line instead)."""
+    def stats(self) -> dict[str, int | None]:
+        """The engine's stats, and the token positions its batches computed so far and how many were padding."""
         with self._lock:
-            return {**self.padding.__dict__, "share": self.padding.share}
+            padding = dict(self.padding.__dict__)
+        return {**super().stats(), "batch_requests": padding.pop("requests"), **padding}
 
     def close(self) -> None:
         if not self._closed:

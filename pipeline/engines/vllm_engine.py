@@ -80,11 +80,6 @@ class VLLMEngine(EngineBase):
             raise RuntimeError(f"{self.base_url} serves no models")
         return models[0]["id"]
 
-    @property
-    def stream_interval(self) -> int | None:
-        """Tokens per server event (vLLM's ``stream_interval``); None: one event per token."""
-        return self._stream_interval
-
     def server_restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
 

@@ -4,8 +4,13 @@ Namespace :data:`LOAD_NAMESPACE`, set at most once a second per process and
 step: ``held_requests`` and ``max_held_requests`` (the worker's hold and its
 bound, :mod:`pipeline.worker.hold`), ``in_flight_requests``,
 ``waiting_requests``, ``server_running_requests`` and
-``server_waiting_requests`` (vLLM's own ``/metrics``). The admission step and
-the generate step both report them.
+``server_waiting_requests`` (vLLM's own ``/metrics``), ``model_busy_ms`` (how
+long the model has had a request running, so far: its busy share of the
+worker's time), ``chunks_published`` and ``chunks_unconfirmed`` (by the engine,
+to the chunk topic), and with ``engine=transformers`` the token positions its
+batches computed and how many were padding (``batch_requests``,
+``prompt_positions``, ``prompt_padding``, ``decode_positions``,
+``decode_padding``). The admission step and the generate step both report them.
 
 Beside them, the counter ``server_restarts``: how many times this process's
 model server was restarted, counted once per process whichever step notices
@@ -24,7 +29,10 @@ from pipeline.worker.runtime import ProcessRecord, WorkerRuntime
 LOAD_NAMESPACE = "worker_load"
 _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight": "in_flight_requests",
            "waiting": "waiting_requests", "server_running": "server_running_requests",
-           "server_waiting": "server_waiting_requests"}
+           "server_waiting": "server_waiting_requests", "busy_ms": "model_busy_ms",
+           "chunks_published": "chunks_published", "chunks_unconfirmed": "chunks_unconfirmed",
+           **{name: name for name in ("batch_requests", "prompt_positions", "prompt_padding", "decode_positions",
+                                      "decode_padding")}}
 GAUGE_INTERVAL_S = 1.0
 
 

@@ -102,11 +102,10 @@ class WorkerRuntime:
 
     def load(self) -> dict[str, int | None]:
         """The worker's load: what its generate step holds (in flight and waiting) against the bound, what
-        was admitted and is on its way (counted against the bound too), and what its model server runs."""
+        was admitted and is on its way (counted against the bound too), and the engine's stats."""
         unfinished, waiting, on_the_way = self.admission.counts()
-        running, queued = self.engine.server_load()
         return {"held": unfinished + waiting, "on_the_way": on_the_way, "max_held": self.admission.bound,
-                "in_flight": unfinished, "waiting": waiting, "server_running": running, "server_waiting": queued}
+                "in_flight": unfinished, "waiting": waiting, **self.engine.stats()}
 
     def close(self) -> None:
         self.engine.close()
