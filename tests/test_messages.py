@@ -247,3 +247,24 @@ def test_anything_else_on_a_dead_letter_subscription_is_refused_with_a_value_err
         DeadLetter.from_json(data).original_bytes()
     except ValueError:
         pass
+
+
+def test_a_request_crosses_a_shuffle_as_a_version_byte_and_its_json_and_an_unknown_version_is_refused():
+    from typing import List, Tuple
+
+    from apache_beam import coders
+    from apache_beam.typehints.native_type_compatibility import convert_to_beam_type
+
+    from pipeline.contract.request_coder import InferenceRequestCoder
+
+    request = InferenceRequest(id="r1", prompt="Say yes.", max_tokens=4, metadata={"k": [1, 2]}, received_at=12.5)
+    coder = InferenceRequestCoder()
+    assert coder.decode(coder.encode(request)) == request
+    # Version 1's bytes as this code first wrote them: a later version must still read them.
+    written = b'\x01{"id":"old","prompt":"Hi","max_tokens":3,"received_at":1.0}'
+    assert coder.decode(written) == InferenceRequest(id="old", prompt="Hi", max_tokens=3, received_at=1.0)
+    with pytest.raises(ValueError, match="version 2"):
+        coder.decode(b"\x02{}")
+    # What Beam picks for the elements that cross the template's two shuffles.
+    for hint in (Tuple[str, InferenceRequest], Tuple[int, List[InferenceRequest]]):
+        assert "InferenceRequestCoder" in repr(coders.registry.get_coder(convert_to_beam_type(hint)))

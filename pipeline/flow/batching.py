@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Tuple
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -275,8 +275,8 @@ class BatchRequests(beam.PTransform):
     def expand(self, requests):
         # Typed keys give the stateful steps deterministic key coders.
         keyed = requests | "KeyByBucketAndShard" >> beam.ParDo(_KeyFn(self._config)).with_output_types(
-            Tuple[str, Any]).with_outputs(TAG_DEAD_LETTERS, main="keyed")
+            Tuple[str, InferenceRequest]).with_outputs(TAG_DEAD_LETTERS, main="keyed")
         batched = keyed.keyed | "Batch" >> beam.ParDo(_BatchFn(self._config, self._clock)).with_output_types(
-            Tuple[int, Any]).with_outputs(TAG_DEAD_LETTERS, main="batches")
+            Tuple[int, List[InferenceRequest]]).with_outputs(TAG_DEAD_LETTERS, main="batches")
         dead_letters = (keyed.dead_letters, batched.dead_letters) | "BatchDeadLetters" >> beam.Flatten()
         return BatchOutputs(batched.batches, dead_letters)
