@@ -51,7 +51,7 @@ def drive_to_end(engine: EngineBase, requests: list[InferenceRequest], *, as_bat
     pending = set(by_key)
     deadline = time.monotonic() + timeout_s
     while (pending or unsent) and time.monotonic() < deadline:
-        while unsent and (key := engine.submit(unsent[0].to_json())) is not None:
+        while unsent and (key := engine.submit_batch([unsent[0].to_json()], [1])[0]) is not None:
             by_key[key] = unsent.pop(0)
             taken[key] = 0
             pending.add(key)

@@ -214,8 +214,8 @@ def test_in_flight_requests_are_bounded(vllm_server):
     try:
         requests = [InferenceRequest(id=f"b{i}", prompt="Tell me a story.", max_tokens=40, received_at=time.time())
                     for i in range(6)]
-        assert engine.submit(requests[0].to_json()) and engine.submit(requests[1].to_json())
-        assert engine.submit(requests[2].to_json()) is None, "a full engine refuses instead of queueing"
+        assert all(engine.submit_batch([r.to_json() for r in requests[:2]], [1, 1]))
+        assert engine.submit_batch([requests[2].to_json()], [1]) == [None], "a full engine refuses instead of queueing"
         outputs = run_to_end(engine, requests)
         assert all(any(k == COMPLETION for k, _ in items) for items in outputs.values())
     finally:

@@ -24,13 +24,15 @@ from hypothesis import strategies as st
 
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest, parse_request
+from pipeline.contract.stream_progress import MAX_LOST_STREAMS
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.generation.generate import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
+from pipeline.worker.runtime import WorkerRuntime
 from tests.conftest import SERVED_NAME, wait_until
-from local.runner_semantics import Driver, KeyState, Worker, entry_v1, generate_fn, in_process
+from local.runner_semantics import Driver, InProcessRuntime, KeyState, Worker, entry_v1, generate_fn, in_process
 
 pytestmark = pytest.mark.engine
 
@@ -364,3 +366,117 @@ def test_a_request_whose_key_moves_four_times_is_served_not_dead_lettered(worker
     (completion,) = driver.committed.completions
     assert completion["id"] == "mover" and completion["attempt"] == 5
     assert_nothing_left_running(workers, vllm_server.base_url)
+
+
+class FailingRuntime(WorkerRuntime):
+    """The real runtime, whose engine calls raise while told to (``failures``: call -> how many more times): an
+    engine that fails without its host process dying, as a bug or an exhausted resource would make it."""
+
+    def __init__(self, engine: VLLMEngine, **failures: int) -> None:
+        super().__init__(engine)
+        self.failures = failures
+
+    def _fail(self, call: str) -> None:
+        if self.failures.get(call, 0):
+            self.failures[call] -= 1
+            raise RuntimeError(f"injected: {call} failed")
+
+    def poll(self, positions, client=""):
+        self._fail("poll")
+        return super().poll(positions, client)
+
+    def submit_batch(self, request_jsons, attempts, client=""):
+        self._fail("submit")
+        return super().submit_batch(request_jsons, attempts, client)
+
+    def cancel(self, keys):
+        self._fail("cancel")
+        return super().cancel(keys)
+
+
+def failing_driver(engine: VLLMEngine, name: str, **failures: int) -> Driver:
+    source = InProcessRuntime(FailingRuntime(engine, **failures), name)
+    return Driver([Worker(name, generate_fn(source, POLL_MS, dedupe_window_s=600, drain_timeout_s=5), engine)])
+
+
+def test_an_engine_call_that_raises_never_fails_a_timer_and_every_request_still_ends(workers, vllm_server):
+    """Dataflow retries a timer callback that raised for ever: the key would be wedged. A poll or a submission that
+    raises costs the request a lost stream instead (sent again), within its bound; every firing commits (the
+    driver would raise with the callback)."""
+    engine = workers[0].engine
+    driver = failing_driver(engine, "flaky", poll=2, submit=1)
+    request = InferenceRequest(id="flaky-0", prompt=PROMPTS[0], max_tokens=8, temperature=0, received_at=time.time())
+    driver.deliver("k", [request])
+    run_to_end(driver)
+    (completion,) = driver.committed.completions
+    assert completion["id"] == "flaky-0" and not driver.committed.dead_letters
+    assert completion["attempt"] == 3, "the failed submission left it waiting; two failed polls lost two streams"
+
+    broken = failing_driver(engine, "broken", poll=10**6)
+    doomed = InferenceRequest(id="doomed-0", prompt=PROMPTS[1], max_tokens=4, temperature=0, received_at=time.time())
+    broken.deliver("k", [doomed])
+    run_to_end(broken)
+    (letter,) = broken.committed.dead_letters
+    assert letter["id"] == "doomed-0" and f"lost {MAX_LOST_STREAMS} times" in letter["reason"]
+    assert not broken.committed.completions
+
+    refused = failing_driver(engine, "refused", submit=10**6)
+    never = InferenceRequest(id="never-0", prompt=PROMPTS[2], max_tokens=4, temperature=0, received_at=time.time())
+    refused.deliver("k", [never])
+    run_to_end(refused)
+    (letter,) = refused.committed.dead_letters
+    assert letter["id"] == "never-0" and f"failed each of the {MAX_LOST_STREAMS} times" in letter["reason"]
+
+    stuck = failing_driver(engine, "stuck", cancel=10**6)
+    stuck.deliver("k", [InferenceRequest(id="drained-0", prompt="Count from 1 to 500.", max_tokens=400,
+                                         temperature=0, received_at=time.time())])
+    assert stuck.drain("k") is not None  # a drain whose cancel raises still commits
+    assert [d["stage"] for d in stuck.committed.dead_letters] == [STAGE_DRAIN]
+    assert_nothing_left_running(workers[:1], vllm_server.base_url)  # the lease ends what the cancel could not
+
+
+def test_a_drain_of_more_keys_than_threads_collects_the_streams_of_the_keys_drained_last(workers, vllm_server):
+    """Dataflow fires every key's drain timer once the watermark moves to infinity, and runs them on fewer harness
+    threads than there are keys: here one thread drains key after key. Each drain polls only its own streams, for up
+    to drain_timeout_s; unheld, the lease read the keys still waiting their turn as moved away, cancelled their
+    streams and lettered them as lost while the job drained."""
+    engine = workers[0].engine
+    dofn = generate_fn(in_process(engine, "drain-many"), POLL_MS, dedupe_window_s=600, drain_timeout_s=20)
+    driver = Driver([Worker("drain-many", dofn, engine)])
+    requests = [InferenceRequest(id=f"many-{i}", prompt="Count from 1 to 100 in words.", max_tokens=64, min_tokens=64,
+                                 temperature=0, received_at=time.time()) for i in range(3)]
+    for key, request in enumerate(requests):
+        driver.deliver(key, [request])
+    for key in range(len(requests)):
+        driver.drain(key)
+    assert sorted(c["id"] for c in driver.committed.completions) == [r.id for r in requests]
+    assert not driver.committed.dead_letters
+
+
+def test_an_undecodable_entry_frees_its_id_and_a_copy_let_in_by_a_lost_record_is_not_answered_twice(workers,
+                                                                                                   vllm_server):
+    """An entry that cannot be decoded goes to the dead letters: its id, held open in the record of ids, ends
+    with it (else a later request with that id would be dropped as a duplicate for ever). A record of ids that
+    cannot be read starts afresh, so a redelivered copy of a request in flight gets in: it joins the same stream,
+    and the key keeps one entry of it, so its completion is emitted once."""
+    broken = InferenceRequest(id="broken-0", prompt=PROMPTS[0], max_tokens=4, received_at=time.time())
+    state = KeyState()
+    state.bags["waiting"] = [json.dumps({"request": broken.to_json(), "renamed": 1})]  # a later version's entry
+    state.values["seen"] = json.dumps({"ids": {"broken-0": [broken.fingerprint(), None]}, "v": 2})
+    state.timers["poll"] = time.time()
+    driver = Driver(workers[:1])
+    driver.load("b", state)
+    run_to_end(driver)
+    [letter] = driver.committed.dead_letters
+    assert "could not be decoded" in letter["reason"]
+    assert json.loads(driver.state["b"].values["seen"])["ids"]["broken-0"][1] is not None, "its id ends"
+
+    copy = InferenceRequest(id="copy-0", prompt=PROMPTS[1], max_tokens=24, min_tokens=24, temperature=0,
+                            received_at=time.time())
+    driver.deliver("c", [copy])
+    driver.state["c"].values["seen"] = "{damaged"  # the record of ids is lost ...
+    driver.deliver("c", [copy])  # ... and a redelivery of the request in flight gets in
+    assert len(driver.state["c"].bags["inflight"]) == 2, "both entries joined one stream"
+    run_to_end(driver)
+    assert [c["id"] for c in driver.committed.completions] == ["copy-0"]
+    assert driver.committed.completions[0]["attempt"] == 1

@@ -57,7 +57,7 @@ from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_paramete
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
 from pipeline.sinks.chunk_publisher import ChunkPublisher
-from pipeline.engines.leases import LeaseClocks, Stamp
+from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
 from pipeline.serving.vllm_server import ServerSpec
 
@@ -137,7 +137,7 @@ class Stream:
     window: OutputWindow = field(default_factory=OutputWindow)  # outputs not yet released by the caller
     assembler: ChunkAssembler | None = None
     done: bool = False
-    lease: Stamp = (0.0, 0.0)  # the engine's lease clocks when this stream was last polled, submitted or joined
+    lease: Stamp = (0.0, "", 0.0, 0.0)  # the lease clocks when this stream was last polled, submitted or joined
     sent_at: float | None = None  # when the model first took it (wall clock): what it waited before is its queue
     accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
 
@@ -161,28 +161,31 @@ class EngineBase:
         self._busy = BusyShares()
         self._closed = False
         self._leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
+        self._finished_kept = finished_kept(settings.max_in_flight)
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
         self._janitor.start()
 
     # Public API (called through the cross-process proxy) ----------------------------
 
-    def submit_batch(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
+    def submit_batch(self, request_jsons: list[str], attempts: list[int], client: str = "") -> list[str | None]:
         """Starts a batch of requests; for each, the key to poll it with, or None where the engine had no room.
 
         A key names the request's content as well as its id and attempt, so two
         different requests that share an id never share a stream, and this engine
         instance, so a key that moved away and back never mistakes another
         worker's stream (or this worker's abandoned one) for its own. Submitting
-        the same request and attempt again here (a retried bundle) returns the same key.
+        the same request and attempt again here (a retried bundle) returns the same key. ``client``: the
+        calling process (:mod:`pipeline.engines.leases`).
         """
         requests = [InferenceRequest.from_json(text) for text in request_jsons]
         keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}"
                                   for r, a in zip(requests, attempts)]
         started: list[Stream] = []
         with self._lock:
+            self._leases.heard(client)
             for key in keys:
                 if key in self._streams:  # joined again: a retried submission renews the lease
-                    self._renew(self._streams[key])
+                    self._renew(self._streams[key], client)
             new = [i for i, key in enumerate(keys) if key not in self._streams]
             room = self._room(len(new))
             for n, i in enumerate(new):
@@ -190,7 +193,7 @@ class EngineBase:
                     keys[i] = None
                     continue
                 stream = Stream(keys[i], requests[i], attempts[i])
-                self._renew(stream)
+                self._renew(stream, client)
                 self._streams[stream.key] = stream
                 started.append(stream)
             self._unfinished += len(started)
@@ -198,25 +201,25 @@ class EngineBase:
             self._start(started)
         return keys
 
-    def poll(self, positions: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
+    def poll(self, positions: dict[str, int], client: str = "") -> dict[str, list[tuple[str, str]]]:
         """For each key, its outputs from ``positions[key]`` on (the number the caller has committed).
 
         Outputs before the position are released (:class:`~pipeline.contract.stream_progress.OutputWindow`);
         a finished stream whose every output is released is forgotten (its result is then ``[]``). An unknown
         key, or a position outside what the stream holds (before what was
         released, or past what it produced), gets ``UNKNOWN``: the stream is lost
-        to the caller and must be submitted again.
+        to the caller and must be submitted again. ``client``: the calling process (:mod:`pipeline.engines.leases`).
         """
         now = time.time()
         ready: dict[str, list[tuple[str, str]]] = {}
         with self._lock:
-            self._leases.polled = self._leases.polled or bool(positions)
+            self._leases.heard(client, polled=bool(positions))
             for key, position in positions.items():
                 stream = self._streams.get(key)
                 if stream is None or stream.window.read(position) is None:
                     ready[key] = [(UNKNOWN, "")]  # not this stream's committed position: never splice
                     continue
-                self._renew(stream)
+                self._renew(stream, client)
                 if stream.done and not len(stream.window):
                     del self._streams[key]
                     ready[key] = []
@@ -231,6 +234,17 @@ class EngineBase:
         with self._lock:
             streams = [self._streams.pop(key) for key in keys if key in self._streams]
         self._stop(streams)
+
+    def heartbeat(self, client: str) -> None:
+        """The calling process is alive (every SDK process says so while it runs: a paused one stops)."""
+        with self._lock:
+            self._leases.heard(client)
+
+    def hold_leases(self, for_s: float) -> None:
+        """The job drains: no running stream is cancelled for want of polls for ``for_s`` (see
+        :mod:`pipeline.engines.leases`)."""
+        with self._lock:
+            self._leases.hold(for_s)
 
     def in_flight(self) -> int:
         """Streams sent and not finished; never more than ``max_in_flight`` (with the transformers engine,
@@ -262,9 +276,9 @@ class EngineBase:
 
     # Leases ----------------------------------------------------------------------------
 
-    def _renew(self, stream: Stream) -> None:
-        """The stream's lease starts again now; under the lock."""
-        stream.lease = self._leases.stamp()
+    def _renew(self, stream: Stream, client: str) -> None:
+        """The stream's lease starts again now, on the clocks of the client that called; under the lock."""
+        stream.lease = self._leases.stamp(client)
 
     def _expire_leases(self) -> None:
         """Cancels and forgets the streams whose lease ran out (see the module docstring)."""
@@ -276,8 +290,11 @@ class EngineBase:
             now = time.monotonic()
             with self._lock:
                 self._leases.tick(now - last, tick)
+                self._leases.forget_silent()
                 stale = [key for key, stream in self._streams.items()
                          if self._leases.expired(stream.lease, stream.done)]
+                stale += overflowing([(key, stream.lease) for key, stream in self._streams.items()
+                                      if stream.done and key not in stale], self._finished_kept)
                 streams = [self._streams.pop(key) for key in stale]
             last = now
             finished = sum(stream.done for stream in streams)
@@ -286,8 +303,9 @@ class EngineBase:
                                "while it polled none (their keys moved away): cancelled", len(streams) - finished,
                                lease)
             if finished:
-                LOGGER.warning("%d finished stream(s) not collected within request_timeout_s=%g (their keys moved "
-                               "away): forgotten", finished, self.settings.request_timeout_s)
+                LOGGER.warning("%d finished stream(s) not collected within request_timeout_s=%g, or past the %d kept "
+                               "(their keys moved away): forgotten", finished, self.settings.request_timeout_s,
+                               self._finished_kept)
             if streams:
                 self._stop(streams)
 

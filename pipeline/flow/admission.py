@@ -106,7 +106,13 @@ class AdmitFn(beam.DoFn):
             return call(self._runtime)
         except (ConnectionError, EOFError) as exc:
             LOGGER.warning("The worker's runtime is unreachable (%s); reconnecting", exc)
-            self._runtime = self._source.acquire(fresh=True)
+            try:
+                self._runtime = self._source.acquire(fresh=True)
+            except Exception:  # the next call tries again
+                LOGGER.exception("Reconnecting to the worker's runtime failed")
+            return None
+        except Exception:  # a read bundle that raised would be retried for ever: the request goes on unadmitted
+            LOGGER.exception("The worker's admission ledger failed")
             return None
 
     def _wait_for_room(self, request_id: str) -> None:

@@ -19,6 +19,9 @@ from apache_beam.metrics import Metrics
 from pipeline.contract.state_format import StateFormatError, check_cell, write_cell
 
 LOGGER = logging.getLogger(__name__)
+# A key remembers at most this many ended requests' ids; past it, the ones whose window ends first are forgotten
+# early (a copy of one arriving after that is served again). Open ids (waiting, streaming) are never dropped.
+MAX_ENDED_IDS = 10_000
 # Version 1: the ids object itself (no "v"); 2: {"ids": ..., "v": 2}, so that a request id can be anything.
 SEEN_VERSION = 2
 
@@ -58,6 +61,13 @@ class SeenIds:
         elif self.ids.pop(request_id, None) is not None:
             self.changed = True
 
+    def release_orphans(self, live: set[str], until: float) -> None:
+        """Ids held open whose request is in neither bag any more (its entry could not be decoded and went to the
+        dead letters) end now, as an ended request's do; ``live``: the fingerprints of the requests the key holds."""
+        for request_id, (fingerprint, held_until) in list(self.ids.items()):
+            if held_until is None and fingerprint not in live:
+                self.release(request_id, fingerprint, until)
+
     def next_expiry(self) -> float | None:
         return min((until for _, until in self.ids.values() if until is not None), default=None)
 
@@ -66,6 +76,9 @@ class SeenIds:
         if self._ids is None and not prune:
             return  # never read, so nothing changed
         expired = [i for i, (_, until) in self.ids.items() if until is not None and until <= now]
+        if len(self.ids) > MAX_ENDED_IDS:
+            ended = sorted((until, i) for i, (_, until) in self.ids.items() if until is not None and until > now)
+            expired += [i for _, i in ended[:max(len(ended) - MAX_ENDED_IDS, 0)]]
         for request_id in expired:
             del self.ids[request_id]
         if self.changed or expired:

@@ -47,7 +47,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -62,12 +62,13 @@ from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import check_parameters, default
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
-from pipeline.contract.stream_progress import (CHUNK, COMPLETION, DEAD_LETTER, KeyProgress, Output, RequestProgress,
-                                               Step, advance)
+from pipeline.contract.stream_progress import (CHUNK, COMPLETION, DEAD_LETTER, MAX_LOST_STREAMS, KeyProgress, Output,
+                                               RequestProgress, Step, advance)
 from pipeline.engines.engine import EngineSettings
 from pipeline.generation.dedupe import SeenIds
 from pipeline.worker.load import LoadGauges
-from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, new_runtime_tag, process_record
+from pipeline.worker.runtime import (RuntimeSource, SharedRuntime, WorkerRuntime, client_id, new_runtime_tag,
+                                     process_record, start_heartbeat)
 
 LOGGER = logging.getLogger(__name__)
 # Bounds, in seconds, of the counters of answers whose first token took longer (``first_token_over_<b>s``).
@@ -210,6 +211,7 @@ class StreamingGenerateFn(beam.DoFn):
         self.dead_letters_out = Metrics.counter("streaming_generate", "dead_letters")
         self.resubmitted = Metrics.counter("streaming_generate", "lost_streams_resubmitted")
         self.undecodable = Metrics.counter("streaming_generate", "undecodable_state_entries")
+        self.engine_failures = Metrics.counter("streaming_generate", "engine_call_failures")
         self.drained = Metrics.counter("streaming_generate", "drain_dead_letters")
         self.ttft = Metrics.distribution("streaming_generate", "time_to_first_token_ms")
         self.first_tokens = Metrics.counter("streaming_generate", "first_tokens")
@@ -224,6 +226,8 @@ class StreamingGenerateFn(beam.DoFn):
     def setup(self) -> None:
         self._runtime = self._source.acquire()
         self._record = process_record(self._source.tag)
+        self._client = client_id()  # the streams it polls run on this process's lease clocks
+        start_heartbeat(self._source)
 
     # Beam's callbacks: load the key's state, apply the transitions, commit -----------------
 
@@ -250,13 +254,13 @@ class StreamingGenerateFn(beam.DoFn):
             elif entry is not None:
                 yield entry  # its dead letter: another request holds the id
         already = sum(1 for _ in waiting.read())
-        sent = [] if already else self._send(accepted)  # once one waits, the rest queue behind it
+        sent, left = ([], accepted) if already else self._send(accepted)  # once one waits, the rest queue behind it
         for entry in sent:
             inflight.add(entry.encode())
-        for entry in accepted[len(sent):]:
+        for entry in left:
             waiting.add(entry.encode())
             self.requests_queued.inc()
-        self._report_waiting(shard, already + len(accepted) - len(sent), arrived=[r.id for r in requests])
+        self._report_waiting(shard, already + len(left), arrived=[r.id for r in requests])
         seen.save(now)
         if accepted and wait_ms.read() is not None:
             wait_ms.clear()  # new work: poll at the chunk cadence again
@@ -271,24 +275,27 @@ class StreamingGenerateFn(beam.DoFn):
         poll_at_ms.clear()
         seen = SeenIds(seen_state)
         before = read_progress(progress_state.read())
-        letters, entries = self._decoded(inflight)
+        broken, stored = self._decoded(inflight)
+        entries = self._unique(stored)
         polled = self._collect(entries, before, seen)
-        yield from letters
+        yield from broken
         yield from polled.emit
-        if polled.remaining != entries or letters:
+        if polled.remaining != stored or broken:
             self._rewrite(inflight, polled.remaining)
-        letters, left = self._decoded(waiting)
-        yield from letters
-        emitted, sent, left = self._admit(left, seen)
+        broken_waiting, stored = self._decoded(waiting)
+        yield from broken_waiting
+        emitted, sent, left = self._admit(self._unique(stored, besides=entries), seen)
         yield from emitted
         for entry in sent:
             inflight.add(entry.encode())
-        if sent or emitted or letters:
+        if sent or left != stored or broken_waiting:
             self._rewrite(waiting, left)
+        now = time.time()
+        if broken or broken_waiting:  # their ids are held open with no entry left to end them
+            seen.release_orphans({e.fp for e in polled.remaining + left + sent}, now + self._dedupe_window_s)
         self._report_waiting(key, len(left))
         self._gauges.update(self._runtime, self._record)
         write_progress(progress_state, before, polled.progress)
-        now = time.time()
         seen.save(now, prune=not (polled.remaining or sent or left))
         self._schedule(poll, poll_at_ms, wait_ms, seen, now,
                        busy=bool(polled.remaining or sent or polled.progress.release), waiting=bool(left))
@@ -307,6 +314,8 @@ class StreamingGenerateFn(beam.DoFn):
         dead letter at once, to be redriven into the next job.
         """
         deadline = time.time() + self._drain_timeout_s
+        # Keys drain one work item at a time, each polling only its own streams: the others' must not lapse.
+        self._engine_call("hold leases", lambda runtime: runtime.hold_leases(self._drain_timeout_s))
         seen = SeenIds(seen_state)
         letters, entries = self._decoded(waiting)
         yield from letters
@@ -328,7 +337,7 @@ class StreamingGenerateFn(beam.DoFn):
             time.sleep(min(self._poll_interval_s, max(deadline - time.time(), 0.0)))
         # Unfinished within the timeout: stopped at the server now. Finished ones stay until the engine's
         # own expiry (request_timeout_s), for a retry of this work item to collect.
-        self._runtime.cancel([e.key for e in entries if e.key is not None])
+        self._engine_call("cancel", lambda runtime: runtime.cancel([e.key for e in entries if e.key is not None]))
         for entry in entries:
             yield self._drain_letter(entry, f"the job drained and the request did not finish within "
                                             f"drain_timeout_s={self._drain_timeout_s:g}")
@@ -355,20 +364,25 @@ class StreamingGenerateFn(beam.DoFn):
         deadline_at = None if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
         return RequestEntry(request.to_json(), fingerprint, deadline_at=deadline_at, batch=batch)
 
-    def _send(self, entries: list[RequestEntry]) -> list[RequestEntry]:
-        """Submits entries as one batch; returns those the engine took (a prefix), with their streams."""
+    def _send(self, entries: list[RequestEntry]) -> tuple[list[RequestEntry], list[RequestEntry]]:
+        """Submits entries as one batch: (those the engine took, a prefix, with their streams; those left to wait).
+
+        When the engine failed, each left counts it as a lost stream (so failures are bounded as moves are).
+        """
         if not entries:
-            return []
+            return [], []
         keys = self._submit([e.request for e in entries], [e.attempt for e in entries])
+        if keys is None:
+            return [], [replace(entry, lost=entry.lost + 1) for entry in entries]
         sent = [replace(entry, key=key) for entry, key in itertools.takewhile(lambda pair: pair[1] is not None,
                                                                                zip(entries, keys))]
         self.requests_sent.inc(len(sent))
-        return sent
+        return sent, entries[len(sent):]
 
     def _admit(self, entries: list[RequestEntry],
                seen: SeenIds) -> tuple[list[Any], list[RequestEntry], list[RequestEntry]]:
         """Waiting requests sent batch by batch while the engine has room: (dead letters of those whose deadline
-        passed, those sent, those still waiting).
+        passed or that the engine failed too often, those sent, those still waiting).
 
         Offered even when the engine is full: a retried firing whose first try sent some of them finds the engine
         full of exactly those, and submitting again is what joins them (their keys come back, not None).
@@ -383,14 +397,22 @@ class StreamingGenerateFn(beam.DoFn):
             else:
                 live.append(entry)
         sent: list[RequestEntry] = []
-        for _, group in itertools.groupby(live, key=lambda e: e.batch):
-            group = list(group)
-            taken = self._send(group)
+        groups = [list(group) for _, group in itertools.groupby(live, key=lambda e: e.batch)]
+        for n, group in enumerate(groups):
+            taken, left = self._send(group)
             sent += taken
             self.requests_admitted.inc(len(taken))
-            if len(taken) < len(group):
-                break
-        return letters, sent, live[len(sent):]
+            if left:
+                waiting = [e for rest in groups[n + 1:] for e in rest]
+                for entry in reversed(left):
+                    if entry.lost < MAX_LOST_STREAMS:
+                        waiting.insert(0, entry)
+                        continue
+                    letters.append(self._dead_letter(entry.request, f"the engine failed each of the "
+                                                                    f"{entry.lost} times it was sent"))
+                    seen.release(entry.request_id, entry.fp, now + self._dedupe_window_s)
+                return letters, sent, waiting
+        return letters, sent, []
 
     def _collect(self, entries: list[RequestEntry], progress: KeyProgress, seen: SeenIds,
                  committed: dict[str, int] | None = None) -> _Polled:
@@ -441,11 +463,13 @@ class StreamingGenerateFn(beam.DoFn):
         if step.ended:
             return outputs, None, after
         if step.resend is not None:
-            key = self._submit([entry.request], [step.resend.attempt])[0]
-            if key is not None:
+            keys = self._submit([entry.request], [step.resend.attempt])
+            if keys is None:  # the engine failed: that counts as a lost stream too, so failures are bounded
+                after = step.resend
+            elif keys[0] is not None:
                 self.resubmitted.inc()
-                LOGGER.warning("Stream %s was lost; sent again as %s", entry.key, key)
-                after = replace(step.resend, stream=key)
+                LOGGER.warning("Stream %s was lost; sent again as %s", entry.key, keys[0])
+                after = replace(step.resend, stream=keys[0])
         return outputs, replace(entry, key=after.stream, attempt=after.attempt, lost=after.lost), after
 
     def _output(self, output: Output) -> Any:
@@ -487,6 +511,21 @@ class StreamingGenerateFn(beam.DoFn):
                     at=time.time()).to_record()))
         return letters, entries
 
+    def _unique(self, entries: list[RequestEntry], besides: list[RequestEntry] = ()) -> list[RequestEntry]:
+        """The entries less copies of a request held already (here or in ``besides``): a copy gets in only when the
+        record of ids was lost (an unreadable cell), and two entries of one request would share its stream and
+        emit its completion twice."""
+        held, unique = {e.fp for e in besides}, []
+        for entry in entries:
+            if entry.fp in held:
+                self.duplicates.inc()
+                LOGGER.warning("A second entry of one request in this key's state (its record of ids was lost); "
+                               "dropped")
+                continue
+            held.add(entry.fp)
+            unique.append(entry)
+        return unique
+
     @staticmethod
     def _rewrite(bag, entries: list[RequestEntry]) -> None:
         bag.clear()
@@ -526,23 +565,45 @@ class StreamingGenerateFn(beam.DoFn):
 
     def _reconnect(self, exc: Exception) -> None:
         LOGGER.warning("The worker's runtime is unreachable (%s); reconnecting", exc)
-        self._runtime = self._source.acquire(fresh=True)
+        try:
+            self._runtime = self._source.acquire(fresh=True)
+        except Exception:  # the next call tries again
+            LOGGER.exception("Reconnecting to the worker's runtime failed")
+
+    def _engine_call(self, what: str, call: Callable[[WorkerRuntime], Any]) -> tuple[bool, Any]:
+        """``(True, call(runtime))``, or ``(False, None)`` when it raised.
+
+        Dataflow retries a timer callback that raised for ever, which would wedge its key: so no call to the
+        runtime raises out of this step. A connection lost to the runtime's host process is reconnected and the
+        call tried once more (a transient error with the host alive costs nothing); anything else is logged and
+        counted (``engine_call_failures``), and the caller goes on as if the engine had no answer.
+        """
+        for tries_left in (1, 0):
+            try:
+                return True, call(self._runtime)
+            except (ConnectionError, EOFError) as exc:
+                self._reconnect(exc)
+                if not tries_left:
+                    self.engine_failures.inc()
+            except Exception:
+                LOGGER.exception("The worker's engine failed to %s", what)
+                self.engine_failures.inc()
+                break
+        return False, None
 
     def _poll(self, asked: dict[str, int], streams: list[str]) -> dict[str, list[Output] | None]:
-        """The engine's answers; when its host process died, every stream is lost with it (sent again)."""
-        try:
-            return self._runtime.poll(asked) if asked else {}
-        except (ConnectionError, EOFError) as exc:
-            self._reconnect(exc)
-            return {stream: None for stream in streams}
+        """The engine's answers; when the engine could not answer (its host process died with the streams, or it
+        failed), every stream is lost: sent again, within the request's bound on lost streams."""
+        if not asked:
+            return {}
+        answered, answers = self._engine_call("poll", lambda runtime: runtime.poll(asked, self._client))
+        return answers if answered else {stream: None for stream in streams}
 
-    def _submit(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
-        """The engine's keys for new streams; None for each it has no room for (or when it must be reconnected)."""
-        try:
-            return self._runtime.submit_batch(request_jsons, attempts)
-        except (ConnectionError, EOFError) as exc:
-            self._reconnect(exc)
-            return [None] * len(request_jsons)
+    def _submit(self, request_jsons: list[str], attempts: list[int]) -> list[str | None] | None:
+        """The engine's keys for new streams, None for each it has no room for; None when the engine failed."""
+        answered, keys = self._engine_call(
+            "submit", lambda runtime: runtime.submit_batch(request_jsons, attempts, self._client))
+        return keys if answered else None
 
     def _report_waiting(self, key: object, count: int, arrived: list[str] | None = None) -> None:
         """Tells the worker's admission ledger how many requests this key holds waiting, and which requests
@@ -558,8 +619,8 @@ class StreamingGenerateFn(beam.DoFn):
             return
         try:
             self._runtime.report_waiting(holder, count, arrived or [])
-        except (ConnectionError, EOFError):
-            return  # the next poll reconnects; the report lapses meanwhile (and an arrival after transit)
+        except Exception:  # advisory: the next poll reconnects; the report lapses meanwhile (an arrival after transit)
+            return
         with self._record.lock:
             if len(reported) > _MAX_REPORTS_REMEMBERED:
                 reported.clear()  # only costs a repeated report per key
@@ -598,7 +659,8 @@ class KeyByGenerateShard(beam.PTransform):
         self._generate_shards = generate_shards
 
     def expand(self, batches):
-        return batches | beam.FlatMap(_by_generate_key, self._generate_shards).with_output_types(Tuple[int, Any])
+        return batches | beam.FlatMap(_by_generate_key, self._generate_shards).with_output_types(
+            Tuple[int, List[InferenceRequest]])
 
 
 class StreamingGenerate(beam.PTransform):

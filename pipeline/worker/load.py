@@ -58,8 +58,8 @@ class LoadGauges:
         try:
             load = runtime.load()
             restarts = runtime.server_restarts()
-        except (ConnectionError, EOFError):
-            return  # the runtime is being reconnected; the next update reports
+        except Exception:  # advisory: a step must not fail for its gauges (the runtime may be reconnecting)
+            return
         with record.lock:
             new = max(restarts - record.restarts_counted, 0)
             record.restarts_counted += new

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -54,6 +56,40 @@ def process_record(tag: str) -> ProcessRecord:
         return _RECORDS.setdefault(tag, ProcessRecord())
 
 
+# Per process: its name as a client of the runtimes (pid and a random part: SDK containers may reuse pids).
+_CLIENT: dict[int, str] = {}
+
+
+def client_id() -> str:
+    """This process's name as a client of a runtime: its streams' leases run on its clocks."""
+    pid = os.getpid()
+    return _CLIENT.setdefault(pid, f"{pid}-{uuid.uuid4().hex[:8]}")
+
+
+# Per process: the runtimes it sends its heartbeat to, by tag.
+_HEARTBEATS: dict[str, threading.Thread] = {}
+
+
+def start_heartbeat(source: RuntimeSource) -> None:
+    """Tells ``source``'s runtime that this process is alive, several times a lease, for the life of the process:
+    a process that pauses stops, and the runtime keeps its streams (:mod:`pipeline.engines.leases`)."""
+    interval_s = min(max(source.settings.stream_lease_s / 8, 0.025), 0.5)
+
+    def beat() -> None:
+        client = client_id()
+        while True:
+            try:
+                source.acquire().heartbeat(client)
+            except Exception:  # reconnecting, or the runtime is gone: the steps say so
+                pass
+            time.sleep(interval_s)
+
+    with _ACQUIRE_LOCK:
+        if source.tag not in _HEARTBEATS:
+            _HEARTBEATS[source.tag] = threading.Thread(target=beat, name=f"heartbeat-{source.tag}", daemon=True)
+            _HEARTBEATS[source.tag].start()
+
+
 class WorkerRuntime:
     """One VM's engine and admission ledger; every public method is a call a step may make through the proxy."""
 
@@ -63,17 +99,23 @@ class WorkerRuntime:
 
     # Generation (the generate step) -----------------------------------------------------
 
-    def submit_batch(self, request_jsons: list[str], attempts: list[int]) -> list[str | None]:
-        return self.engine.submit_batch(request_jsons, attempts)
+    def submit_batch(self, request_jsons: list[str], attempts: list[int], client: str = "") -> list[str | None]:
+        return self.engine.submit_batch(request_jsons, attempts, client)
 
-    def poll(self, positions: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
-        return self.engine.poll(positions)
+    def poll(self, positions: dict[str, int], client: str = "") -> dict[str, list[tuple[str, str]]]:
+        return self.engine.poll(positions, client)
+
+    def heartbeat(self, client: str) -> None:
+        self.engine.heartbeat(client)
 
     def cancel(self, keys: list[str]) -> None:
         self.engine.cancel(keys)
 
     def in_flight(self) -> int:
         return self.engine.in_flight()
+
+    def hold_leases(self, for_s: float) -> None:
+        self.engine.hold_leases(for_s)
 
     def server_restarts(self) -> int:
         return self.engine.server_restarts()
