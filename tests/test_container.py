@@ -38,15 +38,17 @@ def test_dockerfile_passes_hadolint():
 
 
 def test_every_file_the_dockerfile_copies_exists_and_is_not_docker_ignored():
-    ignored = {line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip()}
     sources = []
     for line in DOCKERFILE.read_text().splitlines():
         if line.startswith("COPY ") and "--from=" not in line:
             sources += line.split()[1:-1]
     assert sources, "no COPY found"
     for source in sources:
-        assert (REPO / source).exists(), source
-        assert source.rstrip("/") not in ignored, source
+        path = REPO / source
+        assert path.exists(), source
+        files = [source] if path.is_file() else [f"{source.rstrip('/')}/{p.relative_to(path).as_posix()}"
+                                                  for p in path.rglob("*.py")]
+        assert files and docker_context(files) == files, source
     assert (REPO / "template" / "main.py").is_file()
 
 
@@ -159,3 +161,46 @@ def test_make_help_lists_every_target(target):
     assert set(phony) <= set(declared)
     for name in declared:
         assert name in output
+
+
+def docker_context(paths: list[str]) -> list[str]:
+    """The paths Docker sends as the build context, by .dockerignore's rules: patterns in order, the last that
+    matches a path (or a folder above it) decides, ``!`` keeps; ``*`` matches within one path segment."""
+    import fnmatch
+
+    rules = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+
+    def matches(pattern: str, path: str) -> bool:
+        pattern = pattern.rstrip("/")
+        parts = path.split("/")
+        prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+        if pattern.startswith("**/"):
+            return any(fnmatch.fnmatchcase(part, pattern[3:]) for part in parts)
+        depth = pattern.count("/") + 1
+        return any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes if prefix.count("/") + 1 == depth)
+
+    sent = []
+    for path in paths:
+        ignored = False
+        for rule in rules:
+            keep = rule.startswith("!")
+            if matches(rule.lstrip("!"), path):
+                ignored = not keep
+        if not ignored:
+            sent.append(path)
+    return sent
+
+
+def test_the_build_context_is_exactly_what_the_dockerfile_copies():
+    """BUILDER=docker sends the context to the daemon: a checkout's virtualenvs (GBs), .env, caches and tests must
+    not go, and everything the Dockerfile copies must."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    local_only = [".venv/bin/python", ".venv-deploy/lib/x.py", ".venv-emulators/bin/python", ".env", ".hf_token",
+                  ".cache/models/m.bin", "pipeline/__pycache__/assembly.cpython-311.pyc",
+                  "dataflow_streaming_llm.egg-info/PKG-INFO", ".pytest_cache/v/x", ".hypothesis/examples/x"]
+    sent = set(docker_context(tracked + local_only))
+    copied = {path for path in tracked if path.split("/")[0] in ("pipeline", "template")
+              or path in ("pyproject.toml", "README.md", "metadata.json")}
+    assert sent == copied
+    assert docker_context([".dockerignore.bak", "pipelines/x.py", "template-old/x"]) == []
