@@ -412,20 +412,18 @@ def test_an_engine_call_that_raises_never_fails_a_timer_and_every_request_still_
     assert completion["id"] == "flaky-0" and not driver.committed.dead_letters
     assert completion["attempt"] == 3, "the failed submission left it waiting; two failed polls lost two streams"
 
-    broken = failing_driver(engine, "broken", poll=10**6)
-    doomed = InferenceRequest(id="doomed-0", prompt=PROMPTS[1], max_tokens=4, temperature=0, received_at=time.time())
-    broken.deliver("k", [doomed])
-    run_to_end(broken)
-    (letter,) = broken.committed.dead_letters
-    assert letter["id"] == "doomed-0" and f"lost {MAX_LOST_STREAMS} times" in letter["reason"]
-    assert not broken.committed.completions
+    def given_up(name: str, prompt: str, **failures: int) -> str:
+        """The reason of the one dead letter a request ends as when the engine's ``failures`` never stop."""
+        failing = failing_driver(engine, name, **failures)
+        failing.deliver("k", [InferenceRequest(id=f"{name}-0", prompt=prompt, max_tokens=4, temperature=0,
+                                               received_at=time.time())])
+        run_to_end(failing)
+        (letter,) = failing.committed.dead_letters
+        assert letter["id"] == f"{name}-0" and not failing.committed.completions
+        return letter["reason"]
 
-    refused = failing_driver(engine, "refused", submit=10**6)
-    never = InferenceRequest(id="never-0", prompt=PROMPTS[2], max_tokens=4, temperature=0, received_at=time.time())
-    refused.deliver("k", [never])
-    run_to_end(refused)
-    (letter,) = refused.committed.dead_letters
-    assert letter["id"] == "never-0" and f"failed each of the {MAX_LOST_STREAMS} times" in letter["reason"]
+    assert f"lost {MAX_LOST_STREAMS} times" in given_up("broken", PROMPTS[1], poll=10**6)
+    assert f"failed each of the {MAX_LOST_STREAMS} times" in given_up("refused", PROMPTS[2], submit=10**6)
 
     stuck = failing_driver(engine, "stuck", cancel=10**6)
     stuck.deliver("k", [InferenceRequest(id="drained-0", prompt="Count from 1 to 500.", max_tokens=400,

@@ -317,17 +317,18 @@ class StreamingGenerateFn(beam.DoFn):
         # Keys drain one work item at a time, each polling only its own streams: the others' must not lapse.
         self._engine_call("hold leases", lambda runtime: runtime.hold_leases(self._drain_timeout_s))
         seen = SeenIds(seen_state)
-        letters, entries = self._decoded(waiting)
+        letters, stored = self._decoded(inflight)
         yield from letters
-        for entry in entries:
+        entries = self._unique(stored)
+        letters, waiting_entries = self._decoded(waiting)
+        yield from letters
+        for entry in self._unique(waiting_entries, besides=entries):
             yield self._drain_letter(entry, "the job drained before the request was sent to the model server")
         self._report_waiting(key, 0)
         # Polled from the committed positions, pass after pass, and nothing released: if this work item's
         # commit fails, its retry finds every stream where the last commit left it and collects it again.
         progress = read_progress(progress_state.read())
         committed = dict(progress.taken)
-        letters, entries = self._decoded(inflight)
-        yield from letters
         while entries:
             polled = self._collect(entries, progress, seen, committed=committed)
             yield from polled.emit
