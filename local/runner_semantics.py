@@ -190,7 +190,7 @@ class Driver:
         self.owner[key] = worker
 
     def deliver(self, key: Any, requests: list, *, commit: bool = True) -> Outputs:
-        return self._run(key, "process", (key, list(requests)), commit=commit)
+        return self.run(key, "process", (key, list(requests)), commit=commit)
 
     def busy_keys(self) -> dict[Any, float]:
         """Keys that hold requests (or a stream to release) and have a poll timer set: when each is due."""
@@ -205,14 +205,15 @@ class Driver:
         if timer is None or timer - time.time() > max_wait_s:
             return None
         time.sleep(max(timer - time.time(), 0.0))
-        return self._run(key, "on_poll", None, commit=commit, timer="poll")
+        return self.run(key, "on_poll", None, commit=commit, timer="poll")
 
     def drain(self, key: Any, *, commit: bool = True) -> Outputs | None:
         if self.state.get(key, KeyState()).timers["drain"] is None:
             return None
-        return self._run(key, "on_drain", None, commit=commit, timer="drain")
+        return self.run(key, "on_drain", None, commit=commit, timer="drain")
 
-    def _run(self, key: Any, method: str, element: Any, *, commit: bool, timer: str | None = None) -> Outputs:
+    def run(self, key: Any, method: str, element: Any, *, commit: bool = True, timer: str | None = None) -> Outputs:
+        """One work item of the key: ``method`` of the DoFn (``timer``: the timer that fired), on its committed state."""
         worker = self.owner.setdefault(key, self.workers[0])
         committed = self.state.setdefault(key, KeyState())
         work = copy.deepcopy(committed)
