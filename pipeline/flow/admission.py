@@ -52,7 +52,7 @@ from apache_beam.metrics import Metrics
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.worker.load import LOAD_NAMESPACE, LoadGauges
-from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, process_record
+from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, process_record, reconnect
 
 LOGGER = logging.getLogger(__name__)
 
@@ -67,14 +67,13 @@ class AdmitFn(beam.DoFn):
     def __init__(self, runtime: RuntimeSource) -> None:
         self._source = runtime
         self._settings = runtime.settings
-        self._runtime: WorkerRuntime | None = None
         self._gauges = LoadGauges("admit")
         self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
         self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
         self.overflow = Metrics.counter(LOAD_NAMESPACE, "pushback_overflow")
 
     def setup(self) -> None:
-        self._runtime = self._source.acquire()
+        self._source.acquire()
         self._record = process_record(self._source.tag)
 
     def start_bundle(self) -> None:
@@ -86,7 +85,7 @@ class AdmitFn(beam.DoFn):
         if not self._admit(request.id):
             self._wait_for_room(request.id)
         self._bundle_ids.append(request.id)
-        self._gauges.update(self._runtime, self._record)
+        self._gauges.update(self._source, self._record)
         yield request
 
     def finish_bundle(self) -> None:
@@ -102,16 +101,15 @@ class AdmitFn(beam.DoFn):
         return bool(self._call(lambda runtime: runtime.admit([request_id])))
 
     def _call(self, call: Callable[[WorkerRuntime], int | None]) -> int | None:
+        """``call(runtime)``, or None when it raised: a read bundle that raised would be retried for ever. While the
+        runtime's host is gone (acquired anew in the background), requests go on unadmitted."""
         try:
-            return call(self._runtime)
+            return call(self._source.acquire())
         except (ConnectionError, EOFError) as exc:
-            LOGGER.warning("The worker's runtime is unreachable (%s); reconnecting", exc)
-            try:
-                self._runtime = self._source.acquire(fresh=True)
-            except Exception:  # the next call tries again
-                LOGGER.exception("Reconnecting to the worker's runtime failed")
+            if reconnect(self._source):
+                LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", exc)
             return None
-        except Exception:  # a read bundle that raised would be retried for ever: the request goes on unadmitted
+        except Exception:
             LOGGER.exception("The worker's admission ledger failed")
             return None
 
@@ -127,7 +125,7 @@ class AdmitFn(beam.DoFn):
             if self._admit(request_id):
                 break
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            self._gauges.update(self._runtime, self._record)
+            self._gauges.update(self._source, self._record)
             self._log_wait("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
                            "of the subscription stays unacknowledged until a request finishes",
                            self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)

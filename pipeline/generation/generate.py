@@ -68,7 +68,7 @@ from pipeline.engines.engine import EngineSettings
 from pipeline.generation.dedupe import SeenIds
 from pipeline.worker.load import LoadGauges
 from pipeline.worker.runtime import (RuntimeSource, SharedRuntime, WorkerRuntime, client_id, new_runtime_tag,
-                                     process_record, start_heartbeat)
+                                     process_record, reconnect, start_heartbeat)
 
 LOGGER = logging.getLogger(__name__)
 # Bounds, in seconds, of the counters of answers whose first token took longer (``first_token_over_<b>s``).
@@ -91,6 +91,8 @@ WAITING_POLL_CAP_S = 2.0
 STATE_VERSION = 2
 _ENTRY_FIELDS = {"request": (str,), "fp": (str,), "attempt": (int,), "key": (str, type(None)),
                  "deadline_at": (int, float, type(None))}
+# What became of a call to the worker's runtime (StreamingGenerateFn._engine_call).
+ANSWERED, UNREACHABLE, FAILED = "answered", "unreachable", "failed"
 # How many keys' waiting reports a process remembers (ProcessRecord.reported_waiting) before it starts afresh.
 _MAX_REPORTS_REMEMBERED = 100_000
 
@@ -200,7 +202,6 @@ class StreamingGenerateFn(beam.DoFn):
         self._poll_interval_s = poll_interval_ms / 1000.0
         self._dedupe_window_s = dedupe_window_s
         self._drain_timeout_s = drain_timeout_s
-        self._runtime: WorkerRuntime | None = None
         self._gauges = LoadGauges("generate")
         self.requests_sent = Metrics.counter("streaming_generate", "requests_sent")
         self.requests_queued = Metrics.counter("streaming_generate", "requests_queued")
@@ -212,6 +213,7 @@ class StreamingGenerateFn(beam.DoFn):
         self.resubmitted = Metrics.counter("streaming_generate", "lost_streams_resubmitted")
         self.undecodable = Metrics.counter("streaming_generate", "undecodable_state_entries")
         self.engine_failures = Metrics.counter("streaming_generate", "engine_call_failures")
+        self.unreachable = Metrics.counter("streaming_generate", "runtime_unreachable")
         self.drained = Metrics.counter("streaming_generate", "drain_dead_letters")
         self.ttft = Metrics.distribution("streaming_generate", "time_to_first_token_ms")
         self.first_tokens = Metrics.counter("streaming_generate", "first_tokens")
@@ -224,7 +226,7 @@ class StreamingGenerateFn(beam.DoFn):
         self.structured_cut = Metrics.counter("streaming_generate", "structured_output_cut_at_max_tokens")
 
     def setup(self) -> None:
-        self._runtime = self._source.acquire()
+        self._source.acquire()  # builds or joins the VM's runtime (a vLLM start, minutes): here, not in a timer
         self._record = process_record(self._source.tag)
         self._client = client_id()  # the streams it polls run on this process's lease clocks
         start_heartbeat(self._source)
@@ -294,7 +296,7 @@ class StreamingGenerateFn(beam.DoFn):
         if broken or broken_waiting:  # their ids are held open with no entry left to end them
             seen.release_orphans({e.fp for e in polled.remaining + left + sent}, now + self._dedupe_window_s)
         self._report_waiting(key, len(left))
-        self._gauges.update(self._runtime, self._record)
+        self._gauges.update(self._source, self._record)
         write_progress(progress_state, before, polled.progress)
         seen.save(now, prune=not (polled.remaining or sent or left))
         self._schedule(poll, poll_at_ms, wait_ms, seen, now,
@@ -564,47 +566,46 @@ class StreamingGenerateFn(beam.DoFn):
             if ttft_ms > bound_ms:
                 counter.inc()
 
-    def _reconnect(self, exc: Exception) -> None:
-        LOGGER.warning("The worker's runtime is unreachable (%s); reconnecting", exc)
-        try:
-            self._runtime = self._source.acquire(fresh=True)
-        except Exception:  # the next call tries again
-            LOGGER.exception("Reconnecting to the worker's runtime failed")
-
-    def _engine_call(self, what: str, call: Callable[[WorkerRuntime], Any]) -> tuple[bool, Any]:
-        """``(True, call(runtime))``, or ``(False, None)`` when it raised.
+    def _engine_call(self, what: str, call: Callable[[WorkerRuntime], Any]) -> tuple[str, Any]:
+        """``(ANSWERED, call(runtime))``; ``(UNREACHABLE, None)`` when the runtime's host process is gone (it is
+        acquired anew in the background, :func:`~pipeline.worker.runtime.reconnect`: no timer waits for a rebuild,
+        and a transient error with the host alive costs nothing); ``(FAILED, None)`` when the engine raised.
 
         Dataflow retries a timer callback that raised for ever, which would wedge its key: so no call to the
-        runtime raises out of this step. A connection lost to the runtime's host process is reconnected and the
-        call tried once more (a transient error with the host alive costs nothing); anything else is logged and
-        counted (``engine_call_failures``), and the caller goes on as if the engine had no answer.
+        runtime raises out of this step. Failures are logged and counted (``engine_call_failures``,
+        ``runtime_unreachable``).
         """
-        for tries_left in (1, 0):
-            try:
-                return True, call(self._runtime)
-            except (ConnectionError, EOFError) as exc:
-                self._reconnect(exc)
-                if not tries_left:
-                    self.engine_failures.inc()
-            except Exception:
-                LOGGER.exception("The worker's engine failed to %s", what)
-                self.engine_failures.inc()
-                break
-        return False, None
+        try:
+            return ANSWERED, call(self._source.acquire())
+        except (ConnectionError, EOFError) as exc:
+            self.unreachable.inc()
+            if reconnect(self._source):
+                LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", exc)
+            return UNREACHABLE, None
+        except Exception:
+            LOGGER.exception("The worker's engine failed to %s", what)
+            self.engine_failures.inc()
+            return FAILED, None
 
     def _poll(self, asked: dict[str, int], streams: list[str]) -> dict[str, list[Output] | None]:
-        """The engine's answers; when the engine could not answer (its host process died with the streams, or it
-        failed), every stream is lost: sent again, within the request's bound on lost streams."""
+        """The engine's answers. While the runtime is unreachable, none: the streams are asked for again once it
+        is back (a new host no longer knows them, and they are sent again then, once). When the engine failed,
+        every stream is lost: sent again, within the request's bound on lost streams."""
         if not asked:
             return {}
-        answered, answers = self._engine_call("poll", lambda runtime: runtime.poll(asked, self._client))
-        return answers if answered else {stream: None for stream in streams}
+        status, answers = self._engine_call("poll", lambda runtime: runtime.poll(asked, self._client))
+        if status == FAILED:
+            return {stream: None for stream in streams}
+        return answers if status == ANSWERED else {}
 
     def _submit(self, request_jsons: list[str], attempts: list[int]) -> list[str | None] | None:
-        """The engine's keys for new streams, None for each it has no room for; None when the engine failed."""
-        answered, keys = self._engine_call(
+        """The engine's keys for new streams, None for each it has no room for (all, while the runtime is
+        unreachable: they wait); None when the engine failed."""
+        status, keys = self._engine_call(
             "submit", lambda runtime: runtime.submit_batch(request_jsons, attempts, self._client))
-        return keys if answered else None
+        if status == FAILED:
+            return None
+        return keys if status == ANSWERED else [None] * len(request_jsons)
 
     def _report_waiting(self, key: object, count: int, arrived: list[str] | None = None) -> None:
         """Tells the worker's admission ledger how many requests this key holds waiting, and which requests
@@ -619,7 +620,7 @@ class StreamingGenerateFn(beam.DoFn):
         if not arrived and last is not None and last[0] == count and now - last[1] < 1.0:
             return
         try:
-            self._runtime.report_waiting(holder, count, arrived or [])
+            self._source.acquire().report_waiting(holder, count, arrived or [])
         except Exception:  # advisory: the next poll reconnects; the report lapses meanwhile (an arrival after transit)
             return
         with self._record.lock:

@@ -24,7 +24,7 @@ import time
 
 from apache_beam.metrics import Metrics
 
-from pipeline.worker.runtime import ProcessRecord, WorkerRuntime
+from pipeline.worker.runtime import ProcessRecord, RuntimeSource
 
 LOAD_NAMESPACE = "worker_load"
 _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight": "in_flight_requests",
@@ -49,13 +49,14 @@ class LoadGauges:
         self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
         self._restarts = Metrics.counter(LOAD_NAMESPACE, "server_restarts")
 
-    def update(self, runtime: WorkerRuntime, record: ProcessRecord) -> None:
+    def update(self, source: RuntimeSource, record: ProcessRecord) -> None:
         now = time.monotonic()
         with record.lock:
             if now - record.gauges_at.get(self._step, float("-inf")) < GAUGE_INTERVAL_S:
                 return
             record.gauges_at[self._step] = now
         try:
+            runtime = source.acquire()
             load = runtime.load()
             restarts = runtime.server_restarts()
         except Exception:  # advisory: a step must not fail for its gauges (the runtime may be reconnecting)

@@ -27,6 +27,8 @@ from pipeline.engines.engine import EngineBase, EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.worker.admission_ledger import AdmissionLedger
 
+LOGGER = logging.getLogger(__name__)
+
 # Runners may set up and tear down DoFn instances per bundle (the DirectRunner does), so the reference is held for
 # the life of the process rather than released in teardown, which would stop the server; the engine closes itself
 # (and its server) at exit. Per process: the runtimes it has acquired (proxies), by tag.
@@ -197,17 +199,52 @@ def build_runtime(settings: EngineSettings) -> WorkerRuntime:
 def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) -> WorkerRuntime:
     """The worker-wide runtime: the first process to ask builds it, the others proxy to it.
 
-    ``fresh`` drops this process's cached handle first (its hosting process died).
-    The transformers engine gets a process of its own: its decoding loop is Python
-    between many small torch calls, and in a process whose other threads run the
-    pipeline it waited for the GIL at every call, several times slower a decoding
-    step on the DirectRunner.
+    ``fresh``: this process's handle no longer answers (its hosting process died), so it is acquired anew, which
+    builds the runtime in this process if no other has yet; the old handle stays cached until the new one is
+    ready. Nothing of this process waits on it meanwhile: the build (a vLLM start, minutes) runs outside the
+    process's lock. The transformers engine gets a process of its own: its decoding loop is Python between
+    many small torch calls, and in a process whose other threads run the pipeline it waited for the GIL at
+    every call, several times slower a decoding step on the DirectRunner.
     """
     with _ACQUIRE_LOCK:
-        if fresh:
-            _ACQUIRED.pop(tag, None)
-        if tag not in _ACQUIRED:
-            shared = MultiProcessShared(functools.partial(build_runtime, settings), tag=tag,
-                                        spawn_process=settings.engine == "transformers")
-            _ACQUIRED[tag] = shared.acquire()
+        if not fresh and tag in _ACQUIRED:
+            return _ACQUIRED[tag]
+    shared = MultiProcessShared(functools.partial(build_runtime, settings), tag=tag,
+                                spawn_process=settings.engine == "transformers")
+    runtime = shared.acquire()
+    with _ACQUIRE_LOCK:
+        if fresh or tag not in _ACQUIRED:
+            _ACQUIRED[tag] = runtime
         return _ACQUIRED[tag]
+
+
+# Per process: the threads acquiring a runtime anew after its host died, by tag.
+_RECONNECTING: dict[str, threading.Thread] = {}
+RECONNECT_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed attempts
+
+
+def reconnect(source: RuntimeSource) -> bool:
+    """Acquires ``source``'s runtime anew in a thread of its own, once at a time per process, retrying with
+    backoff until it succeeds: a step that found the runtime's host gone goes on meanwhile (its calls fail fast
+    on the old handle), so no timer waits for a rebuild and no failed rebuild wedges a key. Whether this call
+    started it (one already running: False)."""
+
+    def again() -> None:
+        wait_s = RECONNECT_BACKOFF_S[0]
+        while True:
+            try:
+                source.acquire(fresh=True)
+                LOGGER.warning("Reconnected to the worker's runtime (%s)", source.tag)
+                return
+            except Exception:
+                LOGGER.exception("Reconnecting to the worker's runtime failed; trying again in %.0f s", wait_s)
+                time.sleep(wait_s)
+                wait_s = min(2 * wait_s, RECONNECT_BACKOFF_S[1])
+
+    with _ACQUIRE_LOCK:
+        running = _RECONNECTING.get(source.tag)
+        if running is not None and running.is_alive():
+            return False
+        _RECONNECTING[source.tag] = threading.Thread(target=again, name=f"reconnect-{source.tag}", daemon=True)
+        _RECONNECTING[source.tag].start()
+        return True
