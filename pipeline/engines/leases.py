@@ -113,7 +113,7 @@ class LeaseClocks:
                 or clocks.unheard_s >= max(self.finished_s, ABANDONED_LEASES * self.lease_s))
 
     def forget_silent(self) -> None:
-        """Drops the clocks of clients not heard for ``finished_s`` (their streams have expired by then)."""
+        """Drops the clocks of clients not heard for twice ``finished_s`` (their streams expired at ``finished_s``)."""
         for client in [c for c, clocks in self.clients.items() if clocks.unheard_s > 2 * self.finished_s
                        and c != IN_PROCESS]:
             del self.clients[client]
