@@ -42,8 +42,8 @@
    worker's runtime from outside (every step acquires it through it) and admits
    each message under a place-holder id before it is parsed, through the
    ledger's public ``admit``; when the admission step then admits the request by
-   its id, it takes over the place-holder's place (``admit_over`` and the
-   place-holder reported arrived) instead of waiting. A place-holder that no
+   its id, it takes over the place-holder's place (``admit(ids, in_place_of=...)``,
+   one step under the ledger's lock) instead of waiting. A place-holder that no
    request takes over (a message that failed to parse) lapses like any admitted
    request on its way.
 
@@ -171,11 +171,9 @@ class SourceAdmission:
         """The admission step's call: each request takes over a place-holder's place, without waiting."""
         with self._lock:
             places = [self._places.popleft() for _ in range(min(len(ids), len(self._places)))]
-        if places:
-            self.runtime.admit_over(ids[:len(places)])
-            self.runtime.report_waiting(SOURCE_HOLDER, 0, places)
+        taken = self.runtime.admit(ids[:len(places)], in_place_of=places) if places else 0
         rest = ids[len(places):]
-        return len(places) + (self.runtime.admit(rest) if rest else 0)
+        return taken + (self.runtime.admit(rest) if rest else 0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runtime, name)

@@ -20,7 +20,7 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.flow.admission import AdmitFn
+from pipeline.flow.admission import AdmitFn, WorkerFull
 from pipeline.worker.runtime import WorkerRuntime
 from tests.conftest import SERVED_NAME, wait_until
 
@@ -161,38 +161,48 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
         engine.close()
 
 
-def test_the_timers_keep_threads_while_every_read_bundle_of_a_full_worker_waits(vllm_server):
+def test_the_timers_keep_threads_while_every_read_bundle_of_a_full_worker_waits_or_is_refused(vllm_server):
     """Dataflow runs number_of_worker_harness_threads work items at once on a worker, read bundles and timer
     firings alike. A pool of 4 threads stands for them: with admission_waiters=2 (half), two read bundles wait
-    for room and a third and fourth go on over the bound, so the generate step's polls still get a thread
-    while both waiting bundles hold theirs, and collect the work that frees the room they wait for."""
-    # Requests let through count in the hold while on their way (here for 5 s: long enough to read them).
+    for room and a third and fourth are refused (WorkerFull: their messages stay in the subscription and the
+    runner retries them) rather than pass over the bound, so the generate step's polls still get a thread while
+    both waiting bundles hold theirs, and collect the work that frees the room they wait for."""
     source, engine, driver, _ = full_worker(vllm_server.base_url, admission_waiters=2, admission_transit_s=5.0)
     harness = ThreadPoolExecutor(max_workers=4, thread_name_prefix="harness")
+    refused: list[int] = []
 
     def read_bundle(i: int) -> list[str]:
-        admit = admit_fn(source)  # one DoFn instance per bundle, as a runner may
-        admit.start_bundle()
-        passed = [out.id for out in admit.process(request(i))]
-        admit.finish_bundle()
-        return passed
+        """One read bundle of request i, retried by the runner until it commits."""
+        while True:
+            admit = admit_fn(source)  # one DoFn instance per bundle, as a runner may
+            admit.start_bundle()
+            try:
+                passed = [out.id for out in admit.process(request(i))]
+                admit.finish_bundle()
+                return passed
+            except WorkerFull:
+                refused.append(i)
+                time.sleep(0.5)  # the runner's delay before a retry
 
     try:
         # Full (2 in flight, 1 waiting), with answers long enough that nothing frees room before the first poll.
         driver.deliver("shard-0", [request(i, 256, min_tokens=256) for i in range(3)])
         assert source.runtime.admit(["probe"]) == 0
-        bundles = [harness.submit(read_bundle, i) for i in range(20, 24)]
-        assert wait_until(lambda: sum(b.done() for b in bundles) >= 2, 30), "two bundles found no waiting place"
-        waiting = [b for b in bundles if not b.done()]
-        assert len(waiting) == 2, "exactly admission_waiters bundles wait"
-        assert source.runtime.load()["on_the_way"] >= 2, "the bundles let through over the bound count in the hold"
-        harness.submit(driver.fire, "shard-0").result(timeout=30)
-        assert not any(b.done() for b in waiting), "the timer ran on a free thread while both bundles waited"
+        source.runtime.withdraw(["probe"])
+        bundles = [harness.submit(read_bundle, i) for i in range(20, 22)]
+        assert wait_until(lambda: source.runtime.load()["on_the_way"] == 0 and len(
+            source.runtime.admission._hold._places) == 2, 30), "two bundles wait, holding both waiting places"
+        retried = [harness.submit(read_bundle, i) for i in range(22, 24)]
+        assert wait_until(lambda: len(set(refused)) == 2, 30), "a third and fourth bundle are refused"
+        assert source.runtime.load()["on_the_way"] == 0, "a refused bundle leaves nothing in the hold"
+        assert not any(b.done() for b in bundles + retried)
         deadline = time.monotonic() + 300
-        while any(not b.done() for b in waiting) and time.monotonic() < deadline:
-            harness.submit(driver.fire, "shard-0").result(timeout=30)
-        assert all(b.done() for b in waiting), "room freed by the polls let the waiting bundles go on"
-        assert sorted(i for b in bundles for i in b.result()) == [f"adm-{i}" for i in range(20, 24)]
+        while any(not b.done() for b in bundles + retried) and time.monotonic() < deadline:
+            harness.submit(driver.fire, "shard-0").result(timeout=30)  # a timer gets a thread while 4 bundles run
+            load = source.runtime.load()
+            assert load["held"] + load["on_the_way"] <= source.settings.max_held + 1, load
+        assert all(b.done() for b in bundles + retried), "room freed by the polls let every bundle go on"
+        assert sorted(i for b in bundles + retried for i in b.result()) == [f"adm-{i}" for i in range(20, 24)]
         while driver.busy_keys() and time.monotonic() < deadline:
             driver.fire("shard-0")
         assert sorted(c["id"] for c in driver.committed.completions) == [f"adm-{i}" for i in range(3)]

@@ -20,24 +20,52 @@ full); its bundle stays open for as long as the worker is full, each request
 in flight frees room when it finishes or reaches ``request_timeout_s``. Room
 is counted from the engine, which frees it on its own threads. A worker runs
 ``number_of_worker_harness_threads`` work items at once (the launch sets it,
-:mod:`pipeline.config.launch_checks`), and the generate step's poll timers,
-which collect what finished and submit what waits, need those threads too. So
-at most half of them wait here (``admission_waiters``, places held in the
-ledger, :meth:`~pipeline.worker.admission_ledger.AdmissionLedger.wait_place`): a bundle that
-finds every place taken goes on at once, its requests counted in the hold
-over the bound (``pushback_overflow``), and the worker admits nothing more
-until it is back under it. The waiting bundles thus hold back the backlog,
-and the timers always have threads. The bound holds per worker: Dataflow
-spreads keys and source splits evenly, so each worker's hold reflects its
-share; a skewed spread can hold more on one worker than the bound.
+:mod:`pipeline.config.launch_checks`), read bundles and the generate step's
+poll timers alike, and the timers, which collect what finished and submit what
+waits, need those threads to free room. So at most half of them wait here
+(``admission_waiters``, places held in the ledger,
+:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.wait_place`).
+
+A read bundle that finds every waiting place taken is **refused**: after one
+short pause (``REFUSAL_PAUSE_S``) it gives back what it admitted
+(:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.withdraw`) and
+raises :class:`WorkerFull`. Dataflow does not document how it schedules read
+work items, and the worst case is a read bundle whenever a thread is free; the
+Pub/Sub source offers a step no way to hand messages back but failing the
+work item ("Common error guidance": "Dataflow processes elements in arbitrary
+bundles and retries the complete bundle when an error is thrown ... a bundle
+including a failing item is retried indefinitely";
+https://cloud.google.com/dataflow/docs/guides/common-errors). A refused bundle's
+messages are not acknowledged, so they stay in the subscription's backlog. The
+other two choices leak: a bundle that waited without a place could take every
+thread from the timers, and one let through over the bound (this step's
+earlier design) moves the whole backlog into keyed state at read speed, where
+the autoscaler cannot see it. What refusing costs: each refusal is a failed
+work item, which Dataflow logs as an error with its stack trace and retries
+(Beam's streaming worker retries a failed work item after 10 s at the end of
+its queue, ``WorkFailureProcessor``; how the runner of Python jobs waits is
+not documented), and the retry reads the same messages again. Refusals happen
+only while the worker is full and half its threads wait, that is during a
+sustained backlog, when the autoscaler is adding workers; they are counted
+(``pushback_refused``) and at most one a second per thread.
+
+The bound then holds with one slack, stated in requests: a bundle that cannot
+finish without going over (the worker is held by open bundles alone, which
+only their finishing frees: :meth:`~pipeline.worker.hold.WorkerHold.room`)
+takes one request more at a time. At most ``admission_waiters`` bundles are
+open and waiting, so the slack is what they carry: at most
+``admission_waiters`` read bundles, and only while the worker holds nothing
+else. The bound holds per worker: Dataflow spreads keys and source splits
+evenly, so each worker's hold reflects its share; a skewed spread can hold
+more on one worker than the bound.
 
 On the DirectRunner every step runs on one thread, so a step that waited would stop the timers that free
 room; the local runner admits in its source instead, through this same ledger, before this step runs
 (``local/direct_runner.py``), and this step finds its requests admitted already.
 
 The step reports the worker's load (:mod:`pipeline.worker.load`), and counts
-its waits in the same namespace: ``pushback_waits``, ``pushback_ms`` and ``pushback_overflow`` (requests let
-through over the bound because every waiting place was taken).
+its waits in the same namespace: ``pushback_waits``, ``pushback_ms`` and ``pushback_refused`` (read bundles
+refused because every waiting place was taken, or the runtime was unreachable).
 """
 
 from __future__ import annotations
@@ -59,6 +87,15 @@ LOGGER = logging.getLogger(__name__)
 # How often a waiting step says so in the log.
 PUSHBACK_LOG_INTERVAL_S = 60.0
 _MAX_BACKOFF_S = 0.5
+# How long a read bundle that finds no waiting place holds its thread before it is refused: the runner may retry
+# a failed work item at once, and this bounds the refusals to one a second per thread.
+REFUSAL_PAUSE_S = 1.0
+
+
+class WorkerFull(RuntimeError):
+    """A read bundle refused: the worker holds its bound and every waiting place is taken, or its runtime is being
+    acquired anew. Raised on purpose: the runner fails the work item and retries it, and until then its
+    messages stay unacknowledged in the subscription (see the module docstring). Not a fault in the data."""
 
 
 class AdmitFn(beam.DoFn):
@@ -70,7 +107,7 @@ class AdmitFn(beam.DoFn):
         self._gauges = LoadGauges("admit")
         self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
         self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
-        self.overflow = Metrics.counter(LOAD_NAMESPACE, "pushback_overflow")
+        self.refused = Metrics.counter(LOAD_NAMESPACE, "pushback_refused")
 
     def setup(self) -> None:
         self._source.acquire()
@@ -100,42 +137,54 @@ class AdmitFn(beam.DoFn):
     def _admit(self, request_id: str) -> bool:
         return bool(self._call(lambda runtime: runtime.admit([request_id])))
 
-    def _call(self, call: Callable[[WorkerRuntime], int | None]) -> int | None:
-        """``call(runtime)``, or None when it raised: a read bundle that raised would be retried for ever. While the
-        runtime's host is gone (acquired anew in the background), requests go on unadmitted."""
+    def _call(self, call: Callable[[WorkerRuntime], int | bool | None]) -> int | bool | None:
+        """``call(runtime)``. While the runtime's host is gone (acquired anew in the background) the worker cannot
+        count what it holds, so the bundle is refused: what it admitted lived in the lost ledger, and its retry
+        admits it again in the new one."""
         try:
             return call(self._source.acquire())
         except (ConnectionError, EOFError) as exc:
             if reconnect(self._source):
                 LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", exc)
-            return None
-        except Exception:
-            LOGGER.exception("The worker's admission ledger failed")
-            return None
+            self.refused.inc()
+            raise WorkerFull(f"the worker's runtime is unreachable ({exc}) and is being acquired anew: this read "
+                             "bundle is refused and read again later") from exc
 
     def _wait_for_room(self, request_id: str) -> None:
         """Holds this bundle (its messages unacknowledged) until the worker has room for one more request, if it
-        gets one of the worker's waiting places; otherwise lets the request through over the bound."""
+        gets one of the worker's waiting places; otherwise, after one short pause, refuses the bundle."""
         started = time.monotonic()
         backoff = 0.01
         self.waits.inc()
-        while self._call(lambda runtime: runtime.wait_place(self._bundle)):  # taken, or renewed each round
-            self._waited = True
-            time.sleep(backoff)
-            if self._admit(request_id):
-                break
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            self._gauges.update(self._source, self._record)
-            self._log_wait("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
-                           "of the subscription stays unacknowledged until a request finishes",
-                           self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
-        else:
-            self.overflow.inc()
-            self._call(lambda runtime: runtime.admit_over([request_id]))
-            self._log_wait("Worker full and %d admission bundles already wait for room (half of its harness "
-                           "threads, the rest kept for the timers): a request goes on over the bound",
-                           self._settings.admission_waiters)
-        self.waited_ms.inc(int((time.monotonic() - started) * 1000))
+        try:
+            while self._call(lambda runtime: runtime.wait_place(self._bundle)):  # taken, or renewed each round
+                self._waited = True
+                time.sleep(backoff)
+                if self._admit(request_id):
+                    return
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                self._gauges.update(self._source, self._record)
+                self._log_wait("Worker full (%d requests held, worker_queue=%d beyond max_in_flight=%d): the rest "
+                               "of the subscription stays unacknowledged until a request finishes",
+                               self._settings.max_held, self._settings.worker_queue, self._settings.max_in_flight)
+            time.sleep(REFUSAL_PAUSE_S)
+            if not self._admit(request_id):
+                self._refuse()
+        finally:
+            self.waited_ms.inc(int((time.monotonic() - started) * 1000))
+
+    def _refuse(self) -> None:
+        """Gives back what this bundle admitted (its messages return to the subscription) and fails it."""
+        self.refused.inc()
+        self._call(lambda runtime: runtime.withdraw(self._bundle_ids))
+        if self._waited:
+            self._call(lambda runtime: runtime.leave_place(self._bundle))
+        self._log_wait("Worker full and %d read bundles already wait for room (half of its harness threads, the "
+                       "rest kept for the timers): read bundles are refused and stay in the subscription",
+                       self._settings.admission_waiters)
+        raise WorkerFull(f"worker full ({self._settings.max_held} requests held) and all "
+                         f"{self._settings.admission_waiters} waiting places taken: this read bundle is refused, "
+                         "its messages stay unacknowledged in Pub/Sub and are read again")
 
     def _log_wait(self, message: str, *args: object) -> None:
         now = time.monotonic()

@@ -5,7 +5,8 @@ while the worker holds less than its bound, so the hold must count every
 request the worker has taken and not yet finished, wherever it is on the way:
 
 * **admitted by id**: the admission step let it through. It counts until the
-  generate step on this worker reports it arrived (by id, so a retried bundle
+  generate step on this worker reports it arrived, or its bundle is refused
+  (:meth:`WorkerHold.release`; by id, so a retried bundle
   that admits the same request again takes no second place). While the bundle
   that admitted it is still open, its messages are unacknowledged and the
   element has not left the step, so it counts with no time limit but the
@@ -76,10 +77,11 @@ class WorkerHold:
             if request_id in self._ids:
                 self._ids[request_id] = (self._ids[request_id][0], now)
 
-    def arrived(self, ids: Iterable[str]) -> None:
-        """The generate step on this worker has them: from now on its streams and reports count them."""
-        for request_id in ids:
-            self._ids.pop(request_id, None)
+    def release(self, ids: Iterable[str]) -> int:
+        """They no longer count here: the generate step on this worker has them (its streams and reports count
+        them from now on), or their bundle was refused and they are back in the subscription. Returns how many
+        were held."""
+        return sum(self._ids.pop(request_id, None) is not None for request_id in ids)
 
     def wait_place(self, now: float, bundle: str, most: int, lapse_s: float) -> bool:
         """Whether admission bundle ``bundle`` may wait for room: it holds (or renews) one of ``most`` waiting

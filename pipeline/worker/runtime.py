@@ -124,11 +124,11 @@ class WorkerRuntime:
 
     # Admission (the admission step; the generate step reports what waits) ------------------
 
-    def admit(self, ids: list[str]) -> int:
-        return self.admission.admit(ids)
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = ()) -> int:
+        return self.admission.admit(ids, in_place_of)
 
-    def admit_over(self, ids: list[str]) -> None:
-        self.admission.admit_over(ids)
+    def withdraw(self, ids: list[str]) -> None:
+        self.admission.withdraw(ids)
 
     def wait_place(self, bundle: str) -> bool:
         return self.admission.wait_place(bundle)
