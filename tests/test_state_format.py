@@ -89,3 +89,24 @@ def test_progress_reads_the_previous_version_and_refuses_positions_that_are_not_
     cell = Cell(None)
     write_progress(cell, KeyProgress(), KeyProgress({"k": 1}, {}))  # a poll emitted the stream's first output
     assert json.loads(cell.value) == {"taken": {"k": 1}, "release": {}, "v": 1}
+
+
+def test_the_batchers_counters_read_the_previous_version_and_write_a_versioned_one():
+    assert BucketCounters.from_json("[2, 4]") == BucketCounters(2, 4), "version 1: a bare list"
+    written = BucketCounters(3, 9).to_json()
+    assert json.loads(written)["v"] == 2 and BucketCounters.from_json(written) == BucketCounters(3, 9)
+    later = json.dumps({"count": 1, "tokens": 2, "v": 3})
+    assert BucketCounters.from_json(later) == BucketCounters(), "a later version's cell: counted from zero"
+
+
+def test_the_timer_cells_keep_beams_standard_integer_coder_and_read_what_it_wrote():
+    """The generate step's timer cells are versioned by name under VarIntCoder (pipeline/contract/state_format.py):
+    changing their coder would fail Dataflow's update check, so a change of meaning must take a new name."""
+    from apache_beam.coders import VarIntCoder
+
+    from pipeline.generation.generate import StreamingGenerateFn
+
+    for spec in (StreamingGenerateFn.POLL_AT_MS, StreamingGenerateFn.WAIT_MS):
+        assert type(spec.coder) is VarIntCoder, spec.name
+        written_before = VarIntCoder().encode(1_764_000_000_000)  # what the previous version wrote: epoch ms
+        assert spec.coder.decode(written_before) == 1_764_000_000_000

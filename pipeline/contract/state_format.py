@@ -4,13 +4,21 @@ A Dataflow update hands the replacement job the old job's state as the old code
 wrote it ("Update an existing pipeline"). A cell this code cannot read must not
 raise: its work item would be retried for ever and wedge its key. So every cell
 that holds requests or their bookkeeping as records (the generate step's entries,
-progress and ids, the batcher's buffer) is a JSON object with a version ``"v"``
-(cells written before versions existed have none, and are version 1 of their
-kind), and its reader goes through :func:`read_cell`, which says what is wrong in
-a :class:`StateFormatError`. The batcher's counters (checked when read) and the
-timer bookkeeping (integers, under Beam's integer coder) carry no version. The step then turns what it cannot read into a dead
-letter with the raw text (or, for bookkeeping that holds no request, a logged
-error and the ``undecodable_state_entries`` counter) and goes on.
+progress and ids, the batcher's buffer and counters) is a JSON object with a
+version ``"v"`` (cells written before versions existed have none, and are
+version 1 of their kind), and its reader goes through :func:`read_cell`, which
+says what is wrong in a :class:`StateFormatError`. The step then turns what it
+cannot read into a dead letter with the raw text (or, for bookkeeping that
+holds no request, a logged error and the ``undecodable_state_entries``
+counter) and goes on.
+
+The generate step's two timer cells (``poll_at_ms``, ``wait_ms``) are the one
+exception: single integers under Beam's standard ``VarIntCoder``
+(``beam:coder:varint:v1``, whose bytes Beam's model fixes for every SDK), and
+versioned by their name, which says the unit. A change of meaning takes a new
+cell name, and the old cell is read once and cleared; the coder of a cell is not
+changed, since Dataflow compares the coders of the old and new job when it
+checks an update.
 """
 
 from __future__ import annotations

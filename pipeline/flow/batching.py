@@ -37,11 +37,13 @@ from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded, guarded_v
 from pipeline.contract.keying import bucket_index, shard_of
 from pipeline.contract.messages import STAGE_BATCH, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import check_parameters, default
-from pipeline.contract.state_format import read_cell, write_cell
+from pipeline.contract.state_format import check_cell, read_cell, write_cell
 from pipeline.intake.prompt_length import estimate_tokens
 
 LOGGER = logging.getLogger(__name__)
 FLUSH_SIZE, FLUSH_BUDGET, FLUSH_TIMER, FLUSH_WATERMARK = "size", "budget", "timer", "watermark"
+# Counters: version 1 was a bare [count, tokens] list.
+COUNTERS_VERSION = 2
 # Buffer entries: version 1 had no "v" (the same fields); see pipeline.contract.state_format.
 BUFFER_VERSION = 2
 
@@ -111,19 +113,23 @@ class BucketCounters:
     tokens: int = 0
 
     def to_json(self) -> str:
-        return json.dumps([self.count, self.tokens])
+        return write_cell({"count": self.count, "tokens": self.tokens}, COUNTERS_VERSION)
 
     @classmethod
     def from_json(cls, text: str | None) -> BucketCounters:
-        """The counters as :meth:`to_json` wrote them; an unreadable cell (another version's) counts from zero:
-        the bucket then leaves on its delay timer or a later arrival, with nothing lost."""
+        """The counters as :meth:`to_json` wrote them, or as version 1 did (a bare ``[count, tokens]``); an
+        unreadable cell (another version's) counts from zero: the bucket then leaves on its delay timer or a
+        later arrival, with nothing lost."""
         if not text:
             return cls()
         try:
-            count, tokens = json.loads(text)
-            if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (count, tokens)):
-                return cls(count, tokens)
-        except (ValueError, TypeError):
+            data = json.loads(text)
+            if isinstance(data, list) and len(data) == 2:  # version 1
+                data = {"count": data[0], "tokens": data[1], "v": 1}
+            fields = check_cell(data, (1, COUNTERS_VERSION), {"count": (int,), "tokens": (int,)})
+            if fields["count"] >= 0 and fields["tokens"] >= 0:
+                return cls(fields["count"], fields["tokens"])
+        except (ValueError, TypeError):  # StateFormatError is a ValueError
             pass
         Metrics.counter("bucketing", "undecodable_state_entries").inc()
         LOGGER.error("A batcher's counters cannot be read (%r); counting from zero", text[:80])
