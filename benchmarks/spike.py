@@ -23,7 +23,11 @@ serve the arrivals at 75 % ("after scaling down, workers utilize on average 75 %
 Per design: the peak backlog the autoscaler sees, the most workers it runs,
 when the queue is back to what the workers hold (drain), the time to first
 chunk of a request that arrives as the spike ends (FIFO wait + ``--ttft-s``),
-and GPU worker-hours. Needs no cloud: ``python -m benchmarks.spike``.
+GPU worker-hours, and what holding the backlog in Pub/Sub costs in failed work
+items: while a worker is full, the harness threads that may not wait
+(``number_of_worker_harness_threads`` less ``admission_waiters``) each take a
+read bundle that is refused after ``REFUSAL_PAUSE_S`` and retried after the
+runner's delay (``--retry-delay-s``), each a logged error. Needs no cloud: ``python -m benchmarks.spike``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from pipeline.contract.parameters import PARAMETERS
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, PARAMETERS
+from pipeline.engines.engine import waiting_places
+from pipeline.flow.admission import REFUSAL_PAUSE_S
 
 DEFAULTS = {p.name: p.default for p in PARAMETERS}
 CLEAR_BACKLOG_S = 150.0
@@ -47,6 +53,7 @@ class Outcome:
     drained_after_s: float | None  # from the spike's start
     ttft_at_peak_s: float | None
     worker_hours: float
+    refused: int  # read bundles refused (failed work items, each logged)
 
 
 def simulate(design: str, args: argparse.Namespace) -> Outcome:
@@ -61,7 +68,9 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
     drained_at: float | None = None
     marker: float | None = None  # cumulative arrivals when the marked request (at the spike's end) arrives
     marker_started_at: float | None = None
-    worker_seconds = 0.0
+    worker_seconds = refused = 0.0
+    threads = args.harness_threads
+    refusing_threads = threads - waiting_places(threads)
     spike_end = args.spike_at_s + args.spike_s
     for t in range(int(args.duration_s)):
         workers += sum(1 for at in booting if at == t)
@@ -81,6 +90,8 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
         held = min(queue, workers * hold) if design == "in Pub/Sub" else queue
         visible = queue - held
         peak_visible, peak_held = max(peak_visible, int(visible)), max(peak_held, int(held))
+        if design == "in Pub/Sub" and visible > 0:  # every worker full: its free threads' read bundles refused
+            refused += workers * refusing_threads / (REFUSAL_PAUSE_S + args.retry_delay_s)
         worker_seconds += workers + len(booting)
         if t >= spike_end and drained_at is None and queue <= workers * args.max_in_flight:
             drained_at = t - args.spike_at_s
@@ -103,7 +114,7 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
         max_workers = max(max_workers, workers + len(booting))
     ttft = None if marker_started_at is None else marker_started_at - spike_end + args.ttft_s
     return Outcome(design, peak_visible, peak_held, max_workers,
-                   None if drained_at is None else float(drained_at), ttft, worker_seconds / 3600)
+                   None if drained_at is None else float(drained_at), ttft, worker_seconds / 3600, int(refused))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-start-s", type=float, default=360.0,
                         help="from the decision to a new GPU worker serving: VM, image, weights (assumption)")
     parser.add_argument("--ttft-s", type=float, default=0.3, help="time to first chunk once a request starts")
+    parser.add_argument("--harness-threads", type=int, default=DEFAULT_HARNESS_THREADS,
+                        help="number_of_worker_harness_threads (the launch's default)")
+    parser.add_argument("--retry-delay-s", type=float, default=10.0,
+                        help="the runner's delay before it retries a failed work item (Beam's streaming worker: "
+                             "10 s, WorkFailureProcessor; for Python jobs not documented: an assumption)")
     args = parser.parse_args(argv)
     outcomes = [simulate(design, args) for design in ("in state", "in Pub/Sub")]
     print(f"Spike: {args.rate:g} -> {args.rate * args.spike_factor:g} requests/s for {args.spike_s / 60:g} min; "
@@ -133,13 +149,14 @@ def main(argv: list[str] | None = None) -> None:
           f"hold {args.max_in_flight}+{args.worker_queue} a worker; new workers serve after "
           f"{args.worker_start_s / 60:g} min, decisions after {args.decision_delay_s:g} s backlogged")
     print("| backlog waits | peak backlog the autoscaler sees | peak held in state | workers (max) "
-          "| drained after spike start | first chunk, request at the spike's end | GPU worker-hours |")
-    print("|---|---|---|---|---|---|---|")
+          "| drained after spike start | first chunk, request at the spike's end | GPU worker-hours "
+          "| read bundles refused (logged errors) |")
+    print("|---|---|---|---|---|---|---|---|")
     for o in outcomes:
         drained = "not within the window" if o.drained_after_s is None else f"{o.drained_after_s / 60:.0f} min"
         ttft = "not within the window" if o.ttft_at_peak_s is None else f"{o.ttft_at_peak_s / 60:.1f} min"
         print(f"| {o.design} | {o.peak_visible_backlog:,} | {o.peak_held_in_state:,} | {o.max_workers} | {drained} "
-              f"| {ttft} | {o.worker_hours:.2f} |")
+              f"| {ttft} | {o.worker_hours:.2f} | {o.refused:,} |")
 
 
 if __name__ == "__main__":
