@@ -1,4 +1,5 @@
-"""A stand-in for a whole Dataflow worker VM: several real SDK processes sharing one engine host.
+"""A stand-in for a whole Dataflow worker VM: several real SDK processes, each with a bounded pool of harness
+threads, sharing one engine host, reading a backlog whenever a thread is free.
 
 :mod:`local.runner_semantics` stands in for the runner's commit rules around the generate step in the test's
 own process. A worker VM is more than that, and this adds what it is made of:
@@ -7,7 +8,19 @@ own process. A worker VM is more than that, and this adds what it is made of:
   one per vCPU ("Troubleshoot Dataflow out of memory errors":
   https://cloud.google.com/dataflow/docs/guides/troubleshoot-oom; the job's SDK container image "recommends
   using more than one core per SDK container instance", ``SdkHarnessContainerImage`` in Dataflow's API). Each is
-  a real process here (``multiprocessing``, spawned), running the real ``StreamingGenerateFn``.
+  a real process here (``multiprocessing``, spawned), running the real ``AdmitFn`` and ``StreamingGenerateFn``.
+* **A bounded pool of harness threads in each.** A worker runs ``number_of_worker_harness_threads`` work items
+  at once, read bundles and timer firings alike (Beam's pipeline options: "the number of threads per each
+  worker harness process"; the runner hands it to the worker pool as ``numThreadsPerWorker``). Each process
+  here runs at most ``threads`` work items at once, one DoFn instance per thread, as Beam keeps one per
+  concurrently running bundle.
+* **Read bundles whenever a thread is free.** Dataflow does not document how it schedules read work items
+  against timers; the worst case, taken here, is that every thread with no due work item of a key takes a read
+  bundle of the backlog, of whatever size the schedule draws. A refused read bundle
+  (:class:`pipeline.flow.admission.WorkerFull`) fails its work item: its messages go back to the backlog,
+  unacknowledged, and are read again ("Common error guidance": a failing bundle is retried;
+  https://cloud.google.com/dataflow/docs/guides/common-errors). Due timers queue first in, first out with the
+  elements that arrive for keys, as a worker's work queue holds them.
 * **One runtime per VM.** The steps reach the worker's runtime through Beam's ``MultiProcessShared``, which
   "will be instantiated once per VM and methods will be invoked on it via rpc" (its module's documentation): the
   first process to acquire it hosts it, the others call it through a proxy, exactly as the template's
@@ -15,48 +28,133 @@ own process. A worker VM is more than that, and this adds what it is made of:
 * **State lives in the service.** With Streaming Engine a key's state is kept by the service, not in the SDK
   process, and each work item commits whole (the rules and their sources: :mod:`local.runner_semantics`). So
   this stand-in keeps every key's committed state and ships each work item (the key's state with it) to the
-  process that runs the key; a process that dies loses no committed state, and its keys' work items run in
-  another process.
-* **Processes pause and die.** One process can be paused (``SIGSTOP``: a long GC, memory pressure) while the
-  others run, and any can be killed (``SIGKILL``), the runtime's host among them.
+  process that runs the key; a work item may fail to commit (then it runs again); a process that dies loses no
+  committed state, and its keys' work items run in another process.
+* **Processes pause and die; the job drains and is updated.** One process can be paused (``SIGSTOP``: a long
+  GC, memory pressure) while the others run, so only its keys' timers are late; any can be killed
+  (``SIGKILL``), the runtime's host among them; engine calls can be made to raise. A drain stops the reads and
+  fires every key's drain timer, with many more keys than threads ("Drain a pipeline":
+  https://cloud.google.com/dataflow/docs/guides/stopping-a-pipeline). An update replaces every process with a
+  fresh one (and a fresh runtime) on the state the old ones left ("Update an existing pipeline":
+  https://cloud.google.com/dataflow/docs/guides/updating-a-pipeline).
 
-Not reproduced yet: each process's bounded pool of harness threads (a process runs one work item at a time
-here), the read bundles of the admission step, and an update.
+The admission step's requests go straight to the generate step's keys here (the batcher between them is
+tested with the real DoFn in ``tests/test_worker_rig.py``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
+import random
 import signal
+import tempfile
+import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from local.runner_semantics import Driver, KeyState, Outputs, Worker
+from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine import EngineSettings
+from pipeline.flow.admission import AdmitFn, WorkerFull
 from pipeline.generation.generate import StreamingGenerateFn
-from pipeline.worker.runtime import SharedRuntime, new_runtime_tag
+from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
 
-WORK_ITEM_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0
+# Engine calls that a schedule may make raise (the generate step's calls into the runtime).
+FAULTY_CALLS = ("poll", "submit_batch", "cancel")
 
 
-def _serve(name: str, source: SharedRuntime, poll_interval_ms: float, drain_timeout_s: float, conn: Any) -> None:
-    """An SDK process: sets up the generate step (acquiring the VM's runtime) and runs the work items it is sent."""
+class InjectedFault(RuntimeError):
+    """An engine call made to raise by the schedule."""
+
+
+class _FaultyRuntime:
+    """The worker's runtime (a proxy in all but its host), whose engine calls raise at ``rate``."""
+
+    def __init__(self, runtime: WorkerRuntime, rate: float, chance: random.Random) -> None:
+        self._runtime, self._rate, self._chance = runtime, rate, chance
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._runtime, name)
+        if name not in FAULTY_CALLS or not self._rate:
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._chance.random() < self._rate:
+                raise InjectedFault(f"{name} made to fail by the schedule")
+            return attribute(*args, **kwargs)
+        return call
+
+
+class _FaultySource:
+    """A runtime source whose engine calls raise at ``rate``; the runtime itself is the real shared one. One
+    object per SDK process (unpickled there), whose draws every thread's DoFns share."""
+
+    def __init__(self, inner: SharedRuntime, rate: float, seed: int) -> None:
+        self.inner, self.rate = inner, rate
+        self.settings, self.tag = inner.settings, inner.tag
+        self._chance = random.Random(seed)
+
+    def acquire(self, *, fresh: bool = False) -> Any:
+        return _FaultyRuntime(self.inner.acquire(fresh=fresh), self.rate, self._chance)
+
+
+def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: float, drain_timeout_s: float,
+           conn: Any) -> None:
+    """An SDK process: runs the work items it is sent on ``threads`` harness threads, one DoFn each."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    dofn = StreamingGenerateFn(source, poll_interval_ms, dedupe_window_s=600, drain_timeout_s=drain_timeout_s)
-    dofn.setup()
-    driver = Driver([Worker(name, dofn, None)])
+    local = threading.local()
+    send = threading.Lock()
+
+    def dofns() -> tuple[Driver, AdmitFn]:
+        if not hasattr(local, "driver"):
+            generate = StreamingGenerateFn(source, poll_interval_ms, dedupe_window_s=600,
+                                           drain_timeout_s=drain_timeout_s)
+            generate.setup()
+            local.admit = AdmitFn(source)
+            local.admit.setup()
+            local.driver = Driver([Worker(name, generate, None)])
+        return local.driver, local.admit
+
+    def work(token: int, kind: str, payload: Any) -> None:
+        driver, admit = dofns()
+        try:
+            if kind == "read":
+                admit.start_bundle()
+                passed = [out for request in payload for out in admit.process(request)]
+                admit.finish_bundle()
+                reply: tuple = (token, "done", passed)
+            else:
+                key, method, element, timer, state = payload
+                driver.state[key] = state
+                outputs = driver.run(key, method, element, timer=timer)
+                reply = (token, "done", (outputs, driver.state.pop(key)))
+        except WorkerFull:
+            reply = (token, "refused", None)
+        except Exception as exc:  # the work item failed: the runner retries it
+            logging.getLogger(name).exception("work item failed")
+            reply = (token, "failed", repr(exc))
+        with send:
+            conn.send(reply)
+
+    dofns()  # acquires the VM's runtime: the first process to do so hosts it
     conn.send(("ready", os.getpid()))
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{name}-harness")
     while True:
         message = conn.recv()
         if message[0] == "stop":
+            pool.shutdown(wait=False, cancel_futures=True)
             return
-        _, key, method, element, timer, state = message
-        driver.state[key] = state
-        outputs = driver.run(key, method, element, timer=timer)
-        conn.send((outputs, driver.state[key]))
+        _, token, kind, payload = message
+        pool.submit(work, token, kind, payload)
 
 
 @dataclass
@@ -65,41 +163,187 @@ class SdkProcess:
     process: Any
     conn: Any
     pid: int
+    running: dict[int, tuple] = field(default_factory=dict)  # token -> the work item it runs
     paused: bool = False
     dead: bool = False
 
 
 @dataclass
+class Schedule:
+    """What the runner does to the VM, drawn by a test: read bundle sizes (cycled), how often a work item fails
+    to commit, how often an engine call raises, and the runner's delay before it reads a refused bundle again."""
+
+    bundle_sizes: tuple[int, ...] = (2,)
+    commit_failure_rate: float = 0.0
+    engine_failure_rate: float = 0.0
+    refusal_retry_s: float = 0.2
+    seed: int = 0
+
+
+@dataclass
 class VmStandIn:
-    """A worker VM of ``processes`` SDK processes; the first hosts the runtime. Use as a context manager."""
+    """A worker VM of ``processes`` SDK processes of ``threads`` harness threads each; the first process hosts
+    the runtime. Use as a context manager; :meth:`reset` starts a new schedule on the same processes."""
 
     settings: EngineSettings
     processes: int = 2
+    threads: int = 2
     poll_interval_ms: float = 50.0
     drain_timeout_s: float = 20.0
+    generate_keys: int = 4
+    schedule: Schedule = field(default_factory=Schedule)
     tag: str = ""
     sdk: list[SdkProcess] = field(default_factory=list)
     state: dict[Any, KeyState] = field(default_factory=dict)
     owner: dict[Any, int] = field(default_factory=dict)
     committed: Outputs = field(default_factory=Outputs)
-    retried: int = 0  # work items that a process died in, run again elsewhere
+    backlog: collections.deque = field(default_factory=collections.deque)  # unacknowledged in the source
+    queue: collections.deque = field(default_factory=collections.deque)  # work items of keys, first in first out
+    taken: set[str] = field(default_factory=set)  # ids whose read bundle committed
+    retried: int = 0  # work items that failed (a process died in them, or they raised) and ran again
+    refused: int = 0  # read bundles refused by admission
+    failed_commits: int = 0
+    holds: list[int] = field(default_factory=list)  # requests taken and not yet ended, at each round
+    timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, while no process is paused
+    reading: bool = True
+    _next_read_at: float = 0.0  # the runner's delay after a refused read bundle
+    _resumed_at: float = 0.0  # when the last paused process resumed: later timers are the ones measured
 
     def __enter__(self) -> VmStandIn:
         self.tag = self.tag or new_runtime_tag(self.settings)
-        context = multiprocessing.get_context("spawn")
-        for n in range(self.processes):  # one at a time: the first to acquire the runtime hosts it
-            parent, child = context.Pipe()
-            name = f"sdk-{n}"
-            process = context.Process(target=_serve, name=name, daemon=True, args=(
-                name, SharedRuntime(self.settings, self.tag), self.poll_interval_ms, self.drain_timeout_s, child))
-            process.start()
-            if not parent.poll(WORK_ITEM_TIMEOUT_S):
-                raise RuntimeError(f"{name} did not start")
-            _, pid = parent.recv()
-            self.sdk.append(SdkProcess(name, process, parent, pid))
+        self.sdk = [self._start(n) for n in range(self.processes)]
+        self.reset(self.schedule)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_all()
+
+    def reset(self, schedule: Schedule) -> None:
+        """A new schedule, on the same processes and runtime (dead ones started again), with no keys."""
+        self.schedule = schedule
+        self._chance = random.Random(schedule.seed)
+        self._sizes = 0
+        self._tokens = 0
+        self.sdk = [self._start(n) if sdk.dead else sdk for n, sdk in enumerate(self.sdk)]
+        self.state, self.owner, self.committed = {}, {}, Outputs()
+        self.backlog, self.queue, self.taken = collections.deque(), collections.deque(), set()
+        self.retried = self.refused = self.failed_commits = 0
+        self.holds, self.timer_delays, self.reading = [], [], True
+        self._next_read_at = 0.0
+
+    # The runner's side ------------------------------------------------------------------------
+
+    def publish(self, requests: list[InferenceRequest]) -> None:
+        self.backlog.extend(requests)
+
+    def assign(self, key: Any, process: int) -> None:
+        """The key's work items run in SDK process ``process`` from now on (otherwise in any process with a free
+        thread, as the runner hands them out)."""
+        self.owner[key] = process
+
+    def deliver(self, key: Any, requests: list) -> None:
+        """Elements for the key (what a committed read bundle sent it), queued behind its other work items."""
+        self.queue.append((key, "process", (key, list(requests)), None, time.time()))
+
+    @property
+    def ended(self) -> set[str]:
+        return {c["id"] for c in self.committed.completions} | {d["id"] for d in self.committed.dead_letters}
+
+    def busy(self) -> list[Any]:
+        """Keys with requests, or a stream to release, and a poll timer set; keys with work items queued or
+        running; and "read" while a read bundle runs."""
+        keys = {key for key, state in self.state.items() if state.timers["poll"] is not None
+                and (state.bags["inflight"] or state.bags["waiting"] or state.values["progress"])}
+        reads = {"read" for sdk in self.sdk for item in sdk.running.values() if item[0] == "read"}
+        return sorted(keys | {item[0] for item in self.queue} | self._running_keys() | reads, key=str)
+
+    def step(self) -> bool:
+        """One round of the runner: takes back what finished, queues due timers, gives every free thread of a
+        running process a work item (a read bundle when no key's work item waits for it). Whether anything ran."""
+        moved = self._collect()
+        self._queue_due_timers()
+        moved = self._dispatch() or moved
+        self.holds.append(len(self.taken - self.ended))
+        return moved
+
+    def run_for(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not self.step():
+                time.sleep(0.01)
+
+    def run_until_idle(self, timeout_s: float = 180.0) -> None:
+        """Runs until the backlog is read and no key holds anything (every timer committed)."""
+        deadline = time.monotonic() + timeout_s
+        while (self.reading and self.backlog) or self.busy():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still busy after {timeout_s:g} s: backlog {len(self.backlog)}, "
+                                     f"keys {self.busy()}")
+            if not self.step():
+                time.sleep(0.01)
+
+    def drain(self, timeout_s: float = 180.0) -> None:
+        """Stops reading and fires every key's drain timer, then runs until nothing is left."""
+        self.reading = False
+        for key, state in list(self.state.items()):
+            if state.timers["drain"] is not None:
+                self.queue.append((key, "on_drain", None, "drain", time.time()))
+        self.run_until_idle(timeout_s)
+
+    # What happens to processes ------------------------------------------------------------------
+
+    def pause(self, process: int) -> None:
+        os.kill(self.sdk[process].pid, signal.SIGSTOP)
+        self.sdk[process].paused = True
+
+    def resume(self, process: int) -> None:
+        os.kill(self.sdk[process].pid, signal.SIGCONT)
+        self.sdk[process].paused = False
+        self._resumed_at = time.time()
+
+    def host(self) -> int:
+        """The SDK process that hosts the runtime: the one listening at the address ``MultiProcessShared`` wrote
+        for the tag (a file in the temporary directory)."""
+        with open(os.path.join(tempfile.gettempdir(), self.tag) + ".address") as address:
+            port = int(address.read().rsplit(":", 1)[1])
+        for n, sdk in enumerate(self.sdk):
+            if not sdk.dead and any(connection.status == psutil.CONN_LISTEN and connection.laddr.port == port
+                                    for connection in psutil.Process(sdk.pid).net_connections(kind="tcp")):
+                return n
+        raise RuntimeError(f"no SDK process listens at port {port}")
+
+    def kill(self, process: int) -> None:
+        sdk = self.sdk[process]
+        if sdk.paused:
+            self.resume(process)
+        os.kill(sdk.pid, signal.SIGKILL)
+        sdk.process.join(timeout=10)
+        self._died(sdk)
+
+    def update(self) -> None:
+        """A replacement job: every process (and so the runtime) replaced, on the state the old ones committed."""
+        for n in range(len(self.sdk)):
+            self.kill(n)
+        self.tag = new_runtime_tag(self.settings)
+        self.sdk = [self._start(n) for n in range(self.processes)]
+
+    # Inside -------------------------------------------------------------------------------------
+
+    def _start(self, n: int) -> SdkProcess:
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        name = f"sdk-{n}"
+        source = _FaultySource(SharedRuntime(self.settings, self.tag), self.schedule.engine_failure_rate,
+                               self.schedule.seed * 31 + n)
+        process = context.Process(target=_serve, name=name, daemon=True, args=(
+            name, source, self.threads, self.poll_interval_ms, self.drain_timeout_s, child))
+        process.start()
+        if not parent.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"{name} did not start")
+        _, pid = parent.recv()
+        return SdkProcess(name, process, parent, pid)
+
+    def _stop_all(self) -> None:
         for sdk in self.sdk:
             if sdk.paused:
                 os.kill(sdk.pid, signal.SIGCONT)
@@ -114,86 +358,127 @@ class VmStandIn:
                 sdk.process.kill()
                 sdk.process.join(timeout=5)
 
-    # The runner's side ------------------------------------------------------------------------
+    def _died(self, sdk: SdkProcess) -> None:
+        """Its work items failed: a key's runs again (elsewhere), a read bundle's messages are read again."""
+        sdk.dead = True
+        for item in sdk.running.values():
+            self._failed(item)
+        sdk.running.clear()
 
-    def assign(self, key: Any, process: int) -> None:
-        """The key's work items run in SDK process ``process`` from now on."""
-        self.owner[key] = process
+    def _failed(self, item: tuple) -> None:
+        self.retried += 1
+        if item[0] == "read":
+            self.backlog.extendleft(reversed(item[1]))
+        else:
+            self.queue.appendleft(item)
 
-    def deliver(self, key: Any, requests: list) -> Outputs:
-        return self.run(key, "process", (key, list(requests)))
+    def _running_keys(self) -> set[Any]:
+        return {item[0] for sdk in self.sdk for item in sdk.running.values() if item[0] != "read"}
 
-    def run(self, key: Any, method: str, element: Any = None, timer: str | None = None) -> Outputs:
-        """One work item of the key, in the process that runs it; retried in another if that process dies."""
-        while True:
-            sdk = self._live_owner(key)
-            try:
-                sdk.conn.send(("run", key, method, element, timer, self.state.setdefault(key, KeyState())))
-                if not sdk.conn.poll(WORK_ITEM_TIMEOUT_S):
-                    raise RuntimeError(f"{sdk.name} took more than {WORK_ITEM_TIMEOUT_S:g} s for one work item")
-                outputs, state = sdk.conn.recv()
-            except (EOFError, OSError):  # the process died in the work item: it failed, and runs again elsewhere
-                sdk.dead = True
-                self.retried += 1
-                continue
-            self.state[key] = state
-            self.committed.extend(outputs)
-            return outputs
+    def _live(self) -> list[int]:
+        return [n for n, sdk in enumerate(self.sdk) if not sdk.dead]
 
-    def due(self) -> list[Any]:
-        """Keys whose poll timer is due and whose process is not paused."""
+    def _runs_in(self, key: Any, n: int) -> bool:
+        """Whether process ``n`` may run the key's next work item: any process may, unless the key was assigned
+        to one (a key whose process died moves to a live one)."""
+        if key not in self.owner:
+            return True
+        if self.sdk[self.owner[key]].dead:
+            self.owner[key] = self._live()[0]
+        return self.owner[key] == n
+
+    def _collect(self) -> bool:
+        moved = False
+        for sdk in self.sdk:
+            while not sdk.dead and not sdk.paused:
+                try:
+                    if not sdk.conn.poll(0):
+                        break
+                    token, status, result = sdk.conn.recv()
+                except (EOFError, OSError):
+                    self._died(sdk)
+                    break
+                moved = True
+                item = sdk.running.pop(token)
+                self._finished(item, status, result)
+        return moved
+
+    def _finished(self, item: tuple, status: str, result: Any) -> None:
+        if item[0] == "read":
+            if status == "refused":
+                self.refused += 1
+                self.backlog.extendleft(reversed(item[1]))
+                self._next_read_at = time.monotonic() + self.schedule.refusal_retry_s
+            elif status == "failed":
+                self._failed(item)
+            else:
+                self.taken.update(request.id for request in result)
+                by_key: dict[int, list] = collections.defaultdict(list)
+                for request in result:
+                    by_key[zlib.crc32(request.id.encode()) % self.generate_keys].append(request)
+                for key, requests in by_key.items():
+                    self.deliver(f"shard-{key}", requests)
+            return
+        if status == "failed":
+            self._failed(item)
+            return
+        if self._chance.random() < self.schedule.commit_failure_rate:
+            self.failed_commits += 1
+            self.queue.append(item)  # discarded; the runner retries the work item
+            return
+        outputs, state = result
+        self.state[item[0]] = state
+        self.committed.extend(outputs)
+
+    def _queue_due_timers(self) -> None:
         now = time.time()
-        return [key for key, state in list(self.state.items())
-                if state.timers["poll"] is not None and state.timers["poll"] <= now
-                and (state.bags["inflight"] or state.bags["waiting"] or state.values["progress"])
-                and not self._live_owner(key).paused]
+        waiting = {item[0] for item in self.queue} | self._running_keys()
+        for key, state in list(self.state.items()):
+            due = state.timers["poll"]
+            if due is None or due > now or key in waiting:
+                continue
+            if not (state.bags["inflight"] or state.bags["waiting"] or state.values["progress"]):
+                continue
+            self.queue.append((key, "on_poll", None, "poll", due))
 
-    def busy(self) -> list[Any]:
-        return [key for key, state in self.state.items() if state.timers["poll"] is not None
-                and (state.bags["inflight"] or state.bags["waiting"] or state.values["progress"])]
+    def _dispatch(self) -> bool:
+        moved = False
+        running = self._running_keys()
+        for n in self._live():
+            sdk = self.sdk[n]
+            while not sdk.paused and len(sdk.running) < self.threads:
+                item = next((item for item in self.queue if item[0] not in running and self._runs_in(item[0], n)),
+                            None)
+                if item is not None:
+                    self.queue.remove(item)
+                    due = self.state.get(item[0], KeyState()).timers["poll"]
+                    if item[3] == "poll" and (due is None or due > time.time()):
+                        continue  # set again by a work item that ran before it: it fires when due
+                    running.add(item[0])
+                    if item[3] == "poll" and not any(s.paused for s in self.sdk) and item[4] > self._resumed_at:
+                        self.timer_delays.append(max(time.time() - item[4], 0.0))
+                    key, method, element, timer, _ = item
+                    payload = (key, method, element, timer, self.state.setdefault(key, KeyState()))
+                    sent = self._send(sdk, ("work", item), payload)
+                elif self.reading and self.backlog and time.monotonic() >= self._next_read_at:
+                    size = self.schedule.bundle_sizes[self._sizes % len(self.schedule.bundle_sizes)]
+                    self._sizes += 1
+                    bundle = [self.backlog.popleft() for _ in range(min(size, len(self.backlog)))]
+                    sent = self._send(sdk, ("read", bundle), bundle)
+                else:
+                    break
+                moved = True
+                if not sent:
+                    break
+        return moved
 
-    def fire_due(self) -> int:
-        keys = self.due()
-        for key in keys:
-            self.run(key, "on_poll", timer="poll")
-        return len(keys)
-
-    def run_for(self, seconds: float) -> None:
-        """Fires due timers (of processes not paused) for ``seconds``."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if not self.fire_due():
-                time.sleep(0.01)
-
-    def run_until_idle(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.busy():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"keys still busy after {timeout_s:g} s: {self.busy()}")
-            if not self.fire_due():
-                time.sleep(0.01)
-
-    # What happens to processes ------------------------------------------------------------------
-
-    def pause(self, process: int) -> None:
-        os.kill(self.sdk[process].pid, signal.SIGSTOP)
-        self.sdk[process].paused = True
-
-    def resume(self, process: int) -> None:
-        os.kill(self.sdk[process].pid, signal.SIGCONT)
-        self.sdk[process].paused = False
-
-    def kill(self, process: int) -> None:
-        os.kill(self.sdk[process].pid, signal.SIGKILL)
-        self.sdk[process].process.join(timeout=10)
-        self.sdk[process].dead = True
-
-    def _live_owner(self, key: Any) -> SdkProcess:
-        """The process that runs the key; a key whose process died moves to the next live one."""
-        n = self.owner.setdefault(key, 0)
-        if self.sdk[n].dead:
-            live = [i for i, sdk in enumerate(self.sdk) if not sdk.dead]
-            if not live:
-                raise RuntimeError("every SDK process of the VM is dead")
-            n = self.owner[key] = live[0]
-        return self.sdk[n]
+    def _send(self, sdk: SdkProcess, item: tuple, payload: Any) -> bool:
+        self._tokens += 1
+        record = item[1] if item[0] == "work" else item
+        sdk.running[self._tokens] = record
+        try:
+            sdk.conn.send(("work", self._tokens, "read" if item[0] == "read" else "run", payload))
+        except OSError:
+            self._died(sdk)
+            return False
+        return True

@@ -478,3 +478,94 @@ def test_an_undecodable_entry_frees_its_id_and_a_copy_let_in_by_a_lost_record_is
     run_to_end(driver)
     assert [c["id"] for c in driver.committed.completions] == ["copy-0"]
     assert driver.committed.completions[0]["attempt"] == 1
+
+
+def test_a_key_keeps_at_most_its_waiting_cap_and_letters_the_rest(vllm_server):
+    """A key never keeps more than twice its worker's bound waiting in state (admission holds a worker far below
+    it; only a very uneven spread of keys reaches it): the rest become dead letters at once, their ids ended."""
+    from pipeline.generation.generate import waiting_cap
+
+    settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
+                               max_in_flight=1, worker_queue=1, request_timeout_s=120,
+                               chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
+    engine = VLLMEngine(settings_)
+    try:
+        driver = Driver([Worker("w", generate_fn(in_process(engine, "cap"), POLL_MS, dedupe_window_s=600), engine)])
+        sent = [InferenceRequest(id=f"cap-{i}", prompt="Say hello.", max_tokens=8, temperature=0.0)
+                for i in range(8)]
+        outputs = driver.deliver("shard-0", sent)
+        cap = waiting_cap(settings_)
+        assert cap == 4
+        assert [d["id"] for d in outputs.dead_letters] == ["cap-5", "cap-6", "cap-7"], "1 sent, 4 wait, 3 shed"
+        assert all("queue for its key is full" in d["reason"] for d in outputs.dead_letters)
+        assert len(driver.state["shard-0"].bags["waiting"]) == cap
+        again = driver.deliver("shard-0", [sent[7]])
+        assert not again.dead_letters and not again.completions, "a copy of a shed request is dropped, not served"
+        while driver.busy_keys():
+            driver.fire("shard-0")
+        assert sorted(c["id"] for c in driver.committed.completions) == [f"cap-{i}" for i in range(5)]
+    finally:
+        engine.close()
+
+
+class _Gone:
+    """The handle of a runtime whose host process died: every call fails as a MultiProcessShared proxy's does."""
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            raise ConnectionError(f"{name}: the runtime's host is gone")
+        return call
+
+
+class HostThatDies:
+    """A runtime source whose host dies (its engine closed: vLLM aborts its streams), and whose first rebuilds fail
+    as a managed vLLM does that cannot start while the old one still holds the GPU. Each runtime is the real one
+    (engine and admission ledger around the real vLLM); only the host's death and the failed starts are staged."""
+
+    def __init__(self, settings_: EngineSettings, failures: int) -> None:
+        self.settings, self.tag, self.failures = settings_, f"dies-{time.monotonic_ns()}", failures
+        self.runtime: WorkerRuntime | None = WorkerRuntime(VLLMEngine(settings_))
+        self.attempts = self.builds = 0
+
+    def acquire(self, *, fresh: bool = False):
+        if fresh:
+            self.attempts += 1
+            if self.attempts <= self.failures:
+                raise RuntimeError("the model server did not start (the old one still holds the GPU's memory)")
+            self.runtime, self.builds = WorkerRuntime(VLLMEngine(self.settings)), self.builds + 1
+        return self.runtime or _Gone()
+
+    def die(self) -> None:
+        self.runtime.close()
+        self.runtime = None
+
+
+def test_a_host_death_whose_rebuilds_fail_at_first_wedges_no_key_and_resends_each_stream_once(vllm_server):
+    """The runtime's host dies mid-stream and the first two rebuilds fail. The rebuild runs in a thread of its
+    own, retried with backoff: meanwhile every timer firing commits (no answer, nothing counted lost), and once
+    the runtime is back each lost stream is sent again once; the rebuild happened once, not once per key."""
+    settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
+                               max_in_flight=4, request_timeout_s=120, stream_lease_s=LEASE_S,
+                               chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
+    source = HostThatDies(settings_, failures=2)
+    try:
+        driver = Driver([Worker("w", generate_fn(source, POLL_MS, dedupe_window_s=600), None)])
+        sent = [InferenceRequest(id=f"dies-{i}", prompt=f"Count from {i} upwards, in words.", max_tokens=64,
+                                 min_tokens=64, temperature=0.0) for i in range(3)]
+        for i, request in enumerate(sent):
+            driver.deliver(f"k{i}", [request])
+        for key in ("k0", "k1", "k2"):
+            driver.fire(key)
+        source.die()
+        deadline = time.monotonic() + 120
+        while driver.busy_keys() and time.monotonic() < deadline:
+            for key in list(driver.busy_keys()):
+                driver.fire(key)  # raises if a firing fails: none may
+        assert not driver.busy_keys()
+        assert not driver.committed.dead_letters, driver.committed.dead_letters
+        assert sorted(c["id"] for c in driver.committed.completions) == [r.id for r in sent]
+        assert {c["attempt"] for c in driver.committed.completions} == {2}, "each lost stream sent again once"
+        assert (source.attempts, source.builds) == (3, 1), "one rebuild for the process, retried after failures"
+    finally:
+        if source.runtime is not None:
+            source.runtime.close()

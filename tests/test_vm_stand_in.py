@@ -1,29 +1,41 @@
-"""A whole worker VM (local/vm_stand_in.py): real SDK processes sharing one runtime through MultiProcessShared,
-around the real generate step, engine and vLLM. One process paused while another polls; the runtime's host
-killed mid-stream."""
+"""A whole worker VM (local/vm_stand_in.py): real SDK processes, each with a bounded pool of harness threads,
+sharing one runtime through MultiProcessShared, around the real admission and generate steps, engine and vLLM.
+
+Hypothesis draws the schedules: read bundle sizes (one on every free thread), failed commits, engine calls that
+raise, and one event (none, a paused SDK process, the runtime's host killed, an update), with or without a drain
+at the end: five written-out schedules cover each event, then ``VM_STAND_IN_EXAMPLES`` drawn ones (default 1; the
+whole file takes about three minutes on 2 cores)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from local.vm_stand_in import VmStandIn
+from local.vm_stand_in import Schedule, VmStandIn
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.messages import STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
 from pipeline.engines.engine import EngineSettings
+from pipeline.flow.admission import REFUSAL_PAUSE_S
 from pipeline.serving.vllm_server import server_metrics
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
 LEASE_S = 2.0
+PROCESSES, THREADS = 2, 2
+EXAMPLES = int(os.environ.get("VM_STAND_IN_EXAMPLES", "1"))
+RUNS = iter(range(10**6))
 
 
-def vm_settings(base_url: str) -> EngineSettings:
-    return EngineSettings(server=None, server_url=base_url, served_model_name=SERVED_NAME, max_in_flight=8,
-                          request_timeout_s=120, stream_lease_s=LEASE_S,
-                          chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
+def vm_settings(base_url: str, **overrides) -> EngineSettings:
+    values = dict(server=None, server_url=base_url, served_model_name=SERVED_NAME, max_in_flight=4, worker_queue=2,
+                  request_timeout_s=120, stream_lease_s=LEASE_S, admission_transit_s=60.0,
+                  admission_waiters=PROCESSES * THREADS // 2, chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
+    return EngineSettings(**{**values, **overrides})
 
 
 def requests(prefix: str, count: int, tokens: int) -> list[InferenceRequest]:
@@ -31,14 +43,22 @@ def requests(prefix: str, count: int, tokens: int) -> list[InferenceRequest]:
                              min_tokens=tokens, temperature=0, received_at=time.time()) for i in range(count)]
 
 
-def assert_each_answered_once_and_whole(vm: VmStandIn, sent: list[InferenceRequest]) -> dict[str, dict]:
-    """One completion per request, none lettered; its stream's chunks gapless and adding up to its text."""
-    completions = {c["id"]: c for c in vm.committed.completions}
-    assert sorted(c["id"] for c in vm.committed.completions) == sorted(r.id for r in sent)
-    assert not vm.committed.dead_letters, vm.committed.dead_letters
+def generated_tokens(base_url: str) -> float:
+    return server_metrics(base_url, ("vllm:generation_tokens_total",))["vllm:generation_tokens_total"]
+
+
+def assert_each_ends_once_and_whole(vm: VmStandIn, sent: list[InferenceRequest], *,
+                                    letters: bool = False) -> dict[str, dict]:
+    """Each request ends as exactly one completion or (where allowed) one dead letter; each completion's stream
+    is gapless and adds up to its text."""
+    ended = [c["id"] for c in vm.committed.completions] + [d["id"] for d in vm.committed.dead_letters]
+    assert sorted(ended) == sorted(r.id for r in sent), (len(ended), len(sent))
+    if not letters:
+        assert not vm.committed.dead_letters, vm.committed.dead_letters
     streams: dict[str, dict[int, str]] = defaultdict(dict)
     for chunk in vm.committed.chunks:
         assert streams[chunk["stream"]].setdefault(chunk["seq"], chunk["text"]) == chunk["text"]
+    completions = {c["id"]: c for c in vm.committed.completions}
     for completion in completions.values():
         chunks = streams[completion["stream"]]
         assert sorted(chunks) == list(range(len(chunks))), completion["id"]
@@ -46,42 +66,130 @@ def assert_each_answered_once_and_whole(vm: VmStandIn, sent: list[InferenceReque
     return completions
 
 
-def test_one_sdk_process_paused_longer_than_the_lease_while_another_polls_keeps_its_streams(vllm_server):
-    """Process 1 stops (SIGSTOP) for three leases while process 0, the runtime's host, polls its own streams the
-    whole time. Each stream's lease runs on the clocks of the process that polls it: process 1's are kept, and
-    collected when it resumes, not generated again (attempt 1)."""
-    with VmStandIn(vm_settings(vllm_server.base_url), processes=2) as vm:
-        busy, paused = requests("busy", 2, 160), requests("paused", 2, 160)  # all still running after the pause
-        for n, request in enumerate(busy):
-            vm.assign(f"a{n}", 0)
-            vm.deliver(f"a{n}", [request])
-        for n, request in enumerate(paused):
-            vm.assign(f"b{n}", 1)
-            vm.deliver(f"b{n}", [request])
-        vm.run_for(0.5)
+@pytest.fixture(scope="module")
+def vm(vllm_server):
+    with VmStandIn(vm_settings(vllm_server.base_url), processes=PROCESSES, threads=THREADS) as stand_in:
+        yield stand_in
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+# Each event at least once, with failed commits, failing engine calls and a drain among them; then what it draws.
+@example(sizes=[4, 1], commit_failures=0.2, engine_failures=0.0, event="none", drain=False)
+@example(sizes=[4, 3], commit_failures=0.0, engine_failures=0.0, event="pause", drain=False)
+@example(sizes=[2], commit_failures=0.2, engine_failures=0.0, event="kill", drain=False)
+@example(sizes=[3, 2], commit_failures=0.0, engine_failures=0.0, event="update", drain=True)
+@example(sizes=[1, 4], commit_failures=0.0, engine_failures=0.05, event="none", drain=True)
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3), commit_failures=st.sampled_from([0.0, 0.2]),
+       engine_failures=st.sampled_from([0.0, 0.05]), event=st.sampled_from(["none", "pause", "kill", "update"]),
+       drain=st.booleans())
+def test_every_drawn_schedule_keeps_the_vms_promises(vm, vllm_server, sizes, commit_failures, engine_failures,
+                                                      event, drain):
+    """Whatever the schedule: each request ends once (a completion, or a drain or lost-stream dead letter),
+    streams gapless; no key is left holding anything (every timer committed); what the VM took from the backlog
+    and has not ended stays within the bound plus the stated slack; timers get a thread within a refusal pause;
+    and without a move, a host death or a failing engine, nothing is generated twice."""
+    run = next(RUNS)
+    vm.reset(Schedule(bundle_sizes=tuple(sizes), commit_failure_rate=commit_failures,
+                      engine_failure_rate=engine_failures, seed=run))
+    sent = requests(f"vm{run}", 14, 24)
+    before = generated_tokens(vllm_server.base_url)
+    vm.publish(sent)
+    vm.run_for(1.5)
+    if event == "pause":
         vm.pause(1)
-        vm.run_for(3 * LEASE_S)  # process 0 polls throughout: to a VM-wide lease, process 1's keys moved away
-        assert vm.busy(), "process 0's streams still run: it polled for the whole pause"
+        vm.run_for(3 * LEASE_S)
         vm.resume(1)
+    elif event == "kill":
+        vm.kill(vm.host())
+    elif event == "update":
+        vm.update()
+    if drain:
+        vm.run_for(0.5)
+        vm.drain()
+        sent = [r for r in sent if r.id in vm.taken]  # the rest stays in the subscription for the next job
+    else:
         vm.run_until_idle()
-        completions = assert_each_answered_once_and_whole(vm, busy + paused)
-        assert {r.id: completions[r.id]["attempt"] for r in paused} == {r.id: 1 for r in paused}
+    completions = assert_each_ends_once_and_whole(vm, sent, letters=drain or engine_failures > 0)
+    for letter in vm.committed.dead_letters:
+        assert letter["stage"] in (STAGE_DRAIN, STAGE_INFERENCE), letter
+    assert not vm.busy(), "every key's timers committed; nothing left holding"
+
+    settings_ = vm.settings
+    # Stated slack: streams finished at the engine and not yet collected (at most max_in_flight; they free room
+    # when they finish), and what the open waiting read bundles carry (pipeline/flow/admission.py).
+    slack = settings_.max_in_flight + settings_.admission_waiters * max(sizes)
+    assert max(vm.holds) <= settings_.max_held + slack, (max(vm.holds), settings_.max_held, slack)
+    if event != "pause":
+        # A work item takes at most a refusal pause and an engine call; a second for a busy 2-core machine.
+        assert max(vm.timer_delays, default=0.0) <= REFUSAL_PAUSE_S + 2.0, max(vm.timer_delays)
+    attempts = [c["attempt"] for c in completions.values()]
+    if event in ("none", "pause") and not engine_failures:
+        assert set(attempts) <= {1}, attempts
+        assert wait_until(lambda: server_metrics(vllm_server.base_url)["vllm:num_requests_running"] == 0, 30)
+        generated = generated_tokens(vllm_server.base_url) - before
+        delivered = sum(c["usage"]["completion_tokens"] for c in completions.values())
+        assert generated <= 1.05 * delivered, (generated, delivered)
+    elif event in ("kill", "update") and not engine_failures:
+        assert set(attempts) <= {1, 2}, f"a stream cut by the host's death is sent again once: {attempts}"
+    print(f"vm run {run}: bundles {sizes}, {event}{' + drain' if drain else ''}, peak hold {max(vm.holds)} of "
+          f"{settings_.max_held}, {vm.refused} read bundles refused, {vm.failed_commits} failed commits, "
+          f"{vm.retried} work items retried, attempts {sorted(set(attempts))}, "
+          f"{len(vm.committed.dead_letters)} dead letters")
 
 
-def test_the_runtimes_host_killed_mid_stream_is_rebuilt_once_and_every_request_ends_once(vllm_server):
+def test_one_sdk_process_paused_longer_than_the_lease_while_another_polls_keeps_its_streams(vm, vllm_server):
+    """Process 1 stops (SIGSTOP) for three leases while process 0 polls its own streams the whole time. Each
+    stream's lease runs on the clocks of the process that polls it: process 1's are kept, and collected when it
+    resumes, not generated again (attempt 1)."""
+    vm.reset(Schedule())
+    busy, paused = requests("busy", 2, 160), requests("paused", 2, 160)  # all still running after the pause
+    for n, request in enumerate(busy):
+        vm.assign(f"a{n}", 0)
+        vm.deliver(f"a{n}", [request])
+    for n, request in enumerate(paused):
+        vm.assign(f"b{n}", 1)
+        vm.deliver(f"b{n}", [request])
+    vm.run_for(0.5)
+    vm.pause(1)
+    vm.run_for(3 * LEASE_S)  # process 0 polls throughout: to a VM-wide lease, process 1's keys moved away
+    assert vm.busy(), "process 0's streams still run: it polled for the whole pause"
+    vm.resume(1)
+    vm.run_until_idle()
+    completions = assert_each_ends_once_and_whole(vm, busy + paused)
+    assert {r.id: completions[r.id]["attempt"] for r in paused} == {r.id: 1 for r in paused}
+
+
+def test_the_runtimes_host_killed_mid_stream_is_rebuilt_once_and_every_request_ends_once(vm, vllm_server):
     """SIGKILL of the process that hosts the runtime: its streams die with it (vLLM aborts them as their
     connections close). The other process's next call finds the host gone, reconnects (MultiProcessShared builds
     the runtime anew in it) and sends each lost stream once again; the dead process's keys move to it with their
     committed state. Every request ends once, resent at most once."""
-    with VmStandIn(vm_settings(vllm_server.base_url), processes=2) as vm:
-        sent = requests("host", 4, 96)
-        for n, request in enumerate(sent):
-            vm.assign(f"k{n}", n % 2)
-            vm.deliver(f"k{n}", [request])
-        vm.run_for(1.0)
-        vm.kill(0)
-        vm.run_until_idle()
-        completions = assert_each_answered_once_and_whole(vm, sent)
-        attempts = {i: c["attempt"] for i, c in completions.items()}
-        assert set(attempts.values()) == {2}, f"each stream cut by the kill, and sent again once: {attempts}"
+    vm.reset(Schedule())
+    host = vm.host()
+    sent = requests("host", 4, 96)
+    for n, request in enumerate(sent):
+        vm.assign(f"k{n}", (host + n) % 2)
+        vm.deliver(f"k{n}", [request])
+    vm.run_for(1.0)
+    vm.kill(host)
+    vm.run_until_idle()
+    completions = assert_each_ends_once_and_whole(vm, sent)
+    attempts = {i: c["attempt"] for i, c in completions.items()}
+    assert set(attempts.values()) == {2}, f"each stream cut by the kill, and sent again once: {attempts}"
     assert wait_until(lambda: server_metrics(vllm_server.base_url)["vllm:num_requests_running"] == 0, 30)
+
+
+def test_a_drain_of_many_more_keys_than_threads_loses_no_running_stream(vllm_server):
+    """Twelve keys, each with a stream running, on four harness threads: every key's drain timer fires at once and
+    each drain holds its thread for up to drain_timeout_s. Keys drained last still find their streams (the drain
+    holds every lease), so each request ends as its completion, none as a lost stream."""
+    settings_ = vm_settings(vllm_server.base_url, max_in_flight=12)
+    with VmStandIn(settings_, processes=PROCESSES, threads=THREADS, drain_timeout_s=30.0) as vm:
+        sent = requests("drain", 12, 64)
+        for n, request in enumerate(sent):
+            vm.deliver(f"d{n}", [request])
+        vm.run_for(1.0)
+        vm.drain()
+        completions = assert_each_ends_once_and_whole(vm, sent)
+        assert {c["attempt"] for c in completions.values()} == {1}

@@ -257,6 +257,12 @@ class StreamingGenerateFn(beam.DoFn):
                 yield entry  # its dead letter: another request holds the id
         already = sum(1 for _ in waiting.read())
         sent, left = ([], accepted) if already else self._send(accepted)  # once one waits, the rest queue behind it
+        cap = waiting_cap(self._source.settings)
+        left, over = left[:max(cap - already, 0)], left[max(cap - already, 0):]
+        for entry in over:  # admission holds a worker far below this; a key past it sheds, never grows unbounded
+            seen.release(entry.request_id, entry.fp, now + self._dedupe_window_s)
+            yield self._dead_letter(entry.request, f"the generate step's queue for its key is full ({cap} requests "
+                                                   "wait): the workers take more than they can hold; republish it")
         for entry in sent:
             inflight.add(entry.encode())
         for entry in left:
@@ -641,6 +647,12 @@ class StreamingGenerateFn(beam.DoFn):
         else:
             letter = DeadLetter(stage, reason, request_json, id=request.id, at=time.time())
         return pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter.to_record())
+
+
+def waiting_cap(settings: EngineSettings) -> int:
+    """The most requests one key of the generate step keeps waiting: twice its worker's bound. Admission keeps a
+    worker's whole hold within the bound (plus a stated slack), so only keys spread very unevenly reach it."""
+    return 2 * settings.max_held
 
 
 def _by_generate_key(batch: tuple[object, list[InferenceRequest]],
