@@ -202,7 +202,9 @@ def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) 
     ``fresh``: this process's handle no longer answers (its hosting process died), so it is acquired anew, which
     builds the runtime in this process if no other has yet; the old handle stays cached until the new one is
     ready. Nothing of this process waits on it meanwhile: the build (a vLLM start, minutes) runs outside the
-    process's lock. The transformers engine gets a process of its own: its decoding loop is Python between
+    process's lock. Beam's ``MultiProcessShared`` builds the object under its cross-process file lock
+    (``initialize_eagerly``), so the other processes' :func:`reconnect` threads wait on that lock while it
+    starts; their timers and read bundles do not (they fail fast on the old handle). The transformers engine gets a process of its own: its decoding loop is Python between
     many small torch calls, and in a process whose other threads run the pipeline it waited for the GIL at
     every call, several times slower a decoding step on the DirectRunner.
     """
