@@ -16,7 +16,7 @@ from apache_beam.io.gcp.pubsub import ReadFromPubSub
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
-from pipeline.config.launch_checks import apply_launch_defaults, dataflow_launch_problems
+from pipeline.config.launch_checks import apply_launch_defaults, image_cuda_major, launch_problems
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.flow.admission import AdmitRequests
@@ -24,7 +24,6 @@ from pipeline.flow.batching import BatchRequests
 from pipeline.generation.generate import StreamingGenerate
 from pipeline.intake.parsing import ParseRequests
 from pipeline.intake.prompt_length import MeasurePromptLength
-from pipeline.serving.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.sinks.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError,
                                           WriteToBigQueryTable, ensure_table)
 from pipeline.sinks.dead_letter_count import CountDeadLetters
@@ -112,14 +111,11 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     settings = JobSettings.from_options(options)  # raises ConfigError before any job exists
     config = settings.config
     apply_launch_defaults(options)
-    problems, warnings = dataflow_launch_problems(options, config)
+    problems, warnings = launch_problems(options, settings, image_cuda_major())
     for warning in warnings:
         LOGGER.warning("Launch check: %s", warning)
     if problems:
-        raise ConfigError("This launch would fail on Dataflow:\n  - " + "\n  - ".join(problems))
-    problems = adapter_launch_problems(settings.adapters, config.max_lora_rank)
-    if problems:
-        raise ConfigError("The LoRA adapters cannot be served:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("This launch would fail:\n  - " + "\n  - ".join(problems))
     options.view_as(StandardOptions).streaming = True
     prepare_tables(config)
     pipeline = beam.Pipeline(options=options)

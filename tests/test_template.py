@@ -116,7 +116,7 @@ def launch(args: list[str], env: dict[str, str] | None = None) -> subprocess.Com
 def test_a_dataflow_launch_without_the_template_image_is_refused_with_the_fix():
     result = launch(DATAFLOW + [GPU])
     assert result.returncode == 2
-    assert "This launch would fail on Dataflow" in result.stderr
+    assert "This launch would fail" in result.stderr
     assert "add sdk_container_image=<the worker image> to the parameters" in result.stderr
     assert "no GPU is requested" not in result.stderr
 

@@ -41,16 +41,20 @@ from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOption
     StandardOptions, WorkerOptions
 
 from pipeline.config.options import PipelineConfig
+from pipeline.config.settings import JobSettings
 from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, DEFAULT_HARNESS_THREADS
+from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR, FIXED_SHAPES, GPUS_BY_TYPE, gpu_type_problem, \
+    machine_problem
+from pipeline.serving.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.serving.model_access import gated_model_warning
 
 LOGGER = logging.getLogger(__name__)
 DATAFLOW_RUNNERS = ("DataflowRunner",)
 GPU_OPTION = "worker_accelerator"
 WORKER_IMAGE_ENV = "STREAMING_LLM_WORKER_IMAGE"  # set in the launcher image (container/Dockerfile)
-# GPUs without bfloat16 (compute capability below 8.0) that Dataflow offers, and model families known to overflow
-# in float16, the dtype they fall back to.
-NO_BFLOAT16_GPUS = ("nvidia-tesla-t4", "nvidia-tesla-v100", "nvidia-tesla-p100", "nvidia-tesla-p4")
+WORKER_CUDA_ENV = "STREAMING_LLM_WORKER_CUDA"  # the worker image's CUDA major, set in the launcher image
+# Model families known to overflow in float16, the dtype GPUs without bfloat16 (compute capability below 8.0) fall
+# back to.
 FLOAT16_UNSAFE_FAMILIES = ("google/gemma", "google/medgemma", "google/codegemma")
 
 
@@ -83,18 +87,38 @@ def apply_launch_defaults(options: PipelineOptions, environ: Mapping[str, str] =
         debug.number_of_worker_harness_threads = DEFAULT_HARNESS_THREADS
 
 
-def requested_gpu_type(options: PipelineOptions) -> str | None:
-    """The GPU type a launch asks Dataflow for, from its worker_accelerator service option or experiment."""
+def requested_gpus(options: PipelineOptions) -> tuple[str | None, int | None]:
+    """The GPU type and count a launch asks Dataflow for, from its worker_accelerator service option or
+    experiment."""
     service_options = options.view_as(GoogleCloudOptions).dataflow_service_options or []
     experiments = options.view_as(DebugOptions).experiments or []
     for option in [*service_options, *experiments]:
-        found = re.search(rf"{GPU_OPTION}=type:([^;,\s]+)", option)
+        found = re.search(rf"{GPU_OPTION}=type:([^;,\s]+)(?:;count:(\d+))?", option)
         if found:
-            return found.group(1)
-    return None
+            return found.group(1), int(found.group(2)) if found.group(2) else None
+    return None, None
 
 
-def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig) -> tuple[list[str], list[str]]:
+def image_cuda_major(environ: Mapping[str, str] = os.environ) -> int:
+    """The CUDA major the workers' image is built for: the launcher image's own (``STREAMING_LLM_WORKER_CUDA``,
+    set by make image), or the default image's."""
+    text = environ.get(WORKER_CUDA_ENV, "")
+    return int(text) if text.isdigit() and int(text) in CUDA_MAJORS else DEFAULT_CUDA_MAJOR
+
+
+def launch_problems(options: PipelineOptions, settings: JobSettings,
+                    cuda_major: int = DEFAULT_CUDA_MAJOR) -> tuple[list[str], list[str]]:
+    """(problems that must stop the launch, warnings): every check a launch gets before anything is submitted,
+    the same for the launcher (:func:`pipeline.assembly.run`) and ``make run`` (``ops/deploy.py``). The worker
+    repeats the GPU check on the GPUs it has (:func:`pipeline.serving.gpus.gpus_problem`)."""
+    problems, warnings = dataflow_launch_problems(options, settings.config, cuda_major)
+    problems += [f"LoRA adapters: {problem}" for problem in
+                 adapter_launch_problems(settings.adapters, settings.config.max_lora_rank)]
+    return problems, warnings
+
+
+def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig,
+                             cuda_major: int = DEFAULT_CUDA_MAJOR) -> tuple[list[str], list[str]]:
     """(problems that must stop the launch, warnings) for a Dataflow launch; nothing for other runners."""
     if not is_dataflow(options):
         return [], []
@@ -113,14 +137,20 @@ def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig) -
         gated = gated_model_warning(config.model, config.model_gcs_folder, config.hf_token_secret)
         if gated:
             warnings.append(gated)
-    gpu = requested_gpu_type(options)
-    if managed_server and gpu in NO_BFLOAT16_GPUS and config.dtype in ("auto", "float16") and \
+    gpu, count = requested_gpus(options)
+    machine = options.view_as(WorkerOptions).machine_type
+    if machine and (problem := machine_problem(machine, gpu, count)):
+        problems.append(problem)
+    if managed_server and gpu and (problem := gpu_type_problem(gpu, cuda_major)):
+        problems.append(problem)
+    known = GPUS_BY_TYPE.get(gpu or "")
+    if managed_server and known and known.capability < (8, 0) and config.dtype in ("auto", "float16") and \
             config.effective_model.lower().startswith(FLOAT16_UNSAFE_FAMILIES):
         warnings.append(f"{gpu} has no bfloat16, so the workers run {config.effective_model} in float16, in which "
                         "this family's activations are known to overflow (empty or garbled answers): use an L4 or "
                         "newer GPU, or --dtype=float32 if it fits")
     if managed_server:
-        if gpu is None:
+        if gpu is None and not (machine and machine in FIXED_SHAPES):
             warnings.append(
                 "no GPU is requested (no worker_accelerator in --dataflow_service_options or experiments), and the "
                 "template starts vLLM on each worker: unless the machine type brings its own GPU, every worker will "

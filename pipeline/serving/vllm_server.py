@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.contract.parameters import default
+from pipeline.serving.gpus import gpus_problem
 from pipeline.serving.lora_adapters import Adapter, resolve_adapter
 from pipeline.serving.model_access import fetch_failure, resolve_model
 
@@ -160,10 +161,11 @@ def driver_problem(driver: str | None, cuda: str | None) -> str | None:
         return None
     if needed is None or have >= needed:
         return None
+    older = [major for major, oldest in sorted(MIN_DRIVER_FOR_CUDA.items()) if have >= oldest]
+    fix = (f"build the worker image for CUDA {older[-1]} (make image CUDA={older[-1]}), which this driver runs"
+           if older else "ask Dataflow for a newer driver (NVIDIA_DRIVER for make run)")
     return (f"the worker's NVIDIA driver is {driver}, but this image's torch and vLLM are built for CUDA {cuda}, "
-            f"which needs driver {'.'.join(map(str, needed))} or newer: ask Dataflow for a newer driver "
-            "(worker_accelerator=...;install-nvidia-driver:latest, NVIDIA_DRIVER=latest for make run), or build the "
-            "image with a torch and vLLM built for the CUDA version this driver supports")
+            f"which needs driver {'.'.join(map(str, needed))} or newer: {fix}")
 
 
 def installed_vllm_build() -> str | None:
@@ -186,6 +188,8 @@ def check_platform(build: str | None, has_gpu: bool, driver: str | None = None, 
                                "(--sdk_container_image) or set server_url to a server you run")
     if build == "cuda" and (problem := driver_problem(driver, cuda)):
         raise ServerStartError(problem)  # torch sees no GPU then either: asking for one would be the wrong fix
+    if build == "cuda" and has_gpu and cuda and (problem := gpus_problem(int(cuda.split(".")[0]))):
+        raise ServerStartError(problem)  # vLLM would fail on its first kernel, after loading the weights
     if build == "cuda" and not has_gpu:
         raise ServerStartError(
             "this worker has no GPU, but its vLLM is the CUDA build: request one with "
