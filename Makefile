@@ -41,6 +41,9 @@ LAUNCHER_MACHINE_TYPE ?= e2-standard-4
 METADATA ?= metadata.json
 GPU_TYPE ?= nvidia-l4
 GPU_COUNT ?= 1
+# The worker image's CUDA major: 13 (vLLM as on PyPI; NVIDIA driver >= 580) or 12 (driver >= 525.60.13).
+# See docs/operations.md#gpu-driver.
+CUDA ?= 13
 # The NVIDIA driver Dataflow installs: latest, as the image's CUDA 13 build needs (docs/operations.md#gpu-driver).
 NVIDIA_DRIVER ?= latest
 MAX_WORKERS ?= 4
@@ -73,7 +76,7 @@ NOTIFICATION_CHANNELS ?=
 ALERT_BACKLOG_AGE_S ?= 600
 ALERT_DEAD_LETTER_RATIO ?= 0.01
 ALERT_TTFT_P95_S ?= 5
-DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT \
+DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT CUDA \
   MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
   UTILIZATION_HINT MODEL INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
   PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS NOTIFICATION_CHANNELS ALERT_BACKLOG_AGE_S ALERT_DEAD_LETTER_RATIO \
@@ -200,19 +203,15 @@ lint-container: install ## Lint container/Dockerfile with hadolint
 
 # The launch targets get the settings in their environment, values as they are.
 $(foreach v,$(DEPLOY_SETTINGS),$(eval template run update run-dataflow dashboard alerts: export $(v) := $$($(v))))
+$(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
 
 .PHONY: image
-image: ## 1. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker)
+image: ## 1. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker; CUDA=13 or 12)
 	$(call require,PROJECT REGION BUCKET TAG)
 	@[ -z "$(GIT_DIRTY)" ] || [ "$(origin TAG)" != file ] || { echo "The working tree has uncommitted changes, so an image tagged $(TAG) would not hold commit $(TAG): commit them, or name the build with TAG=..." >&2; exit 1; }
-ifeq ($(BUILDER),docker)
-	docker build -f container/Dockerfile --target worker --build-arg BAKE_MODEL=$(BAKE_MODEL) --secret id=hf_token,env=HF_TOKEN -t $(WORKER_IMAGE) .
-	docker build -f container/Dockerfile --target launcher --build-arg WORKER_IMAGE=$(WORKER_IMAGE) -t $(LAUNCHER_IMAGE) .
-	docker push $(WORKER_IMAGE)
-	docker push $(LAUNCHER_IMAGE)
-else
-	gcloud builds submit --project $(PROJECT) --region $(REGION) --gcs-source-staging-dir gs://$(BUCKET)/cloudbuild-source --config container/cloudbuild.yaml --substitutions _WORKER_IMAGE=$(WORKER_IMAGE),_LAUNCHER_IMAGE=$(LAUNCHER_IMAGE),_BAKE_MODEL=$(BAKE_MODEL),_BAKE_TOKEN_SECRET=$(BAKE_TOKEN_SECRET) $(IMAGE_BUILD_ARGS) .
-endif
+	@echo "Images for CUDA $(CUDA): $(WORKER_IMAGE) and $(LAUNCHER_IMAGE)"
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.image $(if $(DRY_RUN),--dry-run)
 
 .PHONY: template
 template: ## 2. Build the Flex Template spec in GCS, with make run's job settings as its defaults

@@ -10,8 +10,10 @@ and pipeline options go to gcloud in a ``--flags-file`` (``gcloud topic flags-fi
 user wrote it, except ``EXTRA_PARAMETERS``, whose rule is stated in :func:`split_extra_parameters`.
 
 Before anything is launched, the parameters are checked with the template's own validation
-(:class:`pipeline.config.settings.JobSettings`), so a bad value fails here, naming the parameter, rather
-than on the launcher VM minutes later.
+(:class:`pipeline.config.settings.JobSettings`) and the launch with the launcher's own checks (GPU type,
+count and machine type against the image and Compute Engine's shapes, the worker image, a gated model's
+token, the LoRA adapters: :func:`pipeline.config.launch_checks.launch_problems`), so a bad value fails here,
+naming the parameter, rather than on the launcher VM minutes later.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline.config.launch_checks import launch_problems
 from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
 from pipeline.contract.parameters import PARAMETERS_BY_NAME, WORKER_OPTIONS
+from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR
 
 # Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
 NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "CHUNKS_TOPIC": "output_chunks_topic",
@@ -141,6 +147,34 @@ def template_parameters(settings: Settings) -> dict[str, str]:
     return parameters
 
 
+def cuda_major(settings: Settings) -> int:
+    """``CUDA``: the CUDA major the worker image is built for (make image CUDA=...)."""
+    text = settings.get("CUDA") or str(DEFAULT_CUDA_MAJOR)
+    if not text.isdigit() or int(text) not in CUDA_MAJORS:
+        raise DeployError(f"CUDA={text}: the worker image is built for CUDA {' or '.join(map(str, CUDA_MAJORS))}")
+    return int(text)
+
+
+def check_launch(settings: Settings, parameters: Mapping[str, str]) -> None:
+    """The launcher's own checks (:func:`pipeline.config.launch_checks.launch_problems`), run here on the options
+    the launcher will get, before anything is submitted: warnings are printed, problems stop the launch."""
+    staging, temp = staging_locations(settings)
+    args = ["--runner=DataflowRunner", f"--project={settings.get('PROJECT')}", f"--region={settings.get('REGION')}",
+            f"--temp_location={temp}", f"--machine_type={settings.get('MACHINE_TYPE')}",
+            *[f"--dataflow_service_options={option}" for option in experiments(settings)],
+            *[f"--{name}={value}" for name, value in parameters.items()]]
+    options = PipelineOptions(args)
+    try:
+        job = JobSettings.from_options(options)
+    except ConfigError as exc:
+        raise DeployError(str(exc)) from None
+    problems, warnings = launch_problems(options, job, cuda_major(settings))
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if problems:
+        raise DeployError("This launch would fail:\n  - " + "\n  - ".join(problems))
+
+
 def gpu_experiment(settings: Settings) -> str:
     """Dataflow's GPU service option, as its GPU pages write it."""
     driver = "install-nvidia-driver" + (f":{settings.get('NVIDIA_DRIVER')}" if settings.get("NVIDIA_DRIVER") else "")
@@ -204,6 +238,7 @@ def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict
     name = job_name(settings, update)
     parameters = template_parameters(settings)
     parameters.setdefault("sdk_container_image", settings.get("WORKER_IMAGE"))
+    check_launch(settings, parameters)
     flags: dict[str, Any] = {"--parameters": parameters}
     if settings.get("DISK_SIZE_GB"):
         flags["--additional-pipeline-options"] = [f"disk_size_gb={settings.get('DISK_SIZE_GB')}"]
@@ -239,6 +274,7 @@ def dataflow_runner(settings: Settings) -> list[str]:
     settings.require("PROJECT", "REGION", "BUCKET", "WORKER_IMAGE", "MACHINE_TYPE", "NUM_WORKERS", "MAX_WORKERS")
     parameters = template_parameters(settings)
     parameters.setdefault("sdk_container_image", settings.get("WORKER_IMAGE"))
+    check_launch(settings, parameters)
     staging, temp = staging_locations(settings)
     argv = [sys.executable, "-m", "template.main", "--runner=DataflowRunner",
             f"--project={settings.get('PROJECT')}", f"--region={settings.get('REGION')}",

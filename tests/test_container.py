@@ -52,13 +52,58 @@ def test_every_file_the_dockerfile_copies_exists_and_is_not_docker_ignored():
     assert (REPO / "template" / "main.py").is_file()
 
 
-def test_the_base_image_carries_the_cuda_major_that_vllm_is_built_for():
-    """vLLM's release declares the CUDA version its wheels are built for; the same release's CPU build is here."""
+def test_each_images_base_carries_the_cuda_major_its_wheels_are_built_for():
+    """PyPI's vLLM release declares the CUDA version its wheels are built for (the same release's CPU build is here):
+    the default image's base is of that major. Every CUDA major the GPU table knows has a build whose base, pins
+    and indexes are of that major, and Cloud Build's defaults are the default build's."""
+    import yaml
     from vllm import envs
 
+    from ops.image import BUILDS, TORCH_VERSION, VLLM_VERSION
+    from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR
+
     assert not os.environ.get("VLLM_MAIN_CUDA_VERSION")
-    base = re.match(r"nvidia/cuda:(\d+)\.", dockerfile_args()["CUDA_IMAGE"])
-    assert base and base.group(1) == envs.VLLM_MAIN_CUDA_VERSION.split(".")[0]
+    assert int(envs.VLLM_MAIN_CUDA_VERSION.split(".")[0]) == DEFAULT_CUDA_MAJOR
+    assert set(BUILDS) == set(CUDA_MAJORS)
+    args = dockerfile_args()
+    assert args["CUDA_IMAGE"] == BUILDS[DEFAULT_CUDA_MAJOR].base and args["CUDA"] == str(DEFAULT_CUDA_MAJOR)
+    assert not BUILDS[DEFAULT_CUDA_MAJOR].pins, "the default is PyPI's own build"
+    for major, build in BUILDS.items():
+        assert re.match(rf"nvidia/cuda:{major}\.\d+\.\d+-base-ubuntu22\.04$", build.base), build.base
+        for pin in build.pins:
+            assert re.fullmatch(rf"(vllm=={VLLM_VERSION}|torch=={TORCH_VERSION})\+cu{major}\d", pin), pin
+        assert all(re.search(rf"/cu{major}\d$", index) for index in build.indexes)
+    assert VLLM_VERSION == pinned(PYPROJECT["project"]["optional-dependencies"]["gpu"], "vllm")
+    import torch
+    assert torch.__version__.split("+")[0] == TORCH_VERSION, "the torch this vLLM release is tested with here"
+    cloudbuild = yaml.safe_load((REPO / "container" / "cloudbuild.yaml").read_text())["substitutions"]
+    assert (cloudbuild["_CUDA"], cloudbuild["_CUDA_IMAGE"]) == (str(DEFAULT_CUDA_MAJOR), BUILDS[DEFAULT_CUDA_MAJOR].base)
+
+
+@pytest.mark.parametrize("builder", ["docker", "cloudbuild"])
+def test_make_image_dry_run_prints_each_cuda_majors_base_indexes_and_pins(builder):
+    from ops.image import BUILDS
+
+    def image(cuda: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "--no-print-directory", "image", "DRY_RUN=1", f"CUDA={cuda}",
+                               f"BUILDER={builder}", "PROJECT=my-project", "BUCKET=my-bucket", "TAG=0123456789ab"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    for major, build in BUILDS.items():
+        result = image(str(major))
+        assert result.returncode == 0, result.stderr
+        printed = result.stdout
+        assert build.base in printed and f"CUDA={major}" in printed
+        assert all(index in printed and pin in printed for index in build.indexes for pin in build.pins)
+        assert "streaming-llm-worker:0123456789ab" in printed and "streaming-llm-launcher:0123456789ab" in printed
+        if builder == "docker":
+            assert printed.count("==> docker build") == 2 and printed.count("==> docker push") == 2
+        else:
+            assert "==> gcloud builds submit" in printed and "--config container/cloudbuild.yaml" in printed
+            substitutions = re.search(r"--substitutions '(\^\|\^[^']*)'", printed).group(1)
+            assert f"_CUDA_IMAGE={build.base}" in substitutions.split("|")
+    refused = image("11")
+    assert refused.returncode != 0 and "CUDA=11: the worker image is built for CUDA 12 or 13" in refused.stderr
 
 
 def test_image_versions_agree_with_pyproject():
@@ -83,7 +128,7 @@ def test_the_worker_boots_beam_and_the_launcher_runs_the_entry_point_without_the
     worker, launcher = stages()["worker"], stages()["launcher"]
     assert re.search(r'^ENTRYPOINT \["/opt/apache/beam/boot"\]$', worker, re.MULTILINE)
     assert "COPY --from=beam /opt/apache/beam /opt/apache/beam" in worker
-    assert 'pip install ".[gpu]"' in worker and "[gpu]" not in launcher and "vllm" not in launcher
+    assert 'pip install ${extra} ".[gpu]" ${GPU_PINS}' in worker and "[gpu]" not in launcher and "vllm" not in launcher
     assert re.search(r"^FROM gcr.io/dataflow-templates-base/python311-template-launcher-base:\S+ AS launcher-base$",
                      DOCKERFILE.read_text(), re.MULTILINE)  # Google's launcher binary and its entry point
     assert "FLEX_TEMPLATE_PYTHON_PY_FILE=/template/template/main.py" in launcher
@@ -101,11 +146,13 @@ def run_instructions() -> list[str]:
 
 def test_a_broken_image_fails_its_build_not_the_workers():
     runs = run_instructions()
-    install = next(i for i, run in enumerate(runs) if 'pip install ".[gpu]"' in run)
+    install = next(i for i, run in enumerate(runs) if '".[gpu]"' in run)
     runs = runs[:next(i for i, run in enumerate(runs) if "pip install ." in run and i > install)]  # the worker's
     checks = " && ".join(runs[install + 1:])
     assert "pip check" in checks, "dependency conflicts must fail the build"
-    imports = re.search(r'python -c "(import [^"]+)"', checks)
+    assert "torch.version.cuda" in checks and '"${CUDA}"' in checks, "torch built for another CUDA must fail it"
+    imports = next((found for found in re.finditer(r'python -c "(import [^"]+)"', checks)
+                    if "template.main" in found.group(1)), None)
     assert imports, "the build must import what the launcher and the workers run"
     modules = [m.strip() for m in imports.group(1).removeprefix("import ").split(",")]
     assert {"apache_beam.runners.dataflow", "vllm.entrypoints.openai.api_server", "pipeline.assembly",

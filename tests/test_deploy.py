@@ -302,3 +302,20 @@ def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
         r"settings\.require\(([^)]*)\)", (REPO / "ops" / "deploy.py").read_text(), re.DOTALL).group(1)))
     read |= set(deploy.NAMED_SETTINGS) | {"EXTRA_PARAMETERS"}  # read through the mapping and .values
     assert exported == read, (sorted(exported - read), sorted(read - exported))
+
+
+def test_make_run_runs_the_launchers_checks_before_anything_is_submitted(env_file, recorder):
+    """The launcher's own checks, in the terminal, before gcloud is called: a gated model without a token warns, a
+    GPU the machine type cannot have or the image cannot run stops the launch, naming what would work."""
+    gated = make("run", recorder, env_file, DRY_RUN="1", MODEL="google/gemma-2-2b-it")
+    assert gated.returncode == 0, gated.stderr
+    assert "warning:" in gated.stderr and "gated on Hugging Face" in gated.stderr and "hf_token_secret" in gated.stderr
+    t4 = make("run", recorder, env_file, GPU_TYPE="nvidia-tesla-t4")
+    assert t4.returncode != 0 and "machine type g2-standard-8 comes with 1 nvidia-l4" in t4.stderr
+    two = make("run", recorder, env_file, GPU_COUNT="2")
+    assert two.returncode != 0 and "GPU_COUNT=1" in two.stderr
+    v100 = make("run", recorder, env_file, GPU_TYPE="nvidia-tesla-v100", MACHINE_TYPE="n1-standard-8")
+    assert v100.returncode != 0 and "nvidia-tesla-v100 (compute capability 7.0) cannot run vLLM" in v100.stderr
+    cuda = make("run-dataflow", None, env_file, DRY_RUN="1", CUDA="11")
+    assert cuda.returncode != 0 and "CUDA=11" in cuda.stderr
+    assert not recorder.requests, "nothing reached Dataflow"

@@ -109,7 +109,7 @@ def image_cuda_major(environ: Mapping[str, str] = os.environ) -> int:
 def launch_problems(options: PipelineOptions, settings: JobSettings,
                     cuda_major: int = DEFAULT_CUDA_MAJOR) -> tuple[list[str], list[str]]:
     """(problems that must stop the launch, warnings): every check a launch gets before anything is submitted,
-    the same for the launcher (:func:`pipeline.assembly.run`) and ``make run`` (``ops/deploy.py``). The worker
+    the same for the launcher (``run`` in :mod:`pipeline.assembly`) and ``make run`` (``ops/deploy.py``). The worker
     repeats the GPU check on the GPUs it has (:func:`pipeline.serving.gpus.gpus_problem`)."""
     problems, warnings = dataflow_launch_problems(options, settings.config, cuda_major)
     problems += [f"LoRA adapters: {problem}" for problem in

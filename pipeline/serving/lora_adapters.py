@@ -23,6 +23,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from google.api_core.exceptions import GoogleAPIError
+from google.auth.exceptions import DefaultCredentialsError
+
 from pipeline.serving.model_weights import (LOCAL_FOLDER_PREFIXES, WeightsError, local_weights, location_kind,
                                             parse_gcs_uri, storage_client)
 
@@ -127,6 +130,10 @@ def launch_problems(adapters: tuple[Adapter, ...], max_lora_rank: int) -> list[s
             config = read_adapter_config(adapter)
         except AdapterError as exc:
             problems.append(str(exc))
+            continue
+        except (DefaultCredentialsError, GoogleAPIError, OSError) as exc:  # no credentials or no network here
+            LOGGER.warning("Adapter %r: %s cannot be read from here (%s); the worker checks it when it starts",
+                           adapter.name, adapter.location, type(exc).__name__)
             continue
         if config is None:
             if adapter.kind == "local":
