@@ -57,7 +57,7 @@ def test_launcher_strings_are_converted():
     ({"input_subscription": None}, "--input_subscription is required"),
     ({"input_subscription": "prompts-sub"}, "--input_subscription='prompts-sub' is not valid"),
     ({"output_chunks_topic": None}, "no output is configured"),
-    ({"dead_letter_topic": None}, "no dead-letter output is configured: set --dead_letter_topic and/or --dead_letter_table"),
+    ({"dead_letter_topic": None}, "no dead-letter output is configured. Also required: where answers go"),
     ({"output_completions_table": "my-project:llm"}, "--output_completions_table='my-project:llm' is not valid"),
     ({"batch_size_target": "0"}, "--batch_size_target must be at least 1"),
     ({"length_bucketing": "true", "bucket_boundaries": "128,64"}, "must be strictly increasing"),

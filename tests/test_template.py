@@ -184,3 +184,24 @@ def test_a_gated_model_without_a_token_and_gemma_on_a_t4_are_warned_about():
     t4_warnings = warnings([t4, gemma, "--hf_token_secret=projects/my-project/secrets/hf-token/versions/1"])
     assert len(t4_warnings) == 1 and "has no bfloat16" in t4_warnings[0]
     assert warnings([t4]) == []  # Qwen is safe in float16
+
+
+def test_a_console_launch_with_only_the_marked_fields_is_refused_with_what_the_form_says_first():
+    """The console marks only input_subscription required (metadata.json), since it cannot mark one-of-several
+    fields so; its help text, the form's first field, names the outputs a launch also needs, and the launcher's
+    refusal says the same sentence."""
+    import json
+
+    from pipeline.contract.parameters import ALSO_REQUIRED
+
+    metadata = json.loads((REPO / "metadata.json").read_text())
+    required = [p for p in metadata["parameters"] if not p.get("isOptional")]
+    assert [p["name"] for p in required] == ["input_subscription"] == [metadata["parameters"][0]["name"]]
+    assert ALSO_REQUIRED in metadata["parameters"][0]["helpText"]
+    args = [f"--{p['name']}=projects/my-project/subscriptions/prompts-sub" for p in required]
+    result = subprocess.run([sys.executable, "-m", "template.main", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and ALSO_REQUIRED in result.stderr, result.stderr
+    complete = args + ["--output_completions_topic=projects/my-project/topics/done",
+                       "--dead_letter_topic=projects/my-project/topics/dead"]
+    JobSettings.from_options(PipelineOptions(complete))  # the two outputs the sentence names are enough

@@ -15,7 +15,7 @@ from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.contract.parameters import PARAMETERS
+from pipeline.contract.parameters import ALSO_REQUIRED, DEAD_LETTER_PARAMETERS, OUTPUT_PARAMETERS, PARAMETERS
 from pipeline.serving.lora_adapters import VLLM_LORA_RANKS
 
 # vLLM server flags that a template parameter (or the model manager) sets: inside vllm_args they would silently
@@ -137,12 +137,11 @@ class PipelineConfig:
 
 def _check_combinations(fields: dict[str, Any]) -> list[str]:
     problems = []
-    outputs = ("output_chunks_topic", "output_completions_topic", "output_completions_table", "output_chunks_table")
-    if not any(fields.get(name) for name in outputs):
-        problems.append("no output is configured: set at least one of " + ", ".join(f"--{n}" for n in outputs))
-    if not (fields.get("dead_letter_topic") or fields.get("dead_letter_table")):
-        problems.append("no dead-letter output is configured: set --dead_letter_topic and/or --dead_letter_table, "
-                        "so that no request is dropped silently")
+    missing = [what for what, names in (("no output is configured", OUTPUT_PARAMETERS),
+                                        ("no dead-letter output is configured", DEAD_LETTER_PARAMETERS))
+               if not any(fields.get(name) for name in names)]
+    if missing:
+        problems.append(f"{' and '.join(missing)}. {ALSO_REQUIRED}")
     if fields.get("engine") == "transformers":
         for name, why in (("server_url", "it loads the model in the workers, so there is no server to call"),
                           ("response_schema", "it cannot constrain answers to a schema"),

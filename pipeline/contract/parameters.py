@@ -123,13 +123,21 @@ class Parameter:
         return ()
 
 
+# Where answers and failures go: a launch needs one of each, which a console form cannot mark required, so the
+# first field's help says so and the launch's refusal repeats it (pipeline/config/options.py).
+OUTPUT_PARAMETERS = ("output_completions_topic", "output_completions_table", "output_chunks_topic",
+                     "output_chunks_table")
+DEAD_LETTER_PARAMETERS = ("dead_letter_topic", "dead_letter_table")
+ALSO_REQUIRED = (f"Also required: where answers go (one or more of {', '.join(OUTPUT_PARAMETERS)}) and where what "
+                 f"cannot be served goes ({' and/or '.join(DEAD_LETTER_PARAMETERS)}).")
+
 PARAMETERS: tuple[Parameter, ...] = (
     # Input
     Parameter("input_subscription", "Input Pub/Sub subscription",
               "Subscription to read prompts from. Each message is a JSON object "
               '{"prompt" or "messages", "id", "max_tokens", "temperature", "top_p", "stop", "metadata", '
               '"deadline_ms", "response_format", "seed", "adapter", ...} '
-              "or plain UTF-8 text.",
+              "or plain UTF-8 text. " + ALSO_REQUIRED,
               "projects/my-project/subscriptions/prompts-sub", GROUP_INPUT, "PUBSUB_SUBSCRIPTION",
               required=True, regex=SUBSCRIPTION_REGEX),
     Parameter("id_attribute", "Request id attribute",
