@@ -32,7 +32,6 @@ WORKER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-worker:$(TAG)
 LAUNCHER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-launcher:$(TAG)
 TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm-$(TAG).json
 JOB_NAME ?=
-JOB_ID ?=
 SERVICE_ACCOUNT ?=
 MACHINE_TYPE ?= g2-standard-8
 # Worker boot disk in GB; empty: the template's default (docs/parameters.md, disk_size_gb). See docs/operations.md#disk.
@@ -202,7 +201,7 @@ lint-container: install ## Lint container/Dockerfile with hadolint
 	$(VENV)/bin/hadolint container/Dockerfile
 
 # The launch targets get the settings in their environment, values as they are.
-$(foreach v,$(DEPLOY_SETTINGS),$(eval template run update run-dataflow dashboard alerts: export $(v) := $$($(v))))
+$(foreach v,$(DEPLOY_SETTINGS),$(eval template run update run-dataflow drain cancel dashboard alerts: export $(v) := $$($(v))))
 $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
 
 .PHONY: image
@@ -238,9 +237,16 @@ run-dataflow: ## Launch from this checkout with Beam's DataflowRunner, no templa
 	$(DEPLOY) run-dataflow
 
 .PHONY: drain
-drain: ## Drain a running job: make drain JOB_ID=... (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
-	$(call require,PROJECT REGION JOB_ID)
-	gcloud dataflow jobs drain $(JOB_ID) --project $(PROJECT) --region $(REGION)
+drain: ## Drain the running job JOB_NAME (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
+	$(call require,PROJECT REGION JOB_NAME)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY) drain
+
+.PHONY: cancel
+cancel: ## Cancel the running job JOB_NAME at once (what is in flight is lost: prefer drain)
+	$(call require,PROJECT REGION JOB_NAME)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY) cancel
 
 .PHONY: dashboard
 dashboard: ## 4. Create the job's Cloud Monitoring dashboard: make dashboard JOB_NAME=... (ops/dashboard.json)

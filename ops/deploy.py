@@ -297,6 +297,30 @@ def dataflow_runner(settings: Settings) -> list[str]:
 _NOT_YAML_PRINTABLE = re.compile("[\x7f-\x9f\ufffe\uffff]")
 
 
+def job_command(settings: Settings, verb: str, dry_run: bool) -> int:
+    """``gcloud dataflow jobs drain|cancel`` for the active job named ``JOB_NAME`` (the one identifier every target
+    takes): its id is looked up first, and a name that matches no active job, or several, is refused."""
+    settings.require("PROJECT", "REGION", "JOB_NAME")
+    name, where = settings.get("JOB_NAME"), ["--project", settings.get("PROJECT"), "--region", settings.get("REGION")]
+    listing = ["gcloud", "dataflow", "jobs", "list", *where, "--status", "active", "--filter", f"name={name}",
+               "--format", "value(id)"]
+    print(f"==> {shlex.join(listing)}", flush=True)
+    if dry_run:
+        print(f"==> {shlex.join(['gcloud', 'dataflow', 'jobs', verb, f'<the id of {name}>', *where])}", flush=True)
+        return 0
+    found = subprocess.run(listing, capture_output=True, text=True, check=False)
+    if found.returncode:
+        raise DeployError(f"listing the active jobs failed: {found.stderr.strip()}")
+    ids = found.stdout.split()
+    if len(ids) != 1:
+        raise DeployError(f"{'no' if not ids else len(ids)} active jobs named {name} in {settings.get('REGION')}"
+                          + (": gcloud dataflow jobs list --status active lists them" if not ids else
+                             f" ({', '.join(ids)}): {verb} the one you mean with gcloud dataflow jobs {verb} ID"))
+    command = ["gcloud", "dataflow", "jobs", verb, ids[0], *where]
+    print(f"==> {shlex.join(command)}", flush=True)
+    return subprocess.run(command, check=False).returncode
+
+
 def flags_file_text(flags: dict[str, Any]) -> str:
     """A gcloud ``--flags-file``: JSON, which gcloud reads as YAML, with every value's characters kept."""
     text = json.dumps(flags, indent=2, ensure_ascii=False)
@@ -326,13 +350,15 @@ def run_gcloud(argv: list[str], flags: dict[str, Any], dry_run: bool,
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.deploy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("template", "run", "update", "run-dataflow"))
+    parser.add_argument("action", choices=("template", "run", "update", "run-dataflow", "drain", "cancel"))
     parser.add_argument("--dry-run", action="store_true", help="print the command (and its flags file); run nothing")
     args = parser.parse_args(argv)
     settings = Settings(dict(os.environ if environ is None else environ))
     try:
         if args.action == "template":
             return run_gcloud(*flex_template_build(settings), dry_run=args.dry_run)
+        if args.action in ("drain", "cancel"):
+            return job_command(settings, args.action, args.dry_run)
         if args.action in ("run", "update"):
             return run_gcloud(*flex_template_run(settings, update=args.action == "update"), dry_run=args.dry_run)
         command = dataflow_runner(settings)

@@ -40,6 +40,7 @@ class Recorder:
         self.config_dir = config_dir
         self.requests: list[Request] = []
         self.objects: dict[str, bytes] = {}  # "bucket/name" -> uploaded bytes
+        self.jobs: list[dict[str, Any]] = []  # what a job listing answers
         self.api = LoopbackApi(self.record)
 
     @property
@@ -73,6 +74,8 @@ class Recorder:
             return 200, {"job": {**job, "name": launch["jobName"]}}
         if "/v1b3/" in path and "/jobs/" in path:
             return 200, job
+        if re.match(r"^/v1b3/projects/[^/]+/locations/[^/]+/jobs$", path) and request.method == "GET":
+            return 200, {"jobs": self.jobs}
         upload = re.match(r"^/upload/storage/v1/b/([^/]+)/o$", path)
         if upload and request.method == "POST":
             return 200, self.store(upload.group(1), request, content_type)

@@ -120,10 +120,29 @@ def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
         "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"]}
     # No disk size: the template sets its own default (tests/test_dataflow_job.py sees it in the job).
 
-    drain = make("drain", recorder, env_file, JOB_ID="2026-11-25_00_00_00-1")
+
+
+def test_drain_and_cancel_find_the_running_job_by_its_name(recorder, env_file):
+    """JOB_NAME is the one job identifier of every target: drain and cancel look its id up among the active jobs."""
+    recorder.jobs = [{"id": "2026-11-25_00_00_00-1", "projectId": "proj-123456", "name": "streaming-llm-prod",
+                      "location": "us-central1", "currentState": "JOB_STATE_RUNNING",
+                      "createTime": "2026-11-25T00:00:00Z", "currentStateTime": "2026-11-25T00:00:01Z",
+                      "type": "JOB_TYPE_STREAMING"},
+                     {"id": "2026-11-25_00_00_00-2", "projectId": "proj-123456", "name": "another-job",
+                      "location": "us-central1", "currentState": "JOB_STATE_RUNNING",
+                      "createTime": "2026-11-25T00:00:00Z", "currentStateTime": "2026-11-25T00:00:01Z",
+                      "type": "JOB_TYPE_STREAMING"}]
+    drain = make("drain", recorder, env_file, JOB_NAME="streaming-llm-prod")
     assert drain.returncode == 0, drain.stdout + drain.stderr
     drained = recorder.find("PUT", r"/v1b3/projects/proj-123456/locations/us-central1/jobs/2026-11-25_00_00_00-1$")
-    assert drained[0].json() == {"requestedState": "JOB_STATE_DRAINED"}
+    assert [r.json() for r in drained] == [{"requestedState": "JOB_STATE_DRAINED"}]
+    cancel = make("cancel", recorder, env_file, JOB_NAME="streaming-llm-prod")
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    cancelled = recorder.find("PUT", r"/jobs/2026-11-25_00_00_00-1$")[-1]
+    assert cancelled.json() == {"requestedState": "JOB_STATE_CANCELLED"}
+    missing = make("drain", recorder, env_file, JOB_NAME="no-such-job")
+    assert missing.returncode != 0 and "no active jobs named no-such-job" in missing.stderr
+    assert not recorder.find("PUT", r"/jobs/2026-11-25_00_00_00-2$"), "the other job is never touched"
 
 
 def test_update_relaunches_the_running_job_by_name_with_renamed_steps(recorder, env_file):
@@ -187,8 +206,8 @@ def test_a_bad_setting_stops_the_launch_by_name_before_gcloud_runs(recorder, env
 def test_each_target_asks_only_for_the_settings_it_uses(recorder):
     run = make("run", recorder, None, PROJECT="", BUCKET="")
     assert run.returncode != 0 and "Set PROJECT BUCKET (in .env" in run.stderr  # REGION has its default
-    drain = make("drain", recorder, None, PROJECT="proj-123456", JOB_ID="")
-    assert drain.returncode != 0 and "Set JOB_ID" in drain.stderr and "BUCKET" not in drain.stderr
+    drain = make("drain", recorder, None, PROJECT="proj-123456", JOB_NAME="")
+    assert drain.returncode != 0 and "Set JOB_NAME" in drain.stderr and "BUCKET" not in drain.stderr
     assert not recorder.requests
 
 
