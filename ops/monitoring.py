@@ -20,7 +20,9 @@ import argparse
 import json
 import os
 import re
+import shlex
 import string
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -89,24 +91,54 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     settings = Settings(dict(os.environ if environ is None else environ))
     try:
         values = placeholders(settings)
+        return make(args.action, settings, values, args.dry_run)
     except DeployError as exc:
         print(f"make {args.action}: {exc}", file=sys.stderr)
         return 2
+
+
+def make(action: str, settings: Settings, values: Mapping[str, str], dry_run: bool) -> int:
+    """Creates the dashboard or the alert policies, or updates those made before for the same job."""
     project = ["--project", settings.get("PROJECT")]
-    if args.action == "dashboard":
-        return run_gcloud(["gcloud", "monitoring", "dashboards", "create", *project],
-                          {}, dry_run=args.dry_run,
-                          files={"--config-from-file": rendered(DASHBOARD, values)})
+    if action == "dashboard":
+        dashboard = rendered(DASHBOARD, values)
+        found = existing(["gcloud", "monitoring", "dashboards", "list", *project,
+                          f"--filter=displayName={json.dumps(dashboard['displayName'])}"], dry_run)
+        verb = ["update", found[0]] if found else ["create"]
+        return run_gcloud(["gcloud", "monitoring", "dashboards", *verb, *project], {}, dry_run=dry_run,
+                          files={"--config-from-file": dashboard})
     channels = [channel.strip() for channel in settings.get("NOTIFICATION_CHANNELS").split(",") if channel.strip()]
+    if not channels:
+        print(f"warning: NOTIFICATION_CHANNELS is empty, so the {len(alert_files())} alert policies "
+              f"({', '.join(path.stem for path in alert_files())}) will notify no one: they show only on the "
+              "Alerting page. Set NOTIFICATION_CHANNELS=projects/PROJECT/notificationChannels/ID (gcloud beta "
+              "monitoring channels list) and run make alerts again: it updates them.", file=sys.stderr, flush=True)
     for path in alert_files():
-        argv = ["gcloud", "alpha", "monitoring", "policies", "create", *project]
-        if channels:
-            argv.append(f"--notification-channels={','.join(channels)}")
-        status = run_gcloud(argv, {}, dry_run=args.dry_run, files={"--policy-from-file": rendered(path, values)})
+        policy = rendered(path, values)
+        labels = policy["userLabels"]
+        found = existing(["gcloud", "alpha", "monitoring", "policies", "list", *project,
+                          f"--filter=userLabels.streaming_llm_job={labels['streaming_llm_job']} AND "
+                          f"userLabels.streaming_llm_alert={labels['streaming_llm_alert']}"], dry_run)
+        argv = ["gcloud", "alpha", "monitoring", "policies", *(["update", found[0]] if found else ["create"]),
+                *project]
+        policy["notificationChannels"] = channels  # in the file, so that an update sets them as a create does
+        status = run_gcloud(argv, {}, dry_run=dry_run, files={"--policy-from-file": policy})
         if status:
             return status
     return 0
 
+
+def existing(listing: list[str], dry_run: bool) -> list[str]:
+    """The names of what this command made before for the same job (a dashboard by its title, a policy by its
+    labels), so that running it again updates them instead of adding copies; none on a dry run."""
+    command = [*listing, "--format=value(name)"]
+    print(f"==> {shlex.join(command)}", flush=True)
+    if dry_run:
+        return []
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise DeployError(f"listing what exists failed: {result.stderr.strip()}")
+    return result.stdout.split()
 
 if __name__ == "__main__":
     sys.exit(main())

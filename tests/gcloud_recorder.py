@@ -41,6 +41,7 @@ class Recorder:
         self.requests: list[Request] = []
         self.objects: dict[str, bytes] = {}  # "bucket/name" -> uploaded bytes
         self.jobs: list[dict[str, Any]] = []  # what a job listing answers
+        self.made: list[dict[str, Any]] = []  # dashboards and alert policies created, as created or updated
         self.api = LoopbackApi(self.record)
 
     @property
@@ -92,9 +93,19 @@ class Recorder:
                 "@type": "type.googleapis.com/google.devtools.cloudbuild.v1.BuildOperationMetadata",
                 "build": {"id": "recorded", "projectId": build.group(1), "status": "QUEUED",
                           "name": f"projects/{build.group(1)}/locations/{build.group(2) or 'global'}/builds/recorded"}}}
-        created = re.match(r"^/v[13]/projects/([^/]+)/(dashboards|alertPolicies)$", path)
-        if created and request.method == "POST":
-            return 200, {**request.json(), "name": f"projects/{created.group(1)}/{created.group(2)}/recorded"}
+        made = re.match(r"^/v[13]/projects/([^/]+)/(dashboards|alertPolicies)$", path)
+        if made and request.method == "POST":  # kept, so that a listing finds it
+            kept = {**request.json(), "name": f"projects/{made.group(1)}/{made.group(2)}/recorded-{len(self.made)}"}
+            self.made.append(kept)
+            return 200, kept
+        if made and request.method == "GET":
+            key = "dashboards" if made.group(2) == "dashboards" else "alertPolicies"
+            return 200, {key: [m for m in self.made if f"/{made.group(2)}/" in m["name"]]}
+        one = re.match(r"^/v[13]/(projects/[^/]+/(?:dashboards|alertPolicies)/[^/]+)$", path)
+        if one and request.method == "PATCH":
+            kept = next(m for m in self.made if m["name"] == one.group(1))
+            kept.update({**request.json(), "name": one.group(1)})
+            return 200, kept
         return 404, {"error": {"code": 404, "message": f"the recorder does not answer {request.method} {path}"}}
 
     def store(self, bucket: str, request: Request, content_type: str) -> dict[str, Any]:

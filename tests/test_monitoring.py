@@ -164,9 +164,39 @@ def test_make_dashboard_and_make_alerts_send_the_files_through_gcloud(tmp_path):
     policies = [request.json() for request in recorder.find("POST", r"^/v3/projects/proj-123456/alertPolicies$")]
     values = monitoring.placeholders(Settings({**SETTINGS, "ALERT_TTFT_P95_S": "10"}))
     expected = [monitoring.rendered(path, values) for path in monitoring.alert_files()]
-    assert [{k: v for k, v in p.items() if k != "notificationChannels"} for p in policies] == expected
+    assert [{k: v for k, v in p.items() if k != "notificationChannels"} for p in policies] == \
+        [{k: v for k, v in p.items() if k != "notificationChannels"} for p in expected]
     assert all(p["notificationChannels"] == ["projects/proj-123456/notificationChannels/42"] for p in policies)
     assert any('metric_name="first_token_over_10s"' in query for p in policies for query in queries(p))
+
+
+def test_running_make_dashboard_and_make_alerts_again_updates_what_they_made(tmp_path):
+    """A second run (new thresholds, channels added) updates the job's dashboard and each of its policies, found
+    by title and labels, instead of adding copies; alerts without channels are named in a warning."""
+    recorder = Recorder(str(tmp_path / "gcloud-config"))
+    try:
+        first = make("alerts", recorder, None, **SETTINGS)
+        assert first.returncode == 0, first.stderr
+        assert "NOTIFICATION_CHANNELS is empty" in first.stderr and "backlog-age" in first.stderr
+        for _ in range(2):
+            assert make("dashboard", recorder, None, **SETTINGS).returncode == 0
+        again = make("alerts", recorder, None, **SETTINGS, ALERT_BACKLOG_AGE_S="900",
+                     NOTIFICATION_CHANNELS="projects/proj-123456/notificationChannels/42")
+        assert again.returncode == 0, again.stderr
+        assert "NOTIFICATION_CHANNELS is empty" not in again.stderr
+        other = make("dashboard", recorder, None, **{**SETTINGS, "JOB_NAME": "another-job"})
+        assert other.returncode == 0
+    finally:
+        recorder.close()
+    stems = [path.stem for path in monitoring.alert_files()]
+    assert len(recorder.find("POST", r"^/v3/projects/proj-123456/alertPolicies$")) == len(stems)
+    assert len(recorder.find("PATCH", r"^/v3/projects/proj-123456/alertPolicies/")) == len(stems)
+    assert len(recorder.find("POST", r"^/v1/projects/proj-123456/dashboards$")) == 2, "one per job"
+    assert len(recorder.find("PATCH", r"^/v1/projects/proj-123456/dashboards/")) == 1
+    policies = [m for m in recorder.made if "/alertPolicies/" in m["name"]]
+    assert sorted(p["userLabels"]["streaming_llm_alert"] for p in policies) == sorted(stems)
+    assert all(p.get("notificationChannels") == ["projects/proj-123456/notificationChannels/42"] for p in policies)
+    assert any("900 s" in p["displayName"] for p in policies)
 
 
 @pytest.mark.parametrize("bad, words", [
