@@ -77,3 +77,30 @@ def test_the_test_name_check_sees_a_test_that_is_gone():
     assert named_tests("`test_docs` and `test_nowhere_at_all.py`, not tests/test_X.py") == {
         "test_docs", "test_nowhere_at_all"}
     assert "test_nowhere_at_all" not in existing_tests()
+
+
+def test_the_idle_worker_cost_example_adds_up_for_the_default_machine():
+    """operations.md's worked example: each row's quantity times its price, the rows' sum, and the month; the
+    machine's shape is the default MACHINE_TYPE's (8 vCPUs, 32 GB on a g2-standard-8, which comes with one L4)."""
+    import re
+    from decimal import Decimal
+
+    from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB
+    from pipeline.serving.gpus import FIXED_SHAPES
+
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text[text.index('<a id="idle-worker-cost"></a>'):]
+    rows = re.findall(r"^\| ([^|*]+?) \| (\d+) \| ([\d.]+) per [^|]+ \| ([\d.]+) \|$", section, re.MULTILINE)
+    assert [name for name, *_ in rows] == ["Streaming worker vCPU", "Streaming worker memory", "GPU (`nvidia-l4`)",
+                                           "Boot disk (standard persistent disk)"]
+    for _, quantity, price, per_hour in rows:
+        assert (Decimal(quantity) * Decimal(price)).quantize(Decimal("0.0001")) == Decimal(per_hour), (quantity, price)
+    total = Decimal(re.search(r"\*\*One idle worker\*\* \| \| \| \*\*([\d.]+)\*\*", section).group(1))
+    month = Decimal(re.search(r"\*\*A 730-hour month of it\*\* \| \| \| \*\*([\d.]+)\*\*", section).group(1))
+    exact = sum(Decimal(q) * Decimal(p) for _, q, p, _ in rows)
+    assert exact.quantize(Decimal("0.0001")) == total
+    assert (exact * 730).quantize(Decimal("0.01")) == month
+    makefile = (REPO / "Makefile").read_text()
+    machine = re.search(r"^MACHINE_TYPE \?= (\S+)", makefile, re.MULTILINE).group(1)
+    assert machine == "g2-standard-8" and FIXED_SHAPES[machine] == ("nvidia-l4", 1)
+    assert [int(q) for _, q, _, _ in rows] == [8, 32, 1, DEFAULT_DISK_SIZE_GB]
