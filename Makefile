@@ -37,6 +37,8 @@ MACHINE_TYPE ?= g2-standard-8
 # Worker boot disk in GB; empty: the template's default (docs/parameters.md, disk_size_gb). See docs/operations.md#disk.
 DISK_SIZE_GB ?=
 LAUNCHER_MACHINE_TYPE ?= e2-standard-4
+# A zone of REGION for the workers (empty: Dataflow picks one); for a GPU out of stock in the zone it picks.
+WORKER_ZONE ?=
 METADATA ?= metadata.json
 GPU_TYPE ?= nvidia-l4
 GPU_COUNT ?= 1
@@ -51,6 +53,7 @@ NUM_WORKERS ?= 1
 UTILIZATION_HINT ?=
 # Empty: the template's default model (docs/parameters.md).
 MODEL ?=
+INPUT_TOPIC ?=
 INPUT_SUBSCRIPTION ?=
 CHUNKS_TOPIC ?=
 COMPLETIONS_TOPIC ?=
@@ -76,8 +79,8 @@ ALERT_BACKLOG_AGE_S ?= 600
 ALERT_DEAD_LETTER_RATIO ?= 0.01
 ALERT_TTFT_P95_S ?= 5
 DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT CUDA \
-  MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
-  UTILIZATION_HINT MODEL INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
+  MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE WORKER_ZONE METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
+  UTILIZATION_HINT MODEL INPUT_TOPIC INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
   PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS NOTIFICATION_CHANNELS ALERT_BACKLOG_AGE_S ALERT_DEAD_LETTER_RATIO \
   ALERT_TTFT_P95_S
 DEPLOY = $(DEPLOY_PY) -m ops.deploy $(if $(DRY_RUN),--dry-run)
@@ -201,8 +204,14 @@ lint-container: install ## Lint container/Dockerfile with hadolint
 	$(VENV)/bin/hadolint container/Dockerfile
 
 # The launch targets get the settings in their environment, values as they are.
-$(foreach v,$(DEPLOY_SETTINGS),$(eval template run update run-dataflow drain cancel dashboard alerts: export $(v) := $$($(v))))
+$(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow drain cancel dashboard alerts: export $(v) := $$($(v))))
 $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
+
+.PHONY: setup
+setup: ## 0. Make a blank project ready: APIs, bucket, image repository, topics, subscription, roles (DRY_RUN=1 prints them)
+	$(call require,PROJECT REGION BUCKET INPUT_TOPIC INPUT_SUBSCRIPTION)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.setup_project $(if $(DRY_RUN),--dry-run)
 
 .PHONY: image
 image: ## 1. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker; CUDA=13 or 12)

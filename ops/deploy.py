@@ -249,6 +249,8 @@ def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict
             *job_environment(settings)]
     if settings.get("LAUNCHER_MACHINE_TYPE"):
         argv += ["--launcher-machine-type", settings.get("LAUNCHER_MACHINE_TYPE")]
+    if settings.get("WORKER_ZONE"):  # a zone of REGION with the GPU in stock (docs/operations.md#quota-and-gpu-stockouts)
+        argv += ["--worker-zone", settings.get("WORKER_ZONE")]
     if update:
         argv.append("--update")
         if mappings := transform_name_mappings(settings):
@@ -287,6 +289,8 @@ def dataflow_runner(settings: Settings) -> list[str]:
         argv.append(f"--service_account_email={settings.get('SERVICE_ACCOUNT')}")
     if settings.get("DISK_SIZE_GB"):
         argv.append(f"--disk_size_gb={settings.get('DISK_SIZE_GB')}")
+    if settings.get("WORKER_ZONE"):
+        argv.append(f"--worker_zone={settings.get('WORKER_ZONE')}")
     argv += [f"--dataflow_service_options={option}" for option in experiments(settings)]
     argv += [f"--{name}={value}" for name, value in parameters.items()]
     return argv

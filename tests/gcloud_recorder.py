@@ -58,7 +58,8 @@ class Recorder:
                 "CLOUDSDK_CORE_DISABLE_PROMPTS": "1", "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true",
                 "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "true",
                 **{f"CLOUDSDK_API_ENDPOINT_OVERRIDES_{api}": self.url
-                   for api in ("DATAFLOW", "STORAGE", "CLOUDBUILD", "MONITORING")}}
+                   for api in ("DATAFLOW", "STORAGE", "CLOUDBUILD", "MONITORING", "SERVICEUSAGE", "PUBSUB",
+                               "ARTIFACTREGISTRY", "CLOUDRESOURCEMANAGER")}}
 
     def close(self) -> None:
         self.api.close()

@@ -315,7 +315,7 @@ def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
     declared = re.search(r"^DEPLOY_SETTINGS := ((?:.*\\\n)*.*)$", makefile, re.MULTILINE).group(1)
     exported = set(declared.replace("\\", " ").split())
     read = set(re.findall(r"""(?:get|require)\(\s*['"]([A-Z_]+)['"]""", (REPO / "ops" / "deploy.py").read_text()
-                          + (REPO / "ops" / "monitoring.py").read_text()))
+                          + (REPO / "ops" / "monitoring.py").read_text() + (REPO / "ops" / "setup_project.py").read_text()))
     read |= set(monitoring.THRESHOLDS)
     read |= set(re.findall(r"""['"]([A-Z_]+)['"],?""", re.search(
         r"settings\.require\(([^)]*)\)", (REPO / "ops" / "deploy.py").read_text(), re.DOTALL).group(1)))
@@ -338,3 +338,11 @@ def test_make_run_runs_the_launchers_checks_before_anything_is_submitted(env_fil
     cuda = make("run-dataflow", None, env_file, DRY_RUN="1", CUDA="11")
     assert cuda.returncode != 0 and "CUDA=11" in cuda.stderr
     assert not recorder.requests, "nothing reached Dataflow"
+
+
+def test_a_worker_zone_reaches_dataflow_through_gcloud(recorder, env_file):
+    """WORKER_ZONE, for a GPU out of stock where Dataflow would place the workers: gcloud's --worker-zone."""
+    result = make("run", recorder, env_file, WORKER_ZONE="us-central1-b")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (launch,) = recorder.find("POST", r"/flexTemplates:launch$")
+    assert launch.json()["launchParameter"]["environment"]["workerZone"] == "us-central1-b"
