@@ -271,6 +271,45 @@ def flex_template_build(settings: Settings) -> tuple[list[str], dict[str, Any]]:
     return argv, flags
 
 
+def spec_defaults(settings: Settings) -> dict[str, Any]:
+    """What ``make run`` passes that ``gcloud dataflow flex-template build`` has no flag for, in the fields the
+    spec's default environment (``FlexTemplateRuntimeEnvironment`` in Dataflow's API) has for them."""
+    found: dict[str, Any] = {}
+    if settings.get("LAUNCHER_MACHINE_TYPE"):
+        found["launcherMachineType"] = settings.get("LAUNCHER_MACHINE_TYPE")
+    if settings.get("DISK_SIZE_GB"):
+        found["diskSizeGb"] = int(settings.get("DISK_SIZE_GB"))
+    if settings.get("WORKER_ZONE"):
+        found["workerZone"] = settings.get("WORKER_ZONE")
+    return found
+
+
+def complete_spec(settings: Settings, dry_run: bool) -> int:
+    """Adds :func:`spec_defaults` to the spec ``flex-template build`` wrote: read it back, add them, write it."""
+    extra = spec_defaults(settings)
+    if not extra:
+        return 0
+    path, project = settings.get("TEMPLATE_PATH"), ["--project", settings.get("PROJECT")]
+    read = ["gcloud", "storage", "cat", path, *project]
+    print(f"==> {shlex.join(read)}", flush=True)
+    print(f"    and write it back with defaultEnvironment + {json.dumps(extra)}:", flush=True)
+    if dry_run:
+        print(f"==> {shlex.join(['gcloud', 'storage', 'cp', 'SPEC.json', path, *project])}", flush=True)
+        return 0
+    found = subprocess.run(read, capture_output=True, text=True, check=False)
+    try:
+        spec = json.loads(found.stdout)
+    except ValueError:
+        raise DeployError(f"the spec at {path} could not be read back: {found.stderr.strip()}") from None
+    spec.setdefault("defaultEnvironment", {}).update(extra)
+    with tempfile.TemporaryDirectory(prefix="streaming-llm-spec-") as folder:
+        local = Path(folder) / "spec.json"
+        local.write_text(json.dumps(spec, indent=2), encoding="utf-8")
+        write = ["gcloud", "storage", "cp", str(local), path, *project]
+        print(f"==> {shlex.join(write)}", flush=True)
+        return subprocess.run(write, check=False).returncode
+
+
 def dataflow_runner(settings: Settings) -> list[str]:
     """The template's entry point on Beam's DataflowRunner, straight from this checkout: one argv element a value."""
     settings.require("PROJECT", "REGION", "BUCKET", "WORKER_IMAGE", "MACHINE_TYPE", "NUM_WORKERS", "MAX_WORKERS")
@@ -360,7 +399,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     settings = Settings(dict(os.environ if environ is None else environ))
     try:
         if args.action == "template":
-            return run_gcloud(*flex_template_build(settings), dry_run=args.dry_run)
+            built = run_gcloud(*flex_template_build(settings), dry_run=args.dry_run)
+            return built or complete_spec(settings, args.dry_run)
         if args.action in ("drain", "cancel"):
             return job_command(settings, args.action, args.dry_run)
         if args.action in ("run", "update"):

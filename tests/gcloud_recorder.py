@@ -14,7 +14,7 @@ import base64
 import hashlib
 import json
 import re
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,12 @@ class Recorder:
         upload = re.match(r"^/upload/storage/v1/b/([^/]+)/o$", path)
         if upload and request.method == "POST":
             return 200, self.store(upload.group(1), request, content_type)
+        stored = re.match(r"^/(?:download/)?storage/v1/b/([^/]+)/o/([^/]+)$", path)
+        if stored and request.method == "GET" and f"{stored.group(1)}/{unquote(stored.group(2))}" in self.objects:
+            key = f"{stored.group(1)}/{unquote(stored.group(2))}"
+            if "alt=media" in request.path:
+                return 200, self.objects[key]
+            return 200, self.object_metadata(stored.group(1), unquote(stored.group(2)), self.objects[key])
         if re.match(r"^/storage/v1/b/[^/]+$", path):
             return 200, {"name": path.rsplit("/", 1)[1], "location": "US"}
         listing = re.search(r"[?&]prefix=([^&]+)", request.path)
@@ -118,8 +124,12 @@ class Recorder:
         name = re.search(r"[?&]name=([^&]+)", request.path)
         object_name = json.loads(metadata or b"{}").get("name") or (name and unquote(name.group(1)))
         self.objects[f"{bucket}/{object_name}"] = data
-        return {"bucket": bucket, "name": object_name, "size": str(len(data)),
+        return self.object_metadata(bucket, object_name, data)
+
+    def object_metadata(self, bucket: str, name: str, data: bytes) -> dict[str, Any]:
+        return {"bucket": bucket, "name": name, "size": str(len(data)),
+                "mediaLink": f"{self.url}download/storage/v1/b/{bucket}/o/{quote(name, safe='')}?alt=media",
                 "md5Hash": base64.b64encode(hashlib.md5(data).digest()).decode(),
                 "crc32c": base64.b64encode(google_crc32c.Checksum(data).digest()).decode(),
-                "generation": "1"}
+                "generation": "1", "contentType": "application/json"}
 

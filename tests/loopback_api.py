@@ -22,9 +22,10 @@ class LoopbackApi:
                     status, payload = answer(self.command, self.path, self.headers, body)
                 except Exception as exc:
                     status, payload = 500, {"error": {"code": 500, "message": f"stand-in: {exc!r}"}}
-                data = json.dumps(payload).encode()
+                raw = isinstance(payload, bytes)  # an object's own bytes (a download), sent as they are
+                data = payload if raw else json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/octet-stream" if raw else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

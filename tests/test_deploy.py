@@ -92,16 +92,18 @@ def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
     assert {"container/Dockerfile", "pipeline/assembly.py", "template/main.py"} <= names
     assert not any(name.startswith((".venv", ".git/")) for name in names)
 
-    template = make("template", recorder, env_file)
+    template = make("template", recorder, env_file, DISK_SIZE_GB="300")
     assert template.returncode == 0, template.stdout + template.stderr
     spec = json.loads(recorder.objects[TEMPLATE_PATH.removeprefix("gs://")])
     assert spec["image"] == LAUNCHER_IMAGE
     assert spec["metadata"]["parameters"] == json.loads((REPO / "metadata.json").read_text())["parameters"]
-    # The console launches with these: the same job settings make run passes.
+    # The console launches with these: the same job settings make run passes, the disk and the launcher's
+    # machine (no flag of flex-template build takes them) added to the spec gcloud wrote, read back through gcloud.
     assert spec["defaultEnvironment"] == {
         "machineType": "g2-standard-8", "numWorkers": 1, "maxWorkers": 4, "enableStreamingEngine": True,
         "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"],
-        "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp"}
+        "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp",
+        "launcherMachineType": "e2-standard-4", "diskSizeGb": 300}
 
     run = make("run", recorder, env_file)
     assert run.returncode == 0, run.stdout + run.stderr
