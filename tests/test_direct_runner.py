@@ -98,3 +98,22 @@ def test_the_local_source_admits_through_the_ledger_and_the_admission_step_takes
     ledger.report_waiting("shard-0", 0, arrived=["a", "b"])
     assert ledger.counts() == (0, 0, 0)
     assert source.admit(["c"]) == 1 and ledger.counts() == (0, 0, 1), "no place-holder left: the ledger's own rule"
+
+
+def test_a_request_takes_over_its_place_holder_even_after_the_place_holder_lapsed():
+    """On a slow machine the admission step may run after a place-holder's transit lapsed; its request still takes
+    the place (it was admitted), so the step never waits or refuses on the DirectRunner."""
+    from local.direct_runner import SourceAdmission
+    from pipeline.engines.engine import EngineSettings
+    from pipeline.worker.admission_ledger import AdmissionLedger
+
+    settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=1, worker_queue=1,
+                              admission_transit_s=0.2)
+    streams = [0]
+    ledger = AdmissionLedger(settings, unfinished=lambda: streams[0])
+    source = SourceAdmission(ledger)
+    assert source.admit_messages(2) == 2
+    streams[0] = 2  # full of streams by the time the step runs
+    time.sleep(0.3)
+    assert ledger.counts() == (2, 0, 0), "the place-holders lapsed"
+    assert source.admit(["a", "b"]) == 2, "each request still takes its place-holder's place"
