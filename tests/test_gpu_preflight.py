@@ -26,8 +26,10 @@ def test_a_gpu_worker_with_too_old_a_driver_is_told_that_not_to_ask_for_a_gpu():
     with pytest.raises(ServerStartError) as excinfo:
         check_platform("cuda", has_gpu=False, driver="570.172.08", cuda="13.0")
     message = str(excinfo.value)
-    assert "570.172.08" in message and "13.0" in message and "580" in message and "install-nvidia-driver:latest" in message
+    assert "570.172.08" in message and "13.0" in message and "580" in message and "make image CUDA=12" in message
     assert "request one" not in message
+    with pytest.raises(ServerStartError, match="ask Dataflow for a newer driver"):
+        check_platform("cuda", has_gpu=False, driver="470.256.02", cuda="13.0")  # too old for either image
     with pytest.raises(ServerStartError, match="this worker has no GPU"):
         check_platform("cuda", has_gpu=False, driver=None, cuda="13.0")
     check_platform("cuda", has_gpu=True, driver="580.82.07", cuda="13.0")  # fits: nothing raised
