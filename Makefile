@@ -61,6 +61,11 @@ DEAD_LETTER_TOPIC ?=
 # More template parameters: name=value pairs separated by commas, or PARAMETERS_FILE=params.json for any value.
 EXTRA_PARAMETERS ?=
 PARAMETERS_FILE ?=
+# make backfill: the rows (a .jsonl/.csv/.parquet path or glob, local or gs://, or bq:PROJECT.DATASET.TABLE), the
+# topic of the job that answers them (empty: INPUT_TOPIC), and more ops/backfill.py flags (--column, --wait, ...).
+SOURCE ?=
+BACKFILL_TOPIC ?=
+BACKFILL_ARGS ?=
 # For make update: a JSON object of renamed steps, old name -> new.
 TRANSFORM_NAME_MAPPINGS ?=
 # DRY_RUN=1: the launch targets print the gcloud command and its flags file, and run nothing.
@@ -80,7 +85,7 @@ ALERT_DEAD_LETTER_RATIO ?= 0.01
 ALERT_TTFT_P95_S ?= 5
 DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT CUDA \
   MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE WORKER_ZONE METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
-  UTILIZATION_HINT MODEL INPUT_TOPIC INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
+  UTILIZATION_HINT MODEL INPUT_TOPIC BACKFILL_TOPIC INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
   PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS NOTIFICATION_CHANNELS ALERT_BACKLOG_AGE_S ALERT_DEAD_LETTER_RATIO \
   ALERT_TTFT_P95_S
 DEPLOY = $(DEPLOY_PY) -m ops.deploy $(if $(DRY_RUN),--dry-run)
@@ -121,6 +126,10 @@ model: install ## Convert the embedded SmolLM2-135M-Instruct to a vLLM checkpoin
 .PHONY: smoke
 smoke: model ## Run the template locally: emulator + local vLLM + DirectRunner, chunks stream to the terminal
 	$(PY) -m local.smoke
+
+.PHONY: backfill-smoke
+backfill-smoke: model ## Run a backfill locally: a JSONL history through the local pipeline into BigQuery, then again (resumed)
+	$(PY) -m local.backfill_smoke
 
 .PHONY: smoke-bigquery
 smoke-bigquery: model ## Like smoke, also writing to a local BigQuery emulator, then querying the completions
@@ -204,7 +213,7 @@ lint-container: install ## Lint container/Dockerfile with hadolint
 	$(VENV)/bin/hadolint container/Dockerfile
 
 # The launch targets get the settings in their environment, values as they are.
-$(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow drain cancel dashboard alerts: export $(v) := $$($(v))))
+$(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow drain cancel dashboard alerts backfill: export $(v) := $$($(v))))
 $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
 
 .PHONY: setup
@@ -244,6 +253,12 @@ run-dataflow: ## Launch from this checkout with Beam's DataflowRunner, no templa
 	$(call require,PROJECT REGION BUCKET TAG)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY) run-dataflow
+
+.PHONY: backfill
+backfill: ## Feed history to a job of this template: make backfill SOURCE='gs://b/history/*.jsonl' (or bq:P.D.T) [BACKFILL_ARGS=...]
+	$(call require,PROJECT SOURCE)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.backfill --source '$(SOURCE)' --from-settings $(BACKFILL_ARGS)
 
 .PHONY: drain
 drain: ## Drain the running job JOB_NAME (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)

@@ -317,7 +317,8 @@ def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
     declared = re.search(r"^DEPLOY_SETTINGS := ((?:.*\\\n)*.*)$", makefile, re.MULTILINE).group(1)
     exported = set(declared.replace("\\", " ").split())
     read = set(re.findall(r"""(?:get|require)\(\s*['"]([A-Z_]+)['"]""", (REPO / "ops" / "deploy.py").read_text()
-                          + (REPO / "ops" / "monitoring.py").read_text() + (REPO / "ops" / "setup_project.py").read_text()))
+                          + (REPO / "ops" / "monitoring.py").read_text() + (REPO / "ops" / "setup_project.py").read_text()
+                          + (REPO / "ops" / "backfill.py").read_text()))
     read |= set(monitoring.THRESHOLDS)
     read |= set(re.findall(r"""['"]([A-Z_]+)['"],?""", re.search(
         r"settings\.require\(([^)]*)\)", (REPO / "ops" / "deploy.py").read_text(), re.DOTALL).group(1)))

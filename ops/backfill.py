@@ -1,0 +1,474 @@
+"""``make backfill``: the stream's enrichment over history, by feeding the rows to a job of this template.
+
+Why a feeder and not a batch pipeline: docs/architecture.md#backfill-the-same-enrichment-over-history. Each row
+of the source (a BigQuery table or query, or JSONL, CSV or Parquet files, local or ``gs://``) becomes the
+message the stream would receive: its id and prompt from the columns named (``--id-column``,
+``--prompt-column``), request fields from others (``--column adapter=model_variant``), every other column in
+``metadata``, where the job's ``prompt_template`` finds its ``{placeholders}``. Then:
+
+* **Resumable.** Rows whose id has a row in the completions table (``--completions-table``) are skipped, a
+  chunk of rows at a time; a backfill stopped anywhere and run again publishes only what is unanswered. A
+  row published again (the first run stopped before its answer landed) is dropped by the job's
+  de-duplication by id when it reaches the job within ``dedupe_window_s`` of the first answer
+  (docs/contract.md#duplicate-ids; docs/operations.md#backfill says when to rerun).
+* **Bad rows never stop it.** Each message is checked with the template's own parser before it is
+  published; a row that cannot become a request (no id, no prompt, a value of the wrong type, a second row
+  with the id of another) becomes a dead letter in the dead-letter table or topic, with its reason and its
+  source position (``file:line``, or ``table#row``). Nothing is skipped silently: the summary counts rows
+  read, skipped as answered, published, lettered and repeated (the same row again), and they add up.
+* **Progress and cost.** A progress bar while it reads and publishes; with ``--wait``, a second one while the
+  job answers, with answers/s, tokens/s and an ETA from the completions table. Before publishing, an
+  estimate of the GPU-hours and cost, from the rows' ``max_tokens`` (the answers' upper bound) and
+  ``--gpu-tokens-per-s``, replaced by the measured rate once answers arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import fnmatch
+import glob
+import io
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+from google.api_core.exceptions import NotFound
+
+from ops.deploy import DeployError, Settings, template_parameters
+from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
+from pipeline.contract.parameters import default
+from pipeline.sinks import bigquery_sink
+
+CHUNK_ROWS = 5_000  # rows looked up in the completions table, and published, at a time
+WAIT_POLL_S = 10.0
+# What one L4 worker is assumed to generate (a 2 B model, 256-token answers: docs/benchmarks.md#traffic-spike) and
+# cost an hour (docs/operations.md#idle-worker-cost); both are settings, the estimate says which it used.
+DEFAULT_GPU_TOKENS_PER_S = 1000.0
+DEFAULT_WORKER_HOUR_USD = 1.2366
+FIELDS = ("adapter", "max_tokens", "min_tokens", "temperature", "top_p", "seed", "stop", "deadline_ms",
+          "response_format", "messages", "system_prompt")
+
+
+class BackfillError(ValueError):
+    """A source or setting the backfill cannot use; the message names it."""
+
+
+@dataclass(frozen=True)
+class Row:
+    position: str  # where it came from: file:line, or table#row
+    values: dict[str, Any]
+
+
+@dataclass
+class Tally:
+    read: int = 0
+    skipped: int = 0  # answered already (an id in the completions table)
+    published: int = 0
+    lettered: int = 0  # could not become a request: a dead letter with its position
+    repeated: int = 0  # the same row again under an id already published in this run
+    max_tokens: int = 0  # the published rows' max_tokens, summed: the answers' upper bound
+
+    def adds_up(self) -> bool:
+        return self.read == self.skipped + self.published + self.lettered + self.repeated
+
+
+# Reading ------------------------------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (datetime.date, datetime.datetime, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item"):  # numpy scalars from Parquet
+        return value.item()
+    return value
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    if path.startswith("gs://"):
+        from google.cloud import storage
+
+        bucket, _, name = path[5:].partition("/")
+        return io.StringIO(storage.Client().bucket(bucket).blob(name).download_as_text())
+    return open(path, encoding="utf-8", newline="")
+
+
+def _expand(pattern: str) -> list[str]:
+    """The files a path or glob names, local or ``gs://``, in name order."""
+    if pattern.startswith("gs://"):
+        from google.cloud import storage
+
+        bucket, _, name = pattern[5:].partition("/")
+        prefix = name.split("*", 1)[0].split("?", 1)[0]
+        found = [f"gs://{bucket}/{blob.name}" for blob in storage.Client().list_blobs(bucket, prefix=prefix)
+                 if fnmatch.fnmatchcase(blob.name, name)]
+    else:
+        found = glob.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]
+    if not found or (not pattern.startswith("gs://") and not all(Path(p).is_file() for p in found)):
+        raise BackfillError(f"{pattern}: no such file")
+    return sorted(found)
+
+
+def read_file(path: str) -> Iterator[Row]:
+    """Rows of one JSONL, CSV or Parquet file; a line that is not a JSON object is a row of its own problem."""
+    name = path.lower()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as parquet
+
+        data = parquet.read_table(io.BytesIO(_read_bytes(path)) if path.startswith("gs://") else path)
+        for number, values in enumerate(data.to_pylist(), start=1):
+            yield Row(f"{path}#{number}", {k: _jsonable(v) for k, v in values.items()})
+    elif name.endswith(".csv"):
+        with _open_text(path) as handle:
+            for number, values in enumerate(csv.DictReader(handle), start=2):  # line 1 is the header
+                yield Row(f"{path}:{number}", {k: v for k, v in values.items() if v not in (None, "")})
+    elif name.endswith((".jsonl", ".ndjson", ".json")):
+        with _open_text(path) as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    values = json.loads(line)
+                except ValueError as exc:
+                    values = {"__problem__": f"not JSON: {exc}", "__raw__": line.rstrip("\n")}
+                if not isinstance(values, dict):
+                    values = {"__problem__": "a JSON line that is not an object", "__raw__": line.rstrip("\n")}
+                yield Row(f"{path}:{number}", values)
+    else:
+        raise BackfillError(f"{path}: a backfill reads .jsonl, .csv or .parquet files")
+
+
+def _read_bytes(path: str) -> bytes:
+    from google.cloud import storage
+
+    bucket, _, name = path[5:].partition("/")
+    return storage.Client().bucket(bucket).blob(name).download_as_bytes()
+
+
+def read_bigquery(source: str, project: str) -> Iterator[Row]:
+    """Rows of a table (``bq:project.dataset.table``) or a query (``bq:SELECT ...``)."""
+    client = bigquery_sink.bigquery_client(project)
+    spec = source[3:]
+    if spec.lstrip().upper().startswith(("SELECT", "WITH")):
+        rows, label = client.query(spec).result(), "query"
+    else:
+        table_project, dataset, table = bigquery_sink.parse_table(spec)
+        rows, label = client.list_rows(f"{table_project}.{dataset}.{table}"), f"{table_project}.{dataset}.{table}"
+    for number, row in enumerate(rows, start=1):
+        yield Row(f"{label}#{number}", {k: _jsonable(v) for k, v in dict(row).items()})
+
+
+def read_rows(sources: Sequence[str], project: str) -> Iterator[Row]:
+    for source in sources:
+        if source.startswith("bq:"):
+            yield from read_bigquery(source, project)
+        else:
+            for path in _expand(source):
+                yield from read_file(path)
+
+
+# Rows to messages ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """Which columns make the request: its id, its prompt, request fields (a column named as a field is that field
+    unless ``columns`` maps the field to another), and the rest as metadata."""
+
+    id_column: str = "id"
+    prompt_column: str = "prompt"
+    columns: dict[str, str] = field(default_factory=dict)  # request field -> column
+
+    def message(self, row: Row) -> dict[str, Any]:
+        values = row.values
+        if "__problem__" in values:
+            raise BackfillError(values["__problem__"])
+        request_id = values.get(self.id_column)
+        if request_id in (None, ""):
+            raise BackfillError(f"no id: column {self.id_column!r} is empty or missing")
+        message: dict[str, Any] = {"id": str(request_id)}
+        prompt = values.get(self.prompt_column)
+        if prompt not in (None, ""):
+            message["prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+        columns = {**{name: name for name in FIELDS if name in values}, **self.columns}  # a field's own name maps
+        for name, column in columns.items():
+            if values.get(column) not in (None, ""):
+                message[name] = _typed(name, values[column])
+        used = {self.id_column, self.prompt_column, *columns.values()}
+        metadata = {k: v for k, v in values.items() if k not in used and v is not None}
+        if metadata:
+            message["metadata"] = metadata
+        return message
+
+
+def _typed(name: str, value: Any) -> Any:
+    """A CSV cell is text: the request fields that are numbers or JSON are read as such."""
+    if not isinstance(value, str):
+        return value
+    if name in ("max_tokens", "min_tokens", "seed", "deadline_ms"):
+        return int(value) if value.strip().lstrip("-").isdigit() else value
+    if name in ("temperature", "top_p"):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if name in ("response_format", "messages", "stop"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def checked(row: Row, mapping: Mapping) -> tuple[bytes, InferenceRequest] | DeadLetter:
+    """The message a row makes and the request the template reads from it, or its dead letter (reason and
+    position)."""
+    try:
+        data = json.dumps(mapping.message(row), ensure_ascii=False).encode("utf-8")
+    except (BackfillError, TypeError, ValueError) as exc:
+        raw = json.dumps(row.values, ensure_ascii=False, default=str)
+        return DeadLetter.from_bytes(STAGE_PARSE, f"{row.position}: {exc}", raw.encode(), id=None,
+                                     attributes={"source_position": row.position}, at=time.time())
+    parsed = parse_request(data)
+    if isinstance(parsed, DeadLetter):
+        return DeadLetter.from_bytes(parsed.stage, f"{row.position}: {parsed.reason}", data, id=parsed.id,
+                                     attributes={"source_position": row.position}, at=time.time())
+    return data, parsed
+
+
+# Where things go ----------------------------------------------------------------------------------------
+
+
+class Outputs:
+    """The input topic, the completions table (what is answered) and where dead letters go."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from google.cloud import pubsub_v1
+
+        self.args = args
+        self.publisher = pubsub_v1.PublisherClient()
+        self.bigquery = bigquery_sink.bigquery_client(args.project) if (
+            args.completions_table or args.dead_letter_table) else None
+        self.pending: list[Any] = []
+
+    def answered(self, ids: Iterable[str]) -> set[str]:
+        ids = list(ids)
+        if not self.args.completions_table or not ids:
+            return set()
+        from google.cloud import bigquery
+
+        table = ".".join(bigquery_sink.parse_table(self.args.completions_table))
+        query = f"SELECT DISTINCT request_id FROM `{table}` WHERE request_id IN UNNEST(@ids)"
+        config = bigquery.QueryJobConfig(query_parameters=[bigquery.ArrayQueryParameter("ids", "STRING", ids)])
+        try:
+            return {row["request_id"] for row in self.bigquery.query(query, job_config=config).result()}
+        except NotFound:
+            raise BackfillError(f"the completions table {self.args.completions_table} does not exist (the job "
+                                "creates it when it starts): check the name, or start the job first") from None
+
+    def publish(self, data: bytes) -> None:
+        self.pending.append(self.publisher.publish(self.args.topic, data))
+
+    def letter(self, letter: DeadLetter) -> None:
+        record = letter.to_record()
+        if self.args.dead_letter_topic:
+            self.pending.append(self.publisher.publish(self.args.dead_letter_topic, json.dumps(record).encode()))
+        if self.args.dead_letter_table:
+            row, insert_id = bigquery_sink.dead_letter_row(record)
+            table = ".".join(bigquery_sink.parse_table(self.args.dead_letter_table))
+            errors = self.bigquery.insert_rows_json(table, [row], row_ids=[insert_id])
+            if errors:
+                raise BackfillError(f"the dead-letter table refused a row: {errors}")
+
+    def flush(self) -> None:
+        """Waits until Pub/Sub has confirmed everything published so far."""
+        for future in self.pending:
+            future.result(timeout=120)
+        self.pending = []
+
+    def progress_of(self, ids: Sequence[str]) -> tuple[int, int]:
+        """(answered, their completion tokens) among ``ids`` in the completions table."""
+        from google.cloud import bigquery
+
+        table = ".".join(bigquery_sink.parse_table(self.args.completions_table))
+        answered = tokens = 0
+        for start in range(0, len(ids), CHUNK_ROWS):
+            query = (f"SELECT COUNT(DISTINCT request_id) AS n, SUM(completion_tokens) AS t FROM `{table}` "
+                     "WHERE request_id IN UNNEST(@ids)")
+            config = bigquery.QueryJobConfig(query_parameters=[
+                bigquery.ArrayQueryParameter("ids", "STRING", list(ids[start:start + CHUNK_ROWS]))])
+            (row,) = list(self.bigquery.query(query, job_config=config).result())
+            answered, tokens = answered + (row["n"] or 0), tokens + (row["t"] or 0)
+        return answered, tokens
+
+
+# The run ------------------------------------------------------------------------------------------------
+
+
+def chunks(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
+    chunk: list[Row] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, published: dict[str, bytes],
+         progress: Any = None) -> None:
+    """Publishes every unanswered row once, letters the rows that cannot be requests; counts each row once."""
+    for chunk in chunks(rows, CHUNK_ROWS):
+        made = [(row, checked(row, mapping)) for row in chunk]
+        answered = outputs.answered({result[1].id for _, result in made if isinstance(result, tuple)})
+        for row, result in made:
+            tally.read += 1
+            if isinstance(result, DeadLetter):
+                outputs.letter(result)
+                tally.lettered += 1
+            else:
+                data, request = result
+                if request.id in answered:
+                    tally.skipped += 1
+                elif request.id in published:
+                    if published[request.id] == data:
+                        tally.repeated += 1
+                    else:
+                        outputs.letter(DeadLetter.from_bytes(
+                            STAGE_PARSE, f"{row.position}: another row of this backfill has id {request.id!r}",
+                            data, id=request.id, attributes={"source_position": row.position}, at=time.time()))
+                        tally.lettered += 1
+                else:
+                    outputs.publish(data)
+                    published[request.id] = data
+                    tally.published += 1
+                    tally.max_tokens += request.max_tokens or default("default_max_tokens")
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(published=tally.published, skipped=tally.skipped, lettered=tally.lettered,
+                                     refresh=False)
+        outputs.flush()
+
+
+def estimate(args: argparse.Namespace, tally: Tally) -> str:
+    hours = tally.max_tokens / args.gpu_tokens_per_s / 3600 if tally.max_tokens else 0.0
+    return (f"at most {tally.max_tokens:,} output tokens (the rows' max_tokens): {hours:.2f} GPU-hours at "
+            f"{args.gpu_tokens_per_s:g} tokens/s a GPU worker, about {hours * args.worker_hour_usd:.2f} USD at "
+            f"{args.worker_hour_usd:g} USD a worker-hour (assumed: docs/operations.md#idle-worker-cost; set "
+            "--gpu-tokens-per-s and --worker-hour-usd for yours)")
+
+
+def wait_for_answers(outputs: Outputs, ids: Sequence[str], args: argparse.Namespace) -> tuple[int, int, float]:
+    """Polls the completions table until every published id is answered (or ``--wait-timeout-s``)."""
+    from tqdm import tqdm
+
+    started = time.monotonic()
+    answered = tokens = 0
+    with tqdm(total=len(ids), desc="answered", unit="row", file=sys.stderr, disable=args.quiet) as bar:
+        while answered < len(ids) and time.monotonic() - started < args.wait_timeout_s:
+            time.sleep(args.wait_poll_s)
+            answered, tokens = outputs.progress_of(ids)
+            elapsed = time.monotonic() - started
+            bar.update(answered - bar.n)
+            bar.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=True)
+    return answered, tokens, time.monotonic() - started
+
+
+def from_settings(args: argparse.Namespace) -> None:
+    """What ``make backfill`` knows: the project, the topic, and the outputs of the job the settings launch."""
+    settings = Settings(dict(os.environ))
+    parameters = template_parameters(settings)
+    args.project = args.project or settings.get("PROJECT")
+    args.topic = args.topic or settings.get("BACKFILL_TOPIC") or settings.get("INPUT_TOPIC")
+    args.completions_table = args.completions_table or parameters.get("output_completions_table")
+    args.dead_letter_table = args.dead_letter_table or parameters.get("dead_letter_table")
+    args.dead_letter_topic = args.dead_letter_topic or parameters.get("dead_letter_topic")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.backfill", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", action="append", required=True,
+                        help="bq:PROJECT.DATASET.TABLE, bq:SELECT ..., or a .jsonl/.csv/.parquet path or glob "
+                             "(local or gs://); repeat for more")
+    parser.add_argument("--project", help="the project of the topic and tables")
+    parser.add_argument("--topic", help="the backfill job's input topic, projects/P/topics/T")
+    parser.add_argument("--completions-table", help="the job's completions table: answered ids are skipped")
+    parser.add_argument("--dead-letter-table", help="where rows that cannot become requests go (BigQuery)")
+    parser.add_argument("--dead-letter-topic", help="... or (and) this topic")
+    parser.add_argument("--id-column", default="id")
+    parser.add_argument("--prompt-column", default="prompt")
+    parser.add_argument("--column", action="append", default=[], metavar="FIELD=COLUMN",
+                        help=f"a request field from a column; fields: {', '.join(FIELDS)}")
+    parser.add_argument("--gpu-tokens-per-s", type=float, default=DEFAULT_GPU_TOKENS_PER_S)
+    parser.add_argument("--worker-hour-usd", type=float, default=DEFAULT_WORKER_HOUR_USD)
+    parser.add_argument("--wait", action="store_true", help="then wait for the answers, showing their progress")
+    parser.add_argument("--wait-timeout-s", type=float, default=7 * 24 * 3600.0)
+    parser.add_argument("--wait-poll-s", type=float, default=WAIT_POLL_S)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--from-settings", action="store_true",
+                        help="fill what is not given from the deploy settings (make backfill): PROJECT, "
+                             "BACKFILL_TOPIC or INPUT_TOPIC, and the job's output_completions_table and dead-letter "
+                             "outputs from its parameters")
+    args = parser.parse_args(argv)
+    if args.from_settings:
+        try:
+            from_settings(args)
+        except DeployError as exc:
+            parser.error(str(exc))
+    if not (args.project and args.topic):
+        parser.error("--project and --topic are required (or --from-settings)")
+    try:
+        columns = dict(pair.split("=", 1) for pair in args.column)
+    except ValueError:
+        parser.error("--column takes FIELD=COLUMN")
+    unknown = set(columns) - set(FIELDS)
+    if unknown:
+        parser.error(f"--column: {', '.join(sorted(unknown))} is not a request field ({', '.join(FIELDS)})")
+    if not (args.dead_letter_table or args.dead_letter_topic):
+        parser.error("name --dead-letter-table or --dead-letter-topic: rows that cannot become requests go there")
+    from local.emulators import use_bigquery_emulator
+
+    use_bigquery_emulator()  # a local run against the emulator; nothing without one
+    from tqdm import tqdm
+
+    if not args.completions_table:
+        print("warning: no completions table (--completions-table, or the job's output_completions_table): "
+              "nothing can be skipped as answered, and a run again publishes every row again (the job drops "
+              "repeats of an id only within its dedupe_window_s)", file=sys.stderr, flush=True)
+    mapping, tally, published = Mapping(args.id_column, args.prompt_column, columns), Tally(), {}
+    outputs = Outputs(args)
+    started = time.monotonic()
+    try:
+        with tqdm(desc="published", unit="row", file=sys.stderr, disable=args.quiet) as bar:
+            feed(read_rows(args.source, args.project), mapping, outputs, tally, published, bar)
+    except BackfillError as exc:
+        print(f"make backfill: {exc}", file=sys.stderr)
+        return 2
+    print(f"Read {tally.read:,} rows in {time.monotonic() - started:.1f} s: {tally.published:,} published, "
+          f"{tally.skipped:,} skipped as answered, {tally.lettered:,} dead letters (each with its position), "
+          f"{tally.repeated:,} repeated rows. Estimate: {estimate(args, tally)}.", flush=True)
+    assert tally.adds_up(), tally
+    if args.wait and args.completions_table and published:
+        answered, tokens, elapsed = wait_for_answers(outputs, list(published), args)
+        rate = tokens / elapsed if elapsed else 0.0
+        print(f"Answered {answered:,} of {len(published):,} in {elapsed:.0f} s: {tokens:,} tokens, {rate:.0f} "
+              f"tokens/s measured ({rate / args.gpu_tokens_per_s:.2f}x the estimate's rate). Rows the job "
+              "could not serve are in its dead letters.", flush=True)
+        return 0 if answered == len(published) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The backfill feeder (ops/backfill.py): rows from files or BigQuery become the messages the stream would receive,
+answered ids are skipped, bad rows become dead letters with their position, and a run killed half-way and run
+again publishes every unanswered row and no answered one. Against the Pub/Sub and BigQuery emulators."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow
+import pyarrow.parquet as parquet
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from local.emulators import PROJECT, emulator_bigquery_client
+from ops import backfill
+from pipeline.contract.messages import InferenceRequest, parse_request
+from pipeline.sinks.bigquery_sink import KIND_COMPLETIONS, KIND_DEAD_LETTERS, completion_row, ensure_table
+from tests.conftest import wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+RUNS = iter(range(10**6))
+
+
+def write_sources(folder: Path) -> list[str]:
+    """The same kind of records three ways, with the bad rows a history has."""
+    jsonl = folder / "tickets.jsonl"
+    jsonl.write_text("\n".join([
+        json.dumps({"id": "t-1", "prompt": "My card was charged twice.", "customer": "acme", "tier": 2}),
+        "{not json",
+        json.dumps({"id": "t-2", "prompt": "The app crashes on login.", "customer": "globex"}),
+        json.dumps({"prompt": "A row without an id."}),
+        json.dumps({"id": "t-3", "prompt": "Refund please.", "max_tokens": "lots"}),
+        json.dumps({"id": "t-1", "prompt": "My card was charged twice.", "customer": "acme", "tier": 2}),
+        json.dumps({"id": "t-2", "prompt": "Another text under an id already used."}),
+    ]) + "\n")
+    csv = folder / "tickets.csv"
+    csv.write_text("ticket,body,variant,limit\nc-1,Where is my parcel?,,64\nc-2,,,\nc-3,Cancel my plan.,,16\n")
+    table = pyarrow.table({"id": ["p-1", "p-2"], "prompt": ["Reset my password.", "Change my address."],
+                           "opened": [1, 2]})
+    parquet.write_table(table, folder / "tickets.parquet")
+    return [str(jsonl), str(csv), str(folder / "tickets.parquet")]
+
+
+def test_each_row_becomes_the_message_the_stream_would_get_or_a_dead_letter_with_its_position(tmp_path):
+    jsonl, csv, pq = write_sources(tmp_path)
+    rows = list(backfill.read_rows([jsonl], PROJECT))
+    assert [r.position for r in rows] == [f"{jsonl}:{n}" for n in range(1, 8)]
+    mapping = backfill.Mapping()
+    made = [backfill.checked(row, mapping) for row in rows]
+    data, request = made[0]
+    assert json.loads(data) == {"id": "t-1", "prompt": "My card was charged twice.",
+                                "metadata": {"customer": "acme", "tier": 2}}
+    assert request == parse_request(data, now=request.received_at), "the template's own parser reads it"
+    letters = {i: m for i, m in enumerate(made) if not isinstance(m, tuple)}
+    assert sorted(letters) == [1, 3, 4]
+    assert letters[1].reason.startswith(f"{jsonl}:2: not JSON") and letters[1].attributes["source_position"]
+    assert "no id" in letters[3].reason and "max_tokens" in letters[4].reason
+    csv_rows = list(backfill.read_rows([csv], PROJECT))
+    by_column = backfill.Mapping("ticket", "body", {"max_tokens": "limit"})
+    first = backfill.checked(csv_rows[0], by_column)
+    assert isinstance(first, tuple) and first[1].max_tokens == 64 and first[1].id == "c-1"
+    assert csv_rows[1].position == f"{csv}:3" and not isinstance(backfill.checked(csv_rows[1], by_column), tuple), \
+        "a row without a prompt is a dead letter"
+    parquet_rows = list(backfill.read_rows([pq], PROJECT))
+    assert [backfill.checked(r, mapping)[1].id for r in parquet_rows] == ["p-1", "p-2"]
+    with pytest.raises(backfill.BackfillError, match="no such file"):
+        list(backfill.read_rows([str(tmp_path / "missing-*.jsonl")], PROJECT))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=12), st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
+                                                          st.text(max_size=30), st.lists(st.integers(), max_size=3)),
+                       max_size=6))
+def test_no_row_makes_the_feeder_raise_it_is_a_request_or_a_dead_letter(values):
+    result = backfill.checked(backfill.Row("fuzz:1", values), backfill.Mapping())
+    if isinstance(result, tuple):
+        assert isinstance(result[1], InferenceRequest) and result[1].id == str(values["id"])
+    else:
+        assert result.reason.startswith("fuzz:1: ") and result.attributes["source_position"] == "fuzz:1"
+
+
+@pytest.fixture
+def places(emulator, bigquery):
+    run = next(RUNS)
+    topic = emulator.create_topic(f"backfill-{run}", subscription=f"backfill-{run}-sub")
+    completions = f"{PROJECT}:llm.backfill_completions_{run}"
+    letters = f"{PROJECT}:llm.backfill_dead_letters_{run}"
+    ensure_table(completions, KIND_COMPLETIONS, create=True)
+    ensure_table(letters, KIND_DEAD_LETTERS, create=True)
+    return topic, emulator.subscription(f"backfill-{run}-sub"), completions, letters
+
+
+def answered_already(table: str, ids: list[str]) -> None:
+    """Completions of an earlier run, as the job's sink writes them."""
+    client = emulator_bigquery_client(PROJECT)
+    rows = [completion_row({"id": i, "attempt": 1, "stream": f"{i}#1", "model": "m", "prompt": "p", "messages": None,
+                            "text": "x", "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                            "time_to_first_token_ms": 1.0, "total_ms": 2.0, "metadata": {},
+                            "received_at": time.time(), "finished_at": time.time()})[0] for i in ids]
+    assert not client.insert_rows_json(table.replace(":", "."), rows)
+
+
+def pulled_ids(subscription: str) -> list[str]:
+    from google.cloud import pubsub_v1
+
+    subscriber, found = pubsub_v1.SubscriberClient(), []
+    while True:
+        response = subscriber.pull(subscription=subscription, max_messages=1000, timeout=10)
+        if not response.received_messages:
+            return found
+        found += [json.loads(m.message.data)["id"] for m in response.received_messages]
+        subscriber.acknowledge(subscription=subscription, ack_ids=[m.ack_id for m in response.received_messages])
+
+
+def message_waiting(subscription: str) -> bool:
+    """Whether a message is there (pulled without acknowledging: it comes again once its deadline passes)."""
+    from google.cloud import pubsub_v1
+
+    response = pubsub_v1.SubscriberClient().pull(subscription=subscription, max_messages=1, timeout=5)
+    if response.received_messages:
+        pubsub_v1.SubscriberClient().modify_ack_deadline(subscription=subscription, ack_deadline_seconds=0,
+                                                         ack_ids=[response.received_messages[0].ack_id])
+    return bool(response.received_messages)
+
+
+def args_for(sources: list[str], places, *extra: str) -> list[str]:
+    topic, _, completions, letters = places
+    return [*[f"--source={s}" for s in sources], f"--project={PROJECT}", f"--topic={topic}",
+            f"--completions-table={completions}", f"--dead-letter-table={letters}", "--quiet", *extra]
+
+
+def test_a_backfill_skips_answered_ids_publishes_the_rest_once_and_letters_bad_rows(tmp_path, places, capsys):
+    jsonl, _, pq = write_sources(tmp_path)
+    _, subscription, completions, letters = places
+    answered_already(completions, ["p-2"])
+    assert backfill.main(args_for([jsonl, pq], places)) == 0
+    summary = capsys.readouterr().out
+    assert "Read 9 rows" in summary and "3 published, 1 skipped as answered, 4 dead letters" in summary
+    assert "1 repeated rows" in summary and "GPU-hours" in summary
+    assert sorted(pulled_ids(subscription)) == ["p-1", "t-1", "t-2"]
+    rows = list(emulator_bigquery_client(PROJECT).query(
+        f"SELECT reason FROM `{letters.replace(':', '.')}`").result())
+    reasons = sorted(r["reason"] for r in rows)
+    assert [r.split(": ", 1)[0] for r in reasons] == [f"{jsonl}:{n}" for n in (2, 4, 5, 7)]
+    assert "another row of this backfill has id 't-2'" in reasons[-1]
+
+    # BigQuery as the source: a table of the same records.
+    client = emulator_bigquery_client(PROJECT)
+    source = f"{PROJECT}.llm.backfill_source_{next(RUNS)}"
+    from google.cloud import bigquery
+
+    client.create_table(bigquery.Table(source, schema=[bigquery.SchemaField("id", "STRING"),
+                                                       bigquery.SchemaField("prompt", "STRING"),
+                                                       bigquery.SchemaField("customer", "STRING")]))
+    assert not client.insert_rows_json(source, [{"id": "b-1", "prompt": "Hello.", "customer": "acme"},
+                                                {"id": "b-2", "prompt": "Bye.", "customer": "initech"}])
+    assert backfill.main(args_for([f"bq:{source}"], places)) == 0
+    assert sorted(pulled_ids(subscription)) == ["b-1", "b-2"]
+
+
+def test_a_backfill_killed_half_way_and_run_again_publishes_every_unanswered_row_and_no_answered_one(tmp_path, places):
+    _, subscription, completions, _ = places
+    source = tmp_path / "history.jsonl"
+    total = 4 * backfill.CHUNK_ROWS
+    source.write_text("".join(json.dumps({"id": f"h-{i}", "prompt": f"Record {i}."}) + "\n" for i in range(total)))
+    answered = [f"h-{i}" for i in range(0, total, 7)]
+    answered_already(completions, answered)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-m", "ops.backfill", *args_for([str(source)], places)], cwd=REPO,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert wait_until(lambda: message_waiting(subscription), 300), first.stderr
+    first.send_signal(signal.SIGKILL)  # as soon as the first messages reach Pub/Sub
+    seen = pulled_ids(subscription)
+    first.wait(timeout=30)
+    assert len(seen) < total - len(answered), "killed before the end"
+    again = subprocess.run([sys.executable, "-m", "ops.backfill", *args_for([str(source)], places)], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    seen += pulled_ids(subscription)
+    expected = {f"h-{i}" for i in range(total)} - set(answered)
+    assert set(seen) == expected, "every unanswered row published, at least once; no answered one"
+    assert f"{len(answered):,} skipped as answered" in again.stdout
+
+
+def test_make_backfill_takes_its_topic_and_tables_from_the_deploy_settings(tmp_path, places):
+    """One command: the job's outputs come from the same settings make run launches it with."""
+    topic, subscription, completions, letters = places
+    jsonl, _, _ = write_sources(tmp_path)
+    env_file = tmp_path / "deploy.env"
+    env_file.write_text("\n".join([
+        f"PROJECT={PROJECT}", f"BACKFILL_TOPIC={topic}",
+        f"INPUT_SUBSCRIPTION=projects/{PROJECT}/subscriptions/prompts-sub",
+        f"COMPLETIONS_TOPIC=projects/{PROJECT}/topics/llm-completions",
+        f"EXTRA_PARAMETERS=output_completions_table={completions},dead_letter_table={letters}"]) + "\n")
+    result = subprocess.run(["make", "--no-print-directory", "backfill", f"ENV_FILE={env_file}", f"SOURCE={jsonl}",
+                             "BACKFILL_ARGS=--quiet"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 published" in result.stdout and "4 dead letters" in result.stdout
+    assert sorted(pulled_ids(subscription)) == ["t-1", "t-2"]
