@@ -204,10 +204,10 @@ class VmStandIn:
     refused: int = 0  # read bundles refused by admission
     failed_commits: int = 0
     holds: list[int] = field(default_factory=list)  # requests taken and not yet ended, at each round
-    timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, while no process is paused
+    timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, undisturbed and reading
     reading: bool = True
     _next_read_at: float = 0.0  # the runner's delay after a refused read bundle
-    _resumed_at: float = 0.0  # when the last paused process resumed: later timers are the ones measured
+    _disrupted_at: float = 0.0  # the last resume, kill or update: only timers due after it are measured
 
     def __enter__(self) -> VmStandIn:
         self.tag = self.tag or new_runtime_tag(self.settings)
@@ -299,7 +299,7 @@ class VmStandIn:
     def resume(self, process: int) -> None:
         os.kill(self.sdk[process].pid, signal.SIGCONT)
         self.sdk[process].paused = False
-        self._resumed_at = time.time()
+        self._disrupted_at = time.time()
 
     def host(self) -> int:
         """The SDK process that hosts the runtime: the one listening at the address ``MultiProcessShared`` wrote
@@ -319,6 +319,7 @@ class VmStandIn:
         os.kill(sdk.pid, signal.SIGKILL)
         sdk.process.join(timeout=10)
         self._died(sdk)
+        self._disrupted_at = time.time()
 
     def update(self) -> None:
         """A replacement job: every process (and so the runtime) replaced, on the state the old ones committed."""
@@ -326,6 +327,7 @@ class VmStandIn:
             self.kill(n)
         self.tag = new_runtime_tag(self.settings)
         self.sdk = [self._start(n) for n in range(self.processes)]
+        self._disrupted_at = time.time()
 
     # Inside -------------------------------------------------------------------------------------
 
@@ -455,7 +457,8 @@ class VmStandIn:
                     if item[3] == "poll" and (due is None or due > time.time()):
                         continue  # set again by a work item that ran before it: it fires when due
                     running.add(item[0])
-                    if item[3] == "poll" and not any(s.paused for s in self.sdk) and item[4] > self._resumed_at:
+                    if item[3] == "poll" and self.reading and item[4] > self._disrupted_at and \
+                            not any(sdk.paused or sdk.dead for sdk in self.sdk):
                         self.timer_delays.append(max(time.time() - item[4], 0.0))
                     key, method, element, timer, _ = item
                     payload = (key, method, element, timer, self.state.setdefault(key, KeyState()))

@@ -120,9 +120,9 @@ def test_every_drawn_schedule_keeps_the_vms_promises(vm, vllm_server, sizes, com
     # when they finish), and what the open waiting read bundles carry (pipeline/flow/admission.py).
     slack = settings_.max_in_flight + settings_.admission_waiters * max(sizes)
     assert max(vm.holds) <= settings_.max_held + slack, (max(vm.holds), settings_.max_held, slack)
-    if event != "pause":
-        # A work item takes at most a refusal pause and an engine call; a second for a busy 2-core machine.
-        assert max(vm.timer_delays, default=0.0) <= REFUSAL_PAUSE_S + 2.0, max(vm.timer_delays)
+    # While reading and undisturbed (no pause, kill or update since the timer was due): a thread frees within a
+    # refusal pause and one work item; three seconds more for a busy 2-core machine.
+    assert max(vm.timer_delays, default=0.0) <= REFUSAL_PAUSE_S + 3.0, max(vm.timer_delays)
     attempts = [c["attempt"] for c in completions.values()]
     if event in ("none", "pause") and not engine_failures:
         assert set(attempts) <= {1}, attempts
