@@ -33,6 +33,7 @@ TICKETS = ["I was charged twice this month.", "The app crashes when I open setti
 TEMPLATE = "Answer with one word, billing, bug or other. Support ticket: {text}"
 COMPLETIONS = "local-project:llm.backfill_completions"
 DEAD_LETTERS = "local-project:llm.backfill_dead_letters"
+WARM_UP = "warm-up"  # the request that starts the model server before the backfill; not one of its rows
 
 
 def write_history(path: Path) -> list[str]:
@@ -54,7 +55,7 @@ def feed(run: LocalRun, history: Path, *extra: str) -> int:
 def answers(table: str = COMPLETIONS) -> list[dict]:
     client = emulator_bigquery_client("local-project")
     query = (f"SELECT request_id, completion_text, JSON_VALUE(metadata, '$.customer') AS customer "
-             f"FROM `{table.replace(':', '.')}` ORDER BY request_id")
+             f"FROM `{table.replace(':', '.')}` WHERE request_id != '{WARM_UP}' ORDER BY request_id")
     return [dict(row) for row in client.query(query).result()]
 
 
@@ -73,8 +74,8 @@ def warmed_up(run: LocalRun, timeout_s: float) -> bool:
     """One request through, so that the model server is up and the job's tables exist before the backfill."""
     collector = run.collector()
     try:
-        run.publish([{"id": "warm-up", "prompt": "Hi", "max_tokens": 1}])
-        return not collector.wait_for(["warm-up"], timeout_s)
+        run.publish([{"id": WARM_UP, "prompt": "Hi", "max_tokens": 1}])
+        return not collector.wait_for([WARM_UP], timeout_s)
     finally:
         collector.stop()
 
