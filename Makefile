@@ -180,6 +180,10 @@ bench-structured: model ## Structured answers on 55 short records: compact JSON 
 bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share and Streaming Engine cost (table + plot)
 	$(PY) -m benchmarks.scale
 
+.PHONY: bench-backfill
+bench-backfill: model ## A backfill's tokens/s through the pipeline against vLLM's offline batch path (LLM.generate), interleaved
+	$(PY) -m benchmarks.backfill $(BENCH_ARGS)
+
 .PHONY: bench-spike
 bench-spike: install ## Simulate a tenfold traffic spike: backlog in Pub/Sub (admission) vs in state, workers added, drain, first chunk
 	$(PY) -m benchmarks.spike $(BENCH_ARGS)

@@ -1,0 +1,142 @@
+"""``make bench-backfill``: a backfill's tokens/s against vLLM's own offline batch path, side by side.
+
+The same rows (``--rows`` prompts, each answered with exactly ``--tokens`` tokens: ``min_tokens`` equal to
+``max_tokens``, so both paths generate the same work, checked) go two ways, in interleaved repetitions:
+
+- **backfill**: ``ops/backfill.py`` feeds them to the template's pipeline on the DirectRunner (its model
+  manager's vLLM server, the launch's defaults for chunks and ``max_in_flight``); the rate is the answers'
+  tokens over the span from the first request's receipt to the last one's finish, read from the
+  completions table (BigQuery emulator);
+- **vLLM offline**: ``vllm.LLM.generate`` over the same prompts, in a process of its own, with the same
+  model, dtype and sampling, timed around ``generate`` alone (the model is loaded and warmed first).
+
+Both use the model the same way on this machine: vLLM's CPU build binds its compute threads to all but the
+last core it may use in both, and the local launcher keeps the pipeline's threads off them
+(:mod:`local.core_placement`). Figures, medians and ranges, and their ratio; nothing is asserted.
+
+    python -m benchmarks.backfill [--reps 3] [--rows 48] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from local.backfill_smoke import COMPLETIONS, DEAD_LETTERS, warmed_up
+from local.cpu_server import LOCAL_SERVER, server_environment
+from local.embedded_model import ensure_local_checkpoint
+from local.emulators import BigQueryEmulator, emulator_bigquery_client
+from local.harness import REPO_ROOT, LocalRun
+from ops import backfill
+from pipeline.contract.parameters import default
+
+
+RESULT = "offline result: "
+
+
+def prompts(count: int) -> list[str]:
+    return [f"Write a short story about a lighthouse keeper named Ada, part {i}." for i in range(count)]
+
+
+def offline(count: int, tokens: int) -> dict[str, float]:
+    """vLLM's offline batch path in this process: the rate of ``generate`` over the prompts."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(ensure_local_checkpoint()), dtype=LOCAL_SERVER.dtype, enforce_eager=LOCAL_SERVER.enforce_eager,
+              max_model_len=default("max_model_len"), seed=0)
+    llm.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)  # warm
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts(count), params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "seconds": seconds}
+
+
+def offline_run(count: int, tokens: int) -> dict[str, float]:
+    env = {**os.environ, **server_environment(), "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-m", "benchmarks.backfill", "--offline", f"--rows={count}",
+                             f"--tokens={tokens}"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=1800)
+    if result.returncode:
+        raise RuntimeError(f"the offline run failed:\n{result.stderr[-2000:]}")
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith(RESULT)]  # vLLM logs to stdout too
+    return json.loads(line.removeprefix(RESULT))
+
+
+def backfill_run(run: LocalRun, folder: Path, rep: int, count: int, tokens: int) -> dict[str, float]:
+    history = folder / f"rows-{rep}.jsonl"
+    ids = [f"bench-{rep}-{i}" for i in range(count)]
+    history.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": tokens, "min_tokens": tokens,
+                                           "temperature": 0}) + "\n" for i, p in zip(ids, prompts(count))))
+    code = backfill.main([f"--source={history}", "--project=local-project",
+                          f"--topic={run.emulator.topic(run.topic_name('prompts'))}",
+                          f"--completions-table={COMPLETIONS}", f"--dead-letter-table={DEAD_LETTERS}", "--wait",
+                          "--wait-poll-s=0.5", "--wait-timeout-s=1800", "--quiet"])
+    if code:
+        raise RuntimeError("the backfill did not finish:\n" + run.log_tail())
+    query = (f"SELECT SUM(completion_tokens) AS tokens, UNIX_MILLIS(MIN(received_at)) AS first, "
+             f"UNIX_MILLIS(MAX(finished_at)) AS last FROM `{COMPLETIONS.replace(':', '.')}` "
+             f"WHERE STARTS_WITH(request_id, 'bench-{rep}-')")
+    (row,) = list(emulator_bigquery_client("local-project").query(query).result())
+    return {"tokens": row["tokens"], "seconds": (row["last"] - row["first"]) / 1000}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)  # the offline side's process
+    args = parser.parse_args(argv)
+    if args.offline:
+        print(RESULT + json.dumps(offline(args.rows, args.tokens)), flush=True)
+        return 0
+    logging.basicConfig(level=logging.WARNING)
+    folder = REPO_ROOT / ".cache" / "bench-backfill"
+    folder.mkdir(parents=True, exist_ok=True)
+    rates: dict[str, list[float]] = {"backfill": [], "vLLM offline": []}
+    with BigQueryEmulator() as bigquery:
+        bigquery.activate()
+        emulator_bigquery_client(bigquery.project).create_dataset("llm", exists_ok=True)
+        run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
+                        *LOCAL_SERVER.template_args(), f"--output_completions_table={COMPLETIONS}",
+                        f"--dead_letter_table={DEAD_LETTERS}"], log_path=folder / "pipeline.log")
+        run.start()
+        try:
+            if not warmed_up(run, 900):
+                raise RuntimeError("the model server did not answer:\n" + run.log_tail())
+            for rep in range(args.reps):  # interleaved: each repetition runs both, in turn
+                for name, measure in (("backfill", lambda: backfill_run(run, folder, rep, args.rows, args.tokens)),
+                                      ("vLLM offline", lambda: offline_run(args.rows, args.tokens))):
+                    result = measure()
+                    if result["tokens"] != args.rows * args.tokens:
+                        raise RuntimeError(f"{name} generated {result['tokens']} tokens, not "
+                                           f"{args.rows * args.tokens}: the work differs")
+                    rates[name].append(result["tokens"] / result["seconds"])
+                    print(f"rep {rep + 1} {name:>12}: {rates[name][-1]:.1f} tokens/s", flush=True)
+        finally:
+            run.stop()
+    ratios = [b / o for b, o in zip(rates["backfill"], rates["vLLM offline"])]
+    print(f"\n{args.rows} rows x {args.tokens} tokens, {args.reps} interleaved repetitions, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores; tokens/s, median (range):")
+    print("| path | tokens/s |\n|---|---|")
+    for name, values in rates.items():
+        print(f"| {name} | {spread(values)} |")
+    print(f"| backfill / offline | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
