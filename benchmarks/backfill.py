@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--template-arg", action="append", default=[], metavar="--NAME=VALUE",
+                        help="a template parameter for the backfill's pipeline (repeat), e.g. --chunk_tokens=64")
     parser.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)  # the offline side's process
     args = parser.parse_args(argv)
     if args.offline:
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         emulator_bigquery_client(bigquery.project).create_dataset("llm", exists_ok=True)
         run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
                         *LOCAL_SERVER.template_args(), f"--output_completions_table={COMPLETIONS}",
-                        f"--dead_letter_table={DEAD_LETTERS}"], log_path=folder / "pipeline.log")
+                        f"--dead_letter_table={DEAD_LETTERS}", *args.template_arg], log_path=folder / "pipeline.log")
         run.start()
         try:
             if not warmed_up(run, 900):
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             run.stop()
     ratios = [b / o for b, o in zip(rates["backfill"], rates["vLLM offline"])]
     print(f"\n{args.rows} rows x {args.tokens} tokens, {args.reps} interleaved repetitions, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores; tokens/s, median (range):")
+          f"{os.cpu_count()} cores, template parameters {' '.join(args.template_arg) or '(defaults)'}; tokens/s, "
+          "median (range):")
     print("| path | tokens/s |\n|---|---|")
     for name, values in rates.items():
         print(f"| {name} | {spread(values)} |")
