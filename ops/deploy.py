@@ -290,17 +290,15 @@ def complete_spec(settings: Settings, dry_run: bool) -> int:
     if not extra:
         return 0
     path, project = settings.get("TEMPLATE_PATH"), ["--project", settings.get("PROJECT")]
-    read = ["gcloud", "storage", "cat", path, *project]
-    print(f"==> {shlex.join(read)}", flush=True)
+    found = gcloud_output(["gcloud", "storage", "cat", path, *project], f"reading the spec at {path} back", dry_run)
     print(f"    and write it back with defaultEnvironment + {json.dumps(extra)}:", flush=True)
-    if dry_run:
+    if found is None:
         print(f"==> {shlex.join(['gcloud', 'storage', 'cp', 'SPEC.json', path, *project])}", flush=True)
         return 0
-    found = subprocess.run(read, capture_output=True, text=True, check=False)
     try:
-        spec = json.loads(found.stdout)
+        spec = json.loads(found)
     except ValueError:
-        raise DeployError(f"the spec at {path} could not be read back: {found.stderr.strip()}") from None
+        raise DeployError(f"the spec at {path} is not JSON: {found[:200]!r}") from None
     spec.setdefault("defaultEnvironment", {}).update(extra)
     with tempfile.TemporaryDirectory(prefix="streaming-llm-spec-") as folder:
         local = Path(folder) / "spec.json"
@@ -340,6 +338,18 @@ def dataflow_runner(settings: Settings) -> list[str]:
 _NOT_YAML_PRINTABLE = re.compile("[\x7f-\x9f\ufffe\uffff]")
 
 
+def gcloud_output(command: list[str], what: str, dry_run: bool = False) -> str | None:
+    """Prints a gcloud command whose output a target reads, runs it and returns that output (None on a dry run,
+    which runs nothing); a failure stops the target, naming ``what`` it was for."""
+    print(f"==> {shlex.join(command)}", flush=True)
+    if dry_run:
+        return None
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise DeployError(f"{what} failed: {result.stderr.strip()}")
+    return result.stdout
+
+
 def job_command(settings: Settings, verb: str, dry_run: bool) -> int:
     """``gcloud dataflow jobs drain|cancel`` for the active job named ``JOB_NAME`` (the one identifier every target
     takes): its id is looked up first, and a name that matches no active job, or several, is refused."""
@@ -347,14 +357,11 @@ def job_command(settings: Settings, verb: str, dry_run: bool) -> int:
     name, where = settings.get("JOB_NAME"), ["--project", settings.get("PROJECT"), "--region", settings.get("REGION")]
     listing = ["gcloud", "dataflow", "jobs", "list", *where, "--status", "active", "--filter", f"name={name}",
                "--format", "value(id)"]
-    print(f"==> {shlex.join(listing)}", flush=True)
-    if dry_run:
+    found = gcloud_output(listing, "listing the active jobs", dry_run)
+    if found is None:
         print(f"==> {shlex.join(['gcloud', 'dataflow', 'jobs', verb, f'<the id of {name}>', *where])}", flush=True)
         return 0
-    found = subprocess.run(listing, capture_output=True, text=True, check=False)
-    if found.returncode:
-        raise DeployError(f"listing the active jobs failed: {found.stderr.strip()}")
-    ids = found.stdout.split()
+    ids = found.split()
     if len(ids) != 1:
         raise DeployError(f"{'no' if not ids else len(ids)} active jobs named {name} in {settings.get('REGION')}"
                           + (": gcloud dataflow jobs list --status active lists them" if not ids else

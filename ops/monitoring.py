@@ -20,14 +20,12 @@ import argparse
 import json
 import os
 import re
-import shlex
 import string
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ops.deploy import JOB_NAME_REGEX, DeployError, Settings, run_gcloud
+from ops.deploy import JOB_NAME_REGEX, DeployError, Settings, gcloud_output, run_gcloud
 from pipeline.generation.generate import FIRST_TOKEN_BOUNDS_S
 
 OPS = Path(__file__).resolve().parent
@@ -131,14 +129,9 @@ def make(action: str, settings: Settings, values: Mapping[str, str], dry_run: bo
 def existing(listing: list[str], dry_run: bool) -> list[str]:
     """The names of what this command made before for the same job (a dashboard by its title, a policy by its
     labels), so that running it again updates them instead of adding copies; none on a dry run."""
-    command = [*listing, "--format=value(name)"]
-    print(f"==> {shlex.join(command)}", flush=True)
-    if dry_run:
-        return []
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise DeployError(f"listing what exists failed: {result.stderr.strip()}")
-    return result.stdout.split()
+    found = gcloud_output([*listing, "--format=value(name)"], "listing what exists", dry_run)
+    return found.split() if found is not None else []
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
-from ops.deploy import DeployError, Settings
+from ops.deploy import DeployError, Settings, gcloud_output
 
 # Every API the product uses (docs/operations.md#roles says which for what).
 APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.com", "storage.googleapis.com",
@@ -75,11 +75,10 @@ def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
 
 def project_number(settings: Settings) -> str:
     command = ["gcloud", "projects", "describe", settings.get("PROJECT"), "--format=value(projectNumber)"]
-    print(f"==> {shlex.join(command)}", flush=True)
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode or not result.stdout.strip().isdigit():
-        raise DeployError(f"the project's number could not be read: {result.stderr.strip() or result.stdout}")
-    return result.stdout.strip()
+    number = (gcloud_output(command, "reading the project's number") or "").strip()
+    if not number.isdigit():
+        raise DeployError(f"the project's number could not be read: {number!r}")
+    return number
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
