@@ -95,12 +95,22 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _gcs_path(path: str) -> tuple[str, str]:
+    """``gs://bucket/name`` as its bucket and object name."""
+    bucket, _, name = path.removeprefix("gs://").partition("/")
+    return bucket, name
+
+
+def _gcs_blob(path: str) -> Any:
+    from google.cloud import storage
+
+    bucket, name = _gcs_path(path)
+    return storage.Client().bucket(bucket).blob(name)
+
+
 def _open_text(path: str) -> io.TextIOBase:
     if path.startswith("gs://"):
-        from google.cloud import storage
-
-        bucket, _, name = path[5:].partition("/")
-        return io.StringIO(storage.Client().bucket(bucket).blob(name).download_as_text())
+        return io.StringIO(_gcs_blob(path).download_as_text())
     return open(path, encoding="utf-8", newline="")
 
 
@@ -109,7 +119,7 @@ def _expand(pattern: str) -> list[str]:
     if pattern.startswith("gs://"):
         from google.cloud import storage
 
-        bucket, _, name = pattern[5:].partition("/")
+        bucket, name = _gcs_path(pattern)
         prefix = name.split("*", 1)[0].split("?", 1)[0]
         found = [f"gs://{bucket}/{blob.name}" for blob in storage.Client().list_blobs(bucket, prefix=prefix)
                  if fnmatch.fnmatchcase(blob.name, name)]
@@ -126,7 +136,7 @@ def read_file(path: str) -> Iterator[Row]:
     if name.endswith(".parquet"):
         import pyarrow.parquet as parquet
 
-        data = parquet.read_table(io.BytesIO(_read_bytes(path)) if path.startswith("gs://") else path)
+        data = parquet.read_table(io.BytesIO(_gcs_blob(path).download_as_bytes()) if path.startswith("gs://") else path)
         for number, values in enumerate(data.to_pylist(), start=1):
             yield Row(f"{path}#{number}", {k: _jsonable(v) for k, v in values.items()})
     elif name.endswith(".csv"):
@@ -147,13 +157,6 @@ def read_file(path: str) -> Iterator[Row]:
                 yield Row(f"{path}:{number}", values)
     else:
         raise BackfillError(f"{path}: a backfill reads .jsonl, .csv or .parquet files")
-
-
-def _read_bytes(path: str) -> bytes:
-    from google.cloud import storage
-
-    bucket, _, name = path[5:].partition("/")
-    return storage.Client().bucket(bucket).blob(name).download_as_bytes()
 
 
 def read_bigquery(source: str, project: str) -> Iterator[Row]:
