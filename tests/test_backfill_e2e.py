@@ -1,9 +1,17 @@
 """A backfill end to end (local/backfill_smoke.py's path): a JSONL history through the feeder, the real pipeline on
-the DirectRunner with the local vLLM and a prompt template, into BigQuery tables on the emulator; then the same
-backfill again. Every good row is answered exactly once, the bad ones are dead letters with their position, and
-the second run publishes nothing."""
+the DirectRunner with the local vLLM and a prompt template, into BigQuery tables on the emulator. Every good row is
+answered exactly once, the bad ones are dead letters with their position; the same backfill again publishes
+nothing; a feeder killed while the job answers its rows, and run again, leaves no row unanswered and none answered
+twice."""
 
 from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -11,36 +19,74 @@ from local import backfill_smoke
 from local.harness import REPO_ROOT, LocalRun
 from local.cpu_server import LOCAL_SERVER
 from local.emulators import emulator_bigquery_client
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.engine
 
 
-def test_a_history_is_answered_once_and_a_second_run_publishes_nothing(tmp_path, checkpoint, emulator, bigquery,
-                                                                        capsys):
-    run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
-                    "--max_in_flight=16", "--num_shards=2", f"--prompt_template={backfill_smoke.TEMPLATE}",
-                    f"--output_completions_table={backfill_smoke.COMPLETIONS}",
-                    f"--dead_letter_table={backfill_smoke.DEAD_LETTERS}"],
-                   log_path=REPO_ROOT / ".cache" / "test-backfill" / "pipeline.log", emulator=emulator)
-    run.start()
+@pytest.fixture(scope="module")
+def run(checkpoint, emulator, bigquery):
+    """The template's pipeline on the DirectRunner, writing to the backfill's tables, its model server warm."""
+    pipeline = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
+                         "--max_in_flight=16", "--num_shards=2", f"--prompt_template={backfill_smoke.TEMPLATE}",
+                         f"--output_completions_table={backfill_smoke.COMPLETIONS}",
+                         f"--dead_letter_table={backfill_smoke.DEAD_LETTERS}"],
+                        log_path=REPO_ROOT / ".cache" / "test-backfill" / "pipeline.log", emulator=emulator)
+    pipeline.start()
     try:
-        assert backfill_smoke.warmed_up(run, 600), run.log_tail()
-        history = tmp_path / "history.jsonl"
-        good = backfill_smoke.write_history(history)
-        assert backfill_smoke.feed(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=600",
-                                   "--quiet") == 0, run.log_tail()
-        first = capsys.readouterr().out
-        assert f"{len(good)} published, 0 skipped as answered, 2 dead letters" in first
-        assert f"Answered {len(good)} of {len(good)}" in first
-        assert backfill_smoke.feed(run, history, "--quiet") == 0
-        second = capsys.readouterr().out
-        assert f"0 published, {len(good)} skipped as answered, 2 dead letters" in second
+        assert backfill_smoke.warmed_up(pipeline, 600), pipeline.log_tail()
+        yield pipeline
     finally:
-        run.stop()
-    answers = backfill_smoke.answers()
+        pipeline.stop()
+
+
+def answered(prefix: str) -> list[dict]:
+    return [a for a in backfill_smoke.answers() if a["request_id"].startswith(prefix)]
+
+
+def test_a_history_is_answered_once_and_a_second_run_publishes_nothing(run, tmp_path, capsys):
+    history = tmp_path / "history.jsonl"
+    good = backfill_smoke.write_history(history)
+    assert backfill_smoke.feed(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=600",
+                               "--quiet") == 0, run.log_tail()
+    first = capsys.readouterr().out
+    assert f"{len(good)} published, 0 skipped as answered, 2 dead letters" in first
+    assert f"Answered {len(good)} of {len(good)}" in first
+    assert backfill_smoke.feed(run, history, "--quiet") == 0
+    second = capsys.readouterr().out
+    assert f"0 published, {len(good)} skipped as answered, 2 dead letters" in second
+    answers = answered("ticket-")
     assert sorted(a["request_id"] for a in answers) == sorted(good), "each good row answered exactly once"
     assert all(a["customer"].startswith("customer-") for a in answers), "the other columns travel as metadata"
     letters = emulator_bigquery_client("local-project").query(
         f"SELECT reason FROM `{backfill_smoke.DEAD_LETTERS.replace(':', '.')}` WHERE stage = 'parse'").result()
     positions = {row["reason"].split(": ", 1)[0].rsplit(":", 1)[1] for row in letters}
     assert positions == {"4", "7"}, "the two bad rows, with their lines"
+
+
+def test_a_feeder_killed_while_the_job_answers_and_run_again_answers_every_row_once(run, tmp_path):
+    """docs/operations.md#backfill: a run stopped at any point and started again publishes only the unanswered rows;
+    the job drops the repeat of a row the stopped run published and it still holds."""
+    history = tmp_path / "records.jsonl"
+    total = 40
+    history.write_text("".join(json.dumps({"id": f"record-{i}", "prompt": f"Record {i}: the parcel came late.",
+                                           "max_tokens": 32, "min_tokens": 32}) + "\n" for i in range(total)))
+    command = [sys.executable, "-m", "ops.backfill",
+               *backfill_smoke.feed_args(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=600")]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert wait_until(lambda: len(answered("record-")) >= 4, 600, interval_s=0.5), run.log_tail()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    at_kill = len(answered("record-"))
+    assert at_kill < total, "killed before every row was answered"
+    again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr + run.log_tail()
+    skipped = int(re.search(r"([\d,]+) skipped as answered", again.stdout).group(1).replace(",", ""))
+    published = int(re.search(r"([\d,]+) published", again.stdout).group(1).replace(",", ""))
+    assert skipped >= at_kill and skipped + published == total, again.stdout
+    ids = [a["request_id"] for a in answered("record-")]
+    assert sorted(ids) == sorted(f"record-{i}" for i in range(total)), "every row answered, none twice"
