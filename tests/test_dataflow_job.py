@@ -20,6 +20,7 @@ import pytest
 from apache_beam.portability.api import beam_runner_api_pb2
 
 from local.emulators import GcsEmulator
+from tests.conftest import activated
 from pipeline.config.launch_checks import WORKER_IMAGE_ENV
 from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, DEFAULT_HARNESS_THREADS
 
@@ -34,8 +35,7 @@ DETERMINISTIC_KEY_CODERS = {"beam:coder:string_utf8:v1", "beam:coder:varint:v1",
 def built_job(tmp_path_factory):
     """(the job description, the staged pipeline) of a console-style launch."""
     folder = tmp_path_factory.mktemp("dataflow-job")
-    with GcsEmulator() as gcs:
-        gcs.activate()
+    with GcsEmulator() as gcs, activated(gcs):  # restored after: a later test must not reach a stopped emulator
         from pipeline.serving.model_weights import storage_client
 
         client = storage_client()

@@ -7,8 +7,10 @@ against transformers + peft) is tests/test_lora_e2e.py.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,9 @@ import pytest
 from local.emulators import GcsEmulator
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
-from pipeline.serving.lora_adapters import Adapter, AdapterError, launch_problems, parse_adapters, resolve_adapter
-from pipeline.serving.vllm_server import ServerSpec
+from pipeline.serving.lora_adapters import (LAUNCH_READ_TIMEOUT_S, Adapter, AdapterError, launch_problems,
+                                            parse_adapters, resolve_adapter)
+from pipeline.serving.vllm_server import ServerSpec, free_port
 from tests.conftest import activated
 from tests.test_template import LAUNCHER_ARGS, REPO
 
@@ -116,3 +119,14 @@ def test_an_adapter_in_cloud_storage_is_checked_at_launch_and_copied_down_on_the
         local = resolve_adapter(Adapter("good", good), 16, str(tmp_path / "cache"))
         assert json.loads((tmp_path / "cache" / "adapters" / "lora" / "good" / "adapter_config.json").read_text())["r"] == 8
         assert local == str(tmp_path / "cache" / "adapters" / "lora" / "good")
+
+
+def test_an_adapter_whose_storage_does_not_answer_is_left_to_the_worker_without_stalling_the_launch(monkeypatch,
+                                                                                                     caplog):
+    """Storage's own retry goes on for 120 s; the launch check gives up after LAUNCH_READ_TIMEOUT_S and warns."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        assert launch_problems((Adapter("support", "gs://adapters/lora/support"),), 16) == []
+    assert time.monotonic() - started < 4 * LAUNCH_READ_TIMEOUT_S < 120
+    assert "gs://adapters/lora/support cannot be read from here" in caplog.text

@@ -34,6 +34,9 @@ LOGGER = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
 # vLLM 0.32's accepted --max-lora-rank values (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# How long the launch check tries to read an adapter's config in Cloud Storage before it leaves the check to the
+# worker: Storage's own retry goes on for 120 s, which stalled a launch whose Storage endpoint did not answer.
+LAUNCH_READ_TIMEOUT_S = 15.0
 # A name goes into requests, records and vLLM's --lora-modules name=path: no separators, no spaces.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -106,19 +109,23 @@ def rank_problem(adapter: Adapter, config: dict, max_lora_rank: int) -> str | No
 
 
 def read_adapter_config(adapter: Adapter) -> dict | None:
-    """The adapter's ``adapter_config.json`` where it can be read from here, else None (a hub id, say)."""
+    """The adapter's ``adapter_config.json`` where it can be read from here, else None (a hub id, say); a Cloud
+    Storage read gives up after :data:`LAUNCH_READ_TIMEOUT_S`."""
     if adapter.kind == "local":
         path = Path(adapter.location).expanduser() / ADAPTER_CONFIG
         if not path.is_file():
             return None
         return json.loads(path.read_text(encoding="utf-8"))
     if adapter.kind == "gcs":
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
         bucket, prefix = parse_gcs_uri(adapter.location)
         blob = storage_client().bucket(bucket).blob(prefix + ADAPTER_CONFIG)
-        if not blob.exists():
+        bounded = {"timeout": LAUNCH_READ_TIMEOUT_S, "retry": DEFAULT_RETRY.with_timeout(LAUNCH_READ_TIMEOUT_S)}
+        if not blob.exists(**bounded):
             raise AdapterError(f"adapter {adapter.name!r}: {adapter.location} has no {ADAPTER_CONFIG} at its top "
                                "level; point it at a folder saved by peft (save_pretrained)")
-        return json.loads(blob.download_as_text())
+        return json.loads(blob.download_as_text(**bounded))
     return None
 
 
