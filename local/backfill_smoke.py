@@ -49,7 +49,8 @@ def write_history(path: Path) -> list[str]:
 def feed_args(run: LocalRun, history: Path, *extra: str) -> list[str]:
     """``ops/backfill.py``'s arguments for a backfill of ``history`` into this local pipeline's input."""
     return [f"--source={history}", "--project=local-project",
-            f"--topic={run.emulator.topic(run.topic_name('prompts'))}", f"--completions-table={COMPLETIONS}", f"--dead-letter-table={DEAD_LETTERS}", *extra]
+            f"--topic={run.emulator.topic(run.topic_name('prompts'))}", f"--completions-table={COMPLETIONS}",
+            f"--dead-letter-table={DEAD_LETTERS}", *extra]
 
 
 def feed(run: LocalRun, history: Path, *extra: str) -> int:
