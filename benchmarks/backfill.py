@@ -11,8 +11,8 @@ The same rows (``--rows`` prompts, each answered with exactly ``--tokens`` token
   model, dtype and sampling, timed around the call alone (the model is loaded and warmed first). With the
   pipeline's ``prompt_format`` ``chat`` (the default) the prompts go through ``LLM.chat``, which applies the
   model's chat template as the server's chat endpoint does and then calls ``generate``; without it the
-  offline side would run a third of the prompt tokens (the embedded model's template adds a system
-  message). Both sides' prompt tokens and answer tokens are summed and must be equal.
+  offline side would run fewer prompt tokens (the embedded model's template adds a system message). Both
+  sides' prompt tokens and answer tokens are summed, and the run stops where they differ.
 
 Both use the model the same way on this machine: vLLM's CPU build binds its compute threads to all but the
 last core it may use in both, and the local launcher keeps the pipeline's threads off them
@@ -146,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                         raise RuntimeError(f"{name} generated {result['tokens']} tokens, not "
                                            f"{args.rows * args.tokens}: the work differs")
                     prompt_tokens.setdefault(int(result["prompt_tokens"]), []).append(name)
+                    if len(prompt_tokens) != 1:
+                        raise RuntimeError(f"the two paths read different prompts (prompt tokens: {prompt_tokens}): "
+                                           "the work differs")
                     rates[name].append(result["tokens"] / result["seconds"])
                     print(f"rep {rep + 1} {name:>12}: {rates[name][-1]:.1f} tokens/s", flush=True)
         finally:
             run.stop()
-    if len(prompt_tokens) != 1:
-        raise RuntimeError(f"the two paths read different prompts (prompt tokens: {prompt_tokens}): the work differs")
     ratios = [b / o for b, o in zip(rates["backfill"], rates["vLLM offline"])]
     print(f"\n{args.rows} rows x {args.tokens} tokens ({next(iter(prompt_tokens))} prompt tokens in all), {args.reps} "
           f"interleaved repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, template "
