@@ -7,10 +7,13 @@ message the stream would receive: its id and prompt from the columns named (``--
 ``metadata``, where the job's ``prompt_template`` finds its ``{placeholders}``. Then:
 
 * **Resumable.** Rows whose id has a row in the completions table (``--completions-table``) are skipped, a
-  chunk of rows at a time; a backfill stopped anywhere and run again publishes only what is unanswered. A
-  row published again (the first run stopped before its answer landed) is dropped by the job's
-  de-duplication by id when it reaches the job within ``dedupe_window_s`` of the first answer
-  (docs/contract.md#duplicate-ids; docs/operations.md#backfill says when to rerun).
+  chunk of rows at a time; so are rows an earlier run published that are not answered yet: each run records
+  the ids Pub/Sub confirmed in a table beside the completions (``<completions table>_published``), and a
+  rerun leaves those to the job's subscription, where they wait, unless the job dead-lettered them since
+  (``--republish`` sends them all again). A backfill stopped anywhere and run again publishes only what was
+  never published, or failed. Only the rows of the chunk a kill interrupts between Pub/Sub's confirmation and
+  that record are published twice; the job drops the second copy when it arrives within ``dedupe_window_s``
+  of the first's answer (docs/contract.md#duplicate-ids).
 * **Bad rows never stop it.** Each message is checked with the template's own parser before it is
   published; a row that cannot become a request (no id, no prompt, a value of the wrong type, a second row
   with the id of another) becomes a dead letter in the dead-letter table or topic, with its reason and its
@@ -72,10 +75,11 @@ class Tally:
     published: int = 0
     lettered: int = 0  # could not become a request: a dead letter with its position
     repeated: int = 0  # the same row again under an id already published in this run
+    waiting: int = 0  # published by an earlier run, not answered yet: left to the job's subscription
     max_tokens: int = 0  # the published rows' max_tokens, summed: the answers' upper bound
 
     def adds_up(self) -> bool:
-        return self.read == self.skipped + self.published + self.lettered + self.repeated
+        return self.read == self.skipped + self.published + self.lettered + self.repeated + self.waiting
 
 
 # Reading ------------------------------------------------------------------------------------------------
@@ -265,20 +269,69 @@ class Outputs:
             args.completions_table or args.dead_letter_table) else None
         self.pending: list[Any] = []
 
+    @property
+    def published_table(self) -> str | None:
+        """Where each run records the ids Pub/Sub confirmed: beside the completions table."""
+        if not self.args.completions_table:
+            return None
+        return ".".join(bigquery_sink.parse_table(self.args.completions_table)) + "_published"
+
+    def _query(self, query: str, ids: list[str]) -> list[Any]:
+        from google.cloud import bigquery
+
+        config = bigquery.QueryJobConfig(query_parameters=[bigquery.ArrayQueryParameter("ids", "STRING", ids)])
+        return list(self.bigquery.query(query, job_config=config).result())
+
     def answered(self, ids: Iterable[str]) -> set[str]:
         ids = list(ids)
         if not self.args.completions_table or not ids:
             return set()
+        table = ".".join(bigquery_sink.parse_table(self.args.completions_table))
+        rows = self._query(f"SELECT DISTINCT request_id FROM `{table}` WHERE request_id IN UNNEST(@ids)", ids)
+        return {row["request_id"] for row in rows}
+
+    def waiting(self, ids: Iterable[str]) -> set[str]:
+        """Ids an earlier run published (Pub/Sub confirmed) that the job has not dead-lettered since."""
+        ids = list(ids)
+        if self.published_table is None or self.args.republish or not ids:
+            return set()
+        published = {row["request_id"]: row["at"] for row in self._query(
+            f"SELECT request_id, MAX(published_at) AS at FROM `{self.published_table}` "
+            "WHERE request_id IN UNNEST(@ids) GROUP BY request_id", ids)}
+        if published and self.args.dead_letter_table:
+            letters = ".".join(bigquery_sink.parse_table(self.args.dead_letter_table))
+            for row in self._query(f"SELECT request_id, MAX(failed_at) AS at FROM `{letters}` WHERE request_id IN "
+                                   f"UNNEST(@ids) AND stage != '{STAGE_PARSE}' GROUP BY request_id", list(published)):
+                if row["at"] > published[row["request_id"]]:  # the job gave up on it after it was published
+                    del published[row["request_id"]]
+        return set(published)
+
+    def prepare(self) -> None:
+        """Checks that the completions table exists, and creates the table of published ids beside it if missing."""
+        if self.published_table is None:
+            return
         from google.cloud import bigquery
 
-        table = ".".join(bigquery_sink.parse_table(self.args.completions_table))
-        query = f"SELECT DISTINCT request_id FROM `{table}` WHERE request_id IN UNNEST(@ids)"
-        config = bigquery.QueryJobConfig(query_parameters=[bigquery.ArrayQueryParameter("ids", "STRING", ids)])
         try:
-            return {row["request_id"] for row in self.bigquery.query(query, job_config=config).result()}
+            self.bigquery.get_table(".".join(bigquery_sink.parse_table(self.args.completions_table)))
         except NotFound:
             raise BackfillError(f"the completions table {self.args.completions_table} does not exist (the job "
                                 "creates it when it starts): check the name, or start the job first") from None
+        self.bigquery.create_table(bigquery.Table(self.published_table, schema=[
+            bigquery.SchemaField("request_id", "STRING", mode="REQUIRED"),
+            bigquery.SchemaField("published_at", "TIMESTAMP", mode="REQUIRED"),
+            bigquery.SchemaField("source_position", "STRING")]), exists_ok=True)
+
+    def record(self, rows: list[tuple[str, str]]) -> None:
+        """Notes (id, source position) pairs as published; called once Pub/Sub has confirmed them."""
+        if self.published_table is None or not rows:
+            return
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        errors = self.bigquery.insert_rows_json(
+            self.published_table, [{"request_id": i, "published_at": now, "source_position": p} for i, p in rows],
+            row_ids=[f"{i}@{now}" for i, _ in rows])
+        if errors:
+            raise BackfillError(f"the table of published ids {self.published_table} refused rows: {errors[:3]}")
 
     def publish(self, data: bytes) -> None:
         self.pending.append(self.publisher.publish(self.args.topic, data))
@@ -335,7 +388,10 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
     """Publishes every unanswered row once, letters the rows that cannot be requests; counts each row once."""
     for chunk in chunks(rows, CHUNK_ROWS):
         made = [(row, checked(row, mapping)) for row in chunk]
-        answered = outputs.answered({result[1].id for _, result in made if isinstance(result, tuple)})
+        ids = {result[1].id for _, result in made if isinstance(result, tuple)}
+        answered = outputs.answered(ids)
+        waiting = outputs.waiting(ids - answered)
+        sent: list[tuple[str, str]] = []
         for row, result in made:
             tally.read += 1
             if isinstance(result, DeadLetter):
@@ -345,6 +401,10 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
                 data, request = result
                 if request.id in answered:
                     tally.skipped += 1
+                elif request.id in waiting:
+                    tally.waiting += 1
+                    waiting.discard(request.id)  # a later row with this id is a repeat or another row
+                    published[request.id] = data
                 elif request.id in published:
                     if published[request.id] == data:
                         tally.repeated += 1
@@ -356,6 +416,7 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
                 else:
                     outputs.publish(data)
                     published[request.id] = data
+                    sent.append((request.id, row.position))
                     tally.published += 1
                     tally.max_tokens += request.max_tokens or default("default_max_tokens")
             if progress is not None:
@@ -363,6 +424,7 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
                 progress.set_postfix(published=tally.published, skipped=tally.skipped, lettered=tally.lettered,
                                      refresh=False)
         outputs.flush()
+        outputs.record(sent)
 
 
 def estimate(args: argparse.Namespace, tally: Tally) -> str:
@@ -416,6 +478,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"a request field from a column; fields: {', '.join(FIELDS)}")
     parser.add_argument("--gpu-tokens-per-s", type=float, default=DEFAULT_GPU_TOKENS_PER_S)
     parser.add_argument("--worker-hour-usd", type=float, default=DEFAULT_WORKER_HOUR_USD)
+    parser.add_argument("--republish", action="store_true",
+                        help="send again the rows an earlier run published that are not answered yet (by default "
+                             "they are left to wait in the job's subscription): for a subscription deleted or "
+                             "emptied since")
     parser.add_argument("--wait", action="store_true", help="then wait for the answers, showing their progress")
     parser.add_argument("--wait-timeout-s", type=float, default=7 * 24 * 3600.0)
     parser.add_argument("--wait-poll-s", type=float, default=WAIT_POLL_S)
@@ -454,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     outputs = Outputs(args)
     started = time.monotonic()
     try:
+        outputs.prepare()
         with tqdm(desc="published", unit="row", file=sys.stderr, disable=args.quiet) as bar:
             feed(read_rows(args.source, args.project), mapping, outputs, tally, published, bar)
     except BackfillError as exc:
@@ -461,7 +528,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"Read {tally.read:,} rows in {time.monotonic() - started:.1f} s: {tally.published:,} published, "
           f"{tally.skipped:,} skipped as answered, {tally.lettered:,} dead letters (each with its position), "
-          f"{tally.repeated:,} repeated rows. Estimate: {estimate(args, tally)}.", flush=True)
+          f"{tally.repeated:,} repeated rows, {tally.waiting:,} published by an earlier run and not answered yet "
+          f"(left to wait in the job's subscription; --republish sends them again). Estimate: "
+          f"{estimate(args, tally)}.", flush=True)
     assert tally.adds_up(), tally
     if args.wait and args.completions_table and published:
         answered, tokens, elapsed = wait_for_answers(outputs, list(published), args)

@@ -1,6 +1,7 @@
 """The backfill feeder (ops/backfill.py): rows from files or BigQuery become the messages the stream would receive,
-answered ids are skipped, bad rows become dead letters with their position, and a run killed half-way and run
-again publishes every unanswered row and no answered one. Against the Pub/Sub and BigQuery emulators."""
+answered ids are skipped, bad rows become dead letters with their position, a rerun leaves what an earlier run
+published to wait in the subscription unless the job gave up on it, and a run killed half-way and run again
+publishes every unanswered row and no answered one. Against the Pub/Sub and BigQuery emulators."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from hypothesis import strategies as st
 
 from local.emulators import PROJECT, emulator_bigquery_client
 from ops import backfill
-from pipeline.contract.messages import InferenceRequest, parse_request
-from pipeline.sinks.bigquery_sink import KIND_COMPLETIONS, KIND_DEAD_LETTERS, completion_row, ensure_table
+from pipeline.contract.messages import STAGE_INFERENCE, DeadLetter, InferenceRequest, parse_request
+from pipeline.sinks.bigquery_sink import (KIND_COMPLETIONS, KIND_DEAD_LETTERS, completion_row, dead_letter_row,
+                                          ensure_table)
 from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,13 +182,63 @@ def test_a_backfill_killed_half_way_and_run_again_publishes_every_unanswered_row
     seen = pulled_ids(subscription)
     first.wait(timeout=30)
     assert len(seen) < total - len(answered), "killed before the end"
+    recorded = published_ids(completions)
     again = subprocess.run([sys.executable, "-m", "ops.backfill", *args_for([str(source)], places)], cwd=REPO,
                            env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
-    seen += pulled_ids(subscription)
+    sent_again = pulled_ids(subscription)
+    assert not recorded & set(sent_again), "what the first run recorded as published is not sent again"
+    seen += sent_again
     expected = {f"h-{i}" for i in range(total)} - set(answered)
     assert set(seen) == expected, "every unanswered row published, at least once; no answered one"
     assert f"{len(answered):,} skipped as answered" in again.stdout
+
+
+def published_ids(completions: str) -> set[str]:
+    """What the feeder recorded as published (Pub/Sub confirmed) beside this completions table."""
+    table = completions.replace(":", ".") + "_published"
+    return {row["request_id"] for row in emulator_bigquery_client(PROJECT).query(
+        f"SELECT request_id FROM `{table}`").result()}
+
+
+def job_gave_up_on(letters: str, request_id: str) -> None:
+    """A dead letter the job wrote for a request it received (not one of the feeder's parse letters)."""
+    letter = DeadLetter.from_bytes(STAGE_INFERENCE, "request_timeout_s passed", b"{}", id=request_id, at=time.time())
+    row, insert_id = dead_letter_row(letter.to_record())
+    assert not emulator_bigquery_client(PROJECT).insert_rows_json(letters.replace(":", "."), [row],
+                                                                  row_ids=[insert_id])
+
+
+def test_a_rerun_leaves_what_an_earlier_run_published_to_wait_unless_the_job_gave_up_on_it(tmp_path, places, capsys):
+    """No answers yet (no job reads the topic): a rerun sends nothing again, so a deep backlog does not get a
+    second copy of each row to answer past dedupe_window_s; a row the job dead-lettered since is sent again."""
+    jsonl, _, _ = write_sources(tmp_path)
+    _, subscription, completions, letters = places
+    assert backfill.main(args_for([jsonl], places)) == 0
+    assert sorted(pulled_ids(subscription)) == ["t-1", "t-2"] and published_ids(completions) == {"t-1", "t-2"}
+    capsys.readouterr()
+    assert backfill.main(args_for([jsonl], places)) == 0
+    summary = capsys.readouterr().out
+    assert ": 0 published, 0 skipped as answered" in summary and "2 published by an earlier run" in summary
+    assert pulled_ids(subscription) == [], "nothing sent again"
+    job_gave_up_on(letters, "t-2")
+    assert backfill.main(args_for([jsonl], places)) == 0
+    summary = capsys.readouterr().out
+    assert ": 1 published, 0 skipped as answered" in summary and "1 published by an earlier run" in summary
+    assert pulled_ids(subscription) == ["t-2"], "the row the job gave up on, again"
+    assert backfill.main(args_for([jsonl], places, "--republish")) == 0
+    assert ": 2 published, 0 skipped as answered" in capsys.readouterr().out
+    assert sorted(pulled_ids(subscription)) == ["t-1", "t-2"]
+
+
+def test_a_completions_table_that_does_not_exist_is_named_before_anything_is_published(tmp_path, places, capsys):
+    jsonl, _, _ = write_sources(tmp_path)
+    topic, subscription, _, letters = places
+    missing = f"{PROJECT}:llm.no_such_completions_{next(RUNS)}"
+    assert backfill.main([f"--source={jsonl}", f"--project={PROJECT}", f"--topic={topic}",
+                          f"--completions-table={missing}", f"--dead-letter-table={letters}", "--quiet"]) == 2
+    assert f"the completions table {missing} does not exist" in capsys.readouterr().err
+    assert pulled_ids(subscription) == []
 
 
 def test_make_backfill_takes_its_topic_and_tables_from_the_deploy_settings(tmp_path, places):
