@@ -9,8 +9,8 @@ message the stream would receive: its id and prompt from the columns named (``--
 * **Resumable.** Rows whose id has a row in the completions table (``--completions-table``) are skipped, a
   chunk of rows at a time; so are rows an earlier run published that are not answered yet: each run records
   the ids Pub/Sub confirmed in a table beside the completions (``<completions table>_published``), and a
-  rerun leaves those to the job's subscription, where they wait, unless the job dead-lettered them since
-  (``--republish`` sends them all again). A backfill stopped anywhere and run again publishes only what was
+  rerun leaves those to the job's subscription, where they wait, unless the job dead-lettered them since,
+  at any stage (``--republish`` sends them all again). A backfill stopped anywhere and run again publishes only what was
   never published, or failed. Only the rows of the chunk a kill interrupts between Pub/Sub's confirmation and
   that record are published twice; the job drops the second copy when it arrives within ``dedupe_window_s``
   of the first's answer (docs/contract.md#duplicate-ids).
@@ -300,8 +300,10 @@ class Outputs:
             "WHERE request_id IN UNNEST(@ids) GROUP BY request_id", ids)}
         if published and self.args.dead_letter_table:
             letters = ".".join(bigquery_sink.parse_table(self.args.dead_letter_table))
+            # The job's letters, not this feeder's (those carry the row's source position).
             for row in self._query(f"SELECT request_id, MAX(failed_at) AS at FROM `{letters}` WHERE request_id IN "
-                                   f"UNNEST(@ids) AND stage != '{STAGE_PARSE}' GROUP BY request_id", list(published)):
+                                   "UNNEST(@ids) AND JSON_VALUE(attributes, '$.source_position') IS NULL "
+                                   "GROUP BY request_id", list(published)):
                 if row["at"] > published[row["request_id"]]:  # the job gave up on it after it was published
                     del published[row["request_id"]]
         return set(published)

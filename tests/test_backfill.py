@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from local.emulators import PROJECT, emulator_bigquery_client
 from ops import backfill
-from pipeline.contract.messages import STAGE_INFERENCE, DeadLetter, InferenceRequest, parse_request
+from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
 from pipeline.sinks.bigquery_sink import (KIND_COMPLETIONS, KIND_DEAD_LETTERS, completion_row, dead_letter_row,
                                           ensure_table)
 from tests.conftest import wait_until
@@ -202,8 +202,10 @@ def published_ids(completions: str) -> set[str]:
 
 
 def job_gave_up_on(letters: str, request_id: str) -> None:
-    """A dead letter the job wrote for a request it received (not one of the feeder's parse letters)."""
-    letter = DeadLetter.from_bytes(STAGE_INFERENCE, "request_timeout_s passed", b"{}", id=request_id, at=time.time())
+    """A dead letter the job wrote for a request it received: at its parse step, as for a message its
+    prompt_template cannot fill (the feeder, which does not know the template, published it)."""
+    letter = DeadLetter.from_bytes(STAGE_PARSE, "prompt_template needs {customer}", b"{}", id=request_id,
+                                   attributes={}, at=time.time())
     row, insert_id = dead_letter_row(letter.to_record())
     assert not emulator_bigquery_client(PROJECT).insert_rows_json(letters.replace(":", "."), [row],
                                                                   row_ids=[insert_id])
