@@ -9,9 +9,9 @@ message the stream would receive: its id and prompt from the columns named (``--
 * **Resumable.** Rows whose id has a row in the completions table (``--completions-table``) are skipped, a
   chunk of rows at a time; so are rows an earlier run published that are not answered yet: each run records
   the ids Pub/Sub confirmed in a table beside the completions (``<completions table>_published``), and a
-  rerun leaves those to the job's subscription, where they wait, unless the job dead-lettered them since,
-  at any stage (``--republish`` sends them all again). A backfill stopped anywhere and run again publishes only what was
-  never published, or failed. Only the rows of the chunk a kill interrupts between Pub/Sub's confirmation and
+  rerun leaves those to the job's subscription, where they wait, unless the job dead-lettered them since, at
+  any stage (``--republish`` sends them all again). A backfill stopped anywhere and run again publishes only
+  what was never published, or failed. Only the rows of the chunk a kill interrupts between Pub/Sub's confirmation and
   that record are published twice; the job drops the second copy when it arrives within ``dedupe_window_s``
   of the first's answer (docs/contract.md#duplicate-ids).
 * **Bad rows never stop it.** Each message is checked with the template's own parser before it is
@@ -46,6 +46,7 @@ from google.api_core.exceptions import NotFound
 from ops.deploy import DeployError, Settings, template_parameters
 from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
 from pipeline.contract.parameters import default
+from pipeline.serving.model_weights import storage_client
 from pipeline.sinks import bigquery_sink
 
 CHUNK_ROWS = 5_000  # rows looked up in the completions table, and published, at a time
@@ -106,10 +107,8 @@ def _gcs_path(path: str) -> tuple[str, str]:
 
 
 def _gcs_blob(path: str) -> Any:
-    from google.cloud import storage
-
     bucket, name = _gcs_path(path)
-    return storage.Client().bucket(bucket).blob(name)
+    return storage_client().bucket(bucket).blob(name)
 
 
 def _open_text(path: str) -> io.TextIOBase:
@@ -121,11 +120,9 @@ def _open_text(path: str) -> io.TextIOBase:
 def _expand(pattern: str) -> list[str]:
     """The files a path or glob names, local or ``gs://``, in name order."""
     if pattern.startswith("gs://"):
-        from google.cloud import storage
-
         bucket, name = _gcs_path(pattern)
         prefix = name.split("*", 1)[0].split("?", 1)[0]
-        found = [f"gs://{bucket}/{blob.name}" for blob in storage.Client().list_blobs(bucket, prefix=prefix)
+        found = [f"gs://{bucket}/{blob.name}" for blob in storage_client().list_blobs(bucket, prefix=prefix)
                  if fnmatch.fnmatchcase(blob.name, name)]
     else:
         found = glob.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]
@@ -257,6 +254,11 @@ def checked(row: Row, mapping: Mapping) -> tuple[bytes, InferenceRequest] | Dead
 # Where things go ----------------------------------------------------------------------------------------
 
 
+def _query_name(table: str | None) -> str | None:
+    """A table as the command line names it (``project:dataset.table`` or dotted) as queries name it."""
+    return ".".join(bigquery_sink.parse_table(table)) if table else None
+
+
 class Outputs:
     """The input topic, the completions table (what is answered) and where dead letters go."""
 
@@ -268,13 +270,10 @@ class Outputs:
         self.bigquery = bigquery_sink.bigquery_client(args.project) if (
             args.completions_table or args.dead_letter_table) else None
         self.pending: list[Any] = []
-
-    @property
-    def published_table(self) -> str | None:
-        """Where each run records the ids Pub/Sub confirmed: beside the completions table."""
-        if not self.args.completions_table:
-            return None
-        return ".".join(bigquery_sink.parse_table(self.args.completions_table)) + "_published"
+        # project.dataset.table, as queries name them; the published ids are recorded beside the completions.
+        self.completions = _query_name(args.completions_table)
+        self.dead_letters = _query_name(args.dead_letter_table)
+        self.published_table = f"{self.completions}_published" if self.completions else None
 
     def _query(self, query: str, ids: list[str]) -> list[Any]:
         from google.cloud import bigquery
@@ -284,10 +283,10 @@ class Outputs:
 
     def answered(self, ids: Iterable[str]) -> set[str]:
         ids = list(ids)
-        if not self.args.completions_table or not ids:
+        if not self.completions or not ids:
             return set()
-        table = ".".join(bigquery_sink.parse_table(self.args.completions_table))
-        rows = self._query(f"SELECT DISTINCT request_id FROM `{table}` WHERE request_id IN UNNEST(@ids)", ids)
+        rows = self._query(f"SELECT DISTINCT request_id FROM `{self.completions}` WHERE request_id IN UNNEST(@ids)",
+                           ids)
         return {row["request_id"] for row in rows}
 
     def waiting(self, ids: Iterable[str]) -> set[str]:
@@ -298,12 +297,11 @@ class Outputs:
         published = {row["request_id"]: row["at"] for row in self._query(
             f"SELECT request_id, MAX(published_at) AS at FROM `{self.published_table}` "
             "WHERE request_id IN UNNEST(@ids) GROUP BY request_id", ids)}
-        if published and self.args.dead_letter_table:
-            letters = ".".join(bigquery_sink.parse_table(self.args.dead_letter_table))
+        if published and self.dead_letters:
             # The job's letters, not this feeder's (those carry the row's source position).
-            for row in self._query(f"SELECT request_id, MAX(failed_at) AS at FROM `{letters}` WHERE request_id IN "
-                                   "UNNEST(@ids) AND JSON_VALUE(attributes, '$.source_position') IS NULL "
-                                   "GROUP BY request_id", list(published)):
+            for row in self._query(f"SELECT request_id, MAX(failed_at) AS at FROM `{self.dead_letters}` WHERE "
+                                   "request_id IN UNNEST(@ids) AND JSON_VALUE(attributes, '$.source_position') IS "
+                                   "NULL GROUP BY request_id", list(published)):
                 if row["at"] > published[row["request_id"]]:  # the job gave up on it after it was published
                     del published[row["request_id"]]
         return set(published)
@@ -315,7 +313,7 @@ class Outputs:
         from google.cloud import bigquery
 
         try:
-            self.bigquery.get_table(".".join(bigquery_sink.parse_table(self.args.completions_table)))
+            self.bigquery.get_table(self.completions)
         except NotFound:
             raise BackfillError(f"the completions table {self.args.completions_table} does not exist (the job "
                                 "creates it when it starts): check the name, or start the job first") from None
@@ -342,10 +340,9 @@ class Outputs:
         record = letter.to_record()
         if self.args.dead_letter_topic:
             self.pending.append(self.publisher.publish(self.args.dead_letter_topic, json.dumps(record).encode()))
-        if self.args.dead_letter_table:
+        if self.dead_letters:
             row, insert_id = bigquery_sink.dead_letter_row(record)
-            table = ".".join(bigquery_sink.parse_table(self.args.dead_letter_table))
-            errors = self.bigquery.insert_rows_json(table, [row], row_ids=[insert_id])
+            errors = self.bigquery.insert_rows_json(self.dead_letters, [row], row_ids=[insert_id])
             if errors:
                 raise BackfillError(f"the dead-letter table refused a row: {errors}")
 
@@ -357,16 +354,11 @@ class Outputs:
 
     def progress_of(self, ids: Sequence[str]) -> tuple[int, int]:
         """(answered, their completion tokens) among ``ids`` in the completions table."""
-        from google.cloud import bigquery
-
-        table = ".".join(bigquery_sink.parse_table(self.args.completions_table))
         answered = tokens = 0
         for start in range(0, len(ids), CHUNK_ROWS):
-            query = (f"SELECT COUNT(DISTINCT request_id) AS n, SUM(completion_tokens) AS t FROM `{table}` "
-                     "WHERE request_id IN UNNEST(@ids)")
-            config = bigquery.QueryJobConfig(query_parameters=[
-                bigquery.ArrayQueryParameter("ids", "STRING", list(ids[start:start + CHUNK_ROWS]))])
-            (row,) = list(self.bigquery.query(query, job_config=config).result())
+            (row,) = self._query(f"SELECT COUNT(DISTINCT request_id) AS n, SUM(completion_tokens) AS t FROM "
+                                 f"`{self.completions}` WHERE request_id IN UNNEST(@ids)",
+                                 list(ids[start:start + CHUNK_ROWS]))
             answered, tokens = answered + (row["n"] or 0), tokens + (row["t"] or 0)
         return answered, tokens
 
