@@ -19,12 +19,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from local.emulators import PROJECT, emulator_bigquery_client
+from local.emulators import PROJECT, GcsEmulator, emulator_bigquery_client
 from ops import backfill
 from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
 from pipeline.sinks.bigquery_sink import (KIND_COMPLETIONS, KIND_DEAD_LETTERS, completion_row, dead_letter_row,
                                           ensure_table)
-from tests.conftest import wait_until
+from tests.conftest import activated, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = iter(range(10**6))
@@ -86,6 +86,17 @@ def test_no_row_makes_the_feeder_raise_it_is_a_request_or_a_dead_letter(values):
         assert isinstance(result[1], InferenceRequest) and result[1].id == str(values["id"])
     else:
         assert result.reason.startswith("fuzz:1: ") and result.attributes["source_position"] == "fuzz:1"
+
+
+def test_files_in_cloud_storage_are_read_as_the_same_files_on_disk(tmp_path):
+    """The Storage emulator: a glob over gs:// lists the objects, and each format reads as it does locally."""
+    sources = write_sources(tmp_path)
+    with GcsEmulator() as gcs, activated(gcs):
+        folder = gcs.upload_folder(tmp_path, "history", "2026/tickets")
+        in_storage = list(backfill.read_rows([f"{folder}/tickets.*"], PROJECT))
+    on_disk = list(backfill.read_rows(sorted(sources), PROJECT))
+    assert [r.values for r in in_storage] == [r.values for r in on_disk]
+    assert [r.position for r in in_storage] == [r.position.replace(str(tmp_path), folder) for r in on_disk]
 
 
 @pytest.fixture
