@@ -32,7 +32,8 @@ from apache_beam.coders import StrUtf8Coder, VarIntCoder
 
 from pipeline.contract.keying import generate_key
 from pipeline.contract.parameters import PARAMETERS
-from pipeline.generation.generate import WAITING_POLL_CAP_S, template_poll_interval_ms
+from pipeline.generation.generate import template_poll_interval_ms
+from pipeline.generation.key_events import WAITING_POLL_CAP_S
 
 WORKERS = (1, 2, 4, 8, 16, 32, 64, 100)
 DEFAULT_CHUNK_INTERVAL_MS = next(p.default for p in PARAMETERS if p.name == "chunk_interval_ms")

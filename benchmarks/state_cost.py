@@ -29,7 +29,8 @@ from local.runner_semantics import Driver, KeyState, Worker, generate_fn, in_pro
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.generation.generate import WAITING_POLL_CAP_S, template_poll_interval_ms
+from pipeline.generation.generate import template_poll_interval_ms
+from pipeline.generation.key_events import WAITING_POLL_CAP_S
 
 IN_FLIGHT = 3
 

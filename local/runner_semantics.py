@@ -47,7 +47,8 @@ from apache_beam import pvalue
 from apache_beam.transforms.window import GlobalWindow
 
 from pipeline.engines.engine import EngineBase, EngineSettings
-from pipeline.generation.generate import TAG_COMPLETIONS, TAG_DEAD_LETTERS, StreamingGenerateFn
+from pipeline.generation.generate import StreamingGenerateFn
+from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS
 from pipeline.worker.runtime import WorkerRuntime
 
 BAGS = ("waiting", "inflight")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ops.deploy import JOB_NAME_REGEX, DeployError, Settings, gcloud_output, run_gcloud
-from pipeline.generation.generate import FIRST_TOKEN_BOUNDS_S
+from pipeline.generation.step_outputs import FIRST_TOKEN_BOUNDS_S
 
 OPS = Path(__file__).resolve().parent
 DASHBOARD = OPS / "dashboard.json"

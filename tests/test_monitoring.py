@@ -22,9 +22,7 @@ from hypothesis import given, settings, strategies as st
 from ops import monitoring
 from ops.deploy import DeployError, Settings
 from pipeline.contract.messages import STAGE_INFERENCE, STAGE_PARSE, STAGE_SINK
-from pipeline.engines.engine import EngineSettings
-from pipeline.generation.generate import FIRST_TOKEN_BOUNDS_S, StreamingGenerateFn, first_token_counter_name
-from pipeline.worker.runtime import SharedRuntime
+from pipeline.generation.step_outputs import FIRST_TOKEN_BOUNDS_S, StepOutputs, first_token_counter_name
 from pipeline.sinks.dead_letter_count import CountDeadLetters
 from tests.gcloud_recorder import Recorder
 from tests.test_deploy import make
@@ -253,9 +251,8 @@ def counters_of(run) -> dict[str, int]:
 @given(st.lists(st.integers(0, 120_000), max_size=60))
 @settings(max_examples=100, deadline=None)
 def test_first_token_counters_say_how_many_answers_waited_over_each_bound(ttfts_ms):
-    step = StreamingGenerateFn(SharedRuntime(EngineSettings(server=None, server_url="http://127.0.0.1:1"), "tag"),
-                               poll_interval_ms=50, dedupe_window_s=60)
-    counters = counters_of(lambda: [step._count_first_token(ttft) for ttft in ttfts_ms])
+    outputs = StepOutputs()
+    counters = counters_of(lambda: [outputs.count_first_token(ttft) for ttft in ttfts_ms])
     assert counters.get("first_tokens", 0) == len(ttfts_ms)
     for bound in FIRST_TOKEN_BOUNDS_S:
         assert counters.get(first_token_counter_name(bound), 0) == sum(t > 1000 * bound for t in ttfts_ms)

@@ -28,7 +28,7 @@ from pipeline.contract.stream_progress import MAX_LOST_STREAMS
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.generation.generate import RequestEntry
+from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from pipeline.worker.runtime import WorkerRuntime
 from tests.conftest import SERVED_NAME, wait_until

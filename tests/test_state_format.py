@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from pipeline.contract.messages import STAGE_BATCH, InferenceRequest
 from pipeline.contract.state_format import StateFormatError, read_cell
 from pipeline.flow.batching import BatchingConfig, BucketCounters, _BatchFn
-from pipeline.generation.dedupe import SeenIds
 from pipeline.contract.stream_progress import KeyProgress
-from pipeline.generation.generate import RequestEntry, read_progress, write_progress
+from pipeline.generation.dedupe import encode_ids, holder, read_ids
+from pipeline.generation.key_state import RequestEntry, encode_progress, read_progress
 from tests.state_stand_in import Cell, Timer
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -58,7 +58,7 @@ class _WindowEnd:
 @given(_texts)
 def test_no_cell_text_makes_a_reader_raise_anything_but_its_format_error(text):
     assert isinstance(BucketCounters.from_json(text), BucketCounters)
-    assert isinstance(SeenIds(Cell(text)).ids, dict)
+    assert isinstance(read_ids(text)[0], dict)
     streams = read_progress(text)
     assert all(isinstance(n, int) for n in [*streams.taken.values(), *streams.release.values()])
     for read in (RequestEntry.decode, lambda t: read_cell(t, (1,), {"request": (str,)})):
@@ -73,22 +73,24 @@ def test_no_cell_text_makes_a_reader_raise_anything_but_its_format_error(text):
 
 
 def test_the_record_of_ids_reads_the_previous_version_and_writes_a_versioned_one():
-    old = Cell(json.dumps({"v": ["fp-v", None], "a": ["fp-a", 9e9]}))  # version 1, with a request named "v"
-    seen = SeenIds(old)
-    assert seen.holder("v", 0.0) == "fp-v" and seen.holder("a", 0.0) == "fp-a"
-    seen.hold("b", "fp-b")
-    seen.save(0.0)
-    assert json.loads(old.value)["v"] == 2
-    assert SeenIds(old).holder("b", 0.0) == "fp-b" and SeenIds(old).holder("v", 0.0) == "fp-v"
-    assert SeenIds(Cell('{"v": 9, "ids": {}}')).ids == {}, "a later version's cell starts afresh, logged"
+    old = json.dumps({"v": ["fp-v", None], "a": ["fp-a", 9e9]})  # version 1, with a request named "v"
+    ids, problem = read_ids(old)
+    assert problem is None and holder(ids, "v", 0.0) == "fp-v" and holder(ids, "a", 0.0) == "fp-a"
+    ids["b"] = ["fp-b", None]
+    written = encode_ids(ids)
+    assert json.loads(written)["v"] == 2
+    again, _ = read_ids(written)
+    assert holder(again, "b", 0.0) == "fp-b" and holder(again, "v", 0.0) == "fp-v"
+    later, problem = read_ids('{"v": 9, "ids": {}}')
+    assert later == {} and "starts afresh" in problem, "a later version's cell starts afresh, and says why"
 
 
 def test_progress_reads_the_previous_version_and_refuses_positions_that_are_not_counts():
     assert read_progress('{"taken": {"k": 3}, "release": {}}').taken == {"k": 3}
     assert read_progress('{"taken": {"k": "3"}, "release": {}}').taken == {}
-    cell = Cell(None)
-    write_progress(cell, KeyProgress(), KeyProgress({"k": 1}, {}))  # a poll emitted the stream's first output
-    assert json.loads(cell.value) == {"taken": {"k": 1}, "release": {}, "v": 1}
+    written = encode_progress(KeyProgress({"k": 1}, {}))  # a poll emitted the stream's first output
+    assert json.loads(written) == {"taken": {"k": 1}, "release": {}, "v": 1}
+    assert encode_progress(KeyProgress()) is None, "an empty progress clears its cell"
 
 
 def test_the_batchers_counters_read_the_previous_version_and_write_a_versioned_one():

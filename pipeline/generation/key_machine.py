@@ -1,0 +1,449 @@
+"""One key of the generate step as a pure state machine: ``step(rules, KeyState, Event) -> (KeyState, Effects)``.
+
+Every promise the generate step makes for a key lives here, and nothing else does: dedupe by id, the queue
+of requests waiting for room and its cap, deadlines, the bound on lost streams, resends, the poll backoff and
+the drain. No Beam, engine, runtime, clock or network: time comes in each event, and every call to the engine
+goes out as an effect whose answer comes back as the next event. The DoFn (:mod:`pipeline.generation.generate`)
+loads a key's cells, steps the machine until it asks nothing more, carries out the effects and commits; the
+worker simulator (``tests/worker_sim``) steps the same machine under millions of schedules.
+
+A callback is a short conversation::
+
+    Arrived   -> submit? -> Submitted                      (a bundle of requests reached the key)
+    PollDue   -> poll?   -> Polled -> submit? -> Submitted (the poll timer fired)
+    DrainDue  -> poll    -> Polled -> poll ... -> Polled   (the job drains; one work item)
+
+:class:`KeyState` carries what the conversation is in the middle of (``pending``); a committed state never
+does. Each request ends exactly once: with its completion from the engine, or a dead letter from here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+from pipeline.contract.call_outcome import Call
+from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
+from pipeline.contract.stream_progress import (
+    DEAD_LETTER,
+    MAX_LOST_STREAMS,
+    KeyProgress,
+    Output,
+    RequestProgress,
+    advance,
+)
+from pipeline.generation import dedupe
+from pipeline.generation.dedupe import IdRecord
+from pipeline.generation.key_events import (
+    WAITING_POLL_CAP_S,
+    Arrived,
+    DrainDue,
+    Effects,
+    Event,
+    PollDue,
+    Polled,
+    Report,
+    Rules,
+    Submission,
+    Submitted,
+)
+from pipeline.generation.key_state import KeyState, RequestEntry
+
+# What a conversation is in the middle of ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Arriving:
+    accepted: tuple[RequestEntry, ...]
+    already: int  # requests waiting before these came
+    arrived: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Polling:
+    entries: tuple[RequestEntry, ...]
+    waiting: tuple[RequestEntry, ...]
+    asked: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class _Resending:
+    remaining: tuple[RequestEntry, ...]  # in flight after the poll; resends among them, streamless
+    resends: tuple[int, ...]  # indexes into remaining, one submission each, in order
+    groups: tuple[tuple[RequestEntry, ...], ...]  # waiting batches, one submission each, after the resends
+    progress: KeyProgress
+
+
+@dataclass(frozen=True)
+class _Draining:
+    entries: tuple[RequestEntry, ...]
+    progress: KeyProgress
+    committed: Mapping[str, int]
+    deadline: float
+    asked: Mapping[str, int]
+
+
+class _Work:
+    """One step's scratch: what it emits and counts, and the key's ids while it changes them."""
+
+    def __init__(self, rules: Rules, state: KeyState, now: float) -> None:
+        self.rules, self.state, self.now = rules, state, now
+        self.outputs: list[Output] = []
+        self.counts: Counter[str] = Counter()
+        self.logs: list[tuple[int, str]] = []
+        self._ids: dedupe.Ids | None = None
+        self._ids_changed = state.seen.changed
+
+    @property
+    def ids(self) -> dedupe.Ids:
+        if self._ids is None:
+            self._ids, problem = self.state.seen.opened()
+            if problem is not None:
+                self.counts["undecodable_state_entries"] += 1
+                self.logs.append((logging.ERROR, problem))
+                self._ids_changed = True
+        return self._ids
+
+    def hold(self, request: InferenceRequest, fingerprint: str) -> None:
+        self.ids[request.id] = [fingerprint, None]
+        self._ids_changed = True
+
+    def end(self, entry: RequestEntry) -> None:
+        """The request ended (its completion or dead letter is emitted in this step): its id is held a while."""
+        dedupe.release(self.ids, entry.request_id, entry.fp, self.now + self.rules.dedupe_window_s, self.now)
+        self._ids_changed = True
+
+    def letter(self, entry: RequestEntry | InferenceRequest, reason: str, *, drain: bool = False) -> None:
+        request = InferenceRequest.from_json(entry.request) if isinstance(entry, RequestEntry) else entry
+        request_json = entry.request if isinstance(entry, RequestEntry) else request.to_json()
+        if drain:  # republishable as it is: already prepared, so parsing applies no defaults again
+            self.counts["drain_dead_letters"] += 1
+            letter = DeadLetter(STAGE_DRAIN, reason + "; republish it with the redrive command", request.to_payload(),
+                                id=request.id, attributes={PREPARED_ATTRIBUTE: "1"}, at=self.now)
+        else:
+            letter = DeadLetter(STAGE_INFERENCE, reason, request_json, id=request.id, at=self.now)
+        self.outputs.append((DEAD_LETTER, letter.to_json()))
+
+    def unique(self, entries: tuple[RequestEntry, ...],
+               besides: tuple[RequestEntry, ...] = ()) -> tuple[RequestEntry, ...]:
+        """The entries less copies of a request held already: a copy gets in only when the record of ids was lost
+        (an unreadable cell), and two entries of one request would share its stream and emit its end twice."""
+        held, unique = {e.fp for e in besides}, []
+        for entry in entries:
+            if entry.fp in held:
+                self.counts["duplicates_dropped"] += 1
+                self.logs.append((logging.WARNING, "A second entry of one request in this key's state (its record "
+                                                   "of ids was lost); dropped"))
+                continue
+            held.add(entry.fp)
+            unique.append(entry)
+        return tuple(unique)
+
+    def forget_ids(self) -> None:
+        self.ids.clear()
+        self._ids_changed = True
+
+    def settle_damage(self) -> None:
+        """Entries that could not be decoded become dead letters with their raw text; ids they held open end."""
+        if not self.state.damaged:
+            return
+        for damaged in self.state.damaged:
+            self.counts["undecodable_state_entries"] += 1
+            self.logs.append((logging.ERROR, f"A state entry of this key cannot be decoded ({damaged.reason}); "
+                                             "it goes to the dead letters"))
+            self.outputs.append((DEAD_LETTER, DeadLetter(
+                STAGE_INFERENCE, f"state entry could not be decoded after an update: {damaged.reason}",
+                damaged.text, at=self.now).to_json()))
+        live = {e.fp for e in self.state.waiting + self.state.inflight}
+        dedupe.release_orphans(self.ids, live, self.now + self.rules.dedupe_window_s, self.now)
+        self._ids_changed = True
+        self.state = replace(self.state, damaged=())
+
+    def arm(self, state: KeyState, at: float) -> tuple[KeyState, float | None]:
+        """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
+        if state.poll_at_ms is not None and state.poll_at_ms / 1000.0 <= at:
+            return state, None
+        return replace(state, poll_at_ms=int(at * 1000)), at
+
+    def done(self, state: KeyState, *, prune: bool = False, **effects: Any) -> tuple[KeyState, Effects]:
+        """The step's end: the ids frozen back into the state (forgetting expired ones when they were read, or
+        ``prune``), and the effects."""
+        seen = state.seen
+        if self._ids is not None or prune:
+            ids = self.ids
+            changed = dedupe.prune(ids, self.now) or self._ids_changed
+            seen = IdRecord(state.seen.text, ids, changed)
+        return replace(state, seen=seen), Effects(outputs=tuple(self.outputs), counts=dict(self.counts),
+                                                  logs=tuple(self.logs), **effects)
+
+
+def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects]:
+    """The key after ``event``, and what the caller must do (see :class:`Effects`)."""
+    pending = state.pending
+    work = _Work(rules, replace(state, pending=None), event.now)
+    if isinstance(event, Arrived) and pending is None:
+        return _arrive(work, event)
+    if isinstance(event, PollDue) and pending is None:
+        return _poll_due(work)
+    if isinstance(event, DrainDue) and pending is None:
+        return _drain_due(work)
+    if isinstance(event, Submitted) and isinstance(pending, _Arriving):
+        return _arrived(work, pending, event.results[0] if event.results else (Call.UNREACHABLE, ()))
+    if isinstance(event, Polled) and isinstance(pending, _Polling):
+        return _polled(work, pending, event)
+    if isinstance(event, Submitted) and isinstance(pending, _Resending):
+        return _resent(work, pending, event.results)
+    if isinstance(event, Polled) and isinstance(pending, _Draining):
+        return _drain_polled(work, pending, event)
+    raise ValueError(f"{type(event).__name__} does not answer what the key is doing ({type(pending).__name__})")
+
+
+def converse(rules: Rules, state: KeyState, event: Event, answer: Callable[[Effects], Event | None]) -> KeyState:
+    """Steps the key from ``event`` until it asks nothing more: ``answer`` carries out each step's effects and
+    returns the engine's answer to what it asked (None: nothing asked). The state to commit."""
+    while True:
+        state, effects = step(rules, state, event)
+        following = answer(effects)
+        if following is None:
+            return state
+        event = following
+
+
+# A bundle of requests ---------------------------------------------------------------------------------------
+
+def _arrive(work: _Work, event: Arrived) -> tuple[KeyState, Effects]:
+    work.settle_damage()
+    accepted = []
+    for request in event.requests:
+        fingerprint = request.fingerprint()
+        holder = dedupe.holder(work.ids, request.id, work.now)
+        if holder == fingerprint:
+            work.counts["duplicates_dropped"] += 1
+            work.logs.append((logging.INFO, f"Request {request.id}: a copy is in flight or finished within "
+                                            "dedupe_window_s; dropped"))
+        elif holder is not None:
+            work.letter(request, "another request with this id is in flight or finished within "
+                                 f"dedupe_window_s={work.rules.dedupe_window_s:g}; give each request its own id")
+        else:
+            work.hold(request, fingerprint)
+            deadline_at = None if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
+            accepted.append(RequestEntry(request.to_json(), fingerprint, deadline_at=deadline_at, batch=event.batch))
+    pending = _Arriving(tuple(accepted), len(work.state.waiting), tuple(r.id for r in event.requests))
+    if accepted and not pending.already:  # once one waits, the rest queue behind it
+        submit = (Submission(tuple(e.request for e in accepted), tuple(e.attempt for e in accepted), True),)
+        return work.done(replace(work.state, pending=pending), submit=submit)
+    return _arrived(work, pending, None)
+
+
+def _taken(entries: tuple[RequestEntry, ...], result: tuple[Call, tuple[str | None, ...]] | None
+           ) -> tuple[tuple[RequestEntry, ...], tuple[RequestEntry, ...]]:
+    """(the entries the engine took, a prefix, with their streams; those left to wait). A failed engine counts as
+    a lost stream for each left (so failures are bounded as moves are)."""
+    if result is None:
+        return (), entries
+    outcome, keys = result
+    if outcome is Call.FAILED:
+        return (), tuple(replace(entry, lost=entry.lost + 1) for entry in entries)
+    sent = tuple(replace(entry, key=key) for entry, key in itertools.takewhile(
+        lambda pair: pair[1] is not None, zip(entries, keys if outcome is Call.ANSWERED else ())))
+    return sent, entries[len(sent):]
+
+
+def _arrived(work: _Work, pending: _Arriving,
+             result: tuple[Call, tuple[str | None, ...]] | None) -> tuple[KeyState, Effects]:
+    sent, left = _taken(pending.accepted, result)
+    room = max(work.rules.waiting_cap - pending.already, 0)
+    for entry in left[room:]:  # admission holds a worker far below this; a key past it sheds, never grows unbounded
+        work.end(entry)
+        work.letter(entry, f"the generate step's queue for its key is full ({work.rules.waiting_cap} requests "
+                           "wait): the workers take more than they can hold; republish it")
+    left = left[:room]
+    work.counts["requests_sent"] += len(sent)
+    work.counts["requests_queued"] += len(left)
+    state = replace(work.state, inflight=work.state.inflight + sent, waiting=work.state.waiting + left)
+    if pending.accepted and state.wait_ms is not None:
+        state = replace(state, wait_ms=None)  # new work: poll at the chunk cadence again
+    state, arm_at = work.arm(state, work.now + work.rules.poll_interval_s)
+    return work.done(state, report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at)
+
+
+# The poll timer ---------------------------------------------------------------------------------------------
+
+def _poll_due(work: _Work) -> tuple[KeyState, Effects]:
+    work.settle_damage()
+    state = replace(work.state, poll_at_ms=None)
+    entries = work.unique(state.inflight)
+    waiting = work.unique(state.waiting, besides=entries)
+    if not entries and not state.progress.release:  # timers can fire twice for one setting
+        pending = _Polling(entries, waiting, {})
+        return _polled(work, pending, Polled(work.now, Call.ANSWERED), state)
+    asked = state.progress.asks([e.key for e in entries if e.key is not None])
+    pending = _Polling(entries, waiting, asked)
+    if not asked:
+        return _polled(work, pending, Polled(work.now, Call.ANSWERED), state)
+    return work.done(replace(state, pending=pending), poll=asked)
+
+
+def _answers(outcome: Call, answers: Mapping[str, list[Output]],
+             entries: tuple[RequestEntry, ...]) -> Mapping[str, list[Output] | None]:
+    """While the runtime is unreachable, none: the streams are asked for again once it is back (a new host no
+    longer knows them, and they are sent again then, once). When the engine failed, every stream is lost."""
+    if outcome is Call.FAILED:
+        return {e.key: None for e in entries if e.key is not None}
+    return answers if outcome is Call.ANSWERED else {}
+
+
+def _advance_all(work: _Work, entries: tuple[RequestEntry, ...], progress: KeyProgress,
+                 answers: Mapping[str, list[Output] | None], asked: Mapping[str, int], *, draining: bool
+                 ) -> tuple[list[RequestEntry], list[int], list[tuple[RequestProgress, bool]]]:
+    """Each request advanced by its stream's answer (:func:`~pipeline.contract.stream_progress.advance`): the
+    requests still in flight, the indexes among them to send again, and each request's progress as settled."""
+    remaining: list[RequestEntry] = []
+    resends: list[int] = []
+    settled: list[tuple[RequestProgress, bool]] = []
+    for entry in entries:
+        current = replace(entry.progress, position=progress.position(entry.key))
+        answer = answers.get(entry.key, []) if entry.key is not None else None
+        after, moved = advance(current, answer, asked.get(entry.key, 0) if entry.key else 0, draining=draining)
+        work.outputs.extend(moved.emit)
+        if moved.give_up:
+            work.end(entry)
+            if draining:
+                work.letter(entry, "its stream was lost while the job drained", drain=True)
+            else:
+                work.letter(entry, f"its stream was lost {entry.lost} times (its key moved away, or its worker "
+                                   "was lost, each time)")
+        elif moved.ended:
+            work.end(entry)
+        elif moved.resend is not None:
+            resends.append(len(remaining))
+            remaining.append(replace(entry, key=None, attempt=moved.resend.attempt, lost=moved.resend.lost))
+            continue  # a resent stream starts at 0: nothing to settle
+        else:
+            remaining.append(replace(entry, key=after.stream, attempt=after.attempt, lost=after.lost))
+        settled.append((after, moved.ended))
+    return remaining, resends, settled
+
+
+def _polled(work: _Work, pending: _Polling, event: Polled,
+            state: KeyState | None = None) -> tuple[KeyState, Effects]:
+    state = state or work.state
+    answers = _answers(event.outcome, event.answers, pending.entries)
+    remaining, resends, settled = _advance_all(work, pending.entries, state.progress, answers, pending.asked,
+                                               draining=False)
+    progress = state.progress.settled(settled) if (pending.entries or state.progress.release) else state.progress
+    live = []
+    for entry in pending.waiting:
+        if entry.deadline_at is not None and work.now > entry.deadline_at:
+            request = InferenceRequest.from_json(entry.request)
+            work.end(entry)
+            work.letter(request, f"its deadline_ms={request.deadline_ms} passed while it waited for the model "
+                                 "server (backlog)")
+        else:
+            live.append(entry)
+    groups = tuple(tuple(group) for _, group in itertools.groupby(live, key=lambda e: e.batch))
+    resending = _Resending(tuple(remaining), tuple(resends), groups, progress)
+    submit = tuple(Submission((remaining[i].request,), (remaining[i].attempt,), False) for i in resends)
+    # Offered even when the engine is full: a retried firing whose first try sent some of them finds the engine
+    # full of exactly those, and submitting again is what joins them (their keys come back, not None).
+    submit += tuple(Submission(tuple(e.request for e in g), tuple(e.attempt for e in g), True) for g in groups)
+    if submit:
+        return work.done(replace(state, pending=resending), submit=submit)
+    return _resent(work, resending, (), state)
+
+
+def _resent(work: _Work, pending: _Resending, results: tuple[tuple[Call, tuple[str | None, ...]], ...],
+            state: KeyState | None = None) -> tuple[KeyState, Effects]:
+    state = state or work.state
+    remaining = list(pending.remaining)
+    for n, index in enumerate(pending.resends):
+        outcome, keys = results[n] if n < len(results) else (Call.UNREACHABLE, ())
+        entry = remaining[index]
+        if outcome is Call.FAILED:  # counts as a lost stream too, so failures are bounded
+            continue
+        if outcome is Call.ANSWERED and keys and keys[0] is not None:
+            work.counts["lost_streams_resubmitted"] += 1
+            work.logs.append((logging.WARNING, f"A lost stream of request {entry.request_id} was sent again as "
+                                               f"{keys[0]}"))
+            remaining[index] = replace(entry, key=keys[0])
+    sent: list[RequestEntry] = []
+    left: list[RequestEntry] = []
+    for n, group in enumerate(pending.groups):
+        result_index = len(pending.resends) + n
+        taken, rest = _taken(group, results[result_index] if result_index < len(results) else None)
+        sent += taken
+        work.counts["requests_admitted_from_queue"] += len(taken)
+        if rest:
+            for entry in rest:
+                if entry.lost < MAX_LOST_STREAMS:
+                    left.append(entry)
+                else:
+                    work.end(entry)
+                    work.letter(entry, f"the engine failed each of the {entry.lost} times it was sent")
+            left += [e for later in pending.groups[n + 1:] for e in later]
+            break
+    state = replace(state, inflight=tuple(remaining) + tuple(sent), waiting=tuple(left), progress=pending.progress)
+    busy = bool(remaining or sent or pending.progress.release)
+    arm_at = None
+    if busy:
+        state, arm_at = work.arm(replace(state, wait_ms=None), work.now + work.rules.poll_interval_s)
+    elif left:  # nothing here can change until another key's stream ends: back off
+        floor_ms = int(work.rules.poll_interval_s * 1000)
+        backoff = min(max(2 * (state.wait_ms or 0), floor_ms), int(WAITING_POLL_CAP_S * 1000))
+        state, arm_at = work.arm(replace(state, wait_ms=backoff), work.now + backoff / 1000)
+    elif (expiry := dedupe.next_expiry(work.ids)) is not None:  # to forget ids once nothing else is left
+        state, arm_at = work.arm(state, expiry + 1.0)
+    return work.done(state, prune=not (remaining or sent or left), report=Report(len(left)), arm_at=arm_at)
+
+
+# The drain ----------------------------------------------------------------------------------------------------
+
+def _drain_due(work: _Work) -> tuple[KeyState, Effects]:
+    """The window is closing (on the global window: the job drains). Requests in flight get ``drain_timeout_s``
+    to finish, in this one work item; what waits is not started: a ``drain`` dead letter at once, for a redrive.
+    Polled from the committed positions, pass after pass, and nothing released: if this work item's commit
+    fails, its retry finds every stream where the last commit left it and collects it again."""
+    work.settle_damage()
+    entries = work.unique(work.state.inflight)
+    for entry in work.unique(work.state.waiting, besides=entries):
+        work.end(entry)
+        work.letter(entry, "the job drained before the request was sent to the model server", drain=True)
+    progress = work.state.progress
+    pending = _Draining(entries, progress, dict(progress.taken), work.now + work.rules.drain_timeout_s, {})
+    # Keys drain one work item at a time, each polling only its own streams: the others' must not lapse.
+    effects = {"hold_leases_s": work.rules.drain_timeout_s, "report": Report(0)}
+    if not entries:
+        return _drain_end(work, pending, **effects)
+    return _drain_ask(work, pending, 0.0, **effects)
+
+
+def _drain_ask(work: _Work, pending: _Draining, delay: float, **effects: Any) -> tuple[KeyState, Effects]:
+    """One pass: the key's streams asked from the positions committed before the drain."""
+    asked = pending.progress.asks([e.key for e in pending.entries if e.key is not None], pending.committed)
+    pending = replace(pending, asked=asked)
+    if not asked:
+        return _drain_polled(work, pending, Polled(work.now, Call.ANSWERED), **effects)
+    return work.done(replace(work.state, pending=pending), poll=asked, poll_after_s=delay, **effects)
+
+
+def _drain_polled(work: _Work, pending: _Draining, event: Polled, **effects: Any) -> tuple[KeyState, Effects]:
+    answers = _answers(event.outcome, event.answers, pending.entries)
+    remaining, _, settled = _advance_all(work, pending.entries, pending.progress, answers, pending.asked,
+                                         draining=True)
+    pending = replace(pending, entries=tuple(remaining), progress=pending.progress.settled(settled, draining=True))
+    if pending.entries and work.now < pending.deadline:
+        return _drain_ask(work, pending, min(work.rules.poll_interval_s, pending.deadline - work.now), **effects)
+    return _drain_end(work, pending, **effects)
+
+
+def _drain_end(work: _Work, pending: _Draining, **effects: Any) -> tuple[KeyState, Effects]:
+    """Unfinished within the timeout: stopped at the server now, and a drain dead letter each. Finished ones stay
+    until the engine's own expiry (request_timeout_s), for a retry of this work item to collect."""
+    for entry in pending.entries:
+        work.letter(entry, f"the job drained and the request did not finish within "
+                           f"drain_timeout_s={work.rules.drain_timeout_s:g}", drain=True)
+    work.forget_ids()
+    cancel = tuple(e.key for e in pending.entries if e.key is not None)
+    return work.done(KeyState(), cancel=cancel, disarm=True, **effects)

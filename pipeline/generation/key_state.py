@@ -1,0 +1,198 @@
+"""One key's state in the generate step: the frozen record the key machine steps, and its cells. Pure.
+
+:class:`KeyState` is what :func:`pipeline.generation.key_machine.step` reads and returns; :func:`load` builds it
+from the DoFn's state cells and :func:`changes` says which cells a step changed, so a callback writes only
+those. The cells and their coders are a contract with every running job (Dataflow's update compares them), so
+their names and encodings stay as they were; each cell's text carries a version (:data:`STATE_VERSION`,
+:mod:`pipeline.contract.state_format`).
+
+Cells, each written only when it changes:
+
+* ``waiting``: requests the engine had no room for, admitted in arrival order as streams finish.
+* ``inflight``: requests the engine is streaming. One whose stream is lost is sent again as a new ``attempt``.
+* ``progress``: per stream, how many of its outputs were emitted (:class:`~pipeline.contract.stream_progress.
+  KeyProgress`), written in the same commit as the outputs: what makes a poll safe to retry.
+* ``seen``: the ids of requests waiting, in flight, or finished within ``dedupe_window_s``
+  (:mod:`pipeline.generation.dedupe`).
+* ``poll_at_ms`` and ``wait_ms``: when the poll timer is set for, and the backoff of a key whose requests only
+  wait (integers under Beam's ``VarIntCoder``, versioned by name).
+
+An entry that cannot be decoded (after an update changed the format) is kept aside as ``damaged``: the next
+step turns it into a dead letter with its raw text, and the key goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
+from pipeline.contract.stream_progress import KeyProgress, RequestProgress
+from pipeline.generation.dedupe import IdRecord, encode_ids
+
+LOGGER = logging.getLogger(__name__)
+# Version 1: entries without "v" (commit 41b0859); 2 adds "v" and moves progress to its own cell.
+STATE_VERSION = 2
+PROGRESS_VERSION = 1  # cells written before versions have none: the same fields
+_ENTRY_FIELDS = {"request": (str,), "fp": (str,), "attempt": (int,), "key": (str, type(None)),
+                 "deadline_at": (int, float, type(None))}
+
+
+@dataclass(frozen=True)
+class RequestEntry:
+    """One request this key holds, waiting for room or in flight: an entry of the ``waiting`` or ``inflight`` bag."""
+
+    request: str  # the request as JSON (InferenceRequest.to_json)
+    fp: str  # its fingerprint: two requests that share an id are told apart by it
+    attempt: int = 1  # the attempt its stream runs as (a lost stream is sent again as the next)
+    key: str | None = None  # its stream at the engine; None while waiting, or lost while the engine was full
+    deadline_at: float | None = None  # when its own deadline_ms passes (epoch seconds), if it has one
+    batch: str | None = None  # the batcher's batch it came in: a static-batching engine takes a batch whole
+    lost: int = 0  # how many of its streams were lost (bounded apart from attempts)
+
+    @property
+    def request_id(self) -> str:
+        return InferenceRequest.from_json(self.request).id
+
+    @property
+    def progress(self) -> RequestProgress:
+        return RequestProgress(self.key, 0, self.attempt, self.lost)
+
+    def encode(self) -> str:
+        return write_cell(asdict(self), STATE_VERSION)
+
+    @classmethod
+    def decode(cls, text: str) -> RequestEntry:
+        """An entry, upgraded from any version this code knows; raises StateFormatError."""
+        data = read_cell(text, (1, STATE_VERSION), _ENTRY_FIELDS)
+        try:
+            InferenceRequest.from_json(data["request"])
+        except ValueError as exc:
+            raise StateFormatError(f"its request does not decode: {exc}") from None
+        lost = data.get("lost", 0)  # absent before streams lost were counted apart from attempts: none known
+        if not isinstance(lost, int) or isinstance(lost, bool) or lost < 0:
+            raise StateFormatError("field 'lost' of the wrong type")
+        batch = data.get("batch")  # absent before batches were kept whole: each entry its own
+        if batch is not None and not isinstance(batch, str):
+            raise StateFormatError("field 'batch' of the wrong type")
+        return cls(data["request"], data["fp"], data["attempt"], data["key"], data["deadline_at"], batch, lost)
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A state entry that could not be decoded: its raw text and why."""
+
+    text: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KeyState:
+    """Everything the generate step keeps for one key (see the module docstring)."""
+
+    waiting: tuple[RequestEntry, ...] = ()
+    inflight: tuple[RequestEntry, ...] = ()
+    progress: KeyProgress = field(default_factory=KeyProgress)
+    seen: IdRecord = field(default_factory=IdRecord)
+    poll_at_ms: int | None = None
+    wait_ms: int | None = None
+    damaged: tuple[Damaged, ...] = ()
+    # What a step is waiting for the engine to answer (pipeline.generation.key_machine); never committed.
+    pending: Any = None
+
+    @property
+    def holds_work(self) -> bool:
+        """Whether the key holds a request or a finished stream to release (a poll must come)."""
+        return bool(self.waiting or self.inflight or self.progress.release)
+
+
+def _positions(value: dict) -> dict[str, int]:
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value.values()):
+        raise StateFormatError("a position is not a whole number")
+    return {str(key): n for key, n in value.items()}
+
+
+def read_progress(text: str | None) -> KeyProgress:
+    """The key's progress cell; an unreadable one reads as empty: polled from their start, its streams are found
+    released and sent again, so nothing is lost."""
+    if not text:
+        return KeyProgress()
+    try:
+        data = read_cell(text, (PROGRESS_VERSION,), {"taken": (dict,), "release": (dict,)})
+        return KeyProgress(_positions(data["taken"]), _positions(data["release"]))
+    except StateFormatError as exc:
+        LOGGER.error("Unreadable progress state (%s); this key's streams will be sent again", exc)
+        return KeyProgress()
+
+
+def encode_progress(progress: KeyProgress) -> str | None:
+    """The progress cell's text (None: cleared)."""
+    if not (progress.taken or progress.release):
+        return None
+    return write_cell({"taken": dict(progress.taken), "release": dict(progress.release)}, PROGRESS_VERSION)
+
+
+def _entries(texts: Iterable[str]) -> tuple[tuple[RequestEntry, ...], tuple[Damaged, ...]]:
+    entries, damaged = [], []
+    for text in texts:
+        try:
+            entries.append(RequestEntry.decode(text))
+        except StateFormatError as exc:
+            damaged.append(Damaged(text, str(exc)))
+    return tuple(entries), tuple(damaged)
+
+
+def load(*, waiting: Iterable[str], inflight: Iterable[str], progress: str | None = None, seen: str | None = None,
+         poll_at_ms: int | None = None, wait_ms: int | None = None) -> KeyState:
+    """A key's state from its cells as committed (any version this code knows)."""
+    in_flight, damaged_in_flight = _entries(inflight)
+    queued, damaged_queued = _entries(waiting)
+    return KeyState(queued, in_flight, read_progress(progress), IdRecord(seen), poll_at_ms, wait_ms,
+                    damaged_in_flight + damaged_queued)
+
+
+@dataclass(frozen=True)
+class BagChange:
+    """How a bag changed: entries appended to what it held, or (``rewrite``) its whole new content."""
+
+    entries: tuple[str, ...]
+    rewrite: bool
+
+
+@dataclass(frozen=True)
+class CellChanges:
+    """The cells a step changed, as the DoFn writes them: None clears a value cell; unchanged ones are absent."""
+
+    bags: dict[str, BagChange]
+    values: dict[str, object]
+
+
+def _bag(before: tuple[RequestEntry, ...], after: tuple[RequestEntry, ...], damaged: bool) -> BagChange | None:
+    if after == before and not damaged:
+        return None
+    if not damaged and after[:len(before)] == before:
+        return BagChange(tuple(e.encode() for e in after[len(before):]), rewrite=False)
+    return BagChange(tuple(e.encode() for e in after), rewrite=True)
+
+
+def changes(before: KeyState, after: KeyState) -> CellChanges:
+    """The cell writes that turn ``before`` (as loaded) into ``after``."""
+    if after.pending is not None:
+        raise ValueError("a key is committed while it waits for the engine's answer")
+    bags = {}
+    damaged = bool(before.damaged)
+    for name in ("waiting", "inflight"):
+        change = _bag(getattr(before, name), getattr(after, name), damaged)
+        if change is not None:
+            bags[name] = change
+    values: dict[str, object] = {}
+    if after.progress != before.progress:
+        values["progress"] = encode_progress(after.progress)
+    if after.seen.changed and after.seen.ids is not None:
+        values["seen"] = encode_ids(after.seen.ids)
+    for name in ("poll_at_ms", "wait_ms"):
+        if getattr(after, name) != getattr(before, name):
+            values[name] = getattr(after, name)
+    return CellChanges(bags, values)
