@@ -1,0 +1,105 @@
+"""The key machine under the worker simulator (tests/worker_sim.py): thousands of drawn schedules of failed
+commits, redeliveries, key moves, host deaths, unreachable and failing engines, late timers and drains.
+
+``WORKER_SIM_SCHEDULES`` sets how many (default 10,000; a million for the long run). A failing schedule names
+its seed, and ``tests.worker_sim.run(seed)`` replays it exactly. The last tests break, one at a time, the line
+that protects each invariant, and show the simulator catches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from pipeline.generation import key_machine, key_state
+from tests import worker_sim
+
+SCHEDULES = int(os.environ.get("WORKER_SIM_SCHEDULES", "10000"))
+
+
+def _play(seeds: range) -> list[str]:
+    failures = []
+    for seed in seeds:
+        try:
+            worker_sim.check(worker_sim.run(seed))
+        except worker_sim.Violation as violation:
+            failures.append(str(violation))
+    return failures
+
+
+def test_every_invariant_holds_on_every_drawn_schedule():
+    workers = max(os.cpu_count() or 1, 1)
+    step = 250
+    with ProcessPoolExecutor(workers) as pool:
+        failures = [f for found in pool.map(_play, [range(n, min(n + step, SCHEDULES))
+                                                     for n in range(0, SCHEDULES, step)]) for f in found]
+    assert not failures, f"{len(failures)} of {SCHEDULES} schedules failed:\n" + "\n".join(failures[:10])
+
+
+def test_a_schedule_replays_exactly_from_its_seed():
+    first, again = worker_sim.run(187), worker_sim.run(187)
+    assert (first.chunks, first.ended, first.generated, first.work_items) == \
+           (again.chunks, again.ended, again.generated, again.work_items)
+    assert first.work_items > 20 and first.schedule.faults.commit_fails, "a schedule with faults in it"
+
+
+def test_without_faults_every_request_is_answered_and_nothing_is_generated_twice():
+    for seed in range(300):
+        report = worker_sim.run(seed, faults=False)
+        worker_sim.check(report)
+        assert not report.letters, (seed, dict(report.letters))
+        assert report.generated == report.delivered, seed
+
+
+def _caught(seeds: range = range(400)) -> list[str]:
+    return _play(seeds)
+
+
+def test_it_bites_when_the_progress_commit_is_skipped(monkeypatch):
+    """Positions not committed with the outputs: a retried or later poll hands chunks over again."""
+    real = key_state.changes
+
+    def without_progress(before, after):
+        changed = real(before, after)
+        changed.values.pop("progress", None)
+        return changed
+
+    monkeypatch.setattr(key_state, "changes", without_progress)
+    assert any("delivered" in f or "ended" in f for f in _caught()), "a skipped progress commit went unseen"
+
+
+def test_it_bites_when_the_dedupe_check_is_dropped(monkeypatch):
+    """Every redelivered copy taken as a new request: a request ends twice."""
+    monkeypatch.setattr(key_machine.dedupe, "holder", lambda ids, request_id, now: None)
+    assert any("ended 2 times" in f for f in _caught()), "a dropped dedupe check went unseen"
+
+
+def test_it_bites_when_a_drain_keeps_state(monkeypatch):
+    """A drain that forgets to clear its key leaves state behind."""
+    real = key_machine._drain_end
+
+    def keeping(work, pending, **effects):
+        state, effects_out = real(work, pending, **effects)
+        return dataclasses.replace(state, wait_ms=7), effects_out
+
+    monkeypatch.setattr(key_machine, "_drain_end", keeping)
+    assert any("after its drain" in f for f in _caught(range(50))), "state left after a drain went unseen"
+
+
+def test_it_bites_when_a_finished_stream_is_never_released(monkeypatch):
+    """A poll that keeps asking for ended streams: the key never goes idle, and the simulator says so."""
+    real = key_machine._resent
+
+    def never_idle(work, pending, results, state=None):
+        out_state, effects = real(work, pending, results, state)
+        if not out_state.inflight and not out_state.waiting:
+            effects = dataclasses.replace(effects, arm_at=work.now + 0.05)
+            out_state = dataclasses.replace(out_state, poll_at_ms=int((work.now + 0.05) * 1000))
+        return out_state, effects
+
+    monkeypatch.setattr(key_machine, "_resent", never_idle)
+    with pytest.raises(worker_sim.Violation, match="polls without end"):
+        worker_sim.run(1, faults=False, max_items=3000)

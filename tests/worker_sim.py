@@ -1,0 +1,426 @@
+"""A deterministic simulation of the generate step on Dataflow workers: the real key machine, simulated world.
+
+What runs for real: the key machine (:func:`pipeline.generation.key_machine.converse`, the same loop the DoFn
+runs), each key's state loaded from and committed to its cells by the real codec
+(:mod:`pipeline.generation.key_state`), and the engine side of the poll contract (the real
+:class:`~pipeline.contract.stream_progress.OutputWindow`). What is simulated, each rule from the runner's
+documented semantics (the same rules ``local/runner_semantics.py`` follows, with its citations):
+
+* time: a clock that moves only when the scheduler says; timers fire at or after their time, late by a drawn
+  amount ("timers ... fire at or after", Beam's state and timers guide);
+* work items: a bundle of requests for a key, or one firing of its poll or drain timer, one key at a time,
+  committed whole or not at all (Beam's "Bundling and persistence"; Dataflow retries a failed streaming work
+  item indefinitely): a failed commit discards the outputs and state writes, and the bundle is delivered again
+  or the committed timer fires again;
+* redelivery: Pub/Sub delivers at least once, so a bundle may arrive twice;
+* keys move between workers (Streaming Engine keeps state in the service; the old worker's engine keeps its
+  streams), a worker's engine host dies (every stream it held is gone), the runtime is unreachable or the
+  engine raises on a call, each at drawn rates;
+* the model server: tokens at a drawn rate per stream, at most ``max_in_flight`` unfinished streams per engine,
+  a retried submission of the same request and attempt joining its stream (as ``EngineBase.submit_batch``).
+
+:func:`run` plays one schedule from a seed and returns its :class:`Report`; :func:`check` raises
+:class:`Violation` naming the seed when an invariant fails, so ``run(seed)`` replays it exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pipeline.contract.call_outcome import Call
+from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, Output, OutputWindow
+from pipeline.generation import key_state
+from pipeline.generation.key_events import (
+    Arrived,
+    DrainDue,
+    Effects,
+    Event,
+    PollDue,
+    Polled,
+    Rules,
+    Submission,
+    Submitted,
+)
+from pipeline.generation.key_machine import converse
+from pipeline.generation.key_state import KeyState
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Per work item (or per call), the chance of each fault."""
+
+    commit_fails: float = 0.0
+    key_moves: float = 0.0
+    host_dies: float = 0.0
+    unreachable: float = 0.0
+    engine_fails: float = 0.0
+    redelivered: float = 0.0
+    late_s: float = 0.0  # timers fire late by up to this
+
+    @property
+    def loses_streams(self) -> bool:
+        """Whether the schedule may lose streams that were generating (so regenerate tokens)."""
+        return bool(self.key_moves or self.host_dies)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One drawn world: its sizes, rates and faults."""
+
+    seed: int
+    keys: int
+    workers: int
+    max_in_flight: int
+    requests: int
+    tokens: tuple[int, ...]  # each request's answer length
+    arrivals: tuple[float, ...]  # when each request is published
+    rate_tps: float  # tokens a second per stream
+    chunk_tokens: int
+    faults: Faults
+    rules: Rules
+
+    @classmethod
+    def draw(cls, seed: int, *, faults: bool = True) -> Schedule:
+        rng = random.Random(seed)
+        requests = rng.randint(1, 14)
+        chance = (lambda p: rng.choice([0.0, p])) if faults else (lambda p: 0.0)
+        drawn = Faults(commit_fails=chance(0.2), key_moves=chance(0.05), host_dies=chance(0.01),
+                       unreachable=chance(0.05), engine_fails=chance(0.03), redelivered=chance(0.2),
+                       late_s=rng.choice([0.0, 0.2, 2.0]))
+        rules = Rules(poll_interval_s=0.05, dedupe_window_s=rng.choice([30.0, 600.0]),
+                      drain_timeout_s=rng.choice([0.5, 30.0]), waiting_cap=rng.randint(2, 24))
+        return cls(seed, rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 6), requests,
+                   tuple(rng.randint(1, 24) for _ in range(requests)),
+                   tuple(sorted(rng.uniform(0, 2.0) for _ in range(requests))),
+                   rng.choice([20.0, 200.0, 2000.0]), rng.choice([1, 4]), drawn, rules)
+
+
+class Violation(AssertionError):
+    def __init__(self, seed: int, what: str) -> None:
+        super().__init__(f"seed {seed}: {what} (replay: tests.worker_sim.run({seed}))")
+
+
+@dataclass
+class _Stream:
+    request: InferenceRequest
+    attempt: int
+    started: float
+    rate: float
+    chunk_tokens: int
+    window: OutputWindow = field(default_factory=OutputWindow)
+    produced: int = 0
+    chunks: int = 0
+    cut: int = 0  # tokens already in chunks
+    text: str = ""
+    done: bool = False
+
+    def advance(self, now: float) -> int:
+        """Generates up to ``now``; the tokens it generated."""
+        if self.done:
+            return 0
+        total = self.request.max_tokens or 1
+        target = min(total, int((now - self.started) * self.rate) + 1)  # the first token at once
+        made = max(target - self.produced, 0)
+        for n in range(self.produced, self.produced + made):
+            self.text += f"t{n} "
+            if (n + 1) % self.chunk_tokens == 0 or n + 1 == total:
+                self._chunk(n + 1)
+        self.produced += made
+        if self.produced == total:
+            self.done = True
+            self.window.add((COMPLETION, json.dumps({
+                "id": self.request.id, "attempt": self.attempt, "text": self.text, "tokens": total,
+                "chunks": self.chunks, "time_to_first_token_ms": None, "output_error": None,
+                "finish_reason": "length", "accelerator_seconds": 0.0})))
+        return made
+
+    def _chunk(self, upto: int) -> None:
+        text = "".join(f"t{n} " for n in range(self.cut, upto))
+        self.cut = upto
+        self.window.add((CHUNK, json.dumps({"id": self.request.id, "attempt": self.attempt, "seq": self.chunks,
+                                            "text": text})))
+        self.chunks += 1
+
+
+class SimEngine:
+    """One worker's model server and engine registry, as the poll contract states it (``EngineBase``)."""
+
+    def __init__(self, name: str, schedule: Schedule) -> None:
+        self.name, self.schedule = name, schedule
+        self.streams: dict[str, _Stream] = {}
+        self.generated = 0
+
+    def unfinished(self) -> int:
+        return sum(not s.done for s in self.streams.values())
+
+    def submit(self, request_jsons: tuple[str, ...], attempts: tuple[int, ...], now: float) -> list[str | None]:
+        requests = [InferenceRequest.from_json(text) for text in request_jsons]
+        keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}@{self.name}" for r, a in zip(requests, attempts)]
+        room = max(self.schedule.max_in_flight - self.unfinished(), 0)
+        for i, key in enumerate(list(keys)):
+            if key is None or key in self.streams:
+                continue
+            if room <= 0:
+                keys[i] = None
+                continue
+            room -= 1
+            self.streams[key] = _Stream(requests[i], attempts[i], now, self.schedule.rate_tps,
+                                        self.schedule.chunk_tokens)
+            self.generated += self.streams[key].advance(now)
+        return keys
+
+    def poll(self, positions: dict[str, int]) -> dict[str, list[Output]]:
+        ready: dict[str, list[Output]] = {}
+        for key, position in positions.items():
+            stream = self.streams.get(key)
+            if stream is None or stream.window.read(position) is None:
+                ready[key] = [(UNKNOWN, "")]
+                continue
+            if stream.done and not len(stream.window):
+                del self.streams[key]
+                ready[key] = []
+                continue
+            ready[key] = list(stream.window.outputs)
+        return ready
+
+    def cancel(self, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            self.streams.pop(key, None)
+
+    def advance(self, now: float) -> None:
+        for stream in self.streams.values():
+            self.generated += stream.advance(now)
+
+
+@dataclass
+class _Key:
+    """What the runner keeps for one key: its committed cells and timers."""
+
+    cells: dict[str, Any] = field(default_factory=lambda: {"waiting": [], "inflight": []})
+    poll_at: float | None = None
+    drain_set: bool = False
+
+    def load(self) -> KeyState:
+        c = self.cells
+        return key_state.load(waiting=c["waiting"], inflight=c["inflight"], progress=c.get("progress"),
+                              seen=c.get("seen"), poll_at_ms=c.get("poll_at_ms"), wait_ms=c.get("wait_ms"))
+
+    def commit(self, before: KeyState, after: KeyState) -> None:
+        changed = key_state.changes(before, after)
+        for name, change in changed.bags.items():
+            self.cells[name] = list(change.entries) if change.rewrite else self.cells[name] + list(change.entries)
+        for name, value in changed.values.items():
+            self.cells[name] = value
+
+
+@dataclass
+class Report:
+    schedule: Schedule
+    ended: Counter[str] = field(default_factory=Counter)  # request id -> completions + dead letters committed
+    completions: dict[str, dict] = field(default_factory=dict)
+    letters: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
+    chunks: Counter[tuple[str, int, int]] = field(default_factory=Counter)  # (id, attempt, seq) committed
+    chunk_text: dict[tuple[str, int, int], str] = field(default_factory=dict)
+    generated: int = 0
+    delivered: int = 0
+    ended_before_drain: set[str] = field(default_factory=set)
+    moves: int = 0
+    host_deaths: int = 0
+    work_items: int = 0
+    left_state: dict[int, dict] = field(default_factory=dict)
+
+
+class _World:
+    def __init__(self, schedule: Schedule) -> None:
+        self.s = schedule
+        self.rng = random.Random(schedule.seed * 7919 + 1)
+        self.now = 0.0
+        self.engines = {f"w{n}": SimEngine(f"w{n}", schedule) for n in range(schedule.workers)}
+        self.owner = {key: "w0" for key in range(schedule.keys)}
+        self.keys = {key: _Key() for key in range(schedule.keys)}
+        self.report = Report(schedule)
+        self.bundles: list[tuple[float, int, tuple[InferenceRequest, ...]]] = []
+        self.faulty = True
+        for i, at in enumerate(schedule.arrivals):
+            request = InferenceRequest(id=f"r{i}", prompt=f"p{i}", max_tokens=schedule.tokens[i], prompt_tokens=1,
+                                       received_at=at)
+            self.bundles.append((at, i % schedule.keys, (request,)))
+
+    def chance(self, p: float) -> bool:
+        return self.faulty and p > 0 and self.rng.random() < p
+
+    def engine_of(self, key: int) -> SimEngine:
+        return self.engines[self.owner[key]]
+
+    def tick(self, to: float) -> None:
+        self.now = max(self.now, to)
+        for engine in self.engines.values():
+            engine.advance(self.now)
+
+    def call(self, key: int, what: Callable[[SimEngine], Any]) -> tuple[Call, Any]:
+        if self.chance(self.s.faults.unreachable):
+            return Call.UNREACHABLE, None
+        if self.chance(self.s.faults.engine_fails):
+            return Call.FAILED, None
+        return Call.ANSWERED, what(self.engine_of(key))
+
+    def work_item(self, key: int, event: Event) -> bool:
+        """One work item of ``key``; whether it committed."""
+        self.report.work_items += 1
+        record = self.keys[key]
+        before = record.load()
+        outputs: list[Output] = []
+        timer: list[float | None] = []  # the poll timer's last setting in this work item (None: cleared)
+
+        def answer(effects: Effects) -> Event | None:
+            outputs.extend(effects.outputs)
+            if effects.cancel:
+                self.engine_of(key).cancel(effects.cancel)
+            if effects.disarm:
+                timer.append(None)
+            elif effects.arm_at is not None:
+                timer.append(effects.arm_at)
+            if effects.poll is not None:
+                self.tick(self.now + effects.poll_after_s)
+                outcome, answers = self.call(key, lambda engine: engine.poll(dict(effects.poll or {})))
+                return Polled(self.now, outcome, answers or {})
+            if effects.submit:
+                return Submitted(self.now, self._submit(key, effects.submit))
+            return None
+
+        after = converse(self.s.rules, before, event, answer)
+        if self.chance(self.s.faults.commit_fails):
+            return False
+        record.commit(before, after)
+        if isinstance(event, PollDue):
+            record.poll_at = None  # a timer that fires is cleared unless the callback sets it again
+        if timer:
+            record.poll_at = timer[-1]
+        self._deliver(outputs)
+        return True
+
+    def _submit(self, key: int, submissions: tuple[Submission, ...]) -> tuple[tuple[Call, tuple[str | None, ...]], ...]:
+        results = []
+        for submission in submissions:
+            outcome, keys = self.call(key, lambda engine: engine.submit(submission.requests, submission.attempts,
+                                                                        self.now))
+            result = (outcome, tuple(keys) if outcome is Call.ANSWERED else ())
+            results.append(result)
+            if submission.stop_if_short and (outcome is not Call.ANSWERED or None in result[1]):
+                break
+        return tuple(results)
+
+    def _deliver(self, outputs: list[Output]) -> None:
+        r = self.report
+        for kind, payload in outputs:
+            record = json.loads(payload)
+            if kind == CHUNK:
+                index = (record["id"], record["attempt"], record["seq"])
+                r.chunks[index] += 1
+                r.chunk_text[index] = record["text"]
+            elif kind == COMPLETION:
+                r.ended[record["id"]] += 1
+                r.completions[record["id"]] = record
+                r.delivered += record["tokens"]
+            else:
+                assert kind == DEAD_LETTER, kind
+                r.ended[record["id"]] += 1
+                r.letters[record["id"]].append(record)
+
+    def due(self) -> list[tuple[str, int, Any]]:
+        items: list[tuple[str, int, Any]] = [("bundle", key, b) for b in self.bundles if b[0] <= self.now
+                                             for key in (b[1],)]
+        items += [("poll", key, None) for key, k in self.keys.items()
+                  if k.poll_at is not None and k.poll_at <= self.now]
+        return items
+
+    def next_time(self) -> float | None:
+        times = [b[0] for b in self.bundles] + [k.poll_at for k in self.keys.values() if k.poll_at is not None]
+        return min(times) if times else None
+
+    def step(self) -> bool:
+        """One work item, or the clock moved to the next one; False when nothing is left to do."""
+        items = self.due()
+        if not items:
+            upcoming = self.next_time()
+            if upcoming is None:
+                return False
+            late = self.rng.uniform(0, self.s.faults.late_s) if self.faulty else 0.0
+            self.tick(upcoming + late)
+            return True
+        kind, key, payload = items[self.rng.randrange(len(items))]
+        if kind == "bundle":
+            self.bundles.remove(payload)
+            committed = self.work_item(key, Arrived(self.now, payload[2], f"b{self.rng.randrange(10**9)}"))
+            self.keys[key].drain_set = True
+            if not committed or self.chance(self.s.faults.redelivered):
+                self.bundles.append((self.now + self.rng.uniform(0.01, 0.5), key, payload[2]))
+        else:
+            self.work_item(key, PollDue(self.now))
+        self.tick(self.now + self.rng.uniform(0.0005, 0.005))
+        if self.chance(self.s.faults.key_moves) and self.s.workers > 1:
+            moved = self.rng.randrange(self.s.keys)
+            self.owner[moved] = self.rng.choice(sorted(self.engines))
+            self.report.moves += 1
+        if self.chance(self.s.faults.host_dies):
+            dead = self.rng.choice(sorted(self.engines))
+            self.report.generated += self.engines[dead].generated
+            self.engines[dead] = SimEngine(f"{dead}'", self.s)  # a new host: new stream keys, none of the old
+            self.report.host_deaths += 1
+        return True
+
+
+def run(seed: int, *, faults: bool = True, max_items: int = 20_000) -> Report:
+    """Plays the schedule of ``seed``: arrivals with faults, then a calm spell (faults off) until every key is idle
+    or the clock passes 600 s, then a drain of every key. Deterministic in ``seed``."""
+    world = _World(Schedule.draw(seed, faults=faults))
+    while world.step():
+        if world.report.work_items > max_items:
+            raise Violation(seed, f"more than {max_items} work items: a key polls without end")
+        if world.now > 60 and world.faulty:
+            world.faulty = False  # the calm spell: whatever the faults left must now finish
+        if world.now > 600:
+            break
+    world.report.ended_before_drain = set(world.report.ended)
+    world.report.generated += sum(e.generated for e in world.engines.values())
+    world.faulty = True
+    for key, record in world.keys.items():
+        if not record.drain_set:
+            continue
+        while not world.work_item(key, DrainDue(world.now)):
+            pass  # a failed commit: the runner fires the drain timer again
+        world.report.left_state[key] = {k: v for k, v in record.cells.items() if v}
+    return world.report
+
+
+def check(report: Report) -> None:
+    """Raises :class:`Violation` unless every invariant holds for the played schedule."""
+    s, seed = report.schedule, report.schedule.seed
+    ids = {f"r{i}" for i in range(s.requests)}
+    for request_id in sorted(ids):
+        if report.ended[request_id] != 1:
+            raise Violation(seed, f"request {request_id} ended {report.ended[request_id]} times")
+    for request_id, completion in report.completions.items():
+        attempt, n = completion["attempt"], completion["chunks"]
+        seqs = [report.chunks[(request_id, attempt, q)] for q in range(n)]
+        if seqs != [1] * n:
+            raise Violation(seed, f"request {request_id} attempt {attempt}: chunks delivered {seqs}, not once each")
+        text = "".join(report.chunk_text[(request_id, attempt, q)] for q in range(n))
+        if text != completion["text"]:
+            raise Violation(seed, f"request {request_id}: its chunks do not add up to its completion")
+    for index, times in report.chunks.items():
+        if times != 1:
+            raise Violation(seed, f"chunk {index} delivered {times} times")
+    if report.ended_before_drain != ids:
+        raise Violation(seed, f"requests wedged until the drain: {sorted(ids - report.ended_before_drain)}")
+    for key, cells in report.left_state.items():
+        if cells:
+            raise Violation(seed, f"key {key} holds state after its drain: {sorted(cells)}")
+    if not s.faults.loses_streams and report.generated > 1.05 * report.delivered + 1:
+        raise Violation(seed, f"{report.generated} tokens generated for {report.delivered} delivered, no stream "
+                              "lost to a move or a host death")
