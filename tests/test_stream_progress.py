@@ -77,6 +77,20 @@ def test_a_lost_stream_is_sent_again_past_every_attempt_seen_until_too_many_were
     assert step.ended and step.give_up, "a drain sends nothing again: the stream goes to the next job"
 
 
+def test_a_request_waiting_to_be_sent_again_is_not_lost_again_at_every_poll():
+    """Found by the worker simulator (seed 325, engine failures only, max_in_flight 1): a request whose stream
+    was lost while the engine was full counted one more lost stream at each poll while it waited, and was
+    dead-lettered as moved eight times after eight polls."""
+    _, step = advance(RequestProgress("s", attempt=2), [(UNKNOWN, "")], 0)
+    waiting = step.resend
+    for _ in range(10 * MAX_LOST_STREAMS):  # the engine stays full: every resend is refused
+        waiting, step = advance(waiting, None, 0)
+        assert step.resend == waiting and not step.give_up
+    assert (waiting.attempt, waiting.lost) == (3, 1), "the same attempt, one loss, however long it waits"
+    _, step = advance(replace(waiting, lost=MAX_LOST_STREAMS + 1), None, 0)
+    assert step.give_up, "failed resends are counted by the caller, and bounded"
+
+
 # A schedule: the stream produces outputs (the last one its end), and work items that commit or fail.
 _steps = st.lists(st.one_of(
     st.tuples(st.just("produce"), st.integers(1, 3)),

@@ -50,8 +50,16 @@ def test_without_faults_every_request_is_answered_and_nothing_is_generated_twice
     for seed in range(300):
         report = worker_sim.run(seed, faults=False)
         worker_sim.check(report)
-        assert not report.letters, (seed, dict(report.letters))
+        reasons = {letters[0]["reason"] for letters in report.letters.values()}
+        assert all("queue for its key is full" in r for r in reasons), (seed, reasons)  # the drawn waiting cap
         assert report.generated == report.delivered, seed
+
+
+def test_a_request_waiting_for_room_to_be_resent_is_not_lost_again_at_each_poll():
+    """Seed 325: engine failures only, max_in_flight 1; a request was dead-lettered as moved eight times."""
+    report = worker_sim.run(325)
+    assert report.ended_before_drain == {f"r{i}" for i in range(report.schedule.requests)}
+    assert not report.letters, {i: letters[0]["reason"] for i, letters in report.letters.items()}
 
 
 def _caught(seeds: range = range(400)) -> list[str]:

@@ -94,6 +94,12 @@ def advance(progress: RequestProgress, answer: list[Output] | None, asked_from: 
             *, draining: bool = False) -> tuple[RequestProgress, Step]:
     """The request after the engine answered ``answer`` for its stream asked from ``asked_from`` (None: the
     request has no stream to ask); in a drain a lost stream is given up rather than sent again."""
+    if progress.stream is None and not draining:
+        # Lost earlier and not sent again yet (the engine had no room): nothing was lost since, so it is only
+        # still to send, at the same attempt. Its engine's failures count when a resend fails (the caller's).
+        if progress.lost > MAX_LOST_STREAMS:
+            return progress, Step(ended=True, give_up=True)
+        return progress, Step(resend=progress)
     if progress.stream is None or answer is None or (answer and answer[0][0] == UNKNOWN):
         lost = replace(progress, stream=None, position=0)
         if draining or progress.lost >= MAX_LOST_STREAMS:

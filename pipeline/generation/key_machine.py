@@ -362,6 +362,7 @@ def _resent(work: _Work, pending: _Resending, results: tuple[tuple[Call, tuple[s
         outcome, keys = results[n] if n < len(results) else (Call.UNREACHABLE, ())
         entry = remaining[index]
         if outcome is Call.FAILED:  # counts as a lost stream too, so failures are bounded
+            remaining[index] = replace(entry, lost=entry.lost + 1)
             continue
         if outcome is Call.ANSWERED and keys and keys[0] is not None:
             work.counts["lost_streams_resubmitted"] += 1
