@@ -83,6 +83,7 @@ class _Draining:
     committed: Mapping[str, int]
     deadline: float
     asked: Mapping[str, int]
+    abandoned: tuple[str, ...] = ()  # streams given up on a failed poll: cancelled with the rest at the end
 
 
 class _Work:
@@ -286,25 +287,36 @@ def _poll_due(work: _Work) -> tuple[KeyState, Effects]:
     return work.done(replace(state, pending=pending), poll=asked)
 
 
-def _answers(outcome: Call, answers: Mapping[str, list[Output]],
-             entries: tuple[RequestEntry, ...]) -> Mapping[str, list[Output] | None]:
-    """While the runtime is unreachable, none: the streams are asked for again once it is back (a new host no
-    longer knows them, and they are sent again then, once). When the engine failed, every stream is lost."""
-    if outcome is Call.FAILED:
-        return {e.key: None for e in entries if e.key is not None}
-    return answers if outcome is Call.ANSWERED else {}
-
-
-def _advance_all(work: _Work, entries: tuple[RequestEntry, ...], progress: KeyProgress,
-                 answers: Mapping[str, list[Output] | None], asked: Mapping[str, int], *, draining: bool
-                 ) -> tuple[list[RequestEntry], list[int], list[tuple[RequestProgress, bool]]]:
+def _advance_all(work: _Work, entries: tuple[RequestEntry, ...], progress: KeyProgress, event: Polled,
+                 asked: Mapping[str, int], *, draining: bool
+                 ) -> tuple[list[RequestEntry], list[int], list[tuple[RequestProgress, bool]], list[str]]:
     """Each request advanced by its stream's answer (:func:`~pipeline.contract.stream_progress.advance`): the
-    requests still in flight, the indexes among them to send again, and each request's progress as settled."""
+    requests still in flight, the indexes among them to send again, each request's progress as settled, and the
+    streams given up that may still run: to cancel.
+
+    While the runtime is unreachable nothing is known, so nothing changes: the streams are asked for again once it
+    is back (a new host no longer knows them, and they are sent again then, once). When the engine failed, the
+    streams stay where they are too, and the failure counts against each as a lost stream would, so a failing
+    engine is bounded as moves are; sending them again would regenerate what they had made.
+    """
+    failed = event.outcome is Call.FAILED
+    answers = event.answers if event.outcome is Call.ANSWERED else {}
     remaining: list[RequestEntry] = []
     resends: list[int] = []
     settled: list[tuple[RequestProgress, bool]] = []
+    abandoned: list[str] = []
     for entry in entries:
         current = replace(entry.progress, position=progress.position(entry.key))
+        if failed and entry.key is not None and not draining:
+            if entry.lost + 1 >= MAX_LOST_STREAMS:
+                abandoned.append(entry.key)
+                work.end(entry)
+                work.letter(entry, f"the engine failed each of the {entry.lost + 1} times it was asked")
+                settled.append((current, True))
+            else:
+                remaining.append(replace(entry, lost=entry.lost + 1))
+                settled.append((current, False))
+            continue
         answer = answers.get(entry.key, []) if entry.key is not None else None
         after, moved = advance(current, answer, asked.get(entry.key, 0) if entry.key else 0, draining=draining)
         work.outputs.extend(moved.emit)
@@ -324,16 +336,17 @@ def _advance_all(work: _Work, entries: tuple[RequestEntry, ...], progress: KeyPr
         else:
             remaining.append(replace(entry, key=after.stream, attempt=after.attempt, lost=after.lost))
         settled.append((after, moved.ended))
-    return remaining, resends, settled
+    return remaining, resends, settled, abandoned
 
 
 def _polled(work: _Work, pending: _Polling, event: Polled,
             state: KeyState | None = None) -> tuple[KeyState, Effects]:
     state = state or work.state
-    answers = _answers(event.outcome, event.answers, pending.entries)
-    remaining, resends, settled = _advance_all(work, pending.entries, state.progress, answers, pending.asked,
-                                               draining=False)
+    remaining, resends, settled, abandoned = _advance_all(work, pending.entries, state.progress, event,
+                                                          pending.asked, draining=False)
     progress = state.progress.settled(settled) if (pending.entries or state.progress.release) else state.progress
+    if event.outcome is not Call.ANSWERED:  # the engine did not see this poll: what it was to release, still is
+        progress = KeyProgress(progress.taken, {**state.progress.release, **progress.release})
     live = []
     for entry in pending.waiting:
         if entry.deadline_at is not None and work.now > entry.deadline_at:
@@ -350,12 +363,12 @@ def _polled(work: _Work, pending: _Polling, event: Polled,
     # full of exactly those, and submitting again is what joins them (their keys come back, not None).
     submit += tuple(Submission(tuple(e.request for e in g), tuple(e.attempt for e in g), True) for g in groups)
     if submit:
-        return work.done(replace(state, pending=resending), submit=submit)
-    return _resent(work, resending, (), state)
+        return work.done(replace(state, pending=resending), submit=submit, cancel=tuple(abandoned))
+    return _resent(work, resending, (), state, cancel=tuple(abandoned))
 
 
 def _resent(work: _Work, pending: _Resending, results: tuple[tuple[Call, tuple[str | None, ...]], ...],
-            state: KeyState | None = None) -> tuple[KeyState, Effects]:
+            state: KeyState | None = None, cancel: tuple[str, ...] = ()) -> tuple[KeyState, Effects]:
     state = state or work.state
     remaining = list(pending.remaining)
     for n, index in enumerate(pending.resends):
@@ -396,7 +409,8 @@ def _resent(work: _Work, pending: _Resending, results: tuple[tuple[Call, tuple[s
         state, arm_at = work.arm(replace(state, wait_ms=backoff), work.now + backoff / 1000)
     elif (expiry := dedupe.next_expiry(work.ids)) is not None:  # to forget ids once nothing else is left
         state, arm_at = work.arm(state, expiry + 1.0)
-    return work.done(state, prune=not (remaining or sent or left), report=Report(len(left)), arm_at=arm_at)
+    return work.done(state, prune=not (remaining or sent or left), report=Report(len(left)), arm_at=arm_at,
+                     cancel=cancel)
 
 
 # The drain ----------------------------------------------------------------------------------------------------
@@ -430,10 +444,10 @@ def _drain_ask(work: _Work, pending: _Draining, delay: float, **effects: Any) ->
 
 
 def _drain_polled(work: _Work, pending: _Draining, event: Polled, **effects: Any) -> tuple[KeyState, Effects]:
-    answers = _answers(event.outcome, event.answers, pending.entries)
-    remaining, _, settled = _advance_all(work, pending.entries, pending.progress, answers, pending.asked,
-                                         draining=True)
-    pending = replace(pending, entries=tuple(remaining), progress=pending.progress.settled(settled, draining=True))
+    remaining, _, settled, abandoned = _advance_all(work, pending.entries, pending.progress, event,
+                                                    pending.asked, draining=True)
+    pending = replace(pending, entries=tuple(remaining), progress=pending.progress.settled(settled, draining=True),
+                      abandoned=pending.abandoned + tuple(abandoned))
     if pending.entries and work.now < pending.deadline:
         return _drain_ask(work, pending, min(work.rules.poll_interval_s, pending.deadline - work.now), **effects)
     return _drain_end(work, pending, **effects)
@@ -446,5 +460,5 @@ def _drain_end(work: _Work, pending: _Draining, **effects: Any) -> tuple[KeyStat
         work.letter(entry, f"the job drained and the request did not finish within "
                            f"drain_timeout_s={work.rules.drain_timeout_s:g}", drain=True)
     work.forget_ids()
-    cancel = tuple(e.key for e in pending.entries if e.key is not None)
+    cancel = pending.abandoned + tuple(e.key for e in pending.entries if e.key is not None)
     return work.done(KeyState(), cancel=cancel, disarm=True, **effects)
