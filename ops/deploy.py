@@ -249,7 +249,8 @@ def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict
             *job_environment(settings)]
     if settings.get("LAUNCHER_MACHINE_TYPE"):
         argv += ["--launcher-machine-type", settings.get("LAUNCHER_MACHINE_TYPE")]
-    if settings.get("WORKER_ZONE"):  # a zone of REGION with the GPU in stock (docs/operations.md#quota-and-gpu-stockouts)
+    # A zone of REGION with the GPU in stock (docs/operations.md#quota-and-gpu-stockouts).
+    if settings.get("WORKER_ZONE"):
         argv += ["--worker-zone", settings.get("WORKER_ZONE")]
     if update:
         argv.append("--update")

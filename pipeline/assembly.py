@@ -24,8 +24,14 @@ from pipeline.flow.batching import BatchRequests
 from pipeline.generation.generate import StreamingGenerate
 from pipeline.intake.parsing import ParseRequests
 from pipeline.intake.prompt_length import MeasurePromptLength
-from pipeline.sinks.bigquery_sink import (KIND_CHUNKS, KIND_COMPLETIONS, KIND_DEAD_LETTERS, TableError,
-                                          WriteToBigQueryTable, ensure_table)
+from pipeline.sinks.bigquery_sink import (
+    KIND_CHUNKS,
+    KIND_COMPLETIONS,
+    KIND_DEAD_LETTERS,
+    TableError,
+    WriteToBigQueryTable,
+    ensure_table,
+)
 from pipeline.sinks.dead_letter_count import CountDeadLetters
 from pipeline.sinks.pubsub_sink import PublishJson
 from pipeline.worker.runtime import SharedRuntime, new_runtime_tag

@@ -37,14 +37,26 @@ import os
 import re
 from typing import Mapping
 
-from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOptions, PipelineOptions, SetupOptions, \
-    StandardOptions, WorkerOptions
+from apache_beam.options.pipeline_options import (
+    DebugOptions,
+    GoogleCloudOptions,
+    PipelineOptions,
+    SetupOptions,
+    StandardOptions,
+    WorkerOptions,
+)
 
 from pipeline.config.options import PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, DEFAULT_HARNESS_THREADS
-from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR, FIXED_SHAPES, GPUS_BY_TYPE, gpu_type_problem, \
-    machine_problem
+from pipeline.serving.gpus import (
+    CUDA_MAJORS,
+    DEFAULT_CUDA_MAJOR,
+    FIXED_SHAPES,
+    GPUS_BY_TYPE,
+    gpu_type_problem,
+    machine_problem,
+)
 from pipeline.serving.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.serving.model_access import gated_model_warning
 

@@ -347,9 +347,8 @@ def parse_request(
     """Turns one Pub/Sub payload into a request, or a dead letter saying why not."""
     attributes = dict(attributes or {})
     received_at = time.time() if now is None else now
-    fallback_id = attributes.get(id_attribute) or message_id or uuid.uuid4().hex
-    if _too_long_id(fallback_id):
-        fallback_id = None
+    given_id = attributes.get(id_attribute) or message_id or uuid.uuid4().hex
+    fallback_id = None if _too_long_id(given_id) else given_id
 
     def dead(stage: str, reason: str, request_id: str | None = fallback_id) -> DeadLetter:
         return DeadLetter.from_bytes(stage, reason, data, id=request_id, attributes=attributes, at=received_at)

@@ -40,7 +40,8 @@ def checked_schema(schema: Any, where: str = "the schema") -> dict[str, Any]:
 
 
 def checked_response_format(value: Any) -> dict[str, Any]:
-    """OpenAI's ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+    """OpenAI's ``response_format``: ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {...}}``."""
     if not isinstance(value, dict) or value.get("type") not in (JSON_OBJECT, JSON_SCHEMA):
         raise ResponseFormatError("'response_format' must be {\"type\": \"json_object\"} or "
                                   "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}")
@@ -50,7 +51,8 @@ def checked_response_format(value: Any) -> dict[str, Any]:
         return {"type": JSON_OBJECT}
     spec = value.get("json_schema")
     if set(value) != {"type", "json_schema"} or not isinstance(spec, dict):
-        raise ResponseFormatError("'response_format' of type json_schema needs a 'json_schema' object, and nothing else")
+        raise ResponseFormatError("'response_format' of type json_schema needs a 'json_schema' object, "
+                                  "and nothing else")
     unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
     if unknown:
         raise ResponseFormatError(f"'json_schema' has unknown field(s) {', '.join(map(repr, unknown))}")

@@ -39,7 +39,8 @@ work item whose commit failed, and moves keys between workers):
   poll collects them instead of generating the request again.
 
 The worker's admission ledger is not the engine's: it sits beside it in the worker's runtime
-(:mod:`pipeline.worker.runtime`) and asks the engine only how many streams are unfinished (:meth:`EngineBase.in_flight`).
+(:mod:`pipeline.worker.runtime`) and asks the engine only how many streams are unfinished
+(:meth:`EngineBase.in_flight`).
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ from typing import Callable
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_parameters, default
+from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
-from pipeline.sinks.chunk_publisher import ChunkPublisher
 from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
-from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
 from pipeline.serving.vllm_server import ServerSpec
+from pipeline.sinks.chunk_publisher import ChunkPublisher
 
 LOGGER = logging.getLogger(__name__)
 

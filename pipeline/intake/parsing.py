@@ -57,5 +57,6 @@ class ParseRequests(beam.PTransform):
         self._defaults = defaults
 
     def expand(self, messages):
-        return messages | "Parse" >> beam.ParDo(_ParseFn(self._limits, self._id_attribute, self._defaults)).with_outputs(
+        parse = _ParseFn(self._limits, self._id_attribute, self._defaults)
+        return messages | "Parse" >> beam.ParDo(parse).with_outputs(
             TAG_DEAD_LETTERS, main="requests")

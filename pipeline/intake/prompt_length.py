@@ -9,8 +9,8 @@ not available where the pipeline runs.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import apache_beam as beam

@@ -26,8 +26,14 @@ from pathlib import Path
 from google.api_core.exceptions import GoogleAPIError
 from google.auth.exceptions import DefaultCredentialsError
 
-from pipeline.serving.model_weights import (LOCAL_FOLDER_PREFIXES, WeightsError, local_weights, location_kind,
-                                            parse_gcs_uri, storage_client)
+from pipeline.serving.model_weights import (
+    LOCAL_FOLDER_PREFIXES,
+    WeightsError,
+    local_weights,
+    location_kind,
+    parse_gcs_uri,
+    storage_client,
+)
 
 LOGGER = logging.getLogger(__name__)
 

@@ -67,5 +67,6 @@ class LoadGauges:
         if new:
             self._restarts.inc(new)
         for key, gauge in self._gauges.items():
-            if load.get(key) is not None:
-                gauge.set(int(load[key]))
+            value = load.get(key)
+            if value is not None:
+                gauge.set(int(value))

@@ -159,8 +159,11 @@ class RuntimeSource(Protocol):
     """How a step reaches its worker's runtime: the settings it was built for, a tag that names the runtime among
     others in the process, and the runtime itself."""
 
-    settings: EngineSettings
-    tag: str
+    @property
+    def settings(self) -> EngineSettings: ...
+
+    @property
+    def tag(self) -> str: ...
 
     def acquire(self, *, fresh: bool = False) -> WorkerRuntime: ...
 
@@ -204,7 +207,8 @@ def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) 
     ready. Nothing of this process waits on it meanwhile: the build (a vLLM start, minutes) runs outside the
     process's lock. Beam's ``MultiProcessShared`` builds the object under its cross-process file lock
     (``initialize_eagerly``), so the other processes' :func:`reconnect` threads wait on that lock while it
-    starts; their timers and read bundles do not (they fail fast on the old handle). The transformers engine gets a process of its own: its decoding loop is Python between
+    starts; their timers and read bundles do not (they fail fast on the old handle). The transformers engine gets
+    a process of its own: its decoding loop is Python between
     many small torch calls, and in a process whose other threads run the pipeline it waited for the GIL at
     every call, several times slower a decoding step on the DirectRunner.
     """
