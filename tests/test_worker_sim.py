@@ -18,10 +18,10 @@ from pipeline.generation import key_machine, key_state
 from tests import worker_sim
 
 SCHEDULES = int(os.environ.get("WORKER_SIM_SCHEDULES", "10000"))
-# Open: these schedules (engine failures, no key moved) still generate 1.07-1.18 tokens per token delivered, over
+# Open: these schedules (engine failures, no key moved) still generate 1.14-1.18 tokens per token delivered, over
 # the 1.05 bound; every other invariant holds on them. Listed so that any other failure, or a change in these,
 # fails this test; the cause is not yet found.
-KNOWN_WASTE = {1049, 3660, 8163, 8316}
+KNOWN_WASTE = {1049, 8163}
 
 
 def _play(seeds: range, known: frozenset[int] = frozenset()) -> list[str]:
@@ -68,7 +68,7 @@ def test_without_faults_every_request_is_answered_and_nothing_is_generated_twice
 
 def test_a_request_waiting_for_room_to_be_resent_is_not_lost_again_at_each_poll():
     """Seed 325: engine failures only, max_in_flight 1; a request was dead-lettered as moved eight times."""
-    report = worker_sim.run(325)
+    report = worker_sim.run(325, spells=False)
     assert report.ended_before_drain == {f"r{i}" for i in range(report.schedule.requests)}
     assert not report.letters, {i: letters[0]["reason"] for i, letters in report.letters.items()}
 
@@ -77,9 +77,18 @@ def test_a_failed_poll_regenerates_nothing():
     """Seeds 34 and 187: a poll that raised lost every stream, so each was generated again (and the old one ran on);
     twice the tokens delivered with no key moved."""
     for seed in (34, 187):
-        report = worker_sim.run(seed)
+        report = worker_sim.run(seed, spells=False)
         worker_sim.check(report)
         assert report.schedule.faults.engine_fails and not report.schedule.faults.loses_streams
+
+
+def test_a_key_whose_engine_fails_every_poll_goes_quiet_once_its_requests_end():
+    """Seed 4: every poll fails for 10 s. What a failed poll was to release was kept for the next one, so a key
+    with nothing left polled every 50 ms for as long as the engine failed (225 times in a row); with the real vLLM,
+    test_runner_semantics' poll that always raises never let the key go idle."""
+    report = worker_sim.run(4)
+    assert report.schedule.faults.broken == "poll" and report.schedule.faults.broken_s == 10.0
+    worker_sim.check(report)  # which counts the polls in a row that hold nothing and change nothing
 
 
 def _caught(seeds: range = range(400)) -> list[str]:

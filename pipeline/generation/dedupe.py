@@ -89,8 +89,9 @@ def release_orphans(ids: Ids, live: set[str], until: float, now: float) -> None:
             release(ids, request_id, fingerprint, until, now)
 
 
-def next_expiry(ids: Mapping[str, list]) -> float | None:
-    return min((until for _, until in ids.values() if until is not None), default=None)
+def next_expiry(ids: Mapping[str, list], now: float) -> float | None:
+    """When the next id held past ``now`` is to be forgotten (those already past go when the ids are pruned)."""
+    return min((until for _, until in ids.values() if until is not None and until > now), default=None)
 
 
 def prune(ids: Ids, now: float) -> bool:

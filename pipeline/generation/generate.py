@@ -42,7 +42,17 @@ from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.parameters import check_parameters, default
 from pipeline.engines.engine import EngineSettings
 from pipeline.generation import key_state
-from pipeline.generation.key_events import Arrived, DrainDue, Effects, Event, PollDue, Polled, Rules, Submitted
+from pipeline.generation.key_events import (
+    Arrived,
+    DrainDue,
+    Effects,
+    Event,
+    PollDue,
+    Polled,
+    Rules,
+    Submitted,
+    submit_in_order,
+)
 from pipeline.generation.key_machine import converse
 from pipeline.generation.key_state import KeyState
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS, StepOutputs
@@ -165,8 +175,8 @@ class StreamingGenerateFn(beam.DoFn):
                 time.sleep(effects.poll_after_s)
                 return Polled(time.time(), *self._client.poll(dict(effects.poll)))
             if effects.submit:
-                return Submitted(time.time(), self._client.submit(
-                    [(s.requests, s.attempts, s.stop_if_short) for s in effects.submit]))
+                return Submitted(time.time(), submit_in_order(
+                    effects.submit, lambda s: self._client.submit(s.requests, s.attempts)))
             return None
 
         after = converse(self._rules, before, event, answer)

@@ -4,7 +4,7 @@ step it and the effects a step asks of its caller. Records only, frozen."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import InferenceRequest
@@ -12,6 +12,8 @@ from pipeline.contract.stream_progress import Output
 
 # A key whose requests only wait for room doubles its poll interval up to this.
 WAITING_POLL_CAP_S = 2.0
+# One submission's outcome and, when answered, a stream key or None (no room) per request.
+SubmitResult = tuple[Call, tuple[str | None, ...]]
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Submitted:
     outcome and, when answered, a stream key or None (no room) per request."""
 
     now: float
-    results: tuple[tuple[Call, tuple[str | None, ...]], ...]
+    results: tuple[SubmitResult, ...]
 
 
 Event = Arrived | PollDue | DrainDue | Polled | Submitted
@@ -76,6 +78,19 @@ class Submission:
     requests: tuple[str, ...]
     attempts: tuple[int, ...]
     stop_if_short: bool
+
+
+def submit_in_order(submissions: Sequence[Submission], submit: Callable[[Submission], SubmitResult]
+                    ) -> tuple[SubmitResult, ...]:
+    """Carries out a step's submissions in order with ``submit``, stopping after one that was not taken whole
+    when it says so: one result each made (the :class:`Submitted` event's)."""
+    results: list[SubmitResult] = []
+    for submission in submissions:
+        outcome, keys = submit(submission)
+        results.append((outcome, tuple(keys) if outcome is Call.ANSWERED else ()))
+        if submission.stop_if_short and (outcome is not Call.ANSWERED or None in keys):
+            break
+    return tuple(results)
 
 
 @dataclass(frozen=True)

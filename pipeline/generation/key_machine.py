@@ -266,7 +266,9 @@ def _arrived(work: _Work, pending: _Arriving,
     state = replace(work.state, inflight=work.state.inflight + sent, waiting=work.state.waiting + left)
     if pending.accepted and state.wait_ms is not None:
         state = replace(state, wait_ms=None)  # new work: poll at the chunk cadence again
-    state, arm_at = work.arm(state, work.now + work.rules.poll_interval_s)
+    arm_at = None
+    if state.inflight or state.waiting:  # a bundle of copies only leaves the timer as it was
+        state, arm_at = work.arm(state, work.now + work.rules.poll_interval_s)
     return work.done(state, report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at)
 
 
@@ -312,7 +314,6 @@ def _advance_all(work: _Work, entries: tuple[RequestEntry, ...], progress: KeyPr
                 abandoned.append(entry.key)
                 work.end(entry)
                 work.letter(entry, f"the engine failed each of the {entry.lost + 1} times it was asked")
-                settled.append((current, True))
             else:
                 remaining.append(replace(entry, lost=entry.lost + 1))
                 settled.append((current, False))
@@ -345,8 +346,12 @@ def _polled(work: _Work, pending: _Polling, event: Polled,
     remaining, resends, settled, abandoned = _advance_all(work, pending.entries, state.progress, event,
                                                           pending.asked, draining=False)
     progress = state.progress.settled(settled) if (pending.entries or state.progress.release) else state.progress
-    if event.outcome is not Call.ANSWERED:  # the engine did not see this poll: what it was to release, still is
-        progress = KeyProgress(progress.taken, {**state.progress.release, **progress.release})
+    if event.outcome is not Call.ANSWERED:
+        # The engine did not see this poll. What it was to release is cancelled instead (a cancel forgets a finished
+        # stream as a release does; if it fails too, the engine forgets it after request_timeout_s): kept, it would
+        # keep a key whose engine keeps failing polling for ever with nothing to do.
+        abandoned += [stream for stream in state.progress.release if stream not in abandoned]
+        progress = KeyProgress(progress.taken, {})
     live = []
     for entry in pending.waiting:
         if entry.deadline_at is not None and work.now > entry.deadline_at:
@@ -407,7 +412,7 @@ def _resent(work: _Work, pending: _Resending, results: tuple[tuple[Call, tuple[s
         floor_ms = int(work.rules.poll_interval_s * 1000)
         backoff = min(max(2 * (state.wait_ms or 0), floor_ms), int(WAITING_POLL_CAP_S * 1000))
         state, arm_at = work.arm(replace(state, wait_ms=backoff), work.now + backoff / 1000)
-    elif (expiry := dedupe.next_expiry(work.ids)) is not None:  # to forget ids once nothing else is left
+    elif (expiry := dedupe.next_expiry(work.ids, work.now)) is not None:  # to forget ids once nothing else is left
         state, arm_at = work.arm(state, expiry + 1.0)
     return work.done(state, prune=not (remaining or sent or left), report=Report(len(left)), arm_at=arm_at,
                      cancel=cancel)

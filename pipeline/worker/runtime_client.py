@@ -26,8 +26,6 @@ _MAX_REPORTS_REMEMBERED = 100_000
 # A waiting count that has not changed is reported again after this long (reports lapse, admission_ledger).
 _REPORT_AGAIN_S = 1.0
 
-Result = tuple[Call, tuple[str | None, ...]]
-
 
 class RuntimeClient:
     """A step's calls to its worker's runtime (``namespace``: the step's metrics namespace)."""
@@ -57,18 +55,11 @@ class RuntimeClient:
         outcome, answers = self.call("poll", lambda runtime: runtime.poll(asked, self._client))
         return outcome, answers or {}
 
-    def submit(self, batches: Sequence[tuple[Sequence[str], Sequence[int], bool]]) -> tuple[Result, ...]:
-        """Each batch ``(requests, attempts, stop_if_short)`` submitted in order, stopping after a batch that was
-        not taken whole when it says so: one result each made."""
-        results: list[Result] = []
-        for requests, attempts, stop_if_short in batches:
-            outcome, keys = self.call("submit", lambda runtime: runtime.submit_batch(
-                list(requests), list(attempts), self._client))
-            result = (outcome, tuple(keys) if outcome is Call.ANSWERED else ())
-            results.append(result)
-            if stop_if_short and (outcome is not Call.ANSWERED or None in result[1]):
-                break
-        return tuple(results)
+    def submit(self, requests: Sequence[str], attempts: Sequence[int]) -> tuple[Call, tuple[str | None, ...]]:
+        """One batch submitted: the outcome and, when answered, a stream key or None (no room) per request."""
+        outcome, keys = self.call("submit", lambda runtime: runtime.submit_batch(
+            list(requests), list(attempts), self._client))
+        return outcome, tuple(keys) if outcome is Call.ANSWERED else ()
 
     def cancel(self, streams: Sequence[str]) -> None:
         self.call("cancel", lambda runtime: runtime.cancel(list(streams)))
