@@ -66,6 +66,8 @@ PARAMETERS_FILE ?=
 SOURCE ?=
 BACKFILL_TOPIC ?=
 BACKFILL_ARGS ?=
+# The tests run local.backfill: the same feeder, against the BigQuery emulator.
+BACKFILL_MODULE ?= ops.backfill
 # For make update: a JSON object of renamed steps, old name -> new.
 TRANSFORM_NAME_MAPPINGS ?=
 # DRY_RUN=1: the launch targets print the gcloud command and its flags file, and run nothing.
@@ -269,7 +271,7 @@ run-dataflow: ## Launch from this checkout with Beam's DataflowRunner, no templa
 backfill: ## Feed history to a job of this template: make backfill SOURCE='gs://b/history/*.jsonl' (or bq:P.D.T) [BACKFILL_ARGS=...]
 	$(call require,PROJECT SOURCE)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
-	$(DEPLOY_PY) -m ops.backfill --source '$(SOURCE)' --from-settings $(BACKFILL_ARGS)
+	$(DEPLOY_PY) -m $(BACKFILL_MODULE) --source '$(SOURCE)' --from-settings $(BACKFILL_ARGS)
 
 .PHONY: drain
 drain: ## Drain the running job JOB_NAME (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)

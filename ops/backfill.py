@@ -501,9 +501,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--column: {', '.join(sorted(unknown))} is not a request field ({', '.join(FIELDS)})")
     if not (args.dead_letter_table or args.dead_letter_topic):
         parser.error("name --dead-letter-table or --dead-letter-topic: rows that cannot become requests go there")
-    from local.emulators import use_bigquery_emulator
-
-    use_bigquery_emulator()  # a local run against the emulator; nothing without one
     from tqdm import tqdm
 
     if not args.completions_table:

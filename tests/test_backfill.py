@@ -186,7 +186,7 @@ def test_a_backfill_killed_half_way_and_run_again_publishes_every_unanswered_row
     answered = [f"h-{i}" for i in range(0, total, 7)]
     answered_already(completions, answered)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen([sys.executable, "-m", "ops.backfill", *args_for([str(source)], places)], cwd=REPO,
+    first = subprocess.Popen([sys.executable, "-m", "local.backfill", *args_for([str(source)], places)], cwd=REPO,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: message_waiting(subscription), 300), first.stderr
     first.send_signal(signal.SIGKILL)  # as soon as the first messages reach Pub/Sub
@@ -194,7 +194,7 @@ def test_a_backfill_killed_half_way_and_run_again_publishes_every_unanswered_row
     first.wait(timeout=30)
     assert len(seen) < total - len(answered), "killed before the end"
     recorded = published_ids(completions)
-    again = subprocess.run([sys.executable, "-m", "ops.backfill", *args_for([str(source)], places)], cwd=REPO,
+    again = subprocess.run([sys.executable, "-m", "local.backfill", *args_for([str(source)], places)], cwd=REPO,
                            env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     sent_again = pulled_ids(subscription)
@@ -265,7 +265,7 @@ def test_make_backfill_takes_its_topic_and_tables_from_the_deploy_settings(tmp_p
         f"COMPLETIONS_TOPIC=projects/{PROJECT}/topics/llm-completions",
         f"EXTRA_PARAMETERS=output_completions_table={completions},dead_letter_table={letters}"]) + "\n")
     result = subprocess.run(["make", "--no-print-directory", "backfill", f"ENV_FILE={env_file}", f"SOURCE={jsonl}",
-                             "BACKFILL_ARGS=--quiet"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             "BACKFILL_ARGS=--quiet", "BACKFILL_MODULE=local.backfill"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 published" in result.stdout and "4 dead letters" in result.stdout
     assert sorted(pulled_ids(subscription)) == ["t-1", "t-2"]

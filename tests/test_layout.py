@@ -65,6 +65,14 @@ def test_no_pipeline_module_imports_local_only_code():
     assert not {module: names for module, names in offending.items() if names}
 
 
+def test_the_operator_tools_import_nothing_local_only():
+    """ops/ is what an operator runs against Google Cloud (make image, run, backfill, redrive): a local hook it
+    imported would run on every real deploy (local/backfill.py wraps the backfill from outside for the tests)."""
+    offending = {path.name: sorted(name for name in imports(path) if name.split(".")[0] in LOCAL_ONLY)
+                 for path in (REPO / "ops").rglob("*.py")}
+    assert not {name: found for name, found in offending.items() if found}
+
+
 def first_cycle(graph: dict[str, list[str]]) -> list[str] | None:
     """A cycle in an import graph, if any: depth-first, each module searched once (linear in the graph)."""
     done: set[str] = set()
@@ -92,8 +100,7 @@ def test_the_worker_package_has_no_import_cycles():
 
 def test_no_worker_module_switches_on_local_emulators_or_benchmarks():
     """Local and benchmark hooks live in local/ and benchmarks/, registered from there (an emulator's BigQuery client:
-    local/emulators.py; the per-token engine: benchmarks/engine_cost.py). Google's own libraries find the Pub/Sub
-    and Storage emulators by themselves."""
+    local/emulators.py). Google's own libraries find the Pub/Sub and Storage emulators by themselves."""
     named = {module: sorted(set(re.findall(r"[A-Z_]*EMULATOR[A-Z_]*|(?<![/\w])benchmarks\.(?!md\b)[a-z_]+", prose_and_code)))
              for module, prose_and_code in ((path.relative_to(REPO).as_posix(), path.read_text(encoding="utf-8"))
                                             for path in (REPO / "pipeline").rglob("*.py"))}
