@@ -7,9 +7,9 @@ poll) and the vLLM server's API front end, which turns generated tokens into
 HTTP events. This drives the real engine directly, as the generate step does
 (submit, then poll every half chunk interval), against the same server and
 prompts as a raw asyncio client, in one run: the engine with vLLM's
-``stream_interval`` (what it sends) and streaming every token (what it sent
-before), each with its chunks handed back through ``poll`` and published to
-the Pub/Sub emulator; the raw client per token and at the same interval.
+``stream_interval`` (what it sends), with its chunks handed back through
+``poll`` and published to the Pub/Sub emulator; the raw client per token and
+at the same interval.
 
     python -m benchmarks.engine_cost [--reps 3] [--requests 48] [--max-tokens 96]
 
@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -41,7 +42,8 @@ from local.emulators import PubSubEmulator
 from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import COMPLETION, EngineSettings, Stream
+from pipeline.engines.accelerator_time import BusyShares
+from pipeline.engines.engine import COMPLETION, EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.generation.generate import template_poll_interval_ms
 
@@ -55,16 +57,14 @@ COST_RECORD_ANSWERS = 20_000  # answers the cost record is timed over, per engin
 class Variant:
     name: str
     engine: bool
-    per_token: bool
+    per_token: bool  # the raw client only: the engine always asks for stream_interval
     publish: bool = False
 
 
 VARIANTS = (
     Variant(RAW_PER_TOKEN, engine=False, per_token=True),
     Variant(f"raw client, stream_interval {CHUNKS.chunk_tokens}", engine=False, per_token=False),
-    Variant("engine, every token", engine=True, per_token=True),
     Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}", engine=True, per_token=False),
-    Variant("engine, every token, publishing", engine=True, per_token=True, publish=True),
     Variant(f"engine, stream_interval {CHUNKS.chunk_tokens}, publishing", engine=True, per_token=False, publish=True),
 )
 
@@ -110,28 +110,21 @@ def drive_engine(engine: VLLMEngine, prompts: list[workload.Prompt], max_tokens:
     return timings
 
 
-class PerTokenEngine(VLLMEngine):
-    """The engine as it streams after a server refused ``stream_interval``: one event per token, to measure
-    what the field saves."""
-
-    def __init__(self, settings: EngineSettings) -> None:
-        super().__init__(settings)
-        self._stream_interval = None
-
-
-def cost_record_cpu_s(engine: VLLMEngine, answers: int, together: int) -> float:
-    """CPU seconds the engine's record of what each answer cost takes for ``answers`` answers: when the model
-    took it and its share of the model's busy time (:mod:`pipeline.engines.accelerator_time`), one begin and
-    one end an attempt, ``together`` running at once, through the engine's own methods and lock."""
-    request = InferenceRequest(id="cost", prompt="x", received_at=time.time())
-    streams = [Stream(f"cost-{i}", request, 1) for i in range(answers)]
+def cost_record_cpu_s(answers: int, together: int) -> float:
+    """CPU seconds the record of what each answer cost takes for ``answers`` answers, ``together`` running at
+    once: the calls the engine makes per attempt (one begin, one end on the busy-time ledger,
+    :mod:`pipeline.engines.accelerator_time`, under a lock and on the monotonic clock, as the engine takes them)."""
+    shares, lock = BusyShares(), threading.Lock()
+    keys = [f"cost-{i}" for i in range(answers)]
     started = time.process_time()
     for first in range(0, answers, together):
-        group = streams[first:first + together]
-        for stream in group:
-            engine._began(stream)
-        for stream in group:
-            engine._ended(stream)
+        group = keys[first:first + together]
+        for key in group:
+            with lock:
+                shares.begin(key, time.monotonic())
+        for key in group:
+            with lock:
+                shares.end(key, time.monotonic())
     return time.process_time() - started
 
 
@@ -139,7 +132,7 @@ def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, top
             prompts: list[workload.Prompt], args: argparse.Namespace, rep: int) -> Run:
     engine = None
     if variant.engine:
-        engine = (PerTokenEngine if variant.per_token else VLLMEngine)(EngineSettings(
+        engine = VLLMEngine(EngineSettings(
             server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
             chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1, chunk_topic=topic if variant.publish else None,
             chunks_to_pipeline=not variant.publish))
@@ -158,7 +151,7 @@ def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, top
         front_end_cpu = server.front_end_cpu_seconds() - front_end_cpu
         record = math.nan
         if engine is not None:  # timed over many answers, scaled to this run's
-            record = cost_record_cpu_s(engine, COST_RECORD_ANSWERS, len(prompts)) * len(prompts) / COST_RECORD_ANSWERS
+            record = cost_record_cpu_s(COST_RECORD_ANSWERS, len(prompts)) * len(prompts) / COST_RECORD_ANSWERS
     finally:
         if engine is not None:
             engine.close()
@@ -191,7 +184,8 @@ def report(runs: list[Run], context: str) -> str:
                              f"{ratio(figures['front_end_cpu_per_1k'], raw['front_end_cpu_per_1k']):.2f}×), tokens/s "
                              f"{ratio(figures['tok_s'], raw['tok_s']):.2f}×")
     lines += ["", "The cost record (each answer's queue time and share of the model's busy time: one begin and one "
-                  "end an attempt, through the engine's lock), timed in the same engines after each run:"]
+                  "end an attempt on the busy-time ledger, under a lock as the engine takes it), timed after each "
+                  "engine run:"]
     for name, figures in spreads.items():
         record = figures["cost_record_cpu_per_1k"]
         if record.count:
