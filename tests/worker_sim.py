@@ -12,7 +12,8 @@ documented semantics (the same rules ``local/runner_semantics.py`` follows, with
   committed whole or not at all (Beam's "Bundling and persistence"; Dataflow retries a failed streaming work
   item indefinitely): a failed commit discards the outputs and state writes, and the bundle is delivered again
   or the committed timer fires again;
-* redelivery: Pub/Sub delivers at least once, so a bundle may arrive twice;
+* redelivery: Pub/Sub delivers at least once, so a bundle may arrive twice; a request shed by its key's full
+  queue is republished by its publisher, as its dead letter asks;
 * keys move between workers (Streaming Engine keeps state in the service; the old worker's engine keeps its
   streams), a worker's engine host dies (every stream it held is gone), the runtime is unreachable or the
   engine raises on a call, each at drawn rates;
@@ -112,6 +113,10 @@ class Schedule:
                             broken_s=rng.choice([1.0, 10.0]))
         return cls(seed, *drawn_world, drawn, rules)
 
+
+# What a dead letter that sheds a request says: the key's queue was full, republish it. Its id is released with
+# the letter, so its republish is served: the simulated publisher republishes each, and the request must end.
+SHED = "queue for its key is full"
 
 # Committed polls in a row a key may fire that hold no request and change nothing it keeps (an idle poll): a key
 # that keeps polling with nothing to do costs a work item every poll interval for ever.
@@ -245,6 +250,7 @@ class _Key:
 class Report:
     schedule: Schedule
     ended: Counter[str] = field(default_factory=Counter)  # request id -> completions + dead letters committed
+    shed: Counter[str] = field(default_factory=Counter)  # request id -> dead letters that shed it (SHED)
     completions: dict[str, dict] = field(default_factory=dict)
     letters: dict[str, list[dict]] = field(default_factory=lambda: defaultdict(list))
     chunks: Counter[tuple[str, int, int]] = field(default_factory=Counter)  # (id, attempt, seq) committed
@@ -275,6 +281,7 @@ class _World:
             request = InferenceRequest(id=f"r{i}", prompt=f"p{i}", max_tokens=schedule.tokens[i], prompt_tokens=1,
                                        received_at=at)
             self.bundles.append((at, i % schedule.keys, (request,)))
+        self.published = {bundle[2][0].id: bundle for bundle in self.bundles}
 
     def chance(self, p: float) -> bool:
         return self.faulty and p > 0 and self.rng.random() < p
@@ -349,8 +356,13 @@ class _World:
                 r.delivered += record["tokens"]
             else:
                 assert kind == DEAD_LETTER, kind
-                r.ended[record["id"]] += 1
                 r.letters[record["id"]].append(record)
+                if SHED in record["reason"]:  # not an end: the publisher republishes it, as the letter asks
+                    r.shed[record["id"]] += 1
+                    _, key, requests = self.published[record["id"]]
+                    self.bundles.append((self.now + self.rng.uniform(0.05, 1.0), key, requests))
+                else:
+                    r.ended[record["id"]] += 1
 
     def due(self) -> list[tuple[str, int, Any]]:
         items: list[tuple[str, int, Any]] = [("bundle", key, b) for b in self.bundles if b[0] <= self.now

@@ -116,6 +116,12 @@ class _Work:
         dedupe.release(self.ids, entry.request_id, entry.fp, self.now + self.rules.dedupe_window_s, self.now)
         self._ids_changed = True
 
+    def forget(self, entry: RequestEntry) -> None:
+        """The request was shed (its dead letter says to republish it): its id is released at once, so that its
+        republish, or a redelivered copy, is served rather than dropped as a duplicate."""
+        dedupe.release(self.ids, entry.request_id, entry.fp, self.now, self.now)
+        self._ids_changed = True
+
     def letter(self, entry: RequestEntry | InferenceRequest, reason: str, *, drain: bool = False) -> None:
         request = InferenceRequest.from_json(entry.request) if isinstance(entry, RequestEntry) else entry
         request_json = entry.request if isinstance(entry, RequestEntry) else request.to_json()
@@ -257,7 +263,7 @@ def _arrived(work: _Work, pending: _Arriving,
     sent, left = _taken(pending.accepted, result)
     room = max(work.rules.waiting_cap - pending.already, 0)
     for entry in left[room:]:  # admission holds a worker far below this; a key past it sheds, never grows unbounded
-        work.end(entry)
+        work.forget(entry)
         work.letter(entry, f"the generate step's queue for its key is full ({work.rules.waiting_cap} requests "
                            "wait): the workers take more than they can hold; republish it")
     left = left[:room]
