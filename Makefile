@@ -142,11 +142,11 @@ test: model lint ## Run the lint, then the whole test suite (starts the emulator
 	$(PY) -m pytest -v --durations=15 $(PYTEST_ARGS)
 
 # The worker's core is type-checked whole; the rest of pipeline/, ops/ and template/ joins as it is cleaned.
-TYPED := pipeline/generation pipeline/contract pipeline/worker pipeline/flow tests/worker_sim.py
+LINTED := pipeline ops template tests/worker_sim.py tests/test_worker_sim.py
 .PHONY: lint
-lint: install ## Lint pipeline/, ops/ and template/ with ruff, and type-check the worker's core with mypy
-	$(VENV)/bin/ruff check pipeline ops template tests/worker_sim.py tests/test_worker_sim.py
-	$(VENV)/bin/mypy $(TYPED)
+lint: install ## Lint and type-check pipeline/, ops/, template/ and the worker simulator (ruff, mypy)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/mypy $(LINTED)
 
 .PHONY: test-fast
 test-fast: install ## Run only the tests that need no model server

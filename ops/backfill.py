@@ -263,11 +263,12 @@ class Outputs:
     """The input topic, the completions table (what is answered) and where dead letters go."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from google.cloud import pubsub_v1
+        import google.cloud.pubsub_v1 as pubsub_v1
 
         self.args = args
         self.publisher = pubsub_v1.PublisherClient()
-        self.bigquery = bigquery_sink.bigquery_client(args.project) if (
+        # A client whenever a table is named; every use of it is behind a named table.
+        self.bigquery: Any = bigquery_sink.bigquery_client(args.project) if (
             args.completions_table or args.dead_letter_table) else None
         self.pending: list[Any] = []
         # project.dataset.table, as queries name them; the published ids are recorded beside the completions.
@@ -507,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("warning: no completions table (--completions-table, or the job's output_completions_table): "
               "nothing can be skipped as answered, and a run again publishes every row again (the job drops "
               "repeats of an id only within its dedupe_window_s)", file=sys.stderr, flush=True)
-    mapping, tally, published = Mapping(args.id_column, args.prompt_column, columns), Tally(), {}
+    mapping, tally = Mapping(args.id_column, args.prompt_column, columns), Tally()
+    published: dict[str, bytes] = {}
     outputs = Outputs(args)
     started = time.monotonic()
     try:

@@ -25,8 +25,8 @@ import logging
 import sys
 from dataclasses import dataclass
 
+import google.cloud.pubsub_v1 as pubsub_v1
 from google.api_core import exceptions as api_exceptions
-from google.cloud import pubsub_v1
 
 from pipeline.contract.messages import DeadLetter
 

@@ -173,7 +173,8 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
     priority_boundaries = _priority_boundaries(config, batching)
     # The chunks topic is published by the engine itself (pipeline.sinks.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
-    common = dict(engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
+    common: dict[str, Any] = dict(
+                  engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
                   stream_lease_s=float(config.stream_lease_s), worker_queue=config.worker_queue,
                   # An admitted request reaches the generate step after the shuffle and its batch's wait.

@@ -152,6 +152,8 @@ class EngineBase:
     many of a batch they take (``_room``) and how they generate (``_start``).
     """
 
+    model_name: str  # what completions name as their model: set by each engine once it knows it
+
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
         self._chunk_publisher = ChunkPublisher(settings.chunk_topic) if settings.chunk_topic else None
@@ -179,8 +181,8 @@ class EngineBase:
         calling process (:mod:`pipeline.engines.leases`).
         """
         requests = [InferenceRequest.from_json(text) for text in request_jsons]
-        keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}"
-                                  for r, a in zip(requests, attempts)]
+        asked = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}" for r, a in zip(requests, attempts)]
+        keys: list[str | None] = list(asked)
         started: list[Stream] = []
         with self._lock:
             self._leases.heard(client)
@@ -193,7 +195,7 @@ class EngineBase:
                 if n >= room:
                     keys[i] = None
                     continue
-                stream = Stream(keys[i], requests[i], attempts[i])
+                stream = Stream(asked[i], requests[i], attempts[i])
                 self._renew(stream, client)
                 self._streams[stream.key] = stream
                 started.append(stream)

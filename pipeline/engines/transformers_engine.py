@@ -109,6 +109,7 @@ class TransformersEngine(EngineBase):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         spec = settings.server
+        assert spec is not None, "EngineSettings refuses engine 'transformers' without a model spec"
         self._torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and hasattr(os, "sched_getaffinity"):
@@ -120,8 +121,10 @@ class TransformersEngine(EngineBase):
         dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
         started = time.monotonic()
         with explained_fetch(spec.model):
-            self._tokenizer = AutoTokenizer.from_pretrained(path)
-            self._model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
+            # Typed as Any: transformers' stubs type neither chat messages nor decode's str as this code uses them.
+            self._tokenizer: Any = AutoTokenizer.from_pretrained(path)
+            model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            self._model: Any = model.to(self.device).eval()
         self._tokenizer.padding_side = "left"  # generation continues from the right end of every row
         if self._tokenizer.pad_token_id is None:
             self._tokenizer.pad_token = self._tokenizer.eos_token
@@ -200,7 +203,7 @@ class TransformersEngine(EngineBase):
         steps = _Steps(self, rows)
         temperature = torch.tensor([[_or(s.request.temperature, 1.0)] for s in served], device=self.device)
         top_p = torch.tensor([[_or(s.request.top_p, 1.0)] for s in served], device=self.device)
-        processors = [_PerRowSampling(temperature, top_p)]
+        processors: list[Any] = [_PerRowSampling(temperature, top_p)]
         if any(row.min_tokens for row in rows):
             min_tokens = torch.tensor([[row.min_tokens] for row in rows], device=self.device)
             processors.insert(0, _NoEndBefore(min_tokens, encoded["input_ids"].shape[1], sorted(self._eos_ids)))
@@ -234,7 +237,7 @@ class TransformersEngine(EngineBase):
         if request.messages is not None or self.settings.prompt_format == "chat":
             messages = list(request.messages or [{"role": "user", "content": request.prompt}])
             return self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return request.prompt
+        return request.prompt_text()  # no messages: the prompt
 
     def step(self, rows: list[_Row], token_ids: list[int]) -> None:
         """One decoding step's tokens for the batch: each live row's new text goes to its assembler."""

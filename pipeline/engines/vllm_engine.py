@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import functools
 import json
 import logging
 import threading
@@ -57,6 +58,7 @@ class VLLMEngine(EngineBase):
             self._server = VLLMServer(settings.server).start()
             self.base_url = self._server.base_url
         else:
+            assert settings.server_url is not None, "EngineSettings gives a server spec or a server_url"
             self.base_url = settings.server_url.rstrip("/")
         self.model_name = settings.served_model_name or self._discover_model_name()
         self._loop = asyncio.new_event_loop()
@@ -109,7 +111,7 @@ class VLLMEngine(EngineBase):
         for stream in streams:
             task = asyncio.run_coroutine_threadsafe(self._run(stream), self._loop)
             self._tasks[stream.key] = task
-            task.add_done_callback(lambda done, key=stream.key: self._forget_task(key, done))
+            task.add_done_callback(functools.partial(self._forget_task, stream.key))
 
     def _forget_task(self, key: str, task: concurrent.futures.Future) -> None:
         if self._tasks.get(key) is task:  # not a newer stream's under the same key

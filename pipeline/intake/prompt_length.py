@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -38,7 +38,7 @@ class TokenizerMeter:
         from transformers import AutoTokenizer
 
         with explained_fetch(model):
-            self._tokenizer = AutoTokenizer.from_pretrained(model)
+            self._tokenizer: Any = AutoTokenizer.from_pretrained(model)  # its typed API does not fit chat messages
         self._chat = prompt_format == "chat"
 
     def __call__(self, request: InferenceRequest) -> int:
@@ -67,7 +67,7 @@ class _MeasureFn(beam.DoFn):
         self._prompt_format = prompt_format
         self._max_model_len = max_model_len
         self._shared = Shared()
-        self._meter = None
+        self._meter: Callable[[InferenceRequest], int] | None = None  # from setup
         self.too_long = Metrics.counter("prompt_length", "longer_than_context")
         self.tokens = Metrics.distribution("prompt_length", "prompt_tokens")
 
@@ -84,6 +84,7 @@ class _MeasureFn(beam.DoFn):
         return guarded(STAGE_MEASURE, request, lambda: self._measure(request))
 
     def _measure(self, request: InferenceRequest) -> Iterator[Any]:
+        assert self._meter is not None, "setup() runs first"
         tokens = self._meter(request)
         self.tokens.update(tokens)
         # Only the tokenizer's count is exact enough to refuse a request on.

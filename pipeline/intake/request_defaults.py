@@ -88,13 +88,15 @@ class RequestDefaults:
         return fields
 
     def _render(self, values: Mapping[str, Any]) -> str:
+        template = self.prompt_template
+        assert template is not None, "rendered only with a prompt_template"
         missing = [name for name in self._fields if name not in values]
         if missing:
             available = ", ".join(sorted(values)) or "none"
             raise RequestError(f"prompt_template needs {', '.join('{' + m + '}' for m in missing)}, which this "
                                f"message does not have (it has: {available}); plain text fills {{text}}, "
                                "a JSON request fills the others from its 'metadata'")
-        return self.prompt_template.format_map(
+        return template.format_map(
             {k: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for k, v in values.items()})
 
     def _add_system_prompt(self, fields: dict[str, Any]) -> None:

@@ -67,7 +67,8 @@ class Adapter:
 
 def parse_adapters(text: str) -> tuple[Adapter, ...]:
     """``name=location,...`` as adapters; raises :class:`AdapterError` naming every problem at once."""
-    adapters, problems = [], []
+    adapters: list[Adapter] = []
+    problems: list[str] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue

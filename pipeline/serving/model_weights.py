@@ -70,7 +70,7 @@ def parse_gcs_uri(uri: str) -> tuple[str, str]:
 
 def storage_client():
     """Google's Storage client (which, like Pub/Sub's, goes to an emulator by itself where one is named)."""
-    from google.cloud import storage
+    import google.cloud.storage as storage
 
     return storage.Client()
 

@@ -51,7 +51,7 @@ class ChunkPublisher:
     """Publishes chunks in order per request and tracks each until Pub/Sub confirms it."""
 
     def __init__(self, topic: str) -> None:
-        from google.cloud import pubsub_v1
+        import google.cloud.pubsub_v1 as pubsub_v1
 
         self.topic = topic
         self._client = pubsub_v1.PublisherClient(

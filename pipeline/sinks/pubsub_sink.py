@@ -42,7 +42,7 @@ class _PublishJsonFn(beam.DoFn):
         self._topic = topic
         self._ordering_key = ordering_key
         self._max_latency_s = max_latency_s
-        self._publisher = None
+        self._publisher: Any = None  # the process's shared client, from setup
         self._futures: list[tuple[Any, str]] = []
         self.published = Metrics.counter("sinks", "published_" + topic.rsplit("/", 1)[-1])
         self.refused = Metrics.counter("sinks", "refused_" + topic.rsplit("/", 1)[-1])
@@ -95,7 +95,7 @@ _PUBLISHERS_LOCK = threading.Lock()
 
 
 def _publisher(ordering: bool, max_latency_s: float) -> Any:
-    from google.cloud import pubsub_v1
+    import google.cloud.pubsub_v1 as pubsub_v1
 
     with _PUBLISHERS_LOCK:
         key = (ordering, max_latency_s)
