@@ -71,7 +71,7 @@ def test_a_feeder_killed_while_the_job_answers_and_run_again_answers_every_row_o
     total = 40
     history.write_text("".join(json.dumps({"id": f"record-{i}", "prompt": f"Record {i}: the parcel came late.",
                                            "max_tokens": 32, "min_tokens": 32}) + "\n" for i in range(total)))
-    command = [sys.executable, "-m", "ops.backfill",
+    command = [sys.executable, "-m", "local.backfill",
                *backfill_smoke.feed_args(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=600")]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
