@@ -85,7 +85,7 @@ def test_launcher_strings_are_converted():
     ({"vllm_args": "--port 9000"}, "--vllm_args sets --port, which the template sets itself"),
     ({"vllm_args": "--enforce-eager '--unclosed"}, "--vllm_args cannot be split into flags"),
     ({"number_of_worker_harness_threads": "1"}, "number_of_worker_harness_threads must be at least 2"),
-    ({"number_of_worker_harness_threads": "many"}, "number_of_worker_harness_threads must be a whole number"),
+    ({"number_of_worker_harness_threads": "many"}, "number_of_worker_harness_threads: expected a whole number"),
 ])
 def test_bad_configuration_fails_with_a_message_that_says_what_to_change(overrides, message):
     with pytest.raises(ConfigError) as excinfo:

@@ -15,7 +15,14 @@ from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.contract.parameters import ALSO_REQUIRED, DEAD_LETTER_PARAMETERS, OUTPUT_PARAMETERS, PARAMETERS
+from pipeline.contract.parameters import (
+    ALSO_REQUIRED,
+    DEAD_LETTER_PARAMETERS,
+    NOT_WITH_TRANSFORMERS,
+    OUTPUT_PARAMETERS,
+    PARAMETERS,
+    not_with_transformers,
+)
 from pipeline.serving.lora_adapters import VLLM_LORA_RANKS
 
 # vLLM server flags that a template parameter (or the model manager) sets: inside vllm_args they would silently
@@ -143,12 +150,7 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
     if missing:
         problems.append(f"{' and '.join(missing)}. {ALSO_REQUIRED}")
     if fields.get("engine") == "transformers":
-        for name, why in (("server_url", "it loads the model in the workers, so there is no server to call"),
-                          ("response_schema", "it cannot constrain answers to a schema"),
-                          ("generate_shards", "it generates each batch whole, on its batching key"),
-                          ("lora_adapters", "it serves the model alone, without adapters")):
-            if fields.get(name):
-                problems.append(f"--{name} does not go with --engine=transformers: {why}; use --engine=vllm")
+        problems.extend(not_with_transformers(name) for name in NOT_WITH_TRANSFORMERS if fields.get(name))
         if (fields.get("batch_size_target") or 0) > (fields.get("max_in_flight") or 0):
             problems.append(f"--batch_size_target ({fields['batch_size_target']}) must be at most --max_in_flight "
                             f"({fields['max_in_flight']}) with --engine=transformers: it generates each batch whole, "

@@ -10,6 +10,7 @@ through the house: declared in :mod:`pipeline.contract.parameters`, converted an
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import RequestLimits
-from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS
+from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME
 from pipeline.engines.engine import EngineSettings, waiting_places
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.intake.prompt_length import PromptLength
@@ -80,15 +81,16 @@ class JobSettings:
             except ValueError as exc:
                 problems.extend(str(exc).split("; "))
         waiters = 0
+        threads_parameter = WORKER_OPTIONS_BY_NAME["number_of_worker_harness_threads"]
         try:
-            threads = DEFAULT_HARNESS_THREADS if harness_threads in (None, "") else int(harness_threads)
-        except (TypeError, ValueError):
-            problems.append(f"number_of_worker_harness_threads must be a whole number, got {harness_threads!r}")
+            threads = DEFAULT_HARNESS_THREADS if harness_threads in (None, "") else \
+                threads_parameter.convert(harness_threads)
+        except argparse.ArgumentTypeError as exc:
+            problems.append(f"--{threads_parameter.name}: {exc}")
         else:
-            try:
-                waiters = waiting_places(threads)
-            except ValueError as exc:
-                problems.append(str(exc))
+            found = threads_parameter.problems(threads)
+            problems.extend(found)
+            waiters = 0 if found else waiting_places(threads)
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
         # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.

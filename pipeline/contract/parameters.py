@@ -351,6 +351,21 @@ PARAMETERS: tuple[Parameter, ...] = (
 PARAMETERS_BY_NAME: dict[str, Parameter] = {p.name: p for p in PARAMETERS}
 
 
+# Parameters that do not go with engine=transformers, and why: the options' check of a launch and the records a
+# pipeline of your own builds without them (EngineSettings, StreamingGenerate) refuse them in these words.
+NOT_WITH_TRANSFORMERS: dict[str, str] = {
+    "server_url": "it loads the model in the workers, so there is no server to call",
+    "response_schema": "it cannot constrain answers to a schema",
+    "generate_shards": "it generates each batch whole, on its batching key",
+    "lora_adapters": "it serves the model alone, without adapters",
+}
+
+
+def not_with_transformers(name: str) -> str:
+    """Why parameter ``name`` is refused with engine=transformers, and what to do instead."""
+    return f"--{name} does not go with --engine=transformers: {NOT_WITH_TRANSFORMERS[name]}; use --engine=vllm"
+
+
 def check_parameters(values: dict[str, Any]) -> None:
     """Raises ValueError naming every value outside its parameter's declared choices and bounds."""
     problems = [problem for name, value in values.items() for problem in PARAMETERS_BY_NAME[name].problems(value)]
@@ -382,6 +397,9 @@ WORKER_OPTIONS: tuple[Parameter, ...] = (
               f"over the bound. Empty: {DEFAULT_HARNESS_THREADS}.", "16", GROUP_WORKERS, "NUMBER", minimum=2,
               maximum=1000),
 )
+
+
+WORKER_OPTIONS_BY_NAME: dict[str, Parameter] = {p.name: p for p in WORKER_OPTIONS}
 
 
 def default(name: str) -> Any:

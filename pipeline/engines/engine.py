@@ -54,7 +54,7 @@ from typing import Callable
 
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_parameters, default
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_parameters, default, not_with_transformers
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
@@ -65,12 +65,9 @@ from pipeline.sinks.chunk_publisher import ChunkPublisher
 LOGGER = logging.getLogger(__name__)
 
 def waiting_places(harness_threads: int) -> int:
-    """How many admission bundles may wait at once on a worker that runs ``harness_threads`` work items at once:
-    half, so the other half is always free for the timers that collect finished work and so free room."""
-    if harness_threads < 2:
-        raise ValueError(f"number_of_worker_harness_threads must be at least 2, got {harness_threads}: the "
-                         "admission step waits in at most half of the worker's threads, and the generate step's "
-                         "timers need the rest")
+    """How many admission bundles may wait at once on a worker that runs ``harness_threads`` work items at once
+    (at least 2, the parameter's bound): half, so the other half is always free for the timers that collect
+    finished work and so free room."""
     return harness_threads // 2
 
 
@@ -118,7 +115,7 @@ class EngineSettings:
         check_parameters({"engine": self.engine, "max_in_flight": self.max_in_flight,
                           "stream_lease_s": self.stream_lease_s, "worker_queue": self.worker_queue})
         if self.engine == "transformers" and self.server is None:
-            raise ValueError("engine 'transformers' loads the model itself: give a model spec, not a server_url")
+            raise ValueError(not_with_transformers("server_url"))
         if self.chunk_topic is None and not self.chunks_to_pipeline:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
         if self.admission_waiters < 1:

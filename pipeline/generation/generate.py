@@ -39,7 +39,7 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.parameters import check_parameters, default
+from pipeline.contract.parameters import check_parameters, default, not_with_transformers
 from pipeline.engines.engine import EngineSettings
 from pipeline.generation import key_state
 from pipeline.generation.key_events import (
@@ -246,8 +246,7 @@ class StreamingGenerate(beam.PTransform):
         super().__init__()
         check_parameters({"drain_timeout_s": drain_timeout_s, "dedupe_window_s": dedupe_window_s})
         if generate_shards is not None and settings.engine == "transformers":
-            raise ValueError("engine 'transformers' generates each batch as it came from the batcher, on its "
-                             "batcher key: it takes no generate_shards")
+            raise ValueError(not_with_transformers("generate_shards"))
         self._dedupe_window_s = dedupe_window_s
         self._drain_timeout_s = drain_timeout_s
         self._generate_shards = generate_shards
