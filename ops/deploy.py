@@ -169,10 +169,75 @@ def check_launch(settings: Settings, parameters: Mapping[str, str]) -> None:
     except ConfigError as exc:
         raise DeployError(str(exc)) from None
     problems, warnings = launch_problems(options, job, cuda_major(settings))
+    if found := private_ip_warning(Network.of(settings), parameters):
+        warnings = [*warnings, found]
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if problems:
         raise DeployError("This launch would fail:\n  - " + "\n  - ".join(problems))
+
+
+# Compute Engine's resource names (networks, subnetworks): lower-case letters, digits and '-', a letter first.
+RESOURCE_NAME_REGEX = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+# A subnetwork as Dataflow takes it: a full URL (needed for a Shared VPC's) or regions/REGION/subnetworks/NAME.
+SUBNETWORK_REGEX = (r"^(https://www\.googleapis\.com/compute/v1/projects/[^/]+/)?regions/(?P<region>[^/]+)/"
+                    r"subnetworks/[^/]+$")
+NETWORKS_PAGE = "https://cloud.google.com/dataflow/docs/guides/specifying-networks"
+
+
+@dataclass(frozen=True)
+class Network:
+    """Where the workers run: NETWORK, SUBNETWORK and PUBLIC_IPS, checked against Dataflow's rules for them."""
+
+    network: str | None
+    subnetwork: str | None
+    public_ips: bool
+
+    @classmethod
+    def of(cls, settings: Settings) -> Network:
+        network, subnetwork = settings.get("NETWORK") or None, settings.get("SUBNETWORK") or None
+        if network is not None and not re.match(RESOURCE_NAME_REGEX, network):
+            raise DeployError(f"NETWORK={network!r}: Dataflow takes a network by its name only ({NETWORKS_PAGE}); "
+                              "for a Shared VPC, set SUBNETWORK to the subnetwork's full URL instead")
+        if subnetwork is not None:
+            if re.match(RESOURCE_NAME_REGEX, subnetwork):
+                subnetwork = f"regions/{settings.get('REGION')}/subnetworks/{subnetwork}"
+            found = re.match(SUBNETWORK_REGEX, subnetwork)
+            if found is None:
+                raise DeployError(f"SUBNETWORK={subnetwork!r}: give a name, regions/REGION/subnetworks/NAME, or for "
+                                  "a Shared VPC https://www.googleapis.com/compute/v1/projects/HOST_PROJECT/regions/"
+                                  f"REGION/subnetworks/NAME ({NETWORKS_PAGE})")
+            if found.group("region") != settings.get("REGION"):
+                raise DeployError(f"SUBNETWORK={subnetwork!r} is in {found.group('region')}, but the job runs in "
+                                  f"REGION={settings.get('REGION')}: Dataflow needs a subnetwork in the workers' "
+                                  "region")
+        public = settings.get("PUBLIC_IPS").lower() or "true"
+        if public not in ("true", "false"):
+            raise DeployError(f"PUBLIC_IPS={settings.get('PUBLIC_IPS')!r}: true (the default) or false")
+        return cls(network, subnetwork, public == "true")
+
+    def gcloud_flags(self) -> list[str]:
+        """The flags of ``gcloud dataflow flex-template run`` and ``build`` (the same in both)."""
+        return ([*(["--network", self.network] if self.network else []),
+                 *(["--subnetwork", self.subnetwork] if self.subnetwork else []),
+                 *([] if self.public_ips else ["--disable-public-ips"])])
+
+    def beam_options(self) -> list[str]:
+        """Beam's worker options for the same (``make run-dataflow``)."""
+        return ([*([f"--network={self.network}"] if self.network else []),
+                 *([f"--subnetwork={self.subnetwork}"] if self.subnetwork else []),
+                 *([] if self.public_ips else ["--no_use_public_ips"])])
+
+
+def private_ip_warning(network: Network, parameters: Mapping[str, str]) -> str | None:
+    """What a job whose workers have no public IP needs that no flag sets (docs/operations.md#networking)."""
+    if network.public_ips:
+        return None
+    model = parameters.get("model") or PARAMETERS_BY_NAME["model"].default
+    hub = not parameters.get("model_gcs_folder") and not model.startswith(("/", "gs://"))
+    return ("workers without public IPs reach Google's APIs only with Private Google Access on their subnetwork"
+            + (f", and the Hugging Face Hub (model {model}) only through Cloud NAT or from a copy in Cloud Storage "
+               "(model_gcs_folder)" if hub else "") + ": docs/operations.md#networking")
 
 
 def gpu_experiment(settings: Settings) -> str:
@@ -228,7 +293,10 @@ def job_environment(settings: Settings) -> list[str]:
             "--staging-location", staging, "--temp-location", temp]
     if settings.get("SERVICE_ACCOUNT"):
         args += ["--service-account-email", settings.get("SERVICE_ACCOUNT")]
-    return args
+    # A zone of REGION with the GPU in stock (docs/operations.md#quota-and-gpu-stockouts).
+    if settings.get("WORKER_ZONE"):
+        args += ["--worker-zone", settings.get("WORKER_ZONE")]
+    return args + Network.of(settings).gcloud_flags()
 
 
 def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict[str, Any]]:
@@ -249,9 +317,6 @@ def flex_template_run(settings: Settings, update: bool) -> tuple[list[str], dict
             *job_environment(settings)]
     if settings.get("LAUNCHER_MACHINE_TYPE"):
         argv += ["--launcher-machine-type", settings.get("LAUNCHER_MACHINE_TYPE")]
-    # A zone of REGION with the GPU in stock (docs/operations.md#quota-and-gpu-stockouts).
-    if settings.get("WORKER_ZONE"):
-        argv += ["--worker-zone", settings.get("WORKER_ZONE")]
     if update:
         argv.append("--update")
         if mappings := transform_name_mappings(settings):
@@ -280,8 +345,6 @@ def spec_defaults(settings: Settings) -> dict[str, Any]:
         found["launcherMachineType"] = settings.get("LAUNCHER_MACHINE_TYPE")
     if settings.get("DISK_SIZE_GB"):
         found["diskSizeGb"] = int(settings.get("DISK_SIZE_GB"))
-    if settings.get("WORKER_ZONE"):
-        found["workerZone"] = settings.get("WORKER_ZONE")
     return found
 
 
@@ -329,6 +392,7 @@ def dataflow_runner(settings: Settings) -> list[str]:
         argv.append(f"--disk_size_gb={settings.get('DISK_SIZE_GB')}")
     if settings.get("WORKER_ZONE"):
         argv.append(f"--worker_zone={settings.get('WORKER_ZONE')}")
+    argv += Network.of(settings).beam_options()
     argv += [f"--dataflow_service_options={option}" for option in experiments(settings)]
     argv += [f"--{name}={value}" for name, value in parameters.items()]
     return argv

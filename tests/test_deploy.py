@@ -344,8 +344,52 @@ def test_make_run_runs_the_launchers_checks_before_anything_is_submitted(env_fil
 
 
 def test_a_worker_zone_reaches_dataflow_through_gcloud(recorder, env_file):
-    """WORKER_ZONE, for a GPU out of stock where Dataflow would place the workers: gcloud's --worker-zone."""
+    """WORKER_ZONE, for a GPU out of stock where Dataflow would place the workers: gcloud's --worker-zone, in the
+    launch and in the spec's defaults (flex-template build takes it too)."""
     result = make("run", recorder, env_file, WORKER_ZONE="us-central1-b")
     assert result.returncode == 0, result.stdout + result.stderr
     (launch,) = recorder.find("POST", r"/flexTemplates:launch$")
     assert launch.json()["launchParameter"]["environment"]["workerZone"] == "us-central1-b"
+    template = make("template", recorder, env_file, WORKER_ZONE="us-central1-b")
+    assert template.returncode == 0, template.stdout + template.stderr
+    assert json.loads(recorder.objects[TEMPLATE_PATH.removeprefix("gs://")])["defaultEnvironment"][
+        "workerZone"] == "us-central1-b"
+
+
+# A company project's VPC: a subnetwork of the job's region in a Shared VPC host project, no public IPs.
+SHARED_SUBNET = "https://www.googleapis.com/compute/v1/projects/host-proj-1/regions/us-central1/subnetworks/dataflow"
+
+
+def test_a_company_vpc_reaches_the_launch_the_spec_and_beam(recorder, env_file):
+    """NETWORK, SUBNETWORK and PUBLIC_IPS=false, as gcloud 528's own flags put them into the launch request and the
+    spec's default environment (Dataflow's WorkerIPAddressConfiguration), and as Beam's worker options for
+    make run-dataflow; a Hub model without public IPs is warned about (it needs Cloud NAT)."""
+    vpc = {"SUBNETWORK": SHARED_SUBNET, "PUBLIC_IPS": "false"}
+    run = make("run", recorder, env_file, **vpc)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "warning: workers without public IPs" in run.stderr and "Cloud NAT" in run.stderr
+    environment = launch_request(recorder)["environment"]
+    assert (environment["subnetwork"], environment["ipConfiguration"]) == (SHARED_SUBNET, "WORKER_IP_PRIVATE")
+    assert "network" not in environment  # Dataflow picks the subnetwork's network
+    template = make("template", recorder, env_file, NETWORK="corp-vpc", SUBNETWORK="dataflow", PUBLIC_IPS="false")
+    assert template.returncode == 0, template.stdout + template.stderr
+    defaults = json.loads(recorder.objects[TEMPLATE_PATH.removeprefix("gs://")])["defaultEnvironment"]
+    assert (defaults["network"], defaults["subnetwork"], defaults["ipConfiguration"]) == (
+        "corp-vpc", "regions/us-central1/subnetworks/dataflow", "WORKER_IP_PRIVATE")
+    beam = deploy.dataflow_runner(deploy.Settings({**BASE, "NETWORK": "corp-vpc", "SUBNETWORK": "dataflow",
+                                                   "PUBLIC_IPS": "false"}))
+    options = PipelineOptions(beam[beam.index("template.main") + 1:]).get_all_options()
+    assert (options["network"], options["subnetwork"], options["use_public_ips"]) == (
+        "corp-vpc", "regions/us-central1/subnetworks/dataflow", False)
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"NETWORK": "projects/p/global/networks/corp"}, "Dataflow takes a network by its name only"),
+    ({"SUBNETWORK": "regions/europe-west4/subnetworks/dataflow"}, "is in europe-west4, but the job runs in"),
+    ({"SUBNETWORK": "projects/p/subnetworks/x"}, "give a name, regions/REGION/subnetworks/NAME"),
+    ({"PUBLIC_IPS": "no"}, "PUBLIC_IPS='no': true (the default) or false"),
+])
+def test_a_network_dataflow_would_refuse_stops_the_launch_by_name(recorder, env_file, variables, message):
+    result = make("run", recorder, env_file, **variables)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert not recorder.requests
