@@ -221,6 +221,8 @@ def test_metadata_has_what_gcloud_and_the_console_need():
             assert not pattern.match("not a valid value !"), param.name
             if "defaultValue" in entry:
                 assert pattern.match(entry["defaultValue"]), (param.name, entry["defaultValue"])
+            if param.minimum is not None and param.minimum >= 0:  # the form refuses what the launcher would
+                assert not pattern.match("-1"), param.name
         if param.param_type == "ENUM":
             assert [o["value"] for o in entry["enumOptions"]] == list(param.enum_options)
 

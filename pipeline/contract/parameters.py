@@ -118,8 +118,9 @@ class Parameter:
             return ("^(" + "|".join(map(re.escape, self.enum_options)) + ")$",)
         if self.param_type == "BOOLEAN":
             return ("^(true|false)$",)
-        if self.param_type == "NUMBER":
-            return (r"^-?[0-9]+(\.[0-9]+)?$",) if isinstance(self.default, float) else (r"^-?[0-9]+$",)
+        if self.param_type == "NUMBER":  # a sign only where the bounds allow a negative value
+            sign = "" if self.minimum is not None and self.minimum >= 0 else "-?"
+            return (rf"^{sign}[0-9]+(\.[0-9]+)?$",) if isinstance(self.default, float) else (rf"^{sign}[0-9]+$",)
         return ()
 
 
@@ -393,8 +394,8 @@ WORKER_OPTIONS: tuple[Parameter, ...] = (
               "How many bundles and timer firings each worker runs at once (Dataflow's threads per worker). While "
               "a worker holds max_in_flight + worker_queue requests, the admission step waits for room inside its "
               "bundle, leaving the rest of the backlog in Pub/Sub; it waits in at most half of these threads, so "
-              "the other half is free for the timers that collect finished work, and a further bundle goes on "
-              f"over the bound. Empty: {DEFAULT_HARNESS_THREADS}.", "16", GROUP_WORKERS, "NUMBER", minimum=2,
+              "the other half is free for the timers that collect finished work, and a further bundle is refused "
+              f"(its messages stay in Pub/Sub and are read again). Empty: {DEFAULT_HARNESS_THREADS}.", "16", GROUP_WORKERS, "NUMBER", minimum=2,
               maximum=1000),
 )
 
