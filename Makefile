@@ -235,13 +235,13 @@ $(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow dra
 $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
 
 .PHONY: setup
-setup: ## 0. Make a blank project ready: APIs, bucket, image repository, topics, subscription, roles (DRY_RUN=1 prints them)
+setup: ## 1. Make a blank project ready: APIs, bucket, image repository, topics, subscription, roles (DRY_RUN=1 prints them)
 	$(call require,PROJECT REGION BUCKET INPUT_TOPIC INPUT_SUBSCRIPTION)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY_PY) -m ops.setup_project $(if $(DRY_RUN),--dry-run)
 
 .PHONY: image
-image: ## 1. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker; CUDA=13 or 12)
+image: ## 4. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker; CUDA=13 or 12)
 	$(call require,PROJECT REGION BUCKET TAG)
 	@[ -z "$(GIT_DIRTY)" ] || [ "$(origin TAG)" != file ] || { echo "The working tree has uncommitted changes, so an image tagged $(TAG) would not hold commit $(TAG): commit them, or name the build with TAG=..." >&2; exit 1; }
 	@echo "Images for CUDA $(CUDA): $(WORKER_IMAGE) and $(LAUNCHER_IMAGE)"
@@ -249,19 +249,19 @@ image: ## 1. Build and push the worker and launcher images, tagged with the comm
 	$(DEPLOY_PY) -m ops.image $(if $(DRY_RUN),--dry-run)
 
 .PHONY: template
-template: ## 2. Build the Flex Template spec in GCS, with make run's job settings as its defaults
+template: ## 5. Build the Flex Template spec in GCS, with make run's job settings as its defaults
 	$(call require,PROJECT REGION BUCKET TAG)
 	@$(MAKE) --no-print-directory -s check-metadata
 	$(DEPLOY) template
 
 .PHONY: run
-run: ## 3. Launch the template on Dataflow with a GPU per worker (DRY_RUN=1 prints the command)
+run: ## 6. Launch the template on Dataflow with a GPU per worker (DRY_RUN=1 prints the command)
 	$(call require,PROJECT REGION BUCKET TAG)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY) run
 
 .PHONY: update
-update: ## Update a running job in place: make update JOB_NAME=... (new parameters or image; state carries over)
+update: ## 8. Update a running job in place: make update JOB_NAME=... (new parameters or image; state carries over)
 	$(call require,PROJECT REGION BUCKET TAG JOB_NAME)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY) update
@@ -279,7 +279,7 @@ backfill: ## Feed history to a job of this template: make backfill SOURCE='gs://
 	$(DEPLOY_PY) -m $(BACKFILL_MODULE) --source '$(SOURCE)' --from-settings $(BACKFILL_ARGS)
 
 .PHONY: drain
-drain: ## Drain the running job JOB_NAME (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
+drain: ## 9. Drain the running job JOB_NAME (in-flight requests get drain_timeout_s; the rest become drain dead letters for ops.redrive)
 	$(call require,PROJECT REGION JOB_NAME)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY) drain
@@ -291,13 +291,13 @@ cancel: ## Cancel the running job JOB_NAME at once (what is in flight is lost: p
 	$(DEPLOY) cancel
 
 .PHONY: dashboard
-dashboard: ## 4. Create the job's Cloud Monitoring dashboard: make dashboard JOB_NAME=... (ops/dashboard.json)
+dashboard: ## 7. Create the job's Cloud Monitoring dashboard: make dashboard JOB_NAME=... (ops/dashboard.json)
 	$(call require,PROJECT JOB_NAME INPUT_SUBSCRIPTION)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY_PY) -m ops.monitoring dashboard $(if $(DRY_RUN),--dry-run)
 
 .PHONY: alerts
-alerts: ## 5. Create the job's alert policies: make alerts JOB_NAME=... [NOTIFICATION_CHANNELS=...] (ops/alerts/)
+alerts: ## 7. Create the job's alert policies: make alerts JOB_NAME=... [NOTIFICATION_CHANNELS=...] (ops/alerts/)
 	$(call require,PROJECT JOB_NAME INPUT_SUBSCRIPTION)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY_PY) -m ops.monitoring alerts $(if $(DRY_RUN),--dry-run)

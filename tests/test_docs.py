@@ -104,3 +104,29 @@ def test_the_idle_worker_cost_example_adds_up_for_the_default_machine():
     machine = re.search(r"^MACHINE_TYPE \?= (\S+)", makefile, re.MULTILINE).group(1)
     assert machine == "g2-standard-8" and FIXED_SHAPES[machine] == ("nvidia-l4", 1)
     assert [int(q) for _, q, _, _ in rows] == [8, 32, 1, DEFAULT_DISK_SIZE_GB]
+
+
+def numbered_targets(makefile: str) -> dict[str, int]:
+    """Targets whose `make help` line starts with a deploy step number: target -> step."""
+    return {target: int(step) for target, step in re.findall(r"^([a-z-]+):.*?## (\d+)\. ", makefile, re.MULTILINE)}
+
+
+def readme_steps(readme: str) -> dict[int, str]:
+    """The README's numbered deploy steps: number -> the step's text."""
+    section = readme.split("## Deploy on Dataflow", 1)[1].split("\n## ", 1)[0]
+    return {int(n): text for n, text in re.findall(r"^(\d+)\. (.*?)(?=^\d+\. |^\*\*|\Z)", section, re.M | re.S)}
+
+
+def test_make_help_numbers_each_deploy_step_as_the_readme_does():
+    """`make help` and the README's deploy steps name the same step by the same number."""
+    targets = numbered_targets((REPO / "Makefile").read_text())
+    steps = readme_steps((REPO / "README.md").read_text())
+    assert {"setup", "image", "template", "run"} <= set(targets)
+    wrong = {target: step for target, step in targets.items() if f"make {target}" not in steps.get(step, "")}
+    assert not wrong, f"make help numbers these as README steps that do not name them: {wrong}"
+
+
+def test_the_step_number_check_sees_a_step_out_of_place():
+    steps = readme_steps("## Deploy on Dataflow\n\n1. **Project.** `make setup`.\n2. **Run.** `make run`.\n")
+    targets = numbered_targets("setup: ## 2. Make a project ready\nrun: ## 2. Launch\n")
+    assert [t for t, n in targets.items() if f"make {t}" not in steps.get(n, "")] == ["setup"]
