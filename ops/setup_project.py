@@ -101,8 +101,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except DeployError as exc:
         print(f"make setup: {exc}", file=sys.stderr)
         return 2
-    print("Then, as yourself: gcloud auth login, and gcloud auth application-default login (make run-dataflow "
-          "and the launch checks read it). GPU quota: docs/operations.md#quota-and-gpu-stockouts.", flush=True)
+    print("Next: the settings and the model (README steps 2-3), then commit and make image. GPU quota is per "
+          "region and per project: docs/operations.md#quota-and-gpu-stockouts.", flush=True)
     return 0
 
 

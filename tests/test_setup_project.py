@@ -71,4 +71,4 @@ def test_make_setup_dry_run_prints_every_command_with_the_settings_of_env_exampl
                                            if "=" in line and not line.startswith("#"))})
     assert len(printed) == len(setup_project.commands(settings))
     assert "PROJECT_NUMBER-compute@developer.gserviceaccount.com" in result.stdout
-    assert "gcloud auth application-default login" in result.stdout
+    assert "Next:" in result.stdout and "make image" in result.stdout  # logging in came before (README step 1)
