@@ -237,16 +237,14 @@ $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_
 .PHONY: setup
 setup: ## 1. Make a blank project ready: APIs, bucket, image repository, topics, subscription, roles (DRY_RUN=1 prints them)
 	$(call require,PROJECT REGION BUCKET INPUT_TOPIC INPUT_SUBSCRIPTION)
-	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
-	$(DEPLOY_PY) -m ops.setup_project $(if $(DRY_RUN),--dry-run)
+	$(PYTHON) -m ops.setup_project $(if $(DRY_RUN),--dry-run)
 
 .PHONY: image
 image: ## 4. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker; CUDA=13 or 12)
 	$(call require,PROJECT REGION BUCKET TAG)
 	@[ -z "$(GIT_DIRTY)" ] || [ "$(origin TAG)" != file ] || { echo "The working tree has uncommitted changes, so an image tagged $(TAG) would not hold commit $(TAG): commit them, or name the build with TAG=..." >&2; exit 1; }
 	@echo "Images for CUDA $(CUDA): $(WORKER_IMAGE) and $(LAUNCHER_IMAGE)"
-	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
-	$(DEPLOY_PY) -m ops.image $(if $(DRY_RUN),--dry-run)
+	$(PYTHON) -m ops.image $(if $(DRY_RUN),--dry-run)
 
 .PHONY: template
 template: ## 5. Build the Flex Template spec in GCS, with make run's job settings as its defaults

@@ -43,7 +43,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from google.api_core.exceptions import NotFound
 
-from ops.deploy import DeployError, Settings, template_parameters
+from ops.deploy import template_parameters
+from ops.settings import DeployError, Settings
 from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
 from pipeline.contract.parameters import default
 from pipeline.serving.model_weights import storage_client

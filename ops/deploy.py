@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from ops.settings import DeployError, Settings, gcloud_output
 from pipeline.config.launch_checks import launch_problems
 from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
@@ -46,25 +47,6 @@ NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "CHUNKS_TOPIC": "o
 # Beam's worker options a launch may pass beside the template's parameters (the launcher hands every one to Beam).
 PIPELINE_OPTION_PARAMETERS = tuple(option.name for option in WORKER_OPTIONS)
 JOB_NAME_REGEX = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"  # Dataflow's job names
-
-
-class DeployError(ValueError):
-    """A deploy setting that cannot work; the message names it and what to set."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The deploy settings, as the Makefile exports them (empty strings are unset)."""
-
-    values: Mapping[str, str]
-
-    def get(self, name: str) -> str:
-        return (self.values.get(name) or "").strip()
-
-    def require(self, *names: str) -> None:
-        missing = [name for name in names if not self.get(name)]
-        if missing:
-            raise DeployError(f"Set {', '.join(missing)} (in .env, see .env.example, or on the make command line)")
 
 
 def split_extra_parameters(text: str) -> list[tuple[str, str]]:
@@ -401,18 +383,6 @@ def dataflow_runner(settings: Settings) -> list[str]:
 # Characters YAML does not allow unescaped, even in a quoted string (YAML 1.2, "c-printable"); JSON leaves these
 # alone, gcloud's YAML reader refuses them, so they are written as the \u escapes both languages read.
 _NOT_YAML_PRINTABLE = re.compile("[\x7f-\x9f\ufffe\uffff]")
-
-
-def gcloud_output(command: list[str], what: str, dry_run: bool = False) -> str | None:
-    """Prints a gcloud command whose output a target reads, runs it and returns that output (None on a dry run,
-    which runs nothing); a failure stops the target, naming ``what`` it was for."""
-    print(f"==> {shlex.join(command)}", flush=True)
-    if dry_run:
-        return None
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise DeployError(f"{what} failed: {result.stderr.strip()}")
-    return result.stdout
 
 
 def job_command(settings: Settings, verb: str, dry_run: bool) -> int:

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ops.deploy import JOB_NAME_REGEX, DeployError, Settings, gcloud_output, run_gcloud
+from ops.deploy import JOB_NAME_REGEX, run_gcloud
+from ops.settings import DeployError, Settings, gcloud_output
 from pipeline.generation.step_outputs import FIRST_TOKEN_BOUNDS_S
 
 OPS = Path(__file__).resolve().parent

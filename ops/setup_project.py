@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
-from ops.deploy import DeployError, Settings, gcloud_output
+from ops.settings import DeployError, Settings, gcloud_output
 
 # Every API the product uses (docs/operations.md#roles says which for what).
 APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.com", "storage.googleapis.com",
