@@ -433,6 +433,26 @@ def run_gcloud(argv: list[str], flags: dict[str, Any], dry_run: bool,
         return 0 if dry_run else subprocess.run(argv, check=False).returncode
 
 
+def require_spec(settings: Settings, dry_run: bool) -> None:
+    """Stops a launch whose spec does not exist. TAG follows the checkout's commit, so after a new commit
+    TEMPLATE_PATH names a spec that make template has not built yet, and gcloud would say only 'not found'."""
+    path = settings.get("TEMPLATE_PATH")
+    command = ["gcloud", "storage", "objects", "describe", path, "--project", settings.get("PROJECT"),
+               "--format=value(name)"]
+    print(f"==> {shlex.join(command)}", flush=True)
+    if dry_run:
+        return
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode == 0:
+        return
+    if "not found" in result.stderr.lower() or "404" in result.stderr:
+        folder = path.rsplit("/", 1)[0] + "/"
+        raise DeployError(f"there is no template spec at {path}: TAG names the checkout's commit, and no spec was "
+                          f"built for it. Run make image and make template for this commit, or set TAG to the "
+                          f"commit of a spec that exists (gcloud storage ls {folder})")
+    raise DeployError(f"reading the template spec at {path} failed: {result.stderr.strip()}")
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("template", "run", "update", "run-dataflow", "drain", "cancel"))
@@ -446,7 +466,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.action in ("drain", "cancel"):
             return job_command(settings, args.action, args.dry_run)
         if args.action in ("run", "update"):
-            return run_gcloud(*flex_template_run(settings, update=args.action == "update"), dry_run=args.dry_run)
+            launch = flex_template_run(settings, update=args.action == "update")
+            require_spec(settings, args.dry_run)
+            return run_gcloud(*launch, dry_run=args.dry_run)
         command = dataflow_runner(settings)
         print(f"==> {shlex.join(command)}", flush=True)
         return 0 if args.dry_run else subprocess.run(command, check=False).returncode

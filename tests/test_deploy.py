@@ -41,7 +41,9 @@ HOSTILE = {
 
 @pytest.fixture
 def recorder(tmp_path):
+    """The recorder, with the spec of an earlier make template for this TAG in its bucket (make run looks for it)."""
     recording = Recorder(str(tmp_path / "gcloud-config"))
+    recording.objects[TEMPLATE_PATH.removeprefix("gs://")] = b"{}"
     yield recording
     recording.close()
 
@@ -203,6 +205,15 @@ def test_a_bad_setting_stops_the_launch_by_name_before_gcloud_runs(recorder, env
     result = make("run", recorder, env_file, **variables)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert not recorder.requests
+
+
+def test_a_launch_after_a_new_commit_says_its_spec_is_not_built_yet(recorder, env_file):
+    """TAG follows the checkout's commit: after a commit, make run names a spec make template has not built."""
+    del recorder.objects[TEMPLATE_PATH.removeprefix("gs://")]
+    result = make("run", recorder, env_file)
+    assert result.returncode != 0 and f"there is no template spec at {TEMPLATE_PATH}" in result.stderr, result.stderr
+    assert "make template" in result.stderr and "gcloud storage ls gs://bkt-test/templates/" in result.stderr
+    assert not recorder.find("POST", r"/flexTemplates:launch$"), "nothing launched"
 
 
 def test_each_target_asks_only_for_the_settings_it_uses(recorder):
