@@ -44,6 +44,8 @@ def test_every_compute_engine_gpu_is_classified_for_each_image():
     assert "cannot run vLLM" in v100 and "nvidia-tesla-t4" in v100, "names the GPUs that run this image"
     p4 = gpu_type_problem("nvidia-tesla-p4", 12)
     assert "compute capability 7.5 or higher" in p4 and "nvidia-l4" in p4 and "nvidia-tesla-v100" not in p4
+    typo = gpu_type_problem("nvidia-l4x", 13)
+    assert "not one of Compute Engine's GPU types" in typo and "nvidia-l4," in typo, "refused, naming the known"
 
 
 
@@ -55,15 +57,20 @@ def test_a_gpu_only_the_other_images_cuda_builds_for_is_sent_to_that_image(monke
     problem = gpus.gpu_type_problem("nvidia-tesla-v100", 13)
     assert "make image CUDA=12" in problem and "builds code for compute capability 7.5 and newer" in problem
     assert gpus.gpu_type_problem("nvidia-tesla-v100", 12) is None
-    assert gpu_type_problem("nvidia-future-x", 13) is None, "a type not in the table is not judged"
 
 
 def test_machine_shapes_follow_compute_engine():
     for machine, (gpu_type, count) in FIXED_SHAPES.items():
         assert gpu_type in GPUS_BY_TYPE and machine_problem(machine, gpu_type, count) is None
         assert machine_problem(machine, None, None) is None, "a machine that brings its GPUs needs none asked"
-    assert "comes with 1 nvidia-l4" in machine_problem("g2-standard-8", "nvidia-tesla-t4", 1)
-    assert "GPU_COUNT=1" in machine_problem("g2-standard-8", "nvidia-l4", 2)
+    t4 = machine_problem("g2-standard-8", "nvidia-tesla-t4", 1)
+    assert "comes with 1 nvidia-l4" in t4 and "for 1 nvidia-tesla-t4, set MACHINE_TYPE=n1-standard-8" in t4
+    two = machine_problem("g2-standard-8", "nvidia-l4", 2)
+    assert "for 2 nvidia-l4, set MACHINE_TYPE=g2-standard-24;" in two and "GPU_COUNT=1" in two
+    h100 = machine_problem("n1-standard-8", "nvidia-h100-80gb", None)
+    assert "set MACHINE_TYPE=a3-highgpu-1g (or a3-highgpu-2g, a3-highgpu-4g," in h100, "smallest first, all named"
+    assert "set MACHINE_TYPE=a2-megagpu-16g" in machine_problem("n1-standard-8", "nvidia-tesla-a100", 16)
+    assert "comes 1, 2, 4, 8 to a machine, not 3" in machine_problem("e2-standard-4", "nvidia-l4", 3)
     assert machine_problem("g2-standard-24", "nvidia-l4", 2) is None
     assert "comes only with its own machine types" in machine_problem("n1-standard-8", "nvidia-l4", 1)
     assert "takes 1, 2, 4 nvidia-tesla-t4, not 3" in machine_problem("n1-standard-8", "nvidia-tesla-t4", 3)

@@ -395,8 +395,8 @@ WORKER_OPTIONS: tuple[Parameter, ...] = (
               "a worker holds max_in_flight + worker_queue requests, the admission step waits for room inside its "
               "bundle, leaving the rest of the backlog in Pub/Sub; it waits in at most half of these threads, so "
               "the other half is free for the timers that collect finished work, and a further bundle is refused "
-              f"(its messages stay in Pub/Sub and are read again). Empty: {DEFAULT_HARNESS_THREADS}.", "16", GROUP_WORKERS, "NUMBER", minimum=2,
-              maximum=1000),
+              f"(its messages stay in Pub/Sub and are read again). Empty: {DEFAULT_HARNESS_THREADS}.", "16",
+              GROUP_WORKERS, "NUMBER", minimum=2, maximum=1000),
 )
 
 

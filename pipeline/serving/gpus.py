@@ -88,10 +88,12 @@ def capability_problem(name: str, capability: tuple[int, int], cuda_major: int) 
 
 
 def gpu_type_problem(gpu_type: str, cuda_major: int) -> str | None:
-    """:func:`capability_problem` for a ``worker_accelerator`` type; an unknown type is not judged here."""
+    """:func:`capability_problem` for a ``worker_accelerator`` type; a type not in the table is refused (a typo, or
+    a GPU Dataflow does not offer), naming the known ones."""
     gpu = GPUS_BY_TYPE.get(gpu_type)
     if gpu is None:
-        return None
+        return (f"{gpu_type} is not one of Compute Engine's GPU types for compute that this template knows: "
+                f"{', '.join(GPUS_BY_TYPE)}")
     return capability_problem(gpu.type, gpu.capability, cuda_major)
 
 
@@ -114,35 +116,60 @@ N1_COUNTS = {"nvidia-tesla-t4": (1, 2, 4), "nvidia-tesla-v100": (1, 2, 4, 8), "n
              "nvidia-tesla-p4": (1, 2, 4)}
 
 
+def _vcpus(machine_type: str) -> int:
+    """The vCPUs a machine type's name states (g2-standard-24: 24; a2-highgpu-2g: its GPUs stand in for them)."""
+    digits = "".join(ch for ch in machine_type.rsplit("-", 1)[-1] if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+def shapes_with(gpu_type: str, count: int | None = None) -> list[str]:
+    """The machine types that come with ``gpu_type`` (``count`` of them, if given), smallest first."""
+    return sorted((name for name, (fixed, n) in FIXED_SHAPES.items() if fixed == gpu_type and count in (None, n)),
+                  key=lambda name: (FIXED_SHAPES[name][1], _vcpus(name), name))
+
+
+def machine_for(gpu_type: str, count: int | None) -> str:
+    """What to set for ``count`` GPUs of ``gpu_type`` (a known type): the machine type first, smallest first."""
+    if gpu_type in N1_COUNTS:
+        if count and count not in N1_COUNTS[gpu_type]:
+            return (f"an N1 machine type takes {', '.join(map(str, N1_COUNTS[gpu_type]))} {gpu_type}: set GPU_COUNT "
+                    "to one of those with MACHINE_TYPE=n1-standard-8 (or a larger N1)")
+        return f"set MACHINE_TYPE=n1-standard-8 (or a larger N1 machine type) to attach {count or 1} {gpu_type}"
+    shapes = shapes_with(gpu_type, count)
+    if shapes:
+        return f"set MACHINE_TYPE={shapes[0]}" + (f" (or {', '.join(shapes[1:])})" if shapes[1:] else "")
+    counts = sorted({n for fixed, n in FIXED_SHAPES.values() if fixed == gpu_type})
+    return (f"{gpu_type} comes {', '.join(map(str, counts))} to a machine, not {count}: set GPU_COUNT to one of "
+            f"those, with MACHINE_TYPE={shapes_with(gpu_type)[0]} for one")
+
+
 def machine_problem(machine_type: str, gpu_type: str | None, count: int | None) -> str | None:
-    """Why this machine type cannot have these GPUs (Compute Engine's shapes), naming what it takes; or None.
-    Custom and unknown machine types are not judged."""
+    """Why this machine type cannot have these GPUs (Compute Engine's shapes), naming first the machine type that
+    has what was asked, smallest first; or None. Custom and unknown machine types are not judged."""
     family = machine_type.split("-")[0]
     if machine_type in FIXED_SHAPES:
         fixed_type, fixed_count = FIXED_SHAPES[machine_type]
         if (gpu_type and gpu_type != fixed_type) or (count and count != fixed_count):
-            return (f"machine type {machine_type} comes with {fixed_count} {fixed_type}: set GPU_TYPE={fixed_type} "
-                    f"and GPU_COUNT={fixed_count} (worker_accelerator=type:{fixed_type};count:{fixed_count}), or "
-                    f"choose the machine type for the GPUs you want")
+            wanted_type, wanted_count = gpu_type or fixed_type, count or 1
+            advice = (f"for {wanted_count} {wanted_type}, {machine_for(wanted_type, wanted_count)}; or "
+                      if wanted_type in GPUS_BY_TYPE else "")
+            return (f"machine type {machine_type} comes with {fixed_count} {fixed_type}: {advice}set "
+                    f"GPU_TYPE={fixed_type} and GPU_COUNT={fixed_count} (worker_accelerator=type:{fixed_type};"
+                    f"count:{fixed_count}) to keep it")
         return None
     if not gpu_type or family == "custom" or gpu_type not in GPUS_BY_TYPE:
         return None
     if family == "n1":
         if gpu_type not in N1_COUNTS:
-            shapes = sorted(name for name, (fixed, _) in FIXED_SHAPES.items() if fixed == gpu_type)
-            return (f"{gpu_type} comes only with its own machine types ({', '.join(shapes[:4])}, ...), not with "
-                    f"{machine_type}: set MACHINE_TYPE to one of them")
+            return f"{gpu_type} comes only with its own machine types, not with {machine_type}: " + \
+                machine_for(gpu_type, count)
         if count and count not in N1_COUNTS[gpu_type]:
             return (f"an N1 machine takes {', '.join(map(str, N1_COUNTS[gpu_type]))} {gpu_type}, not {count}: "
                     "set GPU_COUNT to one of those")
         return None
     if family in ("g2", "a2", "a3", "a4", "g4"):
         return None  # a shape of these families not in the table: not judged
-    return (f"machine type {machine_type} takes no GPU: use an N1 machine type with {gpu_type} attached "
-            "(n1-standard-8), or a machine type that comes with its GPUs (g2-standard-8 for one L4)"
-            if gpu_type in N1_COUNTS else
-            f"machine type {machine_type} takes no GPU, and {gpu_type} comes only with its own machine types: "
-            f"choose one of {', '.join(sorted(n for n, (t, _) in FIXED_SHAPES.items() if t == gpu_type)[:4])}")
+    return f"machine type {machine_type} takes no GPU: " + machine_for(gpu_type, count)
 
 
 def visible_gpu_capabilities() -> list[tuple[str, tuple[int, int]]] | None:
