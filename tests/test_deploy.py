@@ -404,3 +404,15 @@ def test_a_network_dataflow_would_refuse_stops_the_launch_by_name(recorder, env_
     result = make("run", recorder, env_file, **variables)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert not recorder.requests
+
+
+def test_env_example_states_every_cost_setting_with_the_makefiles_default():
+    """The settings that decide cost or quota are listed in .env.example, each with the value the Makefile would
+    use without it (one default, stated twice: this keeps them one)."""
+    example = dict(line.split("=", 1) for line in (REPO / ".env.example").read_text().splitlines()
+                   if "=" in line and not line.startswith("#"))
+    defaults = dict(re.findall(r"^([A-Z_]+) \?= ?(.*)$", (REPO / "Makefile").read_text(), re.MULTILINE))
+    cost = ["MACHINE_TYPE", "GPU_TYPE", "GPU_COUNT", "NUM_WORKERS", "MAX_WORKERS", "WORKER_ZONE", "DISK_SIZE_GB",
+            "REGION", "CUDA"]
+    assert set(cost) <= set(example), sorted(set(cost) - set(example))
+    assert {name: example[name] for name in cost} == {name: defaults[name] for name in cost}
