@@ -58,11 +58,13 @@ NUM_WORKERS ?= 1
 UTILIZATION_HINT ?=
 # Empty: the template's default model (docs/parameters.md).
 MODEL ?=
-INPUT_TOPIC ?=
-INPUT_SUBSCRIPTION ?=
-CHUNKS_TOPIC ?=
-COMPLETIONS_TOPIC ?=
-DEAD_LETTER_TOPIC ?=
+# The job's Pub/Sub resources, derived from PROJECT (make setup creates them). In .env: another ID, or a path in
+# PROJECT (another project's is refused); CHUNKS_TOPIC= or COMPLETIONS_TOPIC= empty to have none.
+INPUT_TOPIC ?= projects/$(PROJECT)/topics/prompts
+INPUT_SUBSCRIPTION ?= projects/$(PROJECT)/subscriptions/prompts-sub
+CHUNKS_TOPIC ?= projects/$(PROJECT)/topics/llm-chunks
+COMPLETIONS_TOPIC ?= projects/$(PROJECT)/topics/llm-completions
+DEAD_LETTER_TOPIC ?= projects/$(PROJECT)/topics/llm-dead-letters
 # More template parameters: name=value pairs separated by commas, or PARAMETERS_FILE=params.json for any value.
 EXTRA_PARAMETERS ?=
 PARAMETERS_FILE ?=

@@ -452,7 +452,7 @@ def from_settings(args: argparse.Namespace) -> None:
     settings = Settings(dict(os.environ))
     parameters = template_parameters(settings)
     args.project = args.project or settings.get("PROJECT")
-    args.topic = args.topic or settings.get("BACKFILL_TOPIC") or settings.get("INPUT_TOPIC")
+    args.topic = args.topic or settings.pubsub_path("BACKFILL_TOPIC") or settings.pubsub_path("INPUT_TOPIC")
     args.completions_table = args.completions_table or parameters.get("output_completions_table")
     args.dead_letter_table = args.dead_letter_table or parameters.get("dead_letter_table")
     args.dead_letter_topic = args.dead_letter_topic or parameters.get("dead_letter_topic")

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from ops.settings import DeployError, Settings, gcloud_output
+from ops.settings import PUBSUB_SETTINGS, DeployError, Settings, gcloud_output
 from pipeline.config.launch_checks import launch_problems
 from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
@@ -102,9 +102,9 @@ def template_parameters(settings: Settings) -> dict[str, str]:
     A parameter given by two sources is refused (which would win is not obvious), as is a name the
     template does not have; then the values are checked as the launcher will check them.
     """
-    sources: list[tuple[str, list[tuple[str, str]]]] = [
-        ("the Makefile settings", [(param, settings.get(var)) for var, param in NAMED_SETTINGS.items()
-                                   if settings.get(var)])]
+    named = [(param, settings.pubsub_path(var) if var in PUBSUB_SETTINGS else settings.get(var))
+             for var, param in NAMED_SETTINGS.items()]
+    sources: list[tuple[str, list[tuple[str, str]]]] = [("the Makefile settings", [(p, v) for p, v in named if v])]
     if settings.get("PARAMETERS_FILE"):
         sources.append((f"PARAMETERS_FILE={settings.get('PARAMETERS_FILE')}",
                         read_parameters_file(settings.get("PARAMETERS_FILE"))))

@@ -11,6 +11,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import Mapping
 
+# The Pub/Sub resources a job uses, by setting: which kind each is.
+PUBSUB_SETTINGS = {"INPUT_TOPIC": "topics", "INPUT_SUBSCRIPTION": "subscriptions", "CHUNKS_TOPIC": "topics",
+                   "COMPLETIONS_TOPIC": "topics", "DEAD_LETTER_TOPIC": "topics", "BACKFILL_TOPIC": "topics"}
+
 
 class DeployError(ValueError):
     """A deploy setting that cannot work; the message names it and what to set."""
@@ -29,6 +33,25 @@ class Settings:
         missing = [name for name in names if not self.get(name)]
         if missing:
             raise DeployError(f"Set {', '.join(missing)} (in .env, see .env.example, or on the make command line)")
+
+    def pubsub_path(self, name: str) -> str:
+        """Setting ``name`` (a topic or a subscription, see :data:`PUBSUB_SETTINGS`) as a full path in PROJECT: a bare
+        id becomes ``projects/PROJECT/<kind>/ID``; a path of another project is refused, naming both ("" if unset).
+        The Makefile derives each from PROJECT, so only a value set by hand can name another project."""
+        value, kind = self.get(name), PUBSUB_SETTINGS[name]
+        if not value:
+            return ""
+        project = self.get("PROJECT")
+        if "/" not in value:
+            return f"projects/{project}/{kind}/{value}"
+        parts = value.split("/")
+        if len(parts) != 4 or parts[0] != "projects" or parts[2] != kind or not parts[3]:
+            raise DeployError(f"{name}={value!r} is not projects/PROJECT/{kind}/ID (or a bare ID)")
+        if parts[1] != project:
+            raise DeployError(f"{name}={value} is in project {parts[1]}, not PROJECT={project}: a job of this "
+                              f"project would read or write another project's {kind}. Set {name} to an ID (or "
+                              f"leave it out of .env: the Makefile derives it from PROJECT)")
+        return value
 
 
 def gcloud_output(command: list[str], what: str, dry_run: bool = False) -> str | None:

@@ -40,12 +40,9 @@ BUILD_ROLES = ("roles/artifactregistry.writer", "roles/storage.objectViewer", "r
 NUMBER = "PROJECT_NUMBER"  # stands for the project's number in a dry run
 
 
-def resource_id(path: str, kind: str) -> str:
-    """The last part of ``projects/P/<kind>/ID``; refuses another project's resource."""
-    parts = path.split("/")
-    if len(parts) != 4 or parts[0] != "projects" or parts[2] != kind:
-        raise DeployError(f"{path!r} is not projects/PROJECT/{kind}/ID")
-    return parts[3]
+def resource_id(settings: Settings, name: str) -> str:
+    """The ID of the topic or subscription setting ``name`` names in PROJECT (another project's is refused)."""
+    return settings.pubsub_path(name).rsplit("/", 1)[-1]
 
 
 def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
@@ -58,12 +55,12 @@ def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
               "--uniform-bucket-level-access"],
              ["gcloud", "artifacts", "repositories", "create", REPOSITORY, "--repository-format", "docker",
               "--location", region, *where]]
-    input_topic = resource_id(settings.get("INPUT_TOPIC"), "topics")
-    topics = [input_topic] + [resource_id(settings.get(name), "topics") for name in
+    input_topic = resource_id(settings, "INPUT_TOPIC")
+    topics = [input_topic] + [resource_id(settings, name) for name in
                               ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC") if settings.get(name)]
     found += [["gcloud", "pubsub", "topics", "create", topic, *where] for topic in dict.fromkeys(topics)]
     found.append(["gcloud", "pubsub", "subscriptions", "create",
-                  resource_id(settings.get("INPUT_SUBSCRIPTION"), "subscriptions"), "--topic", input_topic, *where])
+                  resource_id(settings, "INPUT_SUBSCRIPTION"), "--topic", input_topic, *where])
     workers = settings.get("SERVICE_ACCOUNT") or f"{number}-compute@developer.gserviceaccount.com"
     builders = [f"{number}@cloudbuild.gserviceaccount.com", f"{number}-compute@developer.gserviceaccount.com"]
     grants = [(workers, role) for role in WORKER_ROLES] + \

@@ -262,7 +262,7 @@ def test_make_backfill_takes_its_topic_and_tables_from_the_deploy_settings(tmp_p
     env_file.write_text("\n".join([
         f"PROJECT={PROJECT}", f"BACKFILL_TOPIC={topic}",
         f"INPUT_SUBSCRIPTION=projects/{PROJECT}/subscriptions/prompts-sub",
-        f"COMPLETIONS_TOPIC=projects/{PROJECT}/topics/llm-completions",
+        f"COMPLETIONS_TOPIC=projects/{PROJECT}/topics/llm-completions", "DEAD_LETTER_TOPIC=",  # letters: the table
         f"EXTRA_PARAMETERS=output_completions_table={completions},dead_letter_table={letters}"]) + "\n")
     result = subprocess.run(["make", "--no-print-directory", "backfill", f"ENV_FILE={env_file}", f"SOURCE={jsonl}",
                              "BACKFILL_ARGS=--quiet", "BACKFILL_MODULE=local.backfill"], cwd=REPO, capture_output=True, text=True, timeout=600)

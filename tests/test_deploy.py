@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from ops import deploy, monitoring
+from ops.settings import PUBSUB_SETTINGS
 from pipeline.config.options import PipelineConfig
 from tests.gcloud_recorder import Recorder
 
@@ -200,6 +201,9 @@ def test_extra_parameters_keep_spaces_commas_and_equals_inside_values(recorder, 
     ({"PARAMETERS_FILE": "/nonexistent/params.json"}, "PARAMETERS_FILE=/nonexistent/params.json"),
     ({"JOB_NAME": "Bad_Name"}, "Dataflow job names are lower-case"),
     ({"INPUT_SUBSCRIPTION": "", "DEAD_LETTER_TOPIC": ""}, "--input_subscription is required"),
+    ({"INPUT_SUBSCRIPTION": "projects/my-project/subscriptions/prompts-sub"},
+     "INPUT_SUBSCRIPTION=projects/my-project/subscriptions/prompts-sub is in project my-project, not PROJECT=proj-123456"),
+    ({"DEAD_LETTER_TOPIC": "projects/other-proj/topics/letters"}, "is in project other-proj, not PROJECT"),
 ])
 def test_a_bad_setting_stops_the_launch_by_name_before_gcloud_runs(recorder, env_file, variables, message):
     result = make("run", recorder, env_file, **variables)
@@ -316,8 +320,9 @@ def test_the_structured_output_pages_launch_example_is_a_valid_launch(tmp_path):
     parameters = tmp_path / "tickets.json"
     parameters.write_text(example)
     settings = {**BASE, "PARAMETERS_FILE": str(parameters), "CHUNKS_TOPIC": "",
-                "INPUT_SUBSCRIPTION": "projects/my-project/subscriptions/tickets-sub"}
+                "INPUT_SUBSCRIPTION": "tickets-sub"}  # as the page's make run names it: an ID in PROJECT
     launched = deploy.template_parameters(deploy.Settings(settings))
+    assert launched["input_subscription"] == "projects/proj-123456/subscriptions/tickets-sub"
     assert json.loads(launched["response_schema"])["required"] == ["category", "urgency", "summary"]
     assert launched["prompt_template"] == "Classify this support ticket: {text}"
 
@@ -334,6 +339,7 @@ def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
     read |= set(re.findall(r"""['"]([A-Z_]+)['"],?""", re.search(
         r"settings\.require\(([^)]*)\)", (REPO / "ops" / "deploy.py").read_text(), re.DOTALL).group(1)))
     read |= set(deploy.NAMED_SETTINGS) | {"EXTRA_PARAMETERS"}  # read through the mapping and .values
+    read |= set(PUBSUB_SETTINGS)  # read through Settings.pubsub_path
     assert exported == read, (sorted(exported - read), sorted(read - exported))
 
 

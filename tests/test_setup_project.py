@@ -56,8 +56,12 @@ def test_step_one_creates_what_the_later_steps_use_and_grants_each_account():
     named = "\n".join(" ".join(c) for c in setup_project.commands(
         Settings({**SETTINGS, "SERVICE_ACCOUNT": "llm@proj-123456.iam.gserviceaccount.com"}), "123456789012"))
     assert "--member serviceAccount:llm@proj-123456.iam.gserviceaccount.com --role roles/dataflow.worker" in named
+    bare = "\n".join(" ".join(c) for c in setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "mine"})))
+    assert "subscriptions create mine --topic prompts --project proj-123456" in bare, "a bare ID is in PROJECT"
+    with pytest.raises(DeployError, match="is in project my-project, not PROJECT=proj-123456"):
+        setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "projects/my-project/subscriptions/s"}))
     with pytest.raises(DeployError, match="projects/PROJECT/subscriptions/ID"):
-        setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "prompts-sub"}))
+        setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "projects/proj-123456/topics/s"}))
 
 
 def test_make_setup_dry_run_prints_every_command_with_the_settings_of_env_example(tmp_path):
@@ -68,9 +72,10 @@ def test_make_setup_dry_run_prints_every_command_with_the_settings_of_env_exampl
                              f"DEPLOY_VENV={unused}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert not unused.exists(), "a dry run of make setup installed the deploy virtualenv"
-    printed = [line for line in result.stdout.splitlines() if line.startswith("==> gcloud")]
-    settings = Settings({k: v for k, v in (line.split("=", 1) for line in env_file.read_text().splitlines()
-                                           if "=" in line and not line.startswith("#"))})
-    assert len(printed) == len(setup_project.commands(settings))
+    printed = "\n".join(line for line in result.stdout.splitlines() if line.startswith("==> gcloud"))
+    # Only PROJECT, REGION and BUCKET are set: every Pub/Sub name is derived from PROJECT, in PROJECT.
+    for topic in ("prompts", "llm-chunks", "llm-completions", "llm-dead-letters"):
+        assert f"pubsub topics create {topic} --project my-project" in printed
+    assert "pubsub subscriptions create prompts-sub --topic prompts --project my-project" in printed
     assert "PROJECT_NUMBER-compute@developer.gserviceaccount.com" in result.stdout
     assert "Next:" in result.stdout and "make image" in result.stdout  # logging in came before (README step 1)
