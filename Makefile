@@ -73,6 +73,10 @@ PARAMETERS_FILE ?=
 SOURCE ?=
 BACKFILL_TOPIC ?=
 BACKFILL_ARGS ?=
+# make publish: one prompt, or a file of requests (one a line: JSON, or plain text); make tail: --until N, --seconds S.
+PROMPT ?=
+PROMPTS ?=
+TAIL_ARGS ?=
 # The tests run local.backfill: the same feeder, against the BigQuery emulator.
 BACKFILL_MODULE ?= ops.backfill
 # For make update: a JSON object of renamed steps, old name -> new.
@@ -233,7 +237,10 @@ lint-container: install ## Lint container/Dockerfile with hadolint
 	$(VENV)/bin/hadolint container/Dockerfile
 
 # The launch targets get the settings in their environment, values as they are.
-$(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow drain cancel dashboard alerts backfill: export $(v) := $$($(v))))
+$(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow drain cancel dashboard alerts backfill publish tail: export $(v) := $$($(v))))
+# The prompt travels in the environment, as it was typed: no quote in it meets the shell, no $ is expanded by make.
+publish: override export PROMPT := $(value PROMPT)
+publish: override export PROMPTS := $(value PROMPTS)
 $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
 
 .PHONY: setup
@@ -271,6 +278,18 @@ run-dataflow: ## Launch from this checkout with Beam's DataflowRunner, no templa
 	$(call require,PROJECT REGION BUCKET TAG)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY) run-dataflow
+
+.PHONY: publish
+publish: ## 7. Send the job a prompt: make publish PROMPT='Say hi.' (or PROMPTS=file, one request a line)
+	$(call require,PROJECT)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.publish
+
+.PHONY: tail
+tail: ## 7. Watch the job's chunks, completions and dead letters arrive (TAIL_ARGS='--until 1': stop after one)
+	$(call require,PROJECT)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.tail $(TAIL_ARGS)
 
 .PHONY: backfill
 backfill: ## Feed history to a job of this template: make backfill SOURCE='gs://b/history/*.jsonl' (or bq:P.D.T) [BACKFILL_ARGS=...]

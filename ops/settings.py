@@ -54,6 +54,15 @@ class Settings:
         return value
 
 
+def output_subscription(topic: str, reader: str = "sub") -> str:
+    """A subscription make setup creates on one of the job's output topics (Pub/Sub keeps nothing for a topic
+    without one), in the topic's project: ``<topic id>-sub`` on the completion and dead-letter topics, kept for
+    an application and for ops.redrive; ``<topic id>-tail`` on each output, for make tail, which acknowledges what
+    it prints and so must not read the others' copies."""
+    project, _, name = topic.removeprefix("projects/").partition("/topics/")
+    return f"projects/{project}/subscriptions/{name}-{reader}"
+
+
 def gcloud_output(command: list[str], what: str, dry_run: bool = False) -> str | None:
     """Prints a gcloud command whose output a target reads, runs it and returns that output (None on a dry run,
     which runs nothing); a failure stops the target, naming ``what`` it was for."""

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
-from ops.settings import DeployError, Settings, gcloud_output
+from ops.settings import DeployError, Settings, gcloud_output, output_subscription
 
 # Every API the product uses (docs/operations.md#roles says which for what).
 APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.com", "storage.googleapis.com",
@@ -61,6 +61,19 @@ def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
     found += [["gcloud", "pubsub", "topics", "create", topic, *where] for topic in dict.fromkeys(topics)]
     found.append(["gcloud", "pubsub", "subscriptions", "create",
                   resource_id(settings, "INPUT_SUBSCRIPTION"), "--topic", input_topic, *where])
+    # The outputs' subscriptions (output_subscription): Pub/Sub keeps nothing on a topic without one. The answers
+    # and dead letters are kept for an application and ops.redrive; what make tail reads is for watching live, so
+    # it is kept for the shortest retention Pub/Sub allows.
+    for name in ("COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC", "CHUNKS_TOPIC"):
+        if settings.get(name):
+            path = settings.pubsub_path(name)
+            topic = ["--topic", path.rsplit("/", 1)[1]]
+            if name != "CHUNKS_TOPIC":
+                found.append(["gcloud", "pubsub", "subscriptions", "create",
+                              output_subscription(path).rsplit("/", 1)[1], *topic, *where])
+            found.append(["gcloud", "pubsub", "subscriptions", "create",
+                          output_subscription(path, "tail").rsplit("/", 1)[1], *topic,
+                          "--message-retention-duration", "10m", *where])
     workers = settings.get("SERVICE_ACCOUNT") or f"{number}-compute@developer.gserviceaccount.com"
     builders = [f"{number}@cloudbuild.gserviceaccount.com", f"{number}-compute@developer.gserviceaccount.com"]
     grants = [(workers, role) for role in WORKER_ROLES] + \

@@ -1,0 +1,107 @@
+"""``make tail``: watch a running job's answers arrive, README step 7's second half.
+
+Pulls from the subscriptions ``make setup`` creates for it on the job's output topics (``<topic>-tail`` on the
+chunks, completions and dead-letter topics, kept 10 minutes; an application's and ops.redrive's ``-sub`` copies
+are left alone) and prints each record as it comes: a chunk's text under its request id, a completion's summary
+(tokens, time to first token, the structured answer if any), a dead letter's stage and reason. What is printed
+is acknowledged; a subscription that does not exist (an output the job does not have) is left out, saying so.
+The three are read at once (streaming pull), so a chunk is printed as it arrives. Runs until interrupted, or
+``--until N`` completions and dead letters have arrived, or ``--seconds`` have passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from ops.settings import DeployError, Settings, output_subscription
+
+# Which output each subscription carries, by the setting of its topic.
+OUTPUTS = (("CHUNKS_TOPIC", "chunk"), ("COMPLETIONS_TOPIC", "completion"), ("DEAD_LETTER_TOPIC", "dead letter"))
+
+
+def line_for(kind: str, data: bytes) -> tuple[str, bool]:
+    """What to print for one record, and whether it ends its request (a completion or a dead letter)."""
+    try:
+        record: Any = json.loads(data)
+    except ValueError:
+        return f"[{kind}] {data[:200]!r}", kind != "chunk"
+    if not isinstance(record, dict):
+        return f"[{kind}] {record!r}", kind != "chunk"
+    request = record.get("id")
+    if kind == "chunk":
+        return f"{request} #{record.get('seq')}: {record.get('text', '')}", False
+    if kind == "completion":
+        usage = record.get("usage") or {}
+        answer = record.get("output_json")
+        first = record.get("time_to_first_token_ms")
+        return (f"{request} done: {usage.get('completion_tokens')} tokens, first token "
+                f"{'?' if first is None else f'{first / 1000:.2f} s'}, {record.get('finish_reason')}"
+                + (f"; answer {json.dumps(answer)}" if answer is not None else
+                   f"; {record.get('output_error')}" if record.get("output_error") else "")), True
+    return f"{request} dead letter ({record.get('stage')}): {record.get('reason')}", True
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ops.tail", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--until", type=int, default=None, help="stop after this many completions and dead letters")
+    parser.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    args = parser.parse_args(argv)
+    settings = Settings(dict(os.environ if environ is None else environ))
+    try:
+        settings.require("PROJECT")
+        outputs = [(output_subscription(settings.pubsub_path(name), "tail"), kind) for name, kind in OUTPUTS
+                   if settings.pubsub_path(name)]
+    except DeployError as exc:
+        print(f"make tail: {exc}", file=sys.stderr)
+        return 2
+    import google.cloud.pubsub_v1 as pubsub_v1
+    from google.api_core import exceptions
+
+    subscriber = pubsub_v1.SubscriberClient()
+    watching = []
+    for subscription, kind in outputs:
+        try:
+            subscriber.get_subscription(subscription=subscription)
+            watching.append((subscription, kind))
+        except exceptions.NotFound:
+            print(f"(no {subscription}: its {kind}s are not shown; make setup creates it)", flush=True)
+    ended = threading.Semaphore(0)
+    lock = threading.Lock()  # one line at a time from the three streams
+
+    def shown(kind: str) -> Callable[[Any], None]:
+        def callback(message: Any) -> None:
+            text, ends = line_for(kind, message.data)
+            with lock:
+                print(text, flush=True)
+            message.ack()
+            if ends:
+                ended.release()
+        return callback
+
+    streams = [subscriber.subscribe(subscription, callback=shown(kind)) for subscription, kind in watching]
+    print(f"Watching {', '.join(s for s, _ in watching) or 'nothing'} (Ctrl-C to stop)", flush=True)
+    deadline = None if args.seconds is None else time.monotonic() + args.seconds
+    try:
+        count = 0
+        while streams and (args.until is None or count < args.until):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            if ended.acquire(timeout=1.0 if left is None else min(left, 1.0)):
+                count += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for stream in streams:
+            stream.cancel()
+        subscriber.close()
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
