@@ -141,6 +141,23 @@ class PubSubEmulator(Emulator):
             subscriber.close()
         return topic
 
+    @staticmethod
+    def take(subscription: str) -> list[bytes]:
+        """Every message waiting in ``subscription`` (the emulator this process is pointed at), acknowledged."""
+        from google.cloud import pubsub_v1
+
+        subscriber, found = pubsub_v1.SubscriberClient(), []
+        try:
+            while True:
+                response = subscriber.pull(subscription=subscription, max_messages=1000, timeout=10)
+                if not response.received_messages:
+                    return found
+                found += [m.message.data for m in response.received_messages]
+                subscriber.acknowledge(subscription=subscription,
+                                       ack_ids=[m.ack_id for m in response.received_messages])
+        finally:
+            subscriber.close()
+
 
 class GcsEmulator(Emulator):
     name = "gcs"

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from local.emulators import PROJECT, GcsEmulator, emulator_bigquery_client
+from local.emulators import PROJECT, GcsEmulator, PubSubEmulator, emulator_bigquery_client
 from ops import backfill
 from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
 from pipeline.sinks.bigquery_sink import (KIND_COMPLETIONS, KIND_DEAD_LETTERS, completion_row, dead_letter_row,
@@ -121,15 +121,7 @@ def answered_already(table: str, ids: list[str]) -> None:
 
 
 def pulled_ids(subscription: str) -> list[str]:
-    from google.cloud import pubsub_v1
-
-    subscriber, found = pubsub_v1.SubscriberClient(), []
-    while True:
-        response = subscriber.pull(subscription=subscription, max_messages=1000, timeout=10)
-        if not response.received_messages:
-            return found
-        found += [json.loads(m.message.data)["id"] for m in response.received_messages]
-        subscriber.acknowledge(subscription=subscription, ack_ids=[m.ack_id for m in response.received_messages])
+    return [json.loads(data)["id"] for data in PubSubEmulator.take(subscription)]
 
 
 def message_waiting(subscription: str) -> bool:

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from local.emulators import PROJECT
+from local.emulators import PROJECT, PubSubEmulator
 from ops import setup_project
 from ops.settings import Settings, output_subscription
 
@@ -46,30 +46,18 @@ def job_topics(emulator) -> dict[str, str]:
     return names
 
 
-def pulled(subscription: str) -> list[bytes]:
-    from google.cloud import pubsub_v1
-
-    subscriber, found = pubsub_v1.SubscriberClient(), []
-    while True:
-        response = subscriber.pull(subscription=subscription, max_messages=100, timeout=10)
-        if not response.received_messages:
-            return found
-        found += [m.message.data for m in response.received_messages]
-        subscriber.acknowledge(subscription=subscription, ack_ids=[m.ack_id for m in response.received_messages])
-
-
 def test_make_publish_sends_a_prompt_or_a_file_of_requests_intact_each_with_an_id(emulator, tmp_path):
     names = job_topics(emulator)
     one = make("publish", emulator, INPUT_TOPIC=names["INPUT_TOPIC"], PROMPT=HOSTILE)
     assert one.returncode == 0, one.stdout + one.stderr
-    (request,) = [json.loads(data) for data in pulled(emulator.subscription(f"{names['INPUT_TOPIC']}-sub"))]
+    (request,) = [json.loads(data) for data in PubSubEmulator.take(emulator.subscription(f"{names['INPUT_TOPIC']}-sub"))]
     assert request["prompt"] == HOSTILE and request["id"] in one.stdout and "make tail" in one.stdout
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('{"id": "mine", "prompt": "Classify: late parcel", "max_tokens": 8}\nPlain text line\n\n'
                        '{not json\n', encoding="utf-8")
     many = make("publish", emulator, INPUT_TOPIC=names["INPUT_TOPIC"], PROMPTS=str(prompts))
     assert many.returncode == 0, many.stdout + many.stderr
-    sent = pulled(emulator.subscription(f"{names['INPUT_TOPIC']}-sub"))
+    sent = PubSubEmulator.take(emulator.subscription(f"{names['INPUT_TOPIC']}-sub"))
     assert len(sent) == 3, "one message a non-empty line"
     parsed = {data: json.loads(data) if data.startswith(b"{\"") else None for data in sent}
     requests = [r for r in parsed.values() if r]
@@ -103,9 +91,9 @@ def test_make_tail_prints_chunks_then_the_answer_and_dead_letters_as_they_arrive
     assert 'q-1 done: 2 tokens, first token 0.12 s, stop; answer {"category": "billing"}' in tail.stdout
     assert "q-2 dead letter (parse): 'prompt' must be a string" in tail.stdout
     for name in ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC"):  # what was printed was acknowledged
-        assert not pulled(output_subscription(emulator.topic(names[name]), "tail"))
+        assert not PubSubEmulator.take(output_subscription(emulator.topic(names[name]), "tail"))
     for name in ("COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC"):  # ... in its own copy: an app's and redrive's remain
-        assert len(pulled(output_subscription(emulator.topic(names[name])))) == 1
+        assert len(PubSubEmulator.take(output_subscription(emulator.topic(names[name])))) == 1
     again = make("tail", emulator, **{**names, "CHUNKS_TOPIC": "fa-no-such-topic"}, TAIL_ARGS="--seconds 3")
     assert again.returncode == 0 and "(no projects/local-project/subscriptions/fa-no-such-topic-tail" in again.stdout
 
