@@ -28,9 +28,11 @@ GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 GIT_DIRTY := $(shell git status --porcelain --untracked-files=no 2>/dev/null | head -c 1)
 TAG ?= $(GIT_COMMIT)
 IMAGE_REPOSITORY ?= $(REGION)-docker.pkg.dev/$(PROJECT)/dataflow
-WORKER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-worker:$(TAG)
-LAUNCHER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-launcher:$(TAG)
-TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm-$(TAG).json
+# Images and specs carry the commit and the CUDA major, so a CUDA 12 build never overwrites a CUDA 13 one.
+IMAGE_TAG = $(TAG)-cu$(CUDA)
+WORKER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-worker:$(IMAGE_TAG)
+LAUNCHER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-launcher:$(IMAGE_TAG)
+TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm-$(IMAGE_TAG).json
 JOB_NAME ?=
 SERVICE_ACCOUNT ?=
 MACHINE_TYPE ?= g2-standard-8

@@ -95,7 +95,7 @@ def test_make_image_dry_run_prints_each_cuda_majors_base_indexes_and_pins(builde
         printed = result.stdout
         assert build.base in printed and f"CUDA={major}" in printed
         assert all(index in printed and pin in printed for index in build.indexes for pin in build.pins)
-        assert "streaming-llm-worker:0123456789ab" in printed and "streaming-llm-launcher:0123456789ab" in printed
+        assert "streaming-llm-worker:0123456789ab-cu" in printed and "streaming-llm-launcher:0123456789ab-cu" in printed
         if builder == "docker":
             assert printed.count("==> docker build") == 2 and printed.count("==> docker push") == 2
         else:

@@ -25,9 +25,10 @@ from tests.gcloud_recorder import Recorder
 REPO = Path(__file__).resolve().parent.parent
 TAG = "0123456789ab"
 SETTINGS = {"PROJECT": "proj-123456", "BUCKET": "bkt-test"}
-WORKER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:{TAG}"
-LAUNCHER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-launcher:{TAG}"
-TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{TAG}.json"
+# The commit and the CUDA major (.env.example's CUDA=13): a build for the other CUDA never overwrites these.
+WORKER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:{TAG}-cu13"
+LAUNCHER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-launcher:{TAG}-cu13"
+TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{TAG}-cu13.json"
 # Values no shell word, gcloud dict string or comma list carries as they are.
 HOSTILE = {
     "system_prompt": 'You are terse, "very" terse.\nAnswer with one word ~ ^ = , ; \' $HOME `x` \\ ünïcödé 🙂 \x7f\x85',
@@ -422,3 +423,16 @@ def test_env_example_states_every_cost_setting_with_the_makefiles_default():
             "REGION", "CUDA"]
     assert set(cost) <= set(example), sorted(set(cost) - set(example))
     assert {name: example[name] for name in cost} == {name: defaults[name] for name in cost}
+
+
+def test_builds_for_each_cuda_major_never_share_a_tag():
+    """A CUDA 12 build must not overwrite the images and spec a CUDA 13 job runs from (nor the other way)."""
+    named = {}
+    for cuda in ("12", "13"):
+        printed = subprocess.run(["make", "--no-print-directory", "-n", "image", "template", "ENV_FILE=/dev/null",
+                                  "PROJECT=proj-123456", "BUCKET=bkt-test", f"TAG={TAG}", f"CUDA={cuda}"],
+                                 cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+        named[cuda] = set(re.findall(r"streaming-llm-(?:worker|launcher):\S+?(?=[\s'\"|]|$)|streaming-llm-\S+?\.json",
+                                     printed))
+        assert f"streaming-llm-worker:{TAG}-cu{cuda}" in named[cuda], printed
+    assert not named["12"] & named["13"]
