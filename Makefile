@@ -246,7 +246,7 @@ publish: override export PROMPTS := $(value PROMPTS)
 $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
 
 .PHONY: setup
-setup: ## 1. Make a blank project ready: APIs, bucket, image repository, topics, subscription, roles (DRY_RUN=1 prints them)
+setup: ## 1. Make a blank project ready: APIs, bucket, image repository, topics, subscriptions, roles (DRY_RUN=1 prints them)
 	$(call require,PROJECT REGION BUCKET INPUT_TOPIC INPUT_SUBSCRIPTION)
 	$(PYTHON) -m ops.setup_project $(if $(DRY_RUN),--dry-run)
 

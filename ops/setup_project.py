@@ -1,5 +1,5 @@
 """``make setup``: step 1 of the README, a blank Google Cloud project made ready for ``make image``, ``template`` and
-``run``: the APIs enabled, the bucket, the image repository, the topics and the subscription created, and each
+``run``: the APIs enabled, the bucket, the image repository, the topics and their subscriptions created, and each
 account granted the roles docs/operations.md#roles lists.
 
 Every command is printed before it runs (``DRY_RUN=1``: printed only), and each is one ``gcloud`` call a person
