@@ -29,7 +29,7 @@ def requests_from(prompt: str | None, path: str | None) -> list[tuple[str, bytes
         except (OSError, UnicodeDecodeError) as exc:
             raise DeployError(f"PROMPTS={path}: cannot be read ({exc})") from None
     elif prompt:
-        lines = [prompt] if prompt.lstrip().startswith("{") else [json.dumps({"prompt": prompt})]
+        lines = [prompt]  # one request, read as a line of a file is (a newline in it stays in the prompt)
     else:
         raise DeployError("Set PROMPT='...' (one prompt) or PROMPTS=file (one request a line)")
     found = []
@@ -44,7 +44,7 @@ def requests_from(prompt: str | None, path: str | None) -> list[tuple[str, bytes
         else:
             found.append(("(as written)", line.encode("utf-8")))
     if not found:
-        raise DeployError(f"PROMPTS={path}: no request in it")
+        raise DeployError(f"PROMPTS={path}: no request in it" if path else "PROMPT is blank")
     return found
 
 

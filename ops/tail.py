@@ -55,8 +55,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     settings = Settings(dict(os.environ if environ is None else environ))
     try:
         settings.require("PROJECT")
-        outputs = [(output_subscription(settings.pubsub_path(name), "tail"), kind) for name, kind in OUTPUTS
-                   if settings.pubsub_path(name)]
+        topics = [(settings.pubsub_path(name), kind) for name, kind in OUTPUTS]
+        outputs = [(output_subscription(topic, "tail"), kind) for topic, kind in topics if topic]
     except DeployError as exc:
         print(f"make tail: {exc}", file=sys.stderr)
         return 2
