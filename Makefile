@@ -34,7 +34,12 @@ WORKER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-worker:$(IMAGE_TAG)
 LAUNCHER_IMAGE ?= $(IMAGE_REPOSITORY)/streaming-llm-launcher:$(IMAGE_TAG)
 TEMPLATE_PATH ?= gs://$(BUCKET)/templates/streaming-llm-$(IMAGE_TAG).json
 JOB_NAME ?=
+# The account the launcher and the workers run as; empty: streaming-llm@PROJECT.iam.gserviceaccount.com, which make
+# setup creates and grants only what the job needs (docs/operations.md#roles). An ID here is an account in PROJECT.
 SERVICE_ACCOUNT ?=
+# A gated model's Hugging Face token: a Secret Manager secret version (projects/P/secrets/S/versions/latest), passed
+# to the job as hf_token_secret; make setup lets the workers' account read that one secret.
+HF_TOKEN_SECRET ?=
 MACHINE_TYPE ?= g2-standard-8
 # Worker boot disk in GB; empty: the template's default (docs/parameters.md, disk_size_gb). See docs/operations.md#disk.
 DISK_SIZE_GB ?=
@@ -99,6 +104,7 @@ ALERT_BACKLOG_AGE_S ?= 600
 ALERT_DEAD_LETTER_RATIO ?= 0.01
 ALERT_TTFT_P95_S ?= 5
 DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT CUDA \
+  HF_TOKEN_SECRET BAKE_TOKEN_SECRET \
   MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE WORKER_ZONE NETWORK SUBNETWORK PUBLIC_IPS METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
   UTILIZATION_HINT MODEL INPUT_TOPIC BACKFILL_TOPIC INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
   PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS NOTIFICATION_CHANNELS ALERT_BACKLOG_AGE_S ALERT_DEAD_LETTER_RATIO \
@@ -246,7 +252,7 @@ publish: override export PROMPTS := $(value PROMPTS)
 $(foreach v,PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE CUDA BUILDER BAKE_MODEL BAKE_TOKEN_SECRET IMAGE_BUILD_ARGS,$(eval image: export $(v) := $$($(v))))
 
 .PHONY: setup
-setup: ## 1. Make a blank project ready: APIs, bucket, image repository, topics, subscriptions, roles (DRY_RUN=1 prints them)
+setup: ## 1. Make a blank project ready: APIs, bucket, image repository, topics, subscriptions, the job's account and its roles (DRY_RUN=1 prints them)
 	$(call require,PROJECT REGION BUCKET INPUT_TOPIC INPUT_SUBSCRIPTION)
 	$(PYTHON) -m ops.setup_project $(if $(DRY_RUN),--dry-run)
 

@@ -43,7 +43,7 @@ from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR
 # Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
 NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "CHUNKS_TOPIC": "output_chunks_topic",
                   "COMPLETIONS_TOPIC": "output_completions_topic", "DEAD_LETTER_TOPIC": "dead_letter_topic",
-                  "MODEL": "model"}
+                  "MODEL": "model", "HF_TOKEN_SECRET": "hf_token_secret"}
 # Beam's worker options a launch may pass beside the template's parameters (the launcher hands every one to Beam).
 PIPELINE_OPTION_PARAMETERS = tuple(option.name for option in WORKER_OPTIONS)
 JOB_NAME_REGEX = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"  # Dataflow's job names
@@ -272,9 +272,10 @@ def job_environment(settings: Settings) -> list[str]:
     staging, temp = staging_locations(settings)
     args = ["--worker-machine-type", settings.get("MACHINE_TYPE"), "--num-workers", settings.get("NUM_WORKERS"),
             "--max-workers", settings.get("MAX_WORKERS"), "--enable-streaming-engine",
-            "--staging-location", staging, "--temp-location", temp]
-    if settings.get("SERVICE_ACCOUNT"):
-        args += ["--service-account-email", settings.get("SERVICE_ACCOUNT")]
+            "--staging-location", staging, "--temp-location", temp,
+            # The launcher VM and the workers run as the job's own account (make setup), never by default as the
+            # Compute Engine default account that every VM of the project shares.
+            "--service-account-email", settings.service_account()]
     # A zone of REGION with the GPU in stock (docs/operations.md#quota-and-gpu-stockouts).
     if settings.get("WORKER_ZONE"):
         args += ["--worker-zone", settings.get("WORKER_ZONE")]
@@ -367,9 +368,8 @@ def dataflow_runner(settings: Settings) -> list[str]:
             f"--temp_location={temp}",
             f"--machine_type={settings.get('MACHINE_TYPE')}", f"--num_workers={settings.get('NUM_WORKERS')}",
             f"--max_num_workers={settings.get('MAX_WORKERS')}",
-            "--enable_streaming_engine", "--experiments=use_runner_v2"]
-    if settings.get("SERVICE_ACCOUNT"):
-        argv.append(f"--service_account_email={settings.get('SERVICE_ACCOUNT')}")
+            "--enable_streaming_engine", "--experiments=use_runner_v2",
+            f"--service_account_email={settings.service_account()}"]
     if settings.get("DISK_SIZE_GB"):
         argv.append(f"--disk_size_gb={settings.get('DISK_SIZE_GB')}")
     if settings.get("WORKER_ZONE"):

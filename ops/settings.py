@@ -6,10 +6,18 @@ Python, without the Beam install the launch targets need (:mod:`ops.deploy`).
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 from dataclasses import dataclass
 from typing import Mapping
+
+# The launcher's and workers' account make setup creates when SERVICE_ACCOUNT is unset (NAME@PROJECT.iam...).
+DEFAULT_SERVICE_ACCOUNT_ID = "streaming-llm"
+# A user-managed service account's ID (IAM: 6-30 characters, lower-case letters, digits and '-', a letter first).
+SERVICE_ACCOUNT_ID_REGEX = r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$"
+# Secret Manager settings (a secret's version, or the secret itself), read by make setup and make run.
+SECRET_REGEX = r"^projects/(?P<project>[^/]+)/secrets/(?P<secret>[^/]+)(/versions/(?P<version>[^/]+))?$"
 
 # The Pub/Sub resources a job uses, by setting: which kind each is.
 PUBSUB_SETTINGS = {"INPUT_TOPIC": "topics", "INPUT_SUBSCRIPTION": "subscriptions", "CHUNKS_TOPIC": "topics",
@@ -52,6 +60,37 @@ class Settings:
                               f"project would read or write another project's {kind}. Set {name} to an ID (or "
                               f"leave it out of .env: the Makefile derives it from PROJECT)")
         return value
+
+    def service_account(self) -> str:
+        """The account the launcher and the workers run as: ``SERVICE_ACCOUNT`` (an email, or an ID in PROJECT), or
+        else the one make setup creates, ``streaming-llm@PROJECT.iam.gserviceaccount.com``. Never the Compute Engine
+        default account unless named: that one is shared by every VM of the project."""
+        value, project = self.get("SERVICE_ACCOUNT") or DEFAULT_SERVICE_ACCOUNT_ID, self.get("PROJECT")
+        if "@" not in value:
+            if not re.match(SERVICE_ACCOUNT_ID_REGEX, value):
+                raise DeployError(f"SERVICE_ACCOUNT={value!r}: a service account's email, or an ID of 6-30 lower-case "
+                                  "letters, digits and '-' (a letter first), made in PROJECT")
+            return f"{value}@{project}.iam.gserviceaccount.com"
+        if not re.match(r"^[^@\s]+@[^@\s]+\.gserviceaccount\.com$", value):
+            raise DeployError(f"SERVICE_ACCOUNT={value!r} is not a service account's email (NAME@PROJECT."
+                              "iam.gserviceaccount.com)")
+        return value
+
+    def own_service_account_id(self) -> str | None:
+        """The ID of :meth:`service_account` when it is a user-managed account of PROJECT, which make setup creates
+        if missing; None for any other (the Compute Engine default, another project's)."""
+        name, _, domain = self.service_account().partition("@")
+        return name if domain == f"{self.get('PROJECT')}.iam.gserviceaccount.com" else None
+
+    def secret(self, name: str) -> tuple[str, str] | None:
+        """Setting ``name`` (``projects/P/secrets/S`` or ``.../versions/V``) as (project, secret); None if unset."""
+        value = self.get(name)
+        if not value:
+            return None
+        found = re.match(SECRET_REGEX, value)
+        if found is None:
+            raise DeployError(f"{name}={value!r} is not projects/PROJECT/secrets/NAME/versions/VERSION")
+        return found.group("project"), found.group("secret")
 
 
 def output_subscription(topic: str, reader: str = "sub") -> str:

@@ -4,8 +4,10 @@ gcloud reads API endpoint overrides from its configuration (``CLOUDSDK_API_ENDPO
 ``CLOUDSDK_AUTH_DISABLE_CREDENTIALS=true`` sends no credentials: the CLI's own argument parsing, flags files
 and request building all run, and what it sends lands here. The answers are the smallest that gcloud
 accepts: a job for Dataflow's launch and update calls, an object with the uploaded bytes' hashes for Cloud
-Storage (gcloud compares them with the file it sent), a build operation for Cloud Build, and for Cloud
-Monitoring the dashboard or alert policy it was sent, named.
+Storage (gcloud compares them with the file it sent), a build operation for Cloud Build, for Cloud
+Monitoring the dashboard or alert policy it was sent, named, and for IAM the account it was asked to create and an
+empty policy that a grant reads and writes back (``not_yet`` grants are first refused as IAM refuses a grant for an
+account it does not know yet).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Recorder:
         self.objects: dict[str, bytes] = {}  # "bucket/name" -> uploaded bytes
         self.jobs: list[dict[str, Any]] = []  # what a job listing answers
         self.made: list[dict[str, Any]] = []  # dashboards and alert policies created, as created or updated
+        self.not_yet = 0  # how many policy writes to refuse first, as for an account IAM does not know yet
         self.api = LoopbackApi(self.record)
 
     @property
@@ -59,7 +62,7 @@ class Recorder:
                 "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "true",
                 **{f"CLOUDSDK_API_ENDPOINT_OVERRIDES_{api}": self.url
                    for api in ("DATAFLOW", "STORAGE", "CLOUDBUILD", "MONITORING", "SERVICEUSAGE", "PUBSUB",
-                               "ARTIFACTREGISTRY", "CLOUDRESOURCEMANAGER")}}
+                               "ARTIFACTREGISTRY", "CLOUDRESOURCEMANAGER", "IAM", "SECRETMANAGER")}}
 
     def close(self) -> None:
         self.api.close()
@@ -67,8 +70,35 @@ class Recorder:
     def find(self, method: str, pattern: str) -> list[Request]:
         return [r for r in self.requests if r.method == method and re.search(pattern, r.path.split("?")[0])]
 
+    def grants(self) -> list[tuple[str, str, str]]:
+        """Every (resource path, role, member) a policy write added, in order (a Cloud Storage bucket's as
+        ``/storage/v1/b/BUCKET``)."""
+        found = []
+        for request in self.requests:
+            path = request.path.split("?")[0]
+            if path.endswith(":setIamPolicy") or (path.endswith("/iam") and request.method == "PUT"):
+                policy = request.json().get("policy", request.json())
+                resource = path.removesuffix(":setIamPolicy").removesuffix("/iam")
+                found += [(resource, b["role"], m) for b in policy.get("bindings", []) for m in b["members"]]
+        return found
+
     def answer(self, request: Request, content_type: str) -> tuple[int, Any]:
         path = request.path.split("?")[0]
+        if path.endswith(":setIamPolicy") or (path.endswith("/iam") and request.method == "PUT"):
+            if self.not_yet > 0:
+                self.not_yet -= 1
+                member = next((m for b in request.json().get("policy", request.json()).get("bindings", [])
+                               for m in b["members"]), "the account")
+                return 400, {"error": {"code": 400, "status": "INVALID_ARGUMENT",
+                                       "message": f"Service account {member.split(':')[-1]} does not exist."}}
+            return 200, request.json().get("policy", request.json())
+        if path.endswith(":getIamPolicy") or (path.endswith("/iam") and request.method == "GET"):
+            return 200, {"etag": "BwYAAAAAAAA=", "version": 1, "bindings": []}
+        account = re.match(r"^/v1/projects/([^/]+)/serviceAccounts$", path)
+        if account and request.method == "POST":
+            email = f"{request.json()['accountId']}@{account.group(1)}.iam.gserviceaccount.com"
+            return 200, {"name": f"projects/{account.group(1)}/serviceAccounts/{email}", "email": email,
+                         "projectId": account.group(1), "uniqueId": "1"}
         job = {"id": "2026-11-25_00_00_00-1", "projectId": "recorded", "name": "recorded",
                "currentState": "JOB_STATE_QUEUED"}
         if path.endswith("/flexTemplates:launch"):

@@ -41,6 +41,10 @@ HOSTILE = {
 }
 
 
+# The account make setup creates for the job, from PROJECT alone (.env.example leaves SERVICE_ACCOUNT unset).
+ACCOUNT = "streaming-llm@proj-123456.iam.gserviceaccount.com"
+
+
 @pytest.fixture
 def recorder(tmp_path):
     """The recorder, with the spec of an earlier make template for this TAG in its bucket (make run looks for it)."""
@@ -107,7 +111,7 @@ def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
         "machineType": "g2-standard-8", "numWorkers": 1, "maxWorkers": 4, "enableStreamingEngine": True,
         "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"],
         "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp",
-        "launcherMachineType": "e2-standard-4", "diskSizeGb": 300}
+        "serviceAccountEmail": ACCOUNT, "launcherMachineType": "e2-standard-4", "diskSizeGb": 300}
 
     run = make("run", recorder, env_file)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -123,6 +127,7 @@ def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
     assert launch["environment"] == {
         "machineType": "g2-standard-8", "launcherMachineType": "e2-standard-4", "numWorkers": 1, "maxWorkers": 4,
         "enableStreamingEngine": True, "stagingLocation": "gs://bkt-test/staging", "tempLocation": "gs://bkt-test/tmp",
+        "serviceAccountEmail": ACCOUNT,  # the launcher and the workers run as the job's own account, not the default
         "additionalExperiments": ["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"]}
     # No disk size: the template sets its own default (tests/test_dataflow_job.py sees it in the job).
 
@@ -333,7 +338,7 @@ def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
     makefile = (REPO / "Makefile").read_text()
     declared = re.search(r"^DEPLOY_SETTINGS := ((?:.*\\\n)*.*)$", makefile, re.MULTILINE).group(1)
     exported = set(declared.replace("\\", " ").split())
-    read = set(re.findall(r"""(?:get|require)\(\s*['"]([A-Z_]+)['"]""", (REPO / "ops" / "deploy.py").read_text()
+    read = set(re.findall(r"""(?:get|require|secret)\(\s*['"]([A-Z_]+)['"]""", (REPO / "ops" / "deploy.py").read_text()
                           + (REPO / "ops" / "monitoring.py").read_text() + (REPO / "ops" / "setup_project.py").read_text()
                           + (REPO / "ops" / "backfill.py").read_text()))
     read |= set(monitoring.THRESHOLDS)
@@ -341,6 +346,7 @@ def test_the_makefile_exports_exactly_the_settings_the_deploy_command_reads():
         r"settings\.require\(([^)]*)\)", (REPO / "ops" / "deploy.py").read_text(), re.DOTALL).group(1)))
     read |= set(deploy.NAMED_SETTINGS) | {"EXTRA_PARAMETERS"}  # read through the mapping and .values
     read |= set(PUBSUB_SETTINGS)  # read through Settings.pubsub_path
+    read |= {"SERVICE_ACCOUNT"}  # read through Settings.service_account
     assert exported == read, (sorted(exported - read), sorted(read - exported))
 
 
@@ -436,3 +442,19 @@ def test_builds_for_each_cuda_major_never_share_a_tag():
                                      printed))
         assert f"streaming-llm-worker:{TAG}-cu{cuda}" in named[cuda], printed
     assert not named["12"] & named["13"]
+
+
+def test_the_token_secret_setting_is_the_jobs_hf_token_secret_and_set_in_one_place():
+    """HF_TOKEN_SECRET is what make setup lets the job's account read and what the job is given; the same parameter
+    from EXTRA_PARAMETERS as well is refused, so the two cannot name different secrets."""
+    secret = "projects/proj-123456/secrets/hf-token/versions/latest"
+    base = {**SETTINGS, "INPUT_SUBSCRIPTION": "prompts-sub", "DEAD_LETTER_TOPIC": "letters",
+            "COMPLETIONS_TOPIC": "answers"}
+    launched = deploy.template_parameters(deploy.Settings({**base, "HF_TOKEN_SECRET": secret}))
+    assert launched["hf_token_secret"] == secret
+    with pytest.raises(deploy.DeployError, match="hf_token_secret is set by the Makefile settings and by "
+                                                 "EXTRA_PARAMETERS"):
+        deploy.template_parameters(deploy.Settings({**base, "HF_TOKEN_SECRET": secret,
+                                                    "EXTRA_PARAMETERS": f"hf_token_secret={secret}"}))
+    with pytest.raises(deploy.DeployError, match="hf_token_secret"):
+        deploy.template_parameters(deploy.Settings({**base, "HF_TOKEN_SECRET": "hf-token"}))
