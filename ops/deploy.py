@@ -433,24 +433,56 @@ def run_gcloud(argv: list[str], flags: dict[str, Any], dry_run: bool,
         return 0 if dry_run else subprocess.run(argv, check=False).returncode
 
 
-def require_spec(settings: Settings, dry_run: bool) -> None:
-    """Stops a launch whose spec does not exist. TAG follows the checkout's commit, so after a new commit
-    TEMPLATE_PATH names a spec that make template has not built yet, and gcloud would say only 'not found'."""
-    path = settings.get("TEMPLATE_PATH")
-    command = ["gcloud", "storage", "objects", "describe", path, "--project", settings.get("PROJECT"),
-               "--format=value(name)"]
-    print(f"==> {shlex.join(command)}", flush=True)
+# What gcloud says of a resource that is not there (describe: NOT_FOUND for the APIs, "not found: 404" for Storage).
+_NOT_FOUND = ("NOT_FOUND", "not found", "404", "does not exist")
+
+
+def launch_resources(settings: Settings, parameters: Mapping[str, str]) -> list[tuple[str, list[str], str]]:
+    """What a launch needs to exist already, as (what it is, the gcloud command that describes it, what to do if it
+    is missing): the spec, the job's account, its input subscription and output topics."""
+    path, where = settings.get("TEMPLATE_PATH"), ["--project", settings.get("PROJECT")]
+    folder = path.rsplit("/", 1)[0] + "/"
+    found = [(f"the template spec {path}", ["gcloud", "storage", "objects", "describe", path, *where,
+                                           "--format=value(name)"],
+              "TAG names the checkout's commit, and no spec was built for it. Run make image and make template for "
+              f"this commit, or set TAG to the commit of a spec that exists (gcloud storage ls {folder})"),
+             (f"the job's service account {settings.service_account()}",
+              ["gcloud", "iam", "service-accounts", "describe", settings.service_account(), *where,
+               "--format=value(email)"],
+              "make setup creates it and grants its roles (or set SERVICE_ACCOUNT to one that exists)")]
+    for name in ("input_subscription", "output_chunks_topic", "output_completions_topic", "dead_letter_topic"):
+        value = parameters.get(name) or ""
+        if re.match(r"^projects/[^/]+/(topics|subscriptions)/[^/]+$", value):
+            project, kind, resource = value.removeprefix("projects/").split("/")
+            found.append((f"the {kind[:-1]} {value}", ["gcloud", "pubsub", kind, "describe", resource,
+                                                       "--project", project, "--format=value(name)"],
+                          "make setup creates the job's topics and subscriptions"))
+    return found
+
+
+def require_resources(settings: Settings, parameters: Mapping[str, str], dry_run: bool) -> None:
+    """Stops a launch whose spec, account, subscription or topics do not exist, naming each and what makes it;
+    gcloud would otherwise launch a job that fails on its launcher or its workers minutes later (or say only 'not
+    found'). The describes run at once, side by side. A resource that could not be read for another reason (the
+    person launching may not hold a role that reads it) is a warning: the launch goes on."""
+    checks = launch_resources(settings, parameters)
+    for _, command, _ in checks:
+        print(f"==> {shlex.join(command)}", flush=True)
     if dry_run:
         return
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode == 0:
-        return
-    if "not found" in result.stderr.lower() or "404" in result.stderr:
-        folder = path.rsplit("/", 1)[0] + "/"
-        raise DeployError(f"there is no template spec at {path}: TAG names the checkout's commit, and no spec was "
-                          f"built for it. Run make image and make template for this commit, or set TAG to the "
-                          f"commit of a spec that exists (gcloud storage ls {folder})")
-    raise DeployError(f"reading the template spec at {path} failed: {result.stderr.strip()}")
+    running = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for _, command, _ in checks]
+    missing = []
+    for (what, _, advice), process in zip(checks, running):
+        _, stderr = process.communicate()
+        if process.returncode == 0:
+            continue
+        if any(sign in stderr for sign in _NOT_FOUND):
+            missing.append(f"{what} does not exist: {advice}")
+        else:
+            print(f"warning: {what} could not be checked: {stderr.strip()[-300:]}", file=sys.stderr, flush=True)
+    if missing:
+        raise DeployError("This launch would fail:\n  - " + "\n  - ".join(missing))
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -467,7 +499,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return job_command(settings, args.action, args.dry_run)
         if args.action in ("run", "update"):
             launch = flex_template_run(settings, update=args.action == "update")
-            require_spec(settings, args.dry_run)
+            require_resources(settings, launch[1]["--parameters"], args.dry_run)
             return run_gcloud(*launch, dry_run=args.dry_run)
         command = dataflow_runner(settings)
         print(f"==> {shlex.join(command)}", flush=True)

@@ -45,6 +45,7 @@ class Recorder:
         self.jobs: list[dict[str, Any]] = []  # what a job listing answers
         self.made: list[dict[str, Any]] = []  # dashboards and alert policies created, as created or updated
         self.not_yet = 0  # how many policy writes to refuse first, as for an account IAM does not know yet
+        self.missing: set[str] = set()  # API paths of topics, subscriptions and accounts that do not exist
         self.api = LoopbackApi(self.record)
 
     @property
@@ -94,6 +95,11 @@ class Recorder:
             return 200, request.json().get("policy", request.json())
         if path.endswith(":getIamPolicy") or (path.endswith("/iam") and request.method == "GET"):
             return 200, {"etag": "BwYAAAAAAAA=", "version": 1, "bindings": []}
+        if re.match(r"^/v1/projects/[^/]+/(topics|subscriptions|serviceAccounts)/[^/:]+$", path) \
+                and request.method == "GET":  # a describe: there, unless the test says it is missing
+            if unquote(path) in self.missing:
+                return 404, {"error": {"code": 404, "status": "NOT_FOUND", "message": "Resource not found"}}
+            return 200, {"name": unquote(path).removeprefix("/v1/"), "email": unquote(path).rsplit("/", 1)[1]}
         account = re.match(r"^/v1/projects/([^/]+)/serviceAccounts$", path)
         if account and request.method == "POST":
             email = f"{request.json()['accountId']}@{account.group(1)}.iam.gserviceaccount.com"

@@ -221,8 +221,25 @@ def test_a_launch_after_a_new_commit_says_its_spec_is_not_built_yet(recorder, en
     """TAG follows the checkout's commit: after a commit, make run names a spec make template has not built."""
     del recorder.objects[TEMPLATE_PATH.removeprefix("gs://")]
     result = make("run", recorder, env_file)
-    assert result.returncode != 0 and f"there is no template spec at {TEMPLATE_PATH}" in result.stderr, result.stderr
+    assert result.returncode != 0 and f"the template spec {TEMPLATE_PATH} does not exist" in result.stderr, \
+        result.stderr
     assert "make template" in result.stderr and "gcloud storage ls gs://bkt-test/templates/" in result.stderr
+    assert not recorder.find("POST", r"/flexTemplates:launch$"), "nothing launched"
+
+
+def test_a_launch_names_each_resource_it_needs_that_does_not_exist(recorder, env_file):
+    """The job's account (new since make setup creates it: a project set up before must run make setup again), its
+    subscription and an output topic, all missing: make run names each and what makes it, and launches nothing."""
+    recorder.missing |= {"/v1/projects/-/serviceAccounts/" + ACCOUNT,  # how gcloud names an account by email
+                         "/v1/projects/proj-123456/subscriptions/prompts-sub",
+                         "/v1/projects/proj-123456/topics/llm-dead-letters"}
+    result = make("run", recorder, env_file)
+    assert result.returncode != 0, result.stdout
+    for what in (f"the job's service account {ACCOUNT} does not exist: make setup creates it",
+                 "the subscription projects/proj-123456/subscriptions/prompts-sub does not exist: make setup",
+                 "the topic projects/proj-123456/topics/llm-dead-letters does not exist: make setup"):
+        assert what in result.stderr, result.stderr
+    assert "llm-completions does not exist" not in result.stderr and "template spec" not in result.stderr
     assert not recorder.find("POST", r"/flexTemplates:launch$"), "nothing launched"
 
 
