@@ -45,8 +45,7 @@ APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.
         "monitoring.googleapis.com", "logging.googleapis.com", "bigquery.googleapis.com", "iam.googleapis.com")
 REPOSITORY = "dataflow"  # the Makefile's IMAGE_REPOSITORY: REGION-docker.pkg.dev/PROJECT/dataflow
 NUMBER = "PROJECT_NUMBER"  # stands for the project's number in a dry run
-# The kinds of resource a role is granted on, narrowest first, and the one role each account holds on the project.
-SCOPES = ("topic", "subscription", "secret", "repository", "bucket", "project")
+# The only roles granted on the whole project: the job's account's Dataflow Worker, Cloud Build's Logs Writer.
 PROJECT_ROLES = {"roles/dataflow.worker", "roles/logging.logWriter"}
 # A grant refused for these reasons is IAM or a new API not having caught up yet: it is tried again after a wait.
 NOT_YET = ("does not exist", "SERVICE_DISABLED", "has not been used in project", "wait a few minutes")
@@ -56,7 +55,8 @@ RETRY_WAITS_S = (5.0, 10.0, 20.0, 40.0, 80.0)
 
 @dataclass(frozen=True)
 class Grant:
-    """One role for one account on one resource: ``scope`` is a kind of :data:`SCOPES`, ``resource`` its name."""
+    """One role for one account on one resource: ``scope`` is its kind (a topic, subscription, secret as
+    ``PROJECT/SECRET``, repository, bucket or project), ``resource`` its name."""
 
     account: str
     role: str
@@ -151,24 +151,24 @@ def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
 def run_command(command: list[str], sleep: Callable[[float], None] = time.sleep) -> int:
     """Runs one command of step 1: a resource that exists already is fine; a grant that IAM cannot apply yet (see
     the module docstring) is tried again after each of :data:`RETRY_WAITS_S`. Returns gcloud's exit status."""
-    for attempt in range(len(RETRY_WAITS_S) + 1):
+    granting = "add-iam-policy-binding" in command
+    for attempt, wait_s in enumerate((*RETRY_WAITS_S, None), start=1):
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if not result.returncode or "ALREADY_EXISTS" in result.stderr or "already exists" in result.stderr:
             print("    already there" if result.returncode else "    done", flush=True)
             return 0
-        granting = "add-iam-policy-binding" in command
-        if not granting or not any(reason in result.stderr for reason in NOT_YET) or attempt == len(RETRY_WAITS_S):
+        not_yet = granting and any(reason in result.stderr for reason in NOT_YET)
+        if not not_yet or wait_s is None:
             sys.stderr.write(result.stderr)
-            if granting and any(reason in result.stderr for reason in NOT_YET):
+            if not_yet:
                 print("make setup: IAM has still not caught up with a new account or API (it can take up to 7 "
                       "minutes): run make setup again in a few minutes; what exists is left as it is.",
                       file=sys.stderr, flush=True)
             return result.returncode
-        wait_s = RETRY_WAITS_S[attempt]
         print(f"    not yet known to IAM ({result.stderr.strip().splitlines()[-1][:160]}); trying again in "
-              f"{wait_s:.0f} s ({attempt + 1} of {len(RETRY_WAITS_S)})", flush=True)
+              f"{wait_s:.0f} s ({attempt} of {len(RETRY_WAITS_S)})", flush=True)
         sleep(wait_s)
-    return 1
+    raise AssertionError("unreachable: the last attempt returns")
 
 
 def project_number(settings: Settings) -> str:
