@@ -16,8 +16,9 @@ message the stream would receive: its id and prompt from the columns named (``--
   of the first's answer (docs/contract.md#duplicate-ids).
 * **Bad rows never stop it.** Each message is checked with the template's own parser before it is
   published; a row that cannot become a request (no id, no prompt, a value of the wrong type, a second row
-  with the id of another) becomes a dead letter in the dead-letter table or topic, with its reason and its
-  source position (``file:line``, or ``table#row``). Nothing is skipped silently: the summary counts rows
+  with the id of another, a record the reader cannot read, text that is not UTF-8, a message over Pub/Sub's
+  limit) becomes a dead letter in the dead-letter table or topic, with its reason and its source position
+  (``file:line``, or ``table#row``). Nothing is skipped silently: the summary counts rows
   read, skipped as answered, published, lettered and repeated (the same row again), and they add up.
 * **Progress and cost.** A progress bar while it reads and publishes; with ``--wait``, a second one while the
   job answers, with answers/s, tokens/s and an ETA from the completions table. Before publishing, an
@@ -51,6 +52,9 @@ from pipeline.serving.model_weights import storage_client
 from pipeline.sinks import bigquery_sink
 
 CHUNK_ROWS = 5_000  # rows looked up in the completions table, and published, at a time
+# Pub/Sub's largest message ("Pub/Sub quotas and limits": 10 MB): a larger row is a dead letter, not a failed publish
+# that stops the run. A CSV field larger than this is read as that row's problem (csv refuses past its limit).
+PUBSUB_MESSAGE_MAX_BYTES = 10_000_000
 WAIT_POLL_S = 10.0
 # What one L4 worker is assumed to generate (a 2 B model, 256-token answers: docs/benchmarks.md#traffic-spike) and
 # cost an hour (docs/operations.md#idle-worker-cost); both are settings, the estimate says which it used.
@@ -113,9 +117,11 @@ def _gcs_blob(path: str) -> Any:
 
 
 def _open_text(path: str) -> io.TextIOBase:
+    """The file as text; bytes that are not UTF-8 are kept as lone surrogates, so their row (not the whole file)
+    becomes a dead letter when its message is encoded (:func:`checked`)."""
     if path.startswith("gs://"):
-        return io.StringIO(_gcs_blob(path).download_as_text())
-    return open(path, encoding="utf-8", newline="")
+        return io.StringIO(_gcs_blob(path).download_as_bytes().decode("utf-8", "surrogateescape"), newline="")
+    return open(path, encoding="utf-8", errors="surrogateescape", newline="")
 
 
 def _expand(pattern: str) -> list[str]:
@@ -138,12 +144,35 @@ def read_file(path: str) -> Iterator[Row]:
     if name.endswith(".parquet"):
         import pyarrow.parquet as parquet
 
-        data = parquet.read_table(io.BytesIO(_gcs_blob(path).download_as_bytes()) if path.startswith("gs://") else path)
-        for number, values in enumerate(data.to_pylist(), start=1):
-            yield Row(f"{path}#{number}", {k: _jsonable(v) for k, v in values.items()})
+        try:
+            data = parquet.read_table(io.BytesIO(_gcs_blob(path).download_as_bytes()) if path.startswith("gs://")
+                                      else path)
+        except Exception as exc:  # pyarrow's own types for a file it cannot read: the file is one row's problem
+            yield Row(f"{path}#0", {"__problem__": f"not a Parquet file pyarrow reads: {str(exc)[:300]}"})
+            return
+        number = 0
+        for batch in data.to_batches():
+            try:
+                rows = batch.to_pylist()
+            except Exception:  # a value Python cannot hold (a timestamp past year 9999): find its row
+                rows = [_parquet_row(batch, i) for i in range(batch.num_rows)]
+            for values in rows:
+                number += 1
+                yield Row(f"{path}#{number}", {k: _jsonable(v) for k, v in values.items()})
     elif name.endswith(".csv"):
+        csv.field_size_limit(PUBSUB_MESSAGE_MAX_BYTES)
         with _open_text(path) as handle:
-            for number, values in enumerate(csv.DictReader(handle), start=2):  # line 1 is the header
+            reader = csv.DictReader(handle)
+            number = 1  # line 1 is the header
+            while True:
+                number += 1
+                try:
+                    values = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as exc:  # the reader goes on at the next record
+                    yield Row(f"{path}:{number}", {"__problem__": f"not a CSV record: {exc}"})
+                    continue
                 yield Row(f"{path}:{number}", {k: v for k, v in values.items() if v not in (None, "")})
     elif name.endswith((".jsonl", ".ndjson", ".json")):
         with _open_text(path) as handle:
@@ -152,13 +181,22 @@ def read_file(path: str) -> Iterator[Row]:
                     continue
                 try:
                     values = json.loads(line)
-                except ValueError as exc:
-                    values = {"__problem__": f"not JSON: {exc}", "__raw__": line.rstrip("\n")}
+                except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python parses
+                    values = {"__problem__": f"not JSON: {type(exc).__name__}: {str(exc)[:200]}",
+                              "__raw__": line.rstrip("\n")}
                 if not isinstance(values, dict):
                     values = {"__problem__": "a JSON line that is not an object", "__raw__": line.rstrip("\n")}
                 yield Row(f"{path}:{number}", values)
     else:
         raise BackfillError(f"{path}: a backfill reads .jsonl, .csv or .parquet files")
+
+
+def _parquet_row(batch: Any, index: int) -> dict[str, Any]:
+    """Row ``index`` of a Parquet record batch, or that row's problem where a value cannot be read into Python."""
+    try:
+        return {name: column[index].as_py() for name, column in zip(batch.schema.names, batch.columns)}
+    except Exception as exc:
+        return {"__problem__": f"a value Python cannot read: {type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def read_bigquery(source: str, project: str) -> Iterator[Row]:
@@ -238,18 +276,30 @@ def _typed(name: str, value: Any) -> Any:
 
 def checked(row: Row, mapping: Mapping) -> tuple[bytes, InferenceRequest] | DeadLetter:
     """The message a row makes and the request the template reads from it, or its dead letter (reason and
-    position)."""
+    position). The feeder's one guard: whatever a row holds, it becomes one or the other, and the run goes on."""
     try:
         data = json.dumps(mapping.message(row), ensure_ascii=False).encode("utf-8")
-    except (BackfillError, TypeError, ValueError) as exc:
-        raw = json.dumps(row.values, ensure_ascii=False, default=str)
-        return DeadLetter.from_bytes(STAGE_PARSE, f"{row.position}: {exc}", raw.encode(), id=None,
-                                     attributes={"source_position": row.position}, at=time.time())
+        if len(data) > PUBSUB_MESSAGE_MAX_BYTES:
+            raise BackfillError(f"its message is {len(data):,} bytes, over Pub/Sub's {PUBSUB_MESSAGE_MAX_BYTES:,}")
+    except UnicodeEncodeError:
+        return _row_letter(row, "the row is not UTF-8 text")
+    except Exception as exc:  # a row's own problem, whatever the library raised for it (json: RecursionError too)
+        return _row_letter(row, str(exc)[:1000] or type(exc).__name__)
     parsed = parse_request(data)
     if isinstance(parsed, DeadLetter):
         return DeadLetter.from_bytes(parsed.stage, f"{row.position}: {parsed.reason}", data, id=parsed.id,
                                      attributes={"source_position": row.position}, at=time.time())
     return data, parsed
+
+
+def _row_letter(row: Row, reason: str) -> DeadLetter:
+    """The dead letter of a row that makes no message: the row as JSON (ASCII, so any text survives)."""
+    try:
+        raw = json.dumps(row.values, default=str).encode("ascii")
+    except (ValueError, RecursionError):  # nested deeper than Python writes out: its columns' names at least
+        raw = json.dumps({"columns": [str(name) for name in row.values]}).encode("ascii")
+    return DeadLetter.from_bytes(STAGE_PARSE, f"{row.position}: {reason}", raw, id=None,
+                                 attributes={"source_position": row.position}, at=time.time())
 
 
 # Where things go ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow
 import pyarrow.parquet as parquet
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from local.emulators import PROJECT, GcsEmulator, PubSubEmulator, emulator_bigquery_client
@@ -86,6 +86,73 @@ def test_no_row_makes_the_feeder_raise_it_is_a_request_or_a_dead_letter(values):
         assert isinstance(result[1], InferenceRequest) and result[1].id == str(values["id"])
     else:
         assert result.reason.startswith("fuzz:1: ") and result.attributes["source_position"] == "fuzz:1"
+
+
+# The pieces hostile histories are made of: CSV's own syntax, long runs, bytes that are not UTF-8, NULs, deep JSON.
+_PIECES = st.sampled_from([b",", b"\"", b"\n", b"\r\n", b"\x00", b"\xff\xfe", b"\xc3", b"id", b"prompt", b"{",
+                           b"[", b"}", b"\\", "é".encode(), b"messages", b"max_tokens", b"-1", b"1e999", b"null"])
+_CHUNKS = st.one_of(_PIECES, st.binary(max_size=40),
+                    st.builds(lambda piece, n: piece * n, _PIECES, st.sampled_from([2, 64, 5000, 140_000])))
+
+
+@given(header=st.sampled_from([b"id,prompt\n", b"id,prompt,messages,max_tokens\n", b"", b"\"id\n"]),
+       body=st.lists(_CHUNKS, max_size=40), suffix=st.sampled_from([".csv", ".jsonl"]))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                   HealthCheck.function_scoped_fixture])
+def test_fuzz_no_csv_or_jsonl_file_stops_a_backfill(tmp_path, header, body, suffix):
+    """Whatever a CSV or JSONL file holds, every row it yields is a request or a dead letter with its position;
+    nothing raises (it used to: a field over csv's 131,072-character limit, bytes that are not UTF-8, JSON nested
+    deeper than Python parses)."""
+    path = tmp_path / f"history{suffix}"
+    path.write_bytes(header + b"".join(body))
+    _every_row_is_a_request_or_a_letter(str(path))
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=20), st.binary(max_size=20),
+                          st.lists(st.integers(), max_size=3), st.datetimes()), min_size=1, max_size=5),
+       st.sampled_from(["id", "prompt", "messages", "max_tokens", "metadata"]))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_fuzz_no_parquet_column_stops_a_backfill(tmp_path, values, column):
+    """Parquet columns of any type under any name (bytes, timestamps, lists, NaN): a request or a dead letter."""
+    try:
+        table = pyarrow.table({column: values, "id": [f"r-{i}" for i in range(len(values))]} if column != "id"
+                              else {column: values})
+    except (pyarrow.ArrowInvalid, pyarrow.ArrowTypeError, OverflowError):
+        return  # values Arrow cannot put in one column: no such file exists
+    parquet.write_table(table, tmp_path / "history.parquet")
+    _every_row_is_a_request_or_a_letter(str(tmp_path / "history.parquet"))
+
+
+def test_each_kind_of_row_that_stopped_a_backfill_is_now_its_own_dead_letter(tmp_path):
+    """The shapes found by hand, each of which stopped the feeder before it published anything."""
+    (tmp_path / "long.csv").write_text("id,prompt\nr-1," + "x" * 140_000 + "\nr-2,short\n")
+    (tmp_path / "huge.csv").write_text("id,prompt\nr-1," + "y" * 10_000_001 + "\nr-2,short\n")
+    (tmp_path / "latin1.csv").write_bytes(b"id,prompt\nr-1,caf\xe9\nr-2,short\n")
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n" + json.dumps({"id": "r-2", "prompt": "short"}) + "\n")
+    (tmp_path / "big.jsonl").write_text(json.dumps({"id": "r-1", "prompt": "z" * 10_000_001}) + "\n")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not a parquet file")
+    results = {path.name: [backfill.checked(row, backfill.Mapping()) for row in backfill.read_file(str(path))]
+               for path in sorted(tmp_path.iterdir())}
+    assert isinstance(results["long.csv"][0], tuple), "a long prompt is a prompt: the job measures it"
+    for name, reason in (("huge.csv", "not a CSV record: field larger than field limit"),
+                         ("latin1.csv", "the row is not UTF-8 text"), ("deep.jsonl", "not JSON: RecursionError"),
+                         ("big.jsonl", "over Pub/Sub's 10,000,000"), ("broken.parquet", "not a Parquet file")):
+        assert isinstance(results[name][0], DeadLetter) and reason in results[name][0].reason, (name, results[name])
+    assert all(isinstance(results[name][-1], tuple) for name in ("huge.csv", "latin1.csv", "deep.jsonl")), \
+        "the next row is read and published"
+
+
+def _every_row_is_a_request_or_a_letter(path: str) -> None:
+    for row in backfill.read_file(path):
+        result = backfill.checked(row, backfill.Mapping())
+        if isinstance(result, DeadLetter):
+            assert result.reason.startswith(f"{row.position}: ") and \
+                result.attributes["source_position"] == row.position
+            json.dumps(result.to_record())  # it can be written
+        else:
+            data, request = result
+            assert len(data) <= backfill.PUBSUB_MESSAGE_MAX_BYTES and data.decode("utf-8")
+            assert isinstance(request, InferenceRequest)
 
 
 def test_files_in_cloud_storage_are_read_as_the_same_files_on_disk(tmp_path):
