@@ -9,21 +9,24 @@ message the stream would receive: its id and prompt from the columns named (``--
 * **Resumable.** Rows whose id has a row in the completions table (``--completions-table``) are skipped, a
   chunk of rows at a time; so are rows an earlier run published that are not answered yet: each run records
   the ids Pub/Sub confirmed in a table beside the completions (``<completions table>_published``), and a
-  rerun leaves those to the job's subscription, where they wait, unless the job dead-lettered them since, at
-  any stage (``--republish`` sends them all again). A backfill stopped anywhere and run again publishes only
-  what was never published, or failed. Only the rows of the chunk a kill interrupts between Pub/Sub's confirmation and
-  that record are published twice; the job drops the second copy when it arrives within ``dedupe_window_s``
-  of the first's answer (docs/contract.md#duplicate-ids).
+  rerun leaves those to the job's subscription, where they wait, unless the job dead-lettered them since for
+  a reason a resend can change (:data:`FINAL_STAGES` are those it cannot; ``--republish`` sends them all
+  again). A backfill stopped anywhere and run again publishes only what was never published, or failed for
+  a passing reason. Only the rows of the chunk a kill interrupts between Pub/Sub's confirmation and that
+  record are published twice; the job drops the second copy when it arrives within ``dedupe_window_s`` of
+  the first's answer (docs/contract.md#duplicate-ids).
 * **Bad rows never stop it.** Each message is checked with the template's own parser before it is
   published; a row that cannot become a request (no id, no prompt, a value of the wrong type, a second row
   with the id of another, a record the reader cannot read, text that is not UTF-8, a message over Pub/Sub's
   limit) becomes a dead letter in the dead-letter table or topic, with its reason and its source position
-  (``file:line``, or ``table#row``). Nothing is skipped silently: the summary counts rows
-  read, skipped as answered, published, lettered and repeated (the same row again), and they add up.
+  (``file:line``, or ``table#row``), once: a rerun does not write the same letter again. Nothing is skipped
+  silently: the summary counts rows read, skipped as answered, published, lettered (now or before),
+  repeated (the same row again), waiting and lettered for good by the job, and they add up.
 * **Progress and cost.** A progress bar while it reads and publishes; with ``--wait``, a second one while the
-  job answers, with answers/s, tokens/s and an ETA from the completions table. Before publishing, an
-  estimate of the GPU-hours and cost, from the rows' ``max_tokens`` (the answers' upper bound) and
-  ``--gpu-tokens-per-s``, replaced by the measured rate once answers arrive.
+  job answers, with answers/s, tokens/s and an ETA from the completions table, until every row is answered or
+  dead-lettered by the job (those are named). Before publishing, an estimate of the GPU-hours and cost, from
+  the rows' ``max_tokens`` (the answers' upper bound) and ``--gpu-tokens-per-s``, replaced by the measured
+  rate once answers arrive.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ CHUNK_ROWS = 5_000  # rows looked up in the completions table, and published, at
 # Pub/Sub's largest message ("Pub/Sub quotas and limits": 10 MB): a larger row is a dead letter, not a failed publish
 # that stops the run. A CSV field larger than this is read as that row's problem (csv refuses past its limit).
 PUBSUB_MESSAGE_MAX_BYTES = 10_000_000
+# The job's dead-letter stages that a resend of the same row cannot change while the job's settings stay the same:
+# the message itself (parse, validate) or its length against the model's context (measure). Letters of the other
+# stages (batch, inference, drain, sink: a full queue, a server failure, a drain) are worth a resend.
+FINAL_STAGES = frozenset({"parse", "validate", "measure"})
 WAIT_POLL_S = 10.0
 # What one L4 worker is assumed to generate (a 2 B model, 256-token answers: docs/benchmarks.md#traffic-spike) and
 # cost an hour (docs/operations.md#idle-worker-cost); both are settings, the estimate says which it used.
@@ -80,12 +87,15 @@ class Tally:
     skipped: int = 0  # answered already (an id in the completions table)
     published: int = 0
     lettered: int = 0  # could not become a request: a dead letter with its position
+    lettered_before: int = 0  # ... and an earlier run wrote that same letter: not written again
     repeated: int = 0  # the same row again under an id already published in this run
     waiting: int = 0  # published by an earlier run, not answered yet: left to the job's subscription
+    final: int = 0  # published by an earlier run and dead-lettered by the job at a final stage: not sent again
     max_tokens: int = 0  # the published rows' max_tokens, summed: the answers' upper bound
 
     def adds_up(self) -> bool:
-        return self.read == self.skipped + self.published + self.lettered + self.repeated + self.waiting
+        return self.read == (self.skipped + self.published + self.lettered + self.lettered_before + self.repeated
+                             + self.waiting + self.final)
 
 
 # Reading ------------------------------------------------------------------------------------------------
@@ -341,22 +351,56 @@ class Outputs:
                            ids)
         return {row["request_id"] for row in rows}
 
-    def waiting(self, ids: Iterable[str]) -> set[str]:
-        """Ids an earlier run published (Pub/Sub confirmed) that the job has not dead-lettered since."""
-        ids = list(ids)
-        if self.published_table is None or self.args.republish or not ids:
-            return set()
-        published = {row["request_id"]: row["at"] for row in self._query(
+    def _published_at(self, ids: list[str]) -> dict[str, Any]:
+        """When each of ``ids`` was last recorded as published (by any run); ids never published are left out."""
+        if self.published_table is None or not ids:
+            return {}
+        return {row["request_id"]: row["at"] for row in self._query(
             f"SELECT request_id, MAX(published_at) AS at FROM `{self.published_table}` "
             "WHERE request_id IN UNNEST(@ids) GROUP BY request_id", ids)}
-        if published and self.dead_letters:
-            # The job's letters, not this feeder's (those carry the row's source position).
-            for row in self._query(f"SELECT request_id, MAX(failed_at) AS at FROM `{self.dead_letters}` WHERE "
-                                   "request_id IN UNNEST(@ids) AND JSON_VALUE(attributes, '$.source_position') IS "
-                                   "NULL GROUP BY request_id", list(published)):
-                if row["at"] > published[row["request_id"]]:  # the job gave up on it after it was published
-                    del published[row["request_id"]]
-        return set(published)
+
+    def _letters_since(self, published_at: dict[str, Any]) -> dict[str, tuple[str, str]]:
+        """For each id the job dead-lettered after its last publish, its latest letter's (stage, reason). The job's
+        letters only: this feeder's carry the row's source position."""
+        if self.dead_letters is None or not published_at:
+            return {}
+        found: dict[str, tuple[Any, str, str]] = {}
+        for row in self._query(f"SELECT request_id, failed_at, stage, reason FROM `{self.dead_letters}` WHERE "
+                               "request_id IN UNNEST(@ids) AND JSON_VALUE(attributes, '$.source_position') IS NULL",
+                               list(published_at)):
+            request_id, at = row["request_id"], row["failed_at"]
+            if at > published_at[request_id] and (request_id not in found or at > found[request_id][0]):
+                found[request_id] = (at, row["stage"], row["reason"])
+        return {request_id: (stage, reason) for request_id, (_, stage, reason) in found.items()}
+
+    def job_letters(self, ids: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """(stage, reason) of the job's latest dead letter for each of ``ids`` dead-lettered since its last publish."""
+        letters: dict[str, tuple[str, str]] = {}
+        for start in range(0, len(ids), CHUNK_ROWS):
+            letters.update(self._letters_since(self._published_at(list(ids[start:start + CHUNK_ROWS]))))
+        return letters
+
+    def waiting(self, ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """(ids an earlier run published that wait in the job's subscription, ids of those the job dead-lettered
+        since at a final stage, :data:`FINAL_STAGES`): neither is sent again. An id the job lettered at another
+        stage (a full queue, a failure, a drain) is in neither: it is sent again. With ``--republish``: none."""
+        if self.args.republish:
+            return set(), set()
+        published_at = self._published_at(list(ids))
+        letters = self._letters_since(published_at)
+        final = {request_id for request_id, (stage, _) in letters.items() if stage in FINAL_STAGES}
+        return set(published_at) - set(letters), final
+
+    def letters_at(self, positions: Sequence[str]) -> dict[str, set[str]]:
+        """The reasons an earlier run of this feeder lettered the rows at ``positions`` with, by position."""
+        if self.dead_letters is None or not positions:
+            return {}
+        found: dict[str, set[str]] = {}
+        for row in self._query(f"SELECT JSON_VALUE(attributes, '$.source_position') AS position, reason FROM "
+                               f"`{self.dead_letters}` WHERE JSON_VALUE(attributes, '$.source_position') IN "
+                               "UNNEST(@ids)", list(positions)):
+            found.setdefault(row["position"], set()).add(row["reason"])
+        return found
 
     def prepare(self) -> None:
         """Checks that the completions table exists, and creates the table of published ids beside it if missing."""
@@ -436,29 +480,41 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
         made = [(row, checked(row, mapping)) for row in chunk]
         ids = {result[1].id for _, result in made if isinstance(result, tuple)}
         answered = outputs.answered(ids)
-        waiting = outputs.waiting(ids - answered)
+        waiting, final = outputs.waiting(ids - answered)
+        before = outputs.letters_at([row.position for row in chunk])
         sent: list[tuple[str, str]] = []
+
+        def letter(row: Row, dead_letter: DeadLetter) -> None:
+            """A row's letter, written unless an earlier run wrote the same one: a rerun adds no copy."""
+            if dead_letter.reason in before.get(row.position, ()):
+                tally.lettered_before += 1
+            else:
+                outputs.letter(dead_letter)
+                tally.lettered += 1
+
         for row, result in made:
             tally.read += 1
             if isinstance(result, DeadLetter):
-                outputs.letter(result)
-                tally.lettered += 1
+                letter(row, result)
             else:
                 data, request = result
                 if request.id in answered:
                     tally.skipped += 1
-                elif request.id in waiting:
-                    tally.waiting += 1
+                elif request.id in waiting or request.id in final:  # an earlier run published it: not again
+                    if request.id in final:
+                        tally.final += 1
+                    else:
+                        tally.waiting += 1
                     waiting.discard(request.id)  # a later row with this id is a repeat or another row
+                    final.discard(request.id)
                     published[request.id] = data
                 elif request.id in published:
                     if published[request.id] == data:
                         tally.repeated += 1
                     else:
-                        outputs.letter(DeadLetter.from_bytes(
+                        letter(row, DeadLetter.from_bytes(
                             STAGE_PARSE, f"{row.position}: another row of this backfill has id {request.id!r}",
                             data, id=request.id, attributes={"source_position": row.position}, at=time.time()))
-                        tally.lettered += 1
                 else:
                     outputs.publish(data)
                     published[request.id] = data
@@ -481,20 +537,36 @@ def estimate(args: argparse.Namespace, tally: Tally) -> str:
             "--gpu-tokens-per-s and --worker-hour-usd for yours)")
 
 
-def wait_for_answers(outputs: Outputs, ids: Sequence[str], args: argparse.Namespace) -> tuple[int, int, float]:
-    """Polls the completions table until every published id is answered (or ``--wait-timeout-s``)."""
+@dataclass(frozen=True)
+class Waited:
+    """What ``--wait`` saw end: answers (and their tokens) and the job's dead letters, by id, in ``elapsed_s``."""
+
+    answered: int
+    tokens: int
+    lettered: dict[str, tuple[str, str]]  # id -> (stage, reason): the job's, for ids it did not answer
+    elapsed_s: float
+
+
+def wait_for_answers(outputs: Outputs, ids: Sequence[str], args: argparse.Namespace) -> Waited:
+    """Polls the completions and dead-letter tables until every published id is answered or dead-lettered by the
+    job (or ``--wait-timeout-s``): a row the job cannot serve ends the wait as an answer does."""
     from tqdm import tqdm
 
     started = time.monotonic()
-    answered = tokens = 0
-    with tqdm(total=len(ids), desc="answered", unit="row", file=sys.stderr, disable=args.quiet) as bar:
-        while answered < len(ids) and time.monotonic() - started < args.wait_timeout_s:
+    waited = Waited(0, 0, {}, 0.0)
+    with tqdm(total=len(ids), desc="ended", unit="row", file=sys.stderr, disable=args.quiet) as bar:
+        while waited.answered + len(waited.lettered) < len(ids) and \
+                time.monotonic() - started < args.wait_timeout_s:
             time.sleep(args.wait_poll_s)
             answered, tokens = outputs.progress_of(ids)
-            elapsed = time.monotonic() - started
-            bar.update(answered - bar.n)
-            bar.set_postfix(tokens_per_s=f"{tokens / elapsed:.0f}", refresh=True)
-    return answered, tokens, time.monotonic() - started
+            letters = outputs.job_letters(ids)
+            served = outputs.answered(letters)  # lettered once, answered since (a drained request redriven)
+            waited = Waited(answered, tokens, {i: found for i, found in letters.items() if i not in served},
+                            time.monotonic() - started)
+            bar.update(waited.answered + len(waited.lettered) - bar.n)
+            bar.set_postfix(lettered=len(waited.lettered), tokens_per_s=f"{tokens / waited.elapsed_s:.0f}",
+                            refresh=True)
+    return waited
 
 
 def from_settings(args: argparse.Namespace) -> None:
@@ -526,9 +598,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker-hour-usd", type=float, default=DEFAULT_WORKER_HOUR_USD)
     parser.add_argument("--republish", action="store_true",
                         help="send again the rows an earlier run published that are not answered yet (by default "
-                             "they are left to wait in the job's subscription): for a subscription deleted or "
-                             "emptied since")
-    parser.add_argument("--wait", action="store_true", help="then wait for the answers, showing their progress")
+                             "they are left to wait in the job's subscription, and those the job dead-lettered at "
+                             "parse, validate or measure are not sent again): for a subscription deleted or emptied "
+                             "since, or a job whose settings were changed to take them")
+    parser.add_argument("--wait", action="store_true",
+                        help="then wait until the job has answered or dead-lettered every row, showing its progress, "
+                             "and name the rows it dead-lettered (its letters are read from --dead-letter-table)")
     parser.add_argument("--wait-timeout-s", type=float, default=7 * 24 * 3600.0)
     parser.add_argument("--wait-poll-s", type=float, default=WAIT_POLL_S)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -571,18 +646,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"make backfill: {exc}", file=sys.stderr)
         return 2
     print(f"Read {tally.read:,} rows in {time.monotonic() - started:.1f} s: {tally.published:,} published, "
-          f"{tally.skipped:,} skipped as answered, {tally.lettered:,} dead letters (each with its position), "
-          f"{tally.repeated:,} repeated rows, {tally.waiting:,} published by an earlier run and not answered yet "
-          f"(left to wait in the job's subscription; --republish sends them again). Estimate: "
-          f"{estimate(args, tally)}.", flush=True)
+          f"{tally.skipped:,} skipped as answered, {tally.lettered:,} dead letters (each with its position; "
+          f"{tally.lettered_before:,} more lettered by an earlier run, not again), {tally.repeated:,} repeated rows, "
+          f"{tally.waiting:,} published by an earlier run and not answered yet (left to wait in the job's "
+          f"subscription), {tally.final:,} dead-lettered by the job at parse, validate or measure (a resend gets "
+          f"the same letter: fix the row or the job's settings, then --republish sends these and the waiting ones "
+          f"again). Estimate: {estimate(args, tally)}.", flush=True)
     assert tally.adds_up(), tally
     if args.wait and args.completions_table and published:
-        answered, tokens, elapsed = wait_for_answers(outputs, list(published), args)
-        rate = tokens / elapsed if elapsed else 0.0
-        print(f"Answered {answered:,} of {len(published):,} in {elapsed:.0f} s: {tokens:,} tokens, {rate:.0f} "
-              f"tokens/s measured ({rate / args.gpu_tokens_per_s:.2f}x the estimate's rate). Rows the job "
-              "could not serve are in its dead letters.", flush=True)
-        return 0 if answered == len(published) else 1
+        waited = wait_for_answers(outputs, list(published), args)
+        rate = waited.tokens / waited.elapsed_s if waited.elapsed_s else 0.0
+        lettered = "; ".join(f"{i} ({stage}: {reason[:120]})" for i, (stage, reason) in
+                             sorted(waited.lettered.items())[:5])
+        print(f"Answered {waited.answered:,} of {len(published):,} in {waited.elapsed_s:.0f} s: {waited.tokens:,} "
+              f"tokens, {rate:.0f} tokens/s measured ({rate / args.gpu_tokens_per_s:.2f}x the estimate's rate); "
+              f"{len(waited.lettered):,} dead-lettered by the job" + (f": {lettered}" if lettered else "")
+              + (" (all in its dead-letter table)" if len(waited.lettered) > 5 else "") + ".", flush=True)
+        open_rows = len(published) - waited.answered - len(waited.lettered)
+        if open_rows:
+            print(f"--wait-timeout-s={args.wait_timeout_s:g} passed with {open_rows:,} rows neither answered nor "
+                  "dead-lettered.", file=sys.stderr, flush=True)
+        return 0 if not open_rows else 1
     return 0
 
 

@@ -1,6 +1,7 @@
 """The backfill feeder (ops/backfill.py): rows from files or BigQuery become the messages the stream would receive,
-answered ids are skipped, bad rows become dead letters with their position, a rerun leaves what an earlier run
-published to wait in the subscription unless the job gave up on it, and a run killed half-way and run again
+answered ids are skipped, bad rows (any shape: fuzzed) become dead letters with their position, a rerun leaves what
+an earlier run published to wait in the subscription and sends again only what the job dead-lettered for a reason a
+resend can change, --wait ends once every row is answered or dead-lettered, and a run killed half-way and run again
 publishes every unanswered row and no answered one. Against the Pub/Sub and BigQuery emulators."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -271,36 +273,69 @@ def published_ids(completions: str) -> set[str]:
         f"SELECT request_id FROM `{table}`").result()}
 
 
-def job_gave_up_on(letters: str, request_id: str) -> None:
-    """A dead letter the job wrote for a request it received: at its parse step, as for a message its
+def job_gave_up_on(letters: str, request_id: str, stage: str = STAGE_PARSE,
+                   reason: str = "prompt_template needs {customer}") -> None:
+    """A dead letter the job wrote for a request it received: by default at its parse step, as for a message its
     prompt_template cannot fill (the feeder, which does not know the template, published it)."""
-    letter = DeadLetter.from_bytes(STAGE_PARSE, "prompt_template needs {customer}", b"{}", id=request_id,
-                                   attributes={}, at=time.time())
+    letter = DeadLetter.from_bytes(stage, reason, b"{}", id=request_id, attributes={}, at=time.time())
     row, insert_id = dead_letter_row(letter.to_record())
     assert not emulator_bigquery_client(PROJECT).insert_rows_json(letters.replace(":", "."), [row],
                                                                   row_ids=[insert_id])
 
 
-def test_a_rerun_leaves_what_an_earlier_run_published_to_wait_unless_the_job_gave_up_on_it(tmp_path, places, capsys):
+def letter_count(letters: str) -> int:
+    return list(emulator_bigquery_client(PROJECT).query(
+        f"SELECT COUNT(*) AS n FROM `{letters.replace(':', '.')}`").result())[0]["n"]
+
+
+def test_a_rerun_sends_again_only_what_a_resend_can_change(tmp_path, places, capsys):
     """No answers yet (no job reads the topic): a rerun sends nothing again, so a deep backlog does not get a
-    second copy of each row to answer past dedupe_window_s; a row the job dead-lettered since is sent again."""
+    second copy of each row to answer past dedupe_window_s, and writes none of its own dead letters again. A row the
+    job dead-lettered since for a reason a resend can change (a full queue, a failure) is sent again; one it
+    lettered at parse, validate or measure is not (the same row gets the same letter) until --republish."""
     jsonl, _, _ = write_sources(tmp_path)
     _, subscription, completions, letters = places
     assert backfill.main(args_for([jsonl], places)) == 0
     assert sorted(pulled_ids(subscription)) == ["t-1", "t-2"] and published_ids(completions) == {"t-1", "t-2"}
+    assert letter_count(letters) == 4  # the feeder's: lines 2, 4, 5 and 7
     capsys.readouterr()
     assert backfill.main(args_for([jsonl], places)) == 0
     summary = capsys.readouterr().out
-    assert ": 0 published, 0 skipped as answered" in summary and "2 published by an earlier run" in summary
+    assert ": 0 published, 0 skipped as answered, 0 dead letters" in summary and "4 more lettered by an earlier run" \
+        in summary and "2 published by an earlier run" in summary
     assert pulled_ids(subscription) == [], "nothing sent again"
-    job_gave_up_on(letters, "t-2")
+    assert letter_count(letters) == 4, "no letter written twice"
+    job_gave_up_on(letters, "t-1", "measure", "prompt too long for the model's context")
+    job_gave_up_on(letters, "t-2", "inference", "the queue for its key is full: republish it")
     assert backfill.main(args_for([jsonl], places)) == 0
     summary = capsys.readouterr().out
-    assert ": 1 published, 0 skipped as answered" in summary and "1 published by an earlier run" in summary
-    assert pulled_ids(subscription) == ["t-2"], "the row the job gave up on, again"
+    assert ": 1 published, 0 skipped as answered" in summary and "0 published by an earlier run" in summary
+    assert "1 dead-lettered by the job at parse, validate or measure" in summary
+    assert pulled_ids(subscription) == ["t-2"], "the row a resend can help, again; not the one too long"
     assert backfill.main(args_for([jsonl], places, "--republish")) == 0
     assert ": 2 published, 0 skipped as answered" in capsys.readouterr().out
     assert sorted(pulled_ids(subscription)) == ["t-1", "t-2"]
+
+
+def test_wait_ends_when_every_row_is_answered_or_dead_lettered_by_the_job_and_names_those(tmp_path, places, capsys):
+    """--wait used to wait out its timeout (seven days by default) for a row the job had dead-lettered."""
+    jsonl, _, _ = write_sources(tmp_path)
+    _, subscription, completions, letters = places
+    assert backfill.main(args_for([jsonl], places)) == 0
+    pulled_ids(subscription)
+    job_gave_up_on(letters, "t-2", "measure", "prompt too long for the model's context")
+    capsys.readouterr()
+    result: list[int] = []
+    waiting = threading.Thread(target=lambda: result.append(backfill.main(args_for(
+        [jsonl], places, "--wait", "--wait-poll-s=0.2", "--wait-timeout-s=120"))))
+    waiting.start()
+    time.sleep(2)
+    assert waiting.is_alive(), "t-1 is neither answered nor lettered yet"
+    answered_already(completions, ["t-1"])
+    waiting.join(timeout=60)
+    assert result == [0], capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "Answered 1 of 2" in out and "1 dead-lettered by the job: t-2 (measure: prompt too long" in out
 
 
 def test_a_completions_table_that_does_not_exist_is_named_before_anything_is_published(tmp_path, places, capsys):
