@@ -30,13 +30,82 @@ def test_a_retried_bundle_admitting_the_same_request_takes_no_second_place():
     assert hold.counts(10.0) == (0, 1), "admitted again, its bundle is open again"
 
 
-def test_a_worker_held_only_by_open_bundles_lets_one_more_through():
+def test_a_worker_held_only_by_open_bundles_lets_its_lead_bundle_one_more_through():
     hold = ledger()
-    hold.admit(0.0, ["a", "b"], room=2)
-    assert hold.room(0.0, held=2, bound=2) == 1, "nothing but the open bundles could free room: no deadlock"
-    assert hold.room(0.0, held=3, bound=2) == 0, "a stream or a waiting request will free room: wait for it"
-    hold.dispatched(0.5, ["a", "b"])
-    assert hold.room(0.5, held=2, bound=2) == 0, "on their way: they arrive or lapse"
+    hold.admit(0.0, ["a"], room=1, bundle="b1")
+    hold.admit(0.1, ["b"], room=1, bundle="b2")
+    assert hold.room(0.2, held=2, bound=2, bundle="b1") == 1, "nothing but open bundles could free room: no deadlock"
+    assert hold.room(0.2, held=2, bound=2, bundle="b2") == 0, "only the lead: the oldest open admission"
+    assert hold.room(0.2, held=2, bound=2, bundle="b3") == 0, "a new bundle waits for the lead to finish"
+    assert hold.room(0.2, held=3, bound=2, bundle="b1") == 0, "a stream or a waiting request will free room: wait"
+    assert hold.room(6.0, held=2, bound=2, bundle="b2") == 1, "b1 stopped asking (it died): b2 leads"
+    hold.dispatched(6.5, ["a", "b"])
+    assert hold.room(6.5, held=2, bound=2, bundle="b2") == 0, "on their way: they arrive or lapse"
+
+
+def _admit_next(hold: WorkerHold, now: float, bundle: str, request_id: str, bound: int) -> bool:
+    """One admission step's ask for one request, against a worker that holds nothing but this ledger's count."""
+    _, held = hold.counts(now)
+    return bool(hold.admit(now, [request_id], hold.room(now, held, bound, bundle), bundle))
+
+
+def test_many_large_read_bundles_at_an_empty_worker_go_past_the_bound_by_less_than_one_bundle():
+    """The probe of #57: 12 read bundles of 200 asking in turn at an empty worker with a bound of 6 took all
+    2,400 requests when every bundle got the one more; now the lead alone does, until it finishes."""
+    hold, bound, now = ledger(), 6, 0.0
+    bundles = {f"b{n}": [f"b{n}-r{i}" for i in range(200)] for n in range(12)}
+    admitted: dict[str, int] = {name: 0 for name in bundles}
+    for _ in range(200):
+        for name, ids in bundles.items():
+            now += 0.0001
+            if admitted[name] < len(ids) and _admit_next(hold, now, name, ids[admitted[name]], bound):
+                admitted[name] += 1
+    assert admitted["b0"] == 200, "the lead bundle finishes: no deadlock"
+    assert sum(admitted.values()) == bound - 1 + 200 <= bound + 200 - 1, admitted
+
+
+_bundle_ops = st.lists(st.one_of(st.tuples(st.just("ask"), st.integers(0, 5)),
+                                 st.tuples(st.just("die"), st.integers(0, 5)),
+                                 st.tuples(st.just("wait"), st.sampled_from([0.01, 0.5, 3.0, 6.0]))), max_size=120)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.integers(1, 8), _bundle_ops)
+def test_no_interleaving_of_read_bundles_holds_more_than_the_bound_and_one_bundle_nor_wedges(sizes, bound, ops):
+    """Read bundles of drawn sizes at an empty worker, asking in any order; a bundle that dies is retried by the
+    runner with the same requests under a new name (its held ones take no second place); a finished bundle's
+    requests are on their way for transit_s. The worker never holds more than the bound plus one bundle less
+    one request, and once the asks are fair every bundle finishes."""
+    hold, now = ledger(), 0.0
+    ids = [[f"{n}-{i}" for i in range(size)] for n, size in enumerate(sizes)]
+    names, done, tries = [f"{n}#0" for n in range(len(sizes))], [0] * len(sizes), [0] * len(sizes)
+
+    def ask(n: int) -> None:
+        if done[n] < len(ids[n]) and _admit_next(hold, now, names[n], ids[n][done[n]], bound):
+            done[n] += 1
+            if done[n] == len(ids[n]):
+                hold.dispatched(now, ids[n])  # the bundle finished: its requests are on their way
+
+    for operation, value in ops:
+        if operation == "wait":
+            now += value
+        elif value < len(sizes) and operation == "ask":
+            ask(value)
+        elif value < len(sizes) and done[value] < len(ids[value]):  # dies mid-bundle: retried from its start
+            tries[value] += 1
+            names[value], done[value] = f"{value}#{tries[value]}", 0
+        now += 0.001
+        _, held = hold.counts(now)
+        assert held <= bound + max(sizes) - 1, (held, bound, sizes)
+    for _ in range(20_000):  # fair: every bundle asks in turn, time goes on (transit_s lapses)
+        if all(d == len(i) for d, i in zip(done, ids)):
+            break
+        for n in range(len(sizes)):
+            ask(n)
+        now += 0.05
+        _, held = hold.counts(now)
+        assert held <= bound + max(sizes) - 1, (held, bound, sizes)
+    assert all(d == len(i) for d, i in zip(done, ids)), f"a read bundle never finished: {done} of {sizes}"
 
 
 def test_waiting_reports_count_per_key_until_they_lapse():

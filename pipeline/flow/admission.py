@@ -49,15 +49,14 @@ only while the worker is full and half its threads wait, that is during a
 sustained backlog, when the autoscaler is adding workers; they are counted
 (``pushback_refused``) and at most one a second per thread.
 
-The bound then holds with one slack, stated in requests: a bundle that cannot
-finish without going over (the worker is held by open bundles alone, which
-only their finishing frees: :meth:`~pipeline.worker.hold.WorkerHold.room`)
-takes one request more at a time. At most ``admission_waiters`` bundles are
-open and waiting, so the slack is what they carry: at most
-``admission_waiters`` read bundles, and only while the worker holds nothing
-else. The bound holds per worker: Dataflow spreads keys and source splits
-evenly, so each worker's hold reflects its share; a skewed spread can hold
-more on one worker than the bound.
+The bound then holds with one slack: a worker held by open read bundles alone
+(only their finishing frees room) lets one of them, the lead, take one request
+more at a time until it finishes, and the others wait
+(:meth:`~pipeline.worker.hold.WorkerHold.room`). So a worker holds at most the
+bound plus one read bundle less one request, and only after it held nothing
+but open bundles. The bound holds per worker: Dataflow spreads keys and source
+splits evenly, so each worker's hold reflects its share; a skewed spread can
+hold more on one worker than the bound.
 
 On the DirectRunner every step runs on one thread, so a step that waited would stop the timers that free
 room; the local runner admits in its source instead, through this same ledger, before this step runs
@@ -115,7 +114,7 @@ class AdmitFn(beam.DoFn):
 
     def start_bundle(self) -> None:
         self._bundle_ids: list[str] = []
-        self._bundle = uuid.uuid4().hex  # names this bundle's waiting place, if it takes one
+        self._bundle = uuid.uuid4().hex  # names this bundle to the ledger: its admissions and waiting place
         self._waited = False
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
@@ -135,7 +134,7 @@ class AdmitFn(beam.DoFn):
         self._bundle_ids, self._waited = [], False
 
     def _admit(self, request_id: str) -> bool:
-        return bool(self._call(lambda runtime: runtime.admit([request_id])))
+        return bool(self._call(lambda runtime: runtime.admit([request_id], bundle=self._bundle)))
 
     def _call(self, call: Callable[[WorkerRuntime], int | bool | None]) -> int | bool | None:
         """``call(runtime)``. While the runtime's host is gone (acquired anew in the background) the worker cannot

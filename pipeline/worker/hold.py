@@ -16,9 +16,13 @@ request the worker has taken and not yet finished, wherever it is on the way:
   worker, which this one never hears of: from then on it counts for
   ``transit_s`` or until it arrives, whichever is first. An open bundle
   cannot release what it admitted until it finishes, so a worker held only by
-  open bundles would wait forever: then one more request goes through
-  (:meth:`WorkerHold.room`), and the bound is exceeded by no more than what
-  open bundles had to let through to finish.
+  open bundles would wait forever: then one bundle, the **lead**, takes one
+  more request at a time (:meth:`WorkerHold.room`) until it finishes. The lead
+  is the bundle still asking whose open admission is the oldest; the others
+  wait. So the bound is exceeded by less than one read bundle, and only from a
+  worker that held nothing but open bundles. A bundle that stops asking (its work item failed, its
+  process died) loses the lead after ``lapse_s``, so it cannot stall the
+  others while its requests count out ``unclaimed_s``.
 * **waiting**: what each key of the generate step reports waiting in its state
   (a report lapses unless renewed: its key moved, or its worker stalled).
 
@@ -44,38 +48,48 @@ class WorkerHold:
     transit_s: float
     unclaimed_s: float  # how long an id counts while its bundle is open: the request's own timeout
     report_lapse_s: float
-    # id -> (admitted at, dispatched at or None while its bundle is open)
-    _ids: dict[str, tuple[float, float | None]] = field(default_factory=dict)
+    lapse_s: float = 5.0  # a bundle that has not asked for room for this long is not open any more to lead
+    # id -> (admitted at, dispatched at or None while its bundle is open, the bundle that admitted it)
+    _ids: dict[str, tuple[float, float | None, str]] = field(default_factory=dict)
     _waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # holder -> (count, reported at)
     _places: dict[str, float] = field(default_factory=dict)  # admission bundle -> when it last waited
+    _asked: dict[str, float] = field(default_factory=dict)  # admission bundle -> when it last asked for room
 
-    def admit(self, now: float, ids: Iterable[str], room: int) -> list[str]:
-        """Takes ids while ``room`` allows (an id already held takes none); returns those taken, in order."""
+    def admit(self, now: float, ids: Iterable[str], room: int, bundle: str = "") -> list[str]:
+        """Takes ids for ``bundle`` while ``room`` allows (an id already held takes none); returns those taken, in
+        order."""
         taken = []
         for request_id in ids:
             if request_id in self._ids:
-                self._ids[request_id] = (now, None)  # admitted again: its bundle is open again
+                self._ids[request_id] = (now, None, bundle)  # admitted again: its bundle (a retry) is open again
             elif room > 0:
-                self._ids[request_id] = (now, None)
+                self._ids[request_id] = (now, None, bundle)
                 room -= 1
             else:
                 break
             taken.append(request_id)
         return taken
 
-    def room(self, now: float, held: int, bound: int) -> int:
-        """Places free under ``bound`` given the worker's whole hold ``held`` (this ledger's count included);
-        one when the worker is full of requests in open bundles alone, which only their finishing frees."""
+    def room(self, now: float, held: int, bound: int, bundle: str = "") -> int:
+        """Places free under ``bound`` for ``bundle`` given the worker's whole hold ``held`` (this ledger's count
+        included). When the worker is full of requests in open bundles alone, which only their finishing frees,
+        one for the lead bundle (the module docstring), none for the others."""
+        self._asked[bundle] = now
+        self._asked = {name: at for name, at in self._asked.items() if now - at < self.lapse_s}
         if held < bound:
             return bound - held
-        open_ids = sum(1 for at, sent in self._ids.values() if sent is None and now - at < self.unclaimed_s)
-        return 1 if held == open_ids else 0
+        opened = [(at, name) for at, sent, name in self._ids.values() if sent is None and now - at < self.unclaimed_s]
+        if held != len(opened):
+            return 0
+        asking = [(at, name) for at, name in opened if name in self._asked]
+        return 1 if not asking or min(asking)[1] == bundle else 0
 
     def dispatched(self, now: float, ids: Iterable[str]) -> None:
         """Their bundle finished: they are on their way to the generate step (here or on another worker)."""
         for request_id in ids:
             if request_id in self._ids:
-                self._ids[request_id] = (self._ids[request_id][0], now)
+                admitted_at, _, bundle = self._ids[request_id]
+                self._ids[request_id] = (admitted_at, now, bundle)
 
     def release(self, ids: Iterable[str]) -> int:
         """They no longer count here: the generate step on this worker has them (its streams and reports count
@@ -103,7 +117,8 @@ class WorkerHold:
 
     def counts(self, now: float) -> tuple[int, int]:
         """(waiting in the generate step's state, on their way to it); forgets what has lapsed."""
-        self._ids = {request_id: entry for request_id, entry in self._ids.items() if self._counts(now, *entry)}
+        self._ids = {request_id: entry for request_id, entry in self._ids.items()
+                     if self._counts(now, entry[0], entry[1])}
         self._waiting = {holder: (count, at) for holder, (count, at) in self._waiting.items()
                          if now - at < self.report_lapse_s}
         on_the_way = len(self._ids)

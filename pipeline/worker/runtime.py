@@ -124,8 +124,8 @@ class WorkerRuntime:
 
     # Admission (the admission step; the generate step reports what waits) ------------------
 
-    def admit(self, ids: list[str], in_place_of: Sequence[str] = ()) -> int:
-        return self.admission.admit(ids, in_place_of)
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bundle: str = "") -> int:
+        return self.admission.admit(ids, in_place_of, bundle)
 
     def withdraw(self, ids: list[str]) -> None:
         self.admission.withdraw(ids)
