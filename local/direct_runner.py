@@ -167,13 +167,14 @@ class SourceAdmission:
                 self._places.extend(places[:taken])
         return taken
 
-    def admit(self, ids: list[str]) -> int:
-        """The admission step's call: each request takes over a place-holder's place, without waiting."""
+    def admit(self, ids: list[str], bundle: str = "") -> int:
+        """The admission step's call (its read bundle named, as :class:`~pipeline.flow.admission.AdmitFn` names it):
+        each request takes over a place-holder's place, without waiting."""
         with self._lock:
             places = [self._places.popleft() for _ in range(min(len(ids), len(self._places)))]
-        taken = self.runtime.admit(ids[:len(places)], in_place_of=places) if places else 0
+        taken = self.runtime.admit(ids[:len(places)], in_place_of=places, bundle=bundle) if places else 0
         rest = ids[len(places):]
-        return taken + (self.runtime.admit(rest) if rest else 0)
+        return taken + (self.runtime.admit(rest, bundle=bundle) if rest else 0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runtime, name)

@@ -91,13 +91,15 @@ def test_the_local_source_admits_through_the_ledger_and_the_admission_step_takes
     source = SourceAdmission(ledger)  # the ledger's calls are the runtime's
     assert source.admit_messages(5) == 3, "max_in_flight + worker_queue"
     assert ledger.counts() == (0, 0, 3) and ledger.admit(["other"]) == 0
-    assert source.admit(["a", "b"]) == 2, "each request takes a place-holder's place: it never waits"
+    # As the admission step calls it, naming its read bundle (AdmitFn._admit).
+    assert source.admit(["a", "b"], bundle="bundle-1") == 2, "each request takes a place-holder's place: no wait"
     assert ledger.counts() == (0, 0, 3), "two requests and the third place-holder"
     time.sleep(0.4)
     assert ledger.counts() == (0, 0, 2), "the place-holder nobody took over lapsed; the requests count until they arrive"
     ledger.report_waiting("shard-0", 0, arrived=["a", "b"])
     assert ledger.counts() == (0, 0, 0)
-    assert source.admit(["c"]) == 1 and ledger.counts() == (0, 0, 1), "no place-holder left: the ledger's own rule"
+    assert source.admit(["c"], bundle="bundle-2") == 1 and ledger.counts() == (0, 0, 1), \
+        "no place-holder left: the ledger's own rule"
 
 
 def test_a_request_takes_over_its_place_holder_even_after_the_place_holder_lapsed():
