@@ -481,11 +481,14 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
         ids = {result[1].id for _, result in made if isinstance(result, tuple)}
         answered = outputs.answered(ids)
         waiting, final = outputs.waiting(ids - answered)
-        before = outputs.letters_at([row.position for row in chunk])
+        before: dict[str, set[str]] | None = None  # the letters earlier runs wrote, read at the chunk's first letter
         sent: list[tuple[str, str]] = []
 
         def letter(row: Row, dead_letter: DeadLetter) -> None:
             """A row's letter, written unless an earlier run wrote the same one: a rerun adds no copy."""
+            nonlocal before
+            if before is None:
+                before = outputs.letters_at([row.position for row in chunk])
             if dead_letter.reason in before.get(row.position, ()):
                 tally.lettered_before += 1
             else:
