@@ -17,7 +17,7 @@ from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
-from pipeline.serving.vllm_server import RUNNING_METRIC, free_port, server_metrics
+from pipeline.serving.vllm_server import RUNNING_METRIC, ServerSpec, ServerStartError, free_port, server_metrics
 from local.engine_driver import drive_to_end
 from tests.conftest import SERVED_NAME, wait_until
 from tests.test_accelerator_time import union_seconds
@@ -197,6 +197,22 @@ def test_an_unreachable_server_ends_in_a_dead_letter_after_the_timeout():
         assert letter["accelerator_seconds"] is None  # it never reached a server
     finally:
         engine.close()
+
+
+def test_an_engine_whose_server_never_answers_leaves_no_thread_behind(tmp_path, monkeypatch):
+    """A runtime rebuilt after its host died may fail again and again (a GPU that does not come back): each
+    failed build must leave nothing running, neither the server's supervisor nor the registry's janitor."""
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", f"127.0.0.1:{free_port()}")  # a publisher needs no credentials
+    before = {thread.ident for thread in threading.enumerate()}
+    failing = [EngineSettings(server=ServerSpec(model=str(tmp_path / "nowhere"), start_timeout_s=30), server_url=None,
+                              chunk_topic="projects/local-project/topics/never"),
+               EngineSettings(server=None, server_url=f"http://127.0.0.1:{free_port()}", served_model_name=None)]
+    for attempt in range(3):
+        for settings_ in failing:
+            with pytest.raises((ServerStartError, OSError)):
+                VLLMEngine(settings_)
+    assert wait_until(lambda: {t.ident for t in threading.enumerate() if t.is_alive()} <= before, 10), \
+        [t.name for t in threading.enumerate() if t.ident not in before]
 
 
 def test_in_flight_requests_are_bounded(vllm_server):

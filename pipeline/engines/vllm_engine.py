@@ -52,15 +52,24 @@ class VLLMEngine(EngineBase):
     """Hosts the vLLM server (if managed) and streams requests to it concurrently."""
 
     def __init__(self, settings: EngineSettings) -> None:
-        super().__init__(settings)
+        # The server first: an engine whose server never answers (a rebuild that fails, again and again) must leave
+        # nothing behind, so the registry's janitor and chunk publisher start only once it has answered.
         self._server: VLLMServer | None = None
         if settings.server is not None:
-            self._server = VLLMServer(settings.server).start()
+            self._server = VLLMServer(settings.server)
             self.base_url = self._server.base_url
         else:
             assert settings.server_url is not None, "EngineSettings gives a server spec or a server_url"
             self.base_url = settings.server_url.rstrip("/")
-        self.model_name = settings.served_model_name or self._discover_model_name()
+        try:
+            if self._server is not None:
+                self._server.start()
+            self.model_name = settings.served_model_name or self._discover_model_name(settings)
+        except BaseException:
+            if self._server is not None:
+                self._server.stop()
+            raise
+        super().__init__(settings)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
         self._loop_thread.start()
@@ -73,9 +82,9 @@ class VLLMEngine(EngineBase):
         self._stream_interval = settings.chunk_policy.chunk_tokens if settings.chunk_policy.chunk_tokens > 1 else None
         atexit.register(self.close)
 
-    def _discover_model_name(self) -> str:
-        if self.settings.server is not None:
-            return self.settings.server.model_name
+    def _discover_model_name(self, settings: EngineSettings) -> str:
+        if settings.server is not None:
+            return settings.server.model_name
         with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=30) as response:
             models = json.load(response)["data"]
         if not models:
