@@ -28,6 +28,7 @@ from pipeline.contract.stream_progress import MAX_LOST_STREAMS
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.flow.admission import AdmitFn
 from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from pipeline.worker.runtime import WorkerRuntime
@@ -571,6 +572,31 @@ def test_a_host_death_whose_rebuilds_fail_at_first_wedges_no_key_and_resends_eac
         assert sorted(c["id"] for c in driver.committed.completions) == [r.id for r in sent]
         assert {c["attempt"] for c in driver.committed.completions} == {2}, "each lost stream sent again once"
         assert (source.attempts, source.builds) == (3, 1), "one rebuild for the process, retried after failures"
+    finally:
+        if source.runtime is not None:
+            source.runtime.close()
+
+
+def test_a_read_bundle_open_while_the_runtime_is_rebuilt_waits_for_it_and_is_counted_in_the_new_ledger(vllm_server):
+    """The runtime's host dies while a read bundle is open, and the first two rebuilds fail. The bundle does not
+    fail (a failed work item is an error in the job's log, read again at once for as long as the rebuild takes):
+    it waits for the new runtime, passes every request on, and the new ledger counts those it passed before the
+    death as well as after, until they arrive."""
+    settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
+                               max_in_flight=2, worker_queue=2, request_timeout_s=120, stream_lease_s=LEASE_S)
+    source = HostThatDies(settings_, failures=2)
+    try:
+        admit = AdmitFn(source)
+        admit.setup()
+        admit.start_bundle()
+        sent = [InferenceRequest(id=f"rebuilt-{i}", prompt="Say hi.", max_tokens=2) for i in range(3)]
+        passed = [out.id for out in admit.process(sent[0])] + [out.id for out in admit.process(sent[1])]
+        source.die()
+        passed += [out.id for out in admit.process(sent[2])]  # waits out the failed rebuilds, raises nothing
+        admit.finish_bundle()
+        assert passed == [r.id for r in sent]
+        assert (source.attempts, source.builds) == (3, 1)
+        assert source.runtime.load()["on_the_way"] == 3, "the two passed before the death are counted again"
     finally:
         if source.runtime is not None:
             source.runtime.close()

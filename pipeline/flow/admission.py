@@ -58,13 +58,19 @@ but open bundles. The bound holds per worker: Dataflow spreads keys and source
 splits evenly, so each worker's hold reflects its share; a skewed spread can
 hold more on one worker than the bound.
 
+While the runtime's host is acquired anew (its process died: a model server's start, minutes), a read bundle
+waits for the new runtime rather than fail, whatever places are taken: until the runtime is back no timer can
+do anything either, so the threads it holds are not taken from work. What the bundle passed on before the death
+was counted in the lost ledger; the new one counts it again before it is asked anything else.
+
 On the DirectRunner every step runs on one thread, so a step that waited would stop the timers that free
 room; the local runner admits in its source instead, through this same ledger, before this step runs
 (``local/direct_runner.py``), and this step finds its requests admitted already.
 
 The step reports the worker's load (:mod:`pipeline.worker.load`), and counts
-its waits in the same namespace: ``pushback_waits``, ``pushback_ms`` and ``pushback_refused`` (read bundles
-refused because every waiting place was taken, or the runtime was unreachable).
+its waits in the same namespace: ``pushback_waits`` (read bundles that waited for room, or for the runtime
+while it was acquired anew after its host died), ``pushback_ms`` and ``pushback_refused`` (read bundles
+refused because every waiting place was taken).
 """
 
 from __future__ import annotations
@@ -89,12 +95,14 @@ _MAX_BACKOFF_S = 0.5
 # How long a read bundle that finds no waiting place holds its thread before it is refused: the runner may retry
 # a failed work item at once, and this bounds the refusals to one a second per thread.
 REFUSAL_PAUSE_S = 1.0
+# How often a read bundle that waits for the runtime to be acquired anew asks whether it is back.
+RECONNECT_WAIT_S = 1.0
 
 
 class WorkerFull(RuntimeError):
-    """A read bundle refused: the worker holds its bound and every waiting place is taken, or its runtime is being
-    acquired anew. Raised on purpose: the runner fails the work item and retries it, and until then its
-    messages stay unacknowledged in the subscription (see the module docstring). Not a fault in the data."""
+    """A read bundle refused: the worker holds its bound and every waiting place is taken. Raised on purpose: the
+    runner fails the work item and retries it, and until then its messages stay unacknowledged in the subscription
+    (see the module docstring). Not a fault in the data."""
 
 
 class AdmitFn(beam.DoFn):
@@ -138,16 +146,27 @@ class AdmitFn(beam.DoFn):
 
     def _call(self, call: Callable[[WorkerRuntime], int | bool | None]) -> int | bool | None:
         """``call(runtime)``. While the runtime's host is gone (acquired anew in the background) the worker cannot
-        count what it holds, so the bundle is refused: what it admitted lived in the lost ledger, and its retry
-        admits it again in the new one."""
-        try:
-            return call(self._source.acquire())
-        except (ConnectionError, EOFError) as exc:
-            if reconnect(self._source):
-                LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", exc)
-            self.refused.inc()
-            raise WorkerFull(f"the worker's runtime is unreachable ({exc}) and is being acquired anew: this read "
-                             "bundle is refused and read again later") from exc
+        count what it holds, so the bundle waits for the new runtime, its messages unacknowledged, rather than
+        fail: a failed work item is an error in the job's log and is read again at once, for as long as the rebuild
+        (a model server's start) takes. The requests it passed on were counted in the lost ledger: the new one
+        counts them again before anything else is asked of it."""
+        lost = False
+        while True:
+            try:
+                runtime = self._source.acquire()
+                if lost and self._bundle_ids:  # admitted in place of themselves: counted whatever the room
+                    runtime.admit(self._bundle_ids, in_place_of=self._bundle_ids, bundle=self._bundle)
+                return call(runtime)
+            except (ConnectionError, EOFError) as exc:
+                if reconnect(self._source):
+                    LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background",
+                                   exc)
+                if not lost:
+                    lost = True
+                    self.waits.inc()
+                self._log_wait("The worker's runtime is being acquired anew: read bundles wait for it, and the "
+                               "rest of the subscription stays unacknowledged")
+                time.sleep(RECONNECT_WAIT_S)
 
     def _wait_for_room(self, request_id: str) -> None:
         """Holds this bundle (its messages unacknowledged) until the worker has room for one more request, if it
