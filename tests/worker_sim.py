@@ -49,6 +49,7 @@ from pipeline.generation.key_events import (
     Submitted,
     submit_in_order,
 )
+from pipeline.generation.key_events import Report as WaitingReport
 from pipeline.generation.key_machine import converse
 from pipeline.generation.key_state import KeyState
 
@@ -265,7 +266,10 @@ class Report:
     idle_polls: Counter[int] = field(default_factory=Counter)  # per key, the most idle polls in a row (_held)
 
 
-class _World:
+class World:
+    """One schedule's keys, engines and report; :func:`run` plays it (``tests/vm_sim.py`` drives its keys from
+    simulated harness threads instead)."""
+
     def __init__(self, schedule: Schedule) -> None:
         self.s = schedule
         self.rng = random.Random(schedule.seed * 7919 + 1)
@@ -276,6 +280,8 @@ class _World:
         self.report = Report(schedule)
         self.bundles: list[tuple[float, int, tuple[InferenceRequest, ...]]] = []
         self.faulty = True
+        # Told each key's report to the worker's admission ledger (tests/vm_sim.py runs the ledger around this).
+        self.on_report: Callable[[int, WaitingReport], None] | None = None
         self._idle_run: Counter[int] = Counter()
         for i, at in enumerate(schedule.arrivals):
             request = InferenceRequest(id=f"r{i}", prompt=f"p{i}", max_tokens=schedule.tokens[i], prompt_tokens=1,
@@ -313,6 +319,8 @@ class _World:
 
         def answer(effects: Effects) -> Event | None:
             outputs.extend(effects.outputs)
+            if effects.report is not None and self.on_report is not None:
+                self.on_report(key, effects.report)
             if effects.cancel:
                 self.engine_of(key).cancel(effects.cancel)
             if effects.disarm:
@@ -414,7 +422,7 @@ class _World:
 def run(seed: int, *, faults: bool = True, spells: bool = True, max_items: int = 20_000) -> Report:
     """Plays the schedule of ``seed``: arrivals with faults, then a calm spell (faults off) until every key is idle
     or the clock passes 600 s, then a drain of every key. Deterministic in ``seed``."""
-    world = _World(Schedule.draw(seed, faults=faults, spells=spells))
+    world = World(Schedule.draw(seed, faults=faults, spells=spells))
     while world.step():
         if world.report.work_items > max_items:
             raise Violation(seed, f"more than {max_items} work items: a key polls without end")

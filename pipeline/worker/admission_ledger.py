@@ -24,9 +24,12 @@ WAITING_PLACE_LAPSE_S = 5.0
 
 
 class AdmissionLedger:
-    """Thread-safe: every call takes the ledger's lock, and reads the engine's count (``unfinished``) inside it."""
+    """Thread-safe: every call takes the ledger's lock, and reads the engine's count (``unfinished``) inside it.
+    ``clock`` is the wall clock (a simulation of the worker passes its own)."""
 
-    def __init__(self, settings: EngineSettings, unfinished: Callable[[], int]) -> None:
+    def __init__(self, settings: EngineSettings, unfinished: Callable[[], int],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
         self._bound = settings.max_held
         self._waiters = settings.admission_waiters
         self._unfinished = unfinished
@@ -46,7 +49,7 @@ class AdmissionLedger:
         place-holder whose transit lapsed still gives its place (it was admitted,
         and its request is here).
         """
-        now = time.time()
+        now = self._clock()
         with self._lock:
             room = self._hold.room(now, self._held(now), self._bound, bundle)
             self._hold.release(in_place_of)
@@ -62,7 +65,7 @@ class AdmissionLedger:
         """Whether the admission bundle ``bundle`` may wait for room (it takes or renews one of the worker's
         ``admission_waiters`` places); False when that many other bundles wait already."""
         with self._lock:
-            return self._hold.wait_place(time.time(), bundle, self._waiters, WAITING_PLACE_LAPSE_S)
+            return self._hold.wait_place(self._clock(), bundle, self._waiters, WAITING_PLACE_LAPSE_S)
 
     def leave_place(self, bundle: str) -> None:
         """The bundle no longer waits (it finished)."""
@@ -72,19 +75,19 @@ class AdmissionLedger:
     def dispatched(self, ids: list[str]) -> None:
         """The admission bundle of these requests finished: they are on their way to the generate step."""
         with self._lock:
-            self._hold.dispatched(time.time(), ids)
+            self._hold.dispatched(self._clock(), ids)
 
     def report_waiting(self, holder: str, count: int, arrived: Sequence[str] = ()) -> None:
         """What one key of the generate step holds in state, waiting for room (a report lapses unrenewed),
         and the ids that reached it since its last report: they no longer count as on their way."""
         with self._lock:
-            self._hold.report_waiting(time.time(), holder, count)
+            self._hold.report_waiting(self._clock(), holder, count)
             self._hold.release(arrived)
 
     def counts(self) -> tuple[int, int, int]:
         """(unfinished streams, waiting in the generate step's state, admitted and on their way)."""
         with self._lock:
-            waiting, on_the_way = self._hold.counts(time.time())
+            waiting, on_the_way = self._hold.counts(self._clock())
             return self._unfinished(), waiting, on_the_way
 
     @property
