@@ -161,7 +161,7 @@ test: model lint ## Run the lint, then the whole test suite (starts the emulator
 	$(PY) -m pytest -v --durations=40 $(PYTEST_ARGS)
 
 # The worker's core is type-checked whole; the rest of pipeline/, ops/ and template/ joins as it is cleaned.
-LINTED := pipeline ops template tests/worker_sim.py tests/test_worker_sim.py
+LINTED := pipeline ops template tests/worker_sim.py tests/test_worker_sim.py tests/vm_sim.py tests/test_vm_sim.py
 .PHONY: lint
 lint: install ## Lint and type-check pipeline/, ops/, template/ and the worker simulator (ruff, mypy)
 	$(VENV)/bin/ruff check $(LINTED)
