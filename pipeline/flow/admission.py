@@ -54,12 +54,13 @@ The bound then holds with one slack: a worker held by open read bundles alone
 more at a time until it finishes, and the others wait
 (:meth:`~pipeline.worker.hold.WorkerHold.room`). So a worker holds at most the
 bound plus one read bundle less one request, and only after it held nothing
-but open bundles; provided its keys take in what was admitted within
+but open bundles. That assumes its keys take in what was admitted within
 ``admission_transit_s``, after which a request on its way stops counting (it
-may have gone to another worker): a worker whose threads are kept from its
-keys longer takes more (``tests/vm_sim.py`` finds it). The bound holds per worker: Dataflow spreads keys and source
-splits evenly, so each worker's hold reflects its share; a skewed spread can
-hold more on one worker than the bound.
+may have gone to another worker): a worker whose threads are kept from its keys
+longer takes more (the worker simulator, ``tests/vm_sim.py``, finds it with few
+threads). The bound holds per worker: Dataflow spreads keys and source splits
+evenly, so each worker's hold reflects its share; a skewed spread can hold more
+on one worker than the bound.
 
 While the runtime's host is acquired anew (its process died: a model server's start, minutes), a read bundle
 waits for the new runtime rather than fail, whatever places are taken: until the runtime is back no timer can
