@@ -207,7 +207,7 @@ def test_an_engine_whose_server_never_answers_leaves_no_thread_behind(tmp_path, 
     failing = [EngineSettings(server=ServerSpec(model=str(tmp_path / "nowhere"), start_timeout_s=30), server_url=None,
                               chunk_topic="projects/local-project/topics/never"),
                EngineSettings(server=None, server_url=f"http://127.0.0.1:{free_port()}", served_model_name=None)]
-    for attempt in range(3):
+    for _ in range(3):
         for settings_ in failing:
             with pytest.raises((ServerStartError, OSError)):
                 VLLMEngine(settings_)
