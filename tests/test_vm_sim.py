@@ -37,3 +37,15 @@ def test_it_bites_when_read_bundles_wait_without_places() -> None:
     count lapses, and more is admitted past the bound. The check catches it."""
     with pytest.raises(Violation, match="against a bound"):
         check(run(0, "wait", "timers"))
+
+
+def test_a_runtime_host_death_mid_backlog_still_ends_every_request_once() -> None:
+    """The runtime's host dies 3 s into the backlog and is rebuilt 30 s later (a model server's start): read
+    bundles wait for it rather than fail, what they admitted is counted again in the new ledger, and the keys
+    find their streams gone and send them again. Every request ends exactly once. The bound is not asserted
+    across the death: the new ledger starts empty and counts what the keys hold only as they report it."""
+    for seed in SEEDS:
+        for policy in ("timers", "fair"):
+            outcome = run(seed, "refuse", policy, host_dies_at=3.0, rebuild_s=30.0)
+            assert outcome.host_deaths == 1
+            check(outcome, bound=False)

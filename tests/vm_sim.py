@@ -31,7 +31,7 @@ import statistics
 import sys
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
@@ -89,6 +89,7 @@ class Outcome:
     wait_thread_s: float = 0.0  # thread time read bundles spent waiting for room
     idle_slot_s: float = 0.0  # model slots free while requests waited in keyed state
     timer_late_s: list[float] = field(default_factory=list)
+    host_deaths: int = 0
     arrival_late_s: list[float] = field(default_factory=list)  # from reaching a key's queue to its work item
 
     @property
@@ -109,12 +110,14 @@ class _Read:
     backoff: float = 0.01
     place: bool = False
     refuse_at: float | None = None  # after the refusal pause: one more try, then refused
-    waited_since: float | None = None
+    lost: bool = False  # the runtime's host died while it was open: its admissions are in the lost ledger
 
 
 class _Vm:
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, host_dies_at: float | None = None, rebuild_s: float = 0.0) -> None:
         self.s = setup
+        self.host_dies_at, self.rebuild_s = host_dies_at, rebuild_s
+        self.down_until: float | None = None  # while the runtime is acquired anew
         self.rng = random.Random(setup.seed * 104729 + 7)
         bound = setup.max_in_flight + setup.worker_queue
         schedule = Schedule(setup.seed, setup.keys, 1, setup.max_in_flight, 0, (), (), setup.rate_tps, 4,
@@ -124,10 +127,11 @@ class _Vm:
         self.world.faulty = False
         self.world.on_report = self._report
         self.engine: SimEngine = self.world.engines["w0"]
-        settings = EngineSettings(server=ServerSpec(model="simulated"), max_in_flight=setup.max_in_flight,
-                                  worker_queue=setup.worker_queue, admission_transit_s=max(2.0, 4 * setup.transit_s),
-                                  admission_waiters=max(setup.threads // 2, 1), chunk_policy=ChunkPolicy())
-        self.ledger = AdmissionLedger(settings, self.engine.unfinished, clock=lambda: self.world.now)
+        self.settings = EngineSettings(
+            server=ServerSpec(model="simulated"), max_in_flight=setup.max_in_flight, worker_queue=setup.worker_queue,
+            admission_transit_s=max(2.0, 4 * setup.transit_s), admission_waiters=max(setup.threads // 2, 1),
+            chunk_policy=ChunkPolicy())
+        self.ledger = AdmissionLedger(self.settings, self.engine.unfinished, clock=lambda: self.world.now)
         self.backlog: deque[InferenceRequest] = deque(
             InferenceRequest(id=f"r{i}", prompt=f"p{i}", max_tokens=setup.tokens[i], prompt_tokens=1, received_at=0.0)
             for i in range(setup.requests))
@@ -147,7 +151,8 @@ class _Vm:
     # The generate step's side -----------------------------------------------------------------------------
 
     def _report(self, key: int, report: WaitingReport) -> None:
-        self.ledger.report_waiting(repr(key), report.waiting, report.arrived)
+        if self.down_until is None:  # advisory: a report the dead host missed lapses, the next one counts
+            self.ledger.report_waiting(repr(key), report.waiting, report.arrived)
 
     def _key_busy(self) -> set[int]:
         return {slot[1] for slot in self.threads if isinstance(slot, tuple)}
@@ -188,9 +193,13 @@ class _Vm:
     def _step_read(self, thread: int, read: _Read) -> None:
         """Runs the read bundle until it must wait, is refused, or finishes."""
         now = self.world.now
-        if now < read.next_try:
+        if now < read.next_try or self.down_until is not None:  # waiting for room, or for the new runtime
+            read.lost = read.lost or self.down_until is not None
             self.out.wait_thread_s += STEP_S
             return
+        if read.lost and read.admitted:  # AdmitFn._call: counted again in the new ledger, whatever the room
+            self.ledger.admit(read.admitted, in_place_of=read.admitted, bundle=read.name)
+        read.lost = False
         while len(read.admitted) < len(read.messages):
             request = read.messages[len(read.admitted)]
             if self.ledger.admit([request.id], bundle=read.name):
@@ -249,8 +258,25 @@ class _Vm:
     def _hold(self) -> int:
         return len(self.taken - {i for i, n in self.out.ended.items() if n})
 
+    def _host(self, now: float) -> None:
+        """The runtime's host dies at ``host_dies_at`` (its streams and its ledger with it); for ``rebuild_s`` every
+        call to the runtime finds it unreachable; then a new engine and a new, empty ledger answer."""
+        if self.host_dies_at is not None and now >= self.host_dies_at:
+            self.host_dies_at, self.down_until = None, now + self.rebuild_s
+            self.out.host_deaths += 1
+            self.world.report.generated += self.engine.generated
+            self.world.s = replace(self.world.s, faults=Faults(unreachable=1.0))
+            self.world.faulty = True
+        elif self.down_until is not None and now >= self.down_until:
+            self.down_until = None
+            self.world.s = replace(self.world.s, faults=Faults())
+            self.world.faulty = False
+            self.engine = self.world.engines["w0"] = SimEngine("w0-rebuilt", self.world.s)
+            self.ledger = AdmissionLedger(self.settings, self.engine.unfinished, clock=lambda: self.world.now)
+
     def step(self) -> None:
         now = self.world.now
+        self._host(now)
         for at, messages in [r for r in self.retrying if r[0] <= now]:
             self.retrying.remove((at, messages))
             self.backlog.extendleft(reversed(messages))
@@ -275,10 +301,12 @@ class _Vm:
         return len(self.world.report.ended) == self.s.requests and not self.backlog and not self.retrying
 
 
-def run(seed: int, design: str, policy: str, *, limit_s: float = 600.0) -> Outcome:
+def run(seed: int, design: str, policy: str, *, host_dies_at: float | None = None, rebuild_s: float = 30.0,
+        limit_s: float = 600.0) -> Outcome:
     """Plays one drawn worker and backlog under one design and policy until every request has ended (or
-    ``limit_s`` of simulated time has passed: a standstill). Deterministic in its arguments."""
-    vm = _Vm(Setup.draw(seed, design, policy))
+    ``limit_s`` of simulated time has passed: a standstill); ``host_dies_at``: the runtime's host dies then and
+    is rebuilt in ``rebuild_s``. Deterministic in its arguments."""
+    vm = _Vm(Setup.draw(seed, design, policy), host_dies_at, rebuild_s)
     while not vm.done() and vm.world.now < limit_s:
         vm.step()
     vm.out.makespan_s = vm.world.now
