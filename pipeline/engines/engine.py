@@ -105,8 +105,8 @@ class EngineSettings:
     # How long an admitted request counts, once its bundle finished, unless this worker's generate step
     # reports it first (the shuffle and the batcher's wait; it may go to another worker).
     admission_transit_s: float = 2.0
-    # How many admission bundles may wait for room at once (each holds a harness thread); a further bundle
-    # goes on over the bound rather than take a thread the timers need (pipeline.flow.admission).
+    # How many admission bundles may wait for room at once (each holds a harness thread); a further one is refused
+    # rather than take a thread the timers need (pipeline.flow.admission).
     admission_waiters: int = waiting_places(DEFAULT_HARNESS_THREADS)
 
     def __post_init__(self) -> None:
