@@ -207,10 +207,10 @@ def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) 
     ready. Nothing of this process waits on it meanwhile: the build (a vLLM start, minutes) runs outside the
     process's lock. Beam's ``MultiProcessShared`` builds the object under its cross-process file lock
     (``initialize_eagerly``), so the other processes' :func:`reconnect` threads wait on that lock while it
-    starts; their timers and read bundles do not (they fail fast on the old handle). The transformers engine gets
-    a process of its own: its decoding loop is Python between
-    many small torch calls, and in a process whose other threads run the pipeline it waited for the GIL at
-    every call, several times slower a decoding step on the DirectRunner.
+    starts; their timers and read bundles do not: their calls fail fast on the old handle (a timer commits and
+    fires again, a read bundle asks again a second later). The transformers engine gets a process of its own:
+    its decoding loop is Python between many small torch calls, and in a process whose other threads run the
+    pipeline it waited for the GIL at every call, several times slower a decoding step on the DirectRunner.
     """
     with _ACQUIRE_LOCK:
         if not fresh and tag in _ACQUIRED:
