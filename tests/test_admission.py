@@ -164,48 +164,74 @@ def test_a_blocked_bundle_of_many_requests_lets_one_through_per_place_freed(vllm
 def test_the_timers_keep_threads_while_every_read_bundle_of_a_full_worker_waits_or_is_refused(vllm_server):
     """Dataflow runs number_of_worker_harness_threads work items at once on a worker, read bundles and timer
     firings alike. A pool of 4 threads stands for them: with admission_waiters=2 (half), two read bundles wait
-    for room and a third and fourth are refused (WorkerFull: their messages stay in the subscription and the
-    runner retries them) rather than pass over the bound, so the generate step's polls still get a thread while
-    both waiting bundles hold theirs, and collect the work that frees the room they wait for."""
+    for room, and a third and fourth are refused (WorkerFull: the work item fails, its thread is free, its messages
+    stay in the subscription and the runner retries it later) rather than pass over the bound or wait too. So the
+    generate step's poll timers still get a thread while both waiting bundles hold theirs. Without the waiting
+    places all four bundles would wait and no timer would run until one of them passed."""
     source, engine, driver, _ = full_worker(vllm_server.base_url, admission_waiters=2, admission_transit_s=5.0)
     harness = ThreadPoolExecutor(max_workers=4, thread_name_prefix="harness")
     refused: list[int] = []
+    passed: dict[int, list[str]] = {}
+    stopped = threading.Event()
 
-    def read_bundle(i: int) -> list[str]:
-        """One read bundle of request i, retried by the runner until it commits."""
-        while True:
-            admit = admit_fn(source)  # one DoFn instance per bundle, as a runner may
-            admit.start_bundle()
-            try:
-                passed = [out.id for out in admit.process(request(i))]
-                admit.finish_bundle()
-                return passed
-            except WorkerFull:
-                refused.append(i)
-                time.sleep(0.5)  # the runner's delay before a retry
+    def read_bundle(i: int) -> None:
+        """One work item reading request i; refused, it ends, and the runner runs it again half a second later."""
+        admit = admit_fn(source)  # one DoFn instance per bundle, as a runner may
+        admit.start_bundle()
+        try:
+            out = [r.id for r in admit.process(request(i))]
+            admit.finish_bundle()
+            passed[i] = out
+        except WorkerFull:
+            refused.append(i)
+            if not stopped.is_set():
+                threading.Timer(0.5, lambda: stopped.is_set() or harness.submit(read_bundle, i)).start()
 
+    # Another key of this worker reports requests waiting (renewed, as a key that polls does), so the worker stays
+    # full however fast vLLM ends the streams below, until the test lets it go.
+    busy_elsewhere = threading.Event()
+    busy_elsewhere.set()
+
+    def other_key() -> None:
+        while busy_elsewhere.is_set() and not stopped.is_set():
+            source.runtime.report_waiting("other-key", source.settings.max_held)
+            time.sleep(1.0)
+        source.runtime.report_waiting("other-key", 0)
+
+    reporter = threading.Thread(target=other_key, daemon=True)
     try:
-        # Full (2 in flight, 1 waiting), with answers long enough that nothing frees room before the first poll.
-        driver.deliver("shard-0", [request(i, 256, min_tokens=256) for i in range(3)])
-        assert source.runtime.admit(["probe"]) == 0
-        source.runtime.withdraw(["probe"])
-        bundles = [harness.submit(read_bundle, i) for i in range(20, 22)]
-        assert wait_until(lambda: source.runtime.load()["on_the_way"] == 0 and len(
-            source.runtime.admission._hold._places) == 2, 30), "two bundles wait, holding both waiting places"
-        retried = [harness.submit(read_bundle, i) for i in range(22, 24)]
-        assert wait_until(lambda: len(set(refused)) == 2, 30), "a third and fourth bundle are refused"
+        driver.deliver("shard-0", [request(i, 64) for i in range(3)])  # 2 in flight, 1 waiting
+        reporter.start()
+        assert wait_until(lambda: source.runtime.load()["waiting"] > source.settings.max_held, 5)
+        for i in range(20, 22):
+            harness.submit(read_bundle, i)
+        assert wait_until(lambda: len(source.runtime.admission._hold._places) == 2, 30), "two bundles wait"
+        for i in range(22, 24):
+            harness.submit(read_bundle, i)
+        assert wait_until(lambda: set(refused) == {22, 23}, 30), "a third and fourth bundle are refused"
         assert source.runtime.load()["on_the_way"] == 0, "a refused bundle leaves nothing in the hold"
-        assert not any(b.done() for b in bundles + retried)
+
+        # The property: timers run while both places are held and the refused bundles keep coming back.
+        fired = 0
+        for _ in range(4):
+            harness.submit(driver.fire, "shard-0").result(timeout=30)
+            fired += 1
+            assert len(source.runtime.admission._hold._places) == 2 and not passed, "still waiting, still full"
+        assert fired == 4
+
+        busy_elsewhere.clear()  # the worker's own keys now free the room the bundles wait for
+        reporter.join(5)
         deadline = time.monotonic() + 300
-        while any(not b.done() for b in bundles + retried) and time.monotonic() < deadline:
-            harness.submit(driver.fire, "shard-0").result(timeout=30)  # a timer gets a thread while 4 bundles run
+        while len(passed) < 4 and time.monotonic() < deadline:
+            if harness.submit(driver.fire, "shard-0").result(timeout=30) is None:
+                time.sleep(0.05)
             load = source.runtime.load()
             assert load["held"] + load["on_the_way"] <= source.settings.max_held + 1, load
-        assert all(b.done() for b in bundles + retried), "room freed by the polls let every bundle go on"
-        assert sorted(i for b in bundles + retried for i in b.result()) == [f"adm-{i}" for i in range(20, 24)]
+        assert sorted(i for out in passed.values() for i in out) == [f"adm-{i}" for i in range(20, 24)]
         while driver.busy_keys() and time.monotonic() < deadline:
             driver.fire("shard-0")
         assert sorted(c["id"] for c in driver.committed.completions) == [f"adm-{i}" for i in range(3)]
     finally:
+        stopped.set()
         harness.shutdown(wait=False, cancel_futures=True)
         engine.close()
