@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+from google.api_core.exceptions import RetryError
 
 from local.emulators import GcsEmulator
-from pipeline.serving.model_weights import download_gcs_folder, parse_gcs_uri
-from pipeline.serving.vllm_server import VLLMServer
+from pipeline.serving import model_weights
+from pipeline.serving.model_weights import download_gcs_folder, parse_gcs_uri, storage_client
+from pipeline.serving.vllm_server import VLLMServer, free_port
 from tests.conftest import activated, chat, local_server_spec
 
 
@@ -33,20 +35,40 @@ def test_other_uris_are_refused(uri):
         parse_gcs_uri(uri)
 
 
-def test_a_folder_is_copied_once_with_its_structure(gcs, tmp_path):
+def test_a_folder_is_copied_once_with_its_structure_and_again_when_its_objects_change(gcs, tmp_path):
     source = tmp_path / "src"
     (source / "sub").mkdir(parents=True)
     (source / "config.json").write_text('{"model_type": "llama"}')
     (source / "sub" / "weights.bin").write_bytes(os.urandom(300_000))
+    (source / "extra.txt").write_text("removed later")
     uri = gcs.upload_folder(source, "weights", "models/tiny")
     local = download_gcs_folder(uri, tmp_path / "cache")
     assert (local / "config.json").read_text() == '{"model_type": "llama"}'
     assert (local / "sub" / "weights.bin").read_bytes() == (source / "sub" / "weights.bin").read_bytes()
-    # A second worker process finds the completed copy and does not download again.
-    from pipeline.serving.model_weights import storage_client
-    storage_client().bucket("weights").blob("models/tiny/config.json").delete()
+    # Another worker process finds the complete copy of the same objects and does not copy them again.
+    (local / "config.json").write_text("the copy made earlier")
     assert download_gcs_folder(uri, tmp_path / "cache") == local
-    assert (local / "config.json").exists()
+    assert (local / "config.json").read_text() == "the copy made earlier"
+    # The folder rewritten in place: the next start copies what it holds now, and what it no longer holds goes.
+    bucket = storage_client().bucket("weights")
+    bucket.blob("models/tiny/config.json").upload_from_string('{"model_type": "qwen2"}')
+    bucket.blob("models/tiny/extra.txt").delete()
+    assert download_gcs_folder(uri, tmp_path / "cache") == local
+    assert (local / "config.json").read_text() == '{"model_type": "qwen2"}'
+    assert not (local / "extra.txt").exists()
+
+
+def test_a_folder_that_cannot_be_listed_is_served_from_the_copy_made_earlier(gcs, tmp_path, monkeypatch):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    uri = gcs.upload_folder(source, "weights", "models/unlisted")
+    local = download_gcs_folder(uri, tmp_path / "cache")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")  # nothing answers there
+    monkeypatch.setattr(model_weights, "LISTING_DEADLINE_S", 2.0)
+    assert download_gcs_folder(uri, tmp_path / "cache") == local
+    with pytest.raises(RetryError, match="Timeout of 2.0s"):  # no copy to serve: the listing's own error
+        download_gcs_folder(uri, tmp_path / "no-copy")
 
 
 def test_a_folder_without_a_checkpoint_is_reported(gcs, tmp_path):

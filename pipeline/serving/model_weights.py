@@ -5,11 +5,13 @@ folder (:func:`location_kind`); :func:`local_weights` is the one resolver.
 vLLM loads a checkpoint from a local directory; a ``gs://`` folder is
 downloaded into the cache first. Several SDK processes on one VM may ask at
 once, so the copy is guarded by an inter-process lock and marked complete only
-when every file has arrived.
+when every file has arrived; the mark keeps each object's generation, so a copy
+is reused only while the folder holds the same objects.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -19,6 +21,8 @@ import fasteners
 
 LOGGER = logging.getLogger(__name__)
 _COMPLETE_MARKER = ".download-complete"
+# How long a worker retries listing a gs:// folder before it serves the copy it made earlier (if it has one).
+LISTING_DEADLINE_S = 60.0
 # How a location names a folder on the worker (the model's, an adapter's); gs:// is copied down, the rest is a hub id.
 LOCAL_FOLDER_PREFIXES = ("/", "./", "../", "~")
 
@@ -38,8 +42,8 @@ def location_kind(location: str) -> str:
 
 
 def local_weights(location: str, required_file: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """What a loader reads on this worker: a ``gs://`` folder copied down (once), a local folder checked for
-    ``required_file`` and made absolute, a hub id as it is."""
+    """What a loader reads on this worker: a ``gs://`` folder copied down (again only once it changed), a local
+    folder checked for ``required_file`` and made absolute, a hub id as it is."""
     kind = location_kind(location)
     if kind == GCS:
         return str(download_gcs_folder(location, cache_dir, required_file=required_file))
@@ -78,22 +82,43 @@ def storage_client():
 def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = None, *,
                         required_file: str = "config.json") -> Path:
     """Copies a folder (a checkpoint, or a LoRA adapter with ``required_file``) to ``<cache>/gcs/<bucket>/<prefix>``
-    once, and returns that path."""
+    and returns that path. A copy made earlier is used as long as the folder's objects are the ones it was made
+    from (same names, same generations): a folder rewritten in place is copied again, so what a worker serves is
+    what the folder holds now, and what its answers' lineage names (:mod:`pipeline.serving.lineage`). When the
+    folder cannot be listed, an earlier complete copy is used, with a warning."""
+    from google.api_core.exceptions import GoogleAPIError
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
     bucket_name, prefix = parse_gcs_uri(uri)
     base = Path(cache_dir) if cache_dir else cache_root() / "gcs"
     target = base / bucket_name / prefix
     target.mkdir(parents=True, exist_ok=True)
     with fasteners.InterProcessLock(str(target / ".download.lock")):
-        if (target / _COMPLETE_MARKER).exists():
+        copied = downloaded_generations(target)
+        try:
+            listing = storage_client().list_blobs(bucket_name, prefix=prefix,
+                                                  retry=DEFAULT_RETRY.with_deadline(LISTING_DEADLINE_S))
+            blobs = [b for b in listing if not b.name.endswith("/")]
+        except (GoogleAPIError, OSError) as exc:
+            if not (target / _COMPLETE_MARKER).exists():
+                raise
+            LOGGER.warning("Could not list %s (%s: %s); serving the copy made earlier", uri, type(exc).__name__, exc)
             return target
-        client = storage_client()
-        blobs = [b for b in client.list_blobs(bucket_name, prefix=prefix) if not b.name.endswith("/")]
         names = {b.name[len(prefix):] for b in blobs}
         if not blobs:
             raise FileNotFoundError(f"no objects under {uri}; point it at a folder with a Hugging Face checkpoint "
                                     "(or a peft adapter)")
         if required_file not in names:
             raise FileNotFoundError(f"{uri} has no {required_file} at its top level; found: {sorted(names)[:10]}")
+        # Read from the listing: a download may refresh a blob's properties from headers that lack the generation.
+        generations = {b.name[len(prefix):]: b.generation for b in blobs}
+        if copied == generations:
+            return target
+        if (target / _COMPLETE_MARKER).exists():
+            LOGGER.info("%s changed since it was copied to %s: copying it again", uri, target)
+            (target / _COMPLETE_MARKER).unlink()
+            for gone in set(copied or ()) - names:
+                (target / gone).unlink(missing_ok=True)
         total = sum(b.size or 0 for b in blobs)
         LOGGER.info("Downloading %d files (%.1f MB) from %s to %s", len(blobs), total / 1e6, uri, target)
         started, done, next_report = time.monotonic(), 0, 0.1
@@ -105,6 +130,18 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
             if total and done / total >= next_report:
                 LOGGER.info("  %3.0f%% of %s (%.0f s)", 100 * done / total, uri, time.monotonic() - started)
                 next_report += 0.1
-        (target / _COMPLETE_MARKER).write_text(uri + "\n")
+        # The marker keeps what was copied, by object generation: the weights' revision (pipeline.serving.lineage).
+        (target / _COMPLETE_MARKER).write_text(json.dumps({"uri": uri, "generations": generations}) + "\n")
         LOGGER.info("Downloaded %s in %.0f s", uri, time.monotonic() - started)
     return target
+
+
+def downloaded_generations(folder: str | os.PathLike[str]) -> dict[str, int] | None:
+    """The object generation of each file :func:`download_gcs_folder` copied into ``folder``; None when it was not
+    copied by it, or by a version that did not keep them."""
+    try:
+        found = json.loads((Path(folder) / _COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    generations = found.get("generations") if isinstance(found, dict) else None
+    return dict(generations) if isinstance(generations, dict) else None
