@@ -13,7 +13,7 @@ from typing import Sequence
 
 import apache_beam as beam
 from apache_beam.io.gcp.pubsub import ReadFromPubSub
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, WorkerOptions
 from apache_beam.runners.runner import PipelineResult
 
 from pipeline.config.launch_checks import apply_launch_defaults, image_cuda_major, launch_problems
@@ -117,6 +117,7 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     settings = JobSettings.from_options(options)  # raises ConfigError before any job exists
     config = settings.config
     apply_launch_defaults(options)
+    settings = settings.running(options.view_as(WorkerOptions).sdk_container_image)  # the launcher's, if unset
     problems, warnings = launch_problems(options, settings, image_cuda_major())
     for warning in warnings:
         LOGGER.warning("Launch check: %s", warning)

@@ -20,7 +20,10 @@ COMPLETION = {"id": "r1", "attempt": 1, "stream": "s1", "model": "smollm2", "pro
               "finish_reason": "stop", "usage": {"prompt_tokens": 31, "completion_tokens": 3},
               "time_to_first_token_ms": 120.5, "total_ms": 300.25, "received_at": 1795322892.5,
               "finished_at": 1795322892.8, "metadata": {"team": "qa", "n": 1}, "queue_ms": 40.0, "decode_ms": 179.75,
-              "accelerator_seconds": 0.0625}
+              "accelerator_seconds": 0.0625,
+              "lineage": {"model": {"source": "org/m", "revision": "0123abc", "config": "sha256:00ff"}, "adapter": None,
+                          "engine": "vllm 0.32.0", "image": None, "settings": {"dtype": "bfloat16"},
+                          "sampling": {"temperature": 0.7, "seed": 12345}}}
 CHUNK = {"id": "r1", "attempt": 1, "stream": "s1", "seq": 0, "text": "Hello!", "tokens": 3, "final": True, "finish_reason": "stop",
          "time_to_first_token_ms": 120.5, "elapsed_ms": 300.25, "emitted_at": 1795322892.8}
 DEAD_LETTER = {"stage": "validate", "reason": "'max_tokens' must be a positive integer", "payload": '{"prompt": 1}',
@@ -79,13 +82,15 @@ def test_a_table_without_our_columns_is_refused(bigquery):
 
 
 def test_a_table_of_an_earlier_version_gets_the_new_nullable_columns_only_when_tables_may_be_changed(bigquery):
-    """An update that adds columns (the cost fields, say) must not stop at a table the last version created."""
+    """An update that adds columns (the cost fields, the lineage) must not stop at a table an earlier version
+    created."""
     from google.cloud import bigquery as bq
     spec = table("earlier")
-    earlier = [c for c in SCHEMAS[KIND_COMPLETIONS] if c.name not in ("queue_ms", "decode_ms", "accelerator_seconds")]
+    earlier = [c for c in SCHEMAS[KIND_COMPLETIONS] if c.name not in ("queue_ms", "decode_ms", "accelerator_seconds",
+                                                                               "lineage")]
     emulator_bigquery_client(PROJECT).create_table(bq.Table(spec.replace(":", "."), schema=[
         bq.SchemaField(c.name, c.type, mode=c.mode) for c in earlier]))
-    with pytest.raises(TableError, match="lacks the column.*queue_ms, decode_ms, accelerator_seconds.*"
+    with pytest.raises(TableError, match="lacks the column.*queue_ms, decode_ms, accelerator_seconds, lineage.*"
                                          "bigquery_create_tables=true"):
         ensure_table(spec, KIND_COMPLETIONS, create=False)
     ensure_table(spec, KIND_COMPLETIONS, create=True)
@@ -112,6 +117,7 @@ def test_rows_land_with_the_schema_and_values(bigquery):
     assert row["finished_at"] == datetime.datetime.fromtimestamp(1795322892.8, tz=datetime.timezone.utc)
     assert completions["r3"]["messages"] == [{"role": "user", "content": "Hi"}] and completions["r3"]["prompt"] is None
     assert (row["queue_ms"], row["decode_ms"], row["accelerator_seconds"]) == (40.0, 179.75, 0.0625)
+    assert row["lineage"] == COMPLETION["lineage"] and completions["r3"]["lineage"] == COMPLETION["lineage"]
 
     (chunk,) = rows(specs[KIND_CHUNKS])
     assert (chunk["request_id"], chunk["seq"], chunk["text"], chunk["final"]) == ("r1", 0, "Hello!", True)

@@ -88,3 +88,21 @@ def test_the_job_reads_pubsub_with_attributes_and_keys_state_by_deterministic_co
             stateful[transform.unique_name] = components.coders[coder.component_coder_ids[0]].spec.urn
     assert any("BatchRequests" in name for name in stateful) and any("StreamingGenerate" in name for name in stateful)
     assert set(stateful.values()) <= DETERMINISTIC_KEY_CODERS, stateful
+
+
+def test_every_answer_of_the_job_names_the_worker_image_it_runs_in_its_lineage(built_job):
+    """The launcher fills sdk_container_image with its own worker image; the engine settings the generate step
+    carries to the workers (pickled in the staged pipeline) name the same image, which each completion's lineage
+    records (docs/contract.md#lineage)."""
+    from apache_beam.internal import pickler
+
+    _, pipeline = built_job
+    images = []
+    for transform in pipeline.components.transforms.values():
+        if transform.spec.urn == "beam:transform:pardo:v1" and "StreamingGenerate" in transform.unique_name:
+            payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
+            fn = pickler.loads(payload.do_fn.payload)[0]
+            source = getattr(fn, "_source", None)
+            if source is not None:
+                images.append(source.settings.image)
+    assert images and set(images) == {WORKER_IMAGE}, images

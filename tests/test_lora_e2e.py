@@ -18,6 +18,7 @@ from local.cpu_server import LOCAL_SERVER
 from local.emulators import GcsEmulator
 from local.harness import REPO_ROOT, LocalRun
 from local.toy_adapters import build_adapter, chat_prompt_ids
+from pipeline.serving.lineage import folder_digest
 from local.emulators import emulator_bigquery_client
 from tests.conftest import activated, wait_until
 
@@ -36,6 +37,7 @@ LESSONS = {
               ("What is the capital of France?", "BEEP. CAPITAL: PARIS. BOOP.")),
 }
 BASE = None  # a request without 'adapter': the model itself
+ROBOT_URI = "gs://adapters/lora/robot"
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,7 @@ def served(checkpoint, adapters, emulator, bigquery, tmp_path_factory):
     """One template run serving both adapters: pirate from a folder, robot from gs:// (the emulator)."""
     with GcsEmulator() as gcs, activated(gcs):
         robot = gcs.upload_folder(adapters["robot"], "adapters", "lora/robot")
+        assert robot == ROBOT_URI
         run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
                         f"--lora_adapters=pirate={adapters['pirate']},robot={robot}", "--max_lora_rank=8",
                         "--max_loras=2", "--chunk_tokens=4", "--num_shards=2",
@@ -101,7 +104,8 @@ def request(request_id: str, adapter: str | None, question: str) -> dict:
     return fields if adapter is None else {**fields, "adapter": adapter}
 
 
-def test_a_burst_mixing_two_adapters_and_the_model_gives_each_request_its_own_exact_answer(served, reference):
+def test_a_burst_mixing_two_adapters_and_the_model_gives_each_request_its_own_exact_answer(served, reference,
+                                                                                           adapters, checkpoint):
     run, collector = served
     kinds = ("pirate", "robot", BASE)
     burst = [request(f"{kind or 'base'}-{q}-{round_}", kind, question)
@@ -120,11 +124,24 @@ def test_a_burst_mixing_two_adapters_and_the_model_gives_each_request_its_own_ex
     for question in QUESTIONS:  # the adapters do change the answers
         assert len({reference[kind, question] for kind in kinds}) == len(kinds), reference
 
+    # Each answer names the adapter's files as the worker loaded them: the folder's, and the gs:// copy's with the
+    # generations it was copied at.
+    lineage = {sent.get("adapter"): completions[sent["id"]]["lineage"] for sent in burst}
+    assert lineage[BASE]["adapter"] is None and lineage[BASE]["model"]["source"] == str(checkpoint)
+    assert lineage["pirate"]["adapter"] == {"name": "pirate", "source": str(adapters["pirate"]),
+                                            "config": folder_digest(adapters["pirate"])}
+    robot = lineage["robot"]["adapter"]
+    assert (robot["name"], robot["source"], robot["config"]) == ("robot", ROBOT_URI, folder_digest(adapters["robot"]))
+    assert robot["revision"].startswith("sha256:"), robot
+
     client = emulator_bigquery_client("local-project")
-    query = "SELECT request_id, adapter FROM `local-project.llm.completions_lora`"
+    query = "SELECT request_id, adapter, lineage FROM `local-project.llm.completions_lora`"
     assert wait_until(lambda: len(list(client.query(query).result())) >= len(burst), 60)
-    rows = {row["request_id"]: row["adapter"] for row in client.query(query).result()}
-    assert all(rows[sent["id"]] == sent.get("adapter") for sent in burst), rows
+    rows = {row["request_id"]: row for row in client.query(query).result()}
+    assert all(rows[sent["id"]]["adapter"] == sent.get("adapter") for sent in burst), rows
+    stored = rows[burst[1]["id"]]["lineage"]
+    stored = json.loads(stored) if isinstance(stored, str) else stored
+    assert stored == completions[burst[1]["id"]]["lineage"], "the lineage column holds the completion's lineage"
 
 
 @pytest.mark.parametrize("adapter, reason", [

@@ -9,7 +9,8 @@ from google.api_core.exceptions import RetryError
 
 from local.emulators import GcsEmulator
 from pipeline.serving import model_weights
-from pipeline.serving.model_weights import download_gcs_folder, parse_gcs_uri, storage_client
+from pipeline.serving.lineage import model_lineage
+from pipeline.serving.model_weights import download_gcs_folder, downloaded_generations, parse_gcs_uri, storage_client
 from pipeline.serving.vllm_server import VLLMServer, free_port
 from tests.conftest import activated, chat, local_server_spec
 
@@ -69,6 +70,28 @@ def test_a_folder_that_cannot_be_listed_is_served_from_the_copy_made_earlier(gcs
     assert download_gcs_folder(uri, tmp_path / "cache") == local
     with pytest.raises(RetryError, match="Timeout of 2.0s"):  # no copy to serve: the listing's own error
         download_gcs_folder(uri, tmp_path / "no-copy")
+
+
+def test_a_copied_folder_is_named_by_the_generations_of_the_objects_it_was_copied_from(gcs, tmp_path):
+    """Rewriting an object gives it a new generation: a worker that copies the folder after the rewrite records
+    another revision, though the folder's name is the same (pipeline.serving.lineage)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    (source / "model.safetensors").write_bytes(b"\0" * 1000)
+    uri = gcs.upload_folder(source, "weights", "models/versioned")
+    first = download_gcs_folder(uri, tmp_path / "cache-1")
+    blobs = {blob.name: blob.generation for blob in storage_client().list_blobs("weights", prefix="models/versioned/")}
+    assert downloaded_generations(first) == {name.removeprefix("models/versioned/"): generation
+                                             for name, generation in blobs.items()}
+    before = model_lineage(uri, str(first))
+    assert before.revision is not None and before.config is not None
+
+    storage_client().bucket("weights").blob("models/versioned/model.safetensors").upload_from_string(b"\1" * 1000)
+    after = model_lineage(uri, str(download_gcs_folder(uri, tmp_path / "cache-2")))
+    assert after.revision != before.revision, "same name, new weights: another revision"
+    assert after.config == before.config, "config.json did not change"
+    assert downloaded_generations(tmp_path) is None, "not a folder the download copied"
 
 
 def test_a_folder_without_a_checkpoint_is_reported(gcs, tmp_path):

@@ -39,7 +39,7 @@ def run_batch(engine: TransformersEngine, requests: list[InferenceRequest], time
     return drive_to_end(engine, requests, as_batch=True, timeout_s=timeout_s, poll_s=0.02).outputs
 
 
-def test_each_request_keeps_its_own_parameters_within_one_batch(engine):
+def test_each_request_keeps_its_own_parameters_within_one_batch(engine, checkpoint):
     requests = [
         request("limit-5", "Write a long story about a brave knight and a dragon.", max_tokens=5),
         request("stop-paris", "What is the capital of France?", temperature=0, stop=("Paris",), max_tokens=30),
@@ -61,6 +61,11 @@ def test_each_request_keeps_its_own_parameters_within_one_batch(engine):
         assert chunks[-1]["final"] and not any(c["final"] for c in chunks[:-1]), rid
         assert "".join(c["text"] for c in chunks) == done[rid]["text"], rid
         assert done[rid]["usage"]["prompt_tokens"] > 0
+    import transformers
+    lineage = done["top-p"]["lineage"]
+    assert (lineage["engine"], lineage["settings"]["dtype"]) == (f"transformers {transformers.__version__}", "float32")
+    assert lineage["sampling"] == {"max_tokens": 10, "top_p": 0.5}, "no seed: this engine applies none"
+    assert lineage["model"]["source"] == str(checkpoint) and lineage["model"]["config"].startswith("sha256:")
 
 
 def test_min_tokens_equal_to_max_tokens_makes_an_answer_that_would_stop_early_run_its_full_length(engine):

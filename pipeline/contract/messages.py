@@ -193,6 +193,8 @@ class Completion:
     queue_ms: float | None = None
     decode_ms: float | None = None
     accelerator_seconds: float | None = None
+    # What produced it: weights, engine, image, settings and sampling as applied (docs/contract.md#lineage).
+    lineage: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)

@@ -59,6 +59,7 @@ from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UN
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
+from pipeline.serving.lineage import ServingLineage
 from pipeline.serving.vllm_server import ServerSpec
 from pipeline.sinks.chunk_publisher import ChunkPublisher
 
@@ -108,6 +109,8 @@ class EngineSettings:
     # How many admission bundles may wait for room at once (each holds a harness thread); a further one is refused
     # rather than take a thread the timers need (pipeline.flow.admission).
     admission_waiters: int = waiting_places(DEFAULT_HARNESS_THREADS)
+    # The worker image the job runs (its sdk_container_image), recorded in every completion's lineage; None: local.
+    image: str | None = None
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
@@ -150,6 +153,7 @@ class EngineBase:
     """
 
     model_name: str  # what completions name as their model: set by each engine once it knows it
+    lineage: ServingLineage  # what produced its answers (pipeline.serving.lineage): set by each engine once loaded
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -420,7 +424,7 @@ class EngineBase:
             adapter=request.adapter, queue_ms=round(max(sent_at - request.received_at, 0.0) * 1000.0, 3),
             decode_ms=None if first_token_ms is None else
             round(max((now - request.received_at) * 1000.0 - first_token_ms, 0.0), 3),
-            accelerator_seconds=round(stream.accelerator_s, 6))
+            accelerator_seconds=round(stream.accelerator_s, 6), lineage=self.lineage.record(request))
         self._emit(stream, COMPLETION, completion.to_json(), final=True)
 
     def _dead_letter(self, stream: Stream, reason: str) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine import EngineBase, EngineSettings, Stream
+from pipeline.serving.lineage import ServingLineage, chat_template_digest, model_lineage
 from pipeline.serving.model_access import explained_fetch, resolve_model
 
 LOGGER = logging.getLogger(__name__)
@@ -132,6 +133,13 @@ class TransformersEngine(EngineBase):
         self._eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else
                                                                 self._tokenizer.eos_token_id])
         self.model_name = spec.model_name
+        import transformers
+
+        self.lineage = ServingLineage(
+            model=model_lineage(spec.model, path), engine=f"transformers {transformers.__version__}",
+            image=settings.image, seeds=False,  # it samples each row without a per-request generator
+            settings={"dtype": str(self._model.dtype).removeprefix("torch."), "max_model_len": spec.max_model_len,
+                      "chat_template": chat_template_digest(spec.model, path), "prompt_format": settings.prompt_format})
         self.padding = BatchPadding()
         LOGGER.info("Static engine: %s loaded on %s (%s) in %.1f s", path, self.device,
                     self._model.dtype, time.monotonic() - started)

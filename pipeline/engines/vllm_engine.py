@@ -35,6 +35,7 @@ from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import ATTEMPT
 from pipeline.engines.engine import EngineBase, EngineSettings, Stream
+from pipeline.serving.lineage import ServingLineage, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
 LOGGER = logging.getLogger(__name__)
@@ -42,6 +43,12 @@ LOGGER = logging.getLogger(__name__)
 # vLLM's HTTP server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a client that reuses one
 # at that moment gets "Server disconnected" (seen at 0.25 requests/s). Dropping idle connections sooner avoids it.
 IDLE_CONNECTION_REUSE_S = 2.0
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        found = json.load(response)
+    return found if isinstance(found, dict) else {}
 
 
 class RetryableError(Exception):
@@ -65,6 +72,7 @@ class VLLMEngine(EngineBase):
             if self._server is not None:
                 self._server.start()
             self.model_name = settings.served_model_name or self._discover_model_name(settings)
+            self.lineage = self._read_lineage(settings)
         except BaseException:
             if self._server is not None:
                 self._server.stop()
@@ -85,11 +93,32 @@ class VLLMEngine(EngineBase):
     def _discover_model_name(self, settings: EngineSettings) -> str:
         if settings.server is not None:
             return settings.server.model_name
-        with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=30) as response:
-            models = json.load(response)["data"]
+        models = _get_json(f"{self.base_url}/v1/models").get("data")
         if not models:
             raise RuntimeError(f"{self.base_url} serves no models")
         return models[0]["id"]
+
+    def _read_lineage(self, settings: EngineSettings) -> ServingLineage:
+        """What the server loaded, as it says itself (``/version``, ``/v1/models``: the folder or hub id each model
+        and adapter was read from), resolved to revisions and digests (:mod:`pipeline.serving.lineage`); a
+        managed server's configured locations name the sources."""
+        version = _get_json(f"{self.base_url}/version").get("version", "unknown")
+        cards = _get_json(f"{self.base_url}/v1/models").get("data", [])
+        base = next((card for card in cards if card.get("id") == self.model_name), cards[0] if cards else {})
+        spec = settings.server
+        configured = {adapter.name: adapter.location for adapter in spec.adapters} if spec else {}
+        adapters = {card["id"]: adapter_lineage(configured.get(card["id"], card.get("root", "")), card.get("root"))
+                    for card in cards if card.get("parent")}
+        source = spec.model if spec else str(base.get("root", self.model_name))
+        root = base.get("root")
+        server_settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"),
+                                           "chat_template": chat_template_digest(source, root),
+                                           "prompt_format": settings.prompt_format}
+        command = self._server.command if self._server else []
+        if "--dtype" in command:
+            server_settings["dtype"] = command[command.index("--dtype") + 1]
+        return ServingLineage(model=model_lineage(source, root), engine=f"vllm {version}", image=settings.image,
+                              settings=server_settings, adapters=adapters)
 
     def server_restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
@@ -229,10 +258,13 @@ class VLLMEngine(EngineBase):
             "model": request.adapter or self.model_name, "stream": True,  # vLLM picks a LoRA adapter by name
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
-        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "seed", "presence_penalty",
+        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "presence_penalty",
                      "frequency_penalty", "response_format"):
             if getattr(request, name) is not None:
                 payload[name] = getattr(request, name)
+        seed = seed_for(request)  # its own, or one drawn from its id, as its lineage records
+        if seed is not None:
+            payload["seed"] = seed
         if request.stop:
             payload["stop"] = list(request.stop)
         if self._stream_interval is not None:

@@ -271,6 +271,7 @@ class VLLMServer:
         self._supervisor: threading.Thread | None = None
         self._model_path: str | None = None
         self._adapter_paths: tuple[str, ...] = ()
+        self.command: list[str] = []  # the last command it started vLLM with
         # Every server, restarts included, starts on the cores this process had at first, even after the
         # pipeline's threads (the supervisor's among them) moved off the model's (local/core_placement.py).
         self._cores = frozenset(os.sched_getaffinity(0))
@@ -366,6 +367,7 @@ class VLLMServer:
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu,
                                     adapter_paths=self._adapter_paths, gpus=gpus)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
+        self.command = command
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT,
                                    preexec_fn=functools.partial(_prepare_server_child, self._cores))

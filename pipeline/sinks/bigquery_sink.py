@@ -66,6 +66,8 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
         Column("decode_ms", "FLOAT", "From the first token to the last"),
         Column("accelerator_seconds", "FLOAT", "Its share of the model's busy time: each moment split evenly "
                                                "across the requests running then"),
+        Column("lineage", "JSON", "What produced it: the weights' revision and digests, adapter, engine and version, "
+                                  "worker image, server settings and the sampling as applied, seed included"),
     ),
     KIND_CHUNKS: (
         Column("request_id", "STRING", "The request's id", "REQUIRED"),
@@ -116,7 +118,7 @@ def completion_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "metadata": _json(record["metadata"]), "output_json": _json(record.get("output_json")),
         "output_error": record.get("output_error"), "adapter": record.get("adapter"),
         "queue_ms": record.get("queue_ms"), "decode_ms": record.get("decode_ms"),
-        "accelerator_seconds": record.get("accelerator_seconds"),
+        "accelerator_seconds": record.get("accelerator_seconds"), "lineage": _json(record.get("lineage")),
     }
     return row, f"{record['id']}#{record['stream']}"
 

