@@ -51,6 +51,15 @@ def _get_json(url: str) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+def _optional_json(url: str) -> dict[str, Any]:
+    """:func:`_get_json`, or {} from a server that does not answer it (a ``server_url`` that is not vLLM)."""
+    try:
+        return _get_json(url)
+    except (OSError, ValueError) as exc:
+        LOGGER.warning("%s did not answer (%s): the answers' lineage goes without it", url, exc)
+        return {}
+
+
 class RetryableError(Exception):
     """The server was unreachable or broke off; the request can be sent again."""
 
@@ -102,22 +111,28 @@ class VLLMEngine(EngineBase):
         """What the server loaded, as it says itself (``/version``, ``/v1/models``: the folder or hub id each model
         and adapter was read from), resolved to revisions and digests (:mod:`pipeline.serving.lineage`); a
         managed server's configured locations name the sources."""
-        version = _get_json(f"{self.base_url}/version").get("version", "unknown")
-        cards = _get_json(f"{self.base_url}/v1/models").get("data", [])
-        base = next((card for card in cards if card.get("id") == self.model_name), cards[0] if cards else {})
+        version = _optional_json(f"{self.base_url}/version").get("version")
+        listed = _optional_json(f"{self.base_url}/v1/models").get("data")
+        cards = {card["id"]: card for card in (listed if isinstance(listed, list) else [])
+                 if isinstance(card, dict) and isinstance(card.get("id"), str)}
+        base = cards.get(self.model_name) or next(iter(cards.values()), {})
+        root = base.get("root") if isinstance(base.get("root"), str) else None
         spec = settings.server
+        source = spec.model if spec else root or self.model_name
         configured = {adapter.name: adapter.location for adapter in spec.adapters} if spec else {}
-        adapters = {card["id"]: adapter_lineage(configured.get(card["id"], card.get("root", "")), card.get("root"))
-                    for card in cards if card.get("parent")}
-        source = spec.model if spec else str(base.get("root", self.model_name))
-        root = base.get("root")
+        adapters = {}
+        for name, card in cards.items():
+            path = card.get("root") if isinstance(card.get("root"), str) else None
+            if card.get("parent") and (name in configured or path):
+                adapters[name] = adapter_lineage(configured.get(name) or path or "", path)
         server_settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"),
                                            "chat_template": chat_template_digest(source, root),
                                            "prompt_format": settings.prompt_format}
         command = self._server.command if self._server else []
         if "--dtype" in command:
             server_settings["dtype"] = command[command.index("--dtype") + 1]
-        return ServingLineage(model=model_lineage(source, root), engine=f"vllm {version}", image=settings.image,
+        engine = f"vllm {version}" if isinstance(version, str) else "an OpenAI-compatible server without /version"
+        return ServingLineage(model=model_lineage(source, root), engine=engine, image=settings.image,
                               settings=server_settings, adapters=adapters)
 
     def server_restarts(self) -> int:

@@ -72,9 +72,12 @@ def _hub_snapshot(repo_id: str) -> Path | None:
     """The cached snapshot folder a hub id resolved to (its name is the commit), or None when it is not cached."""
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(repo_id, "config.json")
-    if not isinstance(found, str):
-        found = try_to_load_from_cache(repo_id, "adapter_config.json")
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+        if not isinstance(found, str):
+            found = try_to_load_from_cache(repo_id, "adapter_config.json")
+    except ValueError:  # not a hub id at all (a server_url's served name, say)
+        return None
     return Path(found).parent if isinstance(found, str) else None
 
 
