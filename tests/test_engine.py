@@ -283,8 +283,9 @@ def test_structured_requests_come_back_as_json_that_fits_their_schema(vllm_serve
     assert completions["plain"]["output_json"] is None and completions["plain"]["output_error"] is None
 
 
-def test_chunks_cut_by_polls_and_by_the_stream_share_one_gapless_sequence(vllm_server):
-    """poll() cuts interval chunks on the caller's thread while the stream cuts its own on the engine's loop."""
+def test_chunks_cut_by_the_chunk_clock_and_by_the_stream_share_one_gapless_sequence(vllm_server):
+    """The chunk clock cuts waiting text on its thread while the stream cuts its own on the engine's loop, and
+    polls come as fast as they can."""
     import sys
 
     engine = engine_for(vllm_server.base_url, chunk_policy=ChunkPolicy(chunk_tokens=3, interval_ms=1))

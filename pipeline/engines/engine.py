@@ -18,7 +18,10 @@ cross-process proxy calls cheap and version-tolerant.
 
 With a ``chunk_topic`` the engine publishes each chunk to Pub/Sub itself the
 moment it is cut (see :mod:`pipeline.sinks.chunk_publisher`), and hands a request's
-completion to ``poll`` only once Pub/Sub has confirmed all its chunks.
+completion to ``poll`` only once Pub/Sub has confirmed all its chunks. Chunks are
+cut on the engine's own threads: as text arrives, and by a clock for text that
+waited past ``chunk_interval_ms`` (:meth:`EngineBase._cut_waiting_text`), so ``poll``
+only reads, and a chunk published straight to Pub/Sub never waits for a poll.
 
 The contract is shaped by the runner's commit semantics (Dataflow retries a
 work item whose commit failed, and moves keys between workers):
@@ -143,6 +146,11 @@ class Stream:
     accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
 
 
+# The chunk clock's longest tick: how late past chunk_interval_ms a waiting text's chunk may be cut.
+CHUNK_CLOCK_MAX_S = 0.05
+CHUNK_CLOCK_MIN_S = 0.005  # and its shortest, whatever the interval
+
+
 class EngineBase:
     """What every engine shares: the registry of streams that ``poll`` reads, chunk publishing and outcomes.
 
@@ -168,6 +176,7 @@ class EngineBase:
         self._finished_kept = finished_kept(settings.max_in_flight)
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
         self._janitor.start()
+        threading.Thread(target=self._cut_waiting_text, name="engine-chunk-clock", daemon=True).start()
 
     # Public API (called through the cross-process proxy) ----------------------------
 
@@ -214,7 +223,6 @@ class EngineBase:
         released, or past what it produced), gets ``UNKNOWN``: the stream is lost
         to the caller and must be submitted again. ``client``: the calling process (:mod:`pipeline.engines.leases`).
         """
-        now = time.time()
         ready: dict[str, list[tuple[str, str]]] = {}
         with self._lock:
             self._leases.heard(client, polled=bool(positions))
@@ -228,8 +236,6 @@ class EngineBase:
                     del self._streams[key]
                     ready[key] = []
                     continue
-                if stream.assembler is not None and not stream.done:
-                    self._queue_chunks(stream, stream.assembler.due(now))
                 ready[key] = list(stream.window.outputs)
         return ready
 
@@ -358,12 +364,22 @@ class EngineBase:
                 stream.done = True
                 self._unfinished -= 1
 
-    def _cut(self, stream: Stream, cut: Callable[[], list[Chunk]]) -> None:
-        """Runs a step of the stream's chunk assembler and sends its chunks on, under the lock poll() cuts under.
+    def _cut_waiting_text(self) -> None:
+        """The chunk clock: cuts a chunk of each stream's text that has waited past ``chunk_interval_ms`` (a slow
+        answer's text between events), at most ``CHUNK_CLOCK_MAX_S`` late."""
+        tick = max(min(self.settings.chunk_policy.interval_ms / 2000.0, CHUNK_CLOCK_MAX_S), CHUNK_CLOCK_MIN_S)
+        while not self._closed:
+            time.sleep(tick)
+            now = time.time()
+            with self._lock:
+                for stream in list(self._streams.values()):
+                    if stream.assembler is not None and not stream.done:
+                        self._queue_chunks(stream, stream.assembler.due(now))
 
-        poll() cuts interval chunks on the caller's thread, the engine cuts the
-        stream's own on its thread: one lock keeps their sequence numbers one gapless
-        sequence, published in that order.
+    def _cut(self, stream: Stream, cut: Callable[[], list[Chunk]]) -> None:
+        """Runs a step of the stream's chunk assembler and sends its chunks on, under the lock the chunk clock cuts
+        under: the engine cuts a stream's chunks as its text arrives and the clock cuts text that waited, so one lock
+        keeps their sequence numbers one gapless sequence, published in that order.
         """
         with self._lock:
             self._queue_chunks(stream, cut())
