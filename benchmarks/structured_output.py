@@ -26,7 +26,8 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.engine_driver import drive_to_end
 from pipeline.config.settings import JobSettings
-from pipeline.contract.messages import DeadLetter, InferenceRequest, parse_request
+from pipeline.contract.messages import DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import parse_request
 from pipeline.engines.vllm_engine import VLLMEngine
 
 SERVED = "smollm2"

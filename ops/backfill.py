@@ -49,8 +49,9 @@ from google.api_core.exceptions import NotFound
 
 from ops.deploy import template_parameters
 from ops.settings import DeployError, Settings
-from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
+from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import default
+from pipeline.contract.request_parsing import parse_request
 from pipeline.serving.model_weights import storage_client
 from pipeline.sinks import bigquery_sink
 

@@ -23,9 +23,15 @@ from hypothesis import strategies as st
 
 from local.emulators import PROJECT, GcsEmulator, PubSubEmulator, emulator_bigquery_client
 from ops import backfill
-from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest, parse_request
-from pipeline.sinks.bigquery_sink import (KIND_COMPLETIONS, KIND_DEAD_LETTERS, completion_row, dead_letter_row,
-                                          ensure_table)
+from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import parse_request
+from pipeline.sinks.bigquery_sink import (
+    KIND_COMPLETIONS,
+    KIND_DEAD_LETTERS,
+    completion_row,
+    dead_letter_row,
+    ensure_table,
+)
 from tests.conftest import activated, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

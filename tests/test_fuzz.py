@@ -19,7 +19,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.contract.messages import DeadLetter, InferenceRequest, RequestLimits, parse_request
+from pipeline.contract.messages import DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import RequestLimits, parse_request
 from pipeline.flow.batching import BatchingConfig, BatchRequests
 from pipeline.intake.parsing import ParseRequests
 from pipeline.intake.prompt_length import MeasurePromptLength, PromptLength

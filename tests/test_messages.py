@@ -11,8 +11,8 @@ import hypothesis
 import hypothesis.strategies
 import pytest
 
-from pipeline.contract.messages import (STAGE_PARSE, STAGE_VALIDATE, DeadLetter, InferenceRequest, RequestLimits,
-                                        parse_request)
+from pipeline.contract.messages import STAGE_PARSE, STAGE_VALIDATE, DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import RequestLimits, parse_request
 
 LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048)
 

@@ -10,12 +10,11 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_parameters
-
 from pipeline.config.options import ConfigError, PipelineConfig, StreamingLLMOptions
 from pipeline.config.settings import JobSettings
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.messages import RequestLimits
 from pipeline.contract.parameters import PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
+from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine import EngineSettings
 from pipeline.flow.batching import BatchingConfig
 from pipeline.generation.generate import DEFAULT_DEDUPE_WINDOW_S, DEFAULT_DRAIN_TIMEOUT_S

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pipeline.contract.messages import DeadLetter, InferenceRequest, parse_request
+from pipeline.contract.messages import DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import parse_request
 from pipeline.contract.structured_output import parse_output, schema_response_format
 from pipeline.intake.request_defaults import RequestDefaults, template_fields
 

@@ -22,8 +22,10 @@ from google.cloud import pubsub_v1
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from local.runner_semantics import Driver, InProcessRuntime, KeyState, Worker, entry_v1, generate_fn, in_process
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest, parse_request
+from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
+from pipeline.contract.request_parsing import parse_request
 from pipeline.contract.stream_progress import MAX_LOST_STREAMS
 from pipeline.engines.engine import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
@@ -33,7 +35,6 @@ from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from pipeline.worker.runtime import WorkerRuntime
 from tests.conftest import SERVED_NAME, wait_until
-from local.runner_semantics import Driver, InProcessRuntime, KeyState, Worker, entry_v1, generate_fn, in_process
 
 pytestmark = pytest.mark.engine
 

@@ -10,8 +10,9 @@ from apache_beam.io.gcp.pubsub import PubsubMessage
 from apache_beam.metrics import Metrics
 
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded
-from pipeline.contract.messages import STAGE_PARSE, DeadLetter, Defaults, RequestLimits, parse_request
+from pipeline.contract.messages import STAGE_PARSE, DeadLetter
 from pipeline.contract.parameters import default
+from pipeline.contract.request_parsing import Defaults, RequestLimits, parse_request
 
 
 class _ParseFn(beam.DoFn):

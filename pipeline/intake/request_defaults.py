@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
 
-from pipeline.contract.messages import RequestError
+from pipeline.contract.request_parsing import RequestError
 from pipeline.contract.structured_output import ResponseFormatError, checked_schema, schema_response_format
 
 TEXT_FIELD = "text"
