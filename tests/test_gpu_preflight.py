@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.serving.vllm_server import GpuInfo, ServerSpec, ServerStartError, check_platform, driver_problem
+from pipeline.serving.server_platform import GpuInfo, ServerStartError, check_platform, driver_problem
+from pipeline.serving.vllm_server import ServerSpec
 
 
 @pytest.mark.parametrize("driver, cuda, fits", [

@@ -9,11 +9,19 @@ import stat
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.config.launch_checks import dataflow_launch_problems, image_cuda_major, WORKER_CUDA_ENV
+from pipeline.config.launch_checks import WORKER_CUDA_ENV, dataflow_launch_problems, image_cuda_major
 from pipeline.config.options import PipelineConfig
-from pipeline.serving.gpus import FIXED_SHAPES, GPUS, GPUS_BY_TYPE, N1_COUNTS, gpu_type_problem, gpus_problem, \
-    machine_problem, visible_gpu_capabilities
-from pipeline.serving.vllm_server import ServerStartError, check_platform
+from pipeline.serving.gpus import (
+    FIXED_SHAPES,
+    GPUS,
+    GPUS_BY_TYPE,
+    N1_COUNTS,
+    gpu_type_problem,
+    gpus_problem,
+    machine_problem,
+    visible_gpu_capabilities,
+)
+from pipeline.serving.server_platform import ServerStartError, check_platform
 
 # Compute Engine's GPU types for compute (its "GPU machine types" page; the virtual workstation variants, which
 # Dataflow does not offer, left out), and what each image must do with each: run it, or refuse it.

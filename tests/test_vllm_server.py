@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 from local import core_placement
-from pipeline.serving.vllm_server import ServerSpec, ServerStartError, VLLMServer, check_platform, installed_vllm_build
+from pipeline.serving.server_platform import ServerStartError, check_platform, installed_vllm_build
+from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 from tests.conftest import chat, local_server_spec, thread_cores_restored, wait_until
 
 pytestmark = pytest.mark.engine
