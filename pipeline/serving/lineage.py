@@ -29,7 +29,7 @@ from pipeline.serving.model_weights import GCS, HUB, downloaded_generations, loc
 
 DIGEST_CHARS = 16  # hex characters of sha256 kept: enough to tell versions apart, short enough for every row
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-SEED_BITS = 31  # vLLM takes any int; 31 bits keep it an INT64 everywhere and a positive int in every client
+SEED_BITS = 31  # vLLM takes any int: 31 bits stay a positive 32-bit int in every client and column
 
 
 def digest(data: bytes) -> str:
