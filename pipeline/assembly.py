@@ -117,7 +117,7 @@ def run(argv: Sequence[str] | None = None) -> PipelineResult:
     settings = JobSettings.from_options(options)  # raises ConfigError before any job exists
     config = settings.config
     apply_launch_defaults(options)
-    settings = settings.running(options.view_as(WorkerOptions).sdk_container_image)  # the launcher's, if unset
+    settings = settings.running(options.view_as(WorkerOptions).sdk_container_image)  # as the launch settled it
     problems, warnings = launch_problems(options, settings, image_cuda_major())
     for warning in warnings:
         LOGGER.warning("Launch check: %s", warning)

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions, WorkerOptions
+from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.contract.chunking import ChunkPolicy
@@ -67,12 +67,12 @@ class JobSettings:
     adapters: tuple[Adapter, ...]
 
     @classmethod
-    def from_config(cls, config: PipelineConfig, harness_threads: Any = None, image: str | None = None) -> JobSettings:
+    def from_config(cls, config: PipelineConfig, harness_threads: Any = None) -> JobSettings:
         """Builds them all; raises :class:`ConfigError` with every problem found, before any job exists.
 
         ``harness_threads``: Beam's ``number_of_worker_harness_threads`` as the launch sets it (None: the
-        template's default, which the launch then sets, :mod:`pipeline.config.launch_checks`). ``image``: the
-        worker image the job runs (``sdk_container_image``), which every completion's lineage names.
+        template's default, which the launch then sets, :mod:`pipeline.config.launch_checks`). The worker image
+        is set once the launch has settled it (:meth:`running`).
         """
         problems: list[str] = []
         parts: dict[str, Any] = {}
@@ -107,8 +107,7 @@ class JobSettings:
         generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
                                     config.generate_shards)
         return cls(config=config, limits=limits, prompt_length=prompt_length,
-                   engine=_engine(config, parts["batching"], parts["adapters"], waiters, image), generate=generate,
-                   **parts)
+                   engine=_engine(config, parts["batching"], parts["adapters"], waiters), generate=generate, **parts)
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> JobSettings:
@@ -117,8 +116,7 @@ class JobSettings:
     @classmethod
     def from_options(cls, options: PipelineOptions) -> JobSettings:
         return cls.from_config(PipelineConfig.from_options(options),
-                               options.view_as(DebugOptions).number_of_worker_harness_threads,
-                               options.view_as(WorkerOptions).sdk_container_image)
+                               options.view_as(DebugOptions).number_of_worker_harness_threads)
 
     def running(self, image: str | None) -> JobSettings:
         """These settings for workers that run ``image`` (named in every completion's lineage)."""
@@ -179,7 +177,7 @@ def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tu
 
 
 def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...],
-            admission_waiters: int, image: str | None) -> EngineSettings:
+            admission_waiters: int) -> EngineSettings:
     priority_boundaries = _priority_boundaries(config, batching)
     # The chunks topic is published by the engine itself (pipeline.sinks.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
@@ -191,7 +189,7 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
                   admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0, admission_waiters=admission_waiters,
                   chunk_policy=ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms)),
                   priority_boundaries=priority_boundaries, chunk_topic=config.output_chunks_topic,
-                  chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table), image=image)
+                  chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))
     if config.server_url:
         return EngineSettings(server=None, server_url=config.server_url, **common)
     extra_args = tuple(config.extra_vllm_args)
