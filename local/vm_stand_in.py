@@ -205,9 +205,11 @@ class VmStandIn:
     failed_commits: int = 0
     holds: list[int] = field(default_factory=list)  # requests taken and not yet ended, at each round
     timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, undisturbed and reading
+    work_items: list[tuple[float, Any, str]] = field(default_factory=list)  # (seconds it ran, key, method)
     reading: bool = True
     _next_read_at: float = 0.0  # the runner's delay after a refused read bundle
     _disrupted_at: float = 0.0  # the last resume, kill or update: only timers due after it are measured
+    _began: dict[int, float] = field(default_factory=dict)  # token -> when its work item was sent
 
     def __enter__(self) -> VmStandIn:
         self.tag = self.tag or new_runtime_tag(self.settings)
@@ -229,6 +231,7 @@ class VmStandIn:
         self.backlog, self.queue, self.taken = collections.deque(), collections.deque(), set()
         self.retried = self.refused = self.failed_commits = 0
         self.holds, self.timer_delays, self.reading = [], [], True
+        self.work_items = []
         self._next_read_at = 0.0
 
     # The runner's side ------------------------------------------------------------------------
@@ -363,7 +366,8 @@ class VmStandIn:
     def _died(self, sdk: SdkProcess) -> None:
         """Its work items failed: a key's runs again (elsewhere), a read bundle's messages are read again."""
         sdk.dead = True
-        for item in sdk.running.values():
+        for token, item in sdk.running.items():
+            self._began.pop(token, None)
             self._failed(item)
         sdk.running.clear()
 
@@ -402,6 +406,9 @@ class VmStandIn:
                     break
                 moved = True
                 item = sdk.running.pop(token)
+                began = self._began.pop(token, None)
+                if item[0] != "read" and began is not None:
+                    self.work_items.append((time.monotonic() - began, item[0], item[1]))
                 self._finished(item, status, result)
         return moved
 
@@ -479,6 +486,7 @@ class VmStandIn:
         self._tokens += 1
         record = item[1] if item[0] == "work" else item
         sdk.running[self._tokens] = record
+        self._began[self._tokens] = time.monotonic()
         try:
             sdk.conn.send(("work", self._tokens, "read" if item[0] == "read" else "run", payload))
         except OSError:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -214,6 +216,33 @@ def test_an_engine_whose_server_never_answers_leaves_no_thread_behind(tmp_path, 
                 VLLMEngine(settings_)
     assert wait_until(lambda: {t.ident for t in threading.enumerate() if t.is_alive()} <= before, 10), \
         [t.name for t in threading.enumerate() if t.ident not in before]
+
+
+def test_the_workers_load_never_waits_on_the_model_server(vllm_server):
+    """A step reads the worker's load inside a key's work item (the generate step's poll timer), and the key's next
+    timer waits for that work item: read from vLLM's /metrics there, a busy or stalled server would keep the key
+    from polling its streams while its process polls others', and their leases would run out (a flake of the VM
+    stand-in's host-kill test, traced). With the server stopped for a few seconds (shorter than its stall
+    timeout) the engine still answers at once, and reads the gauges again once the server answers."""
+    engine = engine_for(vllm_server.base_url)
+    try:
+        assert wait_until(lambda: engine.stats()["server_running"] is not None, 10)
+        os.kill(vllm_server.pid, signal.SIGSTOP)
+        took = []
+        try:
+            for _ in range(6):
+                began = time.monotonic()
+                engine.stats()
+                took.append(time.monotonic() - began)
+                time.sleep(0.5)
+            stopped = engine.stats()["server_running"]
+        finally:
+            os.kill(vllm_server.pid, signal.SIGCONT)
+        assert max(took) < 0.5, took
+        assert stopped is None, "a server that does not answer has no figures"
+        assert wait_until(lambda: engine.stats()["server_running"] is not None, 15)
+    finally:
+        engine.close()
 
 
 def test_in_flight_requests_are_bounded(vllm_server):

@@ -43,6 +43,7 @@ LOGGER = logging.getLogger(__name__)
 # vLLM's HTTP server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a client that reuses one
 # at that moment gets "Server disconnected" (seen at 0.25 requests/s). Dropping idle connections sooner avoids it.
 IDLE_CONNECTION_REUSE_S = 2.0
+SERVER_LOAD_INTERVAL_S = 1.0  # how often the engine reads the server's own load gauges
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -92,8 +93,9 @@ class VLLMEngine(EngineBase):
         self._loop_thread.start()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, concurrent.futures.Future] = {}
-        self._server_load_at = float("-inf")
         self._server_load_cache: tuple[int | None, int | None] = (None, None)
+        self._load_reader = threading.Thread(target=self._read_server_load, name="engine-server-load", daemon=True)
+        self._load_reader.start()
         # vLLM's stream_interval: events of chunk_tokens tokens each, until a server refuses the field (None: every
         # token).
         self._stream_interval = settings.chunk_policy.chunk_tokens if settings.chunk_policy.chunk_tokens > 1 else None
@@ -149,16 +151,21 @@ class VLLMEngine(EngineBase):
             self._server.stop()
 
     def _server_load(self) -> tuple[int | None, int | None]:
-        """vLLM's own running and waiting gauges, read at most once a second (None while it does not answer)."""
-        now = time.monotonic()
-        if now - self._server_load_at >= 1.0:
-            self._server_load_at = now
+        return self._server_load_cache
+
+    def _read_server_load(self) -> None:
+        """vLLM's own running and waiting gauges, read once every :data:`SERVER_LOAD_INTERVAL_S` (None while it
+        does not answer) by a thread of the engine's: a step asking for the worker's load never waits on the
+        server. A key's next timer waits for its work item, so a work item kept a second or more by a busy
+        server's ``/metrics`` polls none of its streams meanwhile, and their leases run out while its process
+        polls other keys' (:mod:`pipeline.engines.leases`)."""
+        while not self._closed:
             try:
-                figures = server_metrics(self.base_url, timeout_s=1.0)
+                figures = server_metrics(self.base_url, timeout_s=SERVER_LOAD_INTERVAL_S)
                 self._server_load_cache = (int(figures[RUNNING_METRIC]), int(figures[WAITING_METRIC]))
             except (OSError, ValueError):
                 self._server_load_cache = (None, None)
-        return self._server_load_cache
+            time.sleep(SERVER_LOAD_INTERVAL_S)
 
     def _start(self, streams: list[Stream]) -> None:
         for stream in streams:
