@@ -6,11 +6,20 @@ import os
 
 import pytest
 from google.api_core.exceptions import RetryError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from local.emulators import GcsEmulator
 from pipeline.serving import model_weights
 from pipeline.serving.lineage import model_lineage
-from pipeline.serving.model_weights import download_gcs_folder, downloaded_generations, parse_gcs_uri, storage_client
+from pipeline.serving.model_weights import (
+    WeightsError,
+    copy_path,
+    download_gcs_folder,
+    downloaded_generations,
+    parse_gcs_uri,
+    storage_client,
+)
 from pipeline.serving.vllm_server import VLLMServer, free_port
 from tests.conftest import activated, chat, local_server_spec
 
@@ -30,10 +39,47 @@ def test_gcs_uris_are_split_into_bucket_and_folder(uri, expected):
     assert parse_gcs_uri(uri) == expected
 
 
-@pytest.mark.parametrize("uri", ["s3://bucket/x", "gs://", "bucket/x"])
+@pytest.mark.parametrize("uri", ["s3://bucket/x", "gs://", "bucket/x", "gs://../x", "gs://Bucket/x", "gs://b/x",
+                                 "gs://bucket/a/../../x", "gs://bucket/a//b", "gs://bucket/./a", "gs://bucket/a\nb"])
 def test_other_uris_are_refused(uri):
     with pytest.raises(ValueError):
         parse_gcs_uri(uri)
+
+
+# Object names and folders as hostile as Cloud Storage allows: any text, weighted towards the parts that matter.
+_PARTS = st.sampled_from(["..", ".", "", "a", "config.json", ".download-complete", ".download.lock", "\\", "\x00",
+                          "~", "b c", "\n"])
+_NAMES = st.one_of(st.text(max_size=40), st.lists(st.one_of(_PARTS, st.text(max_size=6)), max_size=6).map("/".join))
+
+
+def _inside(path: os.PathLike[str], folder: os.PathLike[str]) -> bool:
+    path, folder = os.path.normpath(path), os.path.normpath(folder)
+    return os.path.commonpath([path, folder]) == folder and path != folder
+
+
+@settings(max_examples=2000, deadline=None)
+@given(name=_NAMES)
+def test_no_object_name_is_copied_outside_its_folder_or_over_the_copys_records(tmp_path_factory, name):
+    copy = tmp_path_factory.getbasetemp() / "copy"
+    try:
+        path = copy_path(copy, name)
+    except WeightsError:
+        return
+    assert _inside(path, copy), name
+    assert os.path.relpath(os.path.normpath(path), copy) not in (".download-complete", ".download.lock"), name
+    assert path == copy / name, "a name that is refused nowhere is copied as it is named"
+
+
+@settings(max_examples=2000, deadline=None)
+@given(rest=_NAMES)
+def test_no_gs_uri_names_a_copy_outside_the_cache(tmp_path_factory, rest):
+    cache = tmp_path_factory.getbasetemp() / "cache"
+    try:
+        bucket, prefix = parse_gcs_uri(f"gs://{rest}")
+    except ValueError:
+        return
+    assert _inside(cache / bucket / prefix, cache), rest
+    assert prefix == "" or (prefix.endswith("/") and not prefix.startswith("/")), prefix
 
 
 def test_a_folder_is_copied_once_with_its_structure_and_again_when_its_objects_change(gcs, tmp_path):
@@ -103,6 +149,22 @@ def test_a_folder_without_a_checkpoint_is_reported(gcs, tmp_path):
         download_gcs_folder(uri, tmp_path / "cache")
     with pytest.raises(FileNotFoundError, match="no objects under"):
         download_gcs_folder("gs://weights/models/missing", tmp_path / "cache")
+
+
+def test_a_folder_with_an_object_named_to_climb_out_of_it_is_refused_and_nothing_is_copied(gcs, tmp_path):
+    """Object names are any string. 'models/evil//<an absolute path>' is, below the folder, an absolute path: joined
+    to the copy's folder it names that path itself, so the copy would write wherever the name says. ('..' parts
+    climb out as well; the emulator cannot store them, the fuzzer above covers them.)"""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    uri = gcs.upload_folder(source, "weights", "models/evil")
+    outside = tmp_path / "outside" / "escape.txt"
+    storage_client().bucket("weights").blob(f"models/evil/{outside}").upload_from_string(b"written outside")
+    with pytest.raises(WeightsError, match="escape.txt"):
+        download_gcs_folder(uri, tmp_path / "cache")
+    assert not outside.exists()
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == [".download.lock"], "nothing copied"
 
 
 @pytest.mark.engine

@@ -16,6 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# A Cloud Storage bucket's name (https://cloud.google.com/storage/docs/buckets#naming): lowercase letters, digits,
+# '-', '_' and '.', beginning and ending with a letter or digit.
+GCS_BUCKET_PATTERN = r"[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9]"
+
 GROUP_INPUT = "Input"
 GROUP_OUTPUT = "Output"
 GROUP_MODEL = "Model and engine"
@@ -196,7 +200,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "A gs:// folder holding a Hugging Face checkpoint (config.json, weights, tokenizer). When set, "
               "it is used instead of the model parameter; each worker copies it to local disk once.",
               "gs://my-bucket/models/gemma-2-2b-it", GROUP_MODEL, "GCS_READ_FOLDER",
-              regex=r"^gs://[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9](/\S*)?$"),
+              regex=rf"^gs://{GCS_BUCKET_PATTERN}(/\S*)?$"),
     Parameter("server_url", "Existing OpenAI-compatible server",
               "Base URL of a vLLM (or other OpenAI-compatible) server you already run. When set, no "
               "server is started on the workers and the engine settings below are ignored.",

@@ -11,16 +11,21 @@ is reused only while the folder holds the same objects.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
 import fasteners
 
+from pipeline.contract.parameters import GCS_BUCKET_PATTERN
+
 LOGGER = logging.getLogger(__name__)
 _COMPLETE_MARKER = ".download-complete"
+_LOCK_FILE = ".download.lock"
 # How long a worker retries listing a gs:// folder before it serves the copy it made earlier (if it has one).
 LISTING_DEADLINE_S = 60.0
 # How a location names a folder on the worker (the model's, an adapter's); gs:// is copied down, the rest is a hub id.
@@ -62,14 +67,37 @@ def cache_root() -> Path:
 
 
 def parse_gcs_uri(uri: str) -> tuple[str, str]:
-    """'gs://bucket/a/b' -> ('bucket', 'a/b/'); the prefix always ends in '/' (or is empty)."""
+    """'gs://bucket/a/b' -> ('bucket', 'a/b/'); the prefix always ends in '/' (or is empty). The folder becomes a
+    path in the worker's cache, so a bucket that is not a bucket's name, or a folder with an empty, '.' or '..'
+    part, is refused."""
     if not uri.startswith("gs://") or len(uri) <= 5:
         raise ValueError(f"not a gs:// folder: {uri!r}")
     bucket, _, prefix = uri[5:].partition("/")
     if not bucket:
         raise ValueError(f"no bucket in {uri!r}")
+    if not re.fullmatch(GCS_BUCKET_PATTERN, bucket) or ".." in bucket:
+        raise ValueError(f"{bucket!r} in {uri!r} is not a Cloud Storage bucket name")
     prefix = prefix.strip("/")
+    if prefix and not _plain_path(prefix):
+        raise ValueError(f"{uri!r} names a folder with an empty, '.' or '..' part, or a control character")
     return bucket, f"{prefix}/" if prefix else ""
+
+
+def _plain_path(name: str) -> bool:
+    """Whether a '/'-separated name stays where it is joined: no empty, '.' or '..' part, no control character."""
+    return all(part not in ("", ".", "..") for part in name.split("/")) and \
+        not any(ord(c) < 32 or c == "\x7f" for c in name)
+
+
+def copy_path(copy: Path, name: str) -> Path:
+    """Where the folder's object ``name`` (relative to the folder) is copied: inside ``copy``, never over the files
+    the copy keeps for itself. An object's name is any string; one that would climb out of the folder ('..'),
+    start at the root, or overwrite the copy's marker cannot be a checkpoint's file, and is refused with the
+    folder (:class:`WeightsError`)."""
+    if not _plain_path(name) or name in (_COMPLETE_MARKER, _LOCK_FILE):
+        raise WeightsError(f"the object {name!r} of the folder would be copied outside it, or over the copy's own "
+                           "records: rename or remove it")
+    return copy / name
 
 
 def storage_client():
@@ -93,7 +121,7 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
     base = Path(cache_dir) if cache_dir else cache_root() / "gcs"
     target = base / bucket_name / prefix
     target.mkdir(parents=True, exist_ok=True)
-    with fasteners.InterProcessLock(str(target / ".download.lock")):
+    with fasteners.InterProcessLock(str(target / _LOCK_FILE)):
         copied = downloaded_generations(target)
         try:
             listing = storage_client().list_blobs(bucket_name, prefix=prefix,
@@ -104,6 +132,7 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
                 raise
             LOGGER.warning("Could not list %s (%s: %s); serving the copy made earlier", uri, type(exc).__name__, exc)
             return target
+        destinations = {b.name: copy_path(target, b.name[len(prefix):]) for b in blobs}  # refused before any copy
         names = {b.name[len(prefix):] for b in blobs}
         if not blobs:
             raise FileNotFoundError(f"no objects under {uri}; point it at a folder with a Hugging Face checkpoint "
@@ -118,12 +147,13 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
             LOGGER.info("%s changed since it was copied to %s: copying it again", uri, target)
             (target / _COMPLETE_MARKER).unlink()
             for gone in set(copied or ()) - names:
-                (target / gone).unlink(missing_ok=True)
+                with contextlib.suppress(WeightsError):
+                    copy_path(target, gone).unlink(missing_ok=True)
         total = sum(b.size or 0 for b in blobs)
         LOGGER.info("Downloading %d files (%.1f MB) from %s to %s", len(blobs), total / 1e6, uri, target)
         started, done, next_report = time.monotonic(), 0, 0.1
         for blob in blobs:
-            destination = target / blob.name[len(prefix):]
+            destination = destinations[blob.name]
             destination.parent.mkdir(parents=True, exist_ok=True)
             blob.download_to_filename(str(destination))
             done += blob.size or 0
