@@ -4,7 +4,7 @@ sharing one runtime through MultiProcessShared, around the real admission and ge
 Hypothesis draws the schedules: read bundle sizes (one on every free thread), failed commits, engine calls that
 raise, and one event (none, a paused SDK process, the runtime's host killed, an update), with or without a drain
 at the end: five written-out schedules cover each event, then ``VM_STAND_IN_EXAMPLES`` drawn ones (default 1; the
-whole file takes about three minutes on 2 cores)."""
+whole file takes about six minutes on 2 cores)."""
 
 from __future__ import annotations
 
