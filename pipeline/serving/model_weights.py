@@ -93,9 +93,8 @@ def copy_path(copy: Path, name: str) -> Path:
     """Where the folder's object ``name`` (relative to the folder) is copied: inside ``copy``, never over the files
     the copy keeps for itself. An object's name is almost any string (Cloud Storage's naming page,
     https://cloud.google.com/storage/docs/naming-objects, refuses only '.' and '..' as whole names, carriage
-    returns and line feeds); one that would climb out of the folder ('..'),
-    start at the root, or overwrite the copy's marker cannot be a checkpoint's file, and is refused with the
-    folder (:class:`WeightsError`)."""
+    returns and line feeds); one that would climb out of the folder ('..'), start at the root, or overwrite the
+    copy's marker cannot be a checkpoint's file, and is refused with the folder (:class:`WeightsError`)."""
     if not _plain_path(name) or name in (_COMPLETE_MARKER, _LOCK_FILE):
         raise WeightsError(f"the object {name!r} of the folder would be copied outside it, or over the copy's own "
                            "records: rename or remove it")
