@@ -133,15 +133,16 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
                 raise
             LOGGER.warning("Could not list %s (%s: %s); serving the copy made earlier", uri, type(exc).__name__, exc)
             return target
-        destinations = {b.name: copy_path(target, b.name[len(prefix):]) for b in blobs}  # refused before any copy
-        names = {b.name[len(prefix):] for b in blobs}
+        relative = {b.name: b.name[len(prefix):] for b in blobs}
+        destinations = {name: copy_path(target, below) for name, below in relative.items()}  # refused before a copy
+        names = set(relative.values())
         if not blobs:
             raise FileNotFoundError(f"no objects under {uri}; point it at a folder with a Hugging Face checkpoint "
                                     "(or a peft adapter)")
         if required_file not in names:
             raise FileNotFoundError(f"{uri} has no {required_file} at its top level; found: {sorted(names)[:10]}")
         # Read from the listing: a download may refresh a blob's properties from headers that lack the generation.
-        generations = {b.name[len(prefix):]: b.generation for b in blobs}
+        generations = {relative[b.name]: b.generation for b in blobs}
         if copied == generations:
             return target
         if (target / _COMPLETE_MARKER).exists():
