@@ -188,6 +188,10 @@ bench-engines: model ## Static batching (engine=transformers, arrival order vs l
 	$(PY) -m benchmarks.side_by_side --systems raw,template-arrival,static-arrival,static-prompt-buckets,static-buckets \
 		--budgets record=16,question=32 --rates 0.5 $(BENCH_ARGS)
 
+.PHONY: bench-static-batches
+bench-static-batches: model ## The static engine alone, fed the batcher's batches: arrival order vs length buckets (runs where only torch is)
+	$(PY) -m benchmarks.static_batches $(BENCH_ARGS)
+
 .PHONY: bench-engine-cost
 bench-engine-cost: model ## The engine's own CPU per token (no DirectRunner) against a raw client: stream_interval and publishing on/off
 	$(PY) -m benchmarks.engine_cost $(BENCH_ARGS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine import COMPLETION, DEAD_LETTER, EngineBase
@@ -19,10 +19,11 @@ from pipeline.engines.engine import COMPLETION, DEAD_LETTER, EngineBase
 
 @dataclass
 class Drive:
-    """What a drive collected: each request's outputs in order, and when its outcome arrived."""
+    """What a drive collected: each request's outputs in order, when its first output and its outcome arrived."""
 
     outputs: dict[str, list[tuple[str, dict]]]
     finished_at: dict[str, float] = field(default_factory=dict)
+    first_at: dict[str, float] = field(default_factory=dict)
 
     def completions(self) -> list[dict]:
         return [record for items in self.outputs.values() for kind, record in items if kind == COMPLETION]
@@ -31,21 +32,26 @@ class Drive:
         return [record for items in self.outputs.values() for kind, record in items if kind == DEAD_LETTER]
 
 
-def drive_to_end(engine: EngineBase, requests: list[InferenceRequest], *, as_batch: bool = False,
+def drive_to_end(engine: EngineBase, requests: list[InferenceRequest], *, batches: Sequence[int] = (),
                  timeout_s: float = 180.0, poll_s: float = 0.05,
                  each_poll: Callable[[], None] | None = None) -> Drive:
-    """Submits ``requests`` (one by one, or ``as_batch``: one unit the engine must take whole) and polls until
-    each has its completion or dead letter; then releases every stream and checks the engine let go of it.
+    """Submits ``requests`` (one by one, or in consecutive ``batches`` of these sizes: units the engine must take
+    whole, as the batcher's batches reach a static engine) and polls until each has its completion or dead letter;
+    then releases every stream and checks the engine let go of it.
 
     ``each_poll`` runs after every poll (a test's invariant). Raises TimeoutError naming what had no outcome.
     """
     by_key: dict[str, InferenceRequest] = {}
     unsent = list(requests)
-    if as_batch:
-        keys = engine.submit_batch([r.to_json() for r in unsent], [1] * len(unsent))
-        if None in keys:
-            raise RuntimeError("the engine did not take the batch whole")
-        by_key, unsent = dict(zip(keys, unsent)), []
+    if batches:
+        if sum(batches) != len(requests) or min(batches) < 1:
+            raise ValueError(f"batches of {list(batches)} do not split {len(requests)} requests")
+        for size in batches:
+            batch, unsent = unsent[:size], unsent[size:]
+            keys = engine.submit_batch([r.to_json() for r in batch], [1] * len(batch))
+            if None in keys:
+                raise RuntimeError("the engine did not take a batch whole")
+            by_key.update(zip(keys, batch))
     drive = Drive({r.id: [] for r in requests})
     taken = dict.fromkeys(by_key, 0)  # outputs taken per stream: a poll hands over the rest
     pending = set(by_key)
@@ -58,6 +64,7 @@ def drive_to_end(engine: EngineBase, requests: list[InferenceRequest], *, as_bat
         for key, items in engine.poll({k: taken[k] for k in pending}).items():
             taken[key] += len(items)
             for kind, payload in items:
+                drive.first_at.setdefault(by_key[key].id, time.time())
                 drive.outputs[by_key[key].id].append((kind, json.loads(payload)))
                 if kind in (COMPLETION, DEAD_LETTER):
                     pending.discard(key)

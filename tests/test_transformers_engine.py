@@ -36,7 +36,7 @@ def request(request_id: str, prompt: str, **params) -> InferenceRequest:
 
 def run_batch(engine: TransformersEngine, requests: list[InferenceRequest], timeout_s: float = 300):
     """Submits the requests as one batch and drives them to their outcomes: id -> [(kind, record), ...]."""
-    return drive_to_end(engine, requests, as_batch=True, timeout_s=timeout_s, poll_s=0.02).outputs
+    return drive_to_end(engine, requests, batches=[len(requests)], timeout_s=timeout_s, poll_s=0.02).outputs
 
 
 def test_each_request_keeps_its_own_parameters_within_one_batch(engine, checkpoint):
