@@ -184,6 +184,36 @@ def test_the_runtimes_host_killed_mid_stream_is_rebuilt_once_and_every_request_e
     assert wait_until(lambda: server_metrics(vllm_server.base_url)["vllm:num_requests_running"] == 0, 30)
 
 
+def test_a_host_paused_past_the_call_bound_holds_no_thread_longer_and_loses_nothing(vllm_server):
+    """SIGSTOP of the process that hosts the runtime, for three call bounds, then SIGCONT. The other process's keys
+    keep their timers: each of its work items ends within one call bound (its calls count the host as silent,
+    then fail at once while the first unanswered call still waits), instead of waiting on the proxy for the whole
+    pause. Silent is not dead: nothing reconnects, so once the host answers again every request ends once, its
+    first stream collected whole (attempt 1)."""
+    bound_s = 1.5
+    settings_ = vm_settings(vllm_server.base_url, runtime_call_bound_s=bound_s)
+    with VmStandIn(settings_, processes=PROCESSES, threads=THREADS) as vm:
+        host = vm.host()
+        sent = requests("silent", 4, 160)
+        for n, request in enumerate(sent):
+            vm.assign(f"s{n}", (host + n) % 2)
+            vm.deliver(f"s{n}", [request])
+        vm.run_for(1.0)
+        assert not vm.ended, "the premise: every stream still runs when its host stops"
+        vm.pause(host)
+        seen = len(vm.work_items)
+        vm.run_for(3 * bound_s)
+        others = {f"s{n}" for n in range(len(sent)) if (host + n) % 2 != host}
+        during = [item for item in vm.work_items[seen:] if item[1] in others]
+        vm.resume(host)
+        assert during, "no work item of the other process's keys ended while the host was stopped"
+        # One bound, and two seconds for a busy 2-core machine; without the bound each waits out the whole pause.
+        assert max(seconds for seconds, _, _ in during) <= bound_s + 2.0, during
+        vm.run_until_idle()
+        completions = assert_each_ends_once_and_whole(vm, sent)
+        assert {c["attempt"] for c in completions.values()} == {1}, "a silent host is not rebuilt"
+
+
 def test_a_drain_of_many_more_keys_than_threads_loses_no_running_stream(vllm_server):
     """Twelve keys, each with a stream running, on four harness threads: every key's drain timer fires at once and
     each drain holds its thread for up to drain_timeout_s. Keys drained last still find their streams (the drain

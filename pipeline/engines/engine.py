@@ -114,6 +114,9 @@ class EngineSettings:
     admission_waiters: int = waiting_places(DEFAULT_HARNESS_THREADS)
     # The worker image the job runs (its sdk_container_image), recorded in every completion's lineage; None: local.
     image: str | None = None
+    # How long a harness thread waits for one call to the runtime's host before it counts the host as unreachable
+    # for now (pipeline.worker.runtime_client): a paused or hung host holds no thread longer.
+    runtime_call_bound_s: float = 5.0
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
@@ -126,6 +129,8 @@ class EngineSettings:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
         if self.admission_waiters < 1:
             raise ValueError(f"admission_waiters must be at least 1, got {self.admission_waiters}")
+        if not self.runtime_call_bound_s > 0:
+            raise ValueError(f"runtime_call_bound_s must be positive, got {self.runtime_call_bound_s}")
 
     @property
     def max_held(self) -> int:

@@ -65,7 +65,9 @@ on one worker than the bound.
 While the runtime's host is acquired anew (its process died: a model server's start, minutes), a read bundle
 waits for the new runtime rather than fail, whatever places are taken: until the runtime is back no timer can
 do anything either, so the threads it holds are not taken from work. What the bundle passed on before the death
-was counted in the lost ledger; the new one counts it again before it is asked anything else.
+was counted in the lost ledger; the new one counts it again before it is asked anything else. A host that does
+not answer (paused or hung, :func:`~pipeline.worker.runtime_client.call_within`) is waited for the same way, a
+call bound at a time, without a reconnect: every call this step makes is safe to repeat.
 
 On the DirectRunner every step runs on one thread, so a step that waited would stop the timers that free
 room; the local runner admits in its source instead, through this same ledger, before this step runs
@@ -73,8 +75,8 @@ room; the local runner admits in its source instead, through this same ledger, b
 
 The step reports the worker's load (:mod:`pipeline.worker.load`), and counts
 its waits in the same namespace: ``pushback_waits`` (read bundles that waited for room, or for the runtime
-while it was acquired anew after its host died), ``pushback_ms`` and ``pushback_refused`` (read bundles
-refused because every waiting place was taken).
+while it was acquired anew after its host died), ``pushback_ms``, ``pushback_refused`` (read bundles
+refused because every waiting place was taken) and ``runtime_silent`` (calls the runtime did not answer in time).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ from apache_beam.metrics import Metrics
 from pipeline.contract.messages import InferenceRequest
 from pipeline.worker.load import LOAD_NAMESPACE, LoadGauges
 from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, process_record, reconnect
+from pipeline.worker.runtime_client import RuntimeSilent, call_within
 
 LOGGER = logging.getLogger(__name__)
 
@@ -119,6 +122,7 @@ class AdmitFn(beam.DoFn):
         self.waits = Metrics.counter(LOAD_NAMESPACE, "pushback_waits")
         self.waited_ms = Metrics.counter(LOAD_NAMESPACE, "pushback_ms")
         self.refused = Metrics.counter(LOAD_NAMESPACE, "pushback_refused")
+        self.silent = Metrics.counter(LOAD_NAMESPACE, "runtime_silent")
 
     def setup(self) -> None:
         self._source.acquire()
@@ -153,14 +157,20 @@ class AdmitFn(beam.DoFn):
         count what it holds, so the bundle waits for the new runtime, its messages unacknowledged, rather than
         fail: a failed work item is an error in the job's log and is read again at once, for as long as the rebuild
         (a model server's start) takes. The requests it passed on were counted in the lost ledger: the new one
-        counts them again before anything else is asked of it."""
+        counts them again before anything else is asked of it. A host that does not answer within the call bound
+        is asked again a second later, as it is: its ledger still holds what this bundle admitted."""
         lost = False
         while True:
             try:
-                runtime = self._source.acquire()
                 if lost and self._bundle_ids:  # admitted in place of themselves: counted whatever the room
-                    runtime.admit(self._bundle_ids, in_place_of=self._bundle_ids, bundle=self._bundle)
-                return call(runtime)
+                    call_within(self._source, lambda runtime: runtime.admit(
+                        self._bundle_ids, in_place_of=self._bundle_ids, bundle=self._bundle))
+                return call_within(self._source, call)
+            except RuntimeSilent:  # alive, perhaps: no reconnect; every call here is safe to repeat
+                self.silent.inc()
+                self._log_wait("The worker's runtime does not answer: read bundles wait for it, and the rest of the "
+                               "subscription stays unacknowledged")
+                time.sleep(RECONNECT_WAIT_S)
             except (ConnectionError, EOFError) as exc:
                 if reconnect(self._source):
                     LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background",

@@ -25,6 +25,7 @@ import time
 from apache_beam.metrics import Metrics
 
 from pipeline.worker.runtime import ProcessRecord, RuntimeSource
+from pipeline.worker.runtime_client import call_within
 
 LOAD_NAMESPACE = "worker_load"
 _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight": "in_flight_requests",
@@ -56,10 +57,8 @@ class LoadGauges:
                 return
             record.gauges_at[self._step] = now
         try:
-            runtime = source.acquire()
-            load = runtime.load()
-            restarts = runtime.server_restarts()
-        except Exception:  # advisory: a step must not fail for its gauges (the runtime may be reconnecting)
+            load, restarts = call_within(source, lambda runtime: (runtime.load(), runtime.server_restarts()))
+        except Exception:  # advisory: a step must not fail for its gauges (the runtime may be reconnecting or silent)
             return
         with record.lock:
             new = max(restarts - record.restarts_counted, 0)

@@ -6,13 +6,26 @@ raised. :class:`RuntimeClient` turns each call into one of those (:class:`~pipel
 and never raises: Dataflow retries a callback that raised for ever, which would wedge its key. What each outcome
 means is the caller's to decide (the key machine, :mod:`pipeline.generation.key_machine`; admission,
 :mod:`pipeline.flow.admission`). Failures are logged and counted.
+
+Every call is bounded in time (:func:`call_within`). The runtime lives in one process of the VM, and a proxy call
+to it has no timeout of its own: a host that is paused (a long garbage collection, memory pressure, SIGSTOP) or
+hung would hold every harness thread that calls it, in every SDK process, and no ``ConnectionError`` would come to
+start a recovery. So a call runs on one of a few threads this process keeps for the runtime, and the harness
+thread waits for it at most ``runtime_call_bound_s``: past that the host counts as unreachable for now (a
+key's timer fires again; a read bundle asks again), without a reconnect, since the host may well be alive. The
+call may still be carried out later; every call a step makes is safe to repeat (a submission of the same request
+and attempt joins its stream, an admission of a held id takes no room), so an unknown outcome loses nothing. A
+call that has not started by then (every call thread waits on the host) is withdrawn and never runs late.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Sequence, TypeVar
 
 from apache_beam.metrics import Metrics
 
@@ -25,6 +38,64 @@ LOGGER = logging.getLogger(__name__)
 _MAX_REPORTS_REMEMBERED = 100_000
 # A waiting count that has not changed is reported again after this long (reports lapse, admission_ledger).
 _REPORT_AGAIN_S = 1.0
+# Per process and runtime: the threads that carry calls to it. More than a process's harness threads (each waits
+# for at most one call at a time), so a call waits for a thread only while calls are stuck on a silent host.
+CALL_THREADS = 32
+# How often a process says in the log that its runtime does not answer.
+_SILENT_LOG_INTERVAL_S = 60.0
+_T = TypeVar("_T")
+
+
+class RuntimeSilent(TimeoutError):
+    """The runtime's host did not answer a call within ``runtime_call_bound_s``: paused, hung or overloaded. What the
+    call did is unknown (it may still be carried out), so the caller treats the host as unreachable for now."""
+
+
+# Per process: the threads that carry calls to each runtime, by tag.
+_CALLERS: dict[str, ThreadPoolExecutor] = {}
+# Per process: the calls to each runtime, by tag, that went unanswered past the bound and still run. While one
+# does, the host is silent: a further call fails at once instead of waiting out the bound again, so a work item
+# that makes several calls waits for the bound once.
+_UNANSWERED: dict[str, set[Future]] = {}
+# Per process: when it last logged that a runtime did not answer, by tag.
+_SILENT_LOGGED: dict[str, float] = {}
+_CALLERS_LOCK = threading.Lock()
+
+
+def call_within(source: RuntimeSource, call: Callable[[WorkerRuntime], _T]) -> _T:
+    """``call(runtime)`` on one of this process's call threads, waited for at most the settings'
+    ``runtime_call_bound_s``; raises what the call raised, or :class:`RuntimeSilent` (at once while an earlier
+    call to the same runtime is still unanswered past the bound)."""
+    bound_s, tag = source.settings.runtime_call_bound_s, source.tag
+    with _CALLERS_LOCK:
+        if _UNANSWERED.get(tag):
+            raise RuntimeSilent(f"the worker's runtime has not answered a call for over {bound_s:g} s")
+        pool = _CALLERS.get(tag)
+        if pool is None:
+            pool = _CALLERS[tag] = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="runtime-call")
+    future = pool.submit(lambda: call(source.acquire()))
+    try:
+        return future.result(timeout=bound_s)
+    except FutureTimeout:
+        pass
+    if future.cancel():  # never started: every call thread waits on the host; it will not run late
+        raise RuntimeSilent(f"no call thread free for the worker's runtime within {bound_s:g} s")
+    now = time.monotonic()
+    with _CALLERS_LOCK:
+        _UNANSWERED.setdefault(tag, set()).add(future)
+        quiet = now - _SILENT_LOGGED.get(tag, float("-inf")) < _SILENT_LOG_INTERVAL_S
+        if not quiet:
+            _SILENT_LOGGED[tag] = now
+    future.add_done_callback(lambda done: _answered(tag, done))
+    if not quiet:
+        LOGGER.warning("The worker's runtime did not answer a call within %g s: its host is paused, hung or "
+                       "overloaded; calls count as unreachable until it answers", bound_s)
+    raise RuntimeSilent(f"no answer from the worker's runtime within {bound_s:g} s")
+
+
+def _answered(tag: str, future: Future) -> None:
+    with _CALLERS_LOCK:
+        _UNANSWERED.get(tag, set()).discard(future)
 
 
 class RuntimeClient:
@@ -36,11 +107,15 @@ class RuntimeClient:
         self._client = client_id()  # the streams it polls run on this process's lease clocks
         self._failures = Metrics.counter(namespace, "engine_call_failures")
         self._unreachable = Metrics.counter(namespace, "runtime_unreachable")
+        self._silent = Metrics.counter(namespace, "runtime_silent")
 
     def call(self, what: str, call: Callable[[WorkerRuntime], Any]) -> tuple[Call, Any]:
-        """``(ANSWERED, call(runtime))``, ``(UNREACHABLE, None)`` or ``(FAILED, None)``."""
+        """``(ANSWERED, call(runtime))``, ``(UNREACHABLE, None)`` or ``(FAILED, None)``, within the call bound."""
         try:
-            return Call.ANSWERED, call(self._source.acquire())
+            return Call.ANSWERED, call_within(self._source, call)
+        except RuntimeSilent:
+            self._silent.inc()
+            return Call.UNREACHABLE, None
         except (ConnectionError, EOFError) as exc:
             self._unreachable.inc()
             if reconnect(self._source):
