@@ -14,6 +14,7 @@ from apache_beam.transforms import window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.static_batches import ARRIVAL, LENGTH_BUCKETS, PROMPT_BUCKETS, batching_config, burst_batches
 from pipeline.contract.messages import InferenceRequest
 from pipeline.flow.batching import (FLUSH_BUDGET, FLUSH_SIZE, BatchingConfig, BatchRequests, _BatchFn, _keyed, padding)
 from tests.state_stand_in import Cell, Timer
@@ -235,3 +236,18 @@ def test_invalid_batching_config_says_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError) as excinfo:
         BatchingConfig(**kwargs)
     assert message in str(excinfo.value)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    target=st.integers(1, 5),
+    batching=st.sampled_from([ARRIVAL, PROMPT_BUCKETS, LENGTH_BUCKETS]),
+    shapes=st.lists(st.tuples(st.integers(1, 1500), st.sampled_from([8, 16, 32, 96, 300])), min_size=1, max_size=20),
+)
+def test_the_static_engine_benchmark_forms_the_batches_the_real_batcher_forms_for_a_burst(target, batching, shapes):
+    """make bench-static-batches feeds the engine what the batcher would (benchmarks/static_batches.py): for a
+    burst, the real DoFn's batches are the benchmark's, request for request."""
+    config = batching_config(batching, target, max_model_len=2048)
+    sent = [request(f"r{n}", tokens, max_tokens) for n, (tokens, max_tokens) in enumerate(shapes)]
+    batches, _ = run_batching(EventStream().add_elements(sent).advance_watermark_to_infinity(), config)
+    assert ids(batches) == ids([[(r.id, r.prompt_tokens) for r in batch] for batch in burst_batches(config, sent)])
