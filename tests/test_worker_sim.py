@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from pipeline.generation import key_machine, key_state
+from pipeline.generation import key_machine, key_state, step_work
 from tests import worker_sim
 
 SCHEDULES = int(os.environ.get("WORKER_SIM_SCHEDULES", "10000"))
@@ -82,7 +82,7 @@ def test_a_key_whose_engine_fails_every_poll_goes_quiet_once_its_requests_end():
 
 def test_it_bites_when_a_shed_request_keeps_its_id(monkeypatch):
     """A shed request's id held for dedupe_window_s as an ended one's is: its republish is dropped as a copy."""
-    monkeypatch.setattr(key_machine._Work, "forget", key_machine._Work.end)
+    monkeypatch.setattr(step_work.StepWork, "forget", step_work.StepWork.end)
     assert any("ended 0 times" in f for f in _caught(range(200))), "a dropped republish went unseen"
 
 

@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from pipeline.contract.call_outcome import Call
-from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
+from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import (
-    DEAD_LETTER,
     MAX_LOST_STREAMS,
     KeyProgress,
-    Output,
     RequestProgress,
     advance,
 )
 from pipeline.generation import dedupe
-from pipeline.generation.dedupe import IdRecord
 from pipeline.generation.key_events import (
     WAITING_POLL_CAP_S,
     Arrived,
@@ -51,6 +47,7 @@ from pipeline.generation.key_events import (
     Submitted,
 )
 from pipeline.generation.key_state import KeyState, RequestEntry
+from pipeline.generation.step_work import StepWork
 
 # What a conversation is in the middle of ----------------------------------------------------------------
 
@@ -86,110 +83,10 @@ class _Draining:
     abandoned: tuple[str, ...] = ()  # streams given up on a failed poll: cancelled with the rest at the end
 
 
-class _Work:
-    """One step's scratch: what it emits and counts, and the key's ids while it changes them."""
-
-    def __init__(self, rules: Rules, state: KeyState, now: float) -> None:
-        self.rules, self.state, self.now = rules, state, now
-        self.outputs: list[Output] = []
-        self.counts: Counter[str] = Counter()
-        self.logs: list[tuple[int, str]] = []
-        self._ids: dedupe.Ids | None = None
-        self._ids_changed = state.seen.changed
-
-    @property
-    def ids(self) -> dedupe.Ids:
-        if self._ids is None:
-            self._ids, problem = self.state.seen.opened()
-            if problem is not None:
-                self.counts["undecodable_state_entries"] += 1
-                self.logs.append((logging.ERROR, problem))
-                self._ids_changed = True
-        return self._ids
-
-    def hold(self, request: InferenceRequest, fingerprint: str) -> None:
-        self.ids[request.id] = [fingerprint, None]
-        self._ids_changed = True
-
-    def end(self, entry: RequestEntry) -> None:
-        """The request ended (its completion or dead letter is emitted in this step): its id is held a while."""
-        dedupe.release(self.ids, entry.request_id, entry.fp, self.now + self.rules.dedupe_window_s, self.now)
-        self._ids_changed = True
-
-    def forget(self, entry: RequestEntry) -> None:
-        """The request was shed (its dead letter says to republish it): its id is released at once, so that its
-        republish, or a redelivered copy, is served rather than dropped as a duplicate."""
-        dedupe.release(self.ids, entry.request_id, entry.fp, self.now, self.now)
-        self._ids_changed = True
-
-    def letter(self, entry: RequestEntry | InferenceRequest, reason: str, *, drain: bool = False) -> None:
-        request = InferenceRequest.from_json(entry.request) if isinstance(entry, RequestEntry) else entry
-        request_json = entry.request if isinstance(entry, RequestEntry) else request.to_json()
-        if drain:  # republishable as it is: already prepared, so parsing applies no defaults again
-            self.counts["drain_dead_letters"] += 1
-            letter = DeadLetter(STAGE_DRAIN, reason + "; republish it with the redrive command", request.to_payload(),
-                                id=request.id, attributes={PREPARED_ATTRIBUTE: "1"}, at=self.now)
-        else:
-            letter = DeadLetter(STAGE_INFERENCE, reason, request_json, id=request.id, at=self.now)
-        self.outputs.append((DEAD_LETTER, letter.to_json()))
-
-    def unique(self, entries: tuple[RequestEntry, ...],
-               besides: tuple[RequestEntry, ...] = ()) -> tuple[RequestEntry, ...]:
-        """The entries less copies of a request held already: a copy gets in only when the record of ids was lost
-        (an unreadable cell), and two entries of one request would share its stream and emit its end twice."""
-        held, unique = {e.fp for e in besides}, []
-        for entry in entries:
-            if entry.fp in held:
-                self.counts["duplicates_dropped"] += 1
-                self.logs.append((logging.WARNING, "A second entry of one request in this key's state (its record "
-                                                   "of ids was lost); dropped"))
-                continue
-            held.add(entry.fp)
-            unique.append(entry)
-        return tuple(unique)
-
-    def forget_ids(self) -> None:
-        self.ids.clear()
-        self._ids_changed = True
-
-    def settle_damage(self) -> None:
-        """Entries that could not be decoded become dead letters with their raw text; ids they held open end."""
-        if not self.state.damaged:
-            return
-        for damaged in self.state.damaged:
-            self.counts["undecodable_state_entries"] += 1
-            self.logs.append((logging.ERROR, f"A state entry of this key cannot be decoded ({damaged.reason}); "
-                                             "it goes to the dead letters"))
-            self.outputs.append((DEAD_LETTER, DeadLetter(
-                STAGE_INFERENCE, f"state entry could not be decoded after an update: {damaged.reason}",
-                damaged.text, at=self.now).to_json()))
-        live = {e.fp for e in self.state.waiting + self.state.inflight}
-        dedupe.release_orphans(self.ids, live, self.now + self.rules.dedupe_window_s, self.now)
-        self._ids_changed = True
-        self.state = replace(self.state, damaged=())
-
-    def arm(self, state: KeyState, at: float) -> tuple[KeyState, float | None]:
-        """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
-        if state.poll_at_ms is not None and state.poll_at_ms / 1000.0 <= at:
-            return state, None
-        return replace(state, poll_at_ms=int(at * 1000)), at
-
-    def done(self, state: KeyState, *, prune: bool = False, **effects: Any) -> tuple[KeyState, Effects]:
-        """The step's end: the ids frozen back into the state (forgetting expired ones when they were read, or
-        ``prune``), and the effects."""
-        seen = state.seen
-        if self._ids is not None or prune:
-            ids = self.ids
-            changed = dedupe.prune(ids, self.now) or self._ids_changed
-            seen = IdRecord(state.seen.text, ids, changed)
-        return replace(state, seen=seen), Effects(outputs=tuple(self.outputs), counts=dict(self.counts),
-                                                  logs=tuple(self.logs), **effects)
-
-
 def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects]:
     """The key after ``event``, and what the caller must do (see :class:`Effects`)."""
     pending = state.pending
-    work = _Work(rules, replace(state, pending=None), event.now)
+    work = StepWork(rules, replace(state, pending=None), event.now)
     if isinstance(event, Arrived) and pending is None:
         return _arrive(work, event)
     if isinstance(event, PollDue) and pending is None:
@@ -220,7 +117,7 @@ def converse(rules: Rules, state: KeyState, event: Event, answer: Callable[[Effe
 
 # A bundle of requests ---------------------------------------------------------------------------------------
 
-def _arrive(work: _Work, event: Arrived) -> tuple[KeyState, Effects]:
+def _arrive(work: StepWork, event: Arrived) -> tuple[KeyState, Effects]:
     work.settle_damage()
     accepted = []
     for request in event.requests:
@@ -258,7 +155,7 @@ def _taken(entries: tuple[RequestEntry, ...], result: tuple[Call, tuple[str | No
     return sent, entries[len(sent):]
 
 
-def _arrived(work: _Work, pending: _Arriving,
+def _arrived(work: StepWork, pending: _Arriving,
              result: tuple[Call, tuple[str | None, ...]] | None) -> tuple[KeyState, Effects]:
     sent, left = _taken(pending.accepted, result)
     room = max(work.rules.waiting_cap - pending.already, 0)
@@ -280,7 +177,7 @@ def _arrived(work: _Work, pending: _Arriving,
 
 # The poll timer ---------------------------------------------------------------------------------------------
 
-def _poll_due(work: _Work) -> tuple[KeyState, Effects]:
+def _poll_due(work: StepWork) -> tuple[KeyState, Effects]:
     work.settle_damage()
     state = replace(work.state, poll_at_ms=None)
     entries = work.unique(state.inflight)
@@ -295,7 +192,7 @@ def _poll_due(work: _Work) -> tuple[KeyState, Effects]:
     return work.done(replace(state, pending=pending), poll=asked)
 
 
-def _advance_all(work: _Work, entries: tuple[RequestEntry, ...], progress: KeyProgress, event: Polled,
+def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: KeyProgress, event: Polled,
                  asked: Mapping[str, int], *, draining: bool
                  ) -> tuple[list[RequestEntry], list[int], list[tuple[RequestProgress, bool]], list[str]]:
     """Each request advanced by its stream's answer (:func:`~pipeline.contract.stream_progress.advance`): the
@@ -346,7 +243,7 @@ def _advance_all(work: _Work, entries: tuple[RequestEntry, ...], progress: KeyPr
     return remaining, resends, settled, abandoned
 
 
-def _polled(work: _Work, pending: _Polling, event: Polled,
+def _polled(work: StepWork, pending: _Polling, event: Polled,
             state: KeyState | None = None) -> tuple[KeyState, Effects]:
     state = state or work.state
     remaining, resends, settled, abandoned = _advance_all(work, pending.entries, state.progress, event,
@@ -378,7 +275,7 @@ def _polled(work: _Work, pending: _Polling, event: Polled,
     return _resent(work, resending, (), state, cancel=tuple(abandoned))
 
 
-def _resent(work: _Work, pending: _Resending, results: tuple[tuple[Call, tuple[str | None, ...]], ...],
+def _resent(work: StepWork, pending: _Resending, results: tuple[tuple[Call, tuple[str | None, ...]], ...],
             state: KeyState | None = None, cancel: tuple[str, ...] = ()) -> tuple[KeyState, Effects]:
     state = state or work.state
     remaining = list(pending.remaining)
@@ -426,7 +323,7 @@ def _resent(work: _Work, pending: _Resending, results: tuple[tuple[Call, tuple[s
 
 # The drain ----------------------------------------------------------------------------------------------------
 
-def _drain_due(work: _Work) -> tuple[KeyState, Effects]:
+def _drain_due(work: StepWork) -> tuple[KeyState, Effects]:
     """The window is closing (on the global window: the job drains). Requests in flight get ``drain_timeout_s``
     to finish, in this one work item; what waits is not started: a ``drain`` dead letter at once, for a redrive.
     Polled from the committed positions, pass after pass, and nothing released: if this work item's commit
@@ -445,7 +342,7 @@ def _drain_due(work: _Work) -> tuple[KeyState, Effects]:
     return _drain_ask(work, pending, 0.0, **effects)
 
 
-def _drain_ask(work: _Work, pending: _Draining, delay: float, **effects: Any) -> tuple[KeyState, Effects]:
+def _drain_ask(work: StepWork, pending: _Draining, delay: float, **effects: Any) -> tuple[KeyState, Effects]:
     """One pass: the key's streams asked from the positions committed before the drain."""
     asked = pending.progress.asks([e.key for e in pending.entries if e.key is not None], pending.committed)
     pending = replace(pending, asked=asked)
@@ -454,7 +351,7 @@ def _drain_ask(work: _Work, pending: _Draining, delay: float, **effects: Any) ->
     return work.done(replace(work.state, pending=pending), poll=asked, poll_after_s=delay, **effects)
 
 
-def _drain_polled(work: _Work, pending: _Draining, event: Polled, **effects: Any) -> tuple[KeyState, Effects]:
+def _drain_polled(work: StepWork, pending: _Draining, event: Polled, **effects: Any) -> tuple[KeyState, Effects]:
     remaining, _, settled, abandoned = _advance_all(work, pending.entries, pending.progress, event,
                                                     pending.asked, draining=True)
     pending = replace(pending, entries=tuple(remaining), progress=pending.progress.settled(settled, draining=True),
@@ -464,7 +361,7 @@ def _drain_polled(work: _Work, pending: _Draining, event: Polled, **effects: Any
     return _drain_end(work, pending, **effects)
 
 
-def _drain_end(work: _Work, pending: _Draining, **effects: Any) -> tuple[KeyState, Effects]:
+def _drain_end(work: StepWork, pending: _Draining, **effects: Any) -> tuple[KeyState, Effects]:
     """Unfinished within the timeout: stopped at the server now, and a drain dead letter each. Finished ones stay
     until the engine's own expiry (request_timeout_s), for a retry of this work item to collect."""
     for entry in pending.entries:

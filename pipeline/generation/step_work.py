@@ -1,0 +1,121 @@
+"""One step of a key machine's scratch: what the step emits and counts, and the key's ids while it changes them.
+
+Every transition of :mod:`pipeline.generation.key_machine` works through one :class:`StepWork`: the outputs,
+counts and log lines it gathers become the step's :class:`~pipeline.generation.key_events.Effects`, and the key's
+record of ids (:mod:`pipeline.generation.dedupe`) is opened only when a transition reads it, and frozen back into
+the state at the step's end. Pure, as the machine is: time comes in with the event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
+from pipeline.contract.stream_progress import DEAD_LETTER, Output
+from pipeline.generation import dedupe
+from pipeline.generation.dedupe import IdRecord
+from pipeline.generation.key_events import Effects, Rules
+from pipeline.generation.key_state import KeyState, RequestEntry
+
+
+class StepWork:
+    """One step's scratch: what it emits and counts, and the key's ids while it changes them."""
+
+    def __init__(self, rules: Rules, state: KeyState, now: float) -> None:
+        self.rules, self.state, self.now = rules, state, now
+        self.outputs: list[Output] = []
+        self.counts: Counter[str] = Counter()
+        self.logs: list[tuple[int, str]] = []
+        self._ids: dedupe.Ids | None = None
+        self._ids_changed = state.seen.changed
+
+    @property
+    def ids(self) -> dedupe.Ids:
+        if self._ids is None:
+            self._ids, problem = self.state.seen.opened()
+            if problem is not None:
+                self.counts["undecodable_state_entries"] += 1
+                self.logs.append((logging.ERROR, problem))
+                self._ids_changed = True
+        return self._ids
+
+    def hold(self, request: InferenceRequest, fingerprint: str) -> None:
+        self.ids[request.id] = [fingerprint, None]
+        self._ids_changed = True
+
+    def end(self, entry: RequestEntry) -> None:
+        """The request ended (its completion or dead letter is emitted in this step): its id is held a while."""
+        dedupe.release(self.ids, entry.request_id, entry.fp, self.now + self.rules.dedupe_window_s, self.now)
+        self._ids_changed = True
+
+    def forget(self, entry: RequestEntry) -> None:
+        """The request was shed (its dead letter says to republish it): its id is released at once, so that its
+        republish, or a redelivered copy, is served rather than dropped as a duplicate."""
+        dedupe.release(self.ids, entry.request_id, entry.fp, self.now, self.now)
+        self._ids_changed = True
+
+    def letter(self, entry: RequestEntry | InferenceRequest, reason: str, *, drain: bool = False) -> None:
+        request = InferenceRequest.from_json(entry.request) if isinstance(entry, RequestEntry) else entry
+        request_json = entry.request if isinstance(entry, RequestEntry) else request.to_json()
+        if drain:  # republishable as it is: already prepared, so parsing applies no defaults again
+            self.counts["drain_dead_letters"] += 1
+            letter = DeadLetter(STAGE_DRAIN, reason + "; republish it with the redrive command", request.to_payload(),
+                                id=request.id, attributes={PREPARED_ATTRIBUTE: "1"}, at=self.now)
+        else:
+            letter = DeadLetter(STAGE_INFERENCE, reason, request_json, id=request.id, at=self.now)
+        self.outputs.append((DEAD_LETTER, letter.to_json()))
+
+    def unique(self, entries: tuple[RequestEntry, ...],
+               besides: tuple[RequestEntry, ...] = ()) -> tuple[RequestEntry, ...]:
+        """The entries less copies of a request held already: a copy gets in only when the record of ids was lost
+        (an unreadable cell), and two entries of one request would share its stream and emit its end twice."""
+        held, unique = {e.fp for e in besides}, []
+        for entry in entries:
+            if entry.fp in held:
+                self.counts["duplicates_dropped"] += 1
+                self.logs.append((logging.WARNING, "A second entry of one request in this key's state (its record "
+                                                   "of ids was lost); dropped"))
+                continue
+            held.add(entry.fp)
+            unique.append(entry)
+        return tuple(unique)
+
+    def forget_ids(self) -> None:
+        self.ids.clear()
+        self._ids_changed = True
+
+    def settle_damage(self) -> None:
+        """Entries that could not be decoded become dead letters with their raw text; ids they held open end."""
+        if not self.state.damaged:
+            return
+        for damaged in self.state.damaged:
+            self.counts["undecodable_state_entries"] += 1
+            self.logs.append((logging.ERROR, f"A state entry of this key cannot be decoded ({damaged.reason}); "
+                                             "it goes to the dead letters"))
+            self.outputs.append((DEAD_LETTER, DeadLetter(
+                STAGE_INFERENCE, f"state entry could not be decoded after an update: {damaged.reason}",
+                damaged.text, at=self.now).to_json()))
+        live = {e.fp for e in self.state.waiting + self.state.inflight}
+        dedupe.release_orphans(self.ids, live, self.now + self.rules.dedupe_window_s, self.now)
+        self._ids_changed = True
+        self.state = replace(self.state, damaged=())
+
+    def arm(self, state: KeyState, at: float) -> tuple[KeyState, float | None]:
+        """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
+        if state.poll_at_ms is not None and state.poll_at_ms / 1000.0 <= at:
+            return state, None
+        return replace(state, poll_at_ms=int(at * 1000)), at
+
+    def done(self, state: KeyState, *, prune: bool = False, **effects: Any) -> tuple[KeyState, Effects]:
+        """The step's end: the ids frozen back into the state (forgetting expired ones when they were read, or
+        ``prune``), and the effects."""
+        seen = state.seen
+        if self._ids is not None or prune:
+            ids = self.ids
+            changed = dedupe.prune(ids, self.now) or self._ids_changed
+            seen = IdRecord(state.seen.text, ids, changed)
+        return replace(state, seen=seen), Effects(outputs=tuple(self.outputs), counts=dict(self.counts),
+                                                  logs=tuple(self.logs), **effects)
