@@ -43,7 +43,8 @@ from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.accelerator_time import BusyShares
-from pipeline.engines.engine import COMPLETION, EngineSettings
+from pipeline.engines.engine import COMPLETION
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.generation.generate import template_poll_interval_ms
 

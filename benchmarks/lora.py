@@ -40,7 +40,7 @@ from benchmarks.side_by_side.stats import RunResult, Spread, ratio, summarize
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.toy_adapters import build_adapter
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.serving.lora_adapters import Adapter
 from pipeline.serving.model_weights import cache_root

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, PARAMETERS
-from pipeline.engines.engine import waiting_places
+from pipeline.engines.engine_settings import waiting_places
 from pipeline.flow.admission import REFUSAL_PAUSE_S
 
 DEFAULTS = {p.name: p.default for p in PARAMETERS}

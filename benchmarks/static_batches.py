@@ -42,7 +42,7 @@ from benchmarks.side_by_side.workload import FIXED, mixed, parse_budgets, with_b
 from local.engine_driver import drive_to_end
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.request_parsing import parse_request
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.transformers_engine import TransformersEngine
 from pipeline.flow.batching import BatchingConfig, BucketCounters, default_boundaries, on_arrival
 from pipeline.intake.prompt_length import TokenizerMeter

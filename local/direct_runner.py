@@ -74,7 +74,7 @@ from typing import Any
 from apache_beam.runners.runner import PipelineResult
 
 
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.worker.runtime import WorkerRuntime
 
 LOGGER = logging.getLogger(__name__)

@@ -46,7 +46,8 @@ from typing import Any
 from apache_beam import pvalue
 from apache_beam.transforms.window import GlobalWindow
 
-from pipeline.engines.engine import EngineBase, EngineSettings
+from pipeline.engines.engine import EngineBase
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS
 from pipeline.worker.runtime import WorkerRuntime

@@ -62,7 +62,7 @@ import psutil
 
 from local.runner_semantics import Driver, KeyState, Outputs, Worker
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.admission import AdmitFn, WorkerFull
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag

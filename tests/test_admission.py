@@ -18,7 +18,7 @@ import pytest
 from local.runner_semantics import Driver, InProcessRuntime, Worker, generate_fn, in_process
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.flow.admission import AdmitFn, WorkerFull
 from pipeline.worker.runtime import WorkerRuntime

@@ -15,7 +15,8 @@ import time
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK
-from pipeline.engines.engine import EngineBase, EngineSettings, Stream
+from pipeline.engines.engine import EngineBase, Stream
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.serving.vllm_server import ServerSpec
 
 

@@ -82,7 +82,7 @@ def test_the_local_source_admits_through_the_ledger_and_the_admission_step_takes
     """Fix 7: messages are admitted before they are parsed, under place-holders; the admission step's requests take
     their places without waiting; a place-holder nothing takes over (a message that failed to parse) lapses."""
     from local.direct_runner import SourceAdmission
-    from pipeline.engines.engine import EngineSettings
+    from pipeline.engines.engine_settings import EngineSettings
     from pipeline.worker.admission_ledger import AdmissionLedger
 
     settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=2, worker_queue=1,
@@ -106,7 +106,7 @@ def test_a_request_takes_over_its_place_holder_even_after_the_place_holder_lapse
     """On a slow machine the admission step may run after a place-holder's transit lapsed; its request still takes
     the place (it was admitted), so the step never waits or refuses on the DirectRunner."""
     from local.direct_runner import SourceAdmission
-    from pipeline.engines.engine import EngineSettings
+    from pipeline.engines.engine_settings import EngineSettings
     from pipeline.worker.admission_ledger import AdmissionLedger
 
     settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=1, worker_queue=1,

@@ -18,7 +18,7 @@ from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.serving.server_platform import ServerStartError
 from pipeline.serving.vllm_server import RUNNING_METRIC, ServerSpec, free_port, server_metrics

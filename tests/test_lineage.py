@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.serving.lineage import SEED_BITS, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from tests.conftest import SERVED_NAME

@@ -15,7 +15,7 @@ from pipeline.config.settings import JobSettings
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.parameters import PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
 from pipeline.contract.request_parsing import RequestLimits
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.batching import BatchingConfig
 from pipeline.generation.generate import DEFAULT_DEDUPE_WINDOW_S, DEFAULT_DRAIN_TIMEOUT_S
 from pipeline.serving.vllm_server import ServerSpec
@@ -241,7 +241,7 @@ def test_the_docs_parameter_table_is_generated_from_the_parameters():
 
 def test_records_built_without_the_options_hold_the_parameters_bounds():
     """A settings record made in code (the transforms' API) is checked against the same declaration as the options."""
-    from pipeline.engines.engine import EngineSettings
+    from pipeline.engines.engine_settings import EngineSettings
     from pipeline.flow.batching import BatchingConfig
     from pipeline.generation.generate import KeyByGenerateShard, StreamingGenerate
 

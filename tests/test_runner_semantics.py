@@ -27,7 +27,7 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
 from pipeline.contract.stream_progress import MAX_LOST_STREAMS
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.flow.admission import AdmitFn

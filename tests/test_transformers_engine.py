@@ -11,7 +11,7 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.transformers_engine import TransformersEngine
 from pipeline.flow.batching import BatchingConfig
 from pipeline.intake.prompt_length import TokenizerMeter

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from local.vm_stand_in import Schedule, VmStandIn
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.admission import REFUSAL_PAUSE_S
 from pipeline.serving.vllm_server import server_metrics
 from tests.conftest import SERVED_NAME, wait_until

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from local.runner_semantics import Driver, InProcessRuntime, Worker, generate_fn
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.flow.admission import AdmitFn, WorkerFull
 from pipeline.flow.batching import BatchingConfig, _BatchFn, _keyed

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.admission import REFUSAL_PAUSE_S
 from pipeline.generation.key_events import Arrived, PollDue, Rules
 from pipeline.generation.key_events import Report as WaitingReport

@@ -21,7 +21,7 @@ from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME
 from pipeline.contract.request_parsing import RequestLimits
-from pipeline.engines.engine import EngineSettings, waiting_places
+from pipeline.engines.engine_settings import EngineSettings, waiting_places
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.intake.prompt_length import PromptLength
 from pipeline.intake.request_defaults import RequestDefaults

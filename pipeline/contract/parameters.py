@@ -382,7 +382,7 @@ def check_parameters(values: dict[str, Any]) -> None:
 # (pipeline.config.launch_checks).
 DEFAULT_DISK_SIZE_GB = 200
 # How many work items a worker runs at once when the launch does not say: the admission step waits for room in at
-# most half of them (pipeline.engines.engine.waiting_places), so the rest stay free for the timers.
+# most half of them (pipeline.engines.engine_settings.waiting_places), so the rest stay free for the timers.
 DEFAULT_HARNESS_THREADS = 12
 WORKER_OPTIONS: tuple[Parameter, ...] = (
     Parameter("sdk_container_image", "Worker image",

@@ -55,87 +55,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
+from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_parameters, default, not_with_transformers
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
 from pipeline.contract.structured_output import parse_output
 from pipeline.engines.accelerator_time import BusyShares
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
 from pipeline.serving.lineage import ServingLineage
-from pipeline.serving.vllm_server import ServerSpec
 from pipeline.sinks.chunk_publisher import ChunkPublisher
 
 LOGGER = logging.getLogger(__name__)
-
-def waiting_places(harness_threads: int) -> int:
-    """How many admission bundles may wait at once on a worker that runs ``harness_threads`` work items at once
-    (at least 2, the parameter's bound): half, so the other half is always free for the timers that collect
-    finished work and so free room."""
-    return harness_threads // 2
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Everything a worker needs to serve requests; picklable into the DoFn."""
-
-    server: ServerSpec | None  # None: use server_url (with engine "transformers": the model to load)
-    server_url: str | None = None
-    # "vllm": the model manager's server (or server_url); "transformers": the model in-process,
-    # each batch generated together (pipeline.engines.transformers_engine).
-    engine: str = default("engine")
-    served_model_name: str | None = None
-    prompt_format: str = default("prompt_format")
-    max_in_flight: int = default("max_in_flight")
-    # How long one request may take once sent, retries included (its own deadline_ms may be shorter).
-    request_timeout_s: float = float(default("request_timeout_s"))
-    chunk_policy: ChunkPolicy = field(default_factory=ChunkPolicy)
-    # A stream that sends nothing for this long is treated as broken and retried.
-    stall_timeout_s: float = 120.0
-    # With these length-bucket bounds, each request carries its bucket as vLLM priority
-    # (the server must run --scheduling-policy priority); None sends no priority.
-    priority_boundaries: tuple[int, ...] | None = None
-    # Publish chunks to this Pub/Sub topic from the engine the moment they are cut ...
-    chunk_topic: str | None = None
-    # ... and hand them to the pipeline through poll() as well (always, without a chunk_topic).
-    chunks_to_pipeline: bool = True
-    # How long a finished request waits for Pub/Sub to confirm its chunks before its completion goes anyway.
-    chunk_publish_patience_s: float = 300.0
-    # A stream nobody polls for this long is cancelled at the server and forgotten.
-    stream_lease_s: float = float(default("stream_lease_s"))
-    # Requests a worker holds beyond max_in_flight (waiting in state, or admitted and on their way)
-    # before it takes no more from the subscription (pipeline.flow.admission).
-    worker_queue: int = default("worker_queue")
-    # How long an admitted request counts, once its bundle finished, unless this worker's generate step
-    # reports it first (the shuffle and the batcher's wait; it may go to another worker).
-    admission_transit_s: float = 2.0
-    # How many admission bundles may wait for room at once (each holds a harness thread); a further one is refused
-    # rather than take a thread the timers need (pipeline.flow.admission).
-    admission_waiters: int = waiting_places(DEFAULT_HARNESS_THREADS)
-    # The worker image the job runs (its sdk_container_image), recorded in every completion's lineage; None: local.
-    image: str | None = None
-    # How long a harness thread waits for one call to the runtime's host before it counts the host as unreachable
-    # for now (pipeline.worker.runtime_client): a paused or hung host holds no thread longer.
-    runtime_call_bound_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if (self.server is None) == (self.server_url is None):
-            raise ValueError("give exactly one of a server spec or a server_url")
-        check_parameters({"engine": self.engine, "max_in_flight": self.max_in_flight,
-                          "stream_lease_s": self.stream_lease_s, "worker_queue": self.worker_queue})
-        if self.engine == "transformers" and self.server is None:
-            raise ValueError(not_with_transformers("server_url"))
-        if self.chunk_topic is None and not self.chunks_to_pipeline:
-            raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
-        if self.admission_waiters < 1:
-            raise ValueError(f"admission_waiters must be at least 1, got {self.admission_waiters}")
-        if not self.runtime_call_bound_s > 0:
-            raise ValueError(f"runtime_call_bound_s must be positive, got {self.runtime_call_bound_s}")
-
-    @property
-    def max_held(self) -> int:
-        """The most requests a worker holds (in flight, waiting, on their way) before it pushes back."""
-        return self.max_in_flight + self.worker_queue
 
 
 @dataclass

@@ -40,7 +40,8 @@ from typing import Any
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineBase, EngineSettings, Stream
+from pipeline.engines.engine import EngineBase, Stream
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.serving.lineage import ServingLineage, chat_template_digest, model_lineage
 from pipeline.serving.model_access import explained_fetch, resolve_model
 

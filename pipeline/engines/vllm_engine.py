@@ -34,7 +34,8 @@ from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import ATTEMPT
-from pipeline.engines.engine import EngineBase, EngineSettings, Stream
+from pipeline.engines.engine import EngineBase, Stream
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.serving.lineage import ServingLineage, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 

@@ -40,7 +40,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.parameters import check_parameters, default, not_with_transformers
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.generation import key_state
 from pipeline.generation.key_events import (
     Arrived,

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from pipeline.engines.engine import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.worker.hold import WorkerHold
 
 # A key's report of its waiting requests counts this long unless renewed (keys that wait poll every 2 s).

@@ -23,7 +23,8 @@ from typing import Protocol, Sequence
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
-from pipeline.engines.engine import EngineBase, EngineSettings
+from pipeline.engines.engine import EngineBase
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.worker.admission_ledger import AdmissionLedger
 
