@@ -31,6 +31,7 @@ from apache_beam.metrics import Metrics
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.stream_progress import Output
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.worker.runtime import RuntimeSource, WorkerRuntime, client_id, process_record, reconnect
 
 LOGGER = logging.getLogger(__name__)
@@ -38,9 +39,6 @@ LOGGER = logging.getLogger(__name__)
 _MAX_REPORTS_REMEMBERED = 100_000
 # A waiting count that has not changed is reported again after this long (reports lapse, admission_ledger).
 _REPORT_AGAIN_S = 1.0
-# Per process and runtime: the threads that carry calls to it. More than a process's harness threads (each waits
-# for at most one call at a time), so a call waits for a thread only while calls are stuck on a silent host.
-CALL_THREADS = 32
 # How often a process says in the log that its runtime does not answer.
 _SILENT_LOG_INTERVAL_S = 60.0
 _T = TypeVar("_T")
@@ -53,9 +51,9 @@ class RuntimeSilent(TimeoutError):
 
 # Per process: the threads that carry calls to each runtime, by tag.
 _CALLERS: dict[str, ThreadPoolExecutor] = {}
-# Per process: the calls to each runtime, by tag, that went unanswered past the bound and still run. While one
-# does, the host is silent: a further call fails at once instead of waiting out the bound again, so a work item
-# that makes several calls waits for the bound once.
+# While a call to a runtime is unanswered past the bound, its host is silent: a further call fails at once instead
+# of waiting out the bound again, so a work item that makes several calls waits for the bound once.
+# Per process: those calls, by tag, until they end.
 _UNANSWERED: dict[str, set[Future]] = {}
 # Per process: when it last logged that a runtime did not answer, by tag.
 _SILENT_LOGGED: dict[str, float] = {}
@@ -72,7 +70,7 @@ def call_within(source: RuntimeSource, call: Callable[[WorkerRuntime], _T]) -> _
             raise RuntimeSilent(f"the worker's runtime has not answered a call for over {bound_s:g} s")
         pool = _CALLERS.get(tag)
         if pool is None:
-            pool = _CALLERS[tag] = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="runtime-call")
+            pool = _CALLERS[tag] = ThreadPoolExecutor(call_threads(source.settings), thread_name_prefix="runtime-call")
     future = pool.submit(lambda: call(source.acquire()))
     try:
         return future.result(timeout=bound_s)
@@ -91,6 +89,13 @@ def call_within(source: RuntimeSource, call: Callable[[WorkerRuntime], _T]) -> _
         LOGGER.warning("The worker's runtime did not answer a call within %g s: its host is paused, hung or "
                        "overloaded; calls count as unreachable until it answers", bound_s)
     raise RuntimeSilent(f"no answer from the worker's runtime within {bound_s:g} s")
+
+
+def call_threads(settings: EngineSettings) -> int:
+    """How many threads a process keeps for its calls to the runtime: one for each of its harness threads (at most
+    ``2 * admission_waiters + 1``; each waits for one call at a time) and two to spare, so a call waits for a
+    thread only while earlier calls are stuck on a silent host."""
+    return 2 * settings.admission_waiters + 3
 
 
 def _answered(tag: str, future: Future) -> None:
