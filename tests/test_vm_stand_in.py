@@ -66,6 +66,19 @@ def assert_each_ends_once_and_whole(vm: VmStandIn, sent: list[InferenceRequest],
     return completions
 
 
+def streams_on_each_process(vm: VmStandIn, prefix: str, tokens: int) -> tuple[int, list[InferenceRequest]]:
+    """Four requests on keys ``<prefix><n>``, alternately on the runtime's host and the other process, left running
+    for a second: the host, and what was sent (every stream still running: the premise of what comes next)."""
+    host = vm.host()
+    sent = requests(prefix, 4, tokens)
+    for n, request in enumerate(sent):
+        vm.assign(f"{prefix}{n}", (host + n) % 2)
+        vm.deliver(f"{prefix}{n}", [request])
+    vm.run_for(1.0)
+    assert not vm.ended, "the premise: every stream still runs"
+    return host, sent
+
+
 @pytest.fixture(scope="module")
 def vm(vllm_server):
     with VmStandIn(vm_settings(vllm_server.base_url), processes=PROCESSES, threads=THREADS) as stand_in:
@@ -167,13 +180,7 @@ def test_the_runtimes_host_killed_mid_stream_is_rebuilt_once_and_every_request_e
     the runtime anew in it) and sends each lost stream once again; the dead process's keys move to it with their
     committed state. Every request ends once, resent at most once."""
     vm.reset(Schedule())
-    host = vm.host()
-    sent = requests("host", 4, 256)
-    for n, request in enumerate(sent):
-        vm.assign(f"k{n}", (host + n) % 2)
-        vm.deliver(f"k{n}", [request])
-    vm.run_for(1.0)
-    assert not vm.ended, "the premise: every stream still runs when its host is killed"
+    host, sent = streams_on_each_process(vm, "host", 256)
     vm.kill(host)
     vm.run_until_idle()
     completions = assert_each_ends_once_and_whole(vm, sent)
@@ -193,17 +200,11 @@ def test_a_host_paused_past_the_call_bound_holds_no_thread_longer_and_loses_noth
     bound_s = 1.5
     settings_ = vm_settings(vllm_server.base_url, runtime_call_bound_s=bound_s)
     with VmStandIn(settings_, processes=PROCESSES, threads=THREADS) as vm:
-        host = vm.host()
-        sent = requests("silent", 4, 160)
-        for n, request in enumerate(sent):
-            vm.assign(f"s{n}", (host + n) % 2)
-            vm.deliver(f"s{n}", [request])
-        vm.run_for(1.0)
-        assert not vm.ended, "the premise: every stream still runs when its host stops"
+        host, sent = streams_on_each_process(vm, "silent", 160)
         vm.pause(host)
         seen = len(vm.work_items)
         vm.run_for(3 * bound_s)
-        others = {f"s{n}" for n in range(len(sent)) if (host + n) % 2 != host}
+        others = {f"silent{n}" for n in range(len(sent)) if (host + n) % 2 != host}
         during = [item for item in vm.work_items[seen:] if item[1] in others]
         vm.resume(host)
         assert during, "no work item of the other process's keys ended while the host was stopped"
