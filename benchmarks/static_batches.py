@@ -40,11 +40,12 @@ from benchmarks.side_by_side.report import fmt
 from benchmarks.side_by_side.stats import Spread, ratio
 from benchmarks.side_by_side.workload import FIXED, mixed, parse_budgets, with_budgets, with_lengths
 from local.engine_driver import drive_to_end
+from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.request_parsing import parse_request
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.transformers_engine import TransformersEngine
-from pipeline.flow.batching import BatchingConfig, BucketCounters, default_boundaries, on_arrival
+from pipeline.flow.batching import BatchingConfig, BucketCounters, on_arrival
 from pipeline.intake.prompt_length import TokenizerMeter
 from pipeline.serving.vllm_server import ServerSpec
 
@@ -58,11 +59,21 @@ RANDOM_SHAPES = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden
                             num_attention_heads=32, num_key_value_heads=8)}
 
 
+# What each batching is in the template's parameters (with engine=transformers).
+_BATCHING_PARAMETERS = {ARRIVAL: {"length_bucketing": False},
+                        PROMPT_BUCKETS: {"length_bucketing": True, "answer_bucket_boundaries": "none"},
+                        LENGTH_BUCKETS: {"length_bucketing": True}}
+
+
 def batching_config(batching: str, batch_size: int, max_model_len: int) -> BatchingConfig:
-    """The batcher's settings for one batching, as the pipeline's own settings derive them for the static engine."""
-    prompts = default_boundaries(max_model_len) if batching != ARRIVAL else ()
-    answers = default_boundaries(max_model_len, smallest=16) if batching == LENGTH_BUCKETS else ()
-    return BatchingConfig(batch_size_target=batch_size, boundaries=prompts, answer_boundaries=answers, num_shards=1)
+    """The batcher's settings for one batching, derived by the job's own settings from the template's parameters
+    (one batcher key: the static engine runs one batch at a time)."""
+    return JobSettings.from_mapping({
+        "input_subscription": "projects/my-project/subscriptions/unused",
+        "output_chunks_topic": "projects/my-project/topics/unused",
+        "dead_letter_topic": "projects/my-project/topics/unused", "model": "unused", "engine": "transformers",
+        "max_model_len": max_model_len, "batch_size_target": batch_size, "num_shards": 1,
+        **_BATCHING_PARAMETERS[batching]}).batching
 
 
 def burst_batches(config: BatchingConfig, requests: list[InferenceRequest]) -> list[list[InferenceRequest]]:
