@@ -396,9 +396,10 @@ class FailingRuntime(WorkerRuntime):
         return super().cancel(keys)
 
 
-def failing_driver(engine: VLLMEngine, name: str, **failures: int) -> Driver:
+def failing_driver(engine: VLLMEngine, name: str, drain_timeout_s: float = 5, **failures: int) -> Driver:
     source = InProcessRuntime(FailingRuntime(engine, **failures), name)
-    return Driver([Worker(name, generate_fn(source, POLL_MS, dedupe_window_s=600, drain_timeout_s=5), engine)])
+    dofn = generate_fn(source, POLL_MS, dedupe_window_s=600, drain_timeout_s=drain_timeout_s)
+    return Driver([Worker(name, dofn, engine)])
 
 
 def test_an_engine_call_that_raises_never_fails_a_timer_and_every_request_still_ends(workers, vllm_server):
@@ -428,9 +429,10 @@ def test_an_engine_call_that_raises_never_fails_a_timer_and_every_request_still_
     assert f"failed each of the {MAX_LOST_STREAMS} times it was asked" in given_up("broken", PROMPTS[1], poll=10**6)
     assert f"failed each of the {MAX_LOST_STREAMS} times" in given_up("refused", PROMPTS[2], submit=10**6)
 
-    stuck = failing_driver(engine, "stuck", cancel=10**6)
+    # 400 tokens, none of them skippable, cannot be made within a second on a CPU
+    stuck = failing_driver(engine, "stuck", drain_timeout_s=1, cancel=10**6)
     stuck.deliver("k", [InferenceRequest(id="drained-0", prompt="Count from 1 to 500.", max_tokens=400,
-                                         temperature=0, received_at=time.time())])
+                                         min_tokens=400, temperature=0, received_at=time.time())])
     assert stuck.drain("k") is not None  # a drain whose cancel raises still commits
     assert [d["stage"] for d in stuck.committed.dead_letters] == [STAGE_DRAIN]
     assert_nothing_left_running(workers[:1], vllm_server.base_url)  # the lease ends what the cancel could not
