@@ -68,21 +68,42 @@ def bound_cores(pid: int) -> frozenset[int]:
     return frozenset(bound)
 
 
-def keep_off(cores: frozenset[int]) -> frozenset[int] | None:
-    """Moves every thread of this process (and so the threads it starts) off ``cores``.
+def pipeline_processes() -> list[int]:
+    """This process and its descendants in its own session: the pipeline's processes, the worker's runtime host
+    among them (a spawned child). A vLLM server runs in a session of its own (``VLLMServer``), and so does what
+    it starts, so none of its processes is among these."""
+    session = os.getsid(0)
+    found = []
+    for pid in _tree(os.getpid()):
+        try:
+            if os.getsid(pid) == session:
+                found.append(pid)
+        except OSError:  # it ended meanwhile
+            continue
+    return found
 
-    Returns the cores it now runs on, or None when it changed nothing: nothing
+
+def keep_off(cores: frozenset[int]) -> frozenset[int] | None:
+    """Moves every thread of the pipeline's processes (:func:`pipeline_processes`), and so the threads and
+    processes they start later, off ``cores``.
+
+    Returns the cores they now run on, or None when it changed nothing: nothing
     to keep off, already off, or no core would be left.
     """
     allowed = frozenset(os.sched_getaffinity(0))
     rest = allowed - cores
     if not cores or not rest or rest == allowed:
         return None
-    for task in (_PROC / "self" / "task").iterdir():
+    for pid in pipeline_processes():
         try:
-            os.sched_setaffinity(int(task.name), rest)
-        except OSError:  # the thread ended meanwhile
+            tasks = list((_PROC / str(pid) / "task").iterdir())
+        except OSError:  # it ended meanwhile
             continue
+        for task in tasks:
+            try:
+                os.sched_setaffinity(int(task.name), rest)
+            except OSError:  # the thread ended meanwhile
+                continue
     return rest
 
 
@@ -112,11 +133,11 @@ def listening_pid(port: int) -> int | None:
 
 
 def keep_pipeline_off(model_cores: frozenset[int]) -> None:
-    """:func:`keep_off` for the pipeline's process, logged once when it moves."""
+    """:func:`keep_off` for the pipeline's processes, logged once when they move."""
     moved = keep_off(model_cores)
     if moved is not None:
-        LOGGER.info("Pipeline threads of process %d moved to cores %s, off the model's cores %s",
-                    os.getpid(), sorted(moved), sorted(model_cores))
+        LOGGER.info("Pipeline threads of processes %s moved to cores %s, off the model's cores %s",
+                    pipeline_processes(), sorted(moved), sorted(model_cores))
 
 
 def _local_port(server_url: str) -> int | None:

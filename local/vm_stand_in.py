@@ -23,8 +23,8 @@ own process. A worker VM is more than that, and this adds what it is made of:
   elements that arrive for keys, as a worker's work queue holds them.
 * **One runtime per VM.** The steps reach the worker's runtime through Beam's ``MultiProcessShared``, which
   "will be instantiated once per VM and methods will be invoked on it via rpc" (its module's documentation): the
-  first process to acquire it hosts it, the others call it through a proxy, exactly as the template's
-  ``SharedRuntime`` does on a worker.
+  first process to acquire it starts its host, a process of its own (``spawn_process``), and every process calls
+  it through a proxy, exactly as the template's ``SharedRuntime`` does on a worker.
 * **State lives in the service.** With Streaming Engine a key's state is kept by the service, not in the SDK
   process, and each work item commits whole (the rules and their sources: :mod:`local.runner_semantics`). So
   this stand-in keeps every key's committed state and ships each work item (the key's state with it) to the
@@ -32,8 +32,8 @@ own process. A worker VM is more than that, and this adds what it is made of:
   committed state, and its keys' work items run in another process.
 * **Processes pause and die; the job drains and is updated.** One process can be paused (``SIGSTOP``: a long
   GC, memory pressure) while the others run, so only its keys' timers are late; any can be killed
-  (``SIGKILL``), the runtime's host among them; engine calls can be made to raise. A drain stops the reads and
-  fires every key's drain timer, with many more keys than threads ("Drain a pipeline":
+  (``SIGKILL``); the runtime's host can be paused or killed on its own; engine calls can be made to raise. A
+  drain stops the reads and fires every key's drain timer, with many more keys than threads ("Drain a pipeline":
   https://cloud.google.com/dataflow/docs/guides/stopping-a-pipeline). An update replaces every process with a
   fresh one (and a fresh runtime) on the state the old ones left ("Update an existing pipeline":
   https://cloud.google.com/dataflow/docs/guides/updating-a-pipeline).
@@ -65,9 +65,10 @@ from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.admission import AdmitFn, WorkerFull
 from pipeline.generation.generate import StreamingGenerateFn
+from pipeline.serving.vllm_server import is_healthy
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
 
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 600.0  # the first process starts the runtime's host: with a managed vLLM, minutes on a CPU
 # Engine calls that a schedule may make raise (the generate step's calls into the runtime).
 FAULTY_CALLS = ("poll", "submit_batch", "cancel")
 
@@ -145,7 +146,7 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
         with send:
             conn.send(reply)
 
-    dofns()  # acquires the VM's runtime: the first process to do so hosts it
+    dofns()  # acquires the VM's runtime: the first process to do so starts its host
     conn.send(("ready", os.getpid()))
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{name}-harness")
     while True:
@@ -182,8 +183,8 @@ class Schedule:
 
 @dataclass
 class VmStandIn:
-    """A worker VM of ``processes`` SDK processes of ``threads`` harness threads each; the first process hosts
-    the runtime. Use as a context manager; :meth:`reset` starts a new schedule on the same processes."""
+    """A worker VM of ``processes`` SDK processes of ``threads`` harness threads each; the first process starts
+    the runtime's host. Use as a context manager; :meth:`reset` starts a new schedule on the same processes."""
 
     settings: EngineSettings
     processes: int = 2
@@ -304,16 +305,64 @@ class VmStandIn:
         self.sdk[process].paused = False
         self._disrupted_at = time.time()
 
-    def host(self) -> int:
-        """The SDK process that hosts the runtime: the one listening at the address ``MultiProcessShared`` wrote
-        for the tag (a file in the temporary directory)."""
+    def host_pid(self) -> int:
+        """The runtime's host: the process listening at the address ``MultiProcessShared`` wrote for the tag (a
+        file in the temporary directory), a child of the SDK process that acquired it first."""
         with open(os.path.join(tempfile.gettempdir(), self.tag) + ".address") as address:
             port = int(address.read().rsplit(":", 1)[1])
+        for sdk in self.sdk:
+            if sdk.dead:
+                continue
+            parent = psutil.Process(sdk.pid)
+            for process in [parent, *parent.children(recursive=True)]:
+                if any(connection.status == psutil.CONN_LISTEN and connection.laddr.port == port
+                       for connection in process.net_connections(kind="tcp")):
+                    return process.pid
+        raise RuntimeError(f"no process of the VM listens at port {port}")
+
+    def host_processes(self) -> set[int]:
+        """The runtime hosts alive now: the processes the SDK processes spawned (one, unless a rebuild is under
+        way), each found by how ``multiprocessing`` starts a spawned child."""
+        found = set()
+        for sdk in self.sdk:
+            if sdk.dead:
+                continue
+            for child in psutil.Process(sdk.pid).children():
+                try:
+                    if any("spawn_main" in part for part in child.cmdline()):
+                        found.add(child.pid)
+                except psutil.Error:  # it ended meanwhile
+                    continue
+        return found
+
+    def server_url(self) -> str:
+        """Where the managed vLLM of the runtime's host answers: the loopback port one of the host's descendants
+        listens on whose ``/health`` answers."""
+        for process in psutil.Process(self.host_pid()).children(recursive=True):
+            try:
+                ports = [c.laddr.port for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+            except psutil.Error:
+                continue
+            for port in ports:
+                if is_healthy(f"http://127.0.0.1:{port}"):
+                    return f"http://127.0.0.1:{port}"
+        raise RuntimeError("the runtime's host runs no vLLM server that answers")
+
+    def host(self) -> int:
+        """The SDK process the runtime's host belongs to (it dies with it)."""
+        pid = self.host_pid()
         for n, sdk in enumerate(self.sdk):
-            if not sdk.dead and any(connection.status == psutil.CONN_LISTEN and connection.laddr.port == port
-                                    for connection in psutil.Process(sdk.pid).net_connections(kind="tcp")):
+            if not sdk.dead and sdk.pid in (pid, psutil.Process(pid).ppid()):
                 return n
-        raise RuntimeError(f"no SDK process listens at port {port}")
+        raise RuntimeError(f"the runtime's host {pid} belongs to no live SDK process")
+
+    def signal_host(self, signum: int) -> int:
+        """Sends the runtime's host ``signum`` (SIGSTOP, SIGCONT, SIGKILL), not the SDK process it belongs to."""
+        pid = self.host_pid()
+        os.kill(pid, signum)
+        if signum == signal.SIGKILL:
+            self._disrupted_at = time.time()
+        return pid
 
     def kill(self, process: int) -> None:
         sdk = self.sdk[process]
@@ -340,11 +389,15 @@ class VmStandIn:
         name = f"sdk-{n}"
         source = _FaultySource(SharedRuntime(self.settings, self.tag), self.schedule.engine_failure_rate,
                                self.schedule.seed * 31 + n)
-        process = context.Process(target=_serve, name=name, daemon=True, args=(
+        # Not daemonic: an SDK process starts the runtime's host as a child of its own, as on a worker.
+        process = context.Process(target=_serve, name=name, daemon=False, args=(
             name, source, self.threads, self.poll_interval_ms, self.drain_timeout_s, child))
         process.start()
-        if not parent.poll(START_TIMEOUT_S):
-            raise RuntimeError(f"{name} did not start")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not parent.poll(1.0):
+            if not process.is_alive() or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"{name} did not start (exit code {process.exitcode}): see its log above")
         _, pid = parent.recv()
         return SdkProcess(name, process, parent, pid)
 

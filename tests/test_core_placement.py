@@ -49,6 +49,21 @@ def test_bound_cores_finds_the_threads_a_child_binds_and_nothing_in_an_unbound_o
 @needs_two_cores
 def test_keep_off_moves_every_thread_of_this_process_and_the_threads_it_starts():
     model = frozenset(CORES[:1])
+    # A child in this session, as the worker's runtime host is; one in a session of its own, as vLLM is.
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        with thread_cores_restored():
+            found = core_placement.pipeline_processes()
+            assert os.getpid() in found and host.pid in found and server.pid not in found
+            assert core_placement.keep_off(model) == frozenset(CORES) - model
+            assert all(not cores & model for cores in thread_cores().values())
+            assert os.sched_getaffinity(host.pid) == frozenset(CORES) - model
+            assert os.sched_getaffinity(server.pid) == frozenset(CORES)
+    finally:
+        for process in (host, server):
+            process.kill()
+            process.wait()
     with thread_cores_restored():
         assert core_placement.keep_off(model) == frozenset(CORES) - model
         assert all(not cores & model for cores in thread_cores().values())

@@ -2,8 +2,8 @@
 
 A worker process can stop for seconds to minutes while its model server goes on (a long GC, memory pressure, a
 live migration); its timers then fire late, all at once. Here the pipeline runs as users run it
-(``python -m local.direct_runner`` on the Pub/Sub emulator, the managed vLLM in a session of its own, which a
-SIGSTOP to the pipeline does not reach), with ``stream_lease_s=4``, and is stopped for 15 s while long answers
+(``python -m local.direct_runner`` on the Pub/Sub emulator; the engine's host process and the managed vLLM
+under it, which a SIGSTOP to the pipeline's process does not reach), with ``stream_lease_s=4``, and is stopped for 15 s while long answers
 stream, then for 60 s while short ones finish at the server. Every request must end with one completion of
 attempt 1 and one chunk stream: nothing generated twice.
 """

@@ -4,11 +4,12 @@ sharing one runtime through MultiProcessShared, around the real admission and ge
 Hypothesis draws the schedules: read bundle sizes (one on every free thread), failed commits, engine calls that
 raise, and one event (none, a paused SDK process, the runtime's host killed, an update), with or without a drain
 at the end: five written-out schedules cover each event, then ``VM_STAND_IN_EXAMPLES`` drawn ones (default 1; the
-whole file takes about six minutes on 2 cores)."""
+whole file takes about nine minutes on 2 cores, a managed vLLM started twice among them)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import defaultdict
 
@@ -21,8 +22,8 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.admission import REFUSAL_PAUSE_S
-from pipeline.serving.vllm_server import server_metrics
-from tests.conftest import SERVED_NAME, wait_until
+from pipeline.serving.vllm_server import is_healthy, server_metrics
+from tests.conftest import SERVED_NAME, local_server_spec, wait_until
 
 pytestmark = pytest.mark.engine
 LEASE_S = 6.0  # a key polls nothing while its work item runs: seen to take 4 s on a loaded machine (docs/testing.md)
@@ -192,27 +193,62 @@ def test_the_runtimes_host_killed_mid_stream_is_rebuilt_once_and_every_request_e
 
 
 def test_a_host_paused_past_the_call_bound_holds_no_thread_longer_and_loses_nothing(vllm_server):
-    """SIGSTOP of the process that hosts the runtime, for three call bounds, then SIGCONT. The other process's keys
-    keep their timers: each of its work items ends within one call bound (its calls count the host as silent,
-    then fail at once while the first unanswered call still waits), instead of waiting on the proxy for the whole
-    pause. Silent is not dead: nothing reconnects, so once the host answers again every request ends once, its
-    first stream collected whole (attempt 1)."""
+    """SIGSTOP of the runtime's host (a process of its own), for three call bounds, then SIGCONT. Every SDK
+    process's keys keep their timers: each work item ends within one call bound (its calls count the host as
+    silent, then fail at once while the first unanswered call still waits), instead of waiting on the proxy for
+    the whole pause. Silent is not dead: nothing reconnects, so once the host answers again every request ends
+    once, its first stream collected whole (attempt 1)."""
     bound_s = 1.5
     settings_ = vm_settings(vllm_server.base_url, runtime_call_bound_s=bound_s)
     with VmStandIn(settings_, processes=PROCESSES, threads=THREADS) as vm:
-        host, sent = streams_on_each_process(vm, "silent", 160)
-        vm.pause(host)
-        seen = len(vm.work_items)
-        vm.run_for(3 * bound_s)
-        others = {f"silent{n}" for n in range(len(sent)) if (host + n) % 2 != host}
-        during = [item for item in vm.work_items[seen:] if item[1] in others]
-        vm.resume(host)
-        assert during, "no work item of the other process's keys ended while the host was stopped"
+        _, sent = streams_on_each_process(vm, "silent", 160)
+        vm.signal_host(signal.SIGSTOP)
+        try:
+            seen = len(vm.work_items)
+            vm.run_for(3 * bound_s)
+        finally:
+            vm.signal_host(signal.SIGCONT)
+        during = vm.work_items[seen:]
+        assert {key for _, key, _ in during} & {f"silent{n}" for n in range(len(sent))}, (
+            "no work item ended while the host was stopped")
         # One bound, and two seconds for a busy 2-core machine; without the bound each waits out the whole pause.
         assert max(seconds for seconds, _, _ in during) <= bound_s + 2.0, during
         vm.run_until_idle()
         completions = assert_each_ends_once_and_whole(vm, sent)
         assert {c["attempt"] for c in completions.values()} == {1}, "a silent host is not rebuilt"
+
+
+def test_a_managed_vllm_whose_host_is_killed_is_rebuilt_after_two_failed_rebuilds_and_every_request_ends_once(
+        checkpoint, tmp_path):
+    """The runtime's host starts the worker's vLLM itself, as on Dataflow. SIGKILL of the host mid-stream takes
+    its vLLM with it (the server's parent-death signal). The model folder is gone meanwhile, so the first two
+    rebuilds fail (a real start that cannot find its model) and leave nothing behind; the folder comes back and
+    the next rebuild starts a new vLLM. Every request ends once, each cut stream sent again once, and nothing is
+    left running: the old server is gone, the new one idle, one host alive."""
+    model = tmp_path / "model"
+    model.symlink_to(checkpoint)
+    spec = local_server_spec(model, stall_timeout_s=10.0, health_interval_s=1.0)
+    settings_ = vm_settings("", server=spec, server_url=None, served_model_name=None)
+    with VmStandIn(settings_, processes=PROCESSES, threads=THREADS) as vm:
+        _, sent = streams_on_each_process(vm, "managed", 256)
+        first_url = vm.server_url()
+        model.unlink()  # the next rebuilds cannot find the model
+        killed = vm.signal_host(signal.SIGKILL)
+        seen, deadline = set(), time.monotonic() + 300
+        while len(failed := seen - vm.host_processes() - {killed}) < 2:
+            assert time.monotonic() < deadline, f"two failed rebuilds within 300 s: saw hosts {seen}"
+            seen |= vm.host_processes()
+            vm.run_for(0.1)
+        model.symlink_to(checkpoint)
+        vm.run_until_idle(timeout_s=600)
+        completions = assert_each_ends_once_and_whole(vm, sent)
+        attempts = {i: c["attempt"] for i, c in completions.items()}
+        assert set(attempts.values()) == {2}, f"each stream cut by the kill, and sent again once: {attempts}"
+        assert not is_healthy(first_url), "the killed host's vLLM died with it"
+        assert len(vm.host_processes()) == 1, (vm.host_processes(), failed)
+        second_url = vm.server_url()
+        assert second_url != first_url
+        assert wait_until(lambda: server_metrics(second_url)["vllm:num_requests_running"] == 0, 30)
 
 
 def test_a_drain_of_many_more_keys_than_threads_loses_no_running_stream(vllm_server):

@@ -188,10 +188,10 @@ def new_runtime_tag(settings: EngineSettings) -> str:
 
 def build_engine(settings: EngineSettings) -> EngineBase:
     """The engine the settings name; transformers is imported only by workers that use it."""
+    if not logging.getLogger().handlers:  # its own process (see acquire_runtime): log where the worker does
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.engine == "transformers":
         from pipeline.engines.transformers_engine import TransformersEngine
-        if not logging.getLogger().handlers:  # its own process (see acquire_runtime): log where the worker does
-            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return TransformersEngine(settings)
     return VLLMEngine(settings)
 
@@ -209,15 +209,19 @@ def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) 
     process's lock. Beam's ``MultiProcessShared`` builds the object under its cross-process file lock
     (``initialize_eagerly``), so the other processes' :func:`reconnect` threads wait on that lock while it
     starts; their timers and read bundles do not: their calls fail fast on the old handle (a timer commits and
-    fires again, a read bundle asks again a second later). The transformers engine gets a process of its own:
-    its decoding loop is Python between many small torch calls, and in a process whose other threads run the
-    pipeline it waited for the GIL at every call, several times slower a decoding step on the DirectRunner.
+    fires again, a read bundle asks again a second later).
+
+    The runtime lives in a process of its own (``spawn_process``), a child of the SDK process that asked first,
+    never inside an SDK process: there its event loop, chunk publishing and lease clocks shared that process's
+    interpreter lock with its harness threads, so a pause of that one process (a garbage collection, memory
+    pressure) stopped every process's calls, and the static engine's decoding loop, Python between many small
+    torch calls, waited for the lock at every call. Its host dies with the SDK process that started it (Beam's
+    life line), as its streams then do; every call to it is bounded in time (:mod:`.runtime_client`).
     """
     with _ACQUIRE_LOCK:
         if not fresh and tag in _ACQUIRED:
             return _ACQUIRED[tag]
-    shared = MultiProcessShared(functools.partial(build_runtime, settings), tag=tag,
-                                spawn_process=settings.engine == "transformers")
+    shared = MultiProcessShared(functools.partial(build_runtime, settings), tag=tag, spawn_process=True)
     runtime = shared.acquire()
     with _ACQUIRE_LOCK:
         if fresh or tag not in _ACQUIRED:
