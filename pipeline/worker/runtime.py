@@ -3,10 +3,11 @@
 vLLM's continuous batching works best with every request of the worker in flight against one server, and
 admission must count what the whole VM holds, so all DoFn instances and SDK processes on a VM share one
 :class:`WorkerRuntime` through Beam's ``MultiProcessShared``: the first process to ask starts its host, a process
-of its own that builds it (and with it the model manager's server), and every process calls it through a proxy. A proxy reaches an object's methods, not the
-objects it holds, so the runtime forwards each call to its part: generation to the engine
-(:mod:`pipeline.engines.engine`), admission to the ledger (:mod:`pipeline.worker.admission_ledger`). A step
-reaches it through a :class:`SharedRuntime` (picklable: settings and the pipeline's tag).
+of its own that builds it (and with it the model manager's server), and every process calls it through a proxy.
+A proxy reaches an object's methods, not the objects it holds, so the runtime forwards each call to its part:
+generation to the engine (:mod:`pipeline.engines.engine`), admission to the ledger
+(:mod:`pipeline.worker.admission_ledger`). A step reaches it through a :class:`SharedRuntime` (picklable:
+settings and the pipeline's tag).
 """
 
 from __future__ import annotations
