@@ -3,7 +3,8 @@
 The template is launched as a user launches it (``python -m template.main``)
 with ``--lora_adapters``: one adapter from a folder, one from a ``gs://`` folder
 on the Cloud Storage emulator, which the model manager copies down as it does
-weights. Requests come in through the Pub/Sub emulator; chunks, completions,
+weights; and with ``--lora_adapter_root``, a root of adapters on the same emulator that the worker loads into
+vLLM on first use, one slot for them. Requests come in through the Pub/Sub emulator; chunks, completions,
 dead letters and BigQuery rows come out. Every answer is compared with what
 ``transformers`` + ``peft`` generate greedily for the same prompt and adapter.
 """
@@ -11,15 +12,15 @@ dead letters and BigQuery rows come out. Every answer is compared with what
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from local.cpu_server import LOCAL_SERVER
-from local.emulators import GcsEmulator
+from local.emulators import GcsEmulator, emulator_bigquery_client
 from local.harness import REPO_ROOT, LocalRun
-from local.toy_adapters import build_adapter, chat_prompt_ids
+from local.toy_adapters import TARGET_MODULES, build_adapter, chat_prompt_ids
 from pipeline.serving.lineage import folder_digest
-from local.emulators import emulator_bigquery_client
 from tests.conftest import activated, wait_until
 
 pytestmark = pytest.mark.engine
@@ -38,6 +39,26 @@ LESSONS = {
 }
 BASE = None  # a request without 'adapter': the model itself
 ROBOT_URI = "gs://adapters/lora/robot"
+ROOT_URI = "gs://adapters/root"
+# The root's adapters: copies of the listed two under other names (the same answers), one built for a smaller
+# Llama than the model, one whose config is not JSON. max_loras=3 leaves one slot for the root: every switch
+# between its two good adapters unloads the other.
+ROOT_COPIES = {"pirate-v2": "pirate", "robot-v2": "robot"}
+
+
+def root_folders(adapters: dict[str, Path], folder: Path) -> dict[str, Path]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folders = {name: adapters[source] for name, source in ROOT_COPIES.items()}
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    get_peft_model(small, LoraConfig(r=8, target_modules=list(TARGET_MODULES))).save_pretrained(folder / "small")
+    (folder / "garbled").mkdir()
+    (folder / "garbled" / "adapter_config.json").write_text("{not json")
+    return {**folders, "other-model": folder / "small", "garbled": folder / "garbled"}
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +102,17 @@ def reference(checkpoint, adapters):
 
 @pytest.fixture(scope="module")
 def served(checkpoint, adapters, emulator, bigquery, tmp_path_factory):
-    """One template run serving both adapters: pirate from a folder, robot from gs:// (the emulator)."""
+    """One template run serving both adapters, pirate from a folder and robot from gs:// (the emulator), and a
+    root of adapters on gs:// (ROOT_URI): copies of the two under other names, and two that cannot serve."""
     with GcsEmulator() as gcs, activated(gcs):
         robot = gcs.upload_folder(adapters["robot"], "adapters", "lora/robot")
         assert robot == ROBOT_URI
+        for name, folder in root_folders(adapters, tmp_path_factory.mktemp("root")).items():
+            gcs.upload_folder(folder, "adapters", f"root/{name}")
         run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
                         f"--lora_adapters=pirate={adapters['pirate']},robot={robot}", "--max_lora_rank=8",
-                        "--max_loras=2", "--chunk_tokens=4", "--num_shards=2",
+                        f"--lora_adapter_root={ROOT_URI}/",
+                        "--max_loras=3", "--chunk_tokens=4", "--num_shards=2",
                         "--output_completions_table=local-project:llm.completions_lora"],
                        log_path=REPO_ROOT / ".cache" / "test-e2e" / "lora.log", emulator=emulator)
         run.start()
@@ -145,11 +170,11 @@ def test_a_burst_mixing_two_adapters_and_the_model_gives_each_request_its_own_ex
 
 
 @pytest.mark.parametrize("adapter, reason", [
-    ("parrot", "adapter 'parrot' is not served by this job: it serves 'pirate', 'robot'"),
+    ("../parrot", "adapter '../parrot' cannot name a folder of lora_adapter_root"),
     (7, "'adapter' must be the name of a LoRA adapter"),
     ("", "'adapter' must be the name of a LoRA adapter"),
 ])
-def test_a_request_for_an_adapter_the_job_does_not_serve_is_a_dead_letter_naming_those_it_does(
+def test_a_request_whose_adapter_no_folder_could_hold_is_a_dead_letter_before_it_reaches_a_worker(
         served, adapter, reason):
     run, collector = served
     request_id = f"bad-adapter-{json.dumps(adapter)}"
@@ -158,3 +183,50 @@ def test_a_request_for_an_adapter_the_job_does_not_serve_is_a_dead_letter_naming
     (letter,) = [d.data for d in collector.dead_letters if d.data["id"] == request_id]
     assert letter["stage"] == "validate" and reason in letter["reason"], letter
     assert not [c for c in collector.completions if c.data["id"] == request_id]
+
+
+def test_a_root_adapter_is_loaded_once_on_first_use_evicted_past_the_bound_and_answers_as_its_weights_do(
+        served, reference):
+    """Two requests for a root adapter at once load it once; then a stream mixing the root's two good adapters
+    and the model, with one slot for the root, unloads and loads them as they alternate; every answer is the
+    one transformers + peft give for the same weights, and names the root's copy in its lineage."""
+    run, collector = served
+    first = [request(f"first-{n}", "pirate-v2", QUESTIONS[n % 2]) for n in range(2)]
+    run.publish(first)
+    assert not collector.wait_for([r["id"] for r in first], 600), run.log_tail()
+    log = run.log_path.read_text(errors="replace")
+    assert log.count("Loaded adapter pirate-v2 ") == 1, "two first uses at once, one load"
+    mixed = [request(f"mixed-{round_}-{kind or 'base'}-{q}", kind, question) for round_ in range(2)
+             for kind in ("robot-v2", "pirate-v2", BASE) for q, question in enumerate(QUESTIONS)]
+    run.publish(mixed)
+    assert not collector.wait_for([r["id"] for r in mixed], 600), run.log_tail()
+    completions = {c.data["id"]: c.data for c in collector.completions}
+    for sent in first + mixed:
+        kind = sent.get("adapter")
+        expected = reference[ROOT_COPIES.get(kind, kind), sent["prompt"]]
+        assert (completions[sent["id"]]["text"], completions[sent["id"]]["adapter"]) == (expected, kind), sent["id"]
+    log = run.log_path.read_text(errors="replace")
+    assert log.count("Loaded adapter robot-v2 ") >= 1 and log.count("Unloaded adapter") >= 1, \
+        "one slot for two adapters: switching unloads the other"
+    lineage = completions["first-0"]["lineage"]["adapter"]
+    assert (lineage["name"], lineage["source"]) == ("pirate-v2", f"{ROOT_URI}/pirate-v2"), lineage
+
+
+@pytest.mark.parametrize("adapter, reason", [
+    ("other-model", "adapter 'other-model' does not fit the model"),
+    ("garbled", "adapter 'garbled': its adapter_config.json cannot be read"),
+    ("nobody", f"adapter 'nobody': no adapter at {ROOT_URI}/nobody"),
+])
+def test_a_root_adapter_that_cannot_serve_is_a_dead_letter_with_the_reason_and_the_key_goes_on(
+        served, reference, adapter, reason):
+    run, collector = served
+    unloads = run.log_path.read_text(errors="replace").count("Unloaded adapter")
+    bad, good = request(f"root-bad-{adapter}", adapter, QUESTIONS[0]), request(f"after-{adapter}", BASE, QUESTIONS[1])
+    run.publish([bad, good])
+    assert not collector.wait_for([bad["id"], good["id"]], 300), run.log_tail()
+    assert run.log_path.read_text(errors="replace").count("Unloaded adapter") == unloads, \
+        "an adapter that cannot serve is refused before it takes a loaded one's slot"
+    (letter,) = [d.data for d in collector.dead_letters if d.data["id"] == bad["id"]]
+    assert letter["stage"] == "inference" and reason in letter["reason"], letter
+    (completion,) = [c.data for c in collector.completions if c.data["id"] == good["id"]]
+    assert completion["text"] == reference[BASE, QUESTIONS[1]]

@@ -188,7 +188,7 @@ def test_an_adapter_the_job_serves_is_kept_and_unset_it_leaves_the_fingerprint_a
 
 @pytest.mark.parametrize("adapters, adapter, reason", [
     (("support", "extract"), "billing", "adapter 'billing' is not served by this job: it serves 'support', 'extract'"),
-    ((), "support", "it serves none (template parameter lora_adapters)"),
+    ((), "support", "it serves none (template parameters lora_adapters, lora_adapter_root)"),
     (("support",), 3, "'adapter' must be the name of a LoRA adapter"),
     (None, "x" * 300, "'adapter' must be the name of a LoRA adapter"),
 ])

@@ -49,6 +49,7 @@ from apache_beam.options.pipeline_options import (
 from pipeline.config.options import PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, DEFAULT_HARNESS_THREADS
+from pipeline.serving.adapter_root import root_problem
 from pipeline.serving.gpus import (
     CUDA_MAJORS,
     DEFAULT_CUDA_MAJOR,
@@ -57,6 +58,7 @@ from pipeline.serving.gpus import (
     gpu_type_problem,
     machine_problem,
 )
+from pipeline.serving.lora_adapters import LAUNCH_READ_TIMEOUT_S
 from pipeline.serving.lora_adapters import launch_problems as adapter_launch_problems
 from pipeline.serving.model_access import gated_model_warning
 
@@ -126,6 +128,10 @@ def launch_problems(options: PipelineOptions, settings: JobSettings,
     problems, warnings = dataflow_launch_problems(options, settings.config, cuda_major)
     problems += [f"LoRA adapters: {problem}" for problem in
                  adapter_launch_problems(settings.adapters, settings.config.max_lora_rank)]
+    if settings.adapter_root is not None:
+        problem, warning = root_problem(settings.adapter_root, LAUNCH_READ_TIMEOUT_S)
+        problems += [problem] if problem else []
+        warnings += [warning] if warning else []
     return problems, warnings
 
 

@@ -78,6 +78,7 @@ class PipelineConfig:
     gpu_memory_utilization: float
     vllm_args: str
     lora_adapters: str | None
+    lora_adapter_root: str | None
     max_lora_rank: int
     max_loras: int
     server_start_timeout_s: int
@@ -155,9 +156,16 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
             problems.append(f"--batch_size_target ({fields['batch_size_target']}) must be at most --max_in_flight "
                             f"({fields['max_in_flight']}) with --engine=transformers: it generates each batch whole, "
                             "so a larger batch would run more requests at once than max_in_flight allows")
-    if fields.get("server_url") and fields.get("lora_adapters"):
-        problems.append("--lora_adapters does not go with --server_url: the server you run loads its own adapters "
-                        "(vLLM: --lora-modules), and each request's 'adapter' is sent to it as the model")
+    for name in ("lora_adapters", "lora_adapter_root"):
+        if fields.get("server_url") and fields.get(name):
+            problems.append(f"--{name} does not go with --server_url: the server you run loads its own adapters "
+                            "(vLLM: --lora-modules), and each request's 'adapter' is sent to it as the model")
+    if fields.get("lora_adapter_root") and fields.get("max_loras") is not None:
+        static = len([item for item in (fields.get("lora_adapters") or "").split(",") if item.strip()])
+        if fields["max_loras"] <= static:
+            problems.append(f"--lora_adapter_root needs --max_loras above the number of --lora_adapters ({static}): "
+                            "a worker keeps max_loras adapters loaded, those of lora_adapters first; raise it to "
+                            f"{static + 1} or more")
     if fields.get("max_lora_rank") is not None and fields["max_lora_rank"] not in VLLM_LORA_RANKS:
         problems.append(f"--max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices), "
                         f"got {fields['max_lora_rank']}")

@@ -25,6 +25,7 @@ from pipeline.engines.engine_settings import EngineSettings, waiting_places
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.intake.prompt_length import PromptLength
 from pipeline.intake.request_defaults import RequestDefaults
+from pipeline.serving.adapter_root import AdapterRoot
 from pipeline.serving.lora_adapters import Adapter, parse_adapters
 from pipeline.serving.vllm_server import ServerSpec
 
@@ -65,6 +66,7 @@ class JobSettings:
     engine: EngineSettings
     generate: GenerateSettings
     adapters: tuple[Adapter, ...]
+    adapter_root: AdapterRoot | None
 
     @classmethod
     def from_config(cls, config: PipelineConfig, harness_threads: Any = None) -> JobSettings:
@@ -77,7 +79,7 @@ class JobSettings:
         problems: list[str] = []
         parts: dict[str, Any] = {}
         for name, build in (("batching", _batching), ("request_defaults", _request_defaults),
-                            ("adapters", _adapters)):
+                            ("adapters", _adapters), ("adapter_root", _adapter_root)):
             try:
                 parts[name] = build(config)
             except ValueError as exc:
@@ -98,7 +100,7 @@ class JobSettings:
         # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
         names = None if config.server_url else tuple(adapter.name for adapter in parts["adapters"])
         limits = RequestLimits(default_max_tokens=config.default_max_tokens, max_model_len=config.max_model_len,
-                               adapters=names)
+                               adapters=names, adapter_root=parts["adapter_root"] is not None)
         estimator = config.length_estimator
         if estimator == "auto":
             estimator = "chars" if config.server_url else "tokenizer"
@@ -107,7 +109,8 @@ class JobSettings:
         generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
                                     config.generate_shards)
         return cls(config=config, limits=limits, prompt_length=prompt_length,
-                   engine=_engine(config, parts["batching"], parts["adapters"], waiters), generate=generate, **parts)
+                   engine=_engine(config, parts["batching"], parts["adapters"], parts["adapter_root"], waiters),
+                   generate=generate, **parts)
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> JobSettings:
@@ -169,6 +172,10 @@ def _adapters(config: PipelineConfig) -> tuple[Adapter, ...]:
     return adapters
 
 
+def _adapter_root(config: PipelineConfig) -> AdapterRoot | None:
+    return AdapterRoot(config.lora_adapter_root) if config.lora_adapter_root else None
+
+
 def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tuple[int, ...] | None:
     """Length-bucket bounds that set each request's priority, or None for no priorities."""
     if not config.prioritize_short_prompts or config.server_url or config.engine != "vllm":
@@ -177,7 +184,7 @@ def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tu
 
 
 def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...],
-            admission_waiters: int) -> EngineSettings:
+            adapter_root: AdapterRoot | None, admission_waiters: int) -> EngineSettings:
     priority_boundaries = _priority_boundaries(config, batching)
     # The chunks topic is published by the engine itself (pipeline.sinks.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
@@ -200,6 +207,6 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
         model=config.effective_model, max_model_len=config.max_model_len, dtype=config.dtype,
         gpu_memory_utilization=config.gpu_memory_utilization, extra_args=extra_args,
         served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s),
-        adapters=adapters, max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
+        adapters=adapters, adapter_root=adapter_root, max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
         hf_token_secret=config.hf_token_secret)
     return EngineSettings(server=spec, **common)

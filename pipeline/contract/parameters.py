@@ -229,11 +229,20 @@ PARAMETERS: tuple[Parameter, ...] = (
               "LoRA adapters served beside the model, as comma-separated name=location pairs; a location is a gs:// "
               "folder (each worker copies it to local disk once, as it does the model), a folder on the worker, or "
               "a Hugging Face hub id. A request names one in its 'adapter' field; a request without one gets the "
-              "model itself, one naming an adapter not listed here becomes a dead letter. Fixed for the life of the "
+              "model itself, one naming an adapter neither listed here nor in lora_adapter_root becomes a dead letter. "
+              "Fixed for the life of the "
               "job; engine=vllm with the model manager's own server only (a server_url server loads its own, and "
               "gets each request's adapter name as the model).",
               "support=gs://my-bucket/adapters/support,extract=my-org/smollm2-extract-lora", GROUP_MODEL,
               regex=r"^[^\s,=]+=[^\s,]+(\s*,\s*[^\s,=]+=[^\s,]+)*$"),
+    Parameter("lora_adapter_root", "LoRA adapter folder",
+              "A folder of LoRA adapters, one sub-folder each (a gs:// folder, or a folder on the worker): a request "
+              "whose 'adapter' names a sub-folder not in lora_adapters is served by that adapter, which each worker "
+              "copies and checks on its first use (peft's adapter_config.json, its rank, its shapes against the "
+              "model) and loads into its server; one that is missing or does not fit the model becomes a dead "
+              "letter. Each worker keeps max_loras less the number of lora_adapters of them loaded, the least "
+              "recently used unloaded first. engine=vllm with the model manager's own server only.",
+              "gs://my-bucket/adapters/", GROUP_MODEL, regex=r"^(gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/\S*)?|[/~.]\S*)$"),
     Parameter("max_lora_rank", "Max LoRA rank",
               "The largest rank among lora_adapters (vLLM's --max-lora-rank: 8, 16, 32, 64, 128, 256, 320 or 512). "
               "vLLM reserves GPU memory for this rank in every adapter slot; an adapter of higher rank is refused "
@@ -363,6 +372,7 @@ NOT_WITH_TRANSFORMERS: dict[str, str] = {
     "response_schema": "it cannot constrain answers to a schema",
     "generate_shards": "it generates each batch whole, on its batching key",
     "lora_adapters": "it serves the model alone, without adapters",
+    "lora_adapter_root": "it serves the model alone, without adapters",
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,6 +45,11 @@ class RequestError(ValueError):
     """A request that cannot be served as written; the message is shown to users."""
 
 
+# A LoRA adapter's name: it goes into requests, records and vLLM's --lora-modules name=path, and names a folder
+# under lora_adapter_root, so no separators, no spaces, no "." or "..".
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Pipeline-wide limits that a request's own parameters are checked against."""
@@ -53,6 +59,8 @@ class RequestLimits:
     max_prompt_chars: int = 200_000
     # The LoRA adapters a request may name; None: any (a server the job does not run decides).
     adapters: tuple[str, ...] | None = ()
+    # Whether a name not among them may name a folder of lora_adapter_root (its worker finds out whether it is one).
+    adapter_root: bool = False
 
 
 class Defaults(Protocol):
@@ -251,9 +259,13 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
     if adapter is not None:
         if not isinstance(adapter, str) or not 0 < len(adapter) <= 256:
             raise RequestError(f"'adapter' must be the name of a LoRA adapter, got {str(adapter)[:40]}")
-        if limits.adapters is not None and adapter not in limits.adapters:
+        if limits.adapter_root and adapter not in (limits.adapters or ()):
+            if not ADAPTER_NAME.match(adapter):
+                raise RequestError(f"adapter {adapter[:80]!r} cannot name a folder of lora_adapter_root: 1-64 "
+                                   "letters, digits, '_', '.' or '-', starting with a letter or digit")
+        elif limits.adapters is not None and adapter not in limits.adapters:
             served = (f"it serves {', '.join(map(repr, limits.adapters))}" if limits.adapters
-                      else "it serves none (template parameter lora_adapters)")
+                      else "it serves none (template parameters lora_adapters, lora_adapter_root)")
             raise RequestError(f"adapter {adapter[:80]!r} is not served by this job: {served}; "
                                "leave 'adapter' out for the model itself")
     deadline_ms = fields.get("deadline_ms")

@@ -34,8 +34,10 @@ from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import ATTEMPT
+from pipeline.engines.adapter_slots import AdapterSlots
 from pipeline.engines.engine import EngineBase, Stream
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.serving.adapter_root import AdapterUnavailable, fetch_adapter
 from pipeline.serving.lineage import ServingLineage, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
@@ -100,6 +102,16 @@ class VLLMEngine(EngineBase):
         # vLLM's stream_interval: events of chunk_tokens tokens each, until a server refuses the field (None: every
         # token).
         self._stream_interval = settings.chunk_policy.chunk_tokens if settings.chunk_policy.chunk_tokens > 1 else None
+        # A root's adapters (lora_adapter_root), loaded into the server on first use; those of lora_adapters it
+        # loaded when it started.
+        self._adapter_slots: AdapterSlots | None = None
+        spec = settings.server
+        self._static_adapters = frozenset(adapter.name for adapter in spec.adapters) if spec else frozenset()
+        self._server_starts = self._server.stats.starts if self._server else 0
+        if spec is not None and spec.adapter_root is not None and self._server is not None:
+            fetch = functools.partial(fetch_adapter, spec.adapter_root, model_folder=self._server.model_path,
+                                      max_lora_rank=spec.max_lora_rank, cache_dir=spec.model_cache_dir)
+            self._adapter_slots = AdapterSlots(spec.root_adapters, fetch, self._load_adapter, self._unload_adapter)
         atexit.register(self.close)
 
     def _discover_model_name(self, settings: EngineSettings) -> str:
@@ -234,8 +246,54 @@ class VLLMEngine(EngineBase):
         self._dead_letter(stream, f"no answer within {limit}: {last_error}")
 
     async def _stream_once(self, stream: Stream, deadline: float) -> None:
-        request = stream.request
         await self._wait_for_server(deadline)
+        adapter = stream.request.adapter
+        if self._adapter_slots is None or adapter is None or adapter in self._static_adapters:
+            await self._stream_from_server(stream)
+            return
+        if self._server is not None and self._server.stats.starts != self._server_starts:
+            self._server_starts = self._server.stats.starts
+            self._adapter_slots.forget()
+        try:
+            await self._adapter_slots.acquire(adapter)
+        except AdapterUnavailable as exc:
+            raise _RequestRejected(str(exc)) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise RetryableError(f"loading adapter {adapter}: {type(exc).__name__}: {exc}") from exc
+        try:
+            await self._stream_from_server(stream)
+        except _RequestRejected as exc:
+            if not str(exc).startswith("HTTP 404"):
+                raise
+            self._adapter_slots.forget_one(adapter)  # the server lost it (a restart in between): loaded again
+            raise RetryableError(f"the server no longer had adapter {adapter}: {exc}") from exc
+        finally:
+            self._adapter_slots.release(adapter)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        """Loads a root's adapter into the server; one the server refuses is a dead letter with its reason."""
+        session = await self._get_session()
+        async with session.post(f"{self.base_url}/v1/load_lora_adapter",
+                                json={"lora_name": name, "lora_path": path}) as response:
+            body = (await response.text())[:2000]
+            if response.status >= 500 or response.status in (408, 429):
+                raise RetryableError(f"loading adapter {name}: HTTP {response.status}: {body}")
+            if response.status >= 400 and "already been loaded" not in body:
+                raise AdapterUnavailable(f"adapter {name!r}: the server refused it: {_error_message(body)}")
+        spec = self.settings.server
+        assert spec is not None and spec.adapter_root is not None
+        self.lineage.adapters[name] = adapter_lineage(spec.adapter_root.location_of(name), path)
+        LOGGER.info("Loaded adapter %s from %s", name, path)
+
+    async def _unload_adapter(self, name: str) -> None:
+        session = await self._get_session()
+        async with session.post(f"{self.base_url}/v1/unload_lora_adapter", json={"lora_name": name}) as response:
+            if response.status >= 400:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+        LOGGER.info("Unloaded adapter %s (the least recently used; loaded again on its next use)", name)
+
+    async def _stream_from_server(self, stream: Stream) -> None:
+        request = stream.request
         assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
         with self._lock:
             stream.assembler = assembler

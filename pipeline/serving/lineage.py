@@ -141,7 +141,7 @@ class ServingLineage:
     engine: str  # the engine and its version as it reports itself: "vllm 0.32.0", "transformers 5.19.0"
     image: str | None  # the worker image the job runs (sdk_container_image); None on a local run
     settings: Mapping[str, Any]  # the server settings that change answers
-    adapters: Mapping[str, WeightsLineage] = field(default_factory=dict)
+    adapters: dict[str, WeightsLineage] = field(default_factory=dict)  # grows as a root's adapters are loaded
     seeds: bool = True  # whether the engine applies a request's seed (the static engine does not)
 
     def record(self, request: InferenceRequest) -> dict[str, Any]:

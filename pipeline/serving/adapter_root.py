@@ -1,0 +1,174 @@
+"""LoRA adapters found by name in a folder (``lora_adapter_root``), fetched by a worker on their first use.
+
+``lora_adapters`` fixes a job's adapters at launch; a team that keeps one adapter per customer or per task would
+have to update the job for each new one. With a root, a request whose ``adapter`` names a sub-folder of it is
+served by that adapter: its worker copies the folder once (a ``gs://`` folder through the same copy as the
+model's weights, under its inter-process lock; a folder on the worker is used where it is) and checks it before
+vLLM loads it at run time (:mod:`pipeline.engines.adapter_slots`). The checks catch what vLLM would refuse only
+after the copy, or not at all: a folder without peft's ``adapter_config.json``, a rank above ``max_lora_rank``,
+and weights shaped for a model of another size (an adapter trained on another base model), read from the
+safetensors header without loading a tensor. What fails is the reason of the request's dead letter.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.api_core.exceptions import GoogleAPIError
+from google.auth.exceptions import DefaultCredentialsError
+
+from pipeline.contract.request_parsing import ADAPTER_NAME
+from pipeline.serving.lora_adapters import ADAPTER_CONFIG, Adapter, rank_problem
+from pipeline.serving.model_weights import GCS, LOCAL, WeightsError, local_weights, location_kind, parse_gcs_uri
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# A LoRA adapter's safetensors header lists a few hundred tensors; a header claiming more is not an adapter's.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+# Which side of each Llama-family projection has the model's hidden size, or its MLP's intermediate size: the
+# shapes an adapter's lora_A ([rank, in]) and lora_B ([out, rank]) must have for this model.
+_IN_FEATURES = {"q_proj": "hidden_size", "k_proj": "hidden_size", "v_proj": "hidden_size",
+                "gate_proj": "hidden_size", "up_proj": "hidden_size", "down_proj": "intermediate_size"}
+_OUT_FEATURES = {"o_proj": "hidden_size", "down_proj": "hidden_size", "gate_proj": "intermediate_size",
+                 "up_proj": "intermediate_size"}
+
+
+class AdapterUnavailable(Exception):
+    """An adapter a request names that this worker cannot serve; the message is the dead letter's reason."""
+
+
+@dataclass(frozen=True)
+class AdapterRoot:
+    """A folder whose sub-folders are adapters, each named by its folder: ``gs://bucket/adapters/`` or a folder on
+    the worker."""
+
+    location: str
+
+    def __post_init__(self) -> None:
+        kind = location_kind(self.location)
+        if kind == GCS:
+            parse_gcs_uri(self.location)  # raises ValueError for a location no worker could copy
+        elif kind != LOCAL:
+            raise ValueError(f"--lora_adapter_root must be a gs:// folder or a folder on the worker, got "
+                             f"{self.location!r}")
+
+    def location_of(self, name: str) -> str:
+        return f"{self.location.rstrip('/')}/{name}"
+
+
+def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lora_rank: int,
+                  cache_dir: str | None = None) -> str:
+    """Where adapter ``name`` of ``root`` lies on this worker, copied and checked against the model in
+    ``model_folder`` (None: a model whose files are not on disk here, whose shapes go unchecked). Raises
+    :class:`AdapterUnavailable` with the reason."""
+    if not ADAPTER_NAME.match(name):
+        raise AdapterUnavailable(f"adapter {name[:80]!r}: not a folder name under lora_adapter_root")
+    location = root.location_of(name)
+    try:
+        path = local_weights(location, ADAPTER_CONFIG, cache_dir)
+    except (WeightsError, FileNotFoundError) as exc:
+        raise AdapterUnavailable(f"adapter {name!r}: no adapter at {location} ({exc}); an adapter is a folder "
+                                 "saved by peft (save_pretrained)") from None
+    except (GoogleAPIError, DefaultCredentialsError, OSError, ValueError) as exc:
+        raise AdapterUnavailable(f"adapter {name!r}: {location} cannot be read ({type(exc).__name__}: "
+                                 f"{str(exc)[:300]})") from None
+    problem = fit_problem(name, Path(path), model_folder, max_lora_rank)
+    if problem:
+        raise AdapterUnavailable(problem)
+    return path
+
+
+def fit_problem(name: str, folder: Path, model_folder: str | None, max_lora_rank: int) -> str | None:
+    """Why the adapter in ``folder`` cannot serve the model in ``model_folder``, or None."""
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        rank = rank_problem(Adapter(name, str(folder)), config, max_lora_rank)
+    except (OSError, ValueError, TypeError) as exc:
+        return f"adapter {name!r}: its {ADAPTER_CONFIG} cannot be read ({str(exc)[:200]})"
+    if rank:
+        return rank
+    if config.get("peft_type", "LORA") != "LORA":
+        return f"adapter {name!r} is a {config.get('peft_type')} adapter; vLLM serves LoRA adapters only"
+    sizes = _model_sizes(model_folder)
+    if not sizes or not (folder / ADAPTER_WEIGHTS).is_file():
+        return None  # nothing to compare with here: vLLM checks what it loads
+    try:
+        shapes = safetensors_shapes(folder / ADAPTER_WEIGHTS)
+    except (OSError, ValueError) as exc:
+        return f"adapter {name!r}: its {ADAPTER_WEIGHTS} cannot be read ({str(exc)[:200]})"
+    for tensor, shape in sorted(shapes.items()):
+        module = next((part for part in tensor.split(".") if part in _IN_FEATURES or part in _OUT_FEATURES), None)
+        if module is None or len(shape) != 2:
+            continue
+        if ".lora_A." in tensor and module in _IN_FEATURES:
+            side, size_name, found = "input", _IN_FEATURES[module], shape[1]
+        elif ".lora_B." in tensor and module in _OUT_FEATURES:
+            side, size_name, found = "output", _OUT_FEATURES[module], shape[0]
+        else:
+            continue
+        expected = sizes.get(size_name)
+        if expected is not None and found != expected:
+            return (f"adapter {name!r} does not fit the model: {tensor} has {found} {side} features where the "
+                    f"model's {size_name} is {expected} (an adapter trained on another base model)")
+    return None
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from a safetensors file's header (its first 8 bytes give the header's length)."""
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"a header of {length} bytes is not a LoRA adapter's")
+        header = json.loads(handle.read(length).decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    shapes = {}
+    for name, entry in header.items():
+        shape = entry.get("shape") if isinstance(entry, dict) and name != "__metadata__" else None
+        if isinstance(shape, list):
+            if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape):
+                raise ValueError(f"tensor {name[:80]!r} has the shape {str(shape)[:80]}")
+            shapes[name] = list(shape)
+    return shapes
+
+
+def _model_sizes(model_folder: str | None) -> dict[str, int]:
+    if model_folder is None:
+        return {}
+    try:
+        config = json.loads((Path(model_folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    return {name: config[name] for name in ("hidden_size", "intermediate_size") if isinstance(config.get(name), int)}
+
+
+def root_problem(root: AdapterRoot, timeout_s: float) -> tuple[str | None, str | None]:
+    """What a launch can say of the root without listing it whole: (a problem that stops the launch, a warning).
+    A ``gs://`` root is asked for one object; a root not readable from the launcher is left to the workers."""
+    if location_kind(root.location) == LOCAL:
+        if not Path(root.location).expanduser().is_dir():
+            return f"--lora_adapter_root {root.location} is not a folder (in the image the workers run)", None
+        return None, None
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    from pipeline.serving.model_weights import storage_client
+
+    bucket, prefix = parse_gcs_uri(root.location)
+    try:
+        found = list(storage_client().list_blobs(bucket, prefix=prefix, max_results=1, timeout=timeout_s,
+                                                 retry=DEFAULT_RETRY.with_timeout(timeout_s)))
+    except (DefaultCredentialsError, GoogleAPIError, OSError) as exc:
+        return None, (f"--lora_adapter_root {root.location} cannot be read from here ({type(exc).__name__}); "
+                      "each worker reads it on an adapter's first use")
+    if not found:
+        return None, (f"--lora_adapter_root {root.location} holds no adapter yet: requests that name one get a "
+                      "dead letter until its folder is there")
+    return None, None

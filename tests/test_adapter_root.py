@@ -1,0 +1,153 @@
+"""A folder of LoRA adapters (lora_adapter_root): configured, named by requests, fetched and checked by a worker.
+
+The adapters here are real peft adapters (local/toy_adapters.py, and one built on a smaller Llama than the model,
+which is what an adapter trained on another base model looks like); the Cloud Storage root is the Storage
+emulator. Serving them through vLLM is tests/test_lora_root_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from local.emulators import GcsEmulator
+from local.toy_adapters import TARGET_MODULES, build_adapter
+from pipeline.config.options import ConfigError
+from pipeline.config.settings import JobSettings
+from pipeline.contract.messages import DeadLetter
+from pipeline.contract.request_parsing import RequestLimits, parse_request
+from pipeline.serving.adapter_root import (
+    AdapterRoot,
+    AdapterUnavailable,
+    fetch_adapter,
+    root_problem,
+    safetensors_shapes,
+)
+from tests.conftest import activated
+from tests.test_lora_adapters import BASE_CONFIG, saved_adapter
+
+
+@pytest.mark.parametrize("values, problem", [
+    ({"lora_adapter_root": "/adapters", "engine": "transformers"},
+     "--lora_adapter_root does not go with --engine=transformers"),
+    ({"lora_adapter_root": "/adapters", "server_url": "http://vllm:8000"},
+     "--lora_adapter_root does not go with --server_url"),
+    ({"lora_adapter_root": "/adapters", "lora_adapters": "a=/x,b=/y", "max_loras": "2"},
+     r"needs --max_loras above the number of --lora_adapters \(2\)"),
+    ({"lora_adapter_root": "s3://bucket/adapters"}, "lora_adapter_root"),
+    ({"lora_adapter_root": "gs://Not_A_Bucket/adapters"}, "lora_adapter_root"),
+])
+def test_a_root_no_worker_could_serve_from_is_refused(values, problem):
+    with pytest.raises(ConfigError, match=problem):
+        JobSettings.from_mapping({**BASE_CONFIG, **values})
+
+
+def test_the_server_may_load_adapters_while_it_runs_and_keeps_what_max_loras_leaves():
+    settings = JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "gs://bucket/adapters/",
+                                         "lora_adapters": "a=/x/a", "max_loras": "3"})
+    spec = settings.engine.server
+    assert spec.adapter_root == AdapterRoot("gs://bucket/adapters/") and spec.root_adapters == 2
+    command = spec.command("/weights", 8000, adapter_paths=("/local/a",))
+    start = command.index("--enable-lora")
+    assert command[start:start + 7] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3",
+                                        "--lora-modules", "a=/local/a"]
+    assert spec.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    # Only a root: LoRA on, nothing listed; on the CPU build one slot more, which stays empty.
+    alone = JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "/adapters", "max_loras": "2"}).engine.server
+    on_cpu = alone.command("/weights", 8000, on_cpu=True)
+    assert "--lora-modules" not in on_cpu and on_cpu[on_cpu.index("--max-loras") + 1] == "3"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in JobSettings.from_mapping(
+        {**BASE_CONFIG, "lora_adapters": "a=/x"}).engine.server.environment()
+
+
+def test_a_request_may_name_any_folder_of_the_root_and_nothing_outside_it():
+    def parsed(name: str, limits: RequestLimits = RequestLimits(adapters=("listed",), adapter_root=True)):
+        return parse_request(json.dumps({"id": "r", "prompt": "p", "adapter": name}).encode(), limits=limits)
+
+    assert parsed("listed").adapter == "listed" and parsed("customer-17.v2").adapter == "customer-17.v2"
+    for hostile in ("../secrets", "a/b", ".hidden", "", "x" * 65, "a b", "a\nb"):
+        letter = parsed(hostile)
+        assert isinstance(letter, DeadLetter), hostile
+    letter = parsed("other", RequestLimits(adapters=("listed",)))
+    assert isinstance(letter, DeadLetter) and "is not served by this job" in letter.reason
+
+
+@pytest.fixture(scope="module")
+def root(checkpoint, tmp_path_factory) -> Path:
+    """A root of one adapter for the model, one for a smaller Llama, one of too high a rank, one whose config is
+    not JSON, and a folder without a config."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("adapter-root")
+    build_adapter(checkpoint, folder / "good", seed=1)
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    get_peft_model(small, LoraConfig(r=8, target_modules=list(TARGET_MODULES))).save_pretrained(folder / "other-model")
+    saved_adapter(folder / "high-rank", 64)
+    (folder / "garbled").mkdir()
+    (folder / "garbled" / "adapter_config.json").write_text("{not json")
+    (folder / "empty").mkdir()
+    return folder
+
+
+def test_a_worker_fetches_a_good_adapter_and_says_why_it_cannot_serve_each_bad_one(root, checkpoint):
+    found = AdapterRoot(str(root))
+    assert fetch_adapter(found, "good", str(checkpoint), 16) == str((root / "good").resolve())
+    reasons = {}
+    for name in ("other-model", "high-rank", "garbled", "empty", "missing", "../good"):
+        with pytest.raises(AdapterUnavailable) as raised:
+            fetch_adapter(found, name, str(checkpoint), 16)
+        reasons[name] = str(raised.value)
+    assert "does not fit the model" in reasons["other-model"] and "intermediate_size is 1536" in reasons["other-model"]
+    assert "rank 64, above --max_lora_rank=16" in reasons["high-rank"]
+    assert "adapter_config.json cannot be read" in reasons["garbled"]
+    assert "no adapter at" in reasons["empty"] and "no adapter at" in reasons["missing"]
+    assert "not a folder name" in reasons["../good"]
+    # Without the model's files to compare with (a hub id), the shapes are left to vLLM.
+    assert fetch_adapter(found, "other-model", None, 16)
+
+
+def test_a_root_in_cloud_storage_is_copied_down_once_an_adapter_is_named(root, checkpoint, tmp_path):
+    with GcsEmulator() as gcs, activated(gcs):
+        gcs.upload_folder(root / "good", "adapters", "team/good")
+        gcs.upload_folder(root / "other-model", "adapters", "team/other-model")
+        found = AdapterRoot("gs://adapters/team/")
+        cache = str(tmp_path / "cache")
+        path = fetch_adapter(found, "good", str(checkpoint), 16, cache)
+        assert Path(path, "adapter_model.safetensors").read_bytes() == (root / "good" / "adapter_model.safetensors"
+                                                                        ).read_bytes()
+        with pytest.raises(AdapterUnavailable, match="does not fit the model"):
+            fetch_adapter(found, "other-model", str(checkpoint), 16, cache)
+        with pytest.raises(AdapterUnavailable, match="no adapter at gs://adapters/team/missing"):
+            fetch_adapter(found, "missing", str(checkpoint), 16, cache)
+        assert root_problem(found, 15) == (None, None)
+        problem, warning = root_problem(AdapterRoot("gs://adapters/nobody-here/"), 15)
+        assert problem is None and "holds no adapter yet" in warning
+    assert root_problem(AdapterRoot(str(root / "good" / "adapter_config.json")), 15)[0].endswith(
+        "is not a folder (in the image the workers run)")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.one_of(
+    st.binary(max_size=64),
+    st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                 lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                 max_leaves=12).map(lambda value: json.dumps(value).encode())),
+       declared=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+def test_any_weights_file_is_read_or_refused_with_a_reason(tmp_path, header, declared):
+    """A hostile adapter folder cannot make the worker read a huge header or raise anything but a refusal."""
+    path = tmp_path / "adapter_model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header) if declared is None else declared) + header)
+    try:
+        shapes = safetensors_shapes(path)
+    except ValueError:
+        return
+    assert all(isinstance(size, int) for shape in shapes.values() for size in shape)
