@@ -335,6 +335,10 @@ class VmStandIn:
                     continue
         return found
 
+    def thread_counts(self) -> dict[int, int]:
+        """How many threads each live SDK process runs now."""
+        return {n: psutil.Process(sdk.pid).num_threads() for n, sdk in enumerate(self.sdk) if not sdk.dead}
+
     def server_url(self) -> str:
         """Where the managed vLLM of the runtime's host answers: the loopback port one of the host's descendants
         listens on whose ``/health`` answers."""
