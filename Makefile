@@ -200,6 +200,10 @@ bench-engine-cost: model ## The engine's own CPU per token (no DirectRunner) aga
 bench-lora: model ## LoRA adapters: tokens/s and first chunk with 0, 1 and 4 adapters in the mix against the model alone
 	$(PY) -m benchmarks.lora $(BENCH_ARGS)
 
+.PHONY: bench-lora-first-use
+bench-lora-first-use: model ## A root adapter's first use on a worker (copy, check, load) and a reload against a loaded adapter: first chunk
+	$(PY) -m benchmarks.lora_first_use $(BENCH_ARGS)
+
 .PHONY: bench-cpu-settings
 bench-cpu-settings: model ## Compare the local vLLM's dtype and compile settings on this CPU: start time, tokens/s, correct answers
 	$(PY) -m benchmarks.cpu_settings $(BENCH_ARGS)
