@@ -79,8 +79,8 @@ def test_a_request_may_name_any_folder_of_the_root_and_nothing_outside_it():
 
 @pytest.fixture(scope="module")
 def root(checkpoint, tmp_path_factory) -> Path:
-    """A root of one adapter for the model, one for a smaller Llama, one of too high a rank, one whose config is
-    not JSON, and a folder without a config."""
+    """A root of one adapter for the model, one for a smaller Llama, one for modules the model does not have, one
+    of too high a rank, one whose config is not JSON, and a folder without a config."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -92,6 +92,7 @@ def root(checkpoint, tmp_path_factory) -> Path:
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
     get_peft_model(small, LoraConfig(r=8, target_modules=list(TARGET_MODULES))).save_pretrained(folder / "other-model")
     saved_adapter(folder / "high-rank", 64)
+    saved_adapter(folder / "other-architecture", 8, target_modules=["q_proj", "c_attn"])  # c_attn: GPT-2's
     (folder / "garbled").mkdir()
     (folder / "garbled" / "adapter_config.json").write_text("{not json")
     (folder / "empty").mkdir()
@@ -102,11 +103,12 @@ def test_a_worker_fetches_a_good_adapter_and_says_why_it_cannot_serve_each_bad_o
     found = AdapterRoot(str(root))
     assert fetch_adapter(found, "good", str(checkpoint), 16) == str((root / "good").resolve())
     reasons = {}
-    for name in ("other-model", "high-rank", "garbled", "empty", "missing", "../good"):
+    for name in ("other-model", "other-architecture", "high-rank", "garbled", "empty", "missing", "../good"):
         with pytest.raises(AdapterUnavailable) as raised:
             fetch_adapter(found, name, str(checkpoint), 16)
         reasons[name] = str(raised.value)
     assert "does not fit the model" in reasons["other-model"] and "intermediate_size is 1536" in reasons["other-model"]
+    assert "targets c_attn, which the model does not have" in reasons["other-architecture"]
     assert "rank 64, above --max_lora_rank=16" in reasons["high-rank"]
     assert "adapter_config.json cannot be read" in reasons["garbled"]
     assert "no adapter at" in reasons["empty"] and "no adapter at" in reasons["missing"]

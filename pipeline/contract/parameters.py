@@ -238,10 +238,10 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("lora_adapter_root", "LoRA adapter folder",
               "A folder of LoRA adapters, one sub-folder each (a gs:// folder, or a folder on the worker): a request "
               "whose 'adapter' names a sub-folder not in lora_adapters is served by that adapter, which each worker "
-              "copies and checks on its first use (peft's adapter_config.json, its rank, its shapes against the "
-              "model) and loads into its server; one that is missing or does not fit the model becomes a dead "
-              "letter. Each worker keeps max_loras less the number of lora_adapters of them loaded, the least "
-              "recently used unloaded first. engine=vllm with the model manager's own server only.",
+              "copies and checks on its first use (peft's adapter_config.json, its rank, its modules and shapes "
+              "against the model's) and loads into its server; one that is missing or does not fit the model "
+              "becomes a dead letter. Each worker keeps max_loras less the number of lora_adapters of them "
+              "loaded, the least recently used unloaded first. engine=vllm with the model manager's own server only.",
               "gs://my-bucket/adapters/", GROUP_MODEL, regex=r"^(gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/\S*)?|[/~.]\S*)$"),
     Parameter("max_lora_rank", "Max LoRA rank",
               "The largest rank among lora_adapters (vLLM's --max-lora-rank: 8, 16, 32, 64, 128, 256, 320 or 512). "

@@ -1,12 +1,12 @@
 """LoRA adapters found by name in a folder (``lora_adapter_root``), fetched by a worker on their first use.
 
 ``lora_adapters`` fixes a job's adapters at launch; a team that keeps one adapter per customer or per task would
-have to update the job for each new one. With a root, a request whose ``adapter`` names a sub-folder of it is
-served by that adapter: its worker copies the folder once (a ``gs://`` folder through the same copy as the
-model's weights, under its inter-process lock; a folder on the worker is used where it is) and checks it before
-vLLM loads it at run time (:mod:`pipeline.engines.adapter_slots`). The checks catch what vLLM would refuse only
-after the copy, or not at all: a folder without peft's ``adapter_config.json``, a rank above ``max_lora_rank``,
-and weights shaped for a model of another size (an adapter trained on another base model), read from the
+have to update the job for each new one. With a root, a request whose ``adapter`` names a sub-folder of it is served
+by that adapter: its worker copies the folder once (a ``gs://`` folder through the same copy as the model's weights,
+under its inter-process lock; a folder on the worker is used where it is) and checks it before vLLM loads it at run
+time (:mod:`pipeline.engines.adapter_slots`). The checks catch what vLLM would refuse only after the copy, or not at
+all: a folder without peft's ``adapter_config.json``, a rank above ``max_lora_rank``, modules the model does not
+have, and weights shaped for a model of another size (an adapter trained on another base model), read from the
 safetensors header without loading a tensor. What fails is the reason of the request's dead letter.
 """
 
@@ -93,6 +93,13 @@ def fit_problem(name: str, folder: Path, model_folder: str | None, max_lora_rank
         return rank
     if config.get("peft_type", "LORA") != "LORA":
         return f"adapter {name!r} is a {config.get('peft_type')} adapter; vLLM serves LoRA adapters only"
+    targets = config.get("target_modules")
+    modules = _model_modules(model_folder)
+    if isinstance(targets, list) and modules:  # a pattern (a string) is peft's to match: vLLM checks it
+        missing = sorted(str(target) for target in targets if str(target) not in modules)
+        if missing:
+            return (f"adapter {name!r} targets {', '.join(missing)[:200]}, which the model does not have (an adapter "
+                    "for another architecture)")
     sizes = _model_sizes(model_folder)
     if not sizes or not (folder / ADAPTER_WEIGHTS).is_file():
         return None  # nothing to compare with here: vLLM checks what it loads
@@ -137,6 +144,23 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
                 raise ValueError(f"tensor {name[:80]!r} has the shape {str(shape)[:80]}")
             shapes[name] = list(shape)
     return shapes
+
+
+def _model_modules(model_folder: str | None) -> set[str]:
+    """The names a module of the model may be targeted by: every part of its weights' names (empty when its
+    weights cannot be read here)."""
+    if model_folder is None:
+        return set()
+    folder = Path(model_folder)
+    try:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            names = list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        else:
+            names = list(safetensors_shapes(folder / "model.safetensors"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {part for tensor in names for part in tensor.split(".")}
 
 
 def _model_sizes(model_folder: str | None) -> dict[str, int]:
