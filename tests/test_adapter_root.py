@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,6 @@ from pipeline.serving.adapter_root import (
 )
 from tests.conftest import activated
 from tests.test_lora_adapters import BASE_CONFIG, saved_adapter
-from tests.test_template import LAUNCHER_ARGS, REPO
 
 
 @pytest.mark.parametrize("values, problem", [
@@ -136,17 +133,9 @@ def test_a_root_in_cloud_storage_is_copied_down_once_an_adapter_is_named(root, c
         assert root_problem(found, 15) == (None, None)
         problem, warning = root_problem(AdapterRoot("gs://adapters/nobody-here/"), 15)
         assert problem is None and "holds no adapter yet" in warning
-    assert root_problem(AdapterRoot(str(root / "good" / "adapter_config.json")), 15)[0].endswith(
-        "is not a folder (in the image the workers run)")
-
-
-def test_the_launcher_refuses_a_root_that_is_not_a_folder(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "template.main", *LAUNCHER_ARGS,
-                             f"--lora_adapter_root={tmp_path / 'nowhere'}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert f"--lora_adapter_root {tmp_path / 'nowhere'} is not a folder" in result.stderr
-    assert "Running pipeline" not in result.stderr
+    # make run checks on the user's machine, where a folder of the worker image is not: a warning, not a refusal
+    problem, warning = root_problem(AdapterRoot(str(root / "good" / "adapter_config.json")), 15)
+    assert problem is None and "is not a folder here" in warning
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

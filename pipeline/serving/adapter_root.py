@@ -178,8 +178,9 @@ def root_problem(root: AdapterRoot, timeout_s: float) -> tuple[str | None, str |
     """What a launch can say of the root without listing it whole: (a problem that stops the launch, a warning).
     A ``gs://`` root is asked for one object; a root not readable from the launcher is left to the workers."""
     if location_kind(root.location) == LOCAL:
-        if not Path(root.location).expanduser().is_dir():
-            return f"--lora_adapter_root {root.location} is not a folder (in the image the workers run)", None
+        if not Path(root.location).expanduser().is_dir():  # here; the workers' image may hold it (make run)
+            return None, (f"--lora_adapter_root {root.location} is not a folder here: unless the worker image "
+                          "has it, every request that names one of its adapters becomes a dead letter")
         return None, None
     from google.cloud.storage.retry import DEFAULT_RETRY
 
