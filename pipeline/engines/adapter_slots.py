@@ -39,8 +39,6 @@ class AdapterSlots:
         self._unloading: dict[str, asyncio.Future[None]] = {}  # still holding its slot at the server
         self._placing: set[str] = set()  # fetched and checked, a slot taken for it, being loaded
         self._changed = asyncio.Event()
-        self.loads = 0  # loads that succeeded, for the engine's stats
-        self.unloads = 0
 
     def loaded(self) -> list[str]:
         """The adapters loaded now, least recently used first."""
@@ -100,7 +98,6 @@ class AdapterSlots:
             raise
         else:
             self._loaded[name] = 0
-            self.loads += 1
             future.set_result(None)
         finally:
             self._placing.discard(name)
@@ -117,7 +114,6 @@ class AdapterSlots:
         self._unloading[victim] = done
         try:
             await self._unload(victim)
-            self.unloads += 1
         except Exception as exc:  # it counts as gone either way: a later load of it says what the server thinks
             LOGGER.warning("Unloading adapter %s failed (%s)", victim, exc)
         finally:

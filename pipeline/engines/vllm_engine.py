@@ -290,7 +290,9 @@ class VLLMEngine(EngineBase):
         async with session.post(f"{self.base_url}/v1/unload_lora_adapter", json={"lora_name": name}) as response:
             if response.status >= 400:
                 raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
-        LOGGER.info("Unloaded adapter %s (the least recently used; loaded again on its next use)", name)
+        loaded = self._adapter_slots.loaded() if self._adapter_slots else []
+        LOGGER.info("Unloaded adapter %s, the least recently used (loaded again on its next use); loaded now: %s",
+                    name, ", ".join(loaded) or "none")
 
     async def _stream_from_server(self, stream: Stream) -> None:
         request = stream.request
