@@ -34,20 +34,17 @@
 
 7. Its read acknowledges every message it pulls, and the prefetch above pulled up
    to 500 ahead: a backlog left the subscription for the pipeline's memory
-   within seconds. On Dataflow the admission step (:mod:`pipeline.flow.admission`)
-   holds its bundle, and so the messages, while the worker is full; here, where
-   one thread runs every step, a step that waited would stop the timers. So the
-   read hands over only what the worker's admission ledger admits, and prefetches
-   no more than the worker has room for: :class:`SourceAdmission` wraps the
-   worker's runtime from outside (every step acquires it through it) and admits
-   each message under a place-holder id before it is parsed, through the
-   ledger's public ``admit``; when the admission step then admits the request by
-   its id, it takes over the place-holder's place (``admit(ids, in_place_of=...)``,
-   one step under the ledger's lock) instead of waiting. A place-holder that no
-   request takes over (a message that failed to parse) lapses like any admitted
-   request on its way.
+   within seconds. On Dataflow the job's own reader pulls only what the worker
+   has room for (:mod:`pipeline.flow.subscription_reader`), a splittable DoFn
+   this runner cannot run in streaming. So the read here does what that reader
+   does, through the same places (:mod:`pipeline.worker.read_places`): it hands
+   over only as many messages as the worker's admission ledger grants places for,
+   and prefetches no more than the worker has room for. The admission step then
+   admits each request in place of one of them, as on Dataflow. The places are
+   taken on the worker's runtime as the pipeline's steps acquired it (recorded
+   by wrapping ``acquire_runtime``).
 
-All seven touch private DirectRunner internals (the seventh wraps the worker's
+All seven touch private DirectRunner internals (the seventh records the worker's
 runtime from outside), so they live outside the worker
 package (``pipeline/``) and are applied only by the local launcher,
 ``python -m local.direct_runner TEMPLATE_ARGS`` (what ``make smoke``, the tests
@@ -60,12 +57,11 @@ vLLM computes on (:mod:`local.core_placement`).
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import logging
-import collections
 import signal
 import sys
-import uuid
 import threading
 import time
 import weakref
@@ -73,8 +69,8 @@ from typing import Any
 
 from apache_beam.runners.runner import PipelineResult
 
-
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime
 
 LOGGER = logging.getLogger(__name__)
@@ -131,9 +127,16 @@ class _PrefetchingPullClient:
             if self._subscription is None:
                 self._subscription = subscription
                 threading.Thread(target=self._prefetch, name="pubsub-prefetch", daemon=True).start()
-        runtime = _source_runtime()
         ready = min(len(self._queue), self._max_messages)
-        granted = 0 if not ready else runtime.admit_messages(ready) if runtime is not None else 1
+        found = _source_runtime()
+        if not ready or found is None:
+            granted = min(ready, 1)  # before the engine is set up: one at a time, admitted in place of itself
+        else:
+            tag, runtime = found
+            places = read_places.reserve(runtime, ready)
+            read_places.settle(runtime, tag, places, len(places))
+            runtime.dispatched(places)  # its output is committed at once; the admission step runs later
+            granted = len(places)
         received = [self._queue.popleft() for _ in range(granted)]
         self.taken += len(received)
         if not received:
@@ -144,71 +147,35 @@ class _PrefetchingPullClient:
         return getattr(self._client, name)
 
 
-# The place-holders' holder in the ledger's reports: the source is no key of the generate step.
-SOURCE_HOLDER = "local-source"
+_RUNTIMES: dict[str, WorkerRuntime] = {}  # by tag: the runtime the pipeline's steps acquired
+_RUNTIMES_LOCK = threading.Lock()
 
 
-class SourceAdmission:
-    """Fix 7: the worker's runtime as the local steps see it, so the source admits and the admission step finds
-    each request admitted already. Any other call goes to the runtime as it is."""
-
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        self.runtime = runtime
-        self._places: collections.deque[str] = collections.deque()  # admitted place-holders, oldest first
-        self._lock = threading.Lock()
-
-    def admit_messages(self, count: int) -> int:
-        """Places for up to ``count`` messages not yet parsed, while the worker has room; how many it took."""
-        places = [f"{SOURCE_HOLDER}:{uuid.uuid4().hex}" for _ in range(count)]
-        taken = self.runtime.admit(places) if places else 0
-        if taken:
-            self.runtime.dispatched(places[:taken])  # counted for admission_transit_s unless taken over
-            with self._lock:
-                self._places.extend(places[:taken])
-        return taken
-
-    def admit(self, ids: list[str], bundle: str = "") -> int:
-        """The admission step's call (its read bundle named, as :class:`~pipeline.flow.admission.AdmitFn` names it):
-        each request takes over a place-holder's place, without waiting."""
-        with self._lock:
-            places = [self._places.popleft() for _ in range(min(len(ids), len(self._places)))]
-        taken = self.runtime.admit(ids[:len(places)], in_place_of=places, bundle=bundle) if places else 0
-        rest = ids[len(places):]
-        return taken + (self.runtime.admit(rest, bundle=bundle) if rest else 0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runtime, name)
-
-
-_ADMISSIONS: dict[str, SourceAdmission] = {}  # by runtime tag
-_ADMISSIONS_LOCK = threading.Lock()
-
-
-def _admit_in_the_source() -> None:
-    """Fix 7: every step of this process acquires its runtime wrapped in a :class:`SourceAdmission`."""
+def _record_runtimes() -> None:
+    """Fix 7: every runtime a step of this process acquires is recorded, for the read to take places on."""
     from pipeline.worker import runtime as worker_runtime
 
     original = worker_runtime.acquire_runtime
 
-    def acquire(settings: EngineSettings, tag: str, *, fresh: bool = False) -> SourceAdmission:
+    def acquire(settings: EngineSettings, tag: str, *, fresh: bool = False) -> WorkerRuntime:
         runtime = original(settings, tag, fresh=fresh)
-        with _ADMISSIONS_LOCK:
-            if tag not in _ADMISSIONS or _ADMISSIONS[tag].runtime is not runtime:
-                _ADMISSIONS[tag] = SourceAdmission(runtime)
-            return _ADMISSIONS[tag]
+        with _RUNTIMES_LOCK:
+            _RUNTIMES[tag] = runtime
+        return runtime
 
     worker_runtime.acquire_runtime = acquire
 
 
-def _source_runtime() -> SourceAdmission | None:
-    """The worker's runtime, once the pipeline's steps have set it up: one pipeline, one runtime, in a local run."""
-    with _ADMISSIONS_LOCK:
-        return next(iter(_ADMISSIONS.values()), None)
+def _source_runtime() -> tuple[str, WorkerRuntime] | None:
+    """The worker's runtime and its tag, once the pipeline's steps have set it up: one pipeline, one runtime, in
+    a local run."""
+    with _RUNTIMES_LOCK:
+        return next(iter(_RUNTIMES.items()), None)
 
 
 def _source_load() -> dict | None:
-    runtime = _source_runtime()
-    return runtime.load() if runtime is not None else None
+    found = _source_runtime()
+    return found[1].load() if found is not None else None
 
 
 _applied = False
@@ -304,7 +271,7 @@ def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0
     transform_evaluator.get_dofn_specs = dofn_specs_by_class
 
     _inspect_methods_once_per_class()
-    _admit_in_the_source()
+    _record_runtimes()
 
     watermarks = watermark_manager._TransformWatermarks
     original_add_pending = watermarks.add_pending

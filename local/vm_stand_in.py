@@ -14,13 +14,15 @@ own process. A worker VM is more than that, and this adds what it is made of:
   worker harness process"; the runner hands it to the worker pool as ``numThreadsPerWorker``). Each process
   here runs at most ``threads`` work items at once, one DoFn instance per thread, as Beam keeps one per
   concurrently running bundle.
-* **Read bundles whenever a thread is free.** Dataflow does not document how it schedules read work items
-  against timers; the worst case, taken here, is that every thread with no due work item of a key takes a read
-  bundle of the backlog, of whatever size the schedule draws. A refused read bundle
-  (:class:`pipeline.flow.admission.WorkerFull`) fails its work item: its messages go back to the backlog,
-  unacknowledged, and are read again ("Common error guidance": a failing bundle is retried;
-  https://cloud.google.com/dataflow/docs/guides/common-errors). Due timers queue first in, first out with the
-  elements that arrive for keys, as a worker's work queue holds them.
+* **Reads whenever a thread is free.** Dataflow does not document how it schedules its readers' rounds against
+  timers; the worst case, taken here, is that every thread with no due work item of a key runs a round of the
+  job's reader (:mod:`pipeline.flow.subscription_reader`) fused with the admission step: it takes places in
+  the worker's hold (the real :mod:`pipeline.worker.read_places` on the real shared runtime), "pulls" at most
+  that many of the backlog, admits each request in its place with the real ``AdmitFn`` and ends its bundle. The
+  backlog lives in this runner's process, so a round is sent the next messages of a drawn size and hands back
+  those it had no place for, as if it had never pulled them; a round that took nothing defers, and the next
+  round runs ``FULL_DELAY_S`` later, as the runner resumes a deferred reader. Due timers queue first in, first
+  out with the elements that arrive for keys, as a worker's work queue holds them.
 * **One runtime per VM.** The steps reach the worker's runtime through Beam's ``MultiProcessShared``, which
   "will be instantiated once per VM and methods will be invoked on it via rpc" (its module's documentation): the
   first process to acquire it starts its host, a process of its own (``spawn_process``), and every process calls
@@ -39,7 +41,8 @@ own process. A worker VM is more than that, and this adds what it is made of:
   https://cloud.google.com/dataflow/docs/guides/updating-a-pipeline).
 
 The admission step's requests go straight to the generate step's keys here (the batcher between them is
-tested with the real DoFn in ``tests/test_worker_rig.py``).
+tested with the real DoFn in ``tests/test_worker_rig.py``; the reader's own pull, acknowledgement and deferral
+under Beam's portable runner in ``tests/test_subscription_reader.py``).
 """
 
 from __future__ import annotations
@@ -63,10 +66,13 @@ import psutil
 from local.runner_semantics import Driver, KeyState, Outputs, Worker
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.flow.admission import AdmitFn, WorkerFull
+from pipeline.flow.admission import AdmitFn
+from pipeline.flow.subscription_reader import FULL_DELAY_S, take_places
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.serving.vllm_server import is_healthy
+from pipeline.worker import read_places
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
+from pipeline.worker.runtime_client import call_within
 
 START_TIMEOUT_S = 600.0  # the first process starts the runtime's host: with a managed vLLM, minutes on a CPU
 # Engine calls that a schedule may make raise (the generate step's calls into the runtime).
@@ -129,17 +135,22 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
         driver, admit = dofns()
         try:
             if kind == "read":
-                admit.start_bundle()
-                passed = [out for request in payload for out in admit.process(request)]
-                admit.finish_bundle()
-                reply: tuple = (token, "done", passed)
+                places = take_places(source, len(payload))
+                pulled, rest = payload[:len(places)], payload[len(places):]
+                if pulled:
+                    call_within(source, lambda runtime: read_places.settle(runtime, source.tag, places, len(pulled)))
+                    admit.start_bundle()
+                    passed = [out for request in pulled for out in admit.process(request)]
+                    admit.finish_bundle()
+                    call_within(source, lambda runtime: runtime.dispatched(places))
+                else:
+                    passed = []
+                reply: tuple = (token, "done", (passed, rest))
             else:
                 key, method, element, timer, state = payload
                 driver.state[key] = state
                 outputs = driver.run(key, method, element, timer=timer)
                 reply = (token, "done", (outputs, driver.state.pop(key)))
-        except WorkerFull:
-            reply = (token, "refused", None)
         except Exception as exc:  # the work item failed: the runner retries it
             logging.getLogger(name).exception("work item failed")
             reply = (token, "failed", repr(exc))
@@ -171,13 +182,12 @@ class SdkProcess:
 
 @dataclass
 class Schedule:
-    """What the runner does to the VM, drawn by a test: read bundle sizes (cycled), how often a work item fails
-    to commit, how often an engine call raises, and the runner's delay before it reads a refused bundle again."""
+    """What the runner does to the VM, drawn by a test: how many messages a round's pull returns at most
+    (cycled), how often a work item fails to commit, and how often an engine call raises."""
 
     bundle_sizes: tuple[int, ...] = (2,)
     commit_failure_rate: float = 0.0
     engine_failure_rate: float = 0.0
-    refusal_retry_s: float = 0.2
     seed: int = 0
 
 
@@ -202,13 +212,13 @@ class VmStandIn:
     queue: collections.deque = field(default_factory=collections.deque)  # work items of keys, first in first out
     taken: set[str] = field(default_factory=set)  # ids whose read bundle committed
     retried: int = 0  # work items that failed (a process died in them, or they raised) and ran again
-    refused: int = 0  # read bundles refused by admission
+    deferred: int = 0  # reads' rounds that took nothing (the worker was full) and deferred
     failed_commits: int = 0
     holds: list[int] = field(default_factory=list)  # requests taken and not yet ended, at each round
     timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, undisturbed and reading
     work_items: list[tuple[float, Any, str]] = field(default_factory=list)  # (seconds it ran, key, method)
     reading: bool = True
-    _next_read_at: float = 0.0  # the runner's delay after a refused read bundle
+    _next_read_at: float = 0.0  # when a deferred reader's round runs again
     _disrupted_at: float = 0.0  # the last resume, kill or update: only timers due after it are measured
     _began: dict[int, float] = field(default_factory=dict)  # token -> when its work item was sent
 
@@ -230,7 +240,7 @@ class VmStandIn:
         self.sdk = [self._start(n) if sdk.dead else sdk for n, sdk in enumerate(self.sdk)]
         self.state, self.owner, self.committed = {}, {}, Outputs()
         self.backlog, self.queue, self.taken = collections.deque(), collections.deque(), set()
-        self.retried = self.refused = self.failed_commits = 0
+        self.retried = self.deferred = self.failed_commits = 0
         self.holds, self.timer_delays, self.reading = [], [], True
         self.work_items = []
         self._next_read_at = 0.0
@@ -471,12 +481,14 @@ class VmStandIn:
 
     def _finished(self, item: tuple, status: str, result: Any) -> None:
         if item[0] == "read":
-            if status == "refused":
-                self.refused += 1
-                self.backlog.extendleft(reversed(item[1]))
-                self._next_read_at = time.monotonic() + self.schedule.refusal_retry_s
-            elif status == "failed":
+            if status == "failed":
                 self._failed(item)
+                return
+            result, rest = result
+            self.backlog.extendleft(reversed(rest))  # never pulled: no place for them
+            if not result:
+                self.deferred += 1
+                self._next_read_at = time.monotonic() + FULL_DELAY_S
             else:
                 self.taken.update(request.id for request in result)
                 by_key: dict[int, list] = collections.defaultdict(list)

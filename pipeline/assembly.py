@@ -1,4 +1,4 @@
-"""Pipeline assembly: parse → measure → admit → batch → generate (streaming) → write.
+"""Pipeline assembly: read → parse → measure → admit → batch → generate (streaming) → write.
 
 :func:`build` wires the reusable transforms from a job's :class:`~pipeline.config.settings.JobSettings`
 (every component's settings, built in one room); :func:`run` is what the Flex Template entry point and
@@ -21,6 +21,7 @@ from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.batching import BatchRequests
+from pipeline.flow.subscription_reader import ReadWithinRoom, readers_for
 from pipeline.generation.generate import StreamingGenerate
 from pipeline.intake.parsing import ParseRequests
 from pipeline.intake.prompt_length import MeasurePromptLength
@@ -49,14 +50,21 @@ class PipelineOutputs:
 def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
     """Adds the whole streaming inference graph to ``pipeline``."""
     config, local = settings.config, is_local(pipeline.options)
-    messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
-                                                          with_attributes=True)
+    # The reader, the admission step and the generate step share the worker's runtime: its engine and admission
+    # ledger. The reader pulls only what the ledger has room for; the local runner cannot run it (an unbounded
+    # splittable DoFn), so there its own read of the subscription takes places the same way (local/direct_runner.py).
+    runtime = SharedRuntime(settings.engine, new_runtime_tag(settings.engine))
+    if local:
+        messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
+                                                              with_attributes=True)
+    else:
+        workers = pipeline.options.view_as(WorkerOptions)
+        readers = readers_for(workers.max_num_workers or workers.num_workers or 1)
+        messages = pipeline | "ReadPrompts" >> ReadWithinRoom(config.input_subscription, runtime, readers=readers)
     parsed = messages | "ParseRequests" >> ParseRequests(settings.limits, config.id_attribute,
                                                          settings.request_defaults)
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(settings.prompt_length)
-    # The admission step and the generate step share the worker's runtime: its engine and admission ledger.
-    runtime = SharedRuntime(settings.engine, new_runtime_tag(settings.engine))
-    # Last before the first shuffle: what it holds back is still unacknowledged in Pub/Sub.
+    # Last before the first shuffle, in the reader's fused stage: each request takes the place its read took.
     admitted = measured.requests | "AdmitRequests" >> AdmitRequests(runtime)
     batches = admitted | "BatchRequests" >> BatchRequests(settings.batching)
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(

@@ -63,19 +63,35 @@ def test_the_job_is_a_streaming_job_on_gpu_workers_running_the_worker_image(buil
     assert {"use_runner_v2", "enable_streaming_engine"} <= set(environment["experiments"])
     (pool,) = environment["workerPools"]
     assert pool["diskSizeGb"] == DEFAULT_DISK_SIZE_GB  # set by the launch, as the console sets none
-    # Set by the launch too: admission waits for room in at most half of the work items a worker runs at once.
+    # Set by the launch too: the runtime client keeps a call thread for each work item a worker runs at once.
     assert pool["numThreadsPerWorker"] == DEFAULT_HARNESS_THREADS
     assert pool["workerHarnessContainerImage"] == WORKER_IMAGE
     assert {image["containerImage"] for image in pool["sdkHarnessContainerImages"]} == {WORKER_IMAGE}
 
 
-def test_the_job_reads_pubsub_with_attributes_and_keys_state_by_deterministic_coders(built_job):
+def test_the_job_reads_its_subscription_with_its_own_reader_and_keys_state_by_deterministic_coders(built_job):
+    """Not Dataflow's Pub/Sub source: the job's reader, a splittable DoFn that asks for bundle finalization (it
+    acknowledges there), run as its readers, one element each, on the job's subscription
+    (docs/architecture.md, "Backpressure")."""
+    from apache_beam.internal import pickler
+
+    from pipeline.flow.subscription_reader import READERS, PullWithinRoomFn
+
     _, pipeline = built_job
     components = pipeline.components
-    reads = [beam_runner_api_pb2.PubSubReadPayload.FromString(t.spec.payload)
-             for t in components.transforms.values() if t.spec.urn == "beam:transform:pubsub_read:v1"]
-    assert [(read.subscription, read.with_attributes) for read in reads] == [
-        ("projects/proj-123456/subscriptions/prompts-sub", True)]  # the id attribute needs the attributes
+    assert not [t for t in components.transforms.values() if t.spec.urn == "beam:transform:pubsub_read:v1"]
+    readers, elements = [], []
+    for transform in components.transforms.values():
+        if transform.spec.urn != "beam:transform:pardo:v1" or not transform.unique_name.startswith("ReadPrompts/"):
+            continue
+        payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
+        fn = pickler.loads(payload.do_fn.payload)[0]
+        if isinstance(fn, PullWithinRoomFn):
+            readers.append((payload.restriction_coder_id != "", payload.requests_finalization))
+        elif transform.unique_name.endswith("/Readers"):
+            elements = list(fn._fn(None))
+    assert readers == [(True, True)], "one splittable reader that acknowledges in its bundle finalizer"
+    assert elements == [("projects/proj-123456/subscriptions/prompts-sub", n) for n in range(READERS)]
     stateful = {}
     for transform in components.transforms.values():
         if transform.spec.urn != "beam:transform:pardo:v1":

@@ -78,44 +78,44 @@ def test_a_dofn_methods_arguments_are_inspected_once_per_class_not_per_bundle(mo
     assert len(inspected) < 500, f"{len(inspected)} signature inspections"  # 1,171 unfixed, 236 fixed
 
 
-def test_the_local_source_admits_through_the_ledger_and_the_admission_step_takes_its_places_over():
-    """Fix 7: messages are admitted before they are parsed, under place-holders; the admission step's requests take
-    their places without waiting; a place-holder nothing takes over (a message that failed to parse) lapses."""
-    from local.direct_runner import SourceAdmission
-    from pipeline.engines.engine_settings import EngineSettings
-    from pipeline.worker.admission_ledger import AdmissionLedger
+def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_admission_step_takes_them(emulator):
+    """Fix 7: the local read takes a place in the worker's hold for each message before it hands it over, as the
+    job's reader does on Dataflow (pipeline/worker/read_places.py): from a backlog of 10 it hands over the
+    worker's room, 3, and the admission step's requests each take one of those places over."""
+    from google.cloud import pubsub_v1
 
+    from local import direct_runner
+    from pipeline.engines.engine import EngineBase
+    from pipeline.engines.engine_settings import EngineSettings
+    from pipeline.worker import read_places
+    from pipeline.worker.runtime import WorkerRuntime
+
+    emulator.create_topic("fix7-topic", subscription="fix7-sub")
+    publisher = pubsub_v1.PublisherClient()
+    for i in range(10):
+        publisher.publish(emulator.topic("fix7-topic"), f"m{i}".encode()).result()
     settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=2, worker_queue=1,
-                              admission_transit_s=0.3)
-    ledger = AdmissionLedger(settings, unfinished=lambda: 0)
-    source = SourceAdmission(ledger)  # the ledger's calls are the runtime's
-    assert source.admit_messages(5) == 3, "max_in_flight + worker_queue"
-    assert ledger.counts() == (0, 0, 3) and ledger.admit(["other"]) == 0
-    # As the admission step calls it, naming its read bundle (AdmitFn._admit).
-    assert source.admit(["a", "b"], bundle="bundle-1") == 2, "each request takes a place-holder's place: no wait"
-    assert ledger.counts() == (0, 0, 3), "two requests and the third place-holder"
-    time.sleep(0.4)
-    assert ledger.counts() == (0, 0, 2), "the place-holder nobody took over lapsed; the requests count until they arrive"
-    ledger.report_waiting("shard-0", 0, arrived=["a", "b"])
-    assert ledger.counts() == (0, 0, 0)
-    assert source.admit(["c"], bundle="bundle-2") == 1 and ledger.counts() == (0, 0, 1), \
-        "no place-holder left: the ledger's own rule"
-
-
-def test_a_request_takes_over_its_place_holder_even_after_the_place_holder_lapsed():
-    """On a slow machine the admission step may run after a place-holder's transit lapsed; its request still takes
-    the place (it was admitted), so the step never waits or refuses on the DirectRunner."""
-    from local.direct_runner import SourceAdmission
-    from pipeline.engines.engine_settings import EngineSettings
-    from pipeline.worker.admission_ledger import AdmissionLedger
-
-    settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=1, worker_queue=1,
-                              admission_transit_s=0.2)
-    streams = [0]
-    ledger = AdmissionLedger(settings, unfinished=lambda: streams[0])
-    source = SourceAdmission(ledger)
-    assert source.admit_messages(2) == 2
-    streams[0] = 2  # full of streams by the time the step runs
-    time.sleep(0.3)
-    assert ledger.counts() == (2, 0, 0), "the place-holders lapsed"
-    assert source.admit(["a", "b"]) == 2, "each request still takes its place-holder's place"
+                              admission_transit_s=60.0)
+    runtime = WorkerRuntime(EngineBase(settings))  # its engine is asked only how many streams it runs: none
+    client = direct_runner._PrefetchingPullClient(pubsub_v1.SubscriberClient(), max_messages=100)
+    tag = f"fix7-{time.monotonic_ns()}"
+    with direct_runner._RUNTIMES_LOCK:
+        saved = dict(direct_runner._RUNTIMES)
+        direct_runner._RUNTIMES.clear()
+        direct_runner._RUNTIMES[tag] = runtime
+    try:
+        handed, deadline = 0, time.monotonic() + 30
+        while time.monotonic() < deadline and handed < 3:
+            handed += len(client.pull(emulator.subscription("fix7-sub")).received_messages)
+        time.sleep(1.0)  # the prefetch has had time to fetch more: still nothing more is handed over
+        handed += len(client.pull(emulator.subscription("fix7-sub")).received_messages)
+        assert handed == 3, "max_in_flight + worker_queue"
+        assert runtime.admission.counts() == (0, 0, 3)
+        places = read_places.take(tag, 10)
+        assert len(places) == 3
+        assert runtime.admit(["a", "b"], in_place_of=places[:2]) == 2, "each request in a place: no room needed"
+        assert runtime.admission.counts() == (0, 0, 3), "two requests and the third place"
+    finally:
+        with direct_runner._RUNTIMES_LOCK:
+            direct_runner._RUNTIMES.clear()
+            direct_runner._RUNTIMES.update(saved)

@@ -1,10 +1,16 @@
-"""The worker's hold ledger (pipeline/worker/hold.py): an admitted request counts once until it arrives."""
+"""The worker's hold ledger (pipeline/worker/hold.py): an admitted request counts once until it arrives, and reads
+that take places before they pull (pipeline/worker/read_places.py) keep the worker within its bound."""
 
 from __future__ import annotations
+
+import uuid
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.engines.engine_settings import EngineSettings
+from pipeline.worker import read_places
+from pipeline.worker.admission_ledger import AdmissionLedger
 from pipeline.worker.hold import WorkerHold
 
 
@@ -30,82 +36,48 @@ def test_a_retried_bundle_admitting_the_same_request_takes_no_second_place():
     assert hold.counts(10.0) == (0, 1), "admitted again, its bundle is open again"
 
 
-def test_a_worker_held_only_by_open_bundles_lets_its_lead_bundle_one_more_through():
-    hold = ledger()
-    hold.admit(0.0, ["a"], room=1, bundle="b1")
-    hold.admit(0.1, ["b"], room=1, bundle="b2")
-    assert hold.room(0.2, held=2, bound=2, bundle="b1") == 1, "nothing but open bundles could free room: no deadlock"
-    assert hold.room(0.2, held=2, bound=2, bundle="b2") == 0, "only the lead: the oldest open admission"
-    assert hold.room(0.2, held=2, bound=2, bundle="b3") == 0, "a new bundle waits for the lead to finish"
-    assert hold.room(0.2, held=3, bound=2, bundle="b1") == 0, "a stream or a waiting request will free room: wait"
-    assert hold.room(6.0, held=2, bound=2, bundle="b2") == 1, "b1 stopped asking (it died): b2 leads"
-    hold.dispatched(6.5, ["a", "b"])
-    assert hold.room(6.5, held=2, bound=2, bundle="b2") == 0, "on their way: they arrive or lapse"
-
-
-def _admit_next(hold: WorkerHold, now: float, bundle: str, request_id: str, bound: int) -> bool:
-    """One admission step's ask for one request, against a worker that holds nothing but this ledger's count."""
-    _, held = hold.counts(now)
-    return bool(hold.admit(now, [request_id], hold.room(now, held, bound, bundle), bundle))
-
-
-def test_many_large_read_bundles_at_an_empty_worker_go_past_the_bound_by_less_than_one_bundle():
-    """The probe of #57: 12 read bundles of 200 asking in turn at an empty worker with a bound of 6 took all
-    2,400 requests when every bundle got the one more; now the lead alone does, until it finishes."""
-    hold, bound, now = ledger(), 6, 0.0
-    bundles = {f"b{n}": [f"b{n}-r{i}" for i in range(200)] for n in range(12)}
-    admitted: dict[str, int] = {name: 0 for name in bundles}
-    for _ in range(200):
-        for name, ids in bundles.items():
-            now += 0.0001
-            if admitted[name] < len(ids) and _admit_next(hold, now, name, ids[admitted[name]], bound):
-                admitted[name] += 1
-    assert admitted["b0"] == 200, "the lead bundle finishes: no deadlock"
-    assert sum(admitted.values()) == bound - 1 + 200 <= bound + 200 - 1, admitted
-
-
-_bundle_ops = st.lists(st.one_of(st.tuples(st.just("ask"), st.integers(0, 5)),
-                                 st.tuples(st.just("die"), st.integers(0, 5)),
-                                 st.tuples(st.just("wait"), st.sampled_from([0.01, 0.5, 3.0, 6.0]))), max_size=120)
+_read_ops = st.lists(st.one_of(
+    st.tuples(st.just("read"), st.integers(1, 200), st.floats(0.0, 1.0)),  # pull up to n; the pull fills a share
+    st.tuples(st.just("admit"), st.integers(1, 50)),  # the admission step takes over so many places
+    st.tuples(st.just("end"), st.just(0)),  # the bundle ends: its requests, and places left, are on their way
+    st.tuples(st.just("arrive"), st.integers(1, 50)),  # the generate step reports so many arrived
+    st.tuples(st.just("wait"), st.sampled_from([0.01, 0.5, 3.0]))), max_size=150)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.integers(1, 8), _bundle_ops)
-def test_no_interleaving_of_read_bundles_holds_more_than_the_bound_and_one_bundle_nor_wedges(sizes, bound, ops):
-    """Read bundles of drawn sizes at an empty worker, asking in any order; a bundle that dies is retried by the
-    runner with the same requests under a new name (its held ones take no second place); a finished bundle's
-    requests are on their way for transit_s. The worker never holds more than the bound plus one bundle less
-    one request, and once the asks are fair every bundle finishes."""
-    hold, now = ledger(), 0.0
-    ids = [[f"{n}-{i}" for i in range(size)] for n, size in enumerate(sizes)]
-    names, done, tries = [f"{n}#0" for n in range(len(sizes))], [0] * len(sizes), [0] * len(sizes)
-
-    def ask(n: int) -> None:
-        if done[n] < len(ids[n]) and _admit_next(hold, now, names[n], ids[n][done[n]], bound):
-            done[n] += 1
-            if done[n] == len(ids[n]):
-                hold.dispatched(now, ids[n])  # the bundle finished: its requests are on their way
-
-    for operation, value in ops:
-        if operation == "wait":
-            now += value
-        elif value < len(sizes) and operation == "ask":
-            ask(value)
-        elif value < len(sizes) and done[value] < len(ids[value]):  # dies mid-bundle: retried from its start
-            tries[value] += 1
-            names[value], done[value] = f"{value}#{tries[value]}", 0
-        now += 0.001
-        _, held = hold.counts(now)
-        assert held <= bound + max(sizes) - 1, (held, bound, sizes)
-    for _ in range(20_000):  # fair: every bundle asks in turn, time goes on (transit_s lapses)
-        if all(d == len(i) for d, i in zip(done, ids)):
-            break
-        for n in range(len(sizes)):
-            ask(n)
-        now += 0.05
-        _, held = hold.counts(now)
-        assert held <= bound + max(sizes) - 1, (held, bound, sizes)
-    assert all(d == len(i) for d, i in zip(done, ids)), f"a read bundle never finished: {done} of {sizes}"
+@given(st.integers(1, 20), _read_ops)
+def test_reads_of_any_size_in_any_order_never_take_an_empty_worker_past_its_bound(bound, ops):
+    """The probe of #57 went the other way: 12 read bundles of 200 at an empty worker of bound 6 took all 2,400.
+    Now a read takes places before it pulls (pipeline/worker/read_places.py), so reads of any size, interleaved in
+    any order with the admission step taking their places over, bundles ending, arrivals and time passing, never
+    make the worker hold more than its bound: in requests, with no slack."""
+    now = [0.0]
+    settings_ = EngineSettings(server=None, server_url="http://unused", max_in_flight=bound, worker_queue=1,
+                               admission_transit_s=2.0)
+    ledger_ = AdmissionLedger(settings_, lambda: 0, clock=lambda: now[0])
+    tag, admitted, dispatched, read_in_bundle, serial = f"hold-{uuid.uuid4().hex}", [], [], [], 0
+    for operation, value, *share in ops:
+        if operation == "read":
+            places = read_places.reserve(ledger_, value)
+            used = int(len(places) * share[0])
+            read_places.settle(ledger_, tag, places, used)
+            read_in_bundle += places[:used]
+        elif operation == "admit":
+            for place in read_places.take(tag, value):
+                serial += 1
+                assert ledger_.admit([f"req-{serial}"], in_place_of=[place]) == 1, "a place is always taken over"
+                admitted.append(f"req-{serial}")
+        elif operation == "end":  # the reader's and the admission step's, in one fused bundle
+            read_places.discard(tag, read_in_bundle)
+            ledger_.dispatched(admitted + read_in_bundle)
+            dispatched, admitted, read_in_bundle = dispatched + admitted, [], []
+        elif operation == "arrive":
+            ledger_.report_waiting("key", 0, arrived=dispatched[:value])
+            del dispatched[:value]
+        else:
+            now[0] += value
+        unfinished, waiting, on_the_way = ledger_.counts()
+        assert unfinished + waiting + on_the_way <= ledger_.bound, (on_the_way, ledger_.bound)
 
 
 def test_waiting_reports_count_per_key_until_they_lapse():
@@ -117,39 +89,6 @@ def test_waiting_reports_count_per_key_until_they_lapse():
     assert hold.counts(7.2) == (1, 0), "k2's report lapsed"
     hold.report_waiting(7.3, "k1", 0)
     assert hold.counts(7.3) == (0, 0)
-
-
-def test_at_most_so_many_bundles_wait_and_a_place_lapses_unless_renewed():
-    hold = ledger()
-    assert hold.wait_place(0.0, "b1", most=2, lapse_s=5.0)
-    assert hold.wait_place(0.1, "b2", most=2, lapse_s=5.0)
-    assert not hold.wait_place(0.2, "b3", most=2, lapse_s=5.0), "every place taken: b3 must not wait"
-    assert hold.wait_place(4.0, "b1", most=2, lapse_s=5.0), "a bundle renews its own place"
-    assert hold.wait_place(5.2, "b3", most=2, lapse_s=5.0), "b2 stopped renewing (its process died): free again"
-    assert not hold.wait_place(5.3, "b2", most=2, lapse_s=5.0), "and taken"
-    hold.leave_place("b1")
-    assert hold.wait_place(5.4, "b2", most=2, lapse_s=5.0)
-
-
-_places = st.lists(st.tuples(st.sampled_from(["take", "leave"]), st.sampled_from(["b1", "b2", "b3", "b4"]),
-                             st.floats(0.0, 3.0)), max_size=40)
-
-
-@settings(max_examples=300, deadline=None)
-@given(_places, st.integers(1, 3))
-def test_no_schedule_has_more_bundles_waiting_than_places(operations, most):
-    hold, now, holding = ledger(), 0.0, {}
-    for operation, bundle, step in operations:
-        now += step
-        holding = {b: at for b, at in holding.items() if now - at < 5.0}
-        if operation == "leave":
-            hold.leave_place(bundle)
-            holding.pop(bundle, None)
-        elif hold.wait_place(now, bundle, most=most, lapse_s=5.0):
-            holding[bundle] = now
-        else:
-            assert bundle not in holding and len(holding) >= most, "refused only when every place is held"
-        assert len(holding) <= most
 
 
 _ids = st.sampled_from([f"r{i}" for i in range(8)])

@@ -10,15 +10,16 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_parameters
-from pipeline.config.options import ConfigError, PipelineConfig, StreamingLLMOptions
+from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.parameters import PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.batching import BatchingConfig
 from pipeline.generation.generate import DEFAULT_DEDUPE_WINDOW_S, DEFAULT_DRAIN_TIMEOUT_S
 from pipeline.serving.vllm_server import ServerSpec
+from pipeline.worker.runtime_client import call_threads
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
@@ -159,7 +160,7 @@ def test_components_default_to_what_the_parameters_declare():
     assert job.engine.chunk_policy == ChunkPolicy()
     bare_engine = EngineSettings(server=job.engine.server)
     for name in ("engine", "prompt_format", "max_in_flight", "request_timeout_s", "stream_lease_s", "worker_queue",
-                 "admission_waiters"):
+                 "harness_threads"):
         assert getattr(job.engine, name) == getattr(bare_engine, name), name
     spec, bare_spec = job.engine.server, ServerSpec(model=job.engine.server.model)
     for name in ("max_model_len", "dtype", "gpu_memory_utilization", "start_timeout_s", "max_lora_rank", "max_loras"):
@@ -169,11 +170,11 @@ def test_components_default_to_what_the_parameters_declare():
     assert job.config.max_in_flight == PARAMETERS_BY_NAME["max_in_flight"].default == bare_engine.max_in_flight
 
 
-def test_admission_waits_in_at_most_half_of_the_threads_the_launch_sets():
-    assert settings(number_of_worker_harness_threads="8").engine.admission_waiters == 4
-    assert settings(number_of_worker_harness_threads="3").engine.admission_waiters == 1
+def test_the_runtime_client_keeps_a_call_thread_for_each_harness_thread_the_launch_sets():
+    assert call_threads(settings(number_of_worker_harness_threads="8").engine) == 8 + 2
+    assert call_threads(settings().engine) == DEFAULT_HARNESS_THREADS + 2
     options = PipelineOptions([f"--{k}={v}" for k, v in BASE.items()] + ["--number_of_worker_harness_threads=20"])
-    assert JobSettings.from_options(options).engine.admission_waiters == 10
+    assert call_threads(JobSettings.from_options(options).engine) == 20 + 2
 
 
 def test_a_value_given_to_the_launcher_reaches_the_config_converted():

@@ -31,8 +31,10 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.flow.admission import AdmitFn
+from pipeline.flow.subscription_reader import take_places
 from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
+from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime
 from tests.conftest import SERVED_NAME, wait_until
 
@@ -580,26 +582,39 @@ def test_a_host_death_whose_rebuilds_fail_at_first_wedges_no_key_and_resends_eac
             source.runtime.close()
 
 
-def test_a_read_bundle_open_while_the_runtime_is_rebuilt_waits_for_it_and_is_counted_in_the_new_ledger(vllm_server):
-    """The runtime's host dies while a read bundle is open, and the first two rebuilds fail. The bundle does not
-    fail (a failed work item is an error in the job's log, read again at once for as long as the rebuild takes):
-    it waits for the new runtime, passes every request on, and the new ledger counts those it passed before the
-    death as well as after, until they arrive."""
+def test_reads_while_the_runtime_is_rebuilt_neither_wait_nor_fail_and_pull_nothing_until_it_is_back(vllm_server):
+    """The runtime's host dies while a read's bundle is open, and the first two rebuilds fail. The admission step
+    neither waits nor fails (a failed work item is an error in the job's log, read again at once for as long as
+    the rebuild takes): it passes the request on uncounted. Until the runtime is back a read takes no place, so it
+    pulls nothing; once it is, reads take places in the new ledger, which counts the requests admitted in them."""
     settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
                                max_in_flight=2, worker_queue=2, request_timeout_s=120, stream_lease_s=LEASE_S)
     source = HostThatDies(settings_, failures=2)
     try:
         admit = AdmitFn(source)
         admit.setup()
+        places = read_places.reserve(source.runtime, 3)
+        read_places.settle(source.runtime, source.tag, places, 3)
         admit.start_bundle()
-        sent = [InferenceRequest(id=f"rebuilt-{i}", prompt="Say hi.", max_tokens=2) for i in range(3)]
+        sent = [InferenceRequest(id=f"rebuilt-{i}", prompt="Say hi.", max_tokens=2) for i in range(5)]
         passed = [out.id for out in admit.process(sent[0])] + [out.id for out in admit.process(sent[1])]
         source.die()
-        passed += [out.id for out in admit.process(sent[2])]  # waits out the failed rebuilds, raises nothing
+        started = time.monotonic()
+        passed += [out.id for out in admit.process(sent[2])]  # neither waits for the rebuild nor raises
         admit.finish_bundle()
-        assert passed == [r.id for r in sent]
-        assert (source.attempts, source.builds) == (3, 1)
-        assert source.runtime.load()["on_the_way"] == 3, "the two passed before the death are counted again"
+        assert time.monotonic() - started < settings_.runtime_call_bound_s
+        assert passed == [r.id for r in sent[:3]]
+        assert take_places(source, 2) == [], "no runtime to ask: a read takes no place, so it pulls nothing"
+        assert wait_until(lambda: source.builds == 1, 60), "rebuilt in the background, after two failures"
+        assert source.attempts == 3
+        places = read_places.reserve(source.runtime, 2)
+        assert len(places) == 2, "the new ledger has room"
+        read_places.settle(source.runtime, source.tag, places, 2)
+        admit.start_bundle()
+        passed = [out.id for request in sent[3:] for out in admit.process(request)]
+        admit.finish_bundle()
+        assert passed == [r.id for r in sent[3:]]
+        assert source.runtime.load()["on_the_way"] == 2, "counted in the new ledger, in their reads' places"
     finally:
         if source.runtime is not None:
             source.runtime.close()

@@ -81,8 +81,8 @@ def apply_launch_defaults(options: PipelineOptions, environ: Mapping[str, str] =
     and the number of work items a worker runs at once, where the launch set none, so a console launch with only
     the required parameters builds the job make run does.
 
-    The thread count is set because the admission step must know it: it waits for room in at most half of them
-    (:func:`pipeline.engines.engine_settings.waiting_places`). Dataflow's own default "depends on multiple factors and
+    The thread count is set because the worker must know it: its runtime client keeps a call thread for each
+    (:func:`pipeline.worker.runtime_client.call_threads`). Dataflow's own default "depends on multiple factors and
     varies between batch and streaming jobs" ("Troubleshoot Dataflow out of memory errors"); Beam hands the
     option to the job's worker pool as ``numThreadsPerWorker`` (``apiclient.py``), and the Python SDK harness
     runs whatever bundles the runner sends on an unbounded thread pool, so the runner's count is the bound.

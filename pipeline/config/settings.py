@@ -21,7 +21,7 @@ from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME
 from pipeline.contract.request_parsing import RequestLimits
-from pipeline.engines.engine_settings import EngineSettings, waiting_places
+from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.intake.prompt_length import PromptLength
 from pipeline.intake.request_defaults import RequestDefaults
@@ -84,7 +84,7 @@ class JobSettings:
                 parts[name] = build(config)
             except ValueError as exc:
                 problems.extend(str(exc).split("; "))
-        waiters = 0
+        threads = DEFAULT_HARNESS_THREADS
         threads_parameter = WORKER_OPTIONS_BY_NAME["number_of_worker_harness_threads"]
         try:
             threads = DEFAULT_HARNESS_THREADS if harness_threads in (None, "") else \
@@ -92,9 +92,7 @@ class JobSettings:
         except argparse.ArgumentTypeError as exc:
             problems.append(f"--{threads_parameter.name}: {exc}")
         else:
-            found = threads_parameter.problems(threads)
-            problems.extend(found)
-            waiters = 0 if found else waiting_places(threads)
+            problems.extend(threads_parameter.problems(threads))
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
         # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
@@ -109,7 +107,7 @@ class JobSettings:
         generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
                                     config.generate_shards)
         return cls(config=config, limits=limits, prompt_length=prompt_length,
-                   engine=_engine(config, parts["batching"], parts["adapters"], parts["adapter_root"], waiters),
+                   engine=_engine(config, parts["batching"], parts["adapters"], parts["adapter_root"], threads),
                    generate=generate, **parts)
 
     @classmethod
@@ -184,7 +182,7 @@ def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tu
 
 
 def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...],
-            adapter_root: AdapterRoot | None, admission_waiters: int) -> EngineSettings:
+            adapter_root: AdapterRoot | None, harness_threads: int) -> EngineSettings:
     priority_boundaries = _priority_boundaries(config, batching)
     # The chunks topic is published by the engine itself (pipeline.sinks.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
@@ -193,7 +191,7 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
                   stream_lease_s=float(config.stream_lease_s), worker_queue=config.worker_queue,
                   # An admitted request reaches the generate step after the shuffle and its batch's wait.
-                  admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0, admission_waiters=admission_waiters,
+                  admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0, harness_threads=harness_threads,
                   chunk_policy=ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms)),
                   priority_boundaries=priority_boundaries, chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))

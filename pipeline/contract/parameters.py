@@ -265,8 +265,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=4096),
     Parameter("worker_queue", "Requests queued per worker",
               "How many requests a worker holds beyond max_in_flight (waiting for room at its server). A worker "
-              "that holds that many takes no more messages: the rest of a backlog stays unacknowledged in the "
-              "subscription, where Dataflow's autoscaler counts it.",
+              "that holds that many pulls no more messages: the rest of a backlog stays in the subscription.",
               "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=100000),
     Parameter("request_timeout_s", "Request timeout (s)",
               "A request that has not finished this long after it was sent to the server (including retries "
@@ -391,8 +390,8 @@ def check_parameters(values: dict[str, Any]) -> None:
 # are not StreamingLLMOptions'); the launch fills them in when a launch leaves them unset
 # (pipeline.config.launch_checks).
 DEFAULT_DISK_SIZE_GB = 200
-# How many work items a worker runs at once when the launch does not say: the admission step waits for room in at
-# most half of them (pipeline.engines.engine_settings.waiting_places), so the rest stay free for the timers.
+# How many work items a worker runs at once when the launch does not say (Dataflow's own default depends on the job,
+# pipeline.config.launch_checks); the runtime client keeps a call thread for each (pipeline.worker.runtime_client).
 DEFAULT_HARNESS_THREADS = 12
 WORKER_OPTIONS: tuple[Parameter, ...] = (
     Parameter("sdk_container_image", "Worker image",
@@ -405,11 +404,10 @@ WORKER_OPTIONS: tuple[Parameter, ...] = (
               "come on top (2 bytes a parameter, up to twice). Empty: "
               f"{DEFAULT_DISK_SIZE_GB}.", "500", GROUP_WORKERS, "NUMBER", minimum=30, maximum=65536),
     Parameter("number_of_worker_harness_threads", "Work items a worker runs at once",
-              "How many bundles and timer firings each worker runs at once (Dataflow's threads per worker). While "
-              "a worker holds max_in_flight + worker_queue requests, the admission step waits for room inside its "
-              "bundle, leaving the rest of the backlog in Pub/Sub; it waits in at most half of these threads, so "
-              "the other half is free for the timers that collect finished work, and a further bundle is refused "
-              f"(its messages stay in Pub/Sub and are read again). Empty: {DEFAULT_HARNESS_THREADS}.", "16",
+              "How many bundles and timer firings each worker runs at once (Dataflow's threads per worker). None "
+              "of them waits for room: while a worker holds max_in_flight + worker_queue requests its reader pulls "
+              "nothing and gives its thread back, leaving the rest of the backlog in Pub/Sub. "
+              f"Empty: {DEFAULT_HARNESS_THREADS}.", "16",
               GROUP_WORKERS, "NUMBER", minimum=2, maximum=1000),
 )
 

@@ -16,13 +16,6 @@ from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_paramete
 from pipeline.serving.vllm_server import ServerSpec
 
 
-def waiting_places(harness_threads: int) -> int:
-    """How many admission bundles may wait at once on a worker that runs ``harness_threads`` work items at once
-    (at least 2, the parameter's bound): half, so the other half is always free for the timers that collect
-    finished work and so free room."""
-    return harness_threads // 2
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """Everything a worker needs to serve requests; picklable into the DoFn."""
@@ -57,9 +50,9 @@ class EngineSettings:
     # How long an admitted request counts, once its bundle finished, unless this worker's generate step
     # reports it first (the shuffle and the batcher's wait; it may go to another worker).
     admission_transit_s: float = 2.0
-    # How many admission bundles may wait for room at once (each holds a harness thread); a further one is refused
-    # rather than take a thread the timers need (pipeline.flow.admission).
-    admission_waiters: int = waiting_places(DEFAULT_HARNESS_THREADS)
+    # How many work items a worker's process runs at once (number_of_worker_harness_threads): the runtime client
+    # keeps a call thread for each (pipeline.worker.runtime_client).
+    harness_threads: int = DEFAULT_HARNESS_THREADS
     # The worker image the job runs (its sdk_container_image), recorded in every completion's lineage; None: local.
     image: str | None = None
     # How long a harness thread waits for one call to the runtime's host before it counts the host as unreachable
@@ -75,8 +68,8 @@ class EngineSettings:
             raise ValueError(not_with_transformers("server_url"))
         if self.chunk_topic is None and not self.chunks_to_pipeline:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
-        if self.admission_waiters < 1:
-            raise ValueError(f"admission_waiters must be at least 1, got {self.admission_waiters}")
+        if self.harness_threads < 1:
+            raise ValueError(f"harness_threads must be at least 1, got {self.harness_threads}")
         if not self.runtime_call_bound_s > 0:
             raise ValueError(f"runtime_call_bound_s must be positive, got {self.runtime_call_bound_s}")
 

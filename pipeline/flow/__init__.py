@@ -1,3 +1,4 @@
-"""When a request moves on: admission (room on the worker) and batching (length buckets, size and delay timers). In:
-measured requests; out: keyed batches.
+"""When a request moves on: reading (only what the worker has room for), admission (each request in the place its
+read took) and batching (length buckets, size and delay timers). In: the input subscription and measured requests;
+out: Pub/Sub messages and keyed batches.
 """

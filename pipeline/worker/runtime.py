@@ -46,7 +46,8 @@ class ProcessRecord:
     reported_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (count, monotonic when)
     gauges_at: dict[str, float] = field(default_factory=dict)  # step -> when it last set the load gauges
     restarts_counted: int = 0  # the model server's restarts counted as Beam counters so far
-    wait_logged_at: float = float("-inf")  # when the admission step last logged that it waits
+    uncounted_logged_at: float = float("-inf")  # when the admission step last logged that it could not count
+    full_logged_at: float = float("-inf")  # when a reader last logged that the worker was full
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -126,17 +127,11 @@ class WorkerRuntime:
 
     # Admission (the admission step; the generate step reports what waits) ------------------
 
-    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bundle: str = "") -> int:
-        return self.admission.admit(ids, in_place_of, bundle)
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = ()) -> int:
+        return self.admission.admit(ids, in_place_of)
 
     def withdraw(self, ids: list[str]) -> None:
         self.admission.withdraw(ids)
-
-    def wait_place(self, bundle: str) -> bool:
-        return self.admission.wait_place(bundle)
-
-    def leave_place(self, bundle: str) -> None:
-        self.admission.leave_place(bundle)
 
     def dispatched(self, ids: list[str]) -> None:
         self.admission.dispatched(ids)
@@ -209,8 +204,8 @@ def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) 
     ready. Nothing of this process waits on it meanwhile: the build (a vLLM start, minutes) runs outside the
     process's lock. Beam's ``MultiProcessShared`` builds the object under its cross-process file lock
     (``initialize_eagerly``), so the other processes' :func:`reconnect` threads wait on that lock while it
-    starts; their timers and read bundles do not: their calls fail fast on the old handle (a timer commits and
-    fires again, a read bundle asks again a second later).
+    starts; their timers and reads do not: their calls fail fast on the old handle (a timer commits and fires
+    again, a read pulls nothing and asks again a second later).
 
     The runtime lives in a process of its own (``spawn_process``), a child of the SDK process that asked first,
     never inside an SDK process: there its event loop, chunk publishing and lease clocks shared that process's

@@ -12,9 +12,10 @@ to it has no timeout of its own: a host that is paused (a long garbage collectio
 hung would hold every harness thread that calls it, in every SDK process, and no ``ConnectionError`` would come to
 start a recovery. So a call runs on one of a few threads this process keeps for the runtime, and the harness
 thread waits for it at most ``runtime_call_bound_s``: past that the host counts as unreachable for now (a
-key's timer fires again; a read bundle asks again), without a reconnect, since the host may well be alive. The
-call may still be carried out later; every call a step makes is safe to repeat (a submission of the same request
-and attempt joins its stream, an admission of a held id takes no room), so an unknown outcome loses nothing. A
+key's timer fires again; a read pulls nothing and asks again), without a reconnect, since the host may well be
+alive. The call may still be carried out later; every call a step makes is safe to repeat (a submission of the
+same request and attempt joins its stream, an admission of a held id takes no room), so an unknown outcome loses
+nothing. A
 call that has not started by then (every call thread waits on the host) is withdrawn and never runs late.
 """
 
@@ -92,10 +93,10 @@ def call_within(source: RuntimeSource, call: Callable[[WorkerRuntime], _T]) -> _
 
 
 def call_threads(settings: EngineSettings) -> int:
-    """How many threads a process keeps for its calls to the runtime: one for each of its harness threads (at most
-    ``2 * admission_waiters + 1``; each waits for one call at a time) and two to spare, so a call waits for a
-    thread only while earlier calls are stuck on a silent host."""
-    return 2 * settings.admission_waiters + 3
+    """How many threads a process keeps for its calls to the runtime: one for each of its harness threads (each
+    waits for one call at a time) and two to spare, so a call waits for a thread only while earlier calls are
+    stuck on a silent host."""
+    return settings.harness_threads + 2
 
 
 def _answered(tag: str, future: Future) -> None:

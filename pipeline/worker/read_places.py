@@ -1,0 +1,88 @@
+"""Places a reader takes in its worker's hold before it pulls, which the admission step's requests take over.
+
+A reader that pulls only what its worker has room for (:mod:`pipeline.flow.subscription_reader` on Dataflow,
+the local runner's read in ``local/direct_runner.py``) cannot count what it pulls by request id: the id is known
+only once the message is parsed, a few steps later in the same fused stage. So before it pulls, the reader
+admits up to that many **place-holders** into the worker's admission ledger
+(:class:`~pipeline.worker.admission_ledger.AdmissionLedger`); the ledger grants no more than its room, and the
+reader pulls no more than it was granted and gives back what the pull did not fill. The places it used are
+queued in this process, and count, open, until the read's bundle ends; the admission step
+(:class:`~pipeline.flow.admission.AdmitFn`), which runs in the same process and bundle right after parsing,
+admits each request in place of one of them, in one step under the ledger's lock, so nothing is counted twice
+and no other admission takes the place in between. A place that no request takes over (its message was a dead
+letter) lapses, once its bundle ended, like any request on its way (``admission_transit_s``).
+
+One queue per runtime tag and process: a fused stage runs the reader and the admission step in one process, and
+a worker's SDK processes each have their own.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from typing import Protocol, Sequence
+
+
+class Ledger(Protocol):
+    """What places are taken from: the worker's runtime (through its proxy) or its admission ledger itself."""
+
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = ()) -> int: ...
+
+    def withdraw(self, ids: list[str]) -> None: ...
+
+    def dispatched(self, ids: list[str]) -> None: ...
+
+
+# How a place-holder's name starts in the ledger; its random rest keeps it apart from any request id.
+PLACE_PREFIX = "read-place:"
+
+# Per process: the places this process's reads took and its admission step has not yet taken over, by runtime tag,
+# each with when it was queued (the monotonic clock).
+_QUEUES: dict[str, collections.deque[tuple[str, float]]] = {}
+_LOCK = threading.Lock()
+
+
+def reserve(runtime: Ledger, most: int) -> list[str]:
+    """Up to ``most`` place-holders admitted into the worker's hold while it has room (none when it is full)."""
+    if most <= 0:
+        return []
+    places = [PLACE_PREFIX + uuid.uuid4().hex for _ in range(most)]
+    return places[:runtime.admit(places)]
+
+
+def settle(runtime: Ledger, tag: str, places: list[str], used: int) -> None:
+    """The pull filled ``used`` of ``places``: those are queued for the admission step to take over, and the rest
+    are given back to the worker's room. The used places count, open, until they are taken over or the read's
+    bundle ends (the reader then :func:`discard` s what is left and calls the ledger's ``dispatched`` with it)."""
+    if used < len(places):
+        runtime.withdraw(places[used:])
+    if used:
+        now = time.monotonic()
+        with _LOCK:
+            _QUEUES.setdefault(tag, collections.deque()).extend((place, now) for place in places[:used])
+
+
+def take(tag: str, count: int, fresher_than_s: float = float("inf")) -> list[str]:
+    """Up to ``count`` of this process's queued places, oldest first, for requests to be admitted in place of.
+    Places queued longer ago than ``fresher_than_s`` are dropped, not taken: their messages were dead letters
+    (nothing took them over), and in the ledger they have lapsed, or will once their bundle ends."""
+    horizon = time.monotonic() - fresher_than_s
+    taken: list[str] = []
+    with _LOCK:
+        queue = _QUEUES.get(tag)
+        while queue and len(taken) < count:
+            place, queued_at = queue.popleft()
+            if queued_at >= horizon:
+                taken.append(place)
+    return taken
+
+
+def discard(tag: str, places: list[str]) -> None:
+    """The read's bundle ended: what it queued and nothing took over (dead letters) is no longer for taking."""
+    left = set(places)
+    with _LOCK:
+        queue = _QUEUES.get(tag)
+        if queue and left:
+            _QUEUES[tag] = collections.deque(entry for entry in queue if entry[0] not in left)

@@ -1,0 +1,154 @@
+"""The job's reader on Dataflow (pipeline/flow/subscription_reader.py), run by Beam's own portable runner.
+
+Beam's ``FnApiRunner`` runs the real splittable DoFn as Dataflow's Runner v2 does, through the Fn API: it claims
+rounds, takes the residual of ``defer_remainder`` and runs it again, and calls the bundle finalizer once a bundle
+succeeded (the capability matrix: https://beam.apache.org/documentation/runners/capability-matrix/). It is not a
+streaming runner, so each reader runs a bounded number of rounds, and it resumes a deferred residual at once
+rather than after its delay. Around it: the Pub/Sub emulator, the real parse and admission steps, and a worker
+runtime with a real engine on the real vLLM, whose admission ledger the reader asks for room.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from google.cloud import pubsub_v1
+
+from local.emulators import PubSubEmulator
+from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.request_parsing import RequestLimits
+from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.flow.admission import AdmitRequests
+from pipeline.flow.subscription_reader import ReadWithinRoom
+from pipeline.intake.parsing import ParseRequests
+from pipeline.worker.runtime import WorkerRuntime
+from tests.conftest import SERVED_NAME
+
+pytestmark = pytest.mark.engine
+
+# The runtimes the runner's DoFns reach, by tag: the runner pickles its DoFns, and these are found by reference.
+_RUNTIMES: dict[str, WorkerRuntime] = {}
+ACK_DEADLINE_S = 10  # Pub/Sub's least
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A runtime source (pipeline.worker.runtime.RuntimeSource) for a runtime of this process, found by tag."""
+
+    tag: str
+
+    @property
+    def settings(self) -> EngineSettings:
+        return _RUNTIMES[self.tag].engine.settings
+
+    def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
+        return _RUNTIMES[self.tag]
+
+
+@dataclass(frozen=True)
+class Gone:
+    """A runtime source whose host is gone: every call finds it unreachable."""
+
+    tag: str
+    settings: EngineSettings
+
+    def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
+        raise ConnectionError("the runtime's host died")
+
+
+@pytest.fixture()
+def worker(vllm_server):
+    """A worker runtime of bound 5 (2 in flight, 3 waiting) whose admissions stay counted for the whole test."""
+    settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
+                              max_in_flight=2, worker_queue=3, admission_transit_s=600.0,
+                              chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
+    tag = f"reader-test-{time.monotonic_ns()}"
+    _RUNTIMES[tag] = WorkerRuntime(VLLMEngine(settings))
+    yield Registered(tag)
+    _RUNTIMES.pop(tag).close()
+
+
+@pytest.fixture()
+def backlog(emulator):
+    """A subscription holding 50 requests, ten times the worker's bound."""
+    name = f"reader-{time.monotonic_ns()}"
+    emulator.create_topic(name, subscription=f"{name}-sub")
+    publisher = pubsub_v1.PublisherClient()
+    for i in range(50):
+        publisher.publish(emulator.topic(name), json.dumps({"prompt": f"question {i}"}).encode(),
+                          id=f"req-{i}").result()
+    return emulator.subscription(f"{name}-sub")
+
+
+def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int = 6, fail: bool = False) -> None:
+    """Reads ``rounds`` rounds of ``readers`` readers into parse and admission, as the job's first stage does,
+    writing each admitted request's id to ``out``; ``fail``: a step after admission raises, failing the bundle."""
+
+    def record(request, path=str(out), fail=fail):
+        if fail:
+            raise RuntimeError("the bundle fails after admission")
+        with open(path, "a") as ids:
+            ids.write(request.id + "\n")
+
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        messages = pipeline | ReadWithinRoom(subscription, source, readers=readers, rounds=rounds,
+                                             ack_deadline_s=ACK_DEADLINE_S)
+        parsed = messages | ParseRequests(RequestLimits(default_max_tokens=16), "id")
+        _ = parsed.requests | AdmitRequests(source) | beam.Map(record)
+
+
+def ids_in(out: Path) -> list[str]:
+    return out.read_text().split() if out.exists() else []
+
+
+def test_a_backlog_ten_times_the_bound_is_read_no_faster_than_the_worker_has_room(worker, backlog, tmp_path):
+    """Eighteen rounds over a backlog of 50 against a bound of 5: the readers take exactly the worker's room, each
+    request counts once in the hold by its own id (it took its read's place), the rest stays in the subscription,
+    and what was read is acknowledged (it is not delivered again once its deadline has passed). Once the
+    generate step reports the requests arrived, the next rounds take as many again."""
+    out = tmp_path / "ids"
+    read(backlog, worker, out)
+    taken = ids_in(out)
+    runtime = worker.acquire()
+    assert len(taken) == 5 and len(set(taken)) == 5, taken
+    assert runtime.admission.counts() == (0, 0, 5), "each request in its read's place: counted once, by id"
+
+    runtime.report_waiting("key-1", 0, arrived=taken)  # the generate step has them: room for 5 more
+    read(backlog, worker, out)
+    assert len(set(ids_in(out))) == 10
+
+    time.sleep(ACK_DEADLINE_S + 1)
+    assert len(PubSubEmulator.take(backlog)) == 40, \
+        "the ten read were acknowledged once their bundles committed, and only they"
+
+
+def test_a_bundle_that_fails_leaves_its_messages_in_the_subscription(worker, backlog, tmp_path):
+    """A step after admission raises: the runner fails the bundle, so its finalizer never runs and what it read
+    is delivered again once its ack deadline passes."""
+    with pytest.raises(Exception, match="the bundle fails after admission"):
+        read(backlog, worker, tmp_path / "ids", readers=1, rounds=1, fail=True)
+    time.sleep(ACK_DEADLINE_S + 1)
+    assert len(PubSubEmulator.take(backlog)) == 50
+
+
+def test_a_reader_whose_runtime_cannot_be_asked_pulls_nothing(worker, backlog, tmp_path):
+    """While the worker's runtime is gone (its host died, a rebuild under way), a reader takes no place, so it pulls
+    nothing and defers: no work item fails, and the backlog stays whole in the subscription."""
+    out = tmp_path / "messages"
+
+    def record(message, path=str(out)):
+        with open(path, "a") as messages:
+            messages.write(message.message_id + "\n")
+
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        _ = (pipeline | ReadWithinRoom(backlog, Gone(worker.tag, worker.settings), readers=3, rounds=6)
+             | beam.Map(record))
+    assert ids_in(out) == []
+    assert len(PubSubEmulator.take(backlog)) == 50
