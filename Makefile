@@ -221,7 +221,7 @@ bench-backfill: model ## A backfill's tokens/s through the pipeline against vLLM
 	$(PY) -m benchmarks.backfill $(BENCH_ARGS)
 
 .PHONY: bench-spike
-bench-spike: install ## Simulate a tenfold traffic spike: backlog in Pub/Sub (admission) vs in state, workers added, drain, first chunk
+bench-spike: install ## Simulate a tenfold traffic spike: backlog in Pub/Sub (the job's reader) vs in state, workers added, drain, first chunk
 	$(PY) -m benchmarks.spike $(BENCH_ARGS)
 
 .PHONY: bench-state-cost

@@ -1,13 +1,18 @@
 """A traffic spike on paper: where the backlog waits decides whether Dataflow adds GPU workers.
 
-Arrivals rise tenfold for ten minutes. Two designs meet the same spike:
+Arrivals rise tenfold for ten minutes. Three cases meet the same spike:
 
-- ``in state`` (the template before admission): every worker takes every
-  message at once and queues what its engine has no room for in keyed state;
-  the subscription's backlog, what the autoscaler reads, stays near zero.
-- ``in Pub/Sub`` (admission, :mod:`pipeline.flow.admission`): a worker holds at most
-  ``max_in_flight + worker_queue`` requests; the rest stays unacknowledged in
-  the subscription and counts as backlog.
+- ``in state`` (a read that takes whatever the subscription gives, as Dataflow's
+  own source does): every worker takes every message at once and queues what
+  its engine has no room for in keyed state; the subscription's backlog, what
+  the autoscaler reads for that source, stays near zero.
+- ``in Pub/Sub, seen`` (the job's reader, :mod:`pipeline.flow.subscription_reader`):
+  a worker holds at most ``max_in_flight + worker_queue`` requests; the rest is
+  never pulled and stays in the subscription, and the autoscaler is assumed to
+  see it through the size the reader reports (not documented for a Python
+  splittable DoFn: docs/operations.md says how a first job checks it).
+- ``in Pub/Sub, unseen``: the same reader, if the autoscaler does not weigh that
+  size: the job keeps the workers it has.
 
 The autoscaler is modelled from Dataflow's published behaviour, with the
 assumptions this file makes marked as such (see ``--help`` and the docs):
@@ -20,14 +25,14 @@ a new GPU worker serves after ``--worker-start-s`` (VM, image, weights: an
 assumption). It scales down after as long without backlog, to the workers that
 serve the arrivals at 75 % ("after scaling down, workers utilize on average 75 %").
 
-Per design: the peak backlog the autoscaler sees, the most workers it runs,
+Per case: the peak backlog the autoscaler sees, the most workers it runs,
 when the queue is back to what the workers hold (drain), the time to first
 chunk of a request that arrives as the spike ends (FIFO wait + ``--ttft-s``),
-GPU worker-hours, and what holding the backlog in Pub/Sub costs in failed work
-items: while a worker is full, the harness threads that may not wait
-(``number_of_worker_harness_threads`` less ``admission_waiters``) each take a
-read bundle that is refused after ``REFUSAL_PAUSE_S`` and retried after the
-runner's delay (``--retry-delay-s``), each a logged error. Needs no cloud: ``python -m benchmarks.spike``.
+GPU worker-hours, and what holding the backlog in Pub/Sub costs: while the
+workers are full, every reader runs a round that takes nothing every
+``FULL_DELAY_S`` (a work item that ends at once, no error), holding a harness
+thread for ``--round-s``; the log gets at most one line a minute per SDK
+process. Needs no cloud: ``python -m benchmarks.spike``.
 """
 
 from __future__ import annotations
@@ -36,9 +41,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, PARAMETERS
-from pipeline.engines.engine_settings import waiting_places
-from pipeline.flow.admission import REFUSAL_PAUSE_S
+from pipeline.contract.parameters import PARAMETERS
+from pipeline.flow.subscription_reader import FULL_DELAY_S, readers_for
 
 DEFAULTS = {p.name: p.default for p in PARAMETERS}
 CLEAR_BACKLOG_S = 150.0
@@ -53,7 +57,8 @@ class Outcome:
     drained_after_s: float | None  # from the spike's start
     ttft_at_peak_s: float | None
     worker_hours: float
-    refused: int  # read bundles refused (failed work items, each logged)
+    deferred_rounds: int  # readers' rounds that took nothing while the workers were full (work items, no error)
+    round_thread_s: float  # harness-thread seconds those rounds held
 
 
 def simulate(design: str, args: argparse.Namespace) -> Outcome:
@@ -68,9 +73,8 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
     drained_at: float | None = None
     marker: float | None = None  # cumulative arrivals when the marked request (at the spike's end) arrives
     marker_started_at: float | None = None
-    worker_seconds = refused = 0.0
-    threads = args.harness_threads
-    refusing_threads = threads - waiting_places(threads)
+    worker_seconds = deferred = 0.0
+    readers = readers_for(args.max_num_workers)
     spike_end = args.spike_at_s + args.spike_s
     for t in range(int(args.duration_s)):
         workers += sum(1 for at in booting if at == t)
@@ -87,11 +91,12 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
         started = arrived - queue + in_flight
         if marker is not None and marker_started_at is None and started >= marker:
             marker_started_at = t
-        held = min(queue, workers * hold) if design == "in Pub/Sub" else queue
-        visible = queue - held
+        held = queue if design == "in state" else min(queue, workers * hold)
+        waiting = queue - held  # in the subscription
+        visible = 0.0 if design == "in Pub/Sub, unseen" else waiting
         peak_visible, peak_held = max(peak_visible, int(visible)), max(peak_held, int(held))
-        if design == "in Pub/Sub" and visible > 0:  # every worker full: its free threads' read bundles refused
-            refused += workers * refusing_threads / (REFUSAL_PAUSE_S + args.retry_delay_s)
+        if design != "in state" and waiting > 0:  # every worker full: each reader's round takes nothing
+            deferred += readers / FULL_DELAY_S
         worker_seconds += workers + len(booting)
         if t >= spike_end and drained_at is None and queue <= workers * args.max_in_flight:
             drained_at = t - args.spike_at_s
@@ -114,7 +119,8 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
         max_workers = max(max_workers, workers + len(booting))
     ttft = None if marker_started_at is None else marker_started_at - spike_end + args.ttft_s
     return Outcome(design, peak_visible, peak_held, max_workers,
-                   None if drained_at is None else float(drained_at), ttft, worker_seconds / 3600, int(refused))
+                   None if drained_at is None else float(drained_at), ttft, worker_seconds / 3600, int(deferred),
+                   deferred * args.round_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,26 +143,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-start-s", type=float, default=360.0,
                         help="from the decision to a new GPU worker serving: VM, image, weights (assumption)")
     parser.add_argument("--ttft-s", type=float, default=0.3, help="time to first chunk once a request starts")
-    parser.add_argument("--harness-threads", type=int, default=DEFAULT_HARNESS_THREADS,
-                        help="number_of_worker_harness_threads (the launch's default)")
-    parser.add_argument("--retry-delay-s", type=float, default=10.0,
-                        help="the runner's delay before it retries a failed work item (Beam's streaming worker: "
-                             "10 s, WorkFailureProcessor; for Python jobs not documented: an assumption)")
+    parser.add_argument("--round-s", type=float, default=0.005,
+                        help="how long a reader's round that takes nothing holds a harness thread: one call to the "
+                             "worker's runtime (assumption)")
     args = parser.parse_args(argv)
-    outcomes = [simulate(design, args) for design in ("in state", "in Pub/Sub")]
+    outcomes = [simulate(design, args) for design in ("in state", "in Pub/Sub, seen", "in Pub/Sub, unseen")]
     print(f"Spike: {args.rate:g} -> {args.rate * args.spike_factor:g} requests/s for {args.spike_s / 60:g} min; "
           f"{args.workers} worker(s) of {args.worker_rps:g} requests/s, max_num_workers={args.max_num_workers}, "
           f"hold {args.max_in_flight}+{args.worker_queue} a worker; new workers serve after "
           f"{args.worker_start_s / 60:g} min, decisions after {args.decision_delay_s:g} s backlogged")
     print("| backlog waits | peak backlog the autoscaler sees | peak held in state | workers (max) "
           "| drained after spike start | first chunk, request at the spike's end | GPU worker-hours "
-          "| read bundles refused (logged errors) |")
+          "| reader rounds that took nothing (thread-s they held) |")
     print("|---|---|---|---|---|---|---|---|")
     for o in outcomes:
         drained = "not within the window" if o.drained_after_s is None else f"{o.drained_after_s / 60:.0f} min"
         ttft = "not within the window" if o.ttft_at_peak_s is None else f"{o.ttft_at_peak_s / 60:.1f} min"
         print(f"| {o.design} | {o.peak_visible_backlog:,} | {o.peak_held_in_state:,} | {o.max_workers} | {drained} "
-              f"| {ttft} | {o.worker_hours:.2f} | {o.refused:,} |")
+              f"| {ttft} | {o.worker_hours:.2f} | {o.deferred_rounds:,} ({o.round_thread_s:,.0f}) |")
 
 
 if __name__ == "__main__":
