@@ -38,8 +38,8 @@ class Ledger(Protocol):
 # How a place-holder's name starts in the ledger; its random rest keeps it apart from any request id.
 PLACE_PREFIX = "read-place:"
 
-# Per process: the places this process's reads took and its admission step has not yet taken over, by runtime tag,
-# each with when it was queued (the monotonic clock).
+# Each entry: a place and when it was queued (the monotonic clock).
+# Per process: the places this process's reads took and its admission step has not yet taken over, by runtime tag.
 _QUEUES: dict[str, collections.deque[tuple[str, float]]] = {}
 _LOCK = threading.Lock()
 
