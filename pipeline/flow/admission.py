@@ -82,8 +82,7 @@ class AdmitFn(beam.DoFn):
         except RuntimeSilent:  # alive, perhaps: no reconnect
             self.silent.inc()
         except (ConnectionError, EOFError) as exc:
-            if reconnect(self._source):
-                LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", exc)
+            reconnect(self._source, exc)
         return None
 
     def _uncounted(self) -> None:

@@ -212,8 +212,7 @@ def take_places(source: RuntimeSource, most: int) -> list[str]:
     except RuntimeSilent:
         return []
     except (ConnectionError, EOFError) as exc:
-        if reconnect(source):
-            LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", exc)
+        reconnect(source, exc)
         return []
 
 

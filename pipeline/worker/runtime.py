@@ -230,11 +230,11 @@ _RECONNECTING: dict[str, threading.Thread] = {}
 RECONNECT_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed attempts
 
 
-def reconnect(source: RuntimeSource) -> bool:
+def reconnect(source: RuntimeSource, cause: BaseException) -> None:
     """Acquires ``source``'s runtime anew in a thread of its own, once at a time per process, retrying with
-    backoff until it succeeds: a step that found the runtime's host gone goes on meanwhile (its calls fail fast
-    on the old handle), so no timer waits for a rebuild and no failed rebuild wedges a key. Whether this call
-    started it (one already running: False)."""
+    backoff until it succeeds: a step that found the runtime's host gone (``cause``: what its call raised) goes
+    on meanwhile (its calls fail fast on the old handle), so no timer waits for a rebuild and no failed rebuild
+    wedges a key. A start is logged with its cause; while one runs, a further call does nothing."""
 
     def again() -> None:
         wait_s = RECONNECT_BACKOFF_S[0]
@@ -251,7 +251,7 @@ def reconnect(source: RuntimeSource) -> bool:
     with _ACQUIRE_LOCK:
         running = _RECONNECTING.get(source.tag)
         if running is not None and running.is_alive():
-            return False
+            return
         _RECONNECTING[source.tag] = threading.Thread(target=again, name=f"reconnect-{source.tag}", daemon=True)
         _RECONNECTING[source.tag].start()
-        return True
+    LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", cause)

@@ -124,8 +124,7 @@ class RuntimeClient:
             return Call.UNREACHABLE, None
         except (ConnectionError, EOFError) as exc:
             self._unreachable.inc()
-            if reconnect(self._source):
-                LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", exc)
+            reconnect(self._source, exc)
             return Call.UNREACHABLE, None
         except Exception:
             LOGGER.exception("The worker's engine failed to %s", what)
