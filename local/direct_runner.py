@@ -130,7 +130,7 @@ class _PrefetchingPullClient:
         ready = min(len(self._queue), self._max_messages)
         found = _source_runtime()
         if not ready or found is None:
-            granted = min(ready, 1)  # before the engine is set up: one at a time, admitted in place of itself
+            granted = min(ready, 1)  # before the engine is set up: one at a time, counted by the admission step
         else:
             tag, runtime = found
             places = read_places.reserve(runtime, ready)

@@ -72,7 +72,7 @@ from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.serving.vllm_server import is_healthy
 from pipeline.worker import read_places
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
-from pipeline.worker.runtime_client import call_within
+from pipeline.worker.runtime_client import RuntimeClient
 
 START_TIMEOUT_S = 600.0  # the first process starts the runtime's host: with a managed vLLM, minutes on a CPU
 # Engine calls that a schedule may make raise (the generate step's calls into the runtime).
@@ -120,6 +120,7 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     local = threading.local()
     send = threading.Lock()
+    reads = RuntimeClient(source, "vm_stand_in")  # the reader's calls, with its call policy
 
     def dofns() -> tuple[Driver, AdmitFn]:
         if not hasattr(local, "driver"):
@@ -135,14 +136,14 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
         driver, admit = dofns()
         try:
             if kind == "read":
-                places = take_places(source, len(payload))
+                places = take_places(reads, len(payload))
                 pulled, rest = payload[:len(places)], payload[len(places):]
                 if pulled:
-                    call_within(source, lambda runtime: read_places.settle(runtime, source.tag, places, len(pulled)))
+                    reads.call("settle", lambda runtime: read_places.settle(runtime, source.tag, places, len(pulled)))
                     admit.start_bundle()
                     passed = [out for request in pulled for out in admit.process(request)]
                     admit.finish_bundle()
-                    call_within(source, lambda runtime: runtime.dispatched(places))
+                    reads.call("dispatch", lambda runtime: runtime.dispatched(places))
                 else:
                     passed = []
                 reply: tuple = (token, "done", (passed, rest))

@@ -36,6 +36,7 @@ from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime
+from pipeline.worker.runtime_client import RuntimeClient
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
@@ -604,7 +605,8 @@ def test_reads_while_the_runtime_is_rebuilt_neither_wait_nor_fail_and_pull_nothi
         admit.finish_bundle()
         assert time.monotonic() - started < settings_.runtime_call_bound_s
         assert passed == [r.id for r in sent[:3]]
-        assert take_places(source, 2) == [], "no runtime to ask: a read takes no place, so it pulls nothing"
+        assert take_places(RuntimeClient(source, "test"), 2) == [], \
+            "no runtime to ask: a read takes no place, so it pulls nothing"
         assert wait_until(lambda: source.builds == 1, 60), "rebuilt in the background, after two failures"
         assert source.attempts == 3
         places = read_places.reserve(source.runtime, 2)

@@ -13,19 +13,20 @@ on uncounted: it was read already, and holding it back would take a thread.
 
 This step never waits and never fails a work item: the backlog is held back before it is pulled, where it
 costs neither a harness thread nor a failure (docs/architecture.md, "Backpressure"). A runtime that cannot be
-asked (its host died and is acquired anew, or it does not answer within the call bound,
-:func:`~pipeline.worker.runtime_client.call_within`) leaves the request uncounted rather than hold the thread:
-what it passes on then is at most what was read before, since no read takes more until the runtime answers.
+asked (its host died and is acquired anew, or it does not answer within the call bound: the one call policy
+of :class:`~pipeline.worker.runtime_client.RuntimeClient`) leaves the request uncounted rather than hold the
+thread: what it passes on then is at most what was read before, since no read takes more until the runtime
+answers.
 
-The step reports the worker's load (:mod:`pipeline.worker.load`) and counts ``runtime_silent`` (calls the
-runtime did not answer in time) and ``admitted_uncounted`` (requests passed on uncounted).
+The step reports the worker's load (:mod:`pipeline.worker.load`) and counts ``admitted_uncounted`` (requests
+passed on uncounted), beside the runtime client's counters in the same namespace.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -33,8 +34,8 @@ from apache_beam.metrics import Metrics
 from pipeline.contract.messages import InferenceRequest
 from pipeline.worker import read_places
 from pipeline.worker.load import LOAD_NAMESPACE, LoadGauges
-from pipeline.worker.runtime import RuntimeSource, SharedRuntime, WorkerRuntime, process_record, reconnect
-from pipeline.worker.runtime_client import RuntimeSilent, call_within
+from pipeline.worker.runtime import RuntimeSource, SharedRuntime, process_record
+from pipeline.worker.runtime_client import RuntimeClient
 
 LOGGER = logging.getLogger(__name__)
 
@@ -48,19 +49,20 @@ class AdmitFn(beam.DoFn):
     def __init__(self, runtime: RuntimeSource) -> None:
         self._source = runtime
         self._gauges = LoadGauges("admit")
-        self.silent = Metrics.counter(LOAD_NAMESPACE, "runtime_silent")
         self.uncounted = Metrics.counter(LOAD_NAMESPACE, "admitted_uncounted")
 
     def setup(self) -> None:
         self._source.acquire()
         self._record = process_record(self._source.tag)
+        self._runtime = RuntimeClient(self._source, LOAD_NAMESPACE)
 
     def start_bundle(self) -> None:
         self._bundle_ids: list[str] = []
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
         places = read_places.take(self._source.tag, 1, fresher_than_s=self._source.settings.admission_transit_s)
-        if self._call(lambda runtime: runtime.admit([request.id], in_place_of=places)):
+        _, taken = self._runtime.call("admit", lambda runtime: runtime.admit([request.id], in_place_of=places))
+        if taken:
             self._bundle_ids.append(request.id)
             self._gauges.update(self._source, self._record)
         else:
@@ -71,19 +73,9 @@ class AdmitFn(beam.DoFn):
         # It may go to another worker's generate step, so from here on it counts for admission_transit_s
         # unless this worker's says it arrived.
         if self._bundle_ids:
-            self._call(lambda runtime: runtime.dispatched(self._bundle_ids))
+            ids = self._bundle_ids
+            self._runtime.call("dispatch", lambda runtime: runtime.dispatched(ids))
         self._bundle_ids = []
-
-    def _call(self, call: Callable[[WorkerRuntime], int | None]) -> int | None:
-        """``call(runtime)``, or None when the runtime cannot be asked (module docstring): the thread goes on
-        rather than wait for it."""
-        try:
-            return call_within(self._source, call)
-        except RuntimeSilent:  # alive, perhaps: no reconnect
-            self.silent.inc()
-        except (ConnectionError, EOFError) as exc:
-            reconnect(self._source, exc)
-        return None
 
     def _uncounted(self) -> None:
         self.uncounted.inc()

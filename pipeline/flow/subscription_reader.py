@@ -59,10 +59,11 @@ from apache_beam.transforms.core import RestrictionProvider
 from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
+from pipeline.contract.call_outcome import Call
 from pipeline.worker import read_places
 from pipeline.worker.load import LOAD_NAMESPACE
-from pipeline.worker.runtime import RuntimeSource, process_record, reconnect
-from pipeline.worker.runtime_client import RuntimeSilent, call_within
+from pipeline.worker.runtime import RuntimeSource, process_record
+from pipeline.worker.runtime_client import RuntimeClient
 
 LOGGER = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         from google.cloud import pubsub_v1
 
         self._client = pubsub_v1.SubscriberClient()
+        self._runtime = RuntimeClient(self._source, LOAD_NAMESPACE)
 
     def start_bundle(self) -> None:
         self._bundle_places: list[str] = []
@@ -113,10 +115,8 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         places, self._bundle_places = self._bundle_places, []
         if places:
             read_places.discard(self._source.tag, places)
-            try:
-                call_within(self._source, lambda runtime: runtime.dispatched(places))
-            except (RuntimeSilent, ConnectionError, EOFError):
-                pass  # counted, open, in a silent ledger until request_timeout_s, or gone with a dead one
+            # Unanswered, they count, open, in a silent ledger until request_timeout_s, or are gone with a dead one.
+            self._runtime.call("dispatch places", lambda runtime: runtime.dispatched(places))
 
     def teardown(self) -> None:
         client = getattr(self, "_client", None)
@@ -148,7 +148,7 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         round_at = tracker.current_restriction().start
         if not tracker.try_claim(round_at):
             return
-        places = take_places(self._source, PULL_MOST)
+        places = take_places(self._runtime, PULL_MOST)
         if not places:
             self.deferred.inc()
             self._log_full()
@@ -175,9 +175,8 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
 
     def _settle(self, places: list[str], used: int) -> None:
         tag = self._source.tag
-        try:
-            call_within(self._source, lambda runtime: read_places.settle(runtime, tag, places, used))
-        except (RuntimeSilent, ConnectionError, EOFError):
+        outcome, _ = self._runtime.call("settle places", lambda runtime: read_places.settle(runtime, tag, places, used))
+        if outcome is not Call.ANSWERED:
             # Gone with a dead host's ledger, or counted in a silent one until request_timeout_s; this round's
             # requests pass the admission step uncounted if no room is left for them.
             LOGGER.warning("The worker's runtime did not answer as a read settled its places")
@@ -203,17 +202,12 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
                     "subscription (counter read_deferred)", FULL_DELAY_S)
 
 
-def take_places(source: RuntimeSource, most: int) -> list[str]:
+def take_places(runtime: RuntimeClient, most: int) -> list[str]:
     """A round's places for up to ``most`` messages (:mod:`pipeline.worker.read_places`); none while the runtime
-    cannot be asked: silent, or its host gone, which starts acquiring it anew in the background (a reader may be
-    the only step that still calls it). The round then defers like a full one, and nothing is pulled."""
-    try:
-        return call_within(source, lambda runtime: read_places.reserve(runtime, most))
-    except RuntimeSilent:
-        return []
-    except (ConnectionError, EOFError) as exc:
-        reconnect(source, exc)
-        return []
+    cannot be asked: silent, or its host gone, which the client starts acquiring anew in the background (a reader
+    may be the only step that still calls it). The round then defers like a full one, and nothing is pulled."""
+    _, places = runtime.call("take places", lambda worker: read_places.reserve(worker, most))
+    return places or []
 
 
 def readers_for(max_workers: int) -> int:
