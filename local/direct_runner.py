@@ -133,7 +133,7 @@ class _PrefetchingPullClient:
             granted = min(ready, 1)  # before the engine is set up: one at a time, counted by the admission step
         else:
             tag, runtime = found
-            places = read_places.reserve(runtime, ready)
+            places = read_places.reserve(runtime, ready, subscription in _BULK_SUBSCRIPTIONS)
             read_places.settle(runtime, tag, places, len(places))
             runtime.dispatched(places)  # its output is committed at once; the admission step runs later
             granted = len(places)
@@ -179,6 +179,8 @@ def _source_load() -> dict | None:
 
 
 _applied = False
+# Per process: the job's bulk_subscription, whose reads take places as the bulk lane's (the launcher sets it).
+_BULK_SUBSCRIPTIONS: set[str] = set()
 _CLIENTS: dict[int, _PrefetchingPullClient] = {}  # one per read transform
 
 
@@ -308,11 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep_pipeline_off_model_cores", choices=("true", "false"), default="true",
                         help="move the pipeline's threads off the cores a vLLM on this machine computes on")
     parser.add_argument("--server_url", help="the template's own parameter; read here to find a loopback server")
+    parser.add_argument("--bulk_subscription", help="the template's own parameter; read here to read it as the "
+                                                    "bulk lane")
     parser.add_argument("--load_log", metavar="PATH",
                         help="append the worker's load (what it holds, what the read took) as a JSON line twice a second")
     own, template_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if own.server_url:
         template_args.append(f"--server_url={own.server_url}")
+    if own.bulk_subscription:
+        template_args.append(f"--bulk_subscription={own.bulk_subscription}")
+        _BULK_SUBSCRIPTIONS.add(own.bulk_subscription)
     from local.core_placement import keep_pipeline_off_local_model
     from local.cpu_server import apply_server_environment
     from local.emulators import use_bigquery_emulator

@@ -25,7 +25,7 @@ from local.emulators import PubSubEmulator
 LOGGER = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-TOPICS = {"prompts": "prompts", "chunks": "llm-chunks", "completions": "llm-completions",
+TOPICS = {"prompts": "prompts", "bulk": "bulk-prompts", "chunks": "llm-chunks", "completions": "llm-completions",
           "dead_letters": "llm-dead-letters"}
 
 
@@ -113,9 +113,11 @@ class LocalRun:
     """The emulator, the template's topics, and the pipeline as a subprocess."""
 
     def __init__(self, pipeline_args: list[str], *, log_path: Path, emulator: PubSubEmulator | None = None,
-                 repo_root: Path = REPO_ROOT) -> None:
-        """``repo_root`` is the checkout whose template runs (another one, to compare before and after)."""
+                 repo_root: Path = REPO_ROOT, bulk_lane: bool = False) -> None:
+        """``repo_root`` is the checkout whose template runs (another one, to compare before and after);
+        ``bulk_lane``: the job reads the bulk topic's subscription as its bulk_subscription."""
         self.repo_root = repo_root
+        self.bulk_lane = bulk_lane
         self.owns_emulator = emulator is None
         self.emulator = emulator or PubSubEmulator()
         self.extra_args = pipeline_args
@@ -127,7 +129,8 @@ class LocalRun:
 
     def successor(self, pipeline_args: list[str], *, log_path: Path) -> LocalRun:
         """Another pipeline on this run's emulator, topics and subscriptions (as a restarted job would be)."""
-        after = LocalRun(pipeline_args, log_path=log_path, emulator=self.emulator, repo_root=self.repo_root)
+        after = LocalRun(pipeline_args, log_path=log_path, emulator=self.emulator, repo_root=self.repo_root,
+                         bulk_lane=self.bulk_lane)
         after._run_id, after._topics_exist = self._run_id, True
         return after
 
@@ -151,6 +154,8 @@ class LocalRun:
             f"--output_chunks_topic={self.emulator.topic(self.topic_name('chunks'))}",
             f"--output_completions_topic={self.emulator.topic(self.topic_name('completions'))}",
             f"--dead_letter_topic={self.emulator.topic(self.topic_name('dead_letters'))}",
+            *([f"--bulk_subscription={self.emulator.subscription(self.topic_name('bulk') + '-sub')}"]
+              if self.bulk_lane else []),
             *self.extra_args,
         ]
         env = dict(os.environ, **self.emulator.env(), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
@@ -166,12 +171,14 @@ class LocalRun:
                          for kind in ("chunks", "completions", "dead_letters")}
         return OutputCollector(subscriptions, on_message).start()
 
-    def publish(self, payloads: Iterable[bytes | str | dict[str, Any]], attributes: dict[str, str] | None = None) -> None:
+    def publish(self, payloads: Iterable[bytes | str | dict[str, Any]], attributes: dict[str, str] | None = None,
+                kind: str = "prompts") -> None:
+        """Publishes to the job's input topic (``kind="bulk"``: its bulk lane's)."""
         from google.cloud import pubsub_v1
 
         if self._publisher is None:
             self._publisher = pubsub_v1.PublisherClient()
-        topic = self.emulator.topic(self.topic_name("prompts"))
+        topic = self.emulator.topic(self.topic_name(kind))
         futures = []
         for payload in payloads:
             if isinstance(payload, dict):

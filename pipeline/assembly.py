@@ -21,7 +21,7 @@ from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.batching import BatchRequests
-from pipeline.flow.subscription_reader import ReadWithinRoom, readers_for
+from pipeline.flow.subscription_reader import ReadWithinRoom, marked_bulk, readers_for
 from pipeline.generation.generate import StreamingGenerate
 from pipeline.intake.parsing import ParseRequests
 from pipeline.intake.prompt_length import MeasurePromptLength
@@ -54,13 +54,7 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
     # ledger. The reader pulls only what the ledger has room for; the local runner cannot run it (an unbounded
     # splittable DoFn), so there its own read of the subscription takes places the same way (local/direct_runner.py).
     runtime = SharedRuntime(settings.engine, new_runtime_tag(settings.engine))
-    if local:
-        messages = pipeline | "ReadPrompts" >> ReadFromPubSub(subscription=config.input_subscription,
-                                                              with_attributes=True)
-    else:
-        workers = pipeline.options.view_as(WorkerOptions)
-        readers = readers_for(workers.max_num_workers or workers.num_workers or 1)
-        messages = pipeline | "ReadPrompts" >> ReadWithinRoom(config.input_subscription, runtime, readers=readers)
+    messages = _read(pipeline, config, runtime, local)
     parsed = messages | "ParseRequests" >> ParseRequests(settings.limits, config.id_attribute,
                                                          settings.request_defaults)
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(settings.prompt_length)
@@ -96,6 +90,26 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
         lambda letter: LOGGER.error("Dead letter for request %s could not be written anywhere: %s",
                                     letter.get("id"), letter.get("reason"))))
     return PipelineOutputs(generated.chunks, generated.completions, dead_letters)
+
+
+def _read(pipeline: beam.Pipeline, config: PipelineConfig, runtime: SharedRuntime, local: bool) -> beam.PCollection:
+    """The job's messages: its input subscription's (the live lane), and with a ``bulk_subscription`` the bulk
+    lane's, marked as such (docs/operations.md#the-bulk-lane)."""
+    lanes = [("ReadPrompts", config.input_subscription, False)]
+    if config.bulk_subscription:
+        lanes.append(("ReadBulkPrompts", config.bulk_subscription, True))
+    workers = pipeline.options.view_as(WorkerOptions)
+    readers = readers_for(workers.max_num_workers or workers.num_workers or 1)
+    reads = []
+    for name, subscription, bulk in lanes:
+        if local:
+            read = pipeline | name >> ReadFromPubSub(subscription=subscription, with_attributes=True)
+            if bulk:
+                read = read | "MarkBulk" >> beam.Map(marked_bulk)
+        else:
+            read = pipeline | name >> ReadWithinRoom(subscription, runtime, readers=readers, bulk=bulk)
+        reads.append(read)
+    return reads[0] if len(reads) == 1 else reads | "BothLanes" >> beam.Flatten()
 
 
 def is_local(options: PipelineOptions) -> bool:

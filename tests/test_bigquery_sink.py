@@ -82,15 +82,15 @@ def test_a_table_without_our_columns_is_refused(bigquery):
 
 
 def test_a_table_of_an_earlier_version_gets_the_new_nullable_columns_only_when_tables_may_be_changed(bigquery):
-    """An update that adds columns (the cost fields, the lineage) must not stop at a table an earlier version
+    """An update that adds columns (the cost fields, the lineage, the lane) must not stop at a table an earlier version
     created."""
     from google.cloud import bigquery as bq
     spec = table("earlier")
     earlier = [c for c in SCHEMAS[KIND_COMPLETIONS] if c.name not in ("queue_ms", "decode_ms", "accelerator_seconds",
-                                                                               "lineage")]
+                                                                               "lineage", "lane")]
     emulator_bigquery_client(PROJECT).create_table(bq.Table(spec.replace(":", "."), schema=[
         bq.SchemaField(c.name, c.type, mode=c.mode) for c in earlier]))
-    with pytest.raises(TableError, match="lacks the column.*queue_ms, decode_ms, accelerator_seconds, lineage.*"
+    with pytest.raises(TableError, match="lacks the column.*queue_ms, decode_ms, accelerator_seconds, lineage, lane.*"
                                          "bigquery_create_tables=true"):
         ensure_table(spec, KIND_COMPLETIONS, create=False)
     ensure_table(spec, KIND_COMPLETIONS, create=True)

@@ -31,10 +31,8 @@ GPU = "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver:latest"
 DETERMINISTIC_KEY_CODERS = {"beam:coder:string_utf8:v1", "beam:coder:varint:v1", "beam:coder:bytes:v1"}
 
 
-@pytest.fixture(scope="module")
-def built_job(tmp_path_factory):
-    """(the job description, the staged pipeline) of a console-style launch."""
-    folder = tmp_path_factory.mktemp("dataflow-job")
+def build_job(folder: Path, *extra: str):
+    """(the job description, the staged pipeline) of a console-style launch with these parameters besides."""
     with GcsEmulator() as gcs, activated(gcs):  # restored after: a later test must not reach a stopped emulator
         from pipeline.serving.model_weights import storage_client
 
@@ -45,7 +43,7 @@ def built_job(tmp_path_factory):
                 f"--experiments={GPU}", "--no_auth", f"--template_location={folder / 'job.json'}",
                 "--input_subscription=projects/proj-123456/subscriptions/prompts-sub",
                 "--output_completions_topic=projects/proj-123456/topics/completions",
-                "--dead_letter_topic=projects/proj-123456/topics/dead"]
+                "--dead_letter_topic=projects/proj-123456/topics/dead", *extra]
         result = subprocess.run([sys.executable, "-m", "template.main", *args], cwd=REPO, capture_output=True,
                                 text=True, timeout=300, env={**os.environ, **gcs.env(), WORKER_IMAGE_ENV: WORKER_IMAGE})
         assert result.returncode == 0, result.stderr[-3000:]
@@ -53,6 +51,11 @@ def built_job(tmp_path_factory):
         assert len(staged) == 1, [blob.name for blob in client.list_blobs("bkt-test")]
         pipeline = beam_runner_api_pb2.Pipeline.FromString(staged[0].download_as_bytes())
     return json.loads((folder / "job.json").read_text()), pipeline
+
+
+@pytest.fixture(scope="module")
+def built_job(tmp_path_factory):
+    return build_job(tmp_path_factory.mktemp("dataflow-job"))
 
 
 def test_the_job_is_a_streaming_job_on_gpu_workers_running_the_worker_image(built_job):
@@ -122,3 +125,40 @@ def test_every_answer_of_the_job_names_the_worker_image_it_runs_in_its_lineage(b
             if source is not None:
                 images.append(source.settings.image)
     assert images and set(images) == {WORKER_IMAGE}, images
+
+
+def _stateful_steps(pipeline) -> dict[str, tuple]:
+    """Each stateful step by name: its state and timer specs and its key coder, what an update must find again."""
+    components, found = pipeline.components, {}
+    for transform in components.transforms.values():
+        if transform.spec.urn != "beam:transform:pardo:v1":
+            continue
+        payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
+        if payload.state_specs or payload.timer_family_specs:
+            (main,) = [pcoll for name, pcoll in transform.inputs.items() if name not in payload.side_inputs]
+            coder = components.coders[components.pcollections[main].coder_id]
+            found[transform.unique_name] = (
+                sorted(payload.state_specs), sorted(payload.timer_family_specs),
+                components.coders[coder.component_coder_ids[0]].spec.urn)
+    return found
+
+
+def test_a_job_updated_to_read_a_bulk_lane_keeps_every_stateful_step_as_it_was(built_job, tmp_path):
+    """Dataflow's update maps state by step name, and its compatibility check refuses a stateful step whose state
+    or key coder changed ("Update an existing pipeline", cloud.google.com/dataflow/docs/guides/updating-a-pipeline):
+    the lane adds a second reader and leaves each stateful step, its cells and its key coder as they were."""
+    from apache_beam.internal import pickler
+
+    from pipeline.flow.subscription_reader import PullWithinRoomFn
+
+    _, before = built_job
+    _, after = build_job(tmp_path, "--bulk_subscription=projects/proj-123456/subscriptions/bulk-sub")
+    assert _stateful_steps(after) == _stateful_steps(before)
+    lanes = {}
+    for transform in after.components.transforms.values():
+        if transform.spec.urn == "beam:transform:pardo:v1":
+            payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
+            fn = pickler.loads(payload.do_fn.payload)[0]
+            if isinstance(fn, PullWithinRoomFn):
+                lanes[transform.unique_name.split("/")[0]] = fn._bulk
+    assert lanes == {"ReadPrompts": False, "ReadBulkPrompts": True}

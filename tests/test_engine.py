@@ -271,6 +271,27 @@ def test_in_flight_requests_are_bounded(vllm_server):
     assert running and max(running) == 2
 
 
+def test_a_bulk_lane_that_fills_its_streams_leaves_the_live_reserve_to_live_requests(vllm_server):
+    """max_in_flight 4, live_reserve 0.5: bulk requests start beside at most two streams, live ones up to four."""
+    engine = engine_for(vllm_server.base_url, max_in_flight=4, bulk_lane=True, live_reserve=0.5)
+    try:
+        bulk = [InferenceRequest(id=f"bulk{i}", prompt="Tell me a story.", max_tokens=40, received_at=time.time(),
+                                 lane="bulk") for i in range(4)]
+        live = [InferenceRequest(id=f"live{i}", prompt="Say hi.", max_tokens=4, received_at=time.time())
+                for i in range(3)]
+        taken = engine.submit_batch([r.to_json() for r in bulk], [1] * 4)
+        assert [key is not None for key in taken] == [True, True, False, False]
+        taken = engine.submit_batch([r.to_json() for r in live], [1] * 3)
+        assert [key is not None for key in taken] == [True, True, False], "live takes the two the bulk lane left"
+        outputs = run_to_end(engine, bulk + live)
+        completions = {record["id"]: record for items in outputs.values() for kind, record in items
+                       if kind == COMPLETION}
+        assert {completions[r.id]["lane"] for r in bulk} == {"bulk"}
+        assert {completions[r.id]["lane"] for r in live} == {"live"}
+    finally:
+        engine.close()
+
+
 TICKET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["category", "urgency", "summary"],
                  "properties": {"category": {"enum": ["billing", "bug", "other"]},
                                 "urgency": {"type": "integer", "minimum": 1, "maximum": 5},

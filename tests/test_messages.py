@@ -168,7 +168,7 @@ def test_min_tokens_is_kept_and_unset_it_leaves_the_fingerprint_as_earlier_versi
     # A fingerprint as a version without min_tokens computed it: a redelivery after an update still matches.
     plain = parse({"prompt": "x", "max_tokens": 16})
     earlier = {k: v for k, v in dataclasses.asdict(plain).items() if k not in ("received_at", "prompt_tokens",
-                                                                             "min_tokens", "adapter")}
+                                                                             "min_tokens", "adapter", "lane")}
     assert plain.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
     assert fixed.fingerprint() != parse({"prompt": "x", "max_tokens": 16}).fingerprint()
 
@@ -181,7 +181,7 @@ def test_an_adapter_the_job_serves_is_kept_and_unset_it_leaves_the_fingerprint_a
     plain = parse({"prompt": "x"})
     assert plain.adapter is None
     earlier = {k: v for k, v in dataclasses.asdict(plain).items() if k not in ("received_at", "prompt_tokens",
-                                                                             "min_tokens", "adapter")}
+                                                                             "min_tokens", "adapter", "lane")}
     assert plain.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
     assert request.fingerprint() != parse_request(b'{"prompt": "x"}', limits=limits).fingerprint()
 

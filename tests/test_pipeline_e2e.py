@@ -61,6 +61,12 @@ MALFORMED = {
 HOL_LONG = {"id": "hol-long", "prompt": "Count from 1 to 1000, writing every number in digits, separated by commas.",
             "temperature": 0, "max_tokens": 480, "min_tokens": 480}
 HOL_SHORT = {"id": "hol-short", "prompt": "Say hi.", "max_tokens": 8}
+# The bulk lane (docs/operations.md#the-bulk-lane): a backlog larger than the worker takes from that lane (its
+# max_in_flight + worker_queue less live_reserve), then a few live requests while it drains.
+BULK = [{"id": f"bulk-{i}", "prompt": f"Write about {LONG_TOPICS[i % len(LONG_TOPICS)]}, part {i}.",
+         "max_tokens": 24, "min_tokens": 24} for i in range(120)]
+LIVE_BESIDE_BULK = [{"id": f"live-{i}", "prompt": question, "max_tokens": 8}
+                    for i, question in enumerate(SHORT_QUESTIONS[:4])]
 
 
 ENGINE_ARGS = {"vllm": LOCAL_SERVER.template_args(),
@@ -81,8 +87,9 @@ def run(request, checkpoint, emulator, bigquery):
               f"--dead_letter_table=local-project:llm.dead_letters_{suffix}"]
     local_run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *ENGINE_ARGS[engine],
                           "--num_shards=4", "--max_in_flight=48", "--chunk_tokens=4", "--chunk_interval_ms=100",
-                          *bucketing, *tables],
-                         log_path=REPO_ROOT / ".cache" / "test-e2e" / f"{suffix}.log", emulator=emulator)
+                          *(["--worker_queue=16"] if engine == "vllm" else []), *bucketing, *tables],
+                         log_path=REPO_ROOT / ".cache" / "test-e2e" / f"{suffix}.log", emulator=emulator,
+                         bulk_lane=engine == "vllm")
     local_run.start()
     collector = local_run.collector()
     head_of_line = [HOL_LONG, HOL_SHORT] if engine == "vllm" else []
@@ -102,6 +109,14 @@ def run(request, checkpoint, emulator, bigquery):
         expected = {*(r["id"] for r in head_of_line), PLAIN_TEXT[0], *(r["id"] for r in VALID), *MALFORMED}
         missing = collector.wait_for(expected, 600)
         assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
+        if local_run.bulk_lane:  # live requests published once the bulk lane fills the worker
+            local_run.publish(BULK, kind="bulk")
+            assert wait_until(lambda: any(c.data["id"].startswith("bulk-") for c in collector.completions), 300), \
+                local_run.log_tail()
+            local_run.publish(LIVE_BESIDE_BULK)
+            expected |= {r["id"] for r in BULK + LIVE_BESIDE_BULK}
+            missing = collector.wait_for(expected, 600)
+            assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
         time.sleep(1.0)  # trailing chunks of the last completions
         yield local_run, collector, expected, suffix, engine
     finally:
@@ -178,6 +193,22 @@ def table_rows(table: str) -> list[dict]:
     return [dict(row) for row in emulator_bigquery_client("local-project").query(f"SELECT * FROM `local-project.llm.{table}`").result()]
 
 
+def test_a_live_request_does_not_wait_behind_the_bulk_lanes_backlog(run):
+    """Published after the bulk lane's backlog filled the worker, every live request ends before that backlog
+    does, and each completion records its lane (the bulk ones' only in a job with the lane)."""
+    _, collector, _, _, engine = run
+    if engine != "vllm":
+        pytest.skip("the lane is exercised with vLLM, whose priority scheduling it uses")
+    completions = completions_by_id(collector)
+    ended = {c.data["id"]: c.at for c in collector.completions}
+    bulk, live = [r["id"] for r in BULK], [r["id"] for r in LIVE_BESIDE_BULK]
+    assert {completions[i]["lane"] for i in bulk} == {"bulk"}
+    assert {completions[i]["lane"] for i in live + [r["id"] for r in VALID]} == {"live"}
+    last_live = max(ended[i] for i in live)
+    # One subscription would have served them after all 120 (they were published after them).
+    assert sum(ended[i] > last_live for i in bulk) >= len(bulk) // 10, "a live request waited for the bulk backlog"
+
+
 def test_bigquery_holds_the_same_completions_chunks_and_dead_letters(run):
     _, collector, _, suffix, _ = run
     published = completions_by_id(collector)
@@ -191,12 +222,13 @@ def test_bigquery_holds_the_same_completions_chunks_and_dead_letters(run):
         assert (row["prompt_tokens"], row["completion_tokens"]) == \
             (record["usage"]["prompt_tokens"], record["usage"]["completion_tokens"])
         assert row["metadata"] == record["metadata"]
+        assert row["lane"] == record["lane"]
     chunk_keys = {(c.data["id"], c.data["stream"], c.data["seq"]) for c in collector.chunks}
     assert wait_until(lambda: len(table_rows(f"chunks_{suffix}")) >= len(chunk_keys), 60)
     assert {(r["request_id"], r["stream"], r["seq"]) for r in table_rows(f"chunks_{suffix}")} == chunk_keys
     letters = table_rows(f"dead_letters_{suffix}")
     assert {r["request_id"] for r in letters} == set(MALFORMED)
-    assert all(r["reason"] and r["stage"] in ("parse", "validate") for r in letters)
+    assert all(r["reason"] and r["stage"] in ("parse", "validate") and r["lane"] == "live" for r in letters)
 
 
 def test_the_model_server_is_gone_when_the_pipeline_stops(run):

@@ -57,6 +57,8 @@ class PipelineConfig:
     """Validated, typed parameter values: what :class:`~pipeline.config.settings.JobSettings` is built from."""
 
     input_subscription: str
+    bulk_subscription: str | None
+    live_reserve: float
     id_attribute: str
     dedupe_window_s: int
     output_chunks_topic: str | None
@@ -150,6 +152,9 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
                if not any(fields.get(name) for name in names)]
     if missing:
         problems.append(f"{' and '.join(missing)}. {ALSO_REQUIRED}")
+    if fields.get("bulk_subscription") and fields.get("bulk_subscription") == fields.get("input_subscription"):
+        problems.append("--bulk_subscription is the input_subscription: give the bulk lane a subscription of its own "
+                        "(to a topic of its own), or leave it empty for one lane")
     if fields.get("engine") == "transformers":
         problems.extend(not_with_transformers(name) for name in NOT_WITH_TRANSFORMERS if fields.get(name))
         if (fields.get("batch_size_target") or 0) > (fields.get("max_in_flight") or 0):

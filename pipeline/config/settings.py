@@ -21,7 +21,7 @@ from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME
 from pipeline.contract.request_parsing import RequestLimits
-from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.engine_settings import EngineSettings, priority_scheduling
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
 from pipeline.intake.prompt_length import PromptLength
 from pipeline.intake.request_defaults import RequestDefaults
@@ -193,12 +193,14 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
                   # An admitted request reaches the generate step after the shuffle and its batch's wait.
                   admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0, harness_threads=harness_threads,
                   chunk_policy=ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms)),
-                  priority_boundaries=priority_boundaries, chunk_topic=config.output_chunks_topic,
+                  priority_boundaries=priority_boundaries, bulk_lane=bool(config.bulk_subscription),
+                  live_reserve=config.live_reserve, chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))
     if config.server_url:
         return EngineSettings(server=None, server_url=config.server_url, **common)
     extra_args = tuple(config.extra_vllm_args)
-    if priority_boundaries is not None and "--scheduling-policy" not in extra_args:
+    if priority_scheduling(config.engine, True, priority_boundaries, bool(config.bulk_subscription)) \
+            and "--scheduling-policy" not in extra_args:
         extra_args += ("--scheduling-policy", "priority")
     extra_args = COMPACT_JSON_ARGS + extra_args if compact_json_by_default(extra_args) else extra_args
     spec = ServerSpec(

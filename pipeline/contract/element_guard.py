@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
-from pipeline.contract.messages import DeadLetter, InferenceRequest
+from pipeline.contract.messages import LANE_ATTRIBUTE, LANE_BULK, LANE_LIVE, DeadLetter, InferenceRequest
 
 LOGGER = logging.getLogger(__name__)
 TAG_DEAD_LETTERS = "dead_letters"
@@ -43,16 +43,27 @@ def describe(element: Any) -> tuple[str | None, bytes | str, Mapping[str, str]]:
     return None, repr(element), attributes
 
 
+def lane_of(element: Any) -> str:
+    """The lane of an element at any stage: a request's own, a message's attribute, else live."""
+    if isinstance(element, tuple) and len(element) == 2:
+        element = element[1]
+    if isinstance(element, InferenceRequest):
+        return element.lane_name()
+    attributes = getattr(element, "attributes", None)
+    return LANE_BULK if isinstance(attributes, Mapping) and attributes.get(LANE_ATTRIBUTE) == LANE_BULK else LANE_LIVE
+
+
 def dead_letter_for(stage: str, element: Any, reason: str) -> dict[str, Any]:
     """A dead-letter record (a JSON-ready dict, as every stage emits them) for ``element``."""
     try:
         element_id, payload, attributes = describe(element)
+        lane = lane_of(element)
     except Exception:  # the element cannot even be described; keep what can be
-        element_id, payload, attributes = None, repr(element)[:100_000], {}
+        element_id, payload, attributes, lane = None, repr(element)[:100_000], {}, LANE_LIVE
     if isinstance(payload, bytes):
-        letter = DeadLetter.from_bytes(stage, reason, payload, id=element_id, attributes=attributes)
+        letter = DeadLetter.from_bytes(stage, reason, payload, id=element_id, attributes=attributes, lane=lane)
     else:
-        letter = DeadLetter(stage, reason, payload, id=element_id, attributes=attributes, at=time.time())
+        letter = DeadLetter(stage, reason, payload, id=element_id, attributes=attributes, at=time.time(), lane=lane)
     return letter.to_record()
 
 

@@ -26,12 +26,18 @@ STAGE_DRAIN = "drain"  # the job drained before the request could be served; it 
 STAGE_SINK = "sink"
 
 # Request fields newer than state written by earlier versions (an update reads that state; see fingerprint).
-_FIELDS_ADDED_LATER = ("min_tokens", "adapter")
+_FIELDS_ADDED_LATER = ("min_tokens", "adapter", "lane")
 # Pub/Sub refuses messages over 10 MB; a dead letter keeps its payload whole up to this size.
 MAX_DEAD_LETTER_BYTES = 8 * 1024 * 1024
 # Set by the redrive command on a request the template had already prepared (defaults applied): parsing
 # applies system_prompt, prompt_template and response_schema only to requests without it.
 PREPARED_ATTRIBUTE = "llm_template_prepared"
+# The two lanes a job serves (docs/operations.md#the-bulk-lane): live, its input subscription, and bulk, its
+# bulk_subscription, served with what live traffic leaves. The bulk read marks its messages with the attribute; a
+# publisher may mark a live message bulk too (it only lowers its own place), never a bulk one live.
+LANE_LIVE = "live"
+LANE_BULK = "bulk"
+LANE_ATTRIBUTE = "llm_template_lane"
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,16 @@ class InferenceRequest:
     received_at: float = 0.0
     # Filled in by length bucketing; the estimate is good enough for routing.
     prompt_tokens: int | None = None
+    # LANE_BULK for a request of the bulk lane; None: live. Set by the read, not by the message's fields.
+    lane: str | None = None
+
+    @property
+    def bulk(self) -> bool:
+        return self.lane == LANE_BULK
+
+    def lane_name(self) -> str:
+        """The lane as completions and dead letters record it."""
+        return self.lane or LANE_LIVE
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -68,7 +84,7 @@ class InferenceRequest:
     def to_payload(self) -> str:
         """The request as a publisher would send it: what a redrive republishes to an input topic."""
         fields = {name: value for name, value in dataclasses.asdict(self).items()
-                  if value is not None and name not in ("received_at", "prompt_tokens")}
+                  if value is not None and name not in ("received_at", "prompt_tokens", "lane")}
         return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
@@ -167,6 +183,7 @@ class Completion:
     accelerator_seconds: float | None = None
     # What produced it: weights, engine, image, settings and sampling as applied (docs/contract.md#lineage).
     lineage: Mapping[str, Any] | None = None
+    lane: str = LANE_LIVE  # live, or bulk: which of the job's inputs it came from
 
     def to_dict(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
@@ -194,6 +211,14 @@ class DeadLetter:
     payload_truncated: bool = False
     # For a request that reached the model: its share of the model's busy time, spent on an answer it did not get.
     accelerator_seconds: float | None = None
+    lane: str = LANE_LIVE  # live, or bulk: which of the job's inputs it came from
+
+    @classmethod
+    def of_request(cls, stage: str, reason: str, request: InferenceRequest, *, payload: str | None = None,
+                   **kwargs: Any) -> DeadLetter:
+        """A request's letter: its id and lane, and the request itself as its payload unless another is given."""
+        return cls(stage, reason, request.to_json() if payload is None else payload, id=request.id,
+                   lane=request.lane_name(), **kwargs)
 
     @classmethod
     def from_bytes(cls, stage: str, reason: str, data: bytes, **kwargs: Any) -> DeadLetter:

@@ -145,6 +145,19 @@ PARAMETERS: tuple[Parameter, ...] = (
               "or plain UTF-8 text. " + ALSO_REQUIRED,
               "projects/my-project/subscriptions/prompts-sub", GROUP_INPUT, "PUBSUB_SUBSCRIPTION",
               required=True, regex=SUBSCRIPTION_REGEX),
+    Parameter("bulk_subscription", "Bulk Pub/Sub subscription",
+              "A second subscription this job reads as its bulk lane (a backfill, a nightly re-run), in the same "
+              "message format. Its requests get only what live traffic (input_subscription) leaves: room in each "
+              "worker (see live_reserve), a place behind live requests in every queue, and a lower vLLM priority. "
+              "Completions and dead letters record each request's lane. Empty: one lane, live.",
+              "projects/my-project/subscriptions/prompts-bulk-sub", GROUP_INPUT, "PUBSUB_SUBSCRIPTION",
+              regex=SUBSCRIPTION_REGEX),
+    Parameter("live_reserve", "Room kept for live traffic",
+              "With a bulk_subscription: the share of each worker's requests (max_in_flight + worker_queue) and of "
+              "its server's streams (max_in_flight) that bulk requests never take, so that a live request that "
+              "arrives while the bulk lane fills the worker is read and started at once. 0 keeps none: live "
+              "requests still go first in every queue.",
+              "0.25", GROUP_INPUT, "NUMBER", default=0.25, minimum=0, maximum=0.9),
     Parameter("id_attribute", "Request id attribute",
               "Message attribute that holds the request id when the payload has no 'id'. "
               "Without either, the Pub/Sub message id is used.",

@@ -20,7 +20,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
-from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_PARSE, STAGE_VALIDATE, DeadLetter, InferenceRequest
+from pipeline.contract.messages import (
+    LANE_ATTRIBUTE,
+    LANE_BULK,
+    LANE_LIVE,
+    PREPARED_ATTRIBUTE,
+    STAGE_PARSE,
+    STAGE_VALIDATE,
+    DeadLetter,
+    InferenceRequest,
+)
 from pipeline.contract.parameters import default
 from pipeline.contract.structured_output import ResponseFormatError, checked_response_format
 
@@ -130,8 +139,11 @@ def parse_request(
     given_id = attributes.get(id_attribute) or message_id or uuid.uuid4().hex
     fallback_id = None if _too_long_id(given_id) else given_id
 
+    lane = LANE_BULK if attributes.get(LANE_ATTRIBUTE) == LANE_BULK else None
+
     def dead(stage: str, reason: str, request_id: str | None = fallback_id) -> DeadLetter:
-        return DeadLetter.from_bytes(stage, reason, data, id=request_id, attributes=attributes, at=received_at)
+        return DeadLetter.from_bytes(stage, reason, data, id=request_id, attributes=attributes, at=received_at,
+                                     lane=lane or LANE_LIVE)
 
     try:
         text = data.decode("utf-8")
@@ -165,7 +177,7 @@ def parse_request(
     try:
         if defaults is not None and attributes.get(PREPARED_ATTRIBUTE) != "1":
             fields = defaults.apply(fields, is_text)
-        return _validated(fields, request_id, limits, received_at)
+        return _validated(fields, request_id, limits, received_at, lane)
     except RequestError as exc:
         return dead(STAGE_VALIDATE, str(exc), request_id)
 
@@ -194,7 +206,8 @@ def _check_unicode(fields: dict[str, Any]) -> None:
                            "lone surrogate escapes such as \\ud800 are refused") from None
 
 
-def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, received_at: float) -> InferenceRequest:
+def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, received_at: float,
+               lane: str | None = None) -> InferenceRequest:
     unknown = sorted(set(fields) - set(ALLOWED_FIELDS))
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(ALLOWED_FIELDS)}")
@@ -276,7 +289,7 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
         id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, min_tokens=min_tokens,
         temperature=temperature, top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms,
         response_format=response_format, seed=seed, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, adapter=adapter, received_at=received_at)
+        frequency_penalty=frequency_penalty, adapter=adapter, received_at=received_at, lane=lane)
 
 
 def _validated_messages(messages: Any) -> tuple[Mapping[str, str], ...]:

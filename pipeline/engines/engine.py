@@ -8,10 +8,10 @@ implement it: :mod:`pipeline.engines.vllm_engine` (many requests in flight again
 vLLM server, continuous batching) and :mod:`pipeline.engines.transformers_engine` (the model
 in-process, each batch generated together).
 
-The engine holds at most ``max_in_flight`` unfinished streams (:meth:`EngineBase._room`, the one rule
-for both engines): ``submit_batch`` refuses more (None for those) rather than queueing them, so a backlog waits in
-the pipeline's keyed state, bounded here, and a request's ``request_timeout_s``
-runs from when it is actually sent, not from when it joined a queue.
+The engine holds at most ``max_in_flight`` unfinished streams, and starts a bulk lane's request only beside fewer
+than ``bulk_streams`` (:meth:`EngineBase._room`, the one rule for both engines): ``submit_batch`` refuses more
+(None for those) rather than queueing them, so a backlog waits in the pipeline's keyed state, bounded here, and a
+request's ``request_timeout_s`` runs from when it is actually sent, not from when it joined a queue.
 
 Requests and outputs cross this boundary as JSON strings, which keeps the
 cross-process proxy calls cheap and version-tolerant.
@@ -135,7 +135,7 @@ class EngineBase:
                 if key in self._streams:  # joined again: a retried submission renews the lease
                     self._renew(self._streams[key], client)
             new = [i for i, key in enumerate(keys) if key not in self._streams]
-            room = self._room(len(new))
+            room = self._room(len(new), bulk=any(requests[i].bulk for i in new))
             for n, i in enumerate(new):
                 if n >= room:
                     keys[i] = None
@@ -275,12 +275,14 @@ class EngineBase:
     # Whether a batch is taken whole or not at all (static batching); otherwise any that fit are taken.
     WHOLE_BATCHES = False
 
-    def _room(self, new: int) -> int:
-        """How many of ``new`` requests to take now, under ``max_in_flight``; called under the lock.
+    def _room(self, new: int, bulk: bool = False) -> int:
+        """How many of ``new`` requests to take now, under ``max_in_flight`` (under ``bulk_streams`` for the bulk
+        lane's, so live requests always find room); called under the lock.
 
         An engine that takes batches whole takes none of a batch that does not fit, except when idle, so no batch
         waits forever (the launch refuses batches larger than ``max_in_flight`` for it)."""
-        free = max(self.settings.max_in_flight - self._unfinished, 0)
+        limit = self.settings.bulk_streams if bulk else self.settings.max_in_flight
+        free = max(limit - self._unfinished, 0)
         if not self.WHOLE_BATCHES:
             return min(new, free)
         return new if new <= free or self._unfinished == 0 else 0
@@ -375,7 +377,8 @@ class EngineBase:
             adapter=request.adapter, queue_ms=round(max(sent_at - request.received_at, 0.0) * 1000.0, 3),
             decode_ms=None if first_token_ms is None else
             round(max((now - request.received_at) * 1000.0 - first_token_ms, 0.0), 3),
-            accelerator_seconds=round(stream.accelerator_s, 6), lineage=self.lineage.record(request))
+            accelerator_seconds=round(stream.accelerator_s, 6), lineage=self.lineage.record(request),
+            lane=request.lane_name())
         self._emit(stream, COMPLETION, completion.to_json(), final=True)
 
     def _dead_letter(self, stream: Stream, reason: str) -> None:
@@ -384,6 +387,5 @@ class EngineBase:
             self._chunk_publisher.forget(stream.key)  # no completion will wait for its chunks
         self._ended(stream)
         consumed = round(stream.accelerator_s, 6) if stream.sent_at is not None else None  # None: never reached it
-        letter = DeadLetter(STAGE_INFERENCE, reason, request.to_json(), id=request.id, at=time.time(),
-                            accelerator_seconds=consumed)
+        letter = DeadLetter.of_request(STAGE_INFERENCE, reason, request, at=time.time(), accelerator_seconds=consumed)
         self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)

@@ -9,9 +9,12 @@ template's parameters; it checks its own values as it is built, so a pipeline of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pipeline.contract.chunking import ChunkPolicy
+from pipeline.contract.keying import bucket_index
+from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_parameters, default, not_with_transformers
 from pipeline.serving.vllm_server import ServerSpec
 
@@ -36,6 +39,9 @@ class EngineSettings:
     # With these length-bucket bounds, each request carries its bucket as vLLM priority
     # (the server must run --scheduling-policy priority); None sends no priority.
     priority_boundaries: tuple[int, ...] | None = None
+    # Whether the job reads a bulk lane (its bulk_subscription), and the share of the worker that lane never takes.
+    bulk_lane: bool = False
+    live_reserve: float = default("live_reserve")
     # Publish chunks to this Pub/Sub topic from the engine the moment they are cut ...
     chunk_topic: str | None = None
     # ... and hand them to the pipeline through poll() as well (always, without a chunk_topic).
@@ -63,7 +69,8 @@ class EngineSettings:
         if (self.server is None) == (self.server_url is None):
             raise ValueError("give exactly one of a server spec or a server_url")
         check_parameters({"engine": self.engine, "max_in_flight": self.max_in_flight,
-                          "stream_lease_s": self.stream_lease_s, "worker_queue": self.worker_queue})
+                          "stream_lease_s": self.stream_lease_s, "worker_queue": self.worker_queue,
+                          "live_reserve": self.live_reserve})
         if self.engine == "transformers" and self.server is None:
             raise ValueError(not_with_transformers("server_url"))
         if self.chunk_topic is None and not self.chunks_to_pipeline:
@@ -77,3 +84,42 @@ class EngineSettings:
     def max_held(self) -> int:
         """The most requests a worker holds (in flight, waiting, on their way) before it pushes back."""
         return self.max_in_flight + self.worker_queue
+
+    @property
+    def bulk_held(self) -> int:
+        """The most a worker holds when a bulk read asks for room: what ``live_reserve`` leaves of ``max_held``."""
+        return _left_by(self.live_reserve, self.max_held)
+
+    @property
+    def bulk_streams(self) -> int:
+        """The most unfinished streams the engine starts a bulk request beside: what ``live_reserve`` leaves of
+        ``max_in_flight``."""
+        return _left_by(self.live_reserve, self.max_in_flight)
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Whether requests carry a vLLM priority (:func:`priority_scheduling`)."""
+        return priority_scheduling(self.engine, self.server is not None, self.priority_boundaries, self.bulk_lane)
+
+    def priority_of(self, request: InferenceRequest) -> int | None:
+        """vLLM's priority for ``request`` (lower is served first, and preempts higher when memory runs short): its
+        length bucket (the first when it was not measured), after every live bucket when it is of the bulk lane;
+        None (the server's default, the first) without priority scheduling, or for a live request not measured."""
+        if not self.priority_scheduling or (request.prompt_tokens is None and not request.bulk):
+            return None
+        bounds = self.priority_boundaries or ()
+        bucket = bucket_index(bounds, request.prompt_tokens) if bounds and request.prompt_tokens is not None else 0
+        return bucket + (len(bounds) + 1 if request.bulk else 0)
+
+
+def priority_scheduling(engine: str, own_server: bool, priority_boundaries: tuple[int, ...] | None,
+                        bulk_lane: bool) -> bool:
+    """Whether the worker's server runs vLLM's priority scheduling, and requests carry a priority: for shorter
+    prompts first (``priority_boundaries``, set only for a server the worker starts) or for the live lane first.
+    Never with a server of one's own, whose policy is unknown: vLLM refuses a priority its policy does not use."""
+    return priority_boundaries is not None or (bulk_lane and own_server and engine == "vllm")
+
+
+def _left_by(reserve: float, total: int) -> int:
+    """What a reserve of ``reserve`` of ``total`` leaves, at least one: a bulk lane always moves."""
+    return max(1, total - math.ceil(reserve * total))

@@ -31,7 +31,6 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from pipeline.contract.chunking import ChunkAssembler
-from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import ATTEMPT
 from pipeline.engines.adapter_slots import AdapterSlots
@@ -352,8 +351,9 @@ class VLLMEngine(EngineBase):
             payload["stop"] = list(request.stop)
         if self._stream_interval is not None:
             payload["stream_interval"] = self._stream_interval
-        if self.settings.priority_boundaries is not None and request.prompt_tokens is not None:
-            payload["priority"] = bucket_index(self.settings.priority_boundaries, request.prompt_tokens)
+        priority = self.settings.priority_of(request)
+        if priority is not None:
+            payload["priority"] = priority
         if request.messages is not None or self.settings.prompt_format == "chat":
             payload["messages"] = list(request.messages or [{"role": "user", "content": request.prompt}])
             return "/v1/chat/completions", payload

@@ -10,6 +10,9 @@ at the end of the window flushes whatever is left when the watermark passes
 
 With no bucket boundaries there is a single bucket: plain arrival-order batching.
 
+A job with a bulk lane keys that lane's requests apart (``bulk.`` before the bucket), so a batch is of one lane
+and the generate step can serve the live lane's first (:mod:`pipeline.generation.key_machine`).
+
 Answer buckets (``answer_boundaries``) split each prompt bucket by the
 request's answer budget, ``max_tokens``. A static batch runs until its longest
 answer ends, so a 16-token classification batched with a 256-token essay
@@ -255,7 +258,8 @@ def _keyed(config: BatchingConfig, request: InferenceRequest) -> Iterator[tuple[
     tokens = request.prompt_tokens
     if tokens is None:
         tokens = estimate_tokens(request.prompt_text())
-    yield f"{config.bucket_name(tokens, request.max_tokens)}:{shard_of(request.id, config.num_shards)}", request
+    lane = "bulk." if request.bulk else ""  # a batch is of one lane: the generate step serves live first
+    yield f"{lane}{config.bucket_name(tokens, request.max_tokens)}:{shard_of(request.id, config.num_shards)}", request
 
 
 class _KeyFn(beam.DoFn):

@@ -39,6 +39,10 @@ What the native source did that this one does for itself, or gives up:
   splittable DoFn's size is not documented (docs/operations.md says what a first job should check).
 * **Drain**: ``truncate`` returns nothing, so a drained job stops pulling and lets what it pulled finish.
 
+A job with a ``bulk_subscription`` runs a second set of readers for it, which take places only while the worker
+holds fewer than ``bulk_held`` (``live_reserve`` keeps the rest for live reads) and mark what they pull as the
+bulk lane's (``LANE_ATTRIBUTE``).
+
 A message stays unacknowledged at most until its bundle commits: ``ACK_DEADLINE_S`` is far above a bundle's
 life (one pull and a few steps), and a redelivery after it costs a duplicate, which the dedupe drops.
 """
@@ -60,6 +64,7 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from pipeline.contract.call_outcome import Call
+from pipeline.contract.messages import LANE_ATTRIBUTE, LANE_BULK
 from pipeline.worker import read_places
 from pipeline.worker.load import LOAD_NAMESPACE
 from pipeline.worker.runtime import RuntimeSource, process_record
@@ -93,10 +98,11 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
     stream (``rounds`` bounds it where a test runs the reader to its end)."""
 
     def __init__(self, runtime: RuntimeSource, rounds: int = sys.maxsize,
-                 ack_deadline_s: int = ACK_DEADLINE_S) -> None:
+                 ack_deadline_s: int = ACK_DEADLINE_S, bulk: bool = False) -> None:
         self._source = runtime
         self._rounds = rounds
         self._ack_deadline_s = ack_deadline_s
+        self._bulk = bulk
         self.pulled = Metrics.counter(LOAD_NAMESPACE, "read_messages")
         self.deferred = Metrics.counter(LOAD_NAMESPACE, "read_deferred")
 
@@ -148,7 +154,7 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         round_at = tracker.current_restriction().start
         if not tracker.try_claim(round_at):
             return
-        places = take_places(self._runtime, PULL_MOST)
+        places = take_places(self._runtime, PULL_MOST, self._bulk)
         if not places:
             self.deferred.inc()
             self._log_full()
@@ -167,6 +173,8 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         oldest = None
         for received_message in received:
             message = PubsubMessage._from_message(received_message.message)  # as the native source makes it
+            if self._bulk:
+                message = marked_bulk(message)
             published = Timestamp.from_utc_datetime(message.publish_time)
             oldest = published if oldest is None else min(oldest, published)
             yield TimestampedValue(message, published)
@@ -202,12 +210,18 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
                     "subscription (counter read_deferred)", FULL_DELAY_S)
 
 
-def take_places(runtime: RuntimeClient, most: int) -> list[str]:
+def take_places(runtime: RuntimeClient, most: int, bulk: bool = False) -> list[str]:
     """A round's places for up to ``most`` messages (:mod:`pipeline.worker.read_places`); none while the runtime
     cannot be asked: silent, or its host gone, which the client starts acquiring anew in the background (a reader
     may be the only step that still calls it). The round then defers like a full one, and nothing is pulled."""
-    _, places = runtime.call("take places", lambda worker: read_places.reserve(worker, most))
+    _, places = runtime.call("take places", lambda worker: read_places.reserve(worker, most, bulk))
     return places or []
+
+
+def marked_bulk(message: PubsubMessage) -> PubsubMessage:
+    """A message of the bulk lane, as parsing tells it (``LANE_ATTRIBUTE``), whatever its publisher set."""
+    return PubsubMessage(message.data, {**(message.attributes or {}), LANE_ATTRIBUTE: LANE_BULK},
+                         message.message_id, message.publish_time, message.ordering_key)
 
 
 def readers_for(max_workers: int) -> int:
@@ -222,15 +236,18 @@ def _advance(watermark: Any, to: Timestamp) -> None:
 
 
 class ReadWithinRoom(beam.PTransform):
-    """The input subscription's messages, as ``ReadFromPubSub(with_attributes=True)`` gives them, pulled only while
-    the worker has room for them. ``rounds`` and ``ack_deadline_s`` are for tests that run readers to their end."""
+    """A subscription's messages, as ``ReadFromPubSub(with_attributes=True)`` gives them, pulled only while the
+    worker has room for them; with ``bulk``, only while it has more room than the live lane keeps
+    (``live_reserve``), and each marked as the bulk lane's. ``rounds`` and ``ack_deadline_s`` are for tests that run
+    readers to their end."""
 
-    def __init__(self, subscription: str, runtime: RuntimeSource, *, readers: int = READERS,
+    def __init__(self, subscription: str, runtime: RuntimeSource, *, readers: int = READERS, bulk: bool = False,
                  rounds: int = sys.maxsize, ack_deadline_s: int = ACK_DEADLINE_S) -> None:
         super().__init__()
         self._subscription = subscription
         self._readers = readers
         self._runtime = runtime
+        self._bulk = bulk
         self._rounds = rounds
         self._ack_deadline_s = ack_deadline_s
 
@@ -239,4 +256,4 @@ class ReadWithinRoom(beam.PTransform):
                 | "Start" >> beam.Impulse()
                 | "Readers" >> beam.FlatMap(lambda _, path=self._subscription, count=self._readers:
                                              [(path, n) for n in range(count)])
-                | "Pull" >> beam.ParDo(PullWithinRoomFn(self._runtime, self._rounds, self._ack_deadline_s)))
+                | "Pull" >> beam.ParDo(PullWithinRoomFn(self._runtime, self._rounds, self._ack_deadline_s, self._bulk)))

@@ -1,11 +1,12 @@
 """One key of the generate step as a pure state machine: ``step(rules, KeyState, Event) -> (KeyState, Effects)``.
 
 Every promise the generate step makes for a key lives here, and nothing else does: dedupe by id, the queue
-of requests waiting for room and its cap, deadlines, the bound on lost streams, resends, the poll backoff and
-the drain. No Beam, engine, runtime, clock or network: time comes in each event, and every call to the engine
-goes out as an effect whose answer comes back as the next event. The DoFn (:mod:`pipeline.generation.generate`)
-loads a key's cells, steps the machine until it asks nothing more, carries out the effects and commits; the
-worker simulator (``tests/worker_sim``) steps the same machine under millions of schedules.
+of requests waiting for room (the live lane's before the bulk lane's) and its cap, deadlines, the bound on lost
+streams, resends, the poll backoff and the drain. No Beam, engine, runtime, clock or network: time comes in
+each event, and every call to the engine goes out as an effect whose answer comes back as the next event. The DoFn
+(:mod:`pipeline.generation.generate`) loads a key's cells, steps the machine until it asks nothing more, carries
+out the effects and commits; the worker simulator (``tests/worker_sim``) steps the same machine under millions of
+schedules.
 
 A callback is a short conversation::
 
@@ -133,9 +134,11 @@ def _arrive(work: StepWork, event: Arrived) -> tuple[KeyState, Effects]:
         else:
             work.hold(request, fingerprint)
             deadline_at = None if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
-            accepted.append(RequestEntry(request.to_json(), fingerprint, deadline_at=deadline_at, batch=event.batch))
+            accepted.append(RequestEntry(request.to_json(), fingerprint, deadline_at=deadline_at, batch=event.batch,
+                                         bulk=request.bulk))
     pending = _Arriving(tuple(accepted), len(work.state.waiting), tuple(r.id for r in event.requests))
-    if accepted and not pending.already:  # once one waits, the rest queue behind it
+    # Once one waits, the rest of its lane queue behind it; a live request goes ahead of bulk ones.
+    if accepted and not any(_ahead(entry, accepted[0]) for entry in work.state.waiting):
         submit = (Submission(tuple(e.request for e in accepted), tuple(e.attempt for e in accepted), True),)
         return work.done(replace(work.state, pending=pending), submit=submit)
     return _arrived(work, pending, None)
@@ -166,7 +169,7 @@ def _arrived(work: StepWork, pending: _Arriving,
     left = left[:room]
     work.counts["requests_sent"] += len(sent)
     work.counts["requests_queued"] += len(left)
-    state = replace(work.state, inflight=work.state.inflight + sent, waiting=work.state.waiting + left)
+    state = replace(work.state, inflight=work.state.inflight + sent, waiting=_live_first(work.state.waiting + left))
     if pending.accepted and state.wait_ms is not None:
         state = replace(state, wait_ms=None)  # new work: poll at the chunk cadence again
     arm_at = None
@@ -175,13 +178,23 @@ def _arrived(work: StepWork, pending: _Arriving,
     return work.done(state, report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at)
 
 
+def _ahead(waiting: RequestEntry, arriving: RequestEntry) -> bool:
+    """Whether a request that waits goes before one that arrives: a live one always, a bulk one before bulk."""
+    return not waiting.bulk or arriving.bulk
+
+
+def _live_first(entries: tuple[RequestEntry, ...]) -> tuple[RequestEntry, ...]:
+    """The waiting queue in the order it is served: the live lane's in arrival order, then the bulk lane's."""
+    return tuple(e for e in entries if not e.bulk) + tuple(e for e in entries if e.bulk)
+
+
 # The poll timer ---------------------------------------------------------------------------------------------
 
 def _poll_due(work: StepWork) -> tuple[KeyState, Effects]:
     work.settle_damage()
     state = replace(work.state, poll_at_ms=None)
     entries = work.unique(state.inflight)
-    waiting = work.unique(state.waiting, besides=entries)
+    waiting = work.unique(_live_first(state.waiting), besides=entries)
     if not entries and not state.progress.release:  # timers can fire twice for one setting
         pending = _Polling(entries, waiting, {})
         return _polled(work, pending, Polled(work.now, Call.ANSWERED), state)

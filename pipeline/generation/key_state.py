@@ -8,7 +8,8 @@ their names and encodings stay as they were; each cell's text carries a version 
 
 Cells, each written only when it changes:
 
-* ``waiting``: requests the engine had no room for, admitted in arrival order as streams finish.
+* ``waiting``: requests the engine had no room for, admitted in arrival order as streams finish, the live lane's
+  before the bulk lane's.
 * ``inflight``: requests the engine is streaming. One whose stream is lost is sent again as a new ``attempt``.
 * ``progress``: per stream, how many of its outputs were emitted (:class:`~pipeline.contract.stream_progress.
   KeyProgress`), written in the same commit as the outputs: what makes a poll safe to retry.
@@ -51,6 +52,7 @@ class RequestEntry:
     deadline_at: float | None = None  # when its own deadline_ms passes (epoch seconds), if it has one
     batch: str | None = None  # the batcher's batch it came in: a static-batching engine takes a batch whole
     lost: int = 0  # how many of its streams were lost (bounded apart from attempts)
+    bulk: bool = False  # of the bulk lane: it waits behind every live request of its key
 
     @property
     def request_id(self) -> str:
@@ -77,7 +79,10 @@ class RequestEntry:
         batch = data.get("batch")  # absent before batches were kept whole: each entry its own
         if batch is not None and not isinstance(batch, str):
             raise StateFormatError("field 'batch' of the wrong type")
-        return cls(data["request"], data["fp"], data["attempt"], data["key"], data["deadline_at"], batch, lost)
+        bulk = data.get("bulk", False)  # absent before the bulk lane: live
+        if not isinstance(bulk, bool):
+            raise StateFormatError("field 'bulk' of the wrong type")
+        return cls(data["request"], data["fp"], data["attempt"], data["key"], data["deadline_at"], batch, lost, bulk)
 
 
 @dataclass(frozen=True)

@@ -62,10 +62,11 @@ class StepWork:
         request_json = entry.request if isinstance(entry, RequestEntry) else request.to_json()
         if drain:  # republishable as it is: already prepared, so parsing applies no defaults again
             self.counts["drain_dead_letters"] += 1
-            letter = DeadLetter(STAGE_DRAIN, reason + "; republish it with the redrive command", request.to_payload(),
-                                id=request.id, attributes={PREPARED_ATTRIBUTE: "1"}, at=self.now)
+            letter = DeadLetter.of_request(STAGE_DRAIN, reason + "; republish it with the redrive command", request,
+                                           payload=request.to_payload(), attributes={PREPARED_ATTRIBUTE: "1"},
+                                           at=self.now)
         else:
-            letter = DeadLetter(STAGE_INFERENCE, reason, request_json, id=request.id, at=self.now)
+            letter = DeadLetter.of_request(STAGE_INFERENCE, reason, request, payload=request_json, at=self.now)
         self.outputs.append((DEAD_LETTER, letter.to_json()))
 
     def unique(self, entries: tuple[RequestEntry, ...],

@@ -92,7 +92,7 @@ class _MeasureFn(beam.DoFn):
             self.too_long.inc()
             reason = (f"the prompt has {tokens} tokens and max_tokens is {request.max_tokens}; together they exceed "
                       f"the model's context of {self._max_model_len} tokens")
-            letter = DeadLetter(STAGE_VALIDATE, reason, request.to_json(), id=request.id, at=time.time())
+            letter = DeadLetter.of_request(STAGE_VALIDATE, reason, request, at=time.time())
             yield pvalue.TaggedOutput(TAG_DEAD_LETTERS, letter.to_record())
             return
         yield dataclasses.replace(request, prompt_tokens=tokens)

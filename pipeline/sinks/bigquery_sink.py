@@ -28,7 +28,7 @@ from apache_beam.io.gcp.bigquery import BigQueryDisposition, BigQueryWriteFn
 from apache_beam.io.gcp.bigquery_tools import RetryStrategy
 
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded_value
-from pipeline.contract.messages import STAGE_SINK, DeadLetter
+from pipeline.contract.messages import LANE_LIVE, STAGE_SINK, DeadLetter
 
 LOGGER = logging.getLogger(__name__)
 KIND_COMPLETIONS, KIND_CHUNKS, KIND_DEAD_LETTERS = "completions", "chunks", "dead_letters"
@@ -68,6 +68,7 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
                                                "across the requests running then"),
         Column("lineage", "JSON", "What produced it: the weights' revision and digests, adapter, engine and version, "
                                   "worker image, server settings and the sampling as applied, seed included"),
+        Column("lane", "STRING", "live, or bulk: the job's input it came from (its bulk_subscription)"),
     ),
     KIND_CHUNKS: (
         Column("request_id", "STRING", "The request's id", "REQUIRED"),
@@ -93,6 +94,7 @@ SCHEMAS: dict[str, tuple[Column, ...]] = {
         Column("failed_at", "TIMESTAMP", "When it failed (partitioning column)", "REQUIRED"),
         Column("accelerator_seconds", "FLOAT", "For a request that reached the model: its share of the model's "
                                                "busy time"),
+        Column("lane", "STRING", "live, or bulk: the job's input it came from (its bulk_subscription)"),
     ),
 }
 PARTITION_COLUMN = {KIND_COMPLETIONS: "finished_at", KIND_CHUNKS: "emitted_at", KIND_DEAD_LETTERS: "failed_at"}
@@ -119,6 +121,7 @@ def completion_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "output_error": record.get("output_error"), "adapter": record.get("adapter"),
         "queue_ms": record.get("queue_ms"), "decode_ms": record.get("decode_ms"),
         "accelerator_seconds": record.get("accelerator_seconds"), "lineage": _json(record.get("lineage")),
+        "lane": record.get("lane"),
     }
     return row, f"{record['id']}#{record['stream']}"
 
@@ -140,7 +143,7 @@ def dead_letter_row(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "payload": record["payload"], "payload_encoding": record["payload_encoding"],
         "payload_truncated": record.get("payload_truncated", False),
         "attributes": _json(record.get("attributes") or {}), "failed_at": _timestamp(record["at"]),
-        "accelerator_seconds": record.get("accelerator_seconds"),
+        "accelerator_seconds": record.get("accelerator_seconds"), "lane": record.get("lane"),
     }
     digest = hashlib.sha1(f"{record['stage']}|{record['payload']}".encode()).hexdigest()[:16]
     return row, f"{record.get('id')}#{record['stage']}#{digest}"
@@ -248,7 +251,8 @@ def _rejected_as_dead_letter(failed: tuple[Any, dict[str, Any], Any]) -> dict[st
     else:
         reasons = str(errors)
     letter = DeadLetter(STAGE_SINK, f"BigQuery rejected the row for {destination}: {reasons}",
-                        json.dumps(row, default=str), id=row.get("request_id"), at=time.time())
+                        json.dumps(row, default=str), id=row.get("request_id"), at=time.time(),
+                        lane=row.get("lane") or LANE_LIVE)
     return letter.to_record()
 
 

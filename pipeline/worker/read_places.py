@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 class Ledger(Protocol):
     """What places are taken from: the worker's runtime (through its proxy) or its admission ledger itself."""
 
-    def admit(self, ids: list[str], in_place_of: Sequence[str] = ()) -> int: ...
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False) -> int: ...
 
     def withdraw(self, ids: list[str]) -> None: ...
 
@@ -44,12 +44,13 @@ _QUEUES: dict[str, collections.deque[tuple[str, float]]] = {}
 _LOCK = threading.Lock()
 
 
-def reserve(runtime: Ledger, most: int) -> list[str]:
-    """Up to ``most`` place-holders admitted into the worker's hold while it has room (none when it is full)."""
+def reserve(runtime: Ledger, most: int, bulk: bool = False) -> list[str]:
+    """Up to ``most`` place-holders admitted into the worker's hold while it has room (none when it is full; for a
+    read of the bulk lane, while it has more room than the live lane keeps)."""
     if most <= 0:
         return []
     places = [PLACE_PREFIX + uuid.uuid4().hex for _ in range(most)]
-    return places[:runtime.admit(places)]
+    return places[:runtime.admit(places, (), bulk)]
 
 
 def settle(runtime: Ledger, tag: str, places: list[str], used: int) -> None:

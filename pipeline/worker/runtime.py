@@ -127,8 +127,8 @@ class WorkerRuntime:
 
     # Admission (the admission step; the generate step reports what waits) ------------------
 
-    def admit(self, ids: list[str], in_place_of: Sequence[str] = ()) -> int:
-        return self.admission.admit(ids, in_place_of)
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False) -> int:
+        return self.admission.admit(ids, in_place_of, bulk)
 
     def withdraw(self, ids: list[str]) -> None:
         self.admission.withdraw(ids)

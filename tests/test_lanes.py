@@ -1,0 +1,188 @@
+"""The bulk lane (docs/operations.md#the-bulk-lane): live first at every queue a worker has.
+
+The parts a lane passes through, each driven directly: parsing (the read's mark), the request record and the
+generate step's state (update compatibility), the admission ledger (the room live keeps), the key machine (the
+generate step's queue), the engine's priority for vLLM, and the options. The engine's own room is proved against
+the real vLLM in tests/test_engine.py and the whole lane end to end in tests/test_pipeline_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.config.options import ConfigError, PipelineConfig
+from pipeline.contract.call_outcome import Call
+from pipeline.contract.messages import LANE_ATTRIBUTE, DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import parse_request
+from pipeline.engines.engine_settings import EngineSettings
+from pipeline.generation.key_events import Arrived, Effects, PollDue, Polled, Rules, Submitted, submit_in_order
+from pipeline.generation.key_machine import step
+from pipeline.generation.key_state import KeyState, RequestEntry
+from pipeline.serving.vllm_server import ServerSpec
+from pipeline.worker.admission_ledger import AdmissionLedger
+
+RULES = Rules(poll_interval_s=0.05, dedupe_window_s=600.0, drain_timeout_s=30.0, waiting_cap=1000)
+
+
+def test_the_bulk_reads_mark_makes_a_bulk_request_and_a_bulk_dead_letter_whatever_else_it_holds():
+    bulk = parse_request(b'{"id": "a", "prompt": "hi"}', {LANE_ATTRIBUTE: "bulk"})
+    assert isinstance(bulk, InferenceRequest) and bulk.bulk and bulk.lane_name() == "bulk"
+    letter = parse_request(b'{"id": "b", "prompt": 3}', {LANE_ATTRIBUTE: "bulk"})
+    assert isinstance(letter, DeadLetter) and letter.lane == "bulk"
+    for attributes in ({}, {LANE_ATTRIBUTE: "live"}, {LANE_ATTRIBUTE: "BULK"}, {LANE_ATTRIBUTE: ""}):
+        live = parse_request(b'{"id": "c", "prompt": "hi"}', attributes)
+        assert isinstance(live, InferenceRequest) and not live.bulk and live.lane_name() == "live"
+    field = parse_request(b'{"id": "d", "prompt": "hi", "lane": "bulk"}')
+    assert isinstance(field, DeadLetter) and "unknown field" in field.reason, "the read sets the lane, not a field"
+
+
+def test_the_lane_leaves_a_requests_fingerprint_and_republished_payload_as_they_were():
+    """A live request's fingerprint is what versions before the lane stored (an update finds its dedupe record);
+    a redrive publishes to the topic of the lane it names, so the payload does not carry it."""
+    live = InferenceRequest(id="a", prompt="hi", max_tokens=4)
+    bulk = InferenceRequest(id="a", prompt="hi", max_tokens=4, lane="bulk")
+    assert "lane" not in json.loads(live.to_payload()) and "lane" not in json.loads(bulk.to_payload())
+    assert InferenceRequest.from_json(bulk.to_json()) == bulk
+    assert live.fingerprint() != bulk.fingerprint()
+    stored = json.loads(live.to_json())
+    del stored["lane"]  # as a version before the lane wrote it
+    assert InferenceRequest.from_json(json.dumps(stored)).fingerprint() == live.fingerprint()
+    assert DeadLetter.of_request("inference", "x", bulk).lane == "bulk"
+    assert DeadLetter.from_json(DeadLetter.of_request("inference", "x", bulk).to_json()).lane == "bulk"
+
+
+def test_a_waiting_entry_written_before_the_lane_reads_as_live():
+    entry = RequestEntry(InferenceRequest(id="a", prompt="hi").to_json(), "fp", batch="b1")
+    text = json.loads(entry.encode())
+    text.pop("bulk")
+    assert RequestEntry.decode(json.dumps(text)) == entry
+    bulk = RequestEntry(InferenceRequest(id="a", prompt="hi", lane="bulk").to_json(), "fp", bulk=True)
+    assert RequestEntry.decode(bulk.encode()).bulk
+
+
+def _settings(**overrides) -> EngineSettings:
+    values = dict(server=None, server_url="http://unused", max_in_flight=8, worker_queue=8, bulk_lane=True,
+                  live_reserve=0.25)
+    values.update(overrides)
+    return EngineSettings(**values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 256), st.floats(0.0, 0.9))
+def test_the_bulk_lane_always_leaves_the_reserve_and_always_has_room_to_move(max_in_flight, queue, reserve):
+    held = _settings(max_in_flight=max_in_flight, worker_queue=queue, live_reserve=reserve)
+    assert 1 <= held.bulk_streams <= max_in_flight and 1 <= held.bulk_held <= held.max_held
+    if held.bulk_streams > 1:
+        assert max_in_flight - held.bulk_streams >= reserve * max_in_flight - 1e-9
+    if held.bulk_held > 1:
+        assert held.max_held - held.bulk_held >= reserve * held.max_held - 1e-9
+
+
+def test_bulk_reads_stop_where_the_live_reserve_begins_and_live_reads_take_it():
+    settings_ = _settings()  # holds 16; bulk up to 12
+    ledger = AdmissionLedger(settings_, lambda: 0, clock=lambda: 0.0)
+    assert ledger.admit([f"b{i}" for i in range(20)], (), True) == 12
+    assert ledger.admit(["b-more"], (), True) == 0, "the bulk lane is at its bound"
+    assert ledger.admit([f"l{i}" for i in range(20)]) == 4, "live reads take the reserve"
+    assert ledger.admit(["l-more"]) == 0
+
+
+def _request(n: int, bulk: bool) -> InferenceRequest:
+    return InferenceRequest(id=f"{'bulk' if bulk else 'live'}-{n}", prompt="hi", max_tokens=4,
+                            lane="bulk" if bulk else None)
+
+
+def _carry(state: KeyState, effects: Effects, now: float, room: list[int], started: list[str]) -> KeyState:
+    """Carries out the key's effects against an engine with ``room[0]`` free streams (live and bulk alike, so the
+    key's own order is what is tested), until it asks nothing more."""
+    while True:
+        if effects.submit:
+            def submit(submission):
+                keys = []
+                for text in submission.requests:
+                    if room[0] > 0:
+                        room[0] -= 1
+                        request = InferenceRequest.from_json(text)
+                        started.append(request.id)
+                        keys.append(f"{request.id}@engine")
+                    else:
+                        keys.append(None)
+                return Call.ANSWERED, tuple(keys)
+            state, effects = step(RULES, state, Submitted(now, submit_in_order(effects.submit, submit)))
+        elif effects.poll is not None:
+            state, effects = step(RULES, state, Polled(now, Call.ANSWERED, {key: [] for key in effects.poll}))
+        else:
+            return state
+
+
+_key_ops = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), st.booleans(), st.integers(1, 6)),  # a batch of one lane
+    st.tuples(st.just("room"), st.booleans(), st.integers(1, 8))), min_size=1, max_size=40)  # streams end
+
+
+@settings(max_examples=300, deadline=None)
+@given(_key_ops)
+def test_a_key_never_starts_a_bulk_request_while_a_live_one_waits(ops):
+    """Batches of either lane arrive, in any order, while the engine's room comes and goes: the key's queue keeps
+    live requests before bulk ones, a live request is offered to the engine at once even while bulk ones wait, and
+    no step starts a bulk request while a live one is left waiting."""
+    state, room, now, serial = KeyState(), [0], 0.0, 0
+    for operation, bulk, count in ops:
+        now += 0.1
+        started: list[str] = []
+        live_waited = not all(entry.bulk for entry in state.waiting)
+        if operation == "arrive":
+            requests = tuple(_request(serial + n, bulk) for n in range(count))
+            serial += count
+            state, effects = step(RULES, state, Arrived(now, requests, f"batch-{serial}"))
+        elif bulk:  # streams of other keys end: this key learns of it at its next poll, or when a request arrives
+            room[0] += count
+            continue
+        else:  # ... or its own streams: its poll timer fires
+            room[0] += count
+            state, effects = step(RULES, state, PollDue(now))
+        state = _carry(state, effects, now, room, started)
+        lanes = [entry.bulk for entry in state.waiting]
+        assert lanes == sorted(lanes), "live requests wait before bulk ones"
+        if room[0] and operation == "arrive" and not live_waited:  # (a live request queues behind live ones)
+            assert all(lanes), "a live request waits behind bulk ones though the engine has room"
+        if any(i.startswith("bulk") for i in started):
+            assert not any(not entry.bulk for entry in state.waiting), "a bulk request started while live waited"
+
+
+def test_vllm_serves_every_live_request_before_any_bulk_one_and_shorter_first_within_a_lane():
+    spec = ServerSpec(model="m")
+    settings_ = _settings(server=spec, server_url=None, priority_boundaries=(16, 64))
+    assert settings_.priority_scheduling
+    priorities = {(bulk, tokens): settings_.priority_of(InferenceRequest(
+        id="a", prompt="x", prompt_tokens=tokens, lane="bulk" if bulk else None))
+        for bulk in (False, True) for tokens in (4, 32, 500)}
+    assert max(p for (bulk, _), p in priorities.items() if not bulk) < \
+        min(p for (bulk, _), p in priorities.items() if bulk)
+    assert priorities[(False, 4)] < priorities[(False, 32)] < priorities[(False, 500)]
+    assert priorities[(True, 4)] < priorities[(True, 500)]
+    lanes_only = _settings(server=spec, server_url=None)
+    assert [lanes_only.priority_of(_request(0, bulk)) for bulk in (False, True)] == [None, 1], \
+        "live: the server's default (0); bulk after it"
+    assert _settings().priority_of(_request(0, True)) is None, "a server of one's own: its policy is unknown"
+    assert _settings(server=spec, server_url=None, bulk_lane=False).priority_of(_request(0, True)) is None
+
+
+REQUIRED = {"input_subscription": "projects/my-project/subscriptions/live",
+            "output_completions_topic": "projects/my-project/topics/completions",
+            "dead_letter_topic": "projects/my-project/topics/dead-letters"}
+
+
+def test_the_options_refuse_one_subscription_for_both_lanes_and_a_reserve_out_of_range():
+    config = PipelineConfig.from_mapping({**REQUIRED, "bulk_subscription": "projects/my-project/subscriptions/bulk"})
+    assert config.bulk_subscription == "projects/my-project/subscriptions/bulk" and config.live_reserve == 0.25
+    with pytest.raises(ConfigError, match="bulk_subscription is the input_subscription"):
+        PipelineConfig.from_mapping({**REQUIRED, "bulk_subscription": REQUIRED["input_subscription"]})
+    with pytest.raises(ConfigError, match="live_reserve must be at most 0.9"):
+        PipelineConfig.from_mapping({**REQUIRED, "live_reserve": "0.95"})
+    with pytest.raises(ConfigError, match="bulk_subscription"):
+        PipelineConfig.from_mapping({**REQUIRED, "bulk_subscription": "bulk-sub"})
