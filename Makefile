@@ -72,11 +72,15 @@ INPUT_SUBSCRIPTION ?= projects/$(PROJECT)/subscriptions/prompts-sub
 CHUNKS_TOPIC ?= projects/$(PROJECT)/topics/llm-chunks
 COMPLETIONS_TOPIC ?= projects/$(PROJECT)/topics/llm-completions
 DEAD_LETTER_TOPIC ?= projects/$(PROJECT)/topics/llm-dead-letters
+# The job's bulk lane (docs/operations.md#the-bulk-lane): a topic and its subscription the job reads with what live
+# traffic leaves; make setup creates them, make run passes the subscription, make backfill feeds the topic. Empty: none.
+BULK_TOPIC ?=
+BULK_SUBSCRIPTION ?=
 # More template parameters: name=value pairs separated by commas, or PARAMETERS_FILE=params.json for any value.
 EXTRA_PARAMETERS ?=
 PARAMETERS_FILE ?=
 # make backfill: the rows (a .jsonl/.csv/.parquet path or glob, local or gs://, or bq:PROJECT.DATASET.TABLE), the
-# topic of the job that answers them (empty: INPUT_TOPIC), and more ops/backfill.py flags (--column, --wait, ...).
+# topic of the job that answers them (empty: BULK_TOPIC, else INPUT_TOPIC), and more ops/backfill.py flags.
 SOURCE ?=
 BACKFILL_TOPIC ?=
 BACKFILL_ARGS ?=
@@ -106,7 +110,7 @@ ALERT_TTFT_P95_S ?= 5
 DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT CUDA \
   HF_TOKEN_SECRET BAKE_TOKEN_SECRET \
   MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE WORKER_ZONE NETWORK SUBNETWORK PUBLIC_IPS METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
-  UTILIZATION_HINT MODEL INPUT_TOPIC BACKFILL_TOPIC INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
+  UTILIZATION_HINT MODEL INPUT_TOPIC BACKFILL_TOPIC BULK_TOPIC BULK_SUBSCRIPTION INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
   PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS NOTIFICATION_CHANNELS ALERT_BACKLOG_AGE_S ALERT_DEAD_LETTER_RATIO \
   ALERT_TTFT_P95_S
 DEPLOY = $(DEPLOY_PY) -m ops.deploy $(if $(DRY_RUN),--dry-run)
@@ -219,6 +223,10 @@ bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share
 .PHONY: bench-backfill
 bench-backfill: model ## A backfill's tokens/s through the pipeline against vLLM's offline batch path (LLM.generate), interleaved
 	$(PY) -m benchmarks.backfill $(BENCH_ARGS)
+
+.PHONY: bench-lanes
+bench-lanes: model ## Live first chunk alone and beside a backfill on the bulk lane, and the lane's share of the idle engine, interleaved
+	$(PY) -m benchmarks.lanes $(BENCH_ARGS)
 
 .PHONY: bench-spike
 bench-spike: install ## Simulate a tenfold traffic spike: backlog in Pub/Sub (the job's reader) vs in state, workers added, drain, first chunk

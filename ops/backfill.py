@@ -578,7 +578,8 @@ def from_settings(args: argparse.Namespace) -> None:
     settings = Settings(dict(os.environ))
     parameters = template_parameters(settings)
     args.project = args.project or settings.get("PROJECT")
-    args.topic = args.topic or settings.pubsub_path("BACKFILL_TOPIC") or settings.pubsub_path("INPUT_TOPIC")
+    args.topic = (args.topic or settings.pubsub_path("BACKFILL_TOPIC") or settings.pubsub_path("BULK_TOPIC")
+                  or settings.pubsub_path("INPUT_TOPIC"))
     args.completions_table = args.completions_table or parameters.get("output_completions_table")
     args.dead_letter_table = args.dead_letter_table or parameters.get("dead_letter_table")
     args.dead_letter_topic = args.dead_letter_topic or parameters.get("dead_letter_topic")
@@ -613,8 +614,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--from-settings", action="store_true",
                         help="fill what is not given from the deploy settings (make backfill): PROJECT, "
-                             "BACKFILL_TOPIC or INPUT_TOPIC, and the job's output_completions_table and dead-letter "
-                             "outputs from its parameters")
+                             "BACKFILL_TOPIC, BULK_TOPIC or INPUT_TOPIC, and the job's output_completions_table and "
+                             "dead-letter outputs from its parameters")
     args = parser.parse_args(argv)
     if args.from_settings:
         try:

@@ -41,7 +41,8 @@ from pipeline.contract.parameters import PARAMETERS_BY_NAME, WORKER_OPTIONS
 from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR
 
 # Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
-NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "CHUNKS_TOPIC": "output_chunks_topic",
+NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "BULK_SUBSCRIPTION": "bulk_subscription",
+                  "CHUNKS_TOPIC": "output_chunks_topic",
                   "COMPLETIONS_TOPIC": "output_completions_topic", "DEAD_LETTER_TOPIC": "dead_letter_topic",
                   "MODEL": "model", "HF_TOKEN_SECRET": "hf_token_secret"}
 # Beam's worker options a launch may pass beside the template's parameters (the launcher hands every one to Beam).
@@ -450,7 +451,8 @@ def launch_resources(settings: Settings, parameters: Mapping[str, str]) -> list[
               ["gcloud", "iam", "service-accounts", "describe", settings.service_account(), *where,
                "--format=value(email)"],
               "make setup creates it and grants its roles (or set SERVICE_ACCOUNT to one that exists)")]
-    for name in ("input_subscription", "output_chunks_topic", "output_completions_topic", "dead_letter_topic"):
+    for name in ("input_subscription", "bulk_subscription", "output_chunks_topic", "output_completions_topic",
+                 "dead_letter_topic"):
         value = parameters.get(name) or ""
         if re.match(r"^projects/[^/]+/(topics|subscriptions)/[^/]+$", value):
             project, kind, resource = value.removeprefix("projects/").split("/")

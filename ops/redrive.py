@@ -10,6 +10,9 @@ letter only once Pub/Sub has confirmed its republication: run it twice, or
 kill it half-way, and nothing is lost (a request may arrive twice, which the
 template's de-duplication by id absorbs within ``dedupe_window_s``).
 
+A bulk lane's letter (``lane`` bulk: docs/operations.md#the-bulk-lane) goes to ``--bulk_topic`` when one is
+given, and in any case carries the lane's mark, so the next job serves it as bulk again.
+
 Dead letters of other stages are left in the subscription, unacknowledged,
 unless ``--stage`` names them too (a ``parse`` dead letter would fail the same
 way again). Example::
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import google.cloud.pubsub_v1 as pubsub_v1
 from google.api_core import exceptions as api_exceptions
 
-from pipeline.contract.messages import DeadLetter
+from pipeline.contract.messages import LANE_ATTRIBUTE, LANE_BULK, DeadLetter
 
 LOGGER = logging.getLogger("ops.redrive")
 PULL_BATCH = 100
@@ -42,8 +45,10 @@ class Tally:
 
 
 def redrive(dead_letter_subscription: str, input_topic: str, stages: tuple[str, ...] = ("drain",),
-            max_messages: int | None = None, dry_run: bool = False, pull_timeout_s: float = 10.0) -> Tally:
-    """Moves the matching dead letters to the input topic; returns what it did."""
+            max_messages: int | None = None, dry_run: bool = False, pull_timeout_s: float = 10.0,
+            bulk_topic: str | None = None) -> Tally:
+    """Moves the matching dead letters to the input topic (the bulk lane's to ``bulk_topic``, if given); returns
+    what it did."""
     subscriber = pubsub_v1.SubscriberClient()
     publisher = pubsub_v1.PublisherClient()
     tally, left_alone = Tally(), set()
@@ -72,7 +77,10 @@ def redrive(dead_letter_subscription: str, input_topic: str, stages: tuple[str, 
                     pass  # left for a later run
                 else:
                     if not dry_run:
-                        publisher.publish(input_topic, letter.original_bytes(), **letter.attributes).result(timeout=60)
+                        topic, attributes = input_topic, dict(letter.attributes)
+                        if letter.lane == LANE_BULK:
+                            topic, attributes[LANE_ATTRIBUTE] = bulk_topic or input_topic, LANE_BULK
+                        publisher.publish(topic, letter.original_bytes(), **attributes).result(timeout=60)
                     tally.redriven += 1
                     if not dry_run:
                         done.append(received)
@@ -102,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="A subscription of the job's dead_letter_topic: projects/P/subscriptions/S")
     parser.add_argument("--input_topic", required=True,
                         help="The topic the next job's input_subscription reads: projects/P/topics/T")
+    parser.add_argument("--bulk_topic", help="The topic the next job's bulk_subscription reads, for the bulk lane's "
+                                             "letters (default: the input topic, marked bulk)")
     parser.add_argument("--stage", action="append", dest="stages",
                         help="Dead-letter stage to redrive (repeatable; default: drain)")
     parser.add_argument("--max_messages", type=int, default=None, help="Stop after this many (default: all)")
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tally = redrive(args.dead_letter_subscription, args.input_topic, tuple(args.stages or ("drain",)),
-                    args.max_messages, args.dry_run)
+                    args.max_messages, args.dry_run, bulk_topic=args.bulk_topic)
     verb = "would be republished" if args.dry_run else "republished"
     LOGGER.info("%d dead letter(s) %s to %s; %d of other stages and %d not redrivable left in %s",
                 tally.redriven, verb, args.input_topic, tally.other_stage, tally.not_redrivable,

@@ -21,7 +21,8 @@ SECRET_REGEX = r"^projects/(?P<project>[^/]+)/secrets/(?P<secret>[^/]+)(/version
 
 # The Pub/Sub resources a job uses, by setting: which kind each is.
 PUBSUB_SETTINGS = {"INPUT_TOPIC": "topics", "INPUT_SUBSCRIPTION": "subscriptions", "CHUNKS_TOPIC": "topics",
-                   "COMPLETIONS_TOPIC": "topics", "DEAD_LETTER_TOPIC": "topics", "BACKFILL_TOPIC": "topics"}
+                   "COMPLETIONS_TOPIC": "topics", "DEAD_LETTER_TOPIC": "topics", "BACKFILL_TOPIC": "topics",
+                   "BULK_TOPIC": "topics", "BULK_SUBSCRIPTION": "subscriptions"}
 
 
 class DeployError(ValueError):

@@ -96,9 +96,11 @@ def grants(settings: Settings, number: str = NUMBER) -> list[Grant]:
              Grant(workers, "roles/storage.objectAdmin", "bucket", bucket),
              # Both images: the launcher's and the workers' (the same page: "read access to the Flex Template image").
              Grant(workers, "roles/artifactregistry.reader", "repository", REPOSITORY)]
-    subscription = resource_id(settings, "INPUT_SUBSCRIPTION")
-    found += [Grant(workers, "roles/pubsub.subscriber", "subscription", subscription),
-              Grant(workers, "roles/pubsub.viewer", "subscription", subscription)]  # the subscription's metadata
+    for name in ("INPUT_SUBSCRIPTION", "BULK_SUBSCRIPTION"):
+        if settings.get(name):
+            subscription = resource_id(settings, name)
+            found += [Grant(workers, "roles/pubsub.subscriber", "subscription", subscription),
+                      Grant(workers, "roles/pubsub.viewer", "subscription", subscription)]  # its metadata
     found += [Grant(workers, "roles/pubsub.publisher", "topic", resource_id(settings, name))
               for name in ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC") if settings.get(name)]
     if token := settings.secret("HF_TOKEN_SECRET"):
@@ -116,6 +118,9 @@ def grants(settings: Settings, number: str = NUMBER) -> list[Grant]:
 def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
     """The gcloud commands of step 1, in order; ``number`` is the project's number (looked up before granting)."""
     settings.require("PROJECT", "REGION", "BUCKET", "INPUT_TOPIC", "INPUT_SUBSCRIPTION")
+    if bool(settings.get("BULK_TOPIC")) != bool(settings.get("BULK_SUBSCRIPTION")):
+        raise DeployError("set BULK_TOPIC and BULK_SUBSCRIPTION together (the bulk lane's topic and the subscription "
+                          "the job reads), or neither")
     project, region = settings.get("PROJECT"), settings.get("REGION")
     where = ["--project", project]
     found = [["gcloud", "services", "enable", *APIS, *where],
@@ -129,6 +134,11 @@ def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
     found += [["gcloud", "pubsub", "topics", "create", topic, *where] for topic in dict.fromkeys(topics)]
     found.append(["gcloud", "pubsub", "subscriptions", "create",
                   resource_id(settings, "INPUT_SUBSCRIPTION"), "--topic", input_topic, *where])
+    if settings.get("BULK_SUBSCRIPTION"):  # the bulk lane: its topic and the subscription the job reads
+        bulk_topic = resource_id(settings, "BULK_TOPIC")
+        found += [["gcloud", "pubsub", "topics", "create", bulk_topic, *where],
+                  ["gcloud", "pubsub", "subscriptions", "create", resource_id(settings, "BULK_SUBSCRIPTION"),
+                   "--topic", bulk_topic, *where]]
     # The outputs' subscriptions (output_subscription): Pub/Sub keeps nothing on a topic without one. The answers
     # and dead letters are kept for an application and ops.redrive; what make tail reads is for watching live, so
     # it is kept for the shortest retention Pub/Sub allows.

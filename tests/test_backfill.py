@@ -354,13 +354,15 @@ def test_a_completions_table_that_does_not_exist_is_named_before_anything_is_pub
     assert pulled_ids(subscription) == []
 
 
-def test_make_backfill_takes_its_topic_and_tables_from_the_deploy_settings(tmp_path, places):
-    """One command: the job's outputs come from the same settings make run launches it with."""
+@pytest.mark.parametrize("setting", ["BACKFILL_TOPIC", "BULK_TOPIC"])
+def test_make_backfill_takes_its_topic_and_tables_from_the_deploy_settings(tmp_path, places, setting):
+    """One command: the job's outputs come from the same settings make run launches it with; its topic is a job's of
+    its own (BACKFILL_TOPIC) or the live job's bulk lane (BULK_TOPIC)."""
     topic, subscription, completions, letters = places
     jsonl, _, _ = write_sources(tmp_path)
     env_file = tmp_path / "deploy.env"
     env_file.write_text("\n".join([
-        f"PROJECT={PROJECT}", f"BACKFILL_TOPIC={topic}",
+        f"PROJECT={PROJECT}", f"{setting}={topic}",
         f"INPUT_SUBSCRIPTION=projects/{PROJECT}/subscriptions/prompts-sub",
         f"COMPLETIONS_TOPIC=projects/{PROJECT}/topics/llm-completions", "DEAD_LETTER_TOPIC=",  # letters: the table
         f"EXTRA_PARAMETERS=output_completions_table={completions},dead_letter_table={letters}"]) + "\n")

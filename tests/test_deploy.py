@@ -475,3 +475,17 @@ def test_the_token_secret_setting_is_the_jobs_hf_token_secret_and_set_in_one_pla
                                                     "EXTRA_PARAMETERS": f"hf_token_secret={secret}"}))
     with pytest.raises(deploy.DeployError, match="hf_token_secret"):
         deploy.template_parameters(deploy.Settings({**base, "HF_TOKEN_SECRET": "hf-token"}))
+
+
+def test_a_bulk_subscription_setting_is_launched_as_the_jobs_bulk_lane_and_checked_before_the_launch():
+    base = {**SETTINGS, "INPUT_SUBSCRIPTION": "prompts-sub", "DEAD_LETTER_TOPIC": "letters",
+            "COMPLETIONS_TOPIC": "answers"}
+    assert "bulk_subscription" not in deploy.template_parameters(deploy.Settings(base))
+    settings = deploy.Settings({**base, "BULK_SUBSCRIPTION": "bulk-prompts-sub"})
+    launched = deploy.template_parameters(settings)
+    assert launched["bulk_subscription"] == "projects/proj-123456/subscriptions/bulk-prompts-sub"
+    described = [" ".join(command) for _, command, _ in deploy.launch_resources(settings, launched)]
+    assert any("pubsub subscriptions describe bulk-prompts-sub --project proj-123456" in c for c in described)
+    with pytest.raises(deploy.DeployError, match="BULK_SUBSCRIPTION=projects/other"):
+        deploy.template_parameters(deploy.Settings({**base, "BULK_SUBSCRIPTION":
+                                                    "projects/other/subscriptions/bulk-prompts-sub"}))

@@ -9,7 +9,14 @@ import uuid
 from google.cloud import pubsub_v1
 
 from ops.redrive import redrive
-from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_PARSE, DeadLetter, InferenceRequest
+from pipeline.contract.messages import (
+    PREPARED_ATTRIBUTE,
+    STAGE_DRAIN,
+    STAGE_PARSE,
+    DeadLetter,
+    InferenceRequest,
+)
+from pipeline.contract.request_parsing import parse_request
 
 
 def pull_all(subscription: str, *, ack: bool, wait_s: float = 5.0) -> list:
@@ -55,3 +62,28 @@ def test_drain_dead_letters_are_republished_with_their_attributes_and_the_rest_s
         == sorted(kept)
     again = redrive(emulator.subscription(f"{name}-letters-sub"), input_topic)
     assert again.redriven == 0  # what was redriven was acknowledged; nothing is republished twice
+
+
+def test_a_bulk_requests_drain_letter_goes_back_to_its_lane(emulator):
+    """To the bulk topic when one is named, else to the input topic; either way the next job parses it as bulk."""
+    name = f"redrive-lane-{uuid.uuid4().hex[:6]}"
+    letters_topic = emulator.create_topic(f"{name}-letters", subscription=f"{name}-letters-sub")
+    input_topic = emulator.create_topic(f"{name}-input", subscription=f"{name}-input-sub")
+    bulk_topic = emulator.create_topic(f"{name}-bulk", subscription=f"{name}-bulk-sub")
+    publisher = pubsub_v1.PublisherClient()
+    for n in range(2):
+        for lane in (None, "bulk"):
+            request = InferenceRequest(id=f"{lane or 'live'}-{n}", prompt="Say hi.", max_tokens=4, lane=lane)
+            letter = DeadLetter.of_request(STAGE_DRAIN, "drained", request, payload=request.to_payload(),
+                                           attributes={PREPARED_ATTRIBUTE: "1"})
+            publisher.publish(letters_topic, letter.to_json().encode()).result(timeout=30)
+        if n == 0:
+            assert redrive(emulator.subscription(f"{name}-letters-sub"), input_topic, bulk_topic=bulk_topic).redriven == 2
+    assert redrive(emulator.subscription(f"{name}-letters-sub"), input_topic).redriven == 2
+
+    def lanes(subscription: str) -> dict[str, str]:
+        parsed = [parse_request(m.data, dict(m.attributes)) for m in pull_all(emulator.subscription(subscription), ack=True)]
+        return {request.id: request.lane_name() for request in parsed}
+
+    assert lanes(f"{name}-bulk-sub") == {"bulk-0": "bulk"}
+    assert lanes(f"{name}-input-sub") == {"live-0": "live", "live-1": "live", "bulk-1": "bulk"}

@@ -62,6 +62,22 @@ def test_step_one_creates_what_the_later_steps_use_and_the_jobs_own_account():
         setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "projects/proj-123456/topics/s"}))
 
 
+def test_a_bulk_lane_gets_its_topic_its_subscription_and_only_a_subscribers_roles_on_it():
+    bulk = {**SETTINGS, "BULK_TOPIC": "bulk-prompts", "BULK_SUBSCRIPTION": "bulk-prompts-sub"}
+    commands = [" ".join(c) for c in setup_project.commands(Settings(bulk), "123456789012")]
+    text = "\n".join(commands)
+    assert "pubsub topics create bulk-prompts --project proj-123456" in text
+    assert "pubsub subscriptions create bulk-prompts-sub --topic bulk-prompts --project proj-123456" in text
+    on_bulk = {grant.role for grant in setup_project.grants(Settings(bulk), "123456789012")
+               if grant.resource == "bulk-prompts-sub"}
+    assert on_bulk == {"roles/pubsub.subscriber", "roles/pubsub.viewer"}
+    assert "bulk" not in "\n".join(" ".join(c) for c in setup_project.commands(Settings(SETTINGS), "1")), \
+        "no lane unless asked for"
+    for half in ({"BULK_TOPIC": "bulk-prompts"}, {"BULK_SUBSCRIPTION": "bulk-prompts-sub"}):
+        with pytest.raises(DeployError, match="BULK_TOPIC and BULK_SUBSCRIPTION together"):
+            setup_project.commands(Settings({**SETTINGS, **half}))
+
+
 @pytest.mark.parametrize("account, created, email", [
     ("", "streaming-llm", "streaming-llm@proj-123456.iam.gserviceaccount.com"),
     ("llm-workers", "llm-workers", "llm-workers@proj-123456.iam.gserviceaccount.com"),
