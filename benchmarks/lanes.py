@@ -1,0 +1,216 @@
+"""``make bench-lanes``: live traffic alone, and the same live traffic while a backfill fills the bulk lane.
+
+One pipeline (the template on the DirectRunner, its model manager's vLLM server, a ``bulk_subscription``:
+docs/operations.md#the-bulk-lane) serves three phases in each of ``--reps`` interleaved repetitions:
+
+- **live alone**: ``--live`` requests published one every ``--live-every-s`` seconds to the input topic;
+- **live + bulk**: ``--bulk`` requests published at once to the bulk topic, and once the first of them has
+  answered (the lane fills the worker), the same paced live traffic;
+- **bulk alone**: the same backlog on the bulk lane with no live traffic: what the engine delivers.
+
+Every request answers exactly ``--tokens`` (live) or ``--bulk-tokens`` (bulk) tokens (``min_tokens`` equal to
+``max_tokens``), so the phases do equal work. Measured from the outputs as a user sees them (the chunks and
+completions topics): each live request's first chunk after its publication, and the bulk lane's tokens/s while
+the live traffic runs (its chunks' tokens in that span), against the bulk-alone rate over a span as long. Printed:
+medians and ranges of live first chunk p50 and p95 with the backfill against without it, and of the bulk lane's
+rate against what the engine delivers less what live traffic takes; every published request must end with one
+completion (nothing lost). The launcher keeps the pipeline's threads off the cores vLLM computes on
+(:mod:`local.core_placement`), as ``make bench`` places them. Figures and ratios; nothing is asserted.
+
+    python -m benchmarks.lanes [--reps 3] [--live 12] [--bulk 160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+from local.cpu_server import LOCAL_SERVER
+from local.embedded_model import ensure_local_checkpoint
+from local.harness import REPO_ROOT, LocalRun, OutputCollector
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 7 times 8?", "What do bees make?",
+             "Name a planet.", "What is ice made of?"]
+
+
+def live_requests(rep: int, phase: str, count: int, tokens: int) -> list[dict]:
+    return [{"id": f"live-{rep}-{phase}-{i}", "prompt": QUESTIONS[i % len(QUESTIONS)], "max_tokens": tokens,
+             "min_tokens": tokens, "temperature": 0} for i in range(count)]
+
+
+def bulk_requests(rep: int, phase: str, count: int, tokens: int) -> list[dict]:
+    return [{"id": f"bulk-{rep}-{phase}-{i}", "prompt": f"Write a short story about a lighthouse keeper, part {i}.",
+             "max_tokens": tokens, "min_tokens": tokens, "temperature": 0} for i in range(count)]
+
+
+def publish_paced(run: LocalRun, requests: list[dict], every_s: float) -> dict[str, float]:
+    """Publishes one request every ``every_s``; returns when each was published."""
+    published = {}
+    for request in requests:
+        run.publish([request])
+        published[request["id"]] = time.time()
+        time.sleep(every_s)
+    return published
+
+
+def first_chunks(collector: OutputCollector, published: dict[str, float]) -> list[float]:
+    first: dict[str, float] = {}
+    for chunk in list(collector.chunks):
+        request_id = chunk.data["id"]
+        if request_id in published:
+            first[request_id] = min(first.get(request_id, chunk.at), chunk.at)
+    return [first[i] - published[i] for i in published if i in first]
+
+
+def tokens_between(collector: OutputCollector, prefix: str, start: float, end: float) -> int:
+    """Tokens of the streams whose ids start with ``prefix``, cut in chunks that arrived between start and end."""
+    seen: dict[tuple[str, int], int] = {}
+    total = 0
+    for chunk in sorted(list(collector.chunks), key=lambda c: (c.data["stream"], c.data["seq"])):
+        data = chunk.data
+        if not data["id"].startswith(prefix):
+            continue
+        key = (data["stream"], data["seq"])
+        if key in seen:
+            continue  # at-least-once: the same chunk again
+        before = seen.get((data["stream"], data["seq"] - 1), 0)
+        seen[key] = data["tokens"]
+        if start <= chunk.at <= end:
+            total += data["tokens"] - before
+    return total
+
+
+def ended(collector: OutputCollector, ids: list[str], timeout_s: float) -> None:
+    missing = collector.wait_for(ids, timeout_s)
+    if missing:
+        raise RuntimeError(f"{len(missing)} requests had no outcome (lost?), e.g. {sorted(missing)[:3]}")
+    answered = [c.data["id"] for c in collector.completions if c.data["id"] in set(ids)]
+    if sorted(set(answered)) != sorted(ids):
+        raise RuntimeError("a request ended without a completion: " +
+                           str(sorted(set(ids) - set(answered))[:3]))
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(share * len(ordered)), len(ordered) - 1)]
+
+
+def spread(values: list[float], unit: str = "") -> str:
+    return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--live", type=int, default=12, help="live requests a phase")
+    parser.add_argument("--live-every-s", type=float, default=1.0)
+    parser.add_argument("--tokens", type=int, default=16, help="each live answer's tokens")
+    parser.add_argument("--bulk", type=int, default=160, help="the backlog's requests")
+    parser.add_argument("--bulk-tokens", type=int, default=32)
+    parser.add_argument("--template-arg", action="append", default=[], metavar="--NAME=VALUE",
+                        help="a template parameter for the pipeline (repeat), e.g. --live_reserve=0.5")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    folder = REPO_ROOT / ".cache" / "bench-lanes"
+    folder.mkdir(parents=True, exist_ok=True)
+    run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
+                    *LOCAL_SERVER.template_args(), "--chunk_tokens=4", *args.template_arg],
+                   log_path=folder / "pipeline.log", bulk_lane=True)
+    run.start()
+    collector = run.collector()
+    figures: dict[str, list[float]] = {name: [] for name in (
+        "alone p50", "alone p95", "beside p50", "beside p95", "bulk beside", "bulk alone", "live tokens/s")}
+    try:
+        warm = live_requests(-1, "warm", 1, 1)
+        run.publish(warm)
+        ended(collector, [warm[0]["id"]], 900)
+        for rep in range(args.reps):
+            live = live_requests(rep, "alone", args.live, args.tokens)
+            published = publish_paced(run, live, args.live_every_s)
+            ended(collector, list(published), 600)
+            ttft = first_chunks(collector, published)
+            figures["alone p50"].append(statistics.median(ttft))
+            figures["alone p95"].append(percentile(ttft, 0.95))
+
+            bulk = bulk_requests(rep, "beside", args.bulk, args.bulk_tokens)
+            run.publish(bulk, kind="bulk")
+            prefix = f"bulk-{rep}-beside-"
+            until(lambda: any(b["id"] in collector.finished_ids() for b in bulk), 600)
+            live = live_requests(rep, "beside", args.live, args.tokens)
+            start = time.time()
+            published = publish_paced(run, live, args.live_every_s)
+            ended(collector, list(published), 600)
+            end = time.time()
+            ttft = first_chunks(collector, published)
+            waits = sorted(c.data["queue_ms"] / 1000 for c in list(collector.completions) if c.data["id"] in published)
+            print(f"rep {rep + 1}: live beside the backfill waited {', '.join(f'{w:.1f}' for w in waits)} s before "
+                  "the model took them (queue_ms)", flush=True)
+            figures["beside p50"].append(statistics.median(ttft))
+            figures["beside p95"].append(percentile(ttft, 0.95))
+            figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
+            figures["live tokens/s"].append(args.live * args.tokens / (end - start))
+            ended(collector, [b["id"] for b in bulk], 1800)
+
+            if all(b["id"] in collector.finished_ids() for b in bulk):
+                print(f"rep {rep + 1}: the backlog ended before the live traffic did ({end - start:.1f} s): the bulk "
+                      "rate beside live is low by the span it ran without a backlog (raise --bulk)", flush=True)
+            ended(collector, [b["id"] for b in bulk], 1800)
+
+            bulk = bulk_requests(rep, "alone", args.bulk, args.bulk_tokens)
+            run.publish(bulk, kind="bulk")
+            prefix = f"bulk-{rep}-alone-"
+            ids = [b["id"] for b in bulk]
+            start = until(lambda: any(i in collector.finished_ids() for i in ids), 600)
+            # While the backlog lasts: from its first answer to its 80th percentile.
+            end = until(lambda: sum(i in collector.finished_ids() for i in ids) >= 0.8 * len(ids), 1800)
+            figures["bulk alone"].append(tokens_between(collector, prefix, start, end) / (end - start))
+            ended(collector, [b["id"] for b in bulk], 1800)
+            print(f"rep {rep + 1}: live first chunk p50 {figures['alone p50'][-1]:.2f} s alone, "
+                  f"{figures['beside p50'][-1]:.2f} s beside the backfill; bulk {figures['bulk beside'][-1]:.0f} "
+                  f"tokens/s beside live, {figures['bulk alone'][-1]:.0f} alone", flush=True)
+    finally:
+        collector.stop()
+        run.stop()
+    report(args, figures)
+    return 0
+
+
+def until(condition, timeout_s: float) -> float:
+    """When ``condition`` first held (polled every 50 ms)."""
+    deadline = time.time() + timeout_s
+    while not condition():
+        if time.time() > deadline:
+            raise RuntimeError(f"not within {timeout_s:g} s")
+        time.sleep(0.05)
+    return time.time()
+
+
+def report(args: argparse.Namespace, figures: dict[str, list[float]]) -> None:
+    p50 = [b / a for a, b in zip(figures["alone p50"], figures["beside p50"])]
+    p95 = [b / a for a, b in zip(figures["alone p95"], figures["beside p95"])]
+    share = [b / max(c - live, 1e-9) for b, c, live in
+             zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"])]
+    print(f"\n{args.reps} interleaved repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} "
+          f"cores; live: {args.live} requests x {args.tokens} tokens, one every {args.live_every_s:g} s; bulk: "
+          f"{args.bulk} x {args.bulk_tokens} tokens; template parameters "
+          f"{' '.join(args.template_arg) or '(defaults)'}. Median (range):")
+    print("| figure | live alone | live beside the backfill | ratio |\n|---|---|---|---|")
+    print(f"| live first chunk p50 | {spread(figures['alone p50'], ' s')} | {spread(figures['beside p50'], ' s')} "
+          f"| {spread(p50)} |")
+    print(f"| live first chunk p95 | {spread(figures['alone p95'], ' s')} | {spread(figures['beside p95'], ' s')} "
+          f"| {spread(p95)} |")
+    print("\n| bulk lane | tokens/s |\n|---|---|")
+    print(f"| alone (what the engine delivers) | {spread(figures['bulk alone'])} |")
+    print(f"| live traffic's own | {spread(figures['live tokens/s'])} |")
+    print(f"| beside live | {spread(figures['bulk beside'])} |")
+    print(f"| beside live / (alone - live's) | {spread(share)} |")
+    print("Nothing lost: every published request of both lanes ended with one completion.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
