@@ -41,13 +41,13 @@ def test_the_bulk_reads_mark_makes_a_bulk_request_and_a_bulk_dead_letter_whateve
 
 
 def test_the_lane_leaves_a_requests_fingerprint_and_republished_payload_as_they_were():
-    """A live request's fingerprint is what versions before the lane stored (an update finds its dedupe record);
-    a redrive publishes to the topic of the lane it names, so the payload does not carry it."""
+    """A request's fingerprint is what versions before the lane stored (an update finds its dedupe record), on
+    either lane; a redrive publishes to the topic of the lane it names, so the payload does not carry it."""
     live = InferenceRequest(id="a", prompt="hi", max_tokens=4)
     bulk = InferenceRequest(id="a", prompt="hi", max_tokens=4, lane="bulk")
     assert "lane" not in json.loads(live.to_payload()) and "lane" not in json.loads(bulk.to_payload())
     assert InferenceRequest.from_json(bulk.to_json()) == bulk
-    assert live.fingerprint() != bulk.fingerprint()
+    assert live.fingerprint() == bulk.fingerprint(), "one request on both lanes is one request: a copy is dropped"
     stored = json.loads(live.to_json())
     del stored["lane"]  # as a version before the lane wrote it
     assert InferenceRequest.from_json(json.dumps(stored)).fingerprint() == live.fingerprint()
@@ -186,3 +186,17 @@ def test_the_options_refuse_one_subscription_for_both_lanes_and_a_reserve_out_of
         PipelineConfig.from_mapping({**REQUIRED, "live_reserve": "0.95"})
     with pytest.raises(ConfigError, match="bulk_subscription"):
         PipelineConfig.from_mapping({**REQUIRED, "bulk_subscription": "bulk-sub"})
+
+
+def test_the_same_request_on_both_lanes_is_served_once():
+    """A backfill row also published live (or a live request redriven as bulk): the copy is dropped, not lettered."""
+    state, room = KeyState(), [4]
+    live = InferenceRequest(id="row-7", prompt="hi", max_tokens=4)
+    bulk = InferenceRequest(id="row-7", prompt="hi", max_tokens=4, lane="bulk")
+    started: list[str] = []
+    state, effects = step(RULES, state, Arrived(0.0, (live,), "b1"))
+    state = _carry(state, effects, 0.0, room, started)
+    state, effects = step(RULES, state, Arrived(0.1, (bulk,), "b2"))
+    assert effects.counts.get("duplicates_dropped") == 1 and not effects.outputs
+    state = _carry(state, effects, 0.1, room, started)
+    assert started == ["row-7"] and not state.waiting and len(state.inflight) == 1

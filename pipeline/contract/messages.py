@@ -26,7 +26,7 @@ STAGE_DRAIN = "drain"  # the job drained before the request could be served; it 
 STAGE_SINK = "sink"
 
 # Request fields newer than state written by earlier versions (an update reads that state; see fingerprint).
-_FIELDS_ADDED_LATER = ("min_tokens", "adapter", "lane")
+_FIELDS_ADDED_LATER = ("min_tokens", "adapter")
 # Pub/Sub refuses messages over 10 MB; a dead letter keeps its payload whole up to this size.
 MAX_DEAD_LETTER_BYTES = 8 * 1024 * 1024
 # Set by the redrive command on a request the template had already prepared (defaults applied): parsing
@@ -108,9 +108,10 @@ class InferenceRequest:
         return cls(**data)
 
     def fingerprint(self) -> str:
-        """What the request asks for, without when it arrived: equal for a redelivery or publisher retry."""
+        """What the request asks for, without when or on which lane it arrived: equal for a redelivery, a publisher
+        retry, or the same request on the other lane (one is served, the other dropped as its copy)."""
         fields = dataclasses.asdict(self)
-        for name in ("received_at", "prompt_tokens"):
+        for name in ("received_at", "prompt_tokens", "lane"):
             fields.pop(name)
         for name in _FIELDS_ADDED_LATER:  # unset, they leave a fingerprint as earlier versions stored it
             if fields[name] is None:
