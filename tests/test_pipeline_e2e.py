@@ -193,20 +193,20 @@ def table_rows(table: str) -> list[dict]:
     return [dict(row) for row in emulator_bigquery_client("local-project").query(f"SELECT * FROM `local-project.llm.{table}`").result()]
 
 
-def test_a_live_request_does_not_wait_behind_the_bulk_lanes_backlog(run):
-    """Published after the bulk lane's backlog filled the worker, every live request ends before that backlog
-    does, and each completion records its lane (the bulk ones' only in a job with the lane)."""
+def test_both_lanes_end_every_request_once_and_record_their_lane(run):
+    """A bulk backlog larger than the lane may hold, and live requests published while it drains: each request of
+    both lanes ends with one completion that records its lane. (Whether live is served first locally is what make
+    bench-lanes measures: benchmarks.md#lanes.)"""
     _, collector, _, _, engine = run
     if engine != "vllm":
         pytest.skip("the lane is exercised with vLLM, whose priority scheduling it uses")
     completions = completions_by_id(collector)
-    ended = {c.data["id"]: c.at for c in collector.completions}
     bulk, live = [r["id"] for r in BULK], [r["id"] for r in LIVE_BESIDE_BULK]
+    assert sorted(c.data["id"] for c in collector.completions if c.data["id"] in set(bulk + live)) == \
+        sorted(bulk + live), "one completion each"
     assert {completions[i]["lane"] for i in bulk} == {"bulk"}
     assert {completions[i]["lane"] for i in live + [r["id"] for r in VALID]} == {"live"}
-    last_live = max(ended[i] for i in live)
-    # One subscription would have served them after all 120 (they were published after them).
-    assert sum(ended[i] > last_live for i in bulk) >= len(bulk) // 10, "a live request waited for the bulk backlog"
+    assert all(completions[i]["usage"]["completion_tokens"] == 24 for i in bulk)
 
 
 def test_bigquery_holds_the_same_completions_chunks_and_dead_letters(run):
