@@ -95,18 +95,9 @@ def test_the_job_reads_its_subscription_with_its_own_reader_and_keys_state_by_de
             elements = list(fn._fn(None))
     assert readers == [(True, True)], "one splittable reader that acknowledges in its bundle finalizer"
     assert elements == [("projects/proj-123456/subscriptions/prompts-sub", n) for n in range(READERS)]
-    stateful = {}
-    for transform in components.transforms.values():
-        if transform.spec.urn != "beam:transform:pardo:v1":
-            continue
-        payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
-        if payload.state_specs or payload.timer_family_specs:
-            (main,) = [pcoll for name, pcoll in transform.inputs.items() if name not in payload.side_inputs]
-            coder = components.coders[components.pcollections[main].coder_id]
-            assert coder.spec.urn == "beam:coder:kv:v1", transform.unique_name
-            stateful[transform.unique_name] = components.coders[coder.component_coder_ids[0]].spec.urn
+    stateful = _stateful_steps(pipeline)
     assert any("BatchRequests" in name for name in stateful) and any("StreamingGenerate" in name for name in stateful)
-    assert set(stateful.values()) <= DETERMINISTIC_KEY_CODERS, stateful
+    assert {key_coder for _, _, key_coder in stateful.values()} <= DETERMINISTIC_KEY_CODERS, stateful
 
 
 def test_every_answer_of_the_job_names_the_worker_image_it_runs_in_its_lineage(built_job):
@@ -137,6 +128,7 @@ def _stateful_steps(pipeline) -> dict[str, tuple]:
         if payload.state_specs or payload.timer_family_specs:
             (main,) = [pcoll for name, pcoll in transform.inputs.items() if name not in payload.side_inputs]
             coder = components.coders[components.pcollections[main].coder_id]
+            assert coder.spec.urn == "beam:coder:kv:v1", transform.unique_name
             found[transform.unique_name] = (
                 sorted(payload.state_specs), sorted(payload.timer_family_specs),
                 components.coders[coder.component_coder_ids[0]].spec.urn)
