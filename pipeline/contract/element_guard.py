@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
-from pipeline.contract.messages import LANE_ATTRIBUTE, LANE_BULK, LANE_LIVE, DeadLetter, InferenceRequest
+from pipeline.contract.messages import LANE_LIVE, DeadLetter, InferenceRequest, lane_marked
 
 LOGGER = logging.getLogger(__name__)
 TAG_DEAD_LETTERS = "dead_letters"
@@ -50,7 +50,7 @@ def lane_of(element: Any) -> str:
     if isinstance(element, InferenceRequest):
         return element.lane_name()
     attributes = getattr(element, "attributes", None)
-    return LANE_BULK if isinstance(attributes, Mapping) and attributes.get(LANE_ATTRIBUTE) == LANE_BULK else LANE_LIVE
+    return (isinstance(attributes, Mapping) and lane_marked(attributes)) or LANE_LIVE
 
 
 def dead_letter_for(stage: str, element: Any, reason: str) -> dict[str, Any]:

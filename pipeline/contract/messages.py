@@ -40,6 +40,11 @@ LANE_BULK = "bulk"
 LANE_ATTRIBUTE = "llm_template_lane"
 
 
+def lane_marked(attributes: Mapping[str, str] | None) -> str | None:
+    """The lane a message's attributes mark: LANE_BULK, or None (live)."""
+    return LANE_BULK if (attributes or {}).get(LANE_ATTRIBUTE) == LANE_BULK else None
+
+
 @dataclass(frozen=True)
 class InferenceRequest:
     """One prompt with its own sampling parameters (None means the server's default)."""

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from pipeline.contract.messages import (
-    LANE_ATTRIBUTE,
-    LANE_BULK,
     LANE_LIVE,
     PREPARED_ATTRIBUTE,
     STAGE_PARSE,
     STAGE_VALIDATE,
     DeadLetter,
     InferenceRequest,
+    lane_marked,
 )
 from pipeline.contract.parameters import default
 from pipeline.contract.structured_output import ResponseFormatError, checked_response_format
@@ -139,7 +138,7 @@ def parse_request(
     given_id = attributes.get(id_attribute) or message_id or uuid.uuid4().hex
     fallback_id = None if _too_long_id(given_id) else given_id
 
-    lane = LANE_BULK if attributes.get(LANE_ATTRIBUTE) == LANE_BULK else None
+    lane = lane_marked(attributes)
 
     def dead(stage: str, reason: str, request_id: str | None = fallback_id) -> DeadLetter:
         return DeadLetter.from_bytes(stage, reason, data, id=request_id, attributes=attributes, at=received_at,
