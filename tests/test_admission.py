@@ -68,7 +68,12 @@ def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_
         engine.dispatched(["adm-1"])
         engine.report_waiting("other-key", 0, arrived=["adm-0"])
         assert engine.load()["on_the_way"] == 3, "one arrived at this worker's generate step"
-        assert wait_until(lambda: engine.load()["on_the_way"] == 0, 5), "dispatched, they count while in transit"
+        assert wait_until(lambda: engine.load()["on_the_way"] == 1, 5), (
+            "dispatched with the one that arrived, the others went elsewhere once admission_transit_s passed")
+        time.sleep(1.0)
+        assert engine.load()["on_the_way"] == 1, "dispatched after it, adm-1 counts while the keys here are behind"
+        engine.report_waiting("other-key", 0, arrived=["adm-1"])
+        assert engine.load()["on_the_way"] == 0
 
         # A fixed answer length long enough for vLLM's gauge (read once a second) to see both running.
         long = [request(i, 512, min_tokens=512).to_json() for i in (1, 2)]

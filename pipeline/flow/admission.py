@@ -6,8 +6,9 @@ ledger for every message before it pulls (:mod:`pipeline.worker.read_places`). A
 only once it is parsed, a few steps later in the same fused stage; :class:`AdmitRequests`, the last step before
 the batcher's shuffle, admits each request in place of one of those place-holders
 (:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit` with ``in_place_of``), so from then on it
-counts by its id: until the generate step reports it arrived, or for ``admission_transit_s`` once its bundle
-ended (it may go to another worker; :mod:`pipeline.worker.hold`). A request whose place no longer counts (a
+counts by its id: until the generate step reports it arrived, or, once its bundle ended, for
+``admission_transit_s`` and on while this worker's keys are behind it (it may go to another worker;
+:mod:`pipeline.worker.hold`). A request whose place no longer counts (a
 runtime rebuilt since its read, or a place that lapsed) is admitted only if there is room, and otherwise passes
 on uncounted: it was read already, and holding it back would take a thread.
 
@@ -70,8 +71,8 @@ class AdmitFn(beam.DoFn):
         yield request
 
     def finish_bundle(self) -> None:
-        # It may go to another worker's generate step, so from here on it counts for admission_transit_s
-        # unless this worker's says it arrived.
+        # It may go to another worker's generate step, so from here on it counts only as long as this worker's
+        # keys may still receive it (pipeline.worker.hold), unless they say it arrived.
         if self._bundle_ids:
             ids = self._bundle_ids
             self._runtime.call("dispatch", lambda runtime: runtime.dispatched(ids))

@@ -10,7 +10,7 @@ queued in this process, and count, open, until the read's bundle ends; the admis
 (:class:`~pipeline.flow.admission.AdmitFn`), which runs in the same process and bundle right after parsing,
 admits each request in place of one of them, in one step under the ledger's lock, so nothing is counted twice
 and no other admission takes the place in between. A place that no request takes over (its message was a dead
-letter) lapses, once its bundle ended, like any request on its way (``admission_transit_s``).
+letter) lapses, once its bundle ended, like any request on its way (:mod:`pipeline.worker.hold`).
 
 One queue per runtime tag and process: a fused stage runs the reader and the admission step in one process, and
 a worker's SDK processes each have their own.
