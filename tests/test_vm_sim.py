@@ -65,9 +65,9 @@ def test_a_shuffle_slower_than_admission_transit_keeps_the_bound(policy: str) ->
 def test_reads_whose_keys_are_on_other_workers_do_not_stall_the_worker(remote_share: float) -> None:
     """On a job of several workers a read's requests go to keys other workers host, and this one never hears of
     them again. They stop counting once the keys here have received requests dispatched after them, or, where no
-    key here receives any (``remote_share`` 1), after ``admission_transit_s``: only a ledger too young to have
-    seen an arrival waits up to ``TRANSIT_CAP_S`` for its first. So the worker reads on at about its bound per
-    transit, and every request still ends once."""
+    key here receives any (``remote_share`` 1), after ``admission_transit_s``, once its keys have received nothing
+    for ``TRANSIT_CAP_S`` since its first read. So the worker reads on at about its bound per transit, and every
+    request still ends once."""
     for seed in SEEDS:
         outcome = run(seed, "timers", transit_s=0.3, admission_transit_s=1.0, remote_share=remote_share)
         check(outcome, bound=remote_share < 1.0)

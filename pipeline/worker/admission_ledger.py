@@ -36,7 +36,7 @@ class AdmissionLedger:
         self._bulk_bound = settings.bulk_held
         self._unfinished = unfinished
         self._hold = WorkerHold(transit_s=settings.admission_transit_s, unclaimed_s=settings.request_timeout_s,
-                                report_lapse_s=WAITING_REPORT_LAPSE_S, cap_s=TRANSIT_CAP_S, started_at=clock())
+                                report_lapse_s=WAITING_REPORT_LAPSE_S, cap_s=TRANSIT_CAP_S)
         self._lock = threading.Lock()
 
     def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False) -> int:
