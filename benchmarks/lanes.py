@@ -85,6 +85,24 @@ def tokens_between(collector: OutputCollector, prefix: str, start: float, end: f
     return total
 
 
+def where_time_went(collector: OutputCollector, published: dict[str, float]) -> str:
+    """Per live request, in seconds: from its read to the engine taking it (``queue_ms``), from its read to its first
+    token, and from the engine cutting its first chunk to the chunk arriving on the topic (publishing)."""
+    completions = {c.data["id"]: c.data for c in list(collector.completions) if c.data["id"] in published}
+    first: dict[str, tuple[float, float]] = {}
+    for chunk in list(collector.chunks):
+        data = chunk.data
+        if data["id"] in published and data["seq"] == 0 and data["id"] not in first:
+            first[data["id"]] = (data["emitted_at"], chunk.at)
+    parts = []
+    for request_id in sorted(completions, key=lambda i: published[i]):
+        data = completions[request_id]
+        cut, seen = first.get(request_id, (float("nan"), float("nan")))
+        parts.append(f"{data['queue_ms'] / 1000:.1f}/{(data['time_to_first_token_ms'] or 0) / 1000:.1f}/"
+                     f"{seen - cut:.1f}")
+    return ", ".join(parts)
+
+
 def ended(collector: OutputCollector, ids: list[str], timeout_s: float) -> None:
     missing = collector.wait_for(ids, timeout_s)
     if missing:
@@ -147,9 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             ended(collector, list(published), 600)
             end = time.time()
             ttft = first_chunks(collector, published)
-            waits = sorted(c.data["queue_ms"] / 1000 for c in list(collector.completions) if c.data["id"] in published)
-            print(f"rep {rep + 1}: live beside the backfill waited {', '.join(f'{w:.1f}' for w in waits)} s before "
-                  "the model took them (queue_ms)", flush=True)
+            print(f"rep {rep + 1}: each live request beside the backfill, s (read to the engine / read to its first "
+                  f"token / first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
             figures["beside p50"].append(statistics.median(ttft))
             figures["beside p95"].append(percentile(ttft, 0.95))
             figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
