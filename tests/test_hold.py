@@ -43,6 +43,19 @@ def test_while_the_keys_here_are_behind_it_a_request_on_its_way_counts_past_tran
     assert hold.counts(35.5) == (0, 0), "no longer than cap_s"
 
 
+def test_the_longest_transit_seen_in_the_last_cap_s_sets_how_long_a_passed_request_counts():
+    hold = ledger()
+    for name, sent, came in (("slow", 0.0, 5.0), ("quick", 6.0, 7.0), ("quicker", 8.0, 8.5)):
+        hold.admit(sent, [name], room=1)
+        hold.dispatched(sent, [name])
+        hold.arrived(came, [name])
+    hold.admit(32.0, ["w", "v"], room=2)
+    hold.dispatched(32.0, ["w", "v"])
+    hold.arrived(32.1, ["v"])  # w was sent with v, which arrived: w is passed
+    assert hold.counts(34.5) == (0, 1), "5 s, the longest transit of the last cap_s: w may take up to 10 s"
+    assert hold.counts(35.1) == (0, 0), "the 5 s one is older than cap_s: the longest is 1 s now, and w is 3.1 s"
+
+
 def test_a_worker_whose_keys_receive_nothing_counts_requests_on_their_way_for_transit_s():
     """All its reads go to keys other workers host: once its keys have received nothing for cap_s since a read
     was dispatched, what it dispatches counts for transit_s, as before any arrival could tell. A worker that

@@ -16,12 +16,11 @@ has taken and not yet finished, wherever it is on the way:
   a request dispatched with it or after it has arrived here (the pipeline has come that far), and then for
   ``SPREAD`` times the longest transit seen here in the last ``cap_s`` (it went elsewhere, or is a late one),
   and for ``cap_s`` at most.
-  A loaded runner whose shuffle takes longer than ``transit_s`` so keeps its bound (the bench of #59 read 204
-  against 128 when every id lapsed after ``transit_s``), and a worker whose keys receive nothing at all (all
-  its reads go to keys other workers host) goes back to ``transit_s`` once its keys have received nothing
-  for ``cap_s`` since a read was dispatched: it waits ``cap_s`` once, not each time. (A worker that reads
-  nothing because it is full receives nothing either; that is not counted against it.) A place-holder is on
-  its way from the moment its read ends.
+  A loaded runner whose shuffle takes longer than ``transit_s`` (seconds, on a busy DirectRunner) so keeps
+  its bound, and a worker whose keys receive nothing at all (all its reads go to keys other workers host)
+  goes back to ``transit_s`` once its keys have received nothing for ``cap_s`` since a read was dispatched: it
+  waits ``cap_s`` once, not each time. (A worker that reads nothing because it is full receives nothing
+  either; that is not counted against it.) A place-holder is on its way from the moment its read ends.
 * **waiting**: what each key of the generate step reports waiting in its state
   (a report lapses unless renewed: its key moved, or its worker stalled).
 
@@ -55,7 +54,9 @@ class WorkerHold:
     _ids: dict[str, tuple[float, float | None]] = field(default_factory=dict)
     _waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # holder -> (count, reported at)
     _passed: float = float("-inf")  # the latest dispatch time of a request that arrived here
-    _transits: deque[tuple[float, float]] = field(default_factory=deque)  # (arrived at, took), the last cap_s
+    # (arrived at, took) of arrivals in the last cap_s, each took longer than every later one's: the first is
+    # the longest (a sliding maximum, so a busy worker's arrivals cost no scan)
+    _transits: deque[tuple[float, float]] = field(default_factory=deque)
     _unanswered_since: float | None = None  # the first dispatch since the keys here last reported an arrival
 
     def admit(self, now: float, ids: Iterable[str], room: int) -> list[str]:
@@ -95,7 +96,10 @@ class WorkerHold:
             entry = self._ids.pop(request_id, None)
             if entry is not None and entry[1] is not None:
                 self._passed = max(self._passed, entry[1])
-                self._transits.append((now, now - entry[1]))
+                took = now - entry[1]
+                while self._transits and self._transits[-1][1] <= took:
+                    self._transits.pop()
+                self._transits.append((now, took))
 
     def report_waiting(self, now: float, holder: str, count: int) -> None:
         if count > 0:
@@ -107,7 +111,7 @@ class WorkerHold:
         """(waiting in the generate step's state, on their way to it); forgets what has lapsed."""
         while self._transits and now - self._transits[0][0] >= self.cap_s:
             self._transits.popleft()
-        longest = max((took for _, took in self._transits), default=0.0)
+        longest = self._transits[0][1] if self._transits else 0.0
         self._ids = {request_id: entry for request_id, entry in self._ids.items()
                      if self._counts(now, entry[0], entry[1], longest)}
         self._waiting = {holder: (count, at) for holder, (count, at) in self._waiting.items()
