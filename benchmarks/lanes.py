@@ -98,7 +98,7 @@ def where_time_went(collector: OutputCollector, published: dict[str, float]) -> 
     for request_id in sorted(completions, key=lambda i: published[i]):
         data = completions[request_id]
         cut, seen = first.get(request_id, (float("nan"), float("nan")))
-        parts.append(f"{data['queue_ms'] / 1000:.1f}/{(data['time_to_first_token_ms'] or 0) / 1000:.1f}/"
+        parts.append(f"{data['queue_ms'] / 1000:.1f}/{(data['time_to_first_token_ms'] or float('nan')) / 1000:.1f}/"
                      f"{seen - cut:.1f}")
     return ", ".join(parts)
 
