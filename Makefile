@@ -224,6 +224,10 @@ bench-scale: install ## Simulate keying over 1-100 GPU workers: usable GPU share
 bench-backfill: model ## A backfill's tokens/s through the pipeline against vLLM's offline batch path (LLM.generate), interleaved
 	$(PY) -m benchmarks.backfill $(BENCH_ARGS)
 
+.PHONY: bench-step-cost
+bench-step-cost: install ## One model step's time by its rows and prompt tokens on this device (what a live request shares beside bulk)
+	$(PY) -m benchmarks.step_cost $(BENCH_ARGS)
+
 .PHONY: bench-lanes
 bench-lanes: model ## Live first chunk alone and beside a backfill on the bulk lane, and the lane's share of the idle engine, interleaved
 	$(PY) -m benchmarks.lanes $(BENCH_ARGS)

@@ -17,6 +17,11 @@ rate against what the engine delivers less what live traffic takes; every publis
 completion (nothing lost). The launcher keeps the pipeline's threads off the cores vLLM computes on
 (:mod:`local.core_placement`), as ``make bench`` places them. Figures and ratios; nothing is asserted.
 
+A live request beside the lane waits at vLLM for the step in progress and shares every later step with the bulk
+streams' rows. On this machine's CPU a step that reads vLLM's default 2,048 tokens of prompt takes seconds, so
+the local server reads at most ``--step-tokens`` (256) a step, as a user sets ``--max-num-batched-tokens`` in
+``vllm_args`` (docs/operations.md#the-bulk-lane); ``--step-tokens 0`` measures vLLM's default.
+
     python -m benchmarks.lanes [--reps 3] [--live 12] [--bulk 160]
 """
 
@@ -29,6 +34,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from local.cpu_server import LOCAL_SERVER
 from local.embedded_model import ensure_local_checkpoint
@@ -130,14 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16, help="each live answer's tokens")
     parser.add_argument("--bulk", type=int, default=160, help="the backlog's requests")
     parser.add_argument("--bulk-tokens", type=int, default=32)
+    parser.add_argument("--step-tokens", type=int, default=256,
+                        help="vLLM's --max-num-batched-tokens, the most prompt a step reads (0: vLLM's default)")
     parser.add_argument("--template-arg", action="append", default=[], metavar="--NAME=VALUE",
                         help="a template parameter for the pipeline (repeat), e.g. --live_reserve=0.5")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     folder = REPO_ROOT / ".cache" / "bench-lanes"
     folder.mkdir(parents=True, exist_ok=True)
+    server = (replace(LOCAL_SERVER, extra_args=("--max-num-batched-tokens", str(args.step_tokens)))
+              if args.step_tokens else LOCAL_SERVER)
     run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
-                    *LOCAL_SERVER.template_args(), "--chunk_tokens=4", *args.template_arg],
+                    *server.template_args(), "--chunk_tokens=4", *args.template_arg],
                    log_path=folder / "pipeline.log", bulk_lane=True)
     run.start()
     collector = run.collector()
@@ -171,8 +181,6 @@ def main(argv: list[str] | None = None) -> int:
             figures["beside p95"].append(percentile(ttft, 0.95))
             figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
             figures["live tokens/s"].append(args.live * args.tokens / (end - start))
-            ended(collector, [b["id"] for b in bulk], 1800)
-
             if all(b["id"] in collector.finished_ids() for b in bulk):
                 print(f"rep {rep + 1}: the backlog ended before the live traffic did ({end - start:.1f} s): the bulk "
                       "rate beside live is low by the span it ran without a backlog (raise --bulk)", flush=True)
@@ -214,7 +222,8 @@ def report(args: argparse.Namespace, figures: dict[str, list[float]]) -> None:
              zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"])]
     print(f"\n{args.reps} interleaved repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores; live: {args.live} requests x {args.tokens} tokens, one every {args.live_every_s:g} s; bulk: "
-          f"{args.bulk} x {args.bulk_tokens} tokens; template parameters "
+          f"{args.bulk} x {args.bulk_tokens} tokens; vLLM reads at most "
+          f"{args.step_tokens or 'its default'} prompt tokens a step; template parameters "
           f"{' '.join(args.template_arg) or '(defaults)'}. Median (range):")
     print("| figure | live alone | live beside the backfill | ratio |\n|---|---|---|---|")
     print(f"| live first chunk p50 | {spread(figures['alone p50'], ' s')} | {spread(figures['beside p50'], ' s')} "

@@ -39,6 +39,7 @@ from pathlib import Path
 from benchmarks.side_by_side.report import fmt
 from benchmarks.side_by_side.stats import Spread, ratio
 from benchmarks.side_by_side.workload import FIXED, mixed, parse_budgets, with_budgets, with_lengths
+from benchmarks.step_cost import RANDOM_SHAPES
 from local.engine_driver import drive_to_end
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import InferenceRequest
@@ -54,9 +55,6 @@ LOGGER = logging.getLogger(__name__)
 ARRIVAL, PROMPT_BUCKETS, LENGTH_BUCKETS = "arrival order", "prompt buckets", "prompt × answer buckets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
-# A Llama-3.2-1B-shaped decoder: about 1.1 B parameters with a 49 k vocabulary.
-RANDOM_SHAPES = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                            num_attention_heads=32, num_key_value_heads=8)}
 
 
 # What each batching is in the template's parameters (with engine=transformers).
