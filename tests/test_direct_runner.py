@@ -119,3 +119,27 @@ def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_a
         with direct_runner._RUNTIMES_LOCK:
             direct_runner._RUNTIMES.clear()
             direct_runner._RUNTIMES.update(saved)
+
+
+def test_a_stateful_steps_waiting_bundles_run_in_the_order_they_were_scheduled():
+    """Beam's serial evaluation (one bundle at a time for a stateful step, every key's together) served its queue
+    newest first, so a request's bundle waited while keys' poll timers passed it. Fixed: oldest first."""
+    from apache_beam.runners.direct import executor
+
+    apply_local_runner_fixes()
+
+    class Pool:  # the runner's thread pool, as the serial state hands it work: one at a time
+        def __init__(self) -> None:
+            self.submitted: list[str] = []
+
+        def submit(self, work: str) -> None:
+            self.submitted.append(work)
+
+    pool = Pool()
+    serial = executor._SerialEvaluationState(pool, set())
+    for work in ("timer-a", "request", "timer-b", "timer-c"):
+        serial.schedule(work)
+    assert pool.submitted == ["timer-a"], "one at a time"
+    for done in ("timer-a", "request", "timer-b"):
+        serial.complete(done)
+    assert pool.submitted == ["timer-a", "request", "timer-b", "timer-c"]
