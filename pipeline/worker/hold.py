@@ -18,7 +18,8 @@ has taken and not yet finished, wherever it is on the way:
   and for ``cap_s`` at most.
   A loaded runner whose shuffle takes longer than ``transit_s`` (seconds, on a busy DirectRunner) so keeps
   its bound. When the keys here have received nothing since a read was dispatched, for ``SPREAD`` times the
-  longest recent transit (for ``cap_s`` when no arrival of the last ``cap_s`` tells), what is on its way lapses
+  longest recent transit or ``transit_s``, whichever is longer (for ``cap_s`` when no arrival of the last
+  ``cap_s`` tells), what is on its way lapses
   after ``transit_s``: its reads went to keys other workers host (a fill that all went elsewhere would otherwise
   hold the worker full, as nothing dispatched after it could arrive). A worker whose keys receive nothing at
   all so waits ``cap_s`` once, not each time. (A worker that reads nothing because it is full receives nothing
@@ -136,8 +137,9 @@ class WorkerHold:
     def _unanswered(self, now: float, longest: float) -> bool:
         """Whether the keys here have received nothing for longer than a transit may take since a read was
         dispatched: what is read goes to other workers. How long a transit may take is known from the arrivals of
-        the last ``cap_s`` (``SPREAD`` times the longest); with none to tell, ``cap_s``."""
+        the last ``cap_s``: ``SPREAD`` times the longest, or times ``transit_s`` if longer (a pause of the keys
+        shorter than that is not taken for it); with no arrival to tell, ``cap_s``."""
         if self._unanswered_since is None:
             return False
-        patience = SPREAD * longest if longest > 0.0 else self.cap_s
+        patience = SPREAD * max(longest, self.transit_s) if longest > 0.0 else self.cap_s
         return now - self._unanswered_since >= patience
