@@ -19,10 +19,9 @@ has taken and not yet finished, wherever it is on the way:
   A loaded runner whose shuffle takes longer than ``transit_s`` (seconds, on a busy DirectRunner) so keeps
   its bound. When the keys here have received nothing since a read was dispatched, for ``SPREAD`` times the
   longest recent transit or ``transit_s``, whichever is longer (for ``cap_s`` when no arrival of the last
-  ``cap_s`` tells), what is on its way lapses
-  after ``transit_s``: its reads went to keys other workers host (a fill that all went elsewhere would otherwise
-  hold the worker full, as nothing dispatched after it could arrive). A worker whose keys receive nothing at
-  all so waits ``cap_s`` once, not each time. (A worker that reads nothing because it is full receives nothing
+  ``cap_s`` tells), what is on its way lapses after ``transit_s``: its reads went to keys other workers host
+  (a fill that all went elsewhere would otherwise hold the worker full, as nothing dispatched after it could
+  arrive). A worker whose keys receive nothing at all so waits ``cap_s`` once, not each time. (A worker that reads nothing because it is full receives nothing
   either; that is not counted against it.) A place-holder is on its way from the moment its read ends.
 * **waiting**: what each key of the generate step reports waiting in its state
   (a report lapses unless renewed: its key moved, or its worker stalled).
