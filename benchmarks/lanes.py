@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             published = publish_paced(run, live, args.live_every_s)
             ended(collector, list(published), 600)
             ttft = first_chunks(collector, published)
+            print(f"rep {rep + 1}: each live request alone, s (read to the engine / read to its first token / first "
+                  f"chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
             figures["alone p50"].append(statistics.median(ttft))
             figures["alone p95"].append(percentile(ttft, 0.95))
 
