@@ -74,33 +74,6 @@ def test_a_worker_whose_keys_receive_nothing_counts_requests_on_their_way_for_tr
     assert hold.counts(110.0) == (0, 1), "57 s without an arrival, but nothing was dispatched: behind, not elsewhere"
 
 
-def test_a_fill_that_all_went_elsewhere_lapses_after_twice_the_longest_recent_transit():
-    """Seed 7 of test_vm_sim's remote-keys case: every request of a fill went to other workers, so nothing
-    dispatched after them can arrive here while they hold the worker full. Once the keys here have received
-    nothing since that dispatch for SPREAD times the longest transit of the last cap_s (or transit_s, if longer),
-    they lapse: not cap_s."""
-    hold = ledger()
-    hold.admit(0.0, ["here"], room=1)
-    hold.dispatched(0.0, ["here"])
-    hold.arrived(3.0, ["here"])  # a transit of 3 s: another may take up to 6 s
-    hold.admit(4.0, ["x", "y"], room=2)
-    hold.dispatched(4.0, ["x", "y"])
-    assert hold.counts(9.9) == (0, 2), "within twice the longest transit: the keys here may be behind"
-    assert hold.counts(10.1) == (0, 0), "nothing arrived here for twice the longest transit: they went elsewhere"
-    hold.admit(40.0, ["quick"], room=1)
-    hold.dispatched(40.0, ["quick"])
-    hold.arrived(40.5, ["quick"])  # the 3 s transit is older than cap_s: the longest is 0.5 s now
-    hold.admit(41.0, ["z"], room=1)
-    hold.dispatched(41.0, ["z"])
-    assert hold.counts(44.9) == (0, 1), "a pause of the keys shorter than twice transit_s is not taken for it"
-    assert hold.counts(45.1) == (0, 0)
-    hold.arrived(46.0, ["from-another-reader"])
-    hold.admit(80.0, ["after-quiet"], room=1)
-    hold.dispatched(80.0, ["after-quiet"])
-    assert hold.counts(85.0) == (0, 1), "no transit seen in the last cap_s to tell: the keys here may be behind"
-    assert hold.counts(110.0) == (0, 0), "up to cap_s"
-
-
 def test_a_retried_bundle_admitting_the_same_request_takes_no_second_place():
     hold = ledger()
     hold.admit(0.0, ["a"], room=1)

@@ -64,10 +64,9 @@ def test_a_shuffle_slower_than_admission_transit_keeps_the_bound(policy: str) ->
 @pytest.mark.parametrize("remote_share", [0.5, 1.0])
 def test_reads_whose_keys_are_on_other_workers_do_not_stall_the_worker(remote_share: float) -> None:
     """On a job of several workers a read's requests go to keys other workers host, and this one never hears of
-    them again. They stop counting once the keys here have received requests dispatched after them, or nothing
-    for twice the longest recent transit since a dispatch, or, where no key here receives any (``remote_share``
-    1), after ``admission_transit_s``, once its keys have received nothing for ``TRANSIT_CAP_S`` since its
-    first read. So the worker reads on at about its bound per transit, and every
+    them again. They stop counting once the keys here have received requests dispatched after them, or, where no
+    key here receives any (``remote_share`` 1), after ``admission_transit_s``, once its keys have received nothing
+    for ``TRANSIT_CAP_S`` since its first read. So the worker reads on at about its bound per transit, and every
     request still ends once."""
     for seed in SEEDS:
         outcome = run(seed, "timers", transit_s=0.3, admission_transit_s=1.0, remote_share=remote_share)
@@ -84,11 +83,16 @@ def reading_on_s(outcome: Outcome, startup_s: float = 0.0) -> float:
     return startup_s + 2 * rounds * (1.0 + outcome.setup.transit_s + FULL_DELAY_S + 10 * STEP_S) + 5.0
 
 
+@pytest.mark.xfail(strict=True, reason="known defect, found by VM_SIM_SEEDS=20: a fill that all went to other "
+                   "workers holds the worker full until TRANSIT_CAP_S")
 def test_seed_7_with_half_the_keys_elsewhere_reads_on() -> None:
-    """Seed 7 of the remote-keys case, found by ``VM_SIM_SEEDS=20``: a bound of 3, 4 of 7 keys on other workers.
-    A fill whose 3 requests all went elsewhere was held until ``TRANSIT_CAP_S``, since nothing dispatched after
-    them could arrive here while they filled the worker: 195 s against 89. Once the keys here have received
-    nothing for twice the longest recent transit since a dispatch, what is on its way lapses."""
+    """Seed 7 of the remote-keys case: a bound of 3, 4 of 7 keys on other workers; it took 195 s against 89. Traced:
+    about one fill in four sends all 3 requests elsewhere, and nothing dispatched after them can arrive here while
+    they hold the worker full, so they count until TRANSIT_CAP_S. Letting them lapse once the keys here have
+    received nothing for twice the longest recent transit fixed this seed, but broke the bound in
+    test_worker_rig's late-timer case (8 against 4 + 2): keys whose timers run late are silent too. A fix must
+    tell keys that receive nothing from keys that do not run. When it lands, this passes and strict xfail says
+    so."""
     outcome = run(7, "timers", transit_s=0.3, admission_transit_s=1.0, remote_share=0.5)
     check(outcome)
     assert outcome.makespan_s <= reading_on_s(outcome), outcome.makespan_s

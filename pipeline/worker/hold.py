@@ -17,11 +17,9 @@ has taken and not yet finished, wherever it is on the way:
   ``SPREAD`` times the longest transit seen here in the last ``cap_s`` (it went elsewhere, or is a late one),
   and for ``cap_s`` at most.
   A loaded runner whose shuffle takes longer than ``transit_s`` (seconds, on a busy DirectRunner) so keeps
-  its bound. When the keys here have received nothing since a read was dispatched, for ``SPREAD`` times the
-  longest recent transit or ``transit_s``, whichever is longer (for ``cap_s`` when no arrival of the last
-  ``cap_s`` tells), what is on its way lapses after ``transit_s``: its reads went to keys other workers host
-  (a fill that all went elsewhere would otherwise hold the worker full, as nothing dispatched after it could
-  arrive). A worker whose keys receive nothing at all so waits ``cap_s`` once, not each time. (A worker that reads nothing because it is full receives nothing
+  its bound, and a worker whose keys receive nothing at all (all its reads go to keys other workers host)
+  goes back to ``transit_s`` once its keys have received nothing for ``cap_s`` since a read was dispatched: it
+  waits ``cap_s`` once, not each time. (A worker that reads nothing because it is full receives nothing
   either; that is not counted against it.) A place-holder is on its way from the moment its read ends.
 * **waiting**: what each key of the generate step reports waiting in its state
   (a report lapses unless renewed: its key moved, or its worker stalled).
@@ -127,18 +125,9 @@ class WorkerHold:
         age = now - dispatched_at
         if age < self.transit_s:
             return True
-        if age >= self.cap_s or self._unanswered(now, longest):
-            return False
+        unanswered = self._unanswered_since is not None and now - self._unanswered_since >= self.cap_s
+        if age >= self.cap_s or unanswered:
+            return False  # the keys here received nothing read for cap_s: what is read goes to other workers
         if self._passed < dispatched_at:
             return True  # nothing dispatched with it or after it has arrived yet: the keys here are behind it
         return age < SPREAD * longest  # they came that far: it went elsewhere, or is a late one
-
-    def _unanswered(self, now: float, longest: float) -> bool:
-        """Whether the keys here have received nothing for longer than a transit may take since a read was
-        dispatched: what is read goes to other workers. How long a transit may take is known from the arrivals of
-        the last ``cap_s``: ``SPREAD`` times the longest, or times ``transit_s`` if longer (a pause of the keys
-        shorter than that is not taken for it); with no arrival to tell, ``cap_s``."""
-        if self._unanswered_since is None:
-            return False
-        patience = SPREAD * max(longest, self.transit_s) if longest > 0.0 else self.cap_s
-        return now - self._unanswered_since >= patience
