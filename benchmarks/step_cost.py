@@ -8,7 +8,8 @@ decoding step is bound by reading the weights, whatever its rows. This times bot
 with random weights (no weights to download; equal shapes are all a step's time needs):
 
 - **prompt steps**: one forward pass over ``--prompt-tokens`` tokens of prompt, no cache;
-- **decoding steps**: ``--rows`` sequences, each with a cache of ``--past`` tokens, one new token each.
+- **decoding steps**: ``--rows`` sequences, each with a cache of ``--past`` tokens (one more each step timed),
+  one new token each.
 
 Each figure is the median (and range) of ``--reps`` timed steps after ``--warmup`` untimed ones; the kinds and
 sizes interleave within each repetition. transformers' eager kernels, not vLLM's: a step here is an upper
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in prompts:
             steps[f"prompt step, {n} tokens"] = lambda n=n: model(tokens(1, n), use_cache=False)
         for n in rows:
-            # The cache grows one token a step: over a run it stays within a few percent of --past.
+            # The cache grows a token a step: from --past to --past + --warmup + --reps over a run.
             steps[f"decoding step, {n} rows"] = lambda n=n: model(tokens(n, 1), past_key_values=caches[n],
                                                                     use_cache=True)
         for _ in range(args.warmup):
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(values) * 1000:.1f}) |")
     one = statistics.median(times[f"decoding step, {rows[0]} rows"])
     for n in rows[1:]:
-        print(f"decoding step, {n} rows against {rows[0]}: {statistics.median(times[f'decoding step, {n} rows']) / one:.2f}×")
+        against = statistics.median(times[f"decoding step, {n} rows"]) / one
+        print(f"decoding step, {n} rows against {rows[0]}: {against:.2f}×")
     return 0
 
 
