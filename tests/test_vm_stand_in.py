@@ -3,8 +3,9 @@ sharing one runtime through MultiProcessShared, around the real admission and ge
 
 Hypothesis draws the schedules: how much a read's pull returns (a reader's round on every free thread), failed
 commits, engine calls that raise, and one event (none, a paused SDK process, the runtime's host killed, an
-update), with or without a drain at the end: five written-out schedules cover each event, then ``VM_STAND_IN_EXAMPLES`` drawn ones (default 1; the
-whole file takes about nine minutes on 2 cores, a managed vLLM started twice among them)."""
+update), with or without a drain at the end: five written-out schedules cover each event, then
+``VM_STAND_IN_EXAMPLES`` drawn ones (default 1; the whole file takes about nine minutes on 2 cores, a managed
+vLLM started twice among them)."""
 
 from __future__ import annotations
 
@@ -137,8 +138,11 @@ def test_every_drawn_schedule_keeps_the_vms_promises(vm, vllm_server, sizes, com
     if event in ("none", "pause"):
         assert not vm.retried, "no work item failed: reads defer, they do not fail"
     # While reading and undisturbed (no pause, kill or update since the timer was due): a thread frees within one
-    # work item; three seconds for a busy 2-core machine.
-    assert max(vm.timer_delays, default=0.0) <= 3.0, max(vm.timer_delays)
+    # work item. A work item waits for the runtime at most runtime_call_bound_s (pipeline/worker/runtime_client.py;
+    # a host slow to answer, as a loaded 2-core machine's can be, costs the whole bound);
+    # three seconds more for the rest of a busy 2-core machine's work item and its dispatch.
+    longest = sorted(vm.work_items, reverse=True)[:3]
+    assert max(vm.timer_delays, default=0.0) <= settings_.runtime_call_bound_s + 3.0, (max(vm.timer_delays), longest)
     attempts = [c["attempt"] for c in completions.values()]
     if event in ("none", "pause") and not engine_failures:
         assert set(attempts) <= {1}, attempts
