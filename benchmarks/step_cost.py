@@ -12,9 +12,11 @@ with random weights (no weights to download; equal shapes are all a step's time 
   one new token each.
 
 Each figure is the median (and range) of ``--reps`` timed steps after ``--warmup`` untimed ones; the kinds and
-sizes interleave within each repetition. transformers' eager kernels, not vLLM's: a step here is an upper
-figure for what vLLM's fused kernels take for the same shapes. Only torch and transformers are imported, so it
-runs on a GPU machine with nothing else installed. Figures only; nothing is asserted.
+sizes interleave within each repetition. On a GPU each step is also run once more under torch's profiler for
+the time its kernels took, the launches between them left out (vLLM's CUDA graphs leave them out too). These are
+transformers' eager kernels, not vLLM's: a step here is an upper figure for what vLLM's fused kernels take for
+the same shapes. Only torch and transformers are imported, so it runs on a GPU machine with nothing else
+installed. Figures only; nothing is asserted.
 
     python -m benchmarks.step_cost [--shape 1b] [--dtype bfloat16] [--rows 1,16,48,64] [--prompt-tokens 64,256,2048]
 """
@@ -63,6 +65,25 @@ def timer(device: str) -> Callable[[Callable[[], Any]], float]:
     return timed
 
 
+def kernel_time(step: Callable[[], Any]) -> float:
+    """Seconds the GPU spent in kernels for one ``step``, gaps between them left out. Eager transformers launches
+    each layer's kernels from Python, so a step's wall time here is mostly those launches; vLLM captures its
+    decoding steps in CUDA graphs, which leaves the kernels. Their time is what grows with a step's rows, if
+    anything does."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    if kernels:
+        return sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    return sum(e.self_device_time_total for e in events) / 1e6  # kernels attributed to the ops that launched them
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import DynamicCache
@@ -107,25 +128,34 @@ def main(argv: list[str] | None = None) -> int:
             for step in steps.values():
                 timed(step)
         times: dict[str, list[float]] = {name: [] for name in steps}
+        kernels: dict[str, list[float]] = {name: [] for name in steps}
         for rep in range(args.reps):
             names = list(steps)
             names = names[rep % len(names):] + names[:rep % len(names)]  # a rotating order
             for name in names:
                 times[name].append(timed(steps[name]))
+                if device == "cuda":
+                    kernels[name].append(kernel_time(steps[name]))
     where = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()} CPU"
     threads = "" if device == "cuda" else f", {torch.get_num_threads()} threads"
     print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {where}{threads}; torch {torch.__version__}; "
           f"{args.shape} decoder ({model.num_parameters() / 1e9:.2f} B parameters, random) in {dtype}; "
           f"decoding rows with {args.past} tokens cached; {args.reps} timed steps each, median (range):")
-    print("| step | ms |\n|---|---|")
-    for name, values in times.items():
-        print(f"| {name} | {statistics.median(values) * 1000:.1f} ({min(values) * 1000:.1f}-"
-              f"{max(values) * 1000:.1f}) |")
-    one = statistics.median(times[f"decoding step, {rows[0]} rows"])
-    for n in rows[1:]:
-        against = statistics.median(times[f"decoding step, {n} rows"]) / one
-        print(f"decoding step, {n} rows against {rows[0]}: {against:.2f}×")
+    columns = {"ms": times, "GPU kernels, ms": kernels} if device == "cuda" else {"ms": times}
+    print(f"| step | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
+    for name in steps:
+        print(f"| {name} | " + " | ".join(spread(figures[name]) for figures in columns.values()) + " |")
+    for column, figures in columns.items():
+        one = statistics.median(figures[f"decoding step, {rows[0]} rows"])
+        for n in rows[1:]:
+            against = statistics.median(figures[f"decoding step, {n} rows"]) / one
+            print(f"decoding step, {n} rows against {rows[0]} ({column}): {against:.2f}×")
     return 0
+
+
+def spread(seconds: list[float]) -> str:
+    """Median (range) in milliseconds."""
+    return f"{statistics.median(seconds) * 1000:.1f} ({min(seconds) * 1000:.1f}-{max(seconds) * 1000:.1f})"
 
 
 if __name__ == "__main__":
