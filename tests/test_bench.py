@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -369,3 +370,19 @@ def test_the_scale_models_ranges_spread_real_ids_evenly_and_back_the_default_gen
     default, per_request = rows[(f"{DATAFLOW_GENERATE_SHARDS} shards", 100)], rows[("request id", 100)]
     assert default.usable_share >= 0.9 * per_request.usable_share and default.idle_workers == 0
     assert rows[("16 shards", 100)].usable_share < 0.5 * default.usable_share
+
+
+def test_step_cost_times_each_kind_of_step_on_this_device(capsys):
+    """``make bench-step-cost`` on this machine's CPU, tiny: a row of figures for every step asked for, and each
+    decoding size against the first (what docs/benchmarks.md#step-cost reports from a GPU and from here)."""
+    from benchmarks import step_cost
+
+    assert step_cost.main(["--shape", "135m", "--rows", "1,2", "--prompt-tokens", "8", "--past", "4",
+                           "--reps", "2", "--warmup", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    figures = {m[1]: tuple(map(float, m.groups()[1:])) for line in lines
+               if (m := re.fullmatch(r"\| (.+) \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \|", line))}
+    assert set(figures) == {"prompt step, 8 tokens", "decoding step, 1 rows", "decoding step, 2 rows"}, lines
+    for name, (median, low, high) in figures.items():
+        assert 0 < low <= median <= high, (name, median, low, high)
+    assert any(line.startswith("decoding step, 2 rows against 1 (ms): ") for line in lines), lines
