@@ -9,6 +9,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
@@ -127,3 +128,20 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+@contextmanager
+def started(server: VLLMServer):
+    """Starts ``server`` for one test and stops it after; its stop must leave none of its processes behind (vLLM
+    runs its engine in child processes), and a second stop must do nothing. Every test that starts a server of its
+    own checks this, so no test starts one only to stop it."""
+    tree: list[int] = []
+    try:
+        server.start()
+        tree = [server.pid, *(child.pid for child in psutil.Process(server.pid).children(recursive=True))]
+        assert len(tree) >= 2, "vLLM runs its engine in a child process"
+        yield server
+    finally:
+        server.stop()
+    assert wait_until(lambda: not any(psutil.pid_exists(pid) for pid in tree), 10), "the stop left processes behind"
+    server.stop()  # idempotent

@@ -19,10 +19,15 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import secretmanager
 
 from pipeline.serving import model_access
-from pipeline.serving.model_access import (HF_TOKEN_ENV, ModelAccessError, explained_fetch, fetch_failure,
-                                           install_hf_token)
+from pipeline.serving.model_access import (
+    HF_TOKEN_ENV,
+    ModelAccessError,
+    explained_fetch,
+    fetch_failure,
+    install_hf_token,
+)
 from pipeline.serving.vllm_server import VLLMServer
-from tests.conftest import local_server_spec
+from tests.conftest import local_server_spec, started
 from tests.loopback_api import LoopbackApi
 
 TOKEN = "hf_streamingLLMtestToken0123456789"
@@ -125,13 +130,9 @@ def test_the_managed_vllm_server_gets_the_token_in_its_environment_and_never_in_
     caplog.set_level(logging.DEBUG)
     install_hf_token(SECRET, secret_manager.client())  # as the worker's first reader does, once per process
     lines: list[str] = []
-    server = VLLMServer(local_server_spec(checkpoint, hf_token_secret=SECRET), log_sink=lines.append)
-    try:
-        server.start()
+    with started(VLLMServer(local_server_spec(checkpoint, hf_token_secret=SECRET), log_sink=lines.append)) as server:
         environments = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in
                         [server.pid, *(child.pid for child in psutil.Process(server.pid).children(recursive=True))]]
         assert all(f"{HF_TOKEN_ENV}={TOKEN}".encode() in environment for environment in environments)
-    finally:
-        server.stop()
     assert secret_manager.requests == [SECRET]  # the server's start read nothing again
     assert lines and not any(TOKEN in line for line in lines) and TOKEN not in caplog.text

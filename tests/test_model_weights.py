@@ -21,7 +21,7 @@ from pipeline.serving.model_weights import (
     storage_client,
 )
 from pipeline.serving.vllm_server import VLLMServer, free_port
-from tests.conftest import activated, chat, local_server_spec
+from tests.conftest import activated, chat, local_server_spec, started
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +170,8 @@ def test_a_folder_with_an_object_named_to_climb_out_of_it_is_refused_and_nothing
 @pytest.mark.engine
 def test_the_vllm_server_serves_weights_from_gcs(gcs, checkpoint, tmp_path):
     uri = gcs.upload_folder(checkpoint, "models", "smollm2-135m")
-    server = VLLMServer(local_server_spec(checkpoint, model=uri, model_cache_dir=str(tmp_path / "cache")))
-    try:
-        server.start()
+    with started(VLLMServer(local_server_spec(checkpoint, model=uri, model_cache_dir=str(tmp_path / "cache")))) \
+            as server:
         answer = chat(server.base_url, "What is the capital of France?", temperature=0, max_tokens=20)
         assert "Paris" in answer["choices"][0]["message"]["content"]
         assert (tmp_path / "cache" / "models" / "smollm2-135m" / "model.safetensors").is_file()
-    finally:
-        server.stop()
