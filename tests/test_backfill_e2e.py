@@ -16,18 +16,18 @@ import sys
 import pytest
 
 from local import backfill_smoke
-from local.harness import REPO_ROOT, LocalRun
-from local.cpu_server import LOCAL_SERVER
 from local.emulators import emulator_bigquery_client
-from tests.conftest import wait_until
+from local.harness import REPO_ROOT, LocalRun
+from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def run(checkpoint, emulator, bigquery):
-    """The template's pipeline on the DirectRunner, writing to the backfill's tables, its model server warm."""
-    pipeline = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
+def run(vllm_server, emulator, bigquery):
+    """The template's pipeline on the DirectRunner, writing to the backfill's tables, on the suite's vLLM (what
+    the model server's ownership changes is the end-to-end tests' of the managed server, not a backfill's)."""
+    pipeline = LocalRun([f"--server_url={vllm_server.base_url}", f"--served_model_name={SERVED_NAME}",
                          "--max_in_flight=16", "--num_shards=2", f"--prompt_template={backfill_smoke.TEMPLATE}",
                          f"--output_completions_table={backfill_smoke.COMPLETIONS}",
                          f"--dead_letter_table={backfill_smoke.DEAD_LETTERS}"],
