@@ -216,7 +216,7 @@ def test_a_managed_vllms_host_paused_then_killed_with_failing_rebuilds_loses_not
         completions = assert_each_ends_once_and_whole(vm, silent)
         assert {c["attempt"] for c in completions.values()} == {1}, "a silent host is not rebuilt"
 
-        _, cut = streams_on_each_process(vm, "cut", 256)
+        _, cut = streams_on_each_process(vm, "cut", 128)
         first_url = vm.server_url()
         threads = vm.thread_counts()
         model.unlink()  # the next rebuilds cannot find the model
