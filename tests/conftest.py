@@ -130,6 +130,11 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
     return predicate()
 
 
+def process_tree(server: VLLMServer) -> list[int]:
+    """The running ``server``'s process and every process under it."""
+    return [server.pid, *(child.pid for child in psutil.Process(server.pid).children(recursive=True))]
+
+
 @contextmanager
 def started(server: VLLMServer):
     """Starts ``server`` for one test and stops it after; its stop must leave none of its processes behind (vLLM
@@ -138,7 +143,7 @@ def started(server: VLLMServer):
     tree: list[int] = []
     try:
         server.start()
-        tree = [server.pid, *(child.pid for child in psutil.Process(server.pid).children(recursive=True))]
+        tree = process_tree(server)
         assert len(tree) >= 2, "vLLM runs its engine in a child process"
         yield server
     finally:

@@ -13,7 +13,6 @@ import logging
 import os
 from pathlib import Path
 
-import psutil
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import secretmanager
@@ -27,7 +26,7 @@ from pipeline.serving.model_access import (
     install_hf_token,
 )
 from pipeline.serving.vllm_server import VLLMServer
-from tests.conftest import local_server_spec, started
+from tests.conftest import local_server_spec, process_tree, started
 from tests.loopback_api import LoopbackApi
 
 TOKEN = "hf_streamingLLMtestToken0123456789"
@@ -131,8 +130,7 @@ def test_the_managed_vllm_server_gets_the_token_in_its_environment_and_never_in_
     install_hf_token(SECRET, secret_manager.client())  # as the worker's first reader does, once per process
     lines: list[str] = []
     with started(VLLMServer(local_server_spec(checkpoint, hf_token_secret=SECRET), log_sink=lines.append)) as server:
-        environments = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in
-                        [server.pid, *(child.pid for child in psutil.Process(server.pid).children(recursive=True))]]
+        environments = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in process_tree(server)]
         assert all(f"{HF_TOKEN_ENV}={TOKEN}".encode() in environment for environment in environments)
     assert secret_manager.requests == [SECRET]  # the server's start read nothing again
     assert lines and not any(TOKEN in line for line in lines) and TOKEN not in caplog.text
