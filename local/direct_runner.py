@@ -78,9 +78,9 @@ from typing import Any
 
 from apache_beam.runners.runner import PipelineResult
 
-from pipeline.engines.engine_settings import EngineSettings
 from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime
+from pipeline.worker.runtime_settings import RuntimeSettings
 
 LOGGER = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def _record_runtimes() -> None:
 
     original = worker_runtime.acquire_runtime
 
-    def acquire(settings: EngineSettings, tag: str, *, fresh: bool = False) -> WorkerRuntime:
+    def acquire(settings: RuntimeSettings, tag: str, *, fresh: bool = False) -> WorkerRuntime:
         runtime = original(settings, tag, fresh=fresh)
         with _RUNTIMES_LOCK:
             _RUNTIMES[tag] = runtime

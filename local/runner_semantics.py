@@ -47,10 +47,10 @@ from apache_beam import pvalue
 from apache_beam.transforms.window import GlobalWindow
 
 from pipeline.engines.engine import EngineBase
-from pipeline.engines.engine_settings import EngineSettings
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS
 from pipeline.worker.runtime import WorkerRuntime
+from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 
 BAGS = ("waiting", "inflight")
 VALUES = ("progress", "seen", "poll_at_ms", "wait_ms")
@@ -131,16 +131,16 @@ class InProcessRuntime:
     tag: str
 
     @property
-    def settings(self) -> EngineSettings:
-        return self.runtime.engine.settings
+    def settings(self) -> RuntimeSettings:
+        return self.runtime.settings
 
     def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
         return self.runtime
 
 
-def in_process(engine: EngineBase, tag: str) -> InProcessRuntime:
+def in_process(engine: EngineBase, tag: str, admission: AdmissionSettings = AdmissionSettings()) -> InProcessRuntime:
     """A runtime around ``engine`` for the steps of one stand-in worker."""
-    return InProcessRuntime(WorkerRuntime(engine), tag)
+    return InProcessRuntime(WorkerRuntime(engine, admission), tag)
 
 
 def generate_fn(source: InProcessRuntime, poll_interval_ms: float, **options: Any) -> StreamingGenerateFn:

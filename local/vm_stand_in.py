@@ -65,7 +65,6 @@ import psutil
 
 from local.runner_semantics import Driver, KeyState, Outputs, Worker
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.admission import AdmitFn
 from pipeline.flow.subscription_reader import FULL_DELAY_S, take_places
 from pipeline.generation.generate import StreamingGenerateFn
@@ -73,6 +72,7 @@ from pipeline.serving.vllm_server import is_healthy
 from pipeline.worker import read_places
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
 from pipeline.worker.runtime_client import RuntimeClient
+from pipeline.worker.runtime_settings import RuntimeSettings
 
 START_TIMEOUT_S = 600.0  # the first process starts the runtime's host: with a managed vLLM, minutes on a CPU
 # Engine calls that a schedule may make raise (the generate step's calls into the runtime).
@@ -197,7 +197,7 @@ class VmStandIn:
     """A worker VM of ``processes`` SDK processes of ``threads`` harness threads each; the first process starts
     the runtime's host. Use as a context manager; :meth:`reset` starts a new schedule on the same processes."""
 
-    settings: EngineSettings
+    settings: RuntimeSettings
     processes: int = 2
     threads: int = 2
     poll_interval_ms: float = 50.0

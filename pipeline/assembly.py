@@ -53,7 +53,7 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
     # The reader, the admission step and the generate step share the worker's runtime: its engine and admission
     # ledger. The reader pulls only what the ledger has room for; the local runner cannot run it (an unbounded
     # splittable DoFn), so there its own read of the subscription takes places the same way (local/direct_runner.py).
-    runtime = SharedRuntime(settings.engine, new_runtime_tag(settings.engine))
+    runtime = SharedRuntime(settings.runtime, new_runtime_tag(settings.runtime))
     messages = _read(pipeline, config, runtime, local)
     parsed = messages | "ParseRequests" >> ParseRequests(settings.limits, config.id_attribute,
                                                          settings.request_defaults)
@@ -62,7 +62,7 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
     admitted = measured.requests | "AdmitRequests" >> AdmitRequests(runtime)
     batches = admitted | "BatchRequests" >> BatchRequests(settings.batching)
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
-        settings.engine, runtime=runtime, dedupe_window_s=settings.generate.dedupe_window_s,
+        settings.runtime, runtime=runtime, dedupe_window_s=settings.generate.dedupe_window_s,
         drain_timeout_s=settings.generate.drain_timeout_s, generate_shards=settings.rekey_shards(local=local))
     failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
     if config.output_completions_topic:

@@ -21,16 +21,15 @@ from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.flow.admission import AdmitFn
 from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime
+from pipeline.worker.runtime_settings import AdmissionSettings
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
 
 
-def settings_for(base_url: str, **overrides) -> EngineSettings:
-    values = dict(server=None, server_url=base_url, served_model_name=SERVED_NAME, max_in_flight=2,
-                  worker_queue=2, request_timeout_s=120, admission_transit_s=0.5,
-                  chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
-    return EngineSettings(**{**values, **overrides})
+def settings_for(base_url: str) -> EngineSettings:
+    return EngineSettings(server=None, server_url=base_url, served_model_name=SERVED_NAME, max_in_flight=2,
+                          request_timeout_s=120, chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
 
 
 def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> InferenceRequest:
@@ -38,12 +37,11 @@ def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> Infe
                             min_tokens=min_tokens, temperature=0.0, received_at=time.time())
 
 
-def full_worker(base_url: str, **overrides) -> tuple[InProcessRuntime, VLLMEngine, Driver, AdmitFn]:
+def full_worker(base_url: str) -> tuple[InProcessRuntime, VLLMEngine, Driver, AdmitFn]:
     """A worker of 3 places (2 in flight, 1 waiting): its runtime (engine and admission ledger), the generate step
     under the runner stand-in, and its admission step as Dataflow runs it (waiting inside its bundle)."""
-    settings = settings_for(base_url, **{"max_in_flight": 2, "worker_queue": 1, **overrides})
-    engine = VLLMEngine(settings)
-    source = in_process(engine, "admission-test")
+    engine = VLLMEngine(settings_for(base_url))
+    source = in_process(engine, "admission-test", AdmissionSettings(worker_queue=1, transit_s=0.5))
     generate = generate_fn(source, 50.0, dedupe_window_s=600)
     return source, engine, Driver([Worker("worker", generate, engine)]), admit_fn(source)
 
@@ -55,7 +53,9 @@ def admit_fn(source: InProcessRuntime) -> AdmitFn:
 
 
 def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_server):
-    engine = WorkerRuntime(VLLMEngine(settings_for(vllm_server.base_url)))  # its engine and admission ledger
+    # Its engine and admission ledger: 2 in flight and 2 waiting.
+    engine = WorkerRuntime(VLLMEngine(settings_for(vllm_server.base_url)),
+                           AdmissionSettings(worker_queue=2, transit_s=0.5))
     try:
         admitted = [f"adm-{i}" for i in range(10)]
         assert engine.admit(admitted) == 4, "max_in_flight + worker_queue"
@@ -69,7 +69,7 @@ def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_
         engine.report_waiting("other-key", 0, arrived=["adm-0"])
         assert engine.load()["on_the_way"] == 3, "one arrived at this worker's generate step"
         assert wait_until(lambda: engine.load()["on_the_way"] == 1, 5), (
-            "dispatched with the one that arrived, the others went elsewhere once admission_transit_s passed")
+            "dispatched with the one that arrived, the others went elsewhere once the transit passed")
         time.sleep(1.0)
         assert engine.load()["on_the_way"] == 1, "dispatched after it, adm-1 counts while the keys here are behind"
         engine.report_waiting("other-key", 0, arrived=["adm-1"])

@@ -114,7 +114,7 @@ def test_every_answer_of_the_job_names_the_worker_image_it_runs_in_its_lineage(b
             fn = pickler.loads(payload.do_fn.payload)[0]
             source = getattr(fn, "_source", None)
             if source is not None:
-                images.append(source.settings.image)
+                images.append(source.settings.engine.image)
     assert images and set(images) == {WORKER_IMAGE}, images
 
 

@@ -89,14 +89,14 @@ def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_a
     from pipeline.engines.engine_settings import EngineSettings
     from pipeline.worker import read_places
     from pipeline.worker.runtime import WorkerRuntime
+    from pipeline.worker.runtime_settings import AdmissionSettings
 
     emulator.create_topic("fix7-topic", subscription="fix7-sub")
     publisher = pubsub_v1.PublisherClient()
     for i in range(10):
         publisher.publish(emulator.topic("fix7-topic"), f"m{i}".encode()).result()
-    settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=2, worker_queue=1,
-                              admission_transit_s=60.0)
-    runtime = WorkerRuntime(EngineBase(settings))  # its engine is asked only how many streams it runs: none
+    settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=2)
+    runtime = WorkerRuntime(EngineBase(settings), AdmissionSettings(worker_queue=1, transit_s=60.0))  # its engine is asked only how many streams it runs: none
     client = direct_runner._PrefetchingPullClient(pubsub_v1.SubscriberClient(), max_messages=100)
     tag = f"fix7-{time.monotonic_ns()}"
     with direct_runner._RUNTIMES_LOCK:

@@ -12,6 +12,7 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.worker import read_places
 from pipeline.worker.admission_ledger import AdmissionLedger
 from pipeline.worker.hold import WorkerHold
+from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 
 
 def ledger() -> WorkerHold:
@@ -98,8 +99,8 @@ def test_reads_of_any_size_in_any_order_never_take_an_empty_worker_past_its_boun
     any order with the admission step taking their places over, bundles ending, arrivals and time passing, never
     make the worker hold more than its bound: in requests, with no slack."""
     now = [0.0]
-    settings_ = EngineSettings(server=None, server_url="http://unused", max_in_flight=bound, worker_queue=1,
-                               admission_transit_s=2.0)
+    settings_ = RuntimeSettings(EngineSettings(server=None, server_url="http://unused", max_in_flight=bound),
+                                AdmissionSettings(worker_queue=1, transit_s=2.0))
     ledger_ = AdmissionLedger(settings_, lambda: 0, clock=lambda: now[0])
     tag, admitted, dispatched, read_in_bundle, serial = f"hold-{uuid.uuid4().hex}", [], [], [], 0
     for operation, value, *share in ops:

@@ -24,6 +24,7 @@ from pipeline.generation.key_machine import step
 from pipeline.generation.key_state import KeyState, RequestEntry
 from pipeline.serving.vllm_server import ServerSpec
 from pipeline.worker.admission_ledger import AdmissionLedger
+from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 
 RULES = Rules(poll_interval_s=0.05, dedupe_window_s=600.0, drain_timeout_s=30.0, waiting_cap=1000)
 
@@ -64,20 +65,18 @@ def test_a_waiting_entry_written_before_the_lane_reads_as_live():
     assert RequestEntry.decode(bulk.encode()).bulk
 
 
-def _settings(**overrides) -> EngineSettings:
-    values = dict(server=None, server_url="http://unused", max_in_flight=8, worker_queue=8, bulk_lane=True,
-                  live_reserve=0.25)
-    values.update(overrides)
-    return EngineSettings(**values)
+def _settings(worker_queue: int = 8, **engine) -> RuntimeSettings:
+    values = dict(server=None, server_url="http://unused", max_in_flight=8, bulk_lane=True, live_reserve=0.25)
+    return RuntimeSettings(EngineSettings(**{**values, **engine}), AdmissionSettings(worker_queue=worker_queue))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 64), st.integers(1, 256), st.floats(0.0, 0.9))
 def test_the_bulk_lane_always_leaves_the_reserve_and_always_has_room_to_move(max_in_flight, queue, reserve):
     held = _settings(max_in_flight=max_in_flight, worker_queue=queue, live_reserve=reserve)
-    assert 1 <= held.bulk_streams <= max_in_flight and 1 <= held.bulk_held <= held.max_held
-    if held.bulk_streams > 1:
-        assert max_in_flight - held.bulk_streams >= reserve * max_in_flight - 1e-9
+    assert 1 <= held.engine.bulk_streams <= max_in_flight and 1 <= held.bulk_held <= held.max_held
+    if held.engine.bulk_streams > 1:
+        assert max_in_flight - held.engine.bulk_streams >= reserve * max_in_flight - 1e-9
     if held.bulk_held > 1:
         assert held.max_held - held.bulk_held >= reserve * held.max_held - 1e-9
 
@@ -156,7 +155,7 @@ def test_a_key_never_starts_a_bulk_request_while_a_live_one_waits(ops):
 
 def test_vllm_serves_every_live_request_before_any_bulk_one_and_shorter_first_within_a_lane():
     spec = ServerSpec(model="m")
-    settings_ = _settings(server=spec, server_url=None, priority_boundaries=(16, 64))
+    settings_ = _settings(server=spec, server_url=None, priority_boundaries=(16, 64)).engine
     assert settings_.priority_scheduling
     priorities = {(bulk, tokens): settings_.priority_of(InferenceRequest(
         id="a", prompt="x", prompt_tokens=tokens, lane="bulk" if bulk else None))
@@ -165,11 +164,11 @@ def test_vllm_serves_every_live_request_before_any_bulk_one_and_shorter_first_wi
         min(p for (bulk, _), p in priorities.items() if bulk)
     assert priorities[(False, 4)] < priorities[(False, 32)] < priorities[(False, 500)]
     assert priorities[(True, 4)] < priorities[(True, 500)]
-    lanes_only = _settings(server=spec, server_url=None)
+    lanes_only = _settings(server=spec, server_url=None).engine
     assert [lanes_only.priority_of(_request(0, bulk)) for bulk in (False, True)] == [None, 1], \
         "live: the server's default (0); bulk after it"
-    assert _settings().priority_of(_request(0, True)) is None, "a server of one's own: its policy is unknown"
-    assert _settings(server=spec, server_url=None, bulk_lane=False).priority_of(_request(0, True)) is None
+    assert _settings().engine.priority_of(_request(0, True)) is None, "a server of one's own: its policy is unknown"
+    assert _settings(server=spec, server_url=None, bulk_lane=False).engine.priority_of(_request(0, True)) is None
 
 
 REQUIRED = {"input_subscription": "projects/my-project/subscriptions/live",

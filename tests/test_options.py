@@ -20,6 +20,7 @@ from pipeline.flow.batching import BatchingConfig
 from pipeline.generation.generate import DEFAULT_DEDUPE_WINDOW_S, DEFAULT_DRAIN_TIMEOUT_S
 from pipeline.serving.vllm_server import ServerSpec
 from pipeline.worker.runtime_client import call_threads
+from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {
@@ -159,9 +160,10 @@ def test_components_default_to_what_the_parameters_declare():
     assert job.limits == RequestLimits()
     assert job.engine.chunk_policy == ChunkPolicy()
     bare_engine = EngineSettings(server=job.engine.server)
-    for name in ("engine", "prompt_format", "max_in_flight", "request_timeout_s", "stream_lease_s", "worker_queue",
-                 "harness_threads"):
+    for name in ("engine", "prompt_format", "max_in_flight", "request_timeout_s", "stream_lease_s", "live_reserve"):
         assert getattr(job.engine, name) == getattr(bare_engine, name), name
+    assert job.admission.worker_queue == AdmissionSettings().worker_queue
+    assert job.calls.harness_threads == CallSettings().harness_threads
     spec, bare_spec = job.engine.server, ServerSpec(model=job.engine.server.model)
     for name in ("max_model_len", "dtype", "gpu_memory_utilization", "start_timeout_s", "max_lora_rank", "max_loras"):
         assert getattr(spec, name) == getattr(bare_spec, name), name
@@ -171,10 +173,10 @@ def test_components_default_to_what_the_parameters_declare():
 
 
 def test_the_runtime_client_keeps_a_call_thread_for_each_harness_thread_the_launch_sets():
-    assert call_threads(settings(number_of_worker_harness_threads="8").engine) == 8 + 2
-    assert call_threads(settings().engine) == DEFAULT_HARNESS_THREADS + 2
+    assert call_threads(settings(number_of_worker_harness_threads="8").calls) == 8 + 2
+    assert call_threads(settings().calls) == DEFAULT_HARNESS_THREADS + 2
     options = PipelineOptions([f"--{k}={v}" for k, v in BASE.items()] + ["--number_of_worker_harness_threads=20"])
-    assert call_threads(JobSettings.from_options(options).engine) == 20 + 2
+    assert call_threads(JobSettings.from_options(options).calls) == 20 + 2
 
 
 def test_a_value_given_to_the_launcher_reaches_the_config_converted():
@@ -248,11 +250,14 @@ def test_records_built_without_the_options_hold_the_parameters_bounds():
 
     engine = dict(server=None, server_url="http://127.0.0.1:1")
     for kwargs, message in ((dict(stream_lease_s=0), "--stream_lease_s must be at least 1"),
-                            (dict(worker_queue=0), "--worker_queue must be at least 1"),
                             (dict(engine="tgi"), "--engine must be one of vllm, transformers"),
                             (dict(max_in_flight=5000), "--max_in_flight must be at most 4096")):
         with pytest.raises(ValueError, match=message):
             EngineSettings(**engine, **kwargs)
+    with pytest.raises(ValueError, match="--worker_queue must be at least 1"):
+        AdmissionSettings(worker_queue=0)
+    with pytest.raises(ValueError, match="--number_of_worker_harness_threads must be at least 2"):
+        CallSettings(harness_threads=0)
     with pytest.raises(ValueError, match="--num_shards must be at least 1"):
         BatchingConfig(num_shards=0)
     with pytest.raises(ValueError, match="--drain_timeout_s must be at least 0"):

@@ -35,8 +35,9 @@ from pipeline.flow.subscription_reader import take_places
 from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from pipeline.worker import read_places
-from pipeline.worker.runtime import WorkerRuntime
+from pipeline.worker.runtime import WorkerRuntime, build_runtime
 from pipeline.worker.runtime_client import RuntimeClient
+from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
@@ -495,15 +496,16 @@ def test_a_key_keeps_at_most_its_waiting_cap_and_letters_the_rest(vllm_server):
     from pipeline.generation.generate import waiting_cap
 
     settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
-                               max_in_flight=1, worker_queue=1, request_timeout_s=120,
+                               max_in_flight=1, request_timeout_s=120,
                                chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
     engine = VLLMEngine(settings_)
     try:
-        driver = Driver([Worker("w", generate_fn(in_process(engine, "cap"), POLL_MS, dedupe_window_s=600), engine)])
+        source = in_process(engine, "cap", AdmissionSettings(worker_queue=1))
+        driver = Driver([Worker("w", generate_fn(source, POLL_MS, dedupe_window_s=600), engine)])
         sent = [InferenceRequest(id=f"cap-{i}", prompt="Say hello.", max_tokens=8, temperature=0.0)
                 for i in range(8)]
         outputs = driver.deliver("shard-0", sent)
-        cap = waiting_cap(settings_)
+        cap = waiting_cap(source.settings)
         assert cap == 4
         assert [d["id"] for d in outputs.dead_letters] == ["cap-5", "cap-6", "cap-7"], "1 sent, 4 wait, 3 shed"
         assert all("queue for its key is full" in d["reason"] for d in outputs.dead_letters)
@@ -534,9 +536,9 @@ class HostThatDies:
     as a managed vLLM does that cannot start while the old one still holds the GPU. Each runtime is the real one
     (engine and admission ledger around the real vLLM); only the host's death and the failed starts are staged."""
 
-    def __init__(self, settings_: EngineSettings, failures: int) -> None:
+    def __init__(self, settings_: RuntimeSettings, failures: int) -> None:
         self.settings, self.tag, self.failures = settings_, f"dies-{time.monotonic_ns()}", failures
-        self.runtime: WorkerRuntime | None = WorkerRuntime(VLLMEngine(settings_))
+        self.runtime: WorkerRuntime | None = build_runtime(settings_)
         self.attempts = self.builds = 0
 
     def acquire(self, *, fresh: bool = False):
@@ -544,7 +546,7 @@ class HostThatDies:
             self.attempts += 1
             if self.attempts <= self.failures:
                 raise RuntimeError("the model server did not start (the old one still holds the GPU's memory)")
-            self.runtime, self.builds = WorkerRuntime(VLLMEngine(self.settings)), self.builds + 1
+            self.runtime, self.builds = build_runtime(self.settings), self.builds + 1
         return self.runtime or _Gone()
 
     def die(self) -> None:
@@ -559,7 +561,7 @@ def test_a_host_death_whose_rebuilds_fail_at_first_wedges_no_key_and_resends_eac
     settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
                                max_in_flight=4, request_timeout_s=120, stream_lease_s=LEASE_S,
                                chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
-    source = HostThatDies(settings_, failures=2)
+    source = HostThatDies(RuntimeSettings(settings_), failures=2)
     try:
         driver = Driver([Worker("w", generate_fn(source, POLL_MS, dedupe_window_s=600), None)])
         sent = [InferenceRequest(id=f"dies-{i}", prompt=f"Count from {i} upwards, in words.", max_tokens=64,
@@ -588,8 +590,9 @@ def test_reads_while_the_runtime_is_rebuilt_neither_wait_nor_fail_and_pull_nothi
     neither waits nor fails (a failed work item is an error in the job's log, read again at once for as long as
     the rebuild takes): it passes the request on uncounted. Until the runtime is back a read takes no place, so it
     pulls nothing; once it is, reads take places in the new ledger, which counts the requests admitted in them."""
-    settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
-                               max_in_flight=2, worker_queue=2, request_timeout_s=120, stream_lease_s=LEASE_S)
+    settings_ = RuntimeSettings(EngineSettings(server=None, server_url=vllm_server.base_url,
+                                               served_model_name=SERVED_NAME, max_in_flight=2, request_timeout_s=120,
+                                               stream_lease_s=LEASE_S), AdmissionSettings(worker_queue=2))
     source = HostThatDies(settings_, failures=2)
     try:
         admit = AdmitFn(source)
@@ -603,7 +606,7 @@ def test_reads_while_the_runtime_is_rebuilt_neither_wait_nor_fail_and_pull_nothi
         started = time.monotonic()
         passed += [out.id for out in admit.process(sent[2])]  # neither waits for the rebuild nor raises
         admit.finish_bundle()
-        assert time.monotonic() - started < settings_.runtime_call_bound_s
+        assert time.monotonic() - started < settings_.calls.bound_s
         assert passed == [r.id for r in sent[:3]]
         assert take_places(RuntimeClient(source, "test"), 2) == [], \
             "no runtime to ask: a read takes no place, so it pulls nothing"

@@ -29,6 +29,7 @@ from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.subscription_reader import ReadWithinRoom
 from pipeline.intake.parsing import ParseRequests
 from pipeline.worker.runtime import WorkerRuntime
+from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 from tests.conftest import SERVED_NAME
 
 pytestmark = pytest.mark.engine
@@ -45,8 +46,8 @@ class Registered:
     tag: str
 
     @property
-    def settings(self) -> EngineSettings:
-        return _RUNTIMES[self.tag].engine.settings
+    def settings(self) -> RuntimeSettings:
+        return _RUNTIMES[self.tag].settings
 
     def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
         return _RUNTIMES[self.tag]
@@ -57,7 +58,7 @@ class Gone:
     """A runtime source whose host is gone: every call finds it unreachable."""
 
     tag: str
-    settings: EngineSettings
+    settings: RuntimeSettings
 
     def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
         raise ConnectionError("the runtime's host died")
@@ -67,10 +68,9 @@ class Gone:
 def worker(vllm_server):
     """A worker runtime of bound 5 (2 in flight, 3 waiting) whose admissions stay counted for the whole test."""
     settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
-                              max_in_flight=2, worker_queue=3, admission_transit_s=600.0,
-                              chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
+                              max_in_flight=2, chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
     tag = f"reader-test-{time.monotonic_ns()}"
-    _RUNTIMES[tag] = WorkerRuntime(VLLMEngine(settings))
+    _RUNTIMES[tag] = WorkerRuntime(VLLMEngine(settings), AdmissionSettings(worker_queue=3, transit_s=600.0))
     yield Registered(tag)
     _RUNTIMES.pop(tag).close()
 

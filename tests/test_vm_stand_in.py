@@ -23,6 +23,7 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.serving.vllm_server import is_healthy, server_metrics
+from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
 from tests.conftest import SERVED_NAME, local_server_spec, wait_until
 
 pytestmark = pytest.mark.engine
@@ -32,11 +33,12 @@ EXAMPLES = int(os.environ.get("VM_STAND_IN_EXAMPLES", "1"))
 RUNS = iter(range(10**6))
 
 
-def vm_settings(base_url: str, **overrides) -> EngineSettings:
-    values = dict(server=None, server_url=base_url, served_model_name=SERVED_NAME, max_in_flight=4, worker_queue=2,
-                  request_timeout_s=120, stream_lease_s=LEASE_S, admission_transit_s=60.0,
-                  harness_threads=THREADS, chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
-    return EngineSettings(**{**values, **overrides})
+def vm_settings(base_url: str, call_bound_s: float = 5.0, **engine) -> RuntimeSettings:
+    values = dict(server=None, server_url=base_url, served_model_name=SERVED_NAME, max_in_flight=4,
+                  request_timeout_s=120, stream_lease_s=LEASE_S,
+                  chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
+    return RuntimeSettings(EngineSettings(**{**values, **engine}), AdmissionSettings(worker_queue=2, transit_s=60.0),
+                           CallSettings(harness_threads=THREADS, bound_s=call_bound_s))
 
 
 def requests(prefix: str, count: int, tokens: int) -> list[InferenceRequest]:
@@ -133,16 +135,16 @@ def test_every_drawn_schedule_keeps_the_vms_promises(vm, vllm_server, sizes, com
     settings_ = vm.settings
     # Stated slack (docs/contract.md): streams finished at the engine and not yet collected (at most max_in_flight;
     # they leave the engine's count before their key's).
-    assert max(vm.holds) <= settings_.max_held + settings_.max_in_flight, (max(vm.holds), settings_.max_held)
+    assert max(vm.holds) <= settings_.max_held + settings_.engine.max_in_flight, (max(vm.holds), settings_.max_held)
     assert vm.deferred > 0, "a full worker's reads took nothing and deferred"
     if event in ("none", "pause"):
         assert not vm.retried, "no work item failed: reads defer, they do not fail"
     # While reading and undisturbed (no pause, kill or update since the timer was due): a thread frees within one
-    # work item. A work item waits for the runtime at most runtime_call_bound_s (pipeline/worker/runtime_client.py;
+    # work item. A work item waits for the runtime at most its calls' bound_s (pipeline/worker/runtime_client.py;
     # a host slow to answer, as a loaded 2-core machine's can be, costs the whole bound);
     # three seconds more for the rest of a busy 2-core machine's work item and its dispatch.
     longest = sorted(vm.work_items, reverse=True)[:3]
-    assert max(vm.timer_delays, default=0.0) <= settings_.runtime_call_bound_s + 3.0, (max(vm.timer_delays), longest)
+    assert max(vm.timer_delays, default=0.0) <= settings_.calls.bound_s + 3.0, (max(vm.timer_delays), longest)
     attempts = [c["attempt"] for c in completions.values()]
     if event in ("none", "pause") and not engine_failures:
         assert set(attempts) <= {1}, attempts
@@ -199,7 +201,7 @@ def test_a_managed_vllms_host_paused_then_killed_with_failing_rebuilds_loses_not
     model = tmp_path / "model"
     model.symlink_to(checkpoint)
     spec = local_server_spec(model, stall_timeout_s=10.0, health_interval_s=1.0)
-    settings_ = vm_settings("", server=spec, server_url=None, served_model_name=None, runtime_call_bound_s=bound_s)
+    settings_ = vm_settings("", server=spec, server_url=None, served_model_name=None, call_bound_s=bound_s)
     with VmStandIn(settings_, processes=PROCESSES, threads=THREADS) as vm:
         _, silent = streams_on_each_process(vm, "silent", 160)
         vm.signal_host(signal.SIGSTOP)

@@ -34,6 +34,7 @@ from pipeline.flow.subscription_reader import FULL_DELAY_S
 from pipeline.serving.vllm_server import server_metrics
 from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime
+from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings
 from tests.conftest import SERVED_NAME, wait_until
 from tests.state_stand_in import Cell, Timer
 
@@ -72,10 +73,10 @@ class Batcher:
 @pytest.fixture(scope="module")
 def worker(vllm_server):
     settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
-                               max_in_flight=2, worker_queue=2, request_timeout_s=120, stream_lease_s=LEASE_S,
-                               admission_transit_s=1.0, harness_threads=THREADS,
+                               max_in_flight=2, request_timeout_s=120, stream_lease_s=LEASE_S,
                                chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
-    runtime = WorkerRuntime(VLLMEngine(settings_))
+    runtime = WorkerRuntime(VLLMEngine(settings_), AdmissionSettings(worker_queue=2, transit_s=1.0),
+                            CallSettings(harness_threads=THREADS))
     yield InProcessRuntime(runtime, "rig"), runtime.engine
     runtime.close()
 
@@ -193,12 +194,12 @@ def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, 
     assert sorted(c["id"] for c in completions) == sorted(r.id for r in requests), (len(completions), dead_letters)
     assert not dead_letters, dead_letters
     assert all(c["attempt"] == 1 for c in completions), "a failed poll or a late timer never sends a request again"
-    assert all(load["in_flight"] <= source.settings.max_in_flight for load in holds)
+    assert all(load["in_flight"] <= source.settings.engine.max_in_flight for load in holds)
     peak = max(load["held"] + load["on_the_way"] for load in holds)
     # Reads take places first; the slack is the streams finished and not yet collected. With every timer 1.5 leases
     # late the batcher holds what was read past admission_transit_s, and it counts on its way while the keys here
     # are behind it (pipeline/worker/hold.py).
-    assert peak <= source.settings.max_held + source.settings.max_in_flight, peak
+    assert peak <= source.settings.max_held + source.settings.engine.max_in_flight, peak
     assert wait_until(lambda: engine.in_flight() == 0, 10)
     generated = server_metrics(vllm_server.base_url, ("vllm:generation_tokens_total",))[
         "vllm:generation_tokens_total"] - before

@@ -44,6 +44,7 @@ from pipeline.generation.key_events import Report as WaitingReport
 from pipeline.serving.vllm_server import ServerSpec
 from pipeline.worker import read_places
 from pipeline.worker.admission_ledger import AdmissionLedger
+from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
 from tests.worker_sim import Faults, Schedule, SimEngine, World
 
 POLICIES = ("timers", "fair", "reads")
@@ -125,11 +126,13 @@ class _Vm:
         self.world.faulty = False
         self.world.on_report = self._report
         self.engine: SimEngine = self.world.engines["w0"]
-        self.settings = EngineSettings(
-            server=ServerSpec(model="simulated"), max_in_flight=setup.max_in_flight, worker_queue=setup.worker_queue,
-            admission_transit_s=(max(2.0, 4 * setup.transit_s) if setup.admission_transit_s is None
-                                 else setup.admission_transit_s), harness_threads=setup.threads,
-            chunk_policy=ChunkPolicy())
+        self.settings = RuntimeSettings(
+            EngineSettings(server=ServerSpec(model="simulated"), max_in_flight=setup.max_in_flight,
+                           chunk_policy=ChunkPolicy()),
+            AdmissionSettings(worker_queue=setup.worker_queue,
+                              transit_s=(max(2.0, 4 * setup.transit_s) if setup.admission_transit_s is None
+                                         else setup.admission_transit_s)),
+            CallSettings(harness_threads=setup.threads))
         self.ledger = AdmissionLedger(self.settings, self.engine.unfinished, clock=lambda: self.world.now)
         self.tag = f"vm-sim-{setup.seed}-{setup.policy}-{id(self)}"
         self.backlog: deque[InferenceRequest] = deque(

@@ -2,10 +2,11 @@
 
 Each stage takes one settings record, and each is built here, once: the request limits and template defaults
 (intake), the prompt-length measure, the batching (flow), the engine's settings with the vLLM server's spec
-(engines, serving) and the generate step's. The LoRA adapters are parsed here, once. A parameter goes forward
-through the house: declared in :mod:`pipeline.contract.parameters`, converted and checked by
-:class:`PipelineConfig`, turned into a component's settings here, acted on by the component;
-:mod:`pipeline.assembly` only wires transforms from a :class:`JobSettings`.
+(engines, serving), the worker runtime's admission and call settings (worker) and the generate step's. The LoRA
+adapters are parsed here, once. A parameter goes forward through the house: declared in
+:mod:`pipeline.contract.parameters`, converted and checked by :class:`PipelineConfig`, turned into a component's
+settings here, acted on by the component; :mod:`pipeline.assembly` only wires transforms from a
+:class:`JobSettings`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME
+from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, WORKER_OPTIONS_BY_NAME
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings, priority_scheduling
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
@@ -28,6 +29,7 @@ from pipeline.intake.request_defaults import RequestDefaults
 from pipeline.serving.adapter_root import AdapterRoot
 from pipeline.serving.lora_adapters import Adapter, parse_adapters
 from pipeline.serving.vllm_server import ServerSpec
+from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
 
 # Structured answers as compact JSON: the grammar allows no whitespace between JSON tokens, so a small model cannot
 # spend its budget on newlines. vLLM reads this server-wide, and only for a named backend (it refuses it with its
@@ -64,9 +66,16 @@ class JobSettings:
     prompt_length: PromptLength
     batching: BatchingConfig
     engine: EngineSettings
+    admission: AdmissionSettings
+    calls: CallSettings
     generate: GenerateSettings
     adapters: tuple[Adapter, ...]
     adapter_root: AdapterRoot | None
+
+    @property
+    def runtime(self) -> RuntimeSettings:
+        """What each worker's runtime is built from: the engine's, admission's and the call settings."""
+        return RuntimeSettings(self.engine, self.admission, self.calls)
 
     @classmethod
     def from_config(cls, config: PipelineConfig, harness_threads: Any = None) -> JobSettings:
@@ -84,15 +93,10 @@ class JobSettings:
                 parts[name] = build(config)
             except ValueError as exc:
                 problems.extend(str(exc).split("; "))
-        threads = DEFAULT_HARNESS_THREADS
-        threads_parameter = WORKER_OPTIONS_BY_NAME["number_of_worker_harness_threads"]
         try:
-            threads = DEFAULT_HARNESS_THREADS if harness_threads in (None, "") else \
-                threads_parameter.convert(harness_threads)
-        except argparse.ArgumentTypeError as exc:
-            problems.append(f"--{threads_parameter.name}: {exc}")
-        else:
-            problems.extend(threads_parameter.problems(threads))
+            parts["calls"] = _calls(harness_threads)
+        except ValueError as exc:
+            problems.extend(str(exc).split("; "))
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
         # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
@@ -106,9 +110,12 @@ class JobSettings:
                                              config.max_model_len, config.hf_token_secret)
         generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
                                     config.generate_shards)
+        # An admitted request reaches the generate step after the shuffle and its batch's wait.
+        admission = AdmissionSettings(worker_queue=config.worker_queue,
+                                      transit_s=1.0 + config.max_batch_delay_ms / 1000.0)
         return cls(config=config, limits=limits, prompt_length=prompt_length,
-                   engine=_engine(config, parts["batching"], parts["adapters"], parts["adapter_root"], threads),
-                   generate=generate, **parts)
+                   engine=_engine(config, parts["batching"], parts["adapters"], parts["adapter_root"]),
+                   admission=admission, generate=generate, **parts)
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> JobSettings:
@@ -155,6 +162,18 @@ def _batching(config: PipelineConfig) -> BatchingConfig:
                           default_max_tokens=config.default_max_tokens)
 
 
+def _calls(harness_threads: Any) -> CallSettings:
+    """The runtime calls' settings for Beam's ``number_of_worker_harness_threads`` as the launch sets it (None or
+    empty: the template's default)."""
+    if harness_threads in (None, ""):
+        return CallSettings()
+    parameter = WORKER_OPTIONS_BY_NAME["number_of_worker_harness_threads"]
+    try:
+        return CallSettings(harness_threads=parameter.convert(harness_threads))
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--{parameter.name}: {exc}") from exc
+
+
 def _request_defaults(config: PipelineConfig) -> RequestDefaults:
     return RequestDefaults(system_prompt=config.system_prompt or None, prompt_template=config.prompt_template or None,
                            response_schema=config.response_schema or None, prompt_format=config.prompt_format)
@@ -182,16 +201,14 @@ def _priority_boundaries(config: PipelineConfig, batching: BatchingConfig) -> tu
 
 
 def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Adapter, ...],
-            adapter_root: AdapterRoot | None, harness_threads: int) -> EngineSettings:
+            adapter_root: AdapterRoot | None) -> EngineSettings:
     priority_boundaries = _priority_boundaries(config, batching)
     # The chunks topic is published by the engine itself (pipeline.sinks.chunk_publisher); chunks pass
     # through the pipeline only when a BigQuery chunks table wants them too.
     common: dict[str, Any] = dict(
                   engine=config.engine, served_model_name=config.served_model_name, prompt_format=config.prompt_format,
                   max_in_flight=config.max_in_flight, request_timeout_s=float(config.request_timeout_s),
-                  stream_lease_s=float(config.stream_lease_s), worker_queue=config.worker_queue,
-                  # An admitted request reaches the generate step after the shuffle and its batch's wait.
-                  admission_transit_s=1.0 + config.max_batch_delay_ms / 1000.0, harness_threads=harness_threads,
+                  stream_lease_s=float(config.stream_lease_s),
                   chunk_policy=ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms)),
                   priority_boundaries=priority_boundaries, bulk_lane=bool(config.bulk_subscription),
                   live_reserve=config.live_reserve, chunk_topic=config.output_chunks_topic,

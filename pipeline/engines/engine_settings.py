@@ -1,10 +1,10 @@
-"""What a worker's runtime is built from: one frozen record, picklable into every DoFn that reaches it.
+"""What a worker's engine is built from: one frozen record, picklable into every DoFn that reaches it.
 
-The engine (:mod:`pipeline.engines.engine` and its two kinds), the admission ledger
-(:mod:`pipeline.worker.admission_ledger`) and the runtime client (:mod:`pipeline.worker.runtime_client`) all read
-their settings from :class:`EngineSettings`. The job's settings (:mod:`pipeline.config.settings`) build it from the
-template's parameters; it checks its own values as it is built, so a pipeline of one's own that builds it directly
-(docs/architecture.md) gets the same errors.
+The engine (:mod:`pipeline.engines.engine` and its two kinds) reads its settings from :class:`EngineSettings`;
+the worker's runtime adds admission's and the call policy's beside it
+(:class:`~pipeline.worker.runtime_settings.RuntimeSettings`). The job's settings (:mod:`pipeline.config.settings`)
+build it from the template's parameters; it checks its own values as it is built, so a pipeline of one's own that
+builds it directly (docs/architecture.md) gets the same errors.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, check_parameters, default, not_with_transformers
+from pipeline.contract.parameters import check_parameters, default, not_with_transformers
 from pipeline.serving.vllm_server import ServerSpec
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Everything a worker needs to serve requests; picklable into the DoFn."""
+    """Everything a worker's engine needs to serve requests; picklable into the DoFn."""
 
     server: ServerSpec | None  # None: use server_url (with engine "transformers": the model to load)
     server_url: str | None = None
@@ -50,51 +50,24 @@ class EngineSettings:
     chunk_publish_patience_s: float = 300.0
     # A stream nobody polls for this long is cancelled at the server and forgotten.
     stream_lease_s: float = float(default("stream_lease_s"))
-    # Requests a worker holds beyond max_in_flight (waiting in state, or admitted and on their way)
-    # before it takes no more from the subscription (pipeline.flow.admission).
-    worker_queue: int = default("worker_queue")
-    # How long an admitted request counts, once its bundle finished, unless this worker's generate step
-    # reports it first (the shuffle and the batcher's wait; it may go to another worker).
-    admission_transit_s: float = 2.0
-    # How many work items a worker's process runs at once (number_of_worker_harness_threads): the runtime client
-    # keeps a call thread for each (pipeline.worker.runtime_client).
-    harness_threads: int = DEFAULT_HARNESS_THREADS
     # The worker image the job runs (its sdk_container_image), recorded in every completion's lineage; None: local.
     image: str | None = None
-    # How long a harness thread waits for one call to the runtime's host before it counts the host as unreachable
-    # for now (pipeline.worker.runtime_client): a paused or hung host holds no thread longer.
-    runtime_call_bound_s: float = 5.0
 
     def __post_init__(self) -> None:
         if (self.server is None) == (self.server_url is None):
             raise ValueError("give exactly one of a server spec or a server_url")
         check_parameters({"engine": self.engine, "max_in_flight": self.max_in_flight,
-                          "stream_lease_s": self.stream_lease_s, "worker_queue": self.worker_queue,
-                          "live_reserve": self.live_reserve})
+                          "stream_lease_s": self.stream_lease_s, "live_reserve": self.live_reserve})
         if self.engine == "transformers" and self.server is None:
             raise ValueError(not_with_transformers("server_url"))
         if self.chunk_topic is None and not self.chunks_to_pipeline:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
-        if self.harness_threads < 1:
-            raise ValueError(f"harness_threads must be at least 1, got {self.harness_threads}")
-        if not self.runtime_call_bound_s > 0:
-            raise ValueError(f"runtime_call_bound_s must be positive, got {self.runtime_call_bound_s}")
-
-    @property
-    def max_held(self) -> int:
-        """The most requests a worker holds (in flight, waiting, on their way) before it pushes back."""
-        return self.max_in_flight + self.worker_queue
-
-    @property
-    def bulk_held(self) -> int:
-        """The most a worker holds when a bulk read asks for room: what ``live_reserve`` leaves of ``max_held``."""
-        return _left_by(self.live_reserve, self.max_held)
 
     @property
     def bulk_streams(self) -> int:
         """The most unfinished streams the engine starts a bulk request beside: what ``live_reserve`` leaves of
         ``max_in_flight``."""
-        return _left_by(self.live_reserve, self.max_in_flight)
+        return left_by(self.live_reserve, self.max_in_flight)
 
     @property
     def priority_scheduling(self) -> bool:
@@ -120,6 +93,6 @@ def priority_scheduling(engine: str, own_server: bool, priority_boundaries: tupl
     return priority_boundaries is not None or (bulk_lane and own_server and engine == "vllm")
 
 
-def _left_by(reserve: float, total: int) -> int:
+def left_by(reserve: float, total: int) -> int:
     """What a reserve of ``reserve`` of ``total`` leaves, at least one: a bulk lane always moves."""
     return max(1, total - math.ceil(reserve * total))

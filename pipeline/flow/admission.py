@@ -7,7 +7,7 @@ only once it is parsed, a few steps later in the same fused stage; :class:`Admit
 the batcher's shuffle, admits each request in place of one of those place-holders
 (:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit` with ``in_place_of``), so from then on it
 counts by its id: until the generate step reports it arrived, or, once its bundle ended, for
-``admission_transit_s`` and on while this worker's keys are behind it (it may go to another worker;
+``AdmissionSettings.transit_s`` and on while this worker's keys are behind it (it may go to another worker;
 :mod:`pipeline.worker.hold`). A request whose place no longer counts (a
 runtime rebuilt since its read, or a place that lapsed) is admitted only if there is room, and otherwise passes
 on uncounted: it was read already, and holding it back would take a thread.
@@ -61,7 +61,7 @@ class AdmitFn(beam.DoFn):
         self._bundle_ids: list[str] = []
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
-        places = read_places.take(self._source.tag, 1, fresher_than_s=self._source.settings.admission_transit_s)
+        places = read_places.take(self._source.tag, 1, fresher_than_s=self._source.settings.admission.transit_s)
         _, taken = self._runtime.call("admit", lambda runtime: runtime.admit([request.id], in_place_of=places))
         if taken:
             self._bundle_ids.append(request.id)

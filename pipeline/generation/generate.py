@@ -59,6 +59,7 @@ from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS, 
 from pipeline.worker.load import LoadGauges
 from pipeline.worker.runtime import RuntimeSource, SharedRuntime, new_runtime_tag, process_record, start_heartbeat
 from pipeline.worker.runtime_client import RuntimeClient
+from pipeline.worker.runtime_settings import RuntimeSettings
 
 DEFAULT_DEDUPE_WINDOW_S = float(default("dedupe_window_s"))
 DEFAULT_DRAIN_TIMEOUT_S = float(default("drain_timeout_s"))
@@ -196,7 +197,7 @@ class StreamingGenerateFn(beam.DoFn):
         return emitted
 
 
-def waiting_cap(settings: EngineSettings) -> int:
+def waiting_cap(settings: RuntimeSettings) -> int:
     """The most requests one key of the generate step keeps waiting: twice its worker's bound. Admission keeps a
     worker's whole hold within the bound (plus a stated slack), so only keys spread very unevenly reach it."""
     return 2 * settings.max_held
@@ -238,19 +239,24 @@ class StreamingGenerate(beam.PTransform):
 
         results = batches | StreamingGenerate(EngineSettings(server=None, server_url="http://vllm:8000"))
         results.chunks | ...
+
+    ``settings``: the engine's alone (admission's and the runtime calls' take their defaults), or the whole
+    runtime's (:class:`~pipeline.worker.runtime_settings.RuntimeSettings`).
     """
 
-    def __init__(self, settings: EngineSettings, *, poll_interval_ms: float | None = None,
+    def __init__(self, settings: EngineSettings | RuntimeSettings, *, poll_interval_ms: float | None = None,
                  runtime: SharedRuntime | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
                  generate_shards: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         super().__init__()
         check_parameters({"drain_timeout_s": drain_timeout_s, "dedupe_window_s": dedupe_window_s})
-        if generate_shards is not None and settings.engine == "transformers":
+        if isinstance(settings, EngineSettings):
+            settings = RuntimeSettings(settings)
+        if generate_shards is not None and settings.engine.engine == "transformers":
             raise ValueError(not_with_transformers("generate_shards"))
         self._dedupe_window_s = dedupe_window_s
         self._drain_timeout_s = drain_timeout_s
         self._generate_shards = generate_shards
-        self._poll_interval_ms = (template_poll_interval_ms(settings.chunk_policy.interval_ms)
+        self._poll_interval_ms = (template_poll_interval_ms(settings.engine.chunk_policy.interval_ms)
                                   if poll_interval_ms is None else poll_interval_ms)
         # One runtime per worker for this pipeline (its admission step shares it).
         self._runtime = runtime or SharedRuntime(settings, new_runtime_tag(settings))

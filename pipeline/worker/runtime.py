@@ -28,6 +28,7 @@ from pipeline.engines.engine import EngineBase
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import VLLMEngine
 from pipeline.worker.admission_ledger import AdmissionLedger
+from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
 
 LOGGER = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ _HEARTBEATS: dict[str, threading.Thread] = {}
 def start_heartbeat(source: RuntimeSource) -> None:
     """Tells ``source``'s runtime that this process is alive, several times a lease, for the life of the process:
     a process that pauses stops, and the runtime keeps its streams (:mod:`pipeline.engines.leases`)."""
-    interval_s = min(max(source.settings.stream_lease_s / 8, 0.025), 0.5)
+    interval_s = min(max(source.settings.engine.stream_lease_s / 8, 0.025), 0.5)
 
     def beat() -> None:
         client = client_id()
@@ -98,9 +99,11 @@ def start_heartbeat(source: RuntimeSource) -> None:
 class WorkerRuntime:
     """One VM's engine and admission ledger; every public method is a call a step may make through the proxy."""
 
-    def __init__(self, engine: EngineBase) -> None:
+    def __init__(self, engine: EngineBase, admission: AdmissionSettings = AdmissionSettings(),
+                 calls: CallSettings = CallSettings()) -> None:
         self.engine = engine
-        self.admission = AdmissionLedger(engine.settings, engine.in_flight)
+        self.settings = RuntimeSettings(engine.settings, admission, calls)
+        self.admission = AdmissionLedger(self.settings, engine.in_flight)
 
     # Generation (the generate step) -----------------------------------------------------
 
@@ -157,7 +160,7 @@ class RuntimeSource(Protocol):
     others in the process, and the runtime itself."""
 
     @property
-    def settings(self) -> EngineSettings: ...
+    def settings(self) -> RuntimeSettings: ...
 
     @property
     def tag(self) -> str: ...
@@ -169,7 +172,7 @@ class RuntimeSource(Protocol):
 class SharedRuntime:
     """The runtime one pipeline's steps share on a worker, named by the pipeline's tag (:func:`new_runtime_tag`)."""
 
-    settings: EngineSettings
+    settings: RuntimeSettings
     tag: str
 
     def acquire(self, *, fresh: bool = False) -> WorkerRuntime:
@@ -177,7 +180,7 @@ class SharedRuntime:
         return acquire_runtime(self.settings, self.tag, fresh=fresh)
 
 
-def new_runtime_tag(settings: EngineSettings) -> str:
+def new_runtime_tag(settings: RuntimeSettings) -> str:
     """A tag for one pipeline's runtime: shared by its steps on a worker, never with another job's."""
     return "streaming-llm-" + hashlib.sha1((repr(settings) + uuid.uuid4().hex).encode()).hexdigest()[:16]
 
@@ -192,11 +195,11 @@ def build_engine(settings: EngineSettings) -> EngineBase:
     return VLLMEngine(settings)
 
 
-def build_runtime(settings: EngineSettings) -> WorkerRuntime:
-    return WorkerRuntime(build_engine(settings))
+def build_runtime(settings: RuntimeSettings) -> WorkerRuntime:
+    return WorkerRuntime(build_engine(settings.engine), settings.admission, settings.calls)
 
 
-def acquire_runtime(settings: EngineSettings, tag: str, *, fresh: bool = False) -> WorkerRuntime:
+def acquire_runtime(settings: RuntimeSettings, tag: str, *, fresh: bool = False) -> WorkerRuntime:
     """The worker-wide runtime: the first process to ask builds it, the others proxy to it.
 
     ``fresh``: this process's handle no longer answers (its hosting process died), so it is acquired anew, which

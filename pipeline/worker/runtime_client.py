@@ -11,7 +11,7 @@ Every call is bounded in time (:func:`call_within`). The runtime lives in one pr
 to it has no timeout of its own: a host that is paused (a long garbage collection, memory pressure, SIGSTOP) or
 hung would hold every harness thread that calls it, in every SDK process, and no ``ConnectionError`` would come to
 start a recovery. So a call runs on one of a few threads this process keeps for the runtime, and the harness
-thread waits for it at most ``runtime_call_bound_s``: past that the host counts as unreachable for now (a
+thread waits for it at most its ``CallSettings.bound_s``: past that the host counts as unreachable for now (a
 key's timer fires again; a read pulls nothing and asks again), without a reconnect, since the host may well be
 alive. The call may still be carried out later; every call a step makes is safe to repeat (a submission of the
 same request and attempt joins its stream, an admission of a held id takes no room), so an unknown outcome loses
@@ -32,8 +32,8 @@ from apache_beam.metrics import Metrics
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.stream_progress import Output
-from pipeline.engines.engine_settings import EngineSettings
 from pipeline.worker.runtime import RuntimeSource, WorkerRuntime, client_id, process_record, reconnect
+from pipeline.worker.runtime_settings import CallSettings
 
 LOGGER = logging.getLogger(__name__)
 # How many keys' waiting reports a process remembers (ProcessRecord.reported_waiting) before it starts afresh.
@@ -46,7 +46,7 @@ _T = TypeVar("_T")
 
 
 class RuntimeSilent(TimeoutError):
-    """The runtime's host did not answer a call within ``runtime_call_bound_s``: paused, hung or overloaded. What the
+    """The runtime's host did not answer a call within ``CallSettings.bound_s``: paused, hung or overloaded. What the
     call did is unknown (it may still be carried out), so the caller treats the host as unreachable for now."""
 
 
@@ -62,16 +62,17 @@ _CALLERS_LOCK = threading.Lock()
 
 
 def call_within(source: RuntimeSource, call: Callable[[WorkerRuntime], _T]) -> _T:
-    """``call(runtime)`` on one of this process's call threads, waited for at most the settings'
-    ``runtime_call_bound_s``; raises what the call raised, or :class:`RuntimeSilent` (at once while an earlier
+    """``call(runtime)`` on one of this process's call threads, waited for at most its call settings'
+    ``bound_s``; raises what the call raised, or :class:`RuntimeSilent` (at once while an earlier
     call to the same runtime is still unanswered past the bound)."""
-    bound_s, tag = source.settings.runtime_call_bound_s, source.tag
+    bound_s, tag = source.settings.calls.bound_s, source.tag
     with _CALLERS_LOCK:
         if _UNANSWERED.get(tag):
             raise RuntimeSilent(f"the worker's runtime has not answered a call for over {bound_s:g} s")
         pool = _CALLERS.get(tag)
         if pool is None:
-            pool = _CALLERS[tag] = ThreadPoolExecutor(call_threads(source.settings), thread_name_prefix="runtime-call")
+            pool = _CALLERS[tag] = ThreadPoolExecutor(call_threads(source.settings.calls),
+                                                      thread_name_prefix="runtime-call")
     future = pool.submit(lambda: call(source.acquire()))
     try:
         return future.result(timeout=bound_s)
@@ -92,11 +93,11 @@ def call_within(source: RuntimeSource, call: Callable[[WorkerRuntime], _T]) -> _
     raise RuntimeSilent(f"no answer from the worker's runtime within {bound_s:g} s")
 
 
-def call_threads(settings: EngineSettings) -> int:
+def call_threads(calls: CallSettings) -> int:
     """How many threads a process keeps for its calls to the runtime: one for each of its harness threads (each
     waits for one call at a time) and two to spare, so a call waits for a thread only while earlier calls are
     stuck on a silent host."""
-    return settings.harness_threads + 2
+    return calls.harness_threads + 2
 
 
 def _answered(tag: str, future: Future) -> None:
