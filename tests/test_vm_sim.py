@@ -9,8 +9,8 @@ import os
 import pytest
 
 from pipeline.flow.subscription_reader import FULL_DELAY_S
-from pipeline.worker.admission_ledger import TRANSIT_CAP_S
-from tests.vm_sim import POLICIES, STEP_S, Outcome, Violation, check, run
+from pipeline.worker.runtime_settings import AdmissionSettings
+from tests.vm_sim import POLICIES, SHUFFLES, STEP_S, Outcome, Violation, check, run
 
 SEEDS = range(int(os.environ.get("VM_SIM_SEEDS", "6")))
 # The most a due poll timer may wait for a thread (docs/contract.md): a read's round holds one for one work item's
@@ -37,6 +37,15 @@ def test_it_bites_when_a_read_takes_whatever_the_subscription_gives() -> None:
     at read speed: the check catches it."""
     with pytest.raises(Violation, match="against a bound"):
         check(run(0, "timers", "native"))
+
+
+def test_it_bites_when_requests_on_their_way_are_not_counted() -> None:
+    """Without the admission transit a read's requests stop counting as its bundle ends, before they reach a key:
+    each round finds room again, and the backlog moves into keyed state at read speed. The check catches it, with
+    the shuffle as drawn and with a slow one."""
+    for shuffle in SHUFFLES.values():
+        with pytest.raises(Violation, match="against a bound"):
+            check(run(0, "timers", transit_counted=False, **shuffle))
 
 
 @pytest.mark.parametrize("policy", ["timers", "reads"])
@@ -66,13 +75,13 @@ def test_reads_whose_keys_are_on_other_workers_do_not_stall_the_worker(remote_sh
     """On a job of several workers a read's requests go to keys other workers host, and this one never hears of
     them again. They stop counting once the keys here have received requests dispatched after them, or, where no
     key here receives any (``remote_share`` 1), after ``admission_transit_s``, once its keys have received nothing
-    for ``TRANSIT_CAP_S`` since its first read. So the worker reads on at about its bound per transit, and every
+    for ``transit_cap_s`` since its first read. So the worker reads on at about its bound per transit, and every
     request still ends once."""
     for seed in SEEDS:
         outcome = run(seed, "timers", transit_s=0.3, admission_transit_s=1.0, remote_share=remote_share)
         check(outcome, bound=remote_share < 1.0)
         assert outcome.remote_ended > 0
-        startup_s = TRANSIT_CAP_S if remote_share == 1.0 else 0.0
+        startup_s = AdmissionSettings().transit_cap_s if remote_share == 1.0 else 0.0
         assert outcome.makespan_s <= reading_on_s(outcome, startup_s), (seed, outcome.makespan_s)
 
 
@@ -84,11 +93,11 @@ def reading_on_s(outcome: Outcome, startup_s: float = 0.0) -> float:
 
 
 @pytest.mark.xfail(strict=True, reason="known defect, found by VM_SIM_SEEDS=20: a fill that all went to other "
-                   "workers holds the worker full until TRANSIT_CAP_S")
+                   "workers holds the worker full until transit_cap_s")
 def test_seed_7_with_half_the_keys_elsewhere_reads_on() -> None:
     """Seed 7 of the remote-keys case: a bound of 3, 4 of 7 keys on other workers; it took 195 s against 89. Traced:
     about one fill in four sends all 3 requests elsewhere, and nothing dispatched after them can arrive here while
-    they hold the worker full, so they count until TRANSIT_CAP_S. Letting them lapse once the keys here have
+    they hold the worker full, so they count until transit_cap_s. Letting them lapse once the keys here have
     received nothing for twice the longest recent transit fixed this seed, but broke the bound in
     test_worker_rig's late-timer case (8 against 4 + 2): keys whose timers run late are silent too. A fix must
     tell keys that receive nothing from keys that do not run. When it lands, this passes and strict xfail says

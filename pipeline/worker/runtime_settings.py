@@ -26,11 +26,18 @@ class AdmissionSettings:
     # How long an admitted request counts, once its bundle finished, unless this worker's generate step
     # reports it first (the shuffle and the batcher's wait; it may go to another worker).
     transit_s: float = 2.0
+    # The most it counts while this worker's keys are behind it (pipeline.worker.hold): a loaded shuffle's transit
+    # is seconds; past this, a request not yet arrived more likely went to another worker.
+    transit_cap_s: float = 30.0
+    # How long a key's report of its waiting requests counts unless renewed (keys that wait poll every 2 s): a key
+    # that moved to another worker, or stalled, stops holding this worker's room.
+    report_lapse_s: float = 6.0
 
     def __post_init__(self) -> None:
         check_parameters({"worker_queue": self.worker_queue})
-        if not self.transit_s > 0:
-            raise ValueError(f"an admission's transit must be positive, got {self.transit_s} s")
+        for name in ("transit_s", "transit_cap_s", "report_lapse_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"an admission's {name} must be positive, got {getattr(self, name)} s")
 
 
 @dataclass(frozen=True)
