@@ -15,8 +15,9 @@ import time
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK
-from pipeline.engines.engine import EngineBase, Stream
+from pipeline.engines.engine import EngineBase
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.stream_registry import Stream
 from pipeline.serving.vllm_server import ServerSpec
 
 

@@ -146,9 +146,9 @@ def assert_accounted(driver: Driver, requests: list[InferenceRequest], subscript
 def assert_nothing_left_running(workers: list[Worker], base_url: str) -> None:
     """Abandoned streams are cancelled within their lease (ABANDONED_LEASES of them on a worker no key polls any
     more): the server runs nothing, and the engines hold only finished outputs, kept for request_timeout_s."""
-    assert wait_until(lambda: all(w.engine.in_flight() == 0 and all(s.done for s in w.engine._streams.values())
+    assert wait_until(lambda: all(w.engine.in_flight() == 0 and all(s.done for s in w.engine._registry.streams.values())
                                   for w in workers), timeout_s=LEASE_S * (ABANDONED_LEASES + 1) + 5), \
-        {w.name: [key for key, s in w.engine._streams.items() if not s.done] for w in workers}
+        {w.name: [key for key, s in w.engine._registry.streams.items() if not s.done] for w in workers}
     assert wait_until(lambda: (m := server_metrics(base_url))["vllm:num_requests_running"] == 0
                       and m["vllm:num_requests_waiting"] == 0, timeout_s=10), server_metrics(base_url)
 

@@ -1,7 +1,8 @@
 """The engine contract: what every engine shares, and what the generate step may ask of one.
 
 One engine per worker VM (shared through Beam's ``MultiProcessShared``, see
-:mod:`pipeline.worker.runtime`) holds a registry of streams (:class:`EngineBase`):
+:mod:`pipeline.worker.runtime`) holds a registry of streams (:mod:`pipeline.engines.stream_registry`, plain
+logic behind the engine's lock) and does the I/O around it (:class:`EngineBase`):
 ``submit_batch`` starts requests and returns at once; ``poll`` hands back
 whatever chunks, completions or dead letters have accumulated. Two engines
 implement it: :mod:`pipeline.engines.vllm_engine` (many requests in flight against a
@@ -9,7 +10,7 @@ vLLM server, continuous batching) and :mod:`pipeline.engines.transformers_engine
 in-process, each batch generated together).
 
 The engine holds at most ``max_in_flight`` unfinished streams, and starts a bulk lane's request only beside fewer
-than ``bulk_streams`` (:meth:`EngineBase._room`, the one rule for both engines): ``submit_batch`` refuses more
+than ``bulk_streams`` (:meth:`StreamRegistry.room`, the one rule for both engines): ``submit_batch`` refuses more
 (None for those) rather than queueing them, so a backlog waits in the pipeline's keyed state, bounded here, and a
 request's ``request_timeout_s`` runs from when it is actually sent, not from when it joined a queue.
 
@@ -52,33 +53,18 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, OutputWindow
+from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
 from pipeline.contract.structured_output import parse_output
-from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
+from pipeline.engines.stream_registry import Stream, StreamRegistry
 from pipeline.serving.lineage import ServingLineage
 from pipeline.sinks.chunk_publisher import ChunkPublisher
 
 LOGGER = logging.getLogger(__name__)
-
-
-@dataclass
-class Stream:
-    key: str
-    request: InferenceRequest
-    attempt: int
-    window: OutputWindow = field(default_factory=OutputWindow)  # outputs not yet released by the caller
-    assembler: ChunkAssembler | None = None
-    done: bool = False
-    lease: Stamp = (0.0, "", 0.0, 0.0)  # the lease clocks when this stream was last polled, submitted or joined
-    sent_at: float | None = None  # when the model first took it (wall clock): what it waited before is its queue
-    accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
 
 
 # The chunk clock's longest tick: how late past chunk_interval_ms a waiting text's chunk may be cut.
@@ -87,12 +73,13 @@ CHUNK_CLOCK_MIN_S = 0.005  # and its shortest, whatever the interval
 
 
 class EngineBase:
-    """What every engine shares: the registry of streams that ``poll`` reads, chunk publishing and outcomes.
+    """What every engine shares: the registry of streams that ``poll`` reads, behind a lock, with the threads
+    around it (the lease janitor, the chunk clock), chunk publishing and outcomes.
 
     An engine is built once per worker (see :func:`pipeline.worker.runtime.acquire_runtime`)
     and called through Beam's cross-process proxy: ``submit_batch`` starts requests
-    and returns at once, ``poll`` hands back what they produced. Subclasses say how
-    many of a batch they take (``_room``) and how they generate (``_start``).
+    and returns at once, ``poll`` hands back what they produced. Subclasses say whether they take a batch
+    whole (``WHOLE_BATCHES``) and how they generate (``_start``, ``_cancel``).
     """
 
     model_name: str  # what completions name as their model: set by each engine once it knows it
@@ -101,14 +88,11 @@ class EngineBase:
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
         self._chunk_publisher = ChunkPublisher(settings.chunk_topic) if settings.chunk_topic else None
-        self._streams: dict[str, Stream] = {}
         self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
-        self._unfinished = 0  # streams not yet done: what max_in_flight bounds
+        # The streams, behind the lock: every touch of the registry holds it.
+        self._registry = StreamRegistry(settings, self.instance, whole_batches=self.WHOLE_BATCHES)
         self._lock = threading.Lock()
-        self._busy = BusyShares()
         self._closed = False
-        self._leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
-        self._finished_kept = finished_kept(settings.max_in_flight)
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
         self._janitor.start()
         threading.Thread(target=self._cut_waiting_text, name="engine-chunk-clock", daemon=True).start()
@@ -126,25 +110,8 @@ class EngineBase:
         calling process (:mod:`pipeline.engines.leases`).
         """
         requests = [InferenceRequest.from_json(text) for text in request_jsons]
-        asked = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}" for r, a in zip(requests, attempts)]
-        keys: list[str | None] = list(asked)
-        started: list[Stream] = []
         with self._lock:
-            self._leases.heard(client)
-            for key in keys:
-                if key in self._streams:  # joined again: a retried submission renews the lease
-                    self._renew(self._streams[key], client)
-            new = [i for i, key in enumerate(keys) if key not in self._streams]
-            room = self._room(len(new), bulk=any(requests[i].bulk for i in new))
-            for n, i in enumerate(new):
-                if n >= room:
-                    keys[i] = None
-                    continue
-                stream = Stream(asked[i], requests[i], attempts[i])
-                self._renew(stream, client)
-                self._streams[stream.key] = stream
-                started.append(stream)
-            self._unfinished += len(started)
+            keys, started = self._registry.submit(requests, attempts, client)
         if started:
             self._start(started)
         return keys
@@ -158,44 +125,31 @@ class EngineBase:
         released, or past what it produced), gets ``UNKNOWN``: the stream is lost
         to the caller and must be submitted again. ``client``: the calling process (:mod:`pipeline.engines.leases`).
         """
-        ready: dict[str, list[tuple[str, str]]] = {}
         with self._lock:
-            self._leases.heard(client, polled=bool(positions))
-            for key, position in positions.items():
-                stream = self._streams.get(key)
-                if stream is None or stream.window.read(position) is None:
-                    ready[key] = [(UNKNOWN, "")]  # not this stream's committed position: never splice
-                    continue
-                self._renew(stream, client)
-                if stream.done and not len(stream.window):
-                    del self._streams[key]
-                    ready[key] = []
-                    continue
-                ready[key] = list(stream.window.outputs)
-        return ready
+            return self._registry.poll(positions, client)
 
     def cancel(self, keys: list[str]) -> None:
         """Stops these streams now (at the server too) and forgets them: their outputs are not wanted."""
         with self._lock:
-            streams = [self._streams.pop(key) for key in keys if key in self._streams]
+            streams = self._registry.take(keys)
         self._stop(streams)
 
     def heartbeat(self, client: str) -> None:
         """The calling process is alive (every SDK process says so while it runs: a paused one stops)."""
         with self._lock:
-            self._leases.heard(client)
+            self._registry.leases.heard(client)
 
     def hold_leases(self, for_s: float) -> None:
         """The job drains: no running stream is cancelled for want of polls for ``for_s`` (see
         :mod:`pipeline.engines.leases`)."""
         with self._lock:
-            self._leases.hold(for_s)
+            self._registry.leases.hold(for_s)
 
     def in_flight(self) -> int:
         """Streams sent and not finished; never more than ``max_in_flight`` (with the transformers engine,
         because the launch refuses a ``batch_size_target`` above it)."""
         with self._lock:
-            return self._unfinished
+            return self._registry.unfinished
 
     def stats(self) -> dict[str, int | None]:
         """What the engine holds and has done, for the worker's load gauges: requests running and waiting at the
@@ -203,7 +157,7 @@ class EngineBase:
         ``accelerator_seconds`` adds up to), and chunks published to the chunk topic, and of them not yet confirmed."""
         running, queued = self._server_load()
         with self._lock:
-            busy_ms = round(self._busy.busy_s * 1000)
+            busy_ms = round(self._registry.busy.busy_s * 1000)
         publisher = self._chunk_publisher
         return {"server_running": running, "server_waiting": queued, "busy_ms": busy_ms,
                 "chunks_published": publisher.published if publisher else 0,
@@ -221,10 +175,6 @@ class EngineBase:
 
     # Leases ----------------------------------------------------------------------------
 
-    def _renew(self, stream: Stream, client: str) -> None:
-        """The stream's lease starts again now, on the clocks of the client that called; under the lock."""
-        stream.lease = self._leases.stamp(client)
-
     def _expire_leases(self) -> None:
         """Cancels and forgets the streams whose lease ran out (see the module docstring)."""
         lease = self.settings.stream_lease_s
@@ -234,13 +184,7 @@ class EngineBase:
             time.sleep(tick)
             now = time.monotonic()
             with self._lock:
-                self._leases.tick(now - last, tick)
-                self._leases.forget_silent()
-                stale = [key for key, stream in self._streams.items()
-                         if self._leases.expired(stream.lease, stream.done)]
-                stale += overflowing([(key, stream.lease) for key, stream in self._streams.items()
-                                      if stream.done and key not in stale], self._finished_kept)
-                streams = [self._streams.pop(key) for key in stale]
+                streams = self._registry.expire(now - last, tick)
             last = now
             finished = sum(stream.done for stream in streams)
             if len(streams) > finished:
@@ -250,20 +194,14 @@ class EngineBase:
             if finished:
                 LOGGER.warning("%d finished stream(s) not collected within request_timeout_s=%g, or past the %d kept "
                                "(their keys moved away): forgotten", finished, self.settings.request_timeout_s,
-                               self._finished_kept)
+                               self._registry.finished_kept)
             if streams:
                 self._stop(streams)
 
     def _stop(self, streams: list[Stream]) -> None:
         """Ends streams already taken out of the registry: counted as finished, cancelled where still running."""
-        running = []
         with self._lock:
-            for stream in streams:
-                stream.accelerator_s += self._busy.end(stream.key, time.monotonic())
-                if not stream.done:
-                    stream.done = True
-                    self._unfinished -= 1
-                    running.append(stream)
+            running = self._registry.stop(streams, time.monotonic())
         for stream in streams:
             if self._chunk_publisher is not None:
                 self._chunk_publisher.forget(stream.key)
@@ -272,20 +210,9 @@ class EngineBase:
 
     # For subclasses ----------------------------------------------------------------------
 
-    # Whether a batch is taken whole or not at all (static batching); otherwise any that fit are taken.
+    # Whether a batch is taken whole or not at all (static batching); otherwise any that fit are taken
+    # (StreamRegistry.room, the one max_in_flight rule for both engines).
     WHOLE_BATCHES = False
-
-    def _room(self, new: int, bulk: bool = False) -> int:
-        """How many of ``new`` requests to take now, under ``max_in_flight`` (under ``bulk_streams`` for the bulk
-        lane's, so live requests always find room); called under the lock.
-
-        An engine that takes batches whole takes none of a batch that does not fit, except when idle, so no batch
-        waits forever (the launch refuses batches larger than ``max_in_flight`` for it)."""
-        limit = self.settings.bulk_streams if bulk else self.settings.max_in_flight
-        free = max(limit - self._unfinished, 0)
-        if not self.WHOLE_BATCHES:
-            return min(new, free)
-        return new if new <= free or self._unfinished == 0 else 0
 
     def _start(self, streams: list[Stream]) -> None:
         """Begins generating these streams (registered, counted) without waiting for them."""
@@ -296,10 +223,7 @@ class EngineBase:
 
     def _emit(self, stream: Stream, kind: str, payload: str, *, final: bool = False) -> None:
         with self._lock:
-            stream.window.add((kind, payload))
-            if final and not stream.done:
-                stream.done = True
-                self._unfinished -= 1
+            self._registry.emit(stream, (kind, payload), final=final)
 
     def _cut_waiting_text(self) -> None:
         """The chunk clock: cuts a chunk of each stream's text that has waited past ``chunk_interval_ms`` (a slow
@@ -309,7 +233,7 @@ class EngineBase:
             time.sleep(tick)
             now = time.time()
             with self._lock:
-                for stream in list(self._streams.values()):
+                for stream in list(self._registry.streams.values()):
                     if stream.assembler is not None and not stream.done:
                         self._queue_chunks(stream, stream.assembler.due(now))
 
@@ -323,7 +247,7 @@ class EngineBase:
 
     def _queue_chunks(self, stream: Stream, chunks: list[Chunk]) -> None:
         """Publishes and/or queues chunks for poll(); the caller holds the lock."""
-        if self._streams.get(stream.key) is not stream:
+        if not self._registry.holds(stream):
             return  # cancelled: nobody will collect it
         for chunk in chunks:
             if self._chunk_publisher is not None:
@@ -349,14 +273,12 @@ class EngineBase:
     def _began(self, stream: Stream) -> None:
         """The model took the stream (an attempt of it) now: it shares the model's time from here."""
         with self._lock:
-            if stream.sent_at is None:
-                stream.sent_at = time.time()
-            self._busy.begin(stream.key, time.monotonic())
+            self._registry.began(stream, time.time(), time.monotonic())
 
     def _ended(self, stream: Stream) -> None:
         """The model no longer works on the stream (finished, failed or cancelled); idempotent."""
         with self._lock:
-            stream.accelerator_s += self._busy.end(stream.key, time.monotonic())
+            self._registry.ended(stream, time.monotonic())
 
     def _complete(self, stream: Stream, assembler: ChunkAssembler, finish_reason: str | None, prompt_tokens: int,
                   now: float) -> None:

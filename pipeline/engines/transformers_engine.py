@@ -40,8 +40,9 @@ from typing import Any
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineBase, Stream
+from pipeline.engines.engine import EngineBase
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.stream_registry import Stream
 from pipeline.serving.lineage import ServingLineage, chat_template_digest, model_lineage
 from pipeline.serving.model_access import explained_fetch, resolve_model
 

@@ -34,8 +34,9 @@ from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import ATTEMPT
 from pipeline.engines.adapter_slots import AdapterSlots
-from pipeline.engines.engine import EngineBase, Stream
+from pipeline.engines.engine import EngineBase
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.stream_registry import Stream
 from pipeline.serving.adapter_root import AdapterUnavailable, fetch_adapter
 from pipeline.serving.lineage import ServingLineage, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics

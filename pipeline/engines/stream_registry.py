@@ -1,0 +1,154 @@
+"""The engine's registry of streams: plain logic, no threads, no lock, no clock of its own, no I/O.
+
+Everything an engine knows about its streams lives here: each stream's request, attempt and window of outputs
+not yet released, the one ``max_in_flight`` rule (:meth:`StreamRegistry.room`), the lease clocks
+(:mod:`pipeline.engines.leases`), what each stream cost of the model's time
+(:mod:`pipeline.engines.accelerator_time`), and which streams a poll, a cancel or an expiry takes out. The engine
+(:mod:`pipeline.engines.engine`) holds one behind its lock and around it the I/O: its backend starts and cancels
+streams at the model, its chunk clock and publisher send chunks on. Every call here is given the time it acts at,
+so the same registry runs under a simulated clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.contract.chunking import ChunkAssembler
+from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.stream_progress import UNKNOWN, OutputWindow
+from pipeline.engines.accelerator_time import BusyShares
+from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
+
+
+@dataclass
+class Stream:
+    key: str
+    request: InferenceRequest
+    attempt: int
+    window: OutputWindow = field(default_factory=OutputWindow)  # outputs not yet released by the caller
+    assembler: ChunkAssembler | None = None
+    done: bool = False
+    lease: Stamp = (0.0, "", 0.0, 0.0)  # the lease clocks when this stream was last polled, submitted or joined
+    sent_at: float | None = None  # when the model first took it (wall clock): what it waited before is its queue
+    accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
+
+
+class StreamRegistry:
+    """One engine's streams; not thread-safe (the engine calls it under its lock).
+
+    ``instance`` names the engine in every stream's key; ``whole_batches``: a batch is taken whole or not at all
+    (static batching), else any of it that fits.
+    """
+
+    def __init__(self, settings: EngineSettings, instance: str, *, whole_batches: bool = False) -> None:
+        self.settings, self.instance, self.whole_batches = settings, instance, whole_batches
+        self.streams: dict[str, Stream] = {}
+        self.unfinished = 0  # streams not yet done: what max_in_flight bounds
+        self.busy = BusyShares()
+        self.leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
+        self.finished_kept = finished_kept(settings.max_in_flight)
+
+    def submit(self, requests: list[InferenceRequest], attempts: list[int],
+               client: str) -> tuple[list[str | None], list[Stream]]:
+        """Registers what fits of a batch: each request's key (None where there was no room) and the streams
+        new here, which the engine's backend must start. A request already registered joins its stream."""
+        asked = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}" for r, a in zip(requests, attempts)]
+        keys: list[str | None] = list(asked)
+        started: list[Stream] = []
+        self.leases.heard(client)
+        for key in asked:
+            if key in self.streams:  # joined again: a retried submission renews the lease
+                self._renew(self.streams[key], client)
+        new = [i for i, key in enumerate(asked) if key not in self.streams]
+        room = self.room(len(new), bulk=any(requests[i].bulk for i in new))
+        for n, i in enumerate(new):
+            if n >= room:
+                keys[i] = None
+                continue
+            stream = Stream(asked[i], requests[i], attempts[i])
+            self._renew(stream, client)
+            self.streams[stream.key] = stream
+            started.append(stream)
+        self.unfinished += len(started)
+        return keys, started
+
+    def room(self, new: int, bulk: bool = False) -> int:
+        """How many of ``new`` requests to take now, under ``max_in_flight`` (under ``bulk_streams`` for the bulk
+        lane's, so live requests always find room).
+
+        With whole batches none of a batch that does not fit is taken, except when idle, so no batch waits
+        forever (the launch refuses batches larger than ``max_in_flight`` for that engine)."""
+        limit = self.settings.bulk_streams if bulk else self.settings.max_in_flight
+        free = max(limit - self.unfinished, 0)
+        if not self.whole_batches:
+            return min(new, free)
+        return new if new <= free or self.unfinished == 0 else 0
+
+    def poll(self, positions: dict[str, int], client: str) -> dict[str, list[tuple[str, str]]]:
+        """For each key, its outputs from ``positions[key]`` on (see :meth:`.engine.EngineBase.poll`)."""
+        ready: dict[str, list[tuple[str, str]]] = {}
+        self.leases.heard(client, polled=bool(positions))
+        for key, position in positions.items():
+            stream = self.streams.get(key)
+            if stream is None or stream.window.read(position) is None:
+                ready[key] = [(UNKNOWN, "")]  # not this stream's committed position: never splice
+                continue
+            self._renew(stream, client)
+            if stream.done and not len(stream.window):
+                del self.streams[key]
+                ready[key] = []
+                continue
+            ready[key] = list(stream.window.outputs)
+        return ready
+
+    def take(self, keys: list[str]) -> list[Stream]:
+        """Takes these streams out (a cancel): the engine stops them (:meth:`stop`)."""
+        return [self.streams.pop(key) for key in keys if key in self.streams]
+
+    def expire(self, elapsed_s: float, tick_s: float) -> list[Stream]:
+        """Advances the lease clocks by one tick of the janitor and takes out the streams whose lease ran out,
+        and the finished ones past those kept (see :mod:`pipeline.engines.leases`): the engine stops them."""
+        self.leases.tick(elapsed_s, tick_s)
+        self.leases.forget_silent()
+        stale = [key for key, stream in self.streams.items() if self.leases.expired(stream.lease, stream.done)]
+        stale += overflowing([(key, stream.lease) for key, stream in self.streams.items()
+                              if stream.done and key not in stale], self.finished_kept)
+        return [self.streams.pop(key) for key in stale]
+
+    def stop(self, streams: list[Stream], now_mono: float) -> list[Stream]:
+        """Ends streams already taken out: their model time closed, counted as finished; returns those that were
+        still running, which the backend must cancel."""
+        running = []
+        for stream in streams:
+            stream.accelerator_s += self.busy.end(stream.key, now_mono)
+            if not stream.done:
+                stream.done = True
+                self.unfinished -= 1
+                running.append(stream)
+        return running
+
+    def holds(self, stream: Stream) -> bool:
+        """Whether ``stream`` is still registered (not cancelled, expired or released)."""
+        return self.streams.get(stream.key) is stream
+
+    def emit(self, stream: Stream, output: tuple[str, str], *, final: bool = False) -> None:
+        """Adds an output to the stream's window; ``final`` ends the stream."""
+        stream.window.add(output)
+        if final and not stream.done:
+            stream.done = True
+            self.unfinished -= 1
+
+    def began(self, stream: Stream, now: float, now_mono: float) -> None:
+        """The model took the stream (an attempt of it) at ``now``: it shares the model's time from here."""
+        if stream.sent_at is None:
+            stream.sent_at = now
+        self.busy.begin(stream.key, now_mono)
+
+    def ended(self, stream: Stream, now_mono: float) -> None:
+        """The model no longer works on the stream (finished, failed or cancelled); idempotent."""
+        stream.accelerator_s += self.busy.end(stream.key, now_mono)
+
+    def _renew(self, stream: Stream, client: str) -> None:
+        """The stream's lease starts again now, on the clocks of the client that called."""
+        stream.lease = self.leases.stamp(client)
