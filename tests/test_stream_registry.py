@@ -14,7 +14,7 @@ from pipeline.engines.stream_registry import StreamRegistry
 
 MAX_IN_FLIGHT = 3
 LEASE_S = 2.0
-TICK_S = 0.5
+TICK_S = 0.5  # the registry's tick for that lease (a quarter of it)
 
 
 def registry(whole_batches: bool = False, **settings_) -> StreamRegistry:
@@ -91,7 +91,7 @@ def test_what_a_poll_from_its_committed_position_returns_is_every_output_once_in
             if operation[1]:
                 reg.leases.heard(IN_PROCESS, polled=True)
             now += TICK_S
-            for stream in reg.stop(reg.expire(TICK_S, TICK_S), now):
+            for stream in reg.stop(reg.expire(TICK_S), now):
                 assert not stream.done
             forgotten.update(key for key in emitted if key not in reg.streams)
         assert reg.unfinished == sum(not s.done for s in reg.streams.values())
@@ -135,7 +135,7 @@ def test_a_stream_no_key_polls_expires_within_its_lease_and_its_model_time_is_co
     while not expired:
         reg.leases.heard(IN_PROCESS, polled=True)  # the worker polls other streams, never this one
         now += TICK_S
-        expired = reg.expire(TICK_S, TICK_S)
+        expired = reg.expire(TICK_S)
     assert now <= LEASE_S + TICK_S and [s.key for s in expired] == [key]
     assert reg.stop(expired, now) == [stream], "still running: the backend must cancel it"
     assert stream.accelerator_s == now and stream.sent_at == 100.0 and reg.unfinished == 0

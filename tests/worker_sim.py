@@ -2,8 +2,9 @@
 
 What runs for real: the key machine (:func:`pipeline.generation.key_machine.converse`, the same loop the DoFn
 runs), each key's state loaded from and committed to its cells by the real codec
-(:mod:`pipeline.generation.key_state`), and the engine side of the poll contract (the real
-:class:`~pipeline.contract.stream_progress.OutputWindow`). What is simulated, each rule from the runner's
+(:mod:`pipeline.generation.key_state`), and the engine side of the poll contract (the real registry of streams,
+:class:`~pipeline.engines.stream_registry.StreamRegistry`: keys, output windows, the ``max_in_flight`` rule,
+a retried submission joining its stream). What is simulated, each rule from the runner's
 documented semantics (the same rules ``local/runner_semantics.py`` follows, with its citations):
 
 * time: a clock that moves only when the scheduler says; timers fire at or after their time, late by a drawn
@@ -17,8 +18,7 @@ documented semantics (the same rules ``local/runner_semantics.py`` follows, with
 * keys move between workers (Streaming Engine keeps state in the service; the old worker's engine keeps its
   streams), a worker's engine host dies (every stream it held is gone), the runtime is unreachable or the
   engine raises on a call, each at drawn rates;
-* the model server: tokens at a drawn rate per stream, at most ``max_in_flight`` unfinished streams per engine,
-  a retried submission of the same request and attempt joining its stream (as ``EngineBase.submit_batch``).
+* the model server: tokens at a drawn rate per stream, cut into chunks.
 
 :func:`run` plays one schedule from a seed and returns its :class:`Report`; :func:`check` raises
 :class:`Violation` naming the seed when an invariant fails, so ``run(seed)`` replays it exactly.
@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, Output, OutputWindow
+from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, Output
+from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.leases import IN_PROCESS
+from pipeline.engines.stream_registry import Stream, StreamRegistry
 from pipeline.generation import key_state
 from pipeline.generation.key_events import (
     Arrived,
@@ -92,6 +97,8 @@ class Schedule:
     chunk_tokens: int
     faults: Faults
     rules: Rules
+    # The engines' stream lease; None: no lease ever cancels a running stream (to measure what leases save).
+    stream_lease_s: float | None = 10.0
 
     @classmethod
     def draw(cls, seed: int, *, faults: bool = True, spells: bool = True) -> Schedule:
@@ -135,95 +142,105 @@ class Violation(AssertionError):
 
 
 @dataclass
-class _Stream:
-    request: InferenceRequest
-    attempt: int
+class _Generation:
+    """One stream at the simulated model server: tokens at a rate from when it started, cut into chunks."""
+
+    stream: Stream  # the registry's record of it, which its outputs go to
     started: float
     rate: float
     chunk_tokens: int
-    window: OutputWindow = field(default_factory=OutputWindow)
     produced: int = 0
     chunks: int = 0
     cut: int = 0  # tokens already in chunks
     text: str = ""
     done: bool = False
 
-    def advance(self, now: float) -> int:
-        """Generates up to ``now``; the tokens it generated."""
+    def advance(self, now: float) -> tuple[int, list[tuple[Output, bool]]]:
+        """Generates up to ``now``: the tokens it generated, and its new outputs (each with whether it is the
+        stream's last)."""
         if self.done:
-            return 0
-        total = self.request.max_tokens or 1
+            return 0, []
+        request, outputs = self.stream.request, []
+        total = request.max_tokens or 1
         target = min(total, int((now - self.started) * self.rate) + 1)  # the first token at once
         made = max(target - self.produced, 0)
         for n in range(self.produced, self.produced + made):
             self.text += f"t{n} "
             if (n + 1) % self.chunk_tokens == 0 or n + 1 == total:
-                self._chunk(n + 1)
+                outputs.append((self._chunk(n + 1), False))
         self.produced += made
         if self.produced == total:
             self.done = True
-            self.window.add((COMPLETION, json.dumps({
-                "id": self.request.id, "attempt": self.attempt, "text": self.text, "tokens": total,
+            outputs.append(((COMPLETION, json.dumps({
+                "id": request.id, "attempt": self.stream.attempt, "text": self.text, "tokens": total,
                 "chunks": self.chunks, "time_to_first_token_ms": None, "output_error": None,
-                "finish_reason": "length", "accelerator_seconds": 0.0})))
-        return made
+                "finish_reason": "length", "accelerator_seconds": 0.0})), True))
+        return made, outputs
 
-    def _chunk(self, upto: int) -> None:
+    def _chunk(self, upto: int) -> Output:
         text = "".join(f"t{n} " for n in range(self.cut, upto))
         self.cut = upto
-        self.window.add((CHUNK, json.dumps({"id": self.request.id, "attempt": self.attempt, "seq": self.chunks,
-                                            "text": text})))
         self.chunks += 1
+        return CHUNK, json.dumps({"id": self.stream.request.id, "attempt": self.stream.attempt,
+                                  "seq": self.chunks - 1, "text": text})
 
 
 class SimEngine:
-    """One worker's model server and engine registry, as the poll contract states it (``EngineBase``)."""
+    """One worker's engine: the real registry of streams (:class:`~pipeline.engines.stream_registry.
+    StreamRegistry`, the one ``EngineBase`` holds) in front of a simulated model server."""
 
     def __init__(self, name: str, schedule: Schedule) -> None:
         self.name, self.schedule = name, schedule
-        self.streams: dict[str, _Stream] = {}
+        settings = EngineSettings(server=None, server_url="http://simulated", max_in_flight=schedule.max_in_flight,
+                                  stream_lease_s=schedule.stream_lease_s or 10.0)
+        self.registry = StreamRegistry(settings, name)
+        self.server: dict[str, _Generation] = {}  # what the model server generates, by stream key
         self.generated = 0
+        self.expired = 0  # running streams cancelled because their lease ran out
+        self._leases_at = 0.0  # when the janitor last ticked
 
     def unfinished(self) -> int:
-        return sum(not s.done for s in self.streams.values())
+        return self.registry.unfinished
 
     def submit(self, request_jsons: tuple[str, ...], attempts: tuple[int, ...], now: float) -> list[str | None]:
         requests = [InferenceRequest.from_json(text) for text in request_jsons]
-        keys: list[str | None] = [f"{r.id}#{r.fingerprint()}#{a}@{self.name}" for r, a in zip(requests, attempts)]
-        room = max(self.schedule.max_in_flight - self.unfinished(), 0)
-        for i, key in enumerate(list(keys)):
-            if key is None or key in self.streams:
-                continue
-            if room <= 0:
-                keys[i] = None
-                continue
-            room -= 1
-            self.streams[key] = _Stream(requests[i], attempts[i], now, self.schedule.rate_tps,
-                                        self.schedule.chunk_tokens)
-            self.generated += self.streams[key].advance(now)
+        keys, started = self.registry.submit(requests, list(attempts), IN_PROCESS)
+        for stream in started:
+            self.server[stream.key] = _Generation(stream, now, self.schedule.rate_tps, self.schedule.chunk_tokens)
+            self._advance(self.server[stream.key], now)
         return keys
 
     def poll(self, positions: dict[str, int]) -> dict[str, list[Output]]:
-        ready: dict[str, list[Output]] = {}
-        for key, position in positions.items():
-            stream = self.streams.get(key)
-            if stream is None or stream.window.read(position) is None:
-                ready[key] = [(UNKNOWN, "")]
-                continue
-            if stream.done and not len(stream.window):
-                del self.streams[key]
-                ready[key] = []
-                continue
-            ready[key] = list(stream.window.outputs)
-        return ready
+        return self.registry.poll(positions, IN_PROCESS)
 
     def cancel(self, keys: tuple[str, ...]) -> None:
-        for key in keys:
-            self.streams.pop(key, None)
+        for stream in self.registry.stop(self.registry.take(list(keys)), 0.0):
+            self.server.pop(stream.key, None)
 
     def advance(self, now: float) -> None:
-        for stream in self.streams.values():
-            self.generated += stream.advance(now)
+        """The model server and the engine's janitor up to ``now``: streams generate, and the lease clocks tick as
+        ``EngineBase``'s janitor ticks them, cancelling the streams whose lease ran out."""
+        tick_s = self.registry.tick_s
+        while self.schedule.stream_lease_s is not None and self._leases_at + tick_s <= now:
+            if not self.registry.streams:  # nothing a tick could expire: the clocks' readings matter to no stream
+                self._leases_at += tick_s * int((now - self._leases_at) / tick_s)
+                break
+            self._leases_at += tick_s
+            for generation in list(self.server.values()):
+                self._advance(generation, self._leases_at)
+            for stream in self.registry.stop(self.registry.expire(tick_s), self._leases_at):
+                self.server.pop(stream.key, None)
+                self.expired += 1
+        for generation in list(self.server.values()):
+            self._advance(generation, now)
+
+    def _advance(self, generation: _Generation, now: float) -> None:
+        made, outputs = generation.advance(now)
+        self.generated += made
+        for output, final in outputs:
+            self.registry.emit(generation.stream, output, final=final)
+        if generation.done:
+            del self.server[generation.stream.key]
 
 
 @dataclass
@@ -260,6 +277,8 @@ class Report:
     delivered: int = 0
     ended_before_drain: set[str] = field(default_factory=set)
     moves: int = 0
+    expired: int = 0  # running streams cancelled because their lease ran out
+    seconds: float = 0.0  # simulated time until every request ended (or the calm spell ran out)
     host_deaths: int = 0
     work_items: int = 0
     left_state: dict[int, dict] = field(default_factory=dict)
@@ -414,6 +433,7 @@ class World:
         if self.chance(self.s.faults.host_dies):
             dead = self.rng.choice(sorted(self.engines))
             self.report.generated += self.engines[dead].generated
+            self.report.expired += self.engines[dead].expired
             self.engines[dead] = SimEngine(f"{dead}'", self.s)  # a new host: new stream keys, none of the old
             self.report.host_deaths += 1
         return True
@@ -422,16 +442,23 @@ class World:
 def run(seed: int, *, faults: bool = True, spells: bool = True, max_items: int = 20_000) -> Report:
     """Plays the schedule of ``seed``: arrivals with faults, then a calm spell (faults off) until every key is idle
     or the clock passes 600 s, then a drain of every key. Deterministic in ``seed``."""
-    world = World(Schedule.draw(seed, faults=faults, spells=spells))
+    return play(Schedule.draw(seed, faults=faults, spells=spells), max_items=max_items)
+
+
+def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
+    """Plays ``schedule`` as :func:`run` does (for a schedule changed from the drawn one)."""
+    world = World(schedule)
     while world.step():
         if world.report.work_items > max_items:
-            raise Violation(seed, f"more than {max_items} work items: a key polls without end")
+            raise Violation(schedule.seed, f"more than {max_items} work items: a key polls without end")
         if world.now > 60 and world.faulty:
             world.faulty = False  # the calm spell: whatever the faults left must now finish
         if world.now > 600:
             break
     world.report.ended_before_drain = set(world.report.ended)
+    world.report.seconds = world.now
     world.report.generated += sum(e.generated for e in world.engines.values())
+    world.report.expired += sum(e.expired for e in world.engines.values())
     world.faulty = True
     for key, record in world.keys.items():
         if not record.drain_set:
@@ -471,3 +498,32 @@ def check(report: Report) -> None:
     if not s.faults.loses_streams and report.generated > 1.05 * report.delivered + 1:
         raise Violation(seed, f"{report.generated} tokens generated for {report.delivered} delivered, no stream "
                               "lost to a move or a host death")
+
+
+def leases(seeds: range, slow: float) -> str:
+    """What stream leases save against their absence: the worlds of ``seeds`` on two workers or more, keys moving
+    at 5 % a work item, every stream ``slow`` times slower than drawn, with the default lease and with none."""
+    lines = ["| lease | worlds | key moves per worker-hour | answer s (mean, max) | running streams cancelled by "
+             "their lease | tokens generated | tokens delivered | generated per delivered |",
+             "|---|---|---|---|---|---|---|---|"]
+    for lease in (10.0, None):
+        reports = []
+        for seed in seeds:
+            drawn = Schedule.draw(seed)
+            schedule = replace(drawn, workers=max(drawn.workers, 2), rate_tps=drawn.rate_tps / slow,
+                               faults=replace(drawn.faults, key_moves=0.05), stream_lease_s=lease)
+            reports.append(play(schedule, max_items=200_000))
+        generated, delivered = sum(r.generated for r in reports), sum(r.delivered for r in reports)
+        worker_hours = sum(r.seconds * r.schedule.workers for r in reports) / 3600
+        answers = [tokens / r.schedule.rate_tps for r in reports for tokens in r.schedule.tokens]
+        lines.append(f"| {'none' if lease is None else f'{lease:g} s'} | {len(reports)} | "
+                     f"{sum(r.moves for r in reports) / worker_hours:.0f} | "
+                     f"{statistics.fmean(answers):.1f}, {max(answers):.1f} | {sum(r.expired for r in reports)} | "
+                     f"{generated} | {delivered} | {generated / max(delivered, 1):.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 50
+    slow = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
+    print(leases(range(count), slow))

@@ -178,13 +178,12 @@ class EngineBase:
     def _expire_leases(self) -> None:
         """Cancels and forgets the streams whose lease ran out (see the module docstring)."""
         lease = self.settings.stream_lease_s
-        tick = min(max(lease / 4, 0.05), 1.0)
         last = time.monotonic()
         while not self._closed:
-            time.sleep(tick)
+            time.sleep(self._registry.tick_s)
             now = time.monotonic()
             with self._lock:
-                streams = self._registry.expire(now - last, tick)
+                streams = self._registry.expire(now - last)
             last = now
             finished = sum(stream.done for stream in streams)
             if len(streams) > finished:

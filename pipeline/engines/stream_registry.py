@@ -48,6 +48,8 @@ class StreamRegistry:
         self.busy = BusyShares()
         self.leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
         self.finished_kept = finished_kept(settings.max_in_flight)
+        # How often the lease clocks tick (:meth:`expire`): several times a lease, at most once a second.
+        self.tick_s = min(max(settings.stream_lease_s / 4, 0.05), 1.0)
 
     def submit(self, requests: list[InferenceRequest], attempts: list[int],
                client: str) -> tuple[list[str | None], list[Stream]]:
@@ -106,10 +108,11 @@ class StreamRegistry:
         """Takes these streams out (a cancel): the engine stops them (:meth:`stop`)."""
         return [self.streams.pop(key) for key in keys if key in self.streams]
 
-    def expire(self, elapsed_s: float, tick_s: float) -> list[Stream]:
-        """Advances the lease clocks by one tick of the janitor and takes out the streams whose lease ran out,
-        and the finished ones past those kept (see :mod:`pipeline.engines.leases`): the engine stops them."""
-        self.leases.tick(elapsed_s, tick_s)
+    def expire(self, elapsed_s: float) -> list[Stream]:
+        """Advances the lease clocks by one tick (``elapsed_s`` since the last, ``tick_s`` when on time) and
+        takes out the streams whose lease ran out, and the finished ones past those kept (see
+        :mod:`pipeline.engines.leases`): the engine stops them."""
+        self.leases.tick(elapsed_s, self.tick_s)
         self.leases.forget_silent()
         stale = [key for key, stream in self.streams.items() if self.leases.expired(stream.lease, stream.done)]
         stale += overflowing([(key, stream.lease) for key, stream in self.streams.items()
