@@ -4,7 +4,8 @@ ticks, each checked against a model of what the poll contract promises (pipeline
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, UNKNOWN
@@ -32,7 +33,7 @@ OPERATIONS = st.lists(st.one_of(
     st.tuples(st.just("emit"), st.integers(0, 20), st.booleans()),  # which stream, final
     st.tuples(st.just("poll"), st.integers(0, 20)),
     st.tuples(st.just("cancel"), st.integers(0, 20)),
-    st.tuples(st.just("tick"), st.booleans()),  # whether the worker polled others meanwhile
+    st.tuples(st.just("tick"), st.booleans(), st.integers(1, 6)),  # whether the worker polled others; ticks
 ), max_size=60)
 
 
@@ -88,11 +89,14 @@ def test_what_a_poll_from_its_committed_position_returns_is_every_output_once_in
             assert key not in reg.streams
             forgotten.add(key)
         elif operation[0] == "tick":
-            if operation[1]:
-                reg.leases.heard(IN_PROCESS, polled=True)
-            now += TICK_S
-            for stream in reg.stop(reg.expire(TICK_S), now):
-                assert not stream.done
+            for _ in range(operation[2]):
+                if operation[1]:
+                    reg.leases.heard(IN_PROCESS, polled=True)
+                now += TICK_S
+                expired = reg.expire(TICK_S)
+                running = [stream for stream in expired if not stream.done]
+                assert reg.stop(expired, now) == running, "the running ones, for the backend to cancel"
+                assert all(stream.done for stream in expired) and not {s.key for s in expired} & set(reg.streams)
             forgotten.update(key for key in emitted if key not in reg.streams)
         assert reg.unfinished == sum(not s.done for s in reg.streams.values())
         assert reg.unfinished <= MAX_IN_FLIGHT
