@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.parameters import default
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, Output
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import IN_PROCESS
@@ -97,8 +98,9 @@ class Schedule:
     chunk_tokens: int
     faults: Faults
     rules: Rules
-    # The engines' stream lease; None: no lease ever cancels a running stream (to measure what leases save).
-    stream_lease_s: float | None = 10.0
+    # The engines' stream lease (the template's default); None: no lease ever cancels a running stream (to measure
+    # what leases save).
+    stream_lease_s: float | None = float(default("stream_lease_s"))
 
     @classmethod
     def draw(cls, seed: int, *, faults: bool = True, spells: bool = True) -> Schedule:
@@ -191,8 +193,9 @@ class SimEngine:
 
     def __init__(self, name: str, schedule: Schedule) -> None:
         self.name, self.schedule = name, schedule
-        settings = EngineSettings(server=None, server_url="http://simulated", max_in_flight=schedule.max_in_flight,
-                                  stream_lease_s=schedule.stream_lease_s or 10.0)
+        settings = EngineSettings(server=None, server_url="http://simulated", max_in_flight=schedule.max_in_flight)
+        if schedule.stream_lease_s is not None:  # else no janitor ticks (advance): the engine's lease goes unread
+            settings = replace(settings, stream_lease_s=schedule.stream_lease_s)
         self.registry = StreamRegistry(settings, name)
         self.server: dict[str, _Generation] = {}  # what the model server generates, by stream key
         self.generated = 0
@@ -506,7 +509,7 @@ def leases(seeds: range, slow: float) -> str:
     lines = ["| lease | worlds | key moves per worker-hour | answer s (mean, max) | running streams cancelled by "
              "their lease | tokens generated | tokens delivered | generated per delivered |",
              "|---|---|---|---|---|---|---|---|"]
-    for lease in (10.0, None):
+    for lease in (Schedule.stream_lease_s, None):
         reports = []
         for seed in seeds:
             drawn = Schedule.draw(seed)
