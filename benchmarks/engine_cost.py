@@ -1,7 +1,7 @@
 """``make bench-engine-cost``: what the engine costs a worker per token, apart from the DirectRunner.
 
 On Dataflow the DirectRunner's machinery does not run. What runs on every
-GPU worker is the engine (:class:`~pipeline.engines.vllm_engine.VLLMEngine`: the
+GPU worker is the engine (:func:`~pipeline.engines.vllm_engine.vllm_engine`: the
 server-sent-event client, chunk assembly, the chunk publisher, submit and
 poll) and the vLLM server's API front end, which turns generated tokens into
 HTTP events. This drives the real engine directly, as the generate step does
@@ -43,9 +43,9 @@ from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.accelerator_time import BusyShares
-from pipeline.engines.engine import COMPLETION
+from pipeline.engines.engine import COMPLETION, Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.generation.generate import template_poll_interval_ms
 
 CHUNKS = ChunkPolicy()  # the template's defaults: chunk_tokens 8, interval 200 ms
@@ -86,7 +86,7 @@ class Run:
                 "cost_record_cpu_per_1k": self.cost_record_cpu_s * per_1k}
 
 
-def drive_engine(engine: VLLMEngine, prompts: list[workload.Prompt], max_tokens: int,
+def drive_engine(engine: Engine, prompts: list[workload.Prompt], max_tokens: int,
                  tag: str, adapters: tuple[str | None, ...] = (None,)) -> list[RequestTiming]:
     """Submits every prompt at once and polls like the generate step until each has its completion.
 
@@ -133,7 +133,7 @@ def measure(variant: Variant, server: BenchServer, emulator: PubSubEmulator, top
             prompts: list[workload.Prompt], args: argparse.Namespace, rep: int) -> Run:
     engine = None
     if variant.engine:
-        engine = VLLMEngine(EngineSettings(
+        engine = vllm_engine(EngineSettings(
             server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
             chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1, chunk_topic=topic if variant.publish else None,
             chunks_to_pipeline=not variant.publish))

@@ -3,7 +3,7 @@
 Two servers of the same model, started the way the template starts them: one
 alone, one with four adapters (``--enable-lora``, the template's
 ``lora_adapters``; untrained, random, rank 8, built here with peft). The real
-engine (:class:`~pipeline.engines.vllm_engine.VLLMEngine`) drives each with the
+engine (:func:`~pipeline.engines.vllm_engine.vllm_engine`) drives each with the
 same burst of mixed prompts, polled as the generate step polls, and the
 prompts name no adapter, one, or four in turn:
 
@@ -41,7 +41,7 @@ from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from local.toy_adapters import build_adapter
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.serving.lora_adapters import Adapter
 from pipeline.serving.model_weights import cache_root
 
@@ -80,7 +80,7 @@ def bench_adapters(checkpoint) -> tuple[Adapter, ...]:
 
 
 def measure(mix: Mix, server: BenchServer, prompts: list[workload.Prompt], max_tokens: int, rep: int) -> RunResult:
-    engine = VLLMEngine(EngineSettings(
+    engine = vllm_engine(EngineSettings(
         server=None, server_url=server.base_url, served_model_name=server.model, prompt_format="completion",
         chunk_policy=CHUNKS, max_in_flight=len(prompts) + 1))
     try:

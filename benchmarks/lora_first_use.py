@@ -2,7 +2,7 @@
 
 One managed vLLM, started the way the template starts it with ``lora_adapter_root`` (a folder of the
 benchmark's untrained rank-8 adapters, ``max_loras=1``: one slot for the root), driven by the real engine
-(:class:`~pipeline.engines.vllm_engine.VLLMEngine`) one request at a time. Two adapters alternate, so every
+(:func:`~pipeline.engines.vllm_engine.vllm_engine`) one request at a time. Two adapters alternate, so every
 switch unloads the other: the first request after a switch pays the load (from the worker's copy on disk, as
 after an eviction), the second finds it loaded. The very first use of each also copies and checks it; it is
 reported on its own line. Time to first chunk from the request's submission; cores isolated as in
@@ -29,15 +29,16 @@ from local.core_placement import keep_off
 from local.cpu_server import LOCAL_SERVER, apply_server_environment
 from local.embedded_model import ensure_local_checkpoint
 from pipeline.contract.chunking import ChunkPolicy
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.serving.adapter_root import AdapterRoot
 from pipeline.serving.vllm_server import ServerSpec
 
 PAIR = ("adapter-0", "adapter-1")
 
 
-def first_chunk_s(engine: VLLMEngine, prompt: workload.Prompt, max_tokens: int, tag: str,
+def first_chunk_s(engine: Engine, prompt: workload.Prompt, max_tokens: int, tag: str,
                   adapter: str | None) -> float:
     (timing,) = drive_engine(engine, [prompt], max_tokens, tag, (adapter,))
     return timing.first - timing.sent
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     os.sched_setaffinity(0, plan.server)  # the server inherits these cores
     print("starting vLLM with a root of adapters", flush=True)
     try:
-        engine = VLLMEngine(EngineSettings(server=spec, prompt_format="completion", max_in_flight=4,
+        engine = vllm_engine(EngineSettings(server=spec, prompt_format="completion", max_in_flight=4,
                                            chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=50)))
     finally:
         os.environ.clear()

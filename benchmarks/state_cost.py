@@ -28,7 +28,8 @@ from local.embedded_model import ensure_local_checkpoint
 from local.runner_semantics import Driver, KeyState, Worker, generate_fn, in_process
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.engine import Engine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.generation.generate import template_poll_interval_ms
 from pipeline.generation.key_events import WAITING_POLL_CAP_S
 
@@ -47,7 +48,7 @@ class Phase:
         self.bytes += state.bytes_written
 
 
-def template_engine() -> tuple[VLLMEngine, float]:
+def template_engine() -> tuple[Engine, float]:
     """The engine the template builds for the local model (its own managed server), and its poll cadence."""
     settings = JobSettings.from_mapping({
         "input_subscription": "projects/local-project/subscriptions/unused",
@@ -55,10 +56,10 @@ def template_engine() -> tuple[VLLMEngine, float]:
         "dead_letter_topic": "projects/local-project/topics/unused", "model": str(ensure_local_checkpoint()),
         "served_model_name": "smollm2", "dtype": LOCAL_SERVER.dtype, "vllm_args": " ".join(LOCAL_SERVER.vllm_args),
         "max_in_flight": IN_FLIGHT, "server_start_timeout_s": 900}).engine
-    return VLLMEngine(settings), template_poll_interval_ms(settings.chunk_policy.interval_ms)
+    return vllm_engine(settings), template_poll_interval_ms(settings.chunk_policy.interval_ms)
 
 
-def measure(engine: VLLMEngine, poll_ms: float, max_tokens: int) -> dict:
+def measure(engine: Engine, poll_ms: float, max_tokens: int) -> dict:
     """Fires the keys' timers when due until every request ended; per-key costs by phase."""
     dofn = generate_fn(in_process(engine, "state-cost"), poll_ms, dedupe_window_s=600)
     driver = Driver([Worker("w", dofn, engine)])

@@ -1,7 +1,7 @@
 """``make bench-static-batches``: the static engine fed the batcher's batches, arrival order against length buckets.
 
 ``make bench-engines`` measures the same comparison through the whole pipeline on the DirectRunner, which needs
-the emulators and vLLM beside it. This drives the engine alone (:class:`TransformersEngine`, the template's
+the emulators and vLLM beside it. This drives the engine alone (:func:`~pipeline.engines.transformers_engine.transformers_engine`, the template's
 ``engine=transformers``) with the batches the template's batcher forms for a burst, so it runs wherever torch
 and transformers do: a GPU machine with nothing else installed. The batches come from the batcher's own
 decision (:func:`~pipeline.flow.batching.on_arrival`, per bucket as :meth:`BatchingConfig.bucket_name` names
@@ -44,8 +44,9 @@ from local.engine_driver import drive_to_end
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.request_parsing import parse_request
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.transformers_engine import TransformersEngine
+from pipeline.engines.transformers_engine import transformers_engine
 from pipeline.flow.batching import BatchingConfig, BucketCounters, on_arrival
 from pipeline.intake.prompt_length import TokenizerMeter
 from pipeline.serving.vllm_server import ServerSpec
@@ -130,7 +131,7 @@ class Run:
         return self.tokens / self.seconds
 
 
-def measure(engine: TransformersEngine, config: BatchingConfig, requests: list[InferenceRequest], batching: str,
+def measure(engine: Engine, config: BatchingConfig, requests: list[InferenceRequest], batching: str,
             rep: int) -> Run:
     now = time.time()
     fresh = [dataclasses.replace(r, received_at=now) for r in requests]
@@ -192,7 +193,7 @@ def main() -> None:
                 raise RuntimeError(f"the workload's request {prompt.id} was refused: {request}")
             requests.append(dataclasses.replace(request, prompt_tokens=meter(request)))
         asked = sum(r.max_tokens or 0 for r in requests)
-        engine = TransformersEngine(EngineSettings(
+        engine = transformers_engine(EngineSettings(
             server=ServerSpec(model=str(model), dtype=dtype, max_model_len=args.max_model_len),
             engine="transformers", max_in_flight=max(len(requests), 1)))
         sizes = [int(s) for s in args.batch_sizes.split(",")]

@@ -28,7 +28,8 @@ from local.engine_driver import drive_to_end
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import DeadLetter, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.engine import Engine
+from pipeline.engines.vllm_engine import vllm_engine
 
 SERVED = "smollm2"
 FREE_WHITESPACE = "--structured-outputs-config.disable_any_whitespace false"
@@ -56,7 +57,7 @@ def requests(record_set: RecordSet, job: JobSettings) -> list[InferenceRequest]:
     return parsed
 
 
-def run(engine: VLLMEngine, batch: list[InferenceRequest], timeout_s: float = 900) -> list[dict]:
+def run(engine: Engine, batch: list[InferenceRequest], timeout_s: float = 900) -> list[dict]:
     """Every request's completion, submitted as the pipeline does (again when the engine is full)."""
     drive = drive_to_end(engine, batch, timeout_s=timeout_s)
     if drive.dead_letters():
@@ -78,7 +79,7 @@ def main() -> None:
     parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     apply_server_environment()
-    engines = {label: VLLMEngine(config(None, args).engine) for label, args in SETTINGS.items()}
+    engines = {label: vllm_engine(config(None, args).engine) for label, args in SETTINGS.items()}
     results: dict[tuple[str, str], list[dict]] = {}
     try:
         for index, record_set in enumerate(RECORD_SETS):

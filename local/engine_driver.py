@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import COMPLETION, DEAD_LETTER, EngineBase
+from pipeline.engines.engine import COMPLETION, DEAD_LETTER, Engine
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Drive:
         return [record for items in self.outputs.values() for kind, record in items if kind == DEAD_LETTER]
 
 
-def drive_to_end(engine: EngineBase, requests: list[InferenceRequest], *, batches: Sequence[int] = (),
+def drive_to_end(engine: Engine, requests: list[InferenceRequest], *, batches: Sequence[int] = (),
                  timeout_s: float = 180.0, poll_s: float = 0.05,
                  each_poll: Callable[[], None] | None = None) -> Drive:
     """Submits ``requests`` (one by one, or in consecutive ``batches`` of these sizes: units the engine must take

@@ -46,7 +46,7 @@ from typing import Any
 from apache_beam import pvalue
 from apache_beam.transforms.window import GlobalWindow
 
-from pipeline.engines.engine import EngineBase
+from pipeline.engines.engine import Engine
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS
 from pipeline.worker.runtime import WorkerRuntime
@@ -138,7 +138,7 @@ class InProcessRuntime:
         return self.runtime
 
 
-def in_process(engine: EngineBase, tag: str, admission: AdmissionSettings = AdmissionSettings()) -> InProcessRuntime:
+def in_process(engine: Engine, tag: str, admission: AdmissionSettings = AdmissionSettings()) -> InProcessRuntime:
     """A runtime around ``engine`` for the steps of one stand-in worker."""
     return InProcessRuntime(WorkerRuntime(engine, admission), tag)
 
@@ -154,7 +154,7 @@ def generate_fn(source: InProcessRuntime, poll_interval_ms: float, **options: An
 class Worker:
     name: str
     dofn: StreamingGenerateFn
-    engine: EngineBase
+    engine: Engine
 
 
 @dataclass

@@ -16,8 +16,9 @@ import pytest
 from local.runner_semantics import Driver, InProcessRuntime, Worker, generate_fn, in_process
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.flow.admission import AdmitFn
 from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime
@@ -37,10 +38,10 @@ def request(i: int, max_tokens: int = 24, min_tokens: int | None = None) -> Infe
                             min_tokens=min_tokens, temperature=0.0, received_at=time.time())
 
 
-def full_worker(base_url: str) -> tuple[InProcessRuntime, VLLMEngine, Driver, AdmitFn]:
+def full_worker(base_url: str) -> tuple[InProcessRuntime, Engine, Driver, AdmitFn]:
     """A worker of 3 places (2 in flight, 1 waiting): its runtime (engine and admission ledger), the generate step
     under the runner stand-in, and its admission step as Dataflow runs it (waiting inside its bundle)."""
-    engine = VLLMEngine(settings_for(base_url))
+    engine = vllm_engine(settings_for(base_url))
     source = in_process(engine, "admission-test", AdmissionSettings(worker_queue=1, transit_s=0.5))
     generate = generate_fn(source, 50.0, dedupe_window_s=600)
     return source, engine, Driver([Worker("worker", generate, engine)]), admit_fn(source)
@@ -54,7 +55,7 @@ def admit_fn(source: InProcessRuntime) -> AdmitFn:
 
 def test_the_hold_counts_streams_waiting_reports_and_requests_on_their_way(vllm_server):
     # Its engine and admission ledger: 2 in flight and 2 waiting.
-    engine = WorkerRuntime(VLLMEngine(settings_for(vllm_server.base_url)),
+    engine = WorkerRuntime(vllm_engine(settings_for(vllm_server.base_url)),
                            AdmissionSettings(worker_queue=2, transit_s=0.5))
     try:
         admitted = [f"adm-{i}" for i in range(10)]

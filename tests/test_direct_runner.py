@@ -85,8 +85,8 @@ def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_a
     from google.cloud import pubsub_v1
 
     from local import direct_runner
-    from pipeline.engines.engine import EngineBase
     from pipeline.engines.engine_settings import EngineSettings
+    from pipeline.engines.vllm_engine import vllm_engine
     from pipeline.worker import read_places
     from pipeline.worker.runtime import WorkerRuntime
     from pipeline.worker.runtime_settings import AdmissionSettings
@@ -95,8 +95,9 @@ def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_a
     publisher = pubsub_v1.PublisherClient()
     for i in range(10):
         publisher.publish(emulator.topic("fix7-topic"), f"m{i}".encode()).result()
-    settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", max_in_flight=2)
-    runtime = WorkerRuntime(EngineBase(settings), AdmissionSettings(worker_queue=1, transit_s=60.0))  # its engine is asked only how many streams it runs: none
+    # An engine for an unreachable server: it is asked only how many streams it runs, none.
+    settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", served_model_name="m", max_in_flight=2)
+    runtime = WorkerRuntime(vllm_engine(settings), AdmissionSettings(worker_queue=1, transit_s=60.0))
     client = direct_runner._PrefetchingPullClient(pubsub_v1.SubscriberClient(), max_messages=100)
     tag = f"fix7-{time.monotonic_ns()}"
     with direct_runner._RUNTIMES_LOCK:

@@ -18,8 +18,9 @@ from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.serving.server_platform import ServerStartError
 from pipeline.serving.vllm_server import RUNNING_METRIC, ServerSpec, free_port, server_metrics
 from tests.conftest import SERVED_NAME, wait_until
@@ -28,14 +29,14 @@ from tests.test_accelerator_time import union_seconds
 pytestmark = pytest.mark.engine
 
 
-def engine_for(url: str, **overrides) -> VLLMEngine:
+def engine_for(url: str, **overrides) -> Engine:
     settings = dict(server=None, server_url=url, served_model_name=SERVED_NAME,
                     chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100), request_timeout_s=120)
     settings.update(overrides)
-    return VLLMEngine(EngineSettings(**settings))
+    return vllm_engine(EngineSettings(**settings))
 
 
-def run_to_end(engine: VLLMEngine, requests: list[InferenceRequest], timeout_s: float = 180):
+def run_to_end(engine: Engine, requests: list[InferenceRequest], timeout_s: float = 180):
     """Every request's outputs, driven as the generate step drives the engine, never past max_in_flight."""
     def within_bound() -> None:
         assert engine.in_flight() <= engine.settings.max_in_flight
@@ -213,7 +214,7 @@ def test_an_engine_whose_server_never_answers_leaves_no_thread_behind(tmp_path, 
     for _ in range(3):
         for settings_ in failing:
             with pytest.raises((ServerStartError, OSError)):
-                VLLMEngine(settings_)
+                vllm_engine(settings_)
     assert wait_until(lambda: {t.ident for t in threading.enumerate() if t.is_alive()} <= before, 10), \
         [t.name for t in threading.enumerate() if t.ident not in before]
 

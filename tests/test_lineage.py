@@ -20,7 +20,7 @@ from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.serving.lineage import SEED_BITS, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from tests.conftest import SERVED_NAME
 
@@ -92,7 +92,7 @@ def test_a_completion_records_its_lineage_and_its_seed_gives_the_same_text_again
     settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
                               max_in_flight=1, request_timeout_s=120, chunk_policy=ChunkPolicy(chunk_tokens=4),
                               image="example-docker.pkg.dev/p/dataflow/streaming-llm-worker:abc123-cu13")
-    engine = VLLMEngine(settings)
+    engine = vllm_engine(settings)
     try:
         def answer(request_id: str, seed: int | None) -> dict:
             request = InferenceRequest(id=request_id, prompt="Write one line of a poem about the sea.", max_tokens=24,

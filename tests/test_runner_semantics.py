@@ -27,9 +27,10 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
 from pipeline.contract.stream_progress import MAX_LOST_STREAMS
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.flow.admission import AdmitFn
 from pipeline.flow.subscription_reader import take_places
 from pipeline.generation.key_state import RequestEntry
@@ -75,7 +76,7 @@ def workers(vllm_server, chunk_subscription):
                                      chunk_topic=chunk_subscription[0], chunks_to_pipeline=False)
     made = []
     for name in ("worker-a", "worker-b"):
-        engine = VLLMEngine(engine_settings)
+        engine = vllm_engine(engine_settings)
         dofn = generate_fn(in_process(engine, f"driver-{name}"), POLL_MS, dedupe_window_s=600, drain_timeout_s=20)
         made.append(Worker(name, dofn, engine))
     yield made
@@ -378,7 +379,7 @@ class FailingRuntime(WorkerRuntime):
     """The real runtime, whose engine calls raise while told to (``failures``: call -> how many more times): an
     engine that fails without its host process dying, as a bug or an exhausted resource would make it."""
 
-    def __init__(self, engine: VLLMEngine, **failures: int) -> None:
+    def __init__(self, engine: Engine, **failures: int) -> None:
         super().__init__(engine)
         self.failures = failures
 
@@ -400,7 +401,7 @@ class FailingRuntime(WorkerRuntime):
         return super().cancel(keys)
 
 
-def failing_driver(engine: VLLMEngine, name: str, drain_timeout_s: float = 5, **failures: int) -> Driver:
+def failing_driver(engine: Engine, name: str, drain_timeout_s: float = 5, **failures: int) -> Driver:
     source = InProcessRuntime(FailingRuntime(engine, **failures), name)
     dofn = generate_fn(source, POLL_MS, dedupe_window_s=600, drain_timeout_s=drain_timeout_s)
     return Driver([Worker(name, dofn, engine)])
@@ -498,7 +499,7 @@ def test_a_key_keeps_at_most_its_waiting_cap_and_letters_the_rest(vllm_server):
     settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
                                max_in_flight=1, request_timeout_s=120,
                                chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
-    engine = VLLMEngine(settings_)
+    engine = vllm_engine(settings_)
     try:
         source = in_process(engine, "cap", AdmissionSettings(worker_queue=1))
         driver = Driver([Worker("w", generate_fn(source, POLL_MS, dedupe_window_s=600), engine)])

@@ -24,7 +24,7 @@ from local.emulators import PubSubEmulator
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.subscription_reader import ReadWithinRoom
 from pipeline.intake.parsing import ParseRequests
@@ -70,7 +70,7 @@ def worker(vllm_server):
     settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
                               max_in_flight=2, chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
     tag = f"reader-test-{time.monotonic_ns()}"
-    _RUNTIMES[tag] = WorkerRuntime(VLLMEngine(settings), AdmissionSettings(worker_queue=3, transit_s=600.0))
+    _RUNTIMES[tag] = WorkerRuntime(vllm_engine(settings), AdmissionSettings(worker_queue=3, transit_s=600.0))
     yield Registered(tag)
     _RUNTIMES.pop(tag).close()
 

@@ -82,18 +82,18 @@ def test_gpu_settings_travel_to_the_workers_whatever_the_launcher_has():
 
 def test_requests_carry_their_length_bucket_as_priority_only_with_a_managed_server():
     from pipeline.contract.messages import InferenceRequest
-    from pipeline.engines.vllm_engine import VLLMEngine
+    from pipeline.engines.vllm_engine import vllm_engine
 
     job = JobSettings.from_options(PipelineOptions(LAUNCHER_ARGS))
     settings = job.engine
     assert settings.priority_boundaries == job.batching.boundaries
     # An engine for an unreachable address: only its request payloads are looked at.
-    engine = VLLMEngine(dataclasses.replace(settings, server=None, server_url="http://127.0.0.1:9",
+    engine = vllm_engine(dataclasses.replace(settings, server=None, server_url="http://127.0.0.1:9",
                                                  served_model_name="m", chunk_topic=None, chunks_to_pipeline=True))
     try:
-        _, short = engine._payload(InferenceRequest(id="a", prompt="hi", prompt_tokens=20))
-        _, long = engine._payload(InferenceRequest(id="b", prompt="hi", prompt_tokens=700))
-        _, unmeasured = engine._payload(InferenceRequest(id="c", prompt="hi"))
+        _, short = engine.backend.payload(InferenceRequest(id="a", prompt="hi", prompt_tokens=20))
+        _, long = engine.backend.payload(InferenceRequest(id="b", prompt="hi", prompt_tokens=700))
+        _, unmeasured = engine.backend.payload(InferenceRequest(id="c", prompt="hi"))
     finally:
         engine.close()
     assert short["priority"] < long["priority"] and "priority" not in unmeasured

@@ -7,23 +7,24 @@ import time
 
 import pytest
 
+from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.transformers_engine import TransformersEngine
+from pipeline.engines.transformers_engine import transformers_engine
 from pipeline.flow.batching import BatchingConfig
 from pipeline.intake.prompt_length import TokenizerMeter
 from pipeline.serving.vllm_server import ServerSpec
-from local.engine_driver import drive_to_end
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    engine = TransformersEngine(EngineSettings(
+    engine = transformers_engine(EngineSettings(
         server=ServerSpec(model=str(checkpoint), dtype="float32", served_model_name="smollm2"), engine="transformers",
         chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100), max_in_flight=8))
     yield engine
@@ -34,7 +35,7 @@ def request(request_id: str, prompt: str, **params) -> InferenceRequest:
     return InferenceRequest(id=request_id, prompt=prompt, received_at=time.time(), **params)
 
 
-def run_batch(engine: TransformersEngine, requests: list[InferenceRequest], timeout_s: float = 300):
+def run_batch(engine: Engine, requests: list[InferenceRequest], timeout_s: float = 300):
     """Submits the requests as one batch and drives them to their outcomes: id -> [(kind, record), ...]."""
     return drive_to_end(engine, requests, batches=[len(requests)], timeout_s=timeout_s, poll_s=0.02).outputs
 

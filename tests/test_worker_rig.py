@@ -27,7 +27,7 @@ from local.runner_semantics import Driver, InProcessRuntime, Worker, generate_fn
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.flow.admission import AdmitFn
 from pipeline.flow.batching import BatchingConfig, _BatchFn, _keyed
 from pipeline.flow.subscription_reader import FULL_DELAY_S
@@ -75,7 +75,7 @@ def worker(vllm_server):
     settings_ = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
                                max_in_flight=2, request_timeout_s=120, stream_lease_s=LEASE_S,
                                chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
-    runtime = WorkerRuntime(VLLMEngine(settings_), AdmissionSettings(worker_queue=2, transit_s=1.0),
+    runtime = WorkerRuntime(vllm_engine(settings_), AdmissionSettings(worker_queue=2, transit_s=1.0),
                             CallSettings(harness_threads=THREADS))
     yield InProcessRuntime(runtime, "rig"), runtime.engine
     runtime.close()

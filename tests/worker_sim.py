@@ -189,7 +189,7 @@ class _Generation:
 
 class SimEngine:
     """One worker's engine: the real registry of streams (:class:`~pipeline.engines.stream_registry.
-    StreamRegistry`, the one ``EngineBase`` holds) in front of a simulated model server."""
+    StreamRegistry`, the one the engine holds) in front of a simulated model server."""
 
     def __init__(self, name: str, schedule: Schedule) -> None:
         self.name, self.schedule = name, schedule
@@ -222,7 +222,7 @@ class SimEngine:
 
     def advance(self, now: float) -> None:
         """The model server and the engine's janitor up to ``now``: streams generate, and the lease clocks tick as
-        ``EngineBase``'s janitor ticks them, cancelling the streams whose lease ran out."""
+        the engine's janitor ticks them, cancelling the streams whose lease ran out."""
         tick_s = self.registry.tick_s
         while self.schedule.stream_lease_s is not None and self._leases_at + tick_s <= now:
             if not self.registry.streams:  # nothing a tick could expire: the clocks' readings matter to no stream

@@ -1,13 +1,12 @@
-"""The engine contract: what every engine shares, and what the generate step may ask of one.
+"""The engine contract: what the generate step may ask of the engine, and the one engine that answers it.
 
 One engine per worker VM (shared through Beam's ``MultiProcessShared``, see
-:mod:`pipeline.worker.runtime`) holds a registry of streams (:mod:`pipeline.engines.stream_registry`, plain
-logic behind the engine's lock) and does the I/O around it (:class:`EngineBase`):
-``submit_batch`` starts requests and returns at once; ``poll`` hands back
-whatever chunks, completions or dead letters have accumulated. Two engines
-implement it: :mod:`pipeline.engines.vllm_engine` (many requests in flight against a
-vLLM server, continuous batching) and :mod:`pipeline.engines.transformers_engine` (the model
-in-process, each batch generated together).
+:mod:`pipeline.worker.runtime`) is a registry of streams (:mod:`pipeline.engines.stream_registry`, plain
+logic behind the engine's lock) over a backend that generates them and an outlet that publishes their chunks
+(:mod:`pipeline.engines.backend`, two small interfaces): ``submit_batch`` starts requests and returns at once;
+``poll`` hands back whatever chunks, completions or dead letters have accumulated. Two backends exist:
+:mod:`pipeline.engines.vllm_engine` (many requests in flight against a vLLM server, continuous batching) and
+:mod:`pipeline.engines.transformers_engine` (the model in-process, each batch generated together).
 
 The engine holds at most ``max_in_flight`` unfinished streams, and starts a bulk lane's request only beside fewer
 than ``bulk_streams`` (:meth:`StreamRegistry.room`, the one rule for both engines): ``submit_batch`` refuses more
@@ -21,7 +20,7 @@ With a ``chunk_topic`` the engine publishes each chunk to Pub/Sub itself the
 moment it is cut (see :mod:`pipeline.sinks.chunk_publisher`), and hands a request's
 completion to ``poll`` only once Pub/Sub has confirmed all its chunks. Chunks are
 cut on the engine's own threads: as text arrives, and by a clock for text that
-waited past ``chunk_interval_ms`` (:meth:`EngineBase._cut_waiting_text`), so ``poll``
+waited past ``chunk_interval_ms`` (:meth:`Engine._cut_waiting_text`), so ``poll``
 only reads, and a chunk published straight to Pub/Sub never waits for a poll.
 
 The contract is shaped by the runner's commit semantics (Dataflow retries a
@@ -44,7 +43,7 @@ work item whose commit failed, and moves keys between workers):
 
 The worker's admission ledger is not the engine's: it sits beside it in the worker's runtime
 (:mod:`pipeline.worker.runtime`) and asks the engine only how many streams are unfinished
-(:meth:`EngineBase.in_flight`).
+(:meth:`Engine.in_flight`).
 """
 
 from __future__ import annotations
@@ -57,8 +56,9 @@ from typing import Callable
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import STAGE_INFERENCE, Chunk, Completion, DeadLetter, InferenceRequest
-from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
+from pipeline.contract.stream_progress import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER
 from pipeline.contract.structured_output import parse_output
+from pipeline.engines.backend import BackendFactory, ChunkOutlet
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream, StreamRegistry
 from pipeline.serving.lineage import ServingLineage
@@ -72,27 +72,28 @@ CHUNK_CLOCK_MAX_S = 0.05
 CHUNK_CLOCK_MIN_S = 0.005  # and its shortest, whatever the interval
 
 
-class EngineBase:
-    """What every engine shares: the registry of streams that ``poll`` reads, behind a lock, with the threads
-    around it (the lease janitor, the chunk clock), chunk publishing and outcomes.
+class Engine:
+    """The registry of streams that ``poll`` reads, behind a lock, with the threads around it (the lease janitor,
+    the chunk clock), over a backend that generates the streams and an outlet that publishes their chunks.
 
     An engine is built once per worker (see :func:`pipeline.worker.runtime.acquire_runtime`)
     and called through Beam's cross-process proxy: ``submit_batch`` starts requests
-    and returns at once, ``poll`` hands back what they produced. Subclasses say whether they take a batch
-    whole (``WHOLE_BATCHES``) and how they generate (``_start``, ``_cancel``).
+    and returns at once, ``poll`` hands back what they produced. The backend is built first, with this engine as
+    the :class:`~pipeline.engines.backend.StreamEvents` it tells: one whose server never answers raises before
+    the engine starts a thread or a publisher, and leaves nothing behind.
     """
 
-    model_name: str  # what completions name as their model: set by each engine once it knows it
-    lineage: ServingLineage  # what produced its answers (pipeline.serving.lineage): set by each engine once loaded
-
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, backend: BackendFactory,
+                 outlet: Callable[[str], ChunkOutlet] = ChunkPublisher) -> None:
         self.settings = settings
-        self._chunk_publisher = ChunkPublisher(settings.chunk_topic) if settings.chunk_topic else None
-        self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
-        # The streams, behind the lock: every touch of the registry holds it.
-        self._registry = StreamRegistry(settings, self.instance, whole_batches=self.WHOLE_BATCHES)
         self._lock = threading.Lock()
         self._closed = False
+        self.backend = backend(settings, self)
+        self.model_name = self.backend.model_name
+        self._chunk_publisher = outlet(settings.chunk_topic) if settings.chunk_topic else None
+        self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
+        # The streams, behind the lock: every touch of the registry holds it.
+        self._registry = StreamRegistry(settings, self.instance, whole_batches=self.backend.whole_batches)
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
         self._janitor.start()
         threading.Thread(target=self._cut_waiting_text, name="engine-chunk-clock", daemon=True).start()
@@ -113,7 +114,7 @@ class EngineBase:
         with self._lock:
             keys, started = self._registry.submit(requests, attempts, client)
         if started:
-            self._start(started)
+            self.backend.start(started)
         return keys
 
     def poll(self, positions: dict[str, int], client: str = "") -> dict[str, list[tuple[str, str]]]:
@@ -155,23 +156,26 @@ class EngineBase:
         """What the engine holds and has done, for the worker's load gauges: requests running and waiting at the
         model server (None where it cannot tell), the model's busy time so far (ms: what every request's
         ``accelerator_seconds`` adds up to), and chunks published to the chunk topic, and of them not yet confirmed."""
-        running, queued = self._server_load()
+        running, queued = self.backend.load()
         with self._lock:
             busy_ms = round(self._registry.busy.busy_s * 1000)
         publisher = self._chunk_publisher
         return {"server_running": running, "server_waiting": queued, "busy_ms": busy_ms,
                 "chunks_published": publisher.published if publisher else 0,
-                "chunks_unconfirmed": publisher.unconfirmed() if publisher else 0}
+                "chunks_unconfirmed": publisher.unconfirmed() if publisher else 0, **self.backend.stats()}
 
-    def _server_load(self) -> tuple[int | None, int | None]:
-        """Requests running and waiting at the model server, where the engine can tell; else (None, None)."""
-        return None, None
+    @property
+    def lineage(self) -> ServingLineage:
+        return self.backend.lineage
 
     def server_restarts(self) -> int:
-        return 0
+        return self.backend.restarts()
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
+        self.backend.close()
 
     # Leases ----------------------------------------------------------------------------
 
@@ -205,20 +209,7 @@ class EngineBase:
             if self._chunk_publisher is not None:
                 self._chunk_publisher.forget(stream.key)
         if running:
-            self._cancel(running)
-
-    # For subclasses ----------------------------------------------------------------------
-
-    # Whether a batch is taken whole or not at all (static batching); otherwise any that fit are taken
-    # (StreamRegistry.room, the one max_in_flight rule for both engines).
-    WHOLE_BATCHES = False
-
-    def _start(self, streams: list[Stream]) -> None:
-        """Begins generating these streams (registered, counted) without waiting for them."""
-        raise NotImplementedError
-
-    def _cancel(self, streams: list[Stream]) -> None:
-        """Stops generating these streams, if the engine can; their outputs are discarded either way."""
+            self.backend.cancel(running)
 
     def _emit(self, stream: Stream, kind: str, payload: str, *, final: bool = False) -> None:
         with self._lock:
@@ -236,13 +227,24 @@ class EngineBase:
                     if stream.assembler is not None and not stream.done:
                         self._queue_chunks(stream, stream.assembler.due(now))
 
-    def _cut(self, stream: Stream, cut: Callable[[], list[Chunk]]) -> None:
+    # What the backend tells (pipeline.engines.backend.StreamEvents) -----------------------
+
+    def attach(self, stream: Stream, assembler: ChunkAssembler) -> None:
+        with self._lock:
+            stream.assembler = assembler
+
+    def cut(self, stream: Stream, step: Callable[[], list[Chunk]]) -> None:
         """Runs a step of the stream's chunk assembler and sends its chunks on, under the lock the chunk clock cuts
-        under: the engine cuts a stream's chunks as its text arrives and the clock cuts text that waited, so one lock
+        under: the backend cuts a stream's chunks as its text arrives and the clock cuts text that waited, so one lock
         keeps their sequence numbers one gapless sequence, published in that order.
         """
         with self._lock:
-            self._queue_chunks(stream, cut())
+            self._queue_chunks(stream, step())
+
+    def new_attempt(self, stream: Stream) -> None:
+        with self._lock:
+            stream.attempt += 1
+            stream.window.add((ATTEMPT, str(stream.attempt)))
 
     def _queue_chunks(self, stream: Stream, chunks: list[Chunk]) -> None:
         """Publishes and/or queues chunks for poll(); the caller holds the lock."""
@@ -254,7 +256,7 @@ class EngineBase:
             if self.settings.chunks_to_pipeline:
                 stream.window.add((CHUNK, chunk.to_json()))
 
-    def _awaiting_chunk_confirmation(self, stream: Stream) -> bool:
+    def chunks_pending(self, stream: Stream) -> bool:
         """Whether Pub/Sub has yet to confirm a chunk of the stream (failed ones are published again).
 
         Past ``chunk_publish_patience_s`` of failures the chunks are given up and the completion goes anyway.
@@ -269,20 +271,20 @@ class EngineBase:
             return False
         return True
 
-    def _began(self, stream: Stream) -> None:
+    def began(self, stream: Stream) -> None:
         """The model took the stream (an attempt of it) now: it shares the model's time from here."""
         with self._lock:
             self._registry.began(stream, time.time(), time.monotonic())
 
-    def _ended(self, stream: Stream) -> None:
+    def ended(self, stream: Stream) -> None:
         """The model no longer works on the stream (finished, failed or cancelled); idempotent."""
         with self._lock:
             self._registry.ended(stream, time.monotonic())
 
-    def _complete(self, stream: Stream, assembler: ChunkAssembler, finish_reason: str | None, prompt_tokens: int,
-                  now: float) -> None:
+    def complete(self, stream: Stream, assembler: ChunkAssembler, finish_reason: str | None, prompt_tokens: int,
+                 now: float) -> None:
         """Emits the stream's completion record (its final chunk is already cut and confirmed)."""
-        self._ended(stream)
+        self.ended(stream)
         request = stream.request
         output_json, output_error = parse_output(assembler.text, request.response_format, finish_reason)
         first_token_ms = assembler.time_to_first_token_ms
@@ -298,15 +300,15 @@ class EngineBase:
             adapter=request.adapter, queue_ms=round(max(sent_at - request.received_at, 0.0) * 1000.0, 3),
             decode_ms=None if first_token_ms is None else
             round(max((now - request.received_at) * 1000.0 - first_token_ms, 0.0), 3),
-            accelerator_seconds=round(stream.accelerator_s, 6), lineage=self.lineage.record(request),
+            accelerator_seconds=round(stream.accelerator_s, 6), lineage=self.backend.lineage.record(request),
             lane=request.lane_name())
         self._emit(stream, COMPLETION, completion.to_json(), final=True)
 
-    def _dead_letter(self, stream: Stream, reason: str) -> None:
+    def dead_letter(self, stream: Stream, reason: str) -> None:
         request = stream.request
         if self._chunk_publisher is not None:
             self._chunk_publisher.forget(stream.key)  # no completion will wait for its chunks
-        self._ended(stream)
+        self.ended(stream)
         consumed = round(stream.accelerator_s, 6) if stream.sent_at is not None else None  # None: never reached it
         letter = DeadLetter.of_request(STAGE_INFERENCE, reason, request, at=time.time(), accelerator_seconds=consumed)
         self._emit(stream, DEAD_LETTER, letter.to_json(), final=True)

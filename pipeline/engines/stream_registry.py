@@ -88,7 +88,7 @@ class StreamRegistry:
         return new if new <= free or self.unfinished == 0 else 0
 
     def poll(self, positions: dict[str, int], client: str) -> dict[str, list[tuple[str, str]]]:
-        """For each key, its outputs from ``positions[key]`` on (see :meth:`.engine.EngineBase.poll`)."""
+        """For each key, its outputs from ``positions[key]`` on (see :meth:`.engine.Engine.poll`)."""
         ready: dict[str, list[tuple[str, str]]] = {}
         self.leases.heard(client, polled=bool(positions))
         for key, position in positions.items():

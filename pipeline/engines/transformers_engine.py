@@ -40,7 +40,8 @@ from typing import Any
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
-from pipeline.engines.engine import EngineBase
+from pipeline.engines.backend import ServerLoad, StreamEvents
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream
 from pipeline.serving.lineage import ServingLineage, chat_template_digest, model_lineage
@@ -101,13 +102,21 @@ class _Row:
         return self.finish_reason is not None
 
 
-class TransformersEngine(EngineBase):
+def transformers_engine(settings: EngineSettings) -> Engine:
+    """The engine over the model in this process, batch by batch (``engine=transformers``)."""
+    return Engine(settings, TransformersBackend)
+
+
+class TransformersBackend:
     """Loads the model in-process and generates each submitted batch together, one batch at a time."""
 
-    WHOLE_BATCHES = True
+    whole_batches = True  # a batch the batcher formed is generated as one
 
-    def __init__(self, settings: EngineSettings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: EngineSettings, events: StreamEvents) -> None:
+        self.settings = settings
+        self._events = events
+        self._closed = False
+        self._lock = threading.Lock()  # the padding figures, read by stats() from another thread
         import torch  # here, not at module level: the vLLM path never needs transformers loaded
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,21 +161,30 @@ class TransformersEngine(EngineBase):
         atexit.register(self.close)
 
     def stats(self) -> dict[str, int | None]:
-        """The engine's stats, and the token positions its batches computed so far and how many were padding."""
+        """The token positions its batches computed so far, and how many were padding."""
         with self._lock:
             padding = dict(self.padding.__dict__)
-        return {**super().stats(), "batch_requests": padding.pop("requests"), **padding}
+        return {"batch_requests": padding.pop("requests"), **padding}
 
     def close(self) -> None:
         if not self._closed:
-            super().close()
+            self._closed = True
             self._batches.put(None)
             self._finished.put(None)
 
-    # EngineBase ------------------------------------------------------------------------
+    # Backend ---------------------------------------------------------------------------
 
-    def _start(self, streams: list[Stream]) -> None:
+    def start(self, streams: list[Stream]) -> None:
         self._batches.put(streams)
+
+    def cancel(self, streams: list[Stream]) -> None:
+        """Nothing to stop: a batch runs to its end, and a cancelled stream's outputs are not kept."""
+
+    def load(self) -> ServerLoad:
+        return None, None
+
+    def restarts(self) -> int:
+        return 0
 
     # Generation ------------------------------------------------------------------------
 
@@ -178,7 +196,7 @@ class TransformersEngine(EngineBase):
                 LOGGER.exception("Static batch of %d requests failed", len(batch))
                 for stream in batch:
                     if not stream.done and not (stream.assembler and stream.assembler.finished):
-                        self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
+                        self._events.dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
 
     def _generate(self, batch: list[Stream]) -> None:
         torch = self._torch
@@ -188,11 +206,11 @@ class TransformersEngine(EngineBase):
         for stream in batch:
             request = stream.request
             if request.response_format is not None:
-                self._dead_letter(stream, "engine 'transformers' cannot constrain an answer to response_format; "
-                                          "run this request with engine=vllm")
+                self._events.dead_letter(stream, "engine 'transformers' cannot constrain an answer to "
+                                                 "response_format; run this request with engine=vllm")
             elif request.deadline_ms is not None and now > request.received_at + request.deadline_ms / 1000:
-                self._dead_letter(stream, f"its deadline_ms={request.deadline_ms} passed while it waited for the "
-                                          "batches before it")
+                self._events.dead_letter(stream, f"its deadline_ms={request.deadline_ms} passed while it waited "
+                                                 "for the batches before it")
             else:
                 served.append(stream)
         if not served:
@@ -205,8 +223,7 @@ class TransformersEngine(EngineBase):
         for stream, length in zip(served, lengths):
             request = stream.request
             assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
-            with self._lock:
-                stream.assembler = assembler
+            self._events.attach(stream, assembler)
             max_tokens = request.max_tokens or 16  # the completions API's default, as vLLM has it
             rows.append(_Row(stream, assembler, int(length), max_tokens, request.min_tokens or 0,
                              tuple(request.stop or ())))
@@ -218,7 +235,7 @@ class TransformersEngine(EngineBase):
             min_tokens = torch.tensor([[row.min_tokens] for row in rows], device=self.device)
             processors.insert(0, _NoEndBefore(min_tokens, encoded["input_ids"].shape[1], sorted(self._eos_ids)))
         for row in rows:  # each shares the model's time until its own end; the batch's padded rest is the others'
-            self._began(row.stream)
+            self._events.began(row.stream)
         with torch.inference_mode():
             self._model.generate(
                 **{name: tensor.to(self.device) for name, tensor in encoded.items()},
@@ -278,10 +295,10 @@ class TransformersEngine(EngineBase):
             held = max((len(s) - 1 for s in row.stop), default=0)
             ready = max(min(len(text.rstrip("\ufffd")), len(text) - held), row.sent)
         delta, row.sent = text[row.sent:ready], max(ready, row.sent)
-        self._cut(row.stream, lambda: row.assembler.add(delta, len(row.token_ids), now))
+        self._events.cut(row.stream, lambda: row.assembler.add(delta, len(row.token_ids), now))
         if row.done:  # its record goes now, while the batch computes on (its row padded) for the others
-            self._ended(row.stream)
-            self._cut(row.stream, lambda: [row.assembler.finish(row.finish_reason, len(row.token_ids), now)])
+            self._events.ended(row.stream)
+            self._events.cut(row.stream, lambda: [row.assembler.finish(row.finish_reason, len(row.token_ids), now)])
             self._finished.put((row, now))
 
     def _complete_finished(self) -> None:
@@ -291,9 +308,9 @@ class TransformersEngine(EngineBase):
         """
         while (item := self._finished.get()) is not None:
             row, now = item
-            while self._awaiting_chunk_confirmation(row.stream):
+            while self._events.chunks_pending(row.stream):
                 time.sleep(0.002)
-            self._complete(row.stream, row.assembler, row.finish_reason, row.prompt_tokens, now)
+            self._events.complete(row.stream, row.assembler, row.finish_reason, row.prompt_tokens, now)
 
 
 def _or(value: float | None, default: float) -> float:
@@ -303,7 +320,7 @@ def _or(value: float | None, default: float) -> float:
 class _Steps:
     """The streamer ``generate`` feeds: the prompt once, then each step's new token for every row."""
 
-    def __init__(self, engine: TransformersEngine, rows: list[_Row]) -> None:
+    def __init__(self, engine: TransformersBackend, rows: list[_Row]) -> None:
         self._engine, self.rows = engine, rows
         self.count = 0  # decoding steps run
         self._prompt_seen = False

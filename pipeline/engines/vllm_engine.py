@@ -1,7 +1,7 @@
 """The vLLM engine: many requests in flight against one OpenAI-compatible server.
 
-:class:`VLLMEngine` implements the engine contract (:mod:`pipeline.engines.engine`)
-for vLLM. It owns the model manager's server (or calls ``server_url``) and
+:class:`VLLMBackend` is the engine's backend (:mod:`pipeline.engines.backend`) for vLLM, and
+:func:`vllm_engine` the engine over it. It owns the model manager's server (or calls ``server_url``) and
 streams each request to it from an asyncio loop on a background thread;
 vLLM's continuous batching sees every in-flight request, so a short request
 never waits for a long one. Each server-sent event is cut into chunks by the
@@ -32,9 +32,9 @@ import aiohttp
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.stream_progress import ATTEMPT
 from pipeline.engines.adapter_slots import AdapterSlots
-from pipeline.engines.engine import EngineBase
+from pipeline.engines.backend import ServerLoad, StreamEvents
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream
 from pipeline.serving.adapter_root import AdapterUnavailable, fetch_adapter
@@ -68,12 +68,22 @@ class RetryableError(Exception):
     """The server was unreachable or broke off; the request can be sent again."""
 
 
-class VLLMEngine(EngineBase):
+def vllm_engine(settings: EngineSettings) -> Engine:
+    """The engine over a vLLM server: the one ``settings.server`` manages, or the one at ``settings.server_url``."""
+    return Engine(settings, VLLMBackend)
+
+
+class VLLMBackend:
     """Hosts the vLLM server (if managed) and streams requests to it concurrently."""
 
-    def __init__(self, settings: EngineSettings) -> None:
-        # The server first: an engine whose server never answers (a rebuild that fails, again and again) must leave
-        # nothing behind, so the registry's janitor and chunk publisher start only once it has answered.
+    whole_batches = False  # any requests that fit are taken: the server batches continuously
+
+    def __init__(self, settings: EngineSettings, events: StreamEvents) -> None:
+        # The server first: a backend whose server never answers (a rebuild that fails, again and again) must leave
+        # nothing behind, so its threads start only once it has answered, and the engine's after them.
+        self.settings = settings
+        self._events = events
+        self._closed = False
         self._server: VLLMServer | None = None
         if settings.server is not None:
             self._server = VLLMServer(settings.server)
@@ -90,13 +100,12 @@ class VLLMEngine(EngineBase):
             if self._server is not None:
                 self._server.stop()
             raise
-        super().__init__(settings)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
         self._loop_thread.start()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, concurrent.futures.Future] = {}
-        self._server_load_cache: tuple[int | None, int | None] = (None, None)
+        self._server_load_cache: ServerLoad = (None, None)
         self._load_reader = threading.Thread(target=self._read_server_load, name="engine-server-load", daemon=True)
         self._load_reader.start()
         # vLLM's stream_interval: events of chunk_tokens tokens each, until a server refuses the field (None: every
@@ -150,20 +159,23 @@ class VLLMEngine(EngineBase):
         return ServingLineage(model=model_lineage(source, root), engine=engine, image=settings.image,
                               settings=server_settings, adapters=adapters)
 
-    def server_restarts(self) -> int:
+    def restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
+
+    def stats(self) -> dict[str, int | None]:
+        return {}
 
     def close(self) -> None:
         if self._closed:
             return
-        super().close()
+        self._closed = True
         if self._session is not None:
             asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._server is not None:
             self._server.stop()
 
-    def _server_load(self) -> tuple[int | None, int | None]:
+    def load(self) -> ServerLoad:
         return self._server_load_cache
 
     def _read_server_load(self) -> None:
@@ -180,7 +192,7 @@ class VLLMEngine(EngineBase):
                 self._server_load_cache = (None, None)
             time.sleep(SERVER_LOAD_INTERVAL_S)
 
-    def _start(self, streams: list[Stream]) -> None:
+    def start(self, streams: list[Stream]) -> None:
         for stream in streams:
             task = asyncio.run_coroutine_threadsafe(self._run(stream), self._loop)
             self._tasks[stream.key] = task
@@ -190,7 +202,7 @@ class VLLMEngine(EngineBase):
         if self._tasks.get(key) is task:  # not a newer stream's under the same key
             self._tasks.pop(key, None)
 
-    def _cancel(self, streams: list[Stream]) -> None:
+    def cancel(self, streams: list[Stream]) -> None:
         """Cancels the streams' tasks: their connections close, and vLLM aborts a request whose client left."""
         for stream in streams:
             task = self._tasks.get(stream.key)
@@ -200,7 +212,7 @@ class VLLMEngine(EngineBase):
     # Streaming ---------------------------------------------------------------------
 
     async def _chunks_confirmed(self, stream: Stream) -> None:
-        while self._awaiting_chunk_confirmation(stream):
+        while self._events.chunks_pending(stream):
             await asyncio.sleep(0.002)
 
     async def _run(self, stream: Stream) -> None:
@@ -229,21 +241,18 @@ class VLLMEngine(EngineBase):
                                    "now on, which costs more CPU per token on both sides", exc)
                 continue  # at once: nothing was generated
             except _RequestRejected as exc:
-                self._dead_letter(stream, f"the server rejected the request: {exc}")
+                self._events.dead_letter(stream, f"the server rejected the request: {exc}")
                 return
             except Exception as exc:  # a bug must not leave a request without an outcome
                 LOGGER.exception("Unexpected error streaming request %s", request.id)
-                self._dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
+                self._events.dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
                 return
             if stream.assembler is not None and stream.assembler.chunks_emitted > 0:
-                # Chunks of this attempt are already out: restart as a new attempt.
-                with self._lock:
-                    stream.attempt += 1
-                    stream.window.add((ATTEMPT, str(stream.attempt)))
+                self._events.new_attempt(stream)  # chunks of this attempt are already out
             LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
             await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
             delay = min(delay * 2, 10.0)
-        self._dead_letter(stream, f"no answer within {limit}: {last_error}")
+        self._events.dead_letter(stream, f"no answer within {limit}: {last_error}")
 
     async def _stream_once(self, stream: Stream, deadline: float) -> None:
         await self._wait_for_server(deadline)
@@ -297,14 +306,13 @@ class VLLMEngine(EngineBase):
     async def _stream_from_server(self, stream: Stream) -> None:
         request = stream.request
         assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
-        with self._lock:
-            stream.assembler = assembler
-        path, payload = self._payload(request)
+        self._events.attach(stream, assembler)
+        path, payload = self.payload(request)
         session = await self._get_session()
         prompt_tokens, tokens, finish_reason, finished = 0, 0, None, False
         try:
             async with session.post(f"{self.base_url}{path}", json=payload) as response:
-                self._began(stream)  # the server answered: it has the request (vLLM answers before it generates)
+                self._events.began(stream)  # the server answered: it has the request (vLLM answers before it generates)
                 if response.status >= 400:
                     body = (await response.text())[:2000]
                     if response.status in (408, 429) or response.status >= 500:
@@ -320,7 +328,7 @@ class VLLMEngine(EngineBase):
                         if delta is None:
                             delta = (choice.get("delta") or {}).get("content") or ""
                         tokens = usage.get("completion_tokens", tokens + (1 if delta else 0))
-                        self._cut(stream, lambda: assembler.add(delta, tokens, time.time()))
+                        self._events.cut(stream, lambda: assembler.add(delta, tokens, time.time()))
                         finish_reason = choice.get("finish_reason") or finish_reason
                         finished = finished or choice.get("finish_reason") is not None
                     if not event.get("choices") and usage:
@@ -328,15 +336,16 @@ class VLLMEngine(EngineBase):
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             raise RetryableError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
         finally:
-            self._ended(stream)  # the server is done with this attempt, however it ended (a cancel included)
+            self._events.ended(stream)  # the server is done with this attempt, however it ended (a cancel included)
         if not finished:
             raise RetryableError("the stream ended before a finish reason")
         now = time.time()
-        self._cut(stream, lambda: [assembler.finish(finish_reason, tokens, now)])
+        self._events.cut(stream, lambda: [assembler.finish(finish_reason, tokens, now)])
         await self._chunks_confirmed(stream)
-        self._complete(stream, assembler, finish_reason, prompt_tokens, now)
+        self._events.complete(stream, assembler, finish_reason, prompt_tokens, now)
 
-    def _payload(self, request: InferenceRequest) -> tuple[str, dict[str, Any]]:
+    def payload(self, request: InferenceRequest) -> tuple[str, dict[str, Any]]:
+        """The API path and body this request is streamed with."""
         payload: dict[str, Any] = {
             "model": request.adapter or self.model_name, "stream": True,  # vLLM picks a LoRA adapter by name
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},

@@ -24,9 +24,9 @@ from typing import Protocol, Sequence
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
-from pipeline.engines.engine import EngineBase
+from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.vllm_engine import VLLMEngine
+from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.worker.admission_ledger import AdmissionLedger
 from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
 
@@ -99,7 +99,7 @@ def start_heartbeat(source: RuntimeSource) -> None:
 class WorkerRuntime:
     """One VM's engine and admission ledger; every public method is a call a step may make through the proxy."""
 
-    def __init__(self, engine: EngineBase, admission: AdmissionSettings = AdmissionSettings(),
+    def __init__(self, engine: Engine, admission: AdmissionSettings = AdmissionSettings(),
                  calls: CallSettings = CallSettings()) -> None:
         self.engine = engine
         self.settings = RuntimeSettings(engine.settings, admission, calls)
@@ -185,14 +185,14 @@ def new_runtime_tag(settings: RuntimeSettings) -> str:
     return "streaming-llm-" + hashlib.sha1((repr(settings) + uuid.uuid4().hex).encode()).hexdigest()[:16]
 
 
-def build_engine(settings: EngineSettings) -> EngineBase:
+def build_engine(settings: EngineSettings) -> Engine:
     """The engine the settings name; transformers is imported only by workers that use it."""
     if not logging.getLogger().handlers:  # its own process (see acquire_runtime): log where the worker does
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.engine == "transformers":
-        from pipeline.engines.transformers_engine import TransformersEngine
-        return TransformersEngine(settings)
-    return VLLMEngine(settings)
+        from pipeline.engines.transformers_engine import transformers_engine
+        return transformers_engine(settings)
+    return vllm_engine(settings)
 
 
 def build_runtime(settings: RuntimeSettings) -> WorkerRuntime:
