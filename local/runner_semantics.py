@@ -48,6 +48,7 @@ from apache_beam.transforms.window import GlobalWindow
 
 from pipeline.engines.engine import Engine
 from pipeline.generation.generate import StreamingGenerateFn
+from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS
 from pipeline.worker.runtime import WorkerRuntime
 from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
@@ -144,8 +145,10 @@ def in_process(engine: Engine, tag: str, admission: AdmissionSettings = Admissio
 
 
 def generate_fn(source: InProcessRuntime, poll_interval_ms: float, **options: Any) -> StreamingGenerateFn:
-    """The generate step's DoFn on ``source``'s runtime, set up as a runner would."""
-    dofn = StreamingGenerateFn(source, poll_interval_ms, **options)
+    """The generate step's DoFn on ``source``'s runtime, set up as a runner would; ``options``: its
+    :class:`~pipeline.generation.generate_settings.GenerateSettings`."""
+    settings = GenerateSettings(**options, engine=source.settings.engine.engine)
+    dofn = StreamingGenerateFn(source, poll_interval_ms, settings)
     dofn.setup()
     return dofn
 

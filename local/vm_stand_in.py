@@ -68,6 +68,7 @@ from pipeline.contract.messages import InferenceRequest
 from pipeline.flow.admission import AdmitFn
 from pipeline.flow.subscription_reader import FULL_DELAY_S, take_places
 from pipeline.generation.generate import StreamingGenerateFn
+from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.serving.vllm_server import is_healthy
 from pipeline.worker import read_places
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
@@ -124,8 +125,8 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
 
     def dofns() -> tuple[Driver, AdmitFn]:
         if not hasattr(local, "driver"):
-            generate = StreamingGenerateFn(source, poll_interval_ms, dedupe_window_s=600,
-                                           drain_timeout_s=drain_timeout_s)
+            generate = StreamingGenerateFn(source, poll_interval_ms, GenerateSettings(
+                dedupe_window_s=600, drain_timeout_s=drain_timeout_s, engine=source.settings.engine.engine))
             generate.setup()
             local.admit = AdmitFn(source)
             local.admit.setup()

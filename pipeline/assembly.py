@@ -62,8 +62,7 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
     admitted = measured.requests | "AdmitRequests" >> AdmitRequests(runtime)
     batches = admitted | "BatchRequests" >> BatchRequests(settings.batching)
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
-        settings.runtime, runtime=runtime, dedupe_window_s=settings.generate.dedupe_window_s,
-        drain_timeout_s=settings.generate.drain_timeout_s, generate_shards=settings.rekey_shards(local=local))
+        settings.runtime, settings.generate_step(local=local), runtime=runtime)
     failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
     if config.output_completions_topic:
         failures.append(generated.completions | "PublishCompletions" >> PublishJson(

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config.options import ConfigError, PipelineConfig
+from pipeline.config.settings import JobSettings
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import LANE_ATTRIBUTE, DeadLetter, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
@@ -182,7 +183,7 @@ def test_the_options_refuse_one_subscription_for_both_lanes_and_a_reserve_out_of
     with pytest.raises(ConfigError, match="bulk_subscription is the input_subscription"):
         PipelineConfig.from_mapping({**REQUIRED, "bulk_subscription": REQUIRED["input_subscription"]})
     with pytest.raises(ConfigError, match="live_reserve must be at most 0.9"):
-        PipelineConfig.from_mapping({**REQUIRED, "live_reserve": "0.95"})
+        JobSettings.from_mapping({**REQUIRED, "live_reserve": "0.95"})
     with pytest.raises(ConfigError, match="bulk_subscription"):
         PipelineConfig.from_mapping({**REQUIRED, "bulk_subscription": "bulk-sub"})
 

@@ -13,11 +13,19 @@ from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
+from pipeline.contract.parameters import (
+    CHECKED_BY_RECORDS,
+    DEFAULT_HARNESS_THREADS,
+    PARAMETERS,
+    PARAMETERS_BY_NAME,
+    WORKER_OPTIONS,
+)
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.batching import BatchingConfig
-from pipeline.generation.generate import DEFAULT_DEDUPE_WINDOW_S, DEFAULT_DRAIN_TIMEOUT_S
+from pipeline.generation.generate import StreamingGenerate
+from pipeline.generation.generate_settings import GenerateSettings
+from pipeline.serving.adapter_root import AdapterRoot
 from pipeline.serving.vllm_server import ServerSpec
 from pipeline.worker.runtime_client import call_threads
 from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings
@@ -167,8 +175,7 @@ def test_components_default_to_what_the_parameters_declare():
     spec, bare_spec = job.engine.server, ServerSpec(model=job.engine.server.model)
     for name in ("max_model_len", "dtype", "gpu_memory_utilization", "start_timeout_s", "max_lora_rank", "max_loras"):
         assert getattr(spec, name) == getattr(bare_spec, name), name
-    assert (job.generate.dedupe_window_s, job.generate.drain_timeout_s) == (DEFAULT_DEDUPE_WINDOW_S,
-                                                                            DEFAULT_DRAIN_TIMEOUT_S)
+    assert job.generate == GenerateSettings()
     assert job.config.max_in_flight == PARAMETERS_BY_NAME["max_in_flight"].default == bare_engine.max_in_flight
 
 
@@ -244,10 +251,6 @@ def test_the_docs_parameter_table_is_generated_from_the_parameters():
 
 def test_records_built_without_the_options_hold_the_parameters_bounds():
     """A settings record made in code (the transforms' API) is checked against the same declaration as the options."""
-    from pipeline.engines.engine_settings import EngineSettings
-    from pipeline.flow.batching import BatchingConfig
-    from pipeline.generation.generate import KeyByGenerateShard, StreamingGenerate
-
     engine = dict(server=None, server_url="http://127.0.0.1:1")
     for kwargs, message in ((dict(stream_lease_s=0), "--stream_lease_s must be at least 1"),
                             (dict(engine="tgi"), "--engine must be one of vllm, transformers"),
@@ -261,6 +264,66 @@ def test_records_built_without_the_options_hold_the_parameters_bounds():
     with pytest.raises(ValueError, match="--num_shards must be at least 1"):
         BatchingConfig(num_shards=0)
     with pytest.raises(ValueError, match="--drain_timeout_s must be at least 0"):
-        StreamingGenerate(EngineSettings(**engine), drain_timeout_s=-1)
+        GenerateSettings(drain_timeout_s=-1)
     with pytest.raises(ValueError, match="--generate_shards must be at least 1"):
-        KeyByGenerateShard(0)
+        GenerateSettings(generate_shards=0)
+    with pytest.raises(ValueError, match="--generate_shards does not go with --engine=transformers"):
+        GenerateSettings(generate_shards=8, engine="transformers")
+    with pytest.raises(ValueError, match="--server_url does not go with --engine=transformers"):
+        EngineSettings(**engine, engine="transformers")
+
+
+def test_the_generate_step_refuses_settings_built_for_another_engine():
+    transformers = EngineSettings(server=ServerSpec(model="m"), engine="transformers")
+    assert StreamingGenerate(transformers)._generate == GenerateSettings(engine="transformers")
+    with pytest.raises(ValueError, match="settings are for engine 'vllm', its runtime's for 'transformers'"):
+        StreamingGenerate(transformers, GenerateSettings())
+
+
+# A value each parameter's declaration refuses, as a launch passes it (a string).
+def _refused(name: str) -> str:
+    param = PARAMETERS_BY_NAME[name]
+    if param.enum_options:
+        return "not-one-of-them"
+    if param.regex:
+        return "not valid !"
+    assert param.minimum is not None, name
+    return str(param.minimum - 1) if param.param_type == "NUMBER" and param.minimum >= 1 else "-1"
+
+
+# How a test builds each record with one field set, by parameter name (the field's name where it differs).
+RECORDS = {
+    "EngineSettings": lambda **kw: EngineSettings(**({"server": None, "server_url": "http://127.0.0.1:1"} | kw)),
+    "BatchingConfig": BatchingConfig, "AdmissionSettings": AdmissionSettings, "GenerateSettings": GenerateSettings,
+    "AdapterRoot": AdapterRoot,
+}
+FIELDS = {"batch_token_budget": "token_budget", "lora_adapter_root": "location"}
+
+
+@pytest.mark.parametrize("name", [p.name for p in PARAMETERS if p.enum_options or p.regex or p.minimum is not None])
+def test_a_launch_reports_each_refused_value_once_from_the_check_that_owns_it(name):
+    """Each value is checked once: by the record that owns it (CHECKED_BY_RECORDS), which a pipeline of one's own
+    builds too, or else by the options; a launch lists the problem once, with the rest."""
+    value = _refused(name)
+    with pytest.raises(ConfigError) as excinfo:
+        settings(**{name: value, "batch_size_target": "0" if name != "batch_size_target" else value})
+    message = str(excinfo.value)
+    assert message.count(f"--{name} must") + message.count(f"--{name}={value!r} is not valid") == 1, message
+    assert "--batch_size_target must be at least 1" in message  # and every other problem with it
+    owner = CHECKED_BY_RECORDS.get(name)
+    if owner is None:
+        with pytest.raises(ConfigError, match=f"--{name}"):
+            config(**{name: value})
+        return
+    config(**{name: value})  # the options leave it to its record
+    converted = PARAMETERS_BY_NAME[name].convert(value)
+    with pytest.raises(ValueError, match=f"--{name}"):
+        RECORDS[owner](**{FIELDS.get(name, name): converted})
+
+
+@pytest.mark.parametrize("name", sorted({"server_url", "generate_shards"} & set(CHECKED_BY_RECORDS)))
+def test_the_record_that_owns_a_value_refuses_it_with_the_transformers_engine_once(name):
+    value = PARAMETERS_BY_NAME[name].example
+    with pytest.raises(ConfigError) as excinfo:
+        settings(engine="transformers", **{name: value})
+    assert str(excinfo.value).count(f"--{name} does not go with --engine=transformers") == 1

@@ -3,7 +3,7 @@
 Both are generated from :data:`~pipeline.contract.parameters.PARAMETERS`. Plain Beam/Dataflow options (runner,
 machine type, sdk_container_image, ...) are not redeclared: they pass through to Beam. Each value is converted and
 checked on its own, then the combinations; :class:`~pipeline.config.settings.JobSettings` turns the result into
-every component's settings.
+every component's settings, and a value that a settings record owns is checked there, by that record, once.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.contract.parameters import (
     ALSO_REQUIRED,
+    CHECKED_BY_RECORDS,
     DEAD_LETTER_PARAMETERS,
+    ENGINE_RECORDS,
     NOT_WITH_TRANSFORMERS,
     OUTPUT_PARAMETERS,
     PARAMETERS,
@@ -113,27 +115,40 @@ class PipelineConfig:
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> PipelineConfig:
-        """Converts (string or typed) values, fills defaults and validates them all at once."""
+        """Converts (string or typed) values, fills defaults and validates them all at once; the values a settings
+        record checks (:data:`~pipeline.contract.parameters.CHECKED_BY_RECORDS`) are checked when
+        :class:`~pipeline.config.settings.JobSettings` builds it."""
+        config, problems = cls.read(values)
+        if problems:
+            raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
+        return config
+
+    @classmethod
+    def read(cls, values: dict[str, Any]) -> tuple[PipelineConfig, list[str]]:
+        """The config and what is wrong with it, for a caller that reports its own problems with these: a value
+        that is missing or cannot be converted is left at its default."""
         problems: list[str] = []
         fields: dict[str, Any] = {}
+        unread: set[str] = set()  # not converted, or refused on its own: left out of the combinations
         for param in PARAMETERS:
             raw = values.get(param.name)
-            if raw is None or raw == "":  # unset: the default, already typed (and tested against its regex)
-                fields[param.name] = param.default
+            fields[param.name] = param.default  # unset: the default, already typed (and tested against its regex)
+            if raw is None or raw == "":
                 if param.required:
                     problems.append(f"--{param.name} is required ({param.label}), e.g. --{param.name}={param.example}")
                 continue
             try:
-                value = param.convert(raw)
+                fields[param.name] = param.convert(raw)
             except argparse.ArgumentTypeError as exc:
                 problems.append(f"--{param.name}: {exc}")
+                unread.add(param.name)
                 continue
-            problems.extend(param.problems(value))
-            fields[param.name] = value
-        problems.extend(_check_combinations(fields))
-        if problems:
-            raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
-        return cls(**fields)
+            own = [] if param.name in CHECKED_BY_RECORDS else param.problems(fields[param.name])
+            problems.extend(own)
+            if own:
+                unread.add(param.name)
+        problems.extend(_check_combinations({name: value for name, value in fields.items() if name not in unread}))
+        return cls(**fields), problems
 
     @property
     def extra_vllm_args(self) -> list[str]:
@@ -156,7 +171,8 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
         problems.append("--bulk_subscription is the input_subscription: give the bulk lane a subscription of its own "
                         "(to a topic of its own), or leave it empty for one lane")
     if fields.get("engine") == "transformers":
-        problems.extend(not_with_transformers(name) for name in NOT_WITH_TRANSFORMERS if fields.get(name))
+        problems.extend(not_with_transformers(name) for name in NOT_WITH_TRANSFORMERS
+                        if fields.get(name) and CHECKED_BY_RECORDS.get(name) not in ENGINE_RECORDS)
         if (fields.get("batch_size_target") or 0) > (fields.get("max_in_flight") or 0):
             problems.append(f"--batch_size_target ({fields['batch_size_target']}) must be at most --max_in_flight "
                             f"({fields['max_in_flight']}) with --engine=transformers: it generates each batch whole, "

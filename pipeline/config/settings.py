@@ -1,12 +1,12 @@
-"""The one room that turns a validated :class:`~pipeline.config.options.PipelineConfig` into every component's settings.
+"""The one room that turns a :class:`~pipeline.config.options.PipelineConfig` into every component's settings.
 
 Each stage takes one settings record, and each is built here, once: the request limits and template defaults
 (intake), the prompt-length measure, the batching (flow), the engine's settings with the vLLM server's spec
 (engines, serving), the worker runtime's admission and call settings (worker) and the generate step's. The LoRA
 adapters are parsed here, once. A parameter goes forward through the house: declared in
-:mod:`pipeline.contract.parameters`, converted and checked by :class:`PipelineConfig`, turned into a component's
-settings here, acted on by the component; :mod:`pipeline.assembly` only wires transforms from a
-:class:`JobSettings`.
+:mod:`pipeline.contract.parameters`, converted by :class:`PipelineConfig`, turned into a component's settings here,
+checked once (by the record that owns it, else by the config), acted on by the component; :mod:`pipeline.assembly`
+only wires transforms from a :class:`JobSettings`.
 """
 
 from __future__ import annotations
@@ -14,16 +14,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 
-from pipeline.config.options import ConfigError, PipelineConfig
+from pipeline.config.options import ConfigError, PipelineConfig, StreamingLLMOptions
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, WORKER_OPTIONS_BY_NAME
+from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, WORKER_OPTIONS_BY_NAME, ParameterProblems
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings, priority_scheduling
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
+from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.intake.prompt_length import PromptLength
 from pipeline.intake.request_defaults import RequestDefaults
 from pipeline.serving.adapter_root import AdapterRoot
@@ -48,15 +50,6 @@ def compact_json_by_default(vllm_args: tuple[str, ...]) -> bool:
 
 
 @dataclass(frozen=True)
-class GenerateSettings:
-    """The generate step's own settings, beside the engine's."""
-
-    dedupe_window_s: float
-    drain_timeout_s: float
-    generate_shards: int | None  # as set; None: by runner (:meth:`JobSettings.generate_keys`)
-
-
-@dataclass(frozen=True)
 class JobSettings:
     """Every component's settings for one job, built once from its configuration."""
 
@@ -68,7 +61,7 @@ class JobSettings:
     engine: EngineSettings
     admission: AdmissionSettings
     calls: CallSettings
-    generate: GenerateSettings
+    generate: GenerateSettings  # generate_shards as set; None: by runner (generate_step)
     adapters: tuple[Adapter, ...]
     adapter_root: AdapterRoot | None
 
@@ -78,25 +71,46 @@ class JobSettings:
         return RuntimeSettings(self.engine, self.admission, self.calls)
 
     @classmethod
-    def from_config(cls, config: PipelineConfig, harness_threads: Any = None) -> JobSettings:
-        """Builds them all; raises :class:`ConfigError` with every problem found, before any job exists.
+    def from_mapping(cls, values: dict[str, Any]) -> JobSettings:
+        """Reads the values and builds every record; raises :class:`ConfigError` with every problem found, before any
+        job exists.
 
-        ``harness_threads``: Beam's ``number_of_worker_harness_threads`` as the launch sets it (None: the
-        template's default, which the launch then sets, :mod:`pipeline.config.launch_checks`). The worker image
-        is set once the launch has settled it (:meth:`running`).
+        ``number_of_worker_harness_threads``, Beam's option, as the launch sets it (None: the template's default,
+        which the launch then sets, :mod:`pipeline.config.launch_checks`). The worker image is set once the launch
+        has settled it (:meth:`running`).
         """
-        problems: list[str] = []
+        config, problems = PipelineConfig.read(values)
+        return cls._build(config, values.get("number_of_worker_harness_threads"), problems)
+
+    @classmethod
+    def from_options(cls, options: PipelineOptions) -> JobSettings:
+        values = options.view_as(StreamingLLMOptions).get_all_options()
+        config, problems = PipelineConfig.read(values)
+        return cls._build(config, options.view_as(DebugOptions).number_of_worker_harness_threads, problems)
+
+    @classmethod
+    def _build(cls, config: PipelineConfig, harness_threads: Any, problems: list[str]) -> JobSettings:
+        """Each record checks the values it owns as it is built (pipeline.contract.parameters.CHECKED_BY_RECORDS);
+        their problems join the config's in one error."""
+        problems = list(problems)
         parts: dict[str, Any] = {}
-        for name, build in (("batching", _batching), ("request_defaults", _request_defaults),
-                            ("adapters", _adapters), ("adapter_root", _adapter_root)):
+
+        def build(name: str, make: Callable[[], Any]) -> None:
             try:
-                parts[name] = build(config)
+                parts[name] = make()
+            except ParameterProblems as exc:
+                problems.extend(exc.args)
             except ValueError as exc:
                 problems.extend(str(exc).split("; "))
-        try:
-            parts["calls"] = _calls(harness_threads)
-        except ValueError as exc:
-            problems.extend(str(exc).split("; "))
+
+        for name, make in (("batching", _batching), ("request_defaults", _request_defaults),
+                           ("adapters", _adapters), ("adapter_root", _adapter_root), ("admission", _admission),
+                           ("generate", _generate)):
+            build(name, partial(make, config))
+        build("calls", partial(_calls, harness_threads))
+        # Built even when a part it reads was refused (with that part's defaults), so its own problems are listed too.
+        build("engine", partial(_engine, config, parts.get("batching", BatchingConfig()), parts.get("adapters", ()),
+                                parts.get("adapter_root")))
         if problems:
             raise ConfigError("Invalid pipeline configuration:\n  - " + "\n  - ".join(problems))
         # A server_url server decides which adapters it serves; the model manager's serves lora_adapters.
@@ -107,28 +121,17 @@ class JobSettings:
         if estimator == "auto":
             estimator = "chars" if config.server_url else "tokenizer"
         prompt_length = PromptLength(estimator, config.effective_model, config.prompt_format,
-                                             config.max_model_len, config.hf_token_secret)
-        generate = GenerateSettings(float(config.dedupe_window_s), float(config.drain_timeout_s),
-                                    config.generate_shards)
-        # An admitted request reaches the generate step after the shuffle and its batch's wait.
-        admission = AdmissionSettings(worker_queue=config.worker_queue,
-                                      transit_s=1.0 + config.max_batch_delay_ms / 1000.0)
-        return cls(config=config, limits=limits, prompt_length=prompt_length,
-                   engine=_engine(config, parts["batching"], parts["adapters"], parts["adapter_root"]),
-                   admission=admission, generate=generate, **parts)
-
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> JobSettings:
-        return cls.from_config(PipelineConfig.from_mapping(values), values.get("number_of_worker_harness_threads"))
-
-    @classmethod
-    def from_options(cls, options: PipelineOptions) -> JobSettings:
-        return cls.from_config(PipelineConfig.from_options(options),
-                               options.view_as(DebugOptions).number_of_worker_harness_threads)
+                                     config.max_model_len, config.hf_token_secret)
+        return cls(config=config, limits=limits, prompt_length=prompt_length, **parts)
 
     def running(self, image: str | None) -> JobSettings:
         """These settings for workers that run ``image`` (named in every completion's lineage)."""
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, image=image))
+
+    def generate_step(self, local: bool) -> GenerateSettings:
+        """The generate step's settings as this runner runs it: ``generate_shards`` is what it re-keys batches to
+        (:meth:`rekey_shards`)."""
+        return dataclasses.replace(self.generate, generate_shards=self.rekey_shards(local))
 
     def generate_keys(self, local: bool) -> int:
         """The generate step's key count: as set, else by runner (see the ``generate_shards`` parameter's help)."""
@@ -160,6 +163,17 @@ def _batching(config: PipelineConfig) -> BatchingConfig:
                           batch_size_target=config.batch_size_target, token_budget=config.batch_token_budget,
                           boundaries=boundaries, num_shards=config.num_shards, answer_boundaries=answer_boundaries,
                           default_max_tokens=config.default_max_tokens)
+
+
+def _admission(config: PipelineConfig) -> AdmissionSettings:
+    # An admitted request reaches the generate step after the shuffle and its batch's wait.
+    return AdmissionSettings(worker_queue=config.worker_queue, transit_s=1.0 + config.max_batch_delay_ms / 1000.0)
+
+
+def _generate(config: PipelineConfig) -> GenerateSettings:
+    return GenerateSettings(dedupe_window_s=float(config.dedupe_window_s),
+                            drain_timeout_s=float(config.drain_timeout_s), generate_shards=config.generate_shards,
+                            engine=config.engine)
 
 
 def _calls(harness_threads: Any) -> CallSettings:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.parameters import check_parameters, default, not_with_transformers
+from pipeline.contract.parameters import ParameterProblems, check_parameters, default, not_with_transformers
 from pipeline.serving.vllm_server import ServerSpec
 
 
@@ -57,9 +57,10 @@ class EngineSettings:
         if (self.server is None) == (self.server_url is None):
             raise ValueError("give exactly one of a server spec or a server_url")
         check_parameters({"engine": self.engine, "max_in_flight": self.max_in_flight,
-                          "stream_lease_s": self.stream_lease_s, "live_reserve": self.live_reserve})
+                          "stream_lease_s": self.stream_lease_s, "live_reserve": self.live_reserve,
+                          **({} if self.server_url is None else {"server_url": self.server_url})})
         if self.engine == "transformers" and self.server is None:
-            raise ValueError(not_with_transformers("server_url"))
+            raise ParameterProblems(not_with_transformers("server_url"))
         if self.chunk_topic is None and not self.chunks_to_pipeline:
             raise ValueError("chunks must go somewhere: give a chunk_topic or keep chunks_to_pipeline")
 

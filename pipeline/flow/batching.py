@@ -39,7 +39,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
 from pipeline.contract.keying import bucket_index, shard_of
 from pipeline.contract.messages import STAGE_BATCH, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import check_parameters, default
+from pipeline.contract.parameters import ParameterProblems, check_parameters, default
 from pipeline.contract.state_format import check_cell, read_cell, write_cell
 from pipeline.intake.prompt_length import estimate_tokens
 
@@ -70,7 +70,7 @@ class BatchingConfig:
         problems = _boundary_problems("bucket boundaries", self.boundaries)
         problems += _boundary_problems("answer bucket boundaries", self.answer_boundaries)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ParameterProblems(*problems)
 
     def bucket_of(self, prompt_tokens: int) -> int:
         return bucket_index(self.boundaries, prompt_tokens)

@@ -39,9 +39,9 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.parameters import check_parameters, default, not_with_transformers
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.generation import key_state
+from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.generation.key_events import (
     Arrived,
     DrainDue,
@@ -60,9 +60,6 @@ from pipeline.worker.load import LoadGauges
 from pipeline.worker.runtime import RuntimeSource, SharedRuntime, new_runtime_tag, process_record, start_heartbeat
 from pipeline.worker.runtime_client import RuntimeClient
 from pipeline.worker.runtime_settings import RuntimeSettings
-
-DEFAULT_DEDUPE_WINDOW_S = float(default("dedupe_window_s"))
-DEFAULT_DRAIN_TIMEOUT_S = float(default("drain_timeout_s"))
 
 
 def template_poll_interval_ms(chunk_interval_ms: float) -> float:
@@ -119,10 +116,9 @@ class StreamingGenerateFn(beam.DoFn):
     DRAIN = TimerSpec("drain", TimeDomain.WATERMARK)
 
     def __init__(self, runtime: RuntimeSource, poll_interval_ms: float,
-                 dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
-                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+                 generate: GenerateSettings = GenerateSettings()) -> None:
         self._source = runtime
-        self._rules = Rules(poll_interval_ms / 1000.0, dedupe_window_s, drain_timeout_s,
+        self._rules = Rules(poll_interval_ms / 1000.0, generate.dedupe_window_s, generate.drain_timeout_s,
                             waiting_cap(runtime.settings))
         self._gauges = LoadGauges("generate")
         self._outputs = StepOutputs()
@@ -217,8 +213,7 @@ class KeyByGenerateShard(beam.PTransform):
 
     def __init__(self, generate_shards: int) -> None:
         super().__init__()
-        check_parameters({"generate_shards": generate_shards})
-        self._generate_shards = generate_shards
+        self._generate_shards = generate_shards  # checked by the GenerateSettings it comes from
 
     def expand(self, batches):
         return batches | beam.FlatMap(_by_generate_key, self._generate_shards).with_output_types(
@@ -228,7 +223,7 @@ class KeyByGenerateShard(beam.PTransform):
 class StreamingGenerate(beam.PTransform):
     """Batches of requests in, streamed chunks out.
 
-    Input: ``(shard_key, [InferenceRequest, ...])``; with ``generate_shards``
+    Input: ``(shard_key, [InferenceRequest, ...])``; with ``generate.generate_shards``
     each request is first re-keyed by :func:`~pipeline.contract.keying.generate_key`
     (see :mod:`pipeline.contract.keying` for why). Outputs (a tuple of
     PCollections of JSON-ready dicts): ``chunks`` (main; empty when the engine
@@ -237,36 +232,36 @@ class StreamingGenerate(beam.PTransform):
 
     Example::
 
-        results = batches | StreamingGenerate(EngineSettings(server=None, server_url="http://vllm:8000"))
+        results = batches | StreamingGenerate(EngineSettings(server=None, server_url="http://vllm:8000"),
+                                              GenerateSettings(generate_shards=64))
         results.chunks | ...
 
     ``settings``: the engine's alone (admission's and the runtime calls' take their defaults), or the whole
-    runtime's (:class:`~pipeline.worker.runtime_settings.RuntimeSettings`).
+    runtime's (:class:`~pipeline.worker.runtime_settings.RuntimeSettings`); ``generate``: the step's own
+    (its defaults, for the same engine, when None).
     """
 
-    def __init__(self, settings: EngineSettings | RuntimeSettings, *, poll_interval_ms: float | None = None,
-                 runtime: SharedRuntime | None = None, dedupe_window_s: float = DEFAULT_DEDUPE_WINDOW_S,
-                 generate_shards: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+    def __init__(self, settings: EngineSettings | RuntimeSettings, generate: GenerateSettings | None = None, *,
+                 poll_interval_ms: float | None = None, runtime: SharedRuntime | None = None) -> None:
         super().__init__()
-        check_parameters({"drain_timeout_s": drain_timeout_s, "dedupe_window_s": dedupe_window_s})
         if isinstance(settings, EngineSettings):
             settings = RuntimeSettings(settings)
-        if generate_shards is not None and settings.engine.engine == "transformers":
-            raise ValueError(not_with_transformers("generate_shards"))
-        self._dedupe_window_s = dedupe_window_s
-        self._drain_timeout_s = drain_timeout_s
-        self._generate_shards = generate_shards
+        generate = generate or GenerateSettings(engine=settings.engine.engine)
+        if generate.engine != settings.engine.engine:
+            raise ValueError(f"the generate step's settings are for engine {generate.engine!r}, its runtime's for "
+                             f"{settings.engine.engine!r}: build both for one engine")
+        self._generate = generate
         self._poll_interval_ms = (template_poll_interval_ms(settings.engine.chunk_policy.interval_ms)
                                   if poll_interval_ms is None else poll_interval_ms)
         # One runtime per worker for this pipeline (its admission step shares it).
         self._runtime = runtime or SharedRuntime(settings, new_runtime_tag(settings))
 
     def expand(self, batches):
-        if self._generate_shards is not None:
+        if self._generate.generate_shards is not None:
             # Re-keyed by the id's generate shard: these keys decide which worker's GPU serves a request.
-            batches = batches | "KeyByGenerateShard" >> KeyByGenerateShard(self._generate_shards)
+            batches = batches | "KeyByGenerateShard" >> KeyByGenerateShard(self._generate.generate_shards)
         results = batches | "Generate" >> beam.ParDo(
-            StreamingGenerateFn(self._runtime, self._poll_interval_ms, self._dedupe_window_s, self._drain_timeout_s)
+            StreamingGenerateFn(self._runtime, self._poll_interval_ms, self._generate)
         ).with_outputs(TAG_COMPLETIONS, TAG_DEAD_LETTERS, main="chunks")
         return results
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from google.api_core.exceptions import GoogleAPIError
 from google.auth.exceptions import DefaultCredentialsError
 
+from pipeline.contract.parameters import check_parameters
 from pipeline.contract.request_parsing import ADAPTER_NAME
 from pipeline.serving.lora_adapters import ADAPTER_CONFIG, Adapter, rank_problem
 from pipeline.serving.model_weights import GCS, LOCAL, WeightsError, local_weights, location_kind, parse_gcs_uri
@@ -47,12 +48,9 @@ class AdapterRoot:
     location: str
 
     def __post_init__(self) -> None:
-        kind = location_kind(self.location)
-        if kind == GCS:
+        check_parameters({"lora_adapter_root": self.location})  # a gs:// folder or a folder on the worker
+        if location_kind(self.location) == GCS:
             parse_gcs_uri(self.location)  # raises ValueError for a location no worker could copy
-        elif kind != LOCAL:
-            raise ValueError(f"--lora_adapter_root must be a gs:// folder or a folder on the worker, got "
-                             f"{self.location!r}")
 
     def location_of(self, name: str) -> str:
         return f"{self.location.rstrip('/')}/{name}"

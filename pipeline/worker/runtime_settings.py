@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME, check_parameters, default
+from pipeline.contract.parameters import (
+    DEFAULT_HARNESS_THREADS,
+    WORKER_OPTIONS_BY_NAME,
+    ParameterProblems,
+    check_parameters,
+    default,
+)
 from pipeline.engines.engine_settings import EngineSettings, left_by
 
 
@@ -54,7 +60,7 @@ class CallSettings:
     def __post_init__(self) -> None:
         problems = WORKER_OPTIONS_BY_NAME["number_of_worker_harness_threads"].problems(self.harness_threads)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ParameterProblems(*problems)
         if not self.bound_s > 0:
             raise ValueError(f"a runtime call's bound must be positive, got {self.bound_s} s")
 
