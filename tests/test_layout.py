@@ -150,6 +150,14 @@ def test_the_architecture_page_names_every_worker_module_and_no_other_in_stage_o
     assert order == sorted(order, key=STAGES.index), "list the stages ground first, as STAGES does"
 
 
+def test_each_worker_module_is_short_enough_to_hold_in_ones_head():
+    """Issue #56's bar: no module of pipeline/ over 450 lines, and the generate step's DoFn a thin shell of 300."""
+    lengths = {path.relative_to(REPO).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
+               for path in (REPO / "pipeline").rglob("*.py")}
+    assert {path: n for path, n in lengths.items() if n > 450} == {}
+    assert lengths["pipeline/generation/generate.py"] <= 300
+
+
 def prose(path: Path) -> str:
     """What a reader reads: a page whole, a Python file's strings and comments (its code may name a Beam pipeline)."""
     if path.suffix != ".py":

@@ -13,13 +13,8 @@ from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.parameters import (
-    CHECKED_BY_RECORDS,
-    DEFAULT_HARNESS_THREADS,
-    PARAMETERS,
-    PARAMETERS_BY_NAME,
-    WORKER_OPTIONS,
-)
+from pipeline.contract.parameter_checks import CHECKED_BY_RECORDS
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.batching import BatchingConfig

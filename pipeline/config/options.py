@@ -15,16 +15,13 @@ from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.contract.parameters import (
-    ALSO_REQUIRED,
+from pipeline.contract.parameter_checks import (
     CHECKED_BY_RECORDS,
-    DEAD_LETTER_PARAMETERS,
     ENGINE_RECORDS,
     NOT_WITH_TRANSFORMERS,
-    OUTPUT_PARAMETERS,
-    PARAMETERS,
     not_with_transformers,
 )
+from pipeline.contract.parameters import ALSO_REQUIRED, DEAD_LETTER_PARAMETERS, OUTPUT_PARAMETERS, PARAMETERS
 from pipeline.serving.lora_adapters import VLLM_LORA_RANKS
 
 # vLLM server flags that a template parameter (or the model manager) sets: inside vllm_args they would silently
@@ -116,7 +113,7 @@ class PipelineConfig:
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> PipelineConfig:
         """Converts (string or typed) values, fills defaults and validates them all at once; the values a settings
-        record checks (:data:`~pipeline.contract.parameters.CHECKED_BY_RECORDS`) are checked when
+        record checks (:data:`~pipeline.contract.parameter_checks.CHECKED_BY_RECORDS`) are checked when
         :class:`~pipeline.config.settings.JobSettings` builds it."""
         config, problems = cls.read(values)
         if problems:

@@ -21,7 +21,8 @@ from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 
 from pipeline.config.options import ConfigError, PipelineConfig, StreamingLLMOptions
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, WORKER_OPTIONS_BY_NAME, ParameterProblems
+from pipeline.contract.parameter_checks import ParameterProblems
+from pipeline.contract.parameters import DATAFLOW_GENERATE_SHARDS, WORKER_OPTIONS_BY_NAME
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings, priority_scheduling
 from pipeline.flow.batching import BatchingConfig, default_boundaries, parse_boundaries
@@ -90,8 +91,8 @@ class JobSettings:
 
     @classmethod
     def _build(cls, config: PipelineConfig, harness_threads: Any, problems: list[str]) -> JobSettings:
-        """Each record checks the values it owns as it is built (pipeline.contract.parameters.CHECKED_BY_RECORDS);
-        their problems join the config's in one error."""
+        """Each record checks the values it owns as it is built (``CHECKED_BY_RECORDS``, in
+        :mod:`pipeline.contract.parameter_checks`); their problems join the config's in one error."""
         problems = list(problems)
         parts: dict[str, Any] = {}
 

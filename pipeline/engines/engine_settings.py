@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.keying import bucket_index
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.parameters import ParameterProblems, check_parameters, default, not_with_transformers
+from pipeline.contract.parameter_checks import ParameterProblems, check_parameters, not_with_transformers
+from pipeline.contract.parameters import default
 from pipeline.serving.vllm_server import ServerSpec
 
 

@@ -39,7 +39,8 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.contract.element_guard import TAG_DEAD_LETTERS, guarded, guarded_value
 from pipeline.contract.keying import bucket_index, shard_of
 from pipeline.contract.messages import STAGE_BATCH, DeadLetter, InferenceRequest
-from pipeline.contract.parameters import ParameterProblems, check_parameters, default
+from pipeline.contract.parameter_checks import ParameterProblems, check_parameters
+from pipeline.contract.parameters import default
 from pipeline.contract.state_format import check_cell, read_cell, write_cell
 from pipeline.intake.prompt_length import estimate_tokens
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.contract.parameters import ParameterProblems, check_parameters, default, not_with_transformers
+from pipeline.contract.parameter_checks import ParameterProblems, check_parameters, not_with_transformers
+from pipeline.contract.parameters import default
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from google.api_core.exceptions import GoogleAPIError
 from google.auth.exceptions import DefaultCredentialsError
 
-from pipeline.contract.parameters import check_parameters
+from pipeline.contract.parameter_checks import check_parameters
 from pipeline.contract.request_parsing import ADAPTER_NAME
 from pipeline.serving.lora_adapters import ADAPTER_CONFIG, Adapter, rank_problem
 from pipeline.serving.model_weights import GCS, LOCAL, WeightsError, local_weights, location_kind, parse_gcs_uri

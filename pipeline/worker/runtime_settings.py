@@ -12,13 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.contract.parameters import (
-    DEFAULT_HARNESS_THREADS,
-    WORKER_OPTIONS_BY_NAME,
-    ParameterProblems,
-    check_parameters,
-    default,
-)
+from pipeline.contract.parameter_checks import ParameterProblems, check_parameters
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME, default
 from pipeline.engines.engine_settings import EngineSettings, left_by
 
 
