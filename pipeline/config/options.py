@@ -3,7 +3,8 @@
 Both are generated from :data:`~pipeline.contract.parameters.PARAMETERS`. Plain Beam/Dataflow options (runner,
 machine type, sdk_container_image, ...) are not redeclared: they pass through to Beam. Each value is converted and
 checked on its own, then the combinations; :class:`~pipeline.config.settings.JobSettings` turns the result into
-every component's settings, and a value that a settings record owns is checked there, by that record, once.
+every component's settings. A value that a settings record owns is checked by that record instead, when it is
+built, so each value is checked once.
 """
 
 from __future__ import annotations
