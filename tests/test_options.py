@@ -13,7 +13,7 @@ from local.template_docs import DOCS, PARAMETERS_PAGE, metadata_json, page_with_
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.parameter_checks import CHECKED_BY_RECORDS
+from pipeline.contract.parameter_checks import CHECKED_BY_RECORDS, ENGINE_RECORDS, NOT_WITH_TRANSFORMERS
 from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, PARAMETERS, PARAMETERS_BY_NAME, WORKER_OPTIONS
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
@@ -316,7 +316,8 @@ def test_a_launch_reports_each_refused_value_once_from_the_check_that_owns_it(na
         RECORDS[owner](**{FIELDS.get(name, name): converted})
 
 
-@pytest.mark.parametrize("name", sorted({"server_url", "generate_shards"} & set(CHECKED_BY_RECORDS)))
+@pytest.mark.parametrize("name", [name for name in NOT_WITH_TRANSFORMERS
+                                  if CHECKED_BY_RECORDS.get(name) in ENGINE_RECORDS])
 def test_the_record_that_owns_a_value_refuses_it_with_the_transformers_engine_once(name):
     value = PARAMETERS_BY_NAME[name].example
     with pytest.raises(ConfigError) as excinfo:

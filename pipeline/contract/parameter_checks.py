@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.contract.parameters import PARAMETERS_BY_NAME
+from pipeline.contract.parameters import PARAMETERS_BY_NAME, WORKER_OPTIONS_BY_NAME
+
+# The template's parameters and Beam's worker options that the console's form shows, each by name.
+_DECLARED = {**PARAMETERS_BY_NAME, **WORKER_OPTIONS_BY_NAME}
 
 # Parameters that do not go with engine=transformers, and why: the options (or, for those in CHECKED_BY_RECORDS, the
 # record that owns the value) refuse them in these words.
@@ -51,7 +54,8 @@ class ParameterProblems(ValueError):
 
 
 def check_parameters(values: dict[str, Any]) -> None:
-    """Raises :class:`ParameterProblems` naming every value outside its parameter's declared choices and bounds."""
-    problems = [problem for name, value in values.items() for problem in PARAMETERS_BY_NAME[name].problems(value)]
+    """Raises :class:`ParameterProblems` naming every value outside its parameter's (or worker option's) declared
+    choices and bounds."""
+    problems = [problem for name, value in values.items() for problem in _DECLARED[name].problems(value)]
     if problems:
         raise ParameterProblems(*problems)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.contract.parameter_checks import ParameterProblems, check_parameters
-from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, WORKER_OPTIONS_BY_NAME, default
+from pipeline.contract.parameter_checks import check_parameters
+from pipeline.contract.parameters import DEFAULT_HARNESS_THREADS, default
 from pipeline.engines.engine_settings import EngineSettings, left_by
 
 
@@ -53,9 +53,7 @@ class CallSettings:
     bound_s: float = 5.0
 
     def __post_init__(self) -> None:
-        problems = WORKER_OPTIONS_BY_NAME["number_of_worker_harness_threads"].problems(self.harness_threads)
-        if problems:
-            raise ParameterProblems(*problems)
+        check_parameters({"number_of_worker_harness_threads": self.harness_threads})
         if not self.bound_s > 0:
             raise ValueError(f"a runtime call's bound must be positive, got {self.bound_s} s")
 
