@@ -2,10 +2,14 @@
 
 A worker process can stop for seconds to minutes while its model server goes on (a long GC, memory pressure, a
 live migration); its timers then fire late, all at once. Here the pipeline runs as users run it
-(``python -m local.direct_runner`` on the Pub/Sub emulator; the engine's host process and the managed vLLM
-under it, which a SIGSTOP to the pipeline's process does not reach), with ``stream_lease_s=4``, and is stopped for 15 s while long answers
+(``python -m local.direct_runner`` on the Pub/Sub emulator, with the engine's host process, which a SIGSTOP to
+the pipeline's process does not reach), with ``stream_lease_s=4``, and is stopped for 15 s while long answers
 stream, then for 60 s while short ones finish at the server. Every request must end with one completion of
 attempt 1 and one chunk stream: nothing generated twice.
+
+The streams' leases live in the engine's registry whichever server it talks to, so the run uses the suite's
+vLLM (``--server_url``) and starts none of its own: what owning the server changes is proved by the end-to-end
+tests of the managed server (tests/test_pipeline_e2e.py, tests/test_resilience_e2e.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from collections import defaultdict
 
 import pytest
 
-from local.cpu_server import LOCAL_SERVER
 from local.harness import REPO_ROOT, LocalRun
 from tests.conftest import SERVED_NAME, wait_until
 
@@ -31,9 +34,9 @@ def requests(prefix: str, count: int, tokens: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def paused_run(checkpoint, emulator):
-    run = LocalRun([f"--model={checkpoint}", f"--served_model_name={SERVED_NAME}", *LOCAL_SERVER.template_args(),
-                    "--num_shards=2", f"--stream_lease_s={LEASE_S}", "--chunk_tokens=8", "--chunk_interval_ms=100"],
+def paused_run(vllm_server, emulator):
+    run = LocalRun([f"--server_url={vllm_server.base_url}", f"--served_model_name={SERVED_NAME}", "--num_shards=2",
+                    f"--stream_lease_s={LEASE_S}", "--chunk_tokens=8", "--chunk_interval_ms=100"],
                    log_path=REPO_ROOT / ".cache" / "test-e2e" / "pause.log", emulator=emulator)
     run.start()
     collector = run.collector()
