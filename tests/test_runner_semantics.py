@@ -19,7 +19,7 @@ from collections import defaultdict
 import pytest
 from google.api_core.exceptions import DeadlineExceeded
 from google.cloud import pubsub_v1
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from local.runner_semantics import Driver, InProcessRuntime, KeyState, Worker, entry_v1, generate_fn, in_process
@@ -159,8 +159,12 @@ RUNS = iter(range(10**6))
 GENERATED: list[tuple[float, float, bool]] = []
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
+# Four schedules against the real engines and vLLM (the key machine meets these faults in 10,000 schedules a run in
+# tests/test_worker_sim.py): one written out without a key move, so the 1.05 bound is always tried here, and three
+# drawn.
+@settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@example(first="fails", schedule=["poll", "deliver_fails", "late", "poll_fails", "poll"], split=True)
 @given(first=st.sampled_from(["commits", "fails", "fails_elsewhere"]),
        schedule=st.lists(EVENTS, min_size=3, max_size=12).filter(lambda s: sum(MOVES.__contains__(e) for e in s) <= 2),
        split=st.booleans())

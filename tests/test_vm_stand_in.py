@@ -3,9 +3,12 @@ sharing one runtime through MultiProcessShared, around the real admission and ge
 
 Hypothesis draws the schedules: how much a read's pull returns (a reader's round on every free thread), failed
 commits, engine calls that raise, and one event (none, a paused SDK process, the runtime's host killed, an
-update), with or without a drain at the end: five written-out schedules cover each event, then
-``VM_STAND_IN_EXAMPLES`` drawn ones (default 1; the whole file takes about nine minutes on 2 cores, a managed
-vLLM started twice among them)."""
+update), with or without a drain at the end. Three written-out schedules run by default, the ones whose point
+is real processes: a backlog with failed commits, the host killed, an update with a drain; the key machine's
+side of every event (failing engines, drains, moves, host deaths: tests/test_worker_sim.py) and the worker's
+bound under each way threads are handed out (tests/test_vm_sim.py) are proved by the simulators, thousands of
+schedules a run. ``VM_STAND_IN_EXAMPLES`` adds that many drawn ones (default 0; each takes about 25 s on 2
+cores)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 from collections import defaultdict
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from local.vm_stand_in import Schedule, VmStandIn
@@ -29,7 +32,7 @@ from tests.conftest import SERVED_NAME, local_server_spec, wait_until
 pytestmark = pytest.mark.engine
 LEASE_S = 6.0  # a key polls nothing while its work item runs: seen to take 4 s on a loaded machine (docs/testing.md)
 PROCESSES, THREADS = 2, 2
-EXAMPLES = int(os.environ.get("VM_STAND_IN_EXAMPLES", "1"))
+EXAMPLES = int(os.environ.get("VM_STAND_IN_EXAMPLES", "0"))
 RUNS = iter(range(10**6))
 
 
@@ -88,14 +91,13 @@ def vm(vllm_server):
         yield stand_in
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-# Each event at least once, with failed commits, failing engine calls and a drain among them; then what it draws.
+@settings(max_examples=max(EXAMPLES, 1), phases=tuple(Phase) if EXAMPLES else (Phase.explicit,), deadline=None,
+          derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+# What real processes add: failed commits across SDK processes, the host's death, an update and its drain. A
+# paused process is the next test's (its streams still run through the pause: the stronger premise).
 @example(sizes=[4, 1], commit_failures=0.2, engine_failures=0.0, event="none", drain=False)
-@example(sizes=[4, 3], commit_failures=0.0, engine_failures=0.0, event="pause", drain=False)
 @example(sizes=[2], commit_failures=0.2, engine_failures=0.0, event="kill", drain=False)
 @example(sizes=[3, 2], commit_failures=0.0, engine_failures=0.0, event="update", drain=True)
-@example(sizes=[1, 4], commit_failures=0.0, engine_failures=0.05, event="none", drain=True)
 @given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3), commit_failures=st.sampled_from([0.0, 0.2]),
        engine_failures=st.sampled_from([0.0, 0.05]), event=st.sampled_from(["none", "pause", "kill", "update"]),
        drain=st.booleans())
