@@ -162,7 +162,8 @@ smoke-bigquery: model ## Like smoke, also writing to a local BigQuery emulator, 
 
 .PHONY: test
 test: model lint ## Run the lint, then the whole test suite (starts the emulator and vLLM itself)
-	$(PY) -m pytest -v --durations=40 $(PYTEST_ARGS)
+	@# Two processes: the modules that start the model, one after another, and the rest beside them (tests/conftest.py).
+	$(PY) -m pytest -v --durations=40 -n 2 $(PYTEST_ARGS)
 
 # The worker's core is type-checked whole; the rest of pipeline/, ops/ and template/ joins as it is cleaned.
 LINTED := pipeline ops template tests/worker_sim.py tests/test_worker_sim.py tests/vm_sim.py tests/test_vm_sim.py

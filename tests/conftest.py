@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -52,6 +53,26 @@ def vllm_server(checkpoint):
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The known-answer test runs first: a model with a broken numeric path fails in minutes, not after 15."""
     items.sort(key=lambda item: item.get_closest_marker("known_answer") is None)
+
+
+@functools.cache
+def uses_the_model(module: str) -> bool:
+    """Whether a test module has tests marked ``engine`` (read from its source: the scheduler sees node ids only)."""
+    return "mark.engine" in (Path(__file__).parent.parent / module).read_text()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``make test`` runs in two processes (pytest-xdist): the modules that start the model, one at a time as
+    they always ran (they share one vLLM and must not compete for its cores), and the rest beside them. Split
+    by module, as two scopes of xdist's scope scheduler: its ``loadgroup`` marks do not reach pytest 9's node
+    ids."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModelAndRest(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "model" if uses_the_model(nodeid.split("::")[0]) else "rest"
+
+    return ModelAndRest(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)
