@@ -19,7 +19,7 @@ from apache_beam.runners.runner import PipelineResult
 from pipeline.config.launch_checks import apply_launch_defaults, image_cuda_major, launch_problems
 from pipeline.config.options import ConfigError, PipelineConfig
 from pipeline.config.settings import JobSettings
-from pipeline.flow.admission import AdmitRequests
+from pipeline.flow.admission import AdmitRequests, GenerateKeys
 from pipeline.flow.batching import BatchRequests
 from pipeline.flow.subscription_reader import ReadWithinRoom, marked_bulk, readers_for
 from pipeline.generation.generate import StreamingGenerate
@@ -59,10 +59,12 @@ def build(pipeline: beam.Pipeline, settings: JobSettings) -> PipelineOutputs:
                                                          settings.request_defaults)
     measured = parsed.requests | "MeasurePromptLength" >> MeasurePromptLength(settings.prompt_length)
     # Last before the first shuffle, in the reader's fused stage: each request takes the place its read took.
-    admitted = measured.requests | "AdmitRequests" >> AdmitRequests(runtime)
+    generate_step = settings.generate_step(local=local)
+    admitted = measured.requests | "AdmitRequests" >> AdmitRequests(
+        runtime, GenerateKeys(settings.batching, generate_step.generate_shards))
     batches = admitted | "BatchRequests" >> BatchRequests(settings.batching)
     generated = batches.batches | "StreamingGenerate" >> StreamingGenerate(
-        settings.runtime, settings.generate_step(local=local), runtime=runtime)
+        settings.runtime, generate_step, runtime=runtime)
     failures = [parsed.dead_letters, measured.dead_letters, batches.dead_letters, generated.dead_letters]
     if config.output_completions_topic:
         failures.append(generated.completions | "PublishCompletions" >> PublishJson(

@@ -57,6 +57,42 @@ def test_the_longest_transit_seen_in_the_last_cap_s_sets_how_long_a_passed_reque
     assert hold.counts(35.1) == (0, 0), "the 5 s one is older than cap_s: the longest is 1 s now, and w is 3.1 s"
 
 
+def test_a_key_whose_request_went_elsewhere_counts_its_next_ones_for_transit_s_until_one_arrives_here():
+    """The admission step tells each id's key. "far"'s request lapses unarrived while "near"'s, dispatched after
+    it, arrived: far is another worker's. Its next requests count for transit_s only, even with nothing
+    dispatched after them arriving; near's still count while the keys here are behind them. Once one of far's
+    arrives here (the key moved here), its requests count as near's do again."""
+    hold = ledger()
+    hold.admit(0.0, ["f1", "n1"], room=2, keys={"f1": "far", "n1": "near"})
+    hold.dispatched(0.0, ["f1"])
+    hold.dispatched(1.0, ["n1"])
+    hold.arrived(1.5, ["n1"])  # took 0.5 s: f1, dispatched before it, counts for transit_s, then lapses
+    assert hold.counts(1.9) == (0, 1)
+    assert hold.counts(2.0) == (0, 0), "f1 went to another worker's key"
+    hold.admit(10.0, ["f2", "n2"], room=2, keys={"f2": "far", "n2": "near"})
+    hold.dispatched(10.0, ["f2", "n2"])
+    assert hold.counts(11.9) == (0, 2), "within transit_s everything counts"
+    assert hold.counts(12.0) == (0, 1), "f2 goes to a key of another worker's: transit_s only; n2 counts on"
+    hold.admit(20.0, ["f3"], room=2, keys={"f3": "far"})
+    hold.dispatched(20.0, ["f3"])
+    hold.arrived(21.0, ["f3"])  # far is a key of this worker's now
+    hold.admit(22.0, ["f4"], room=1, keys={"f4": "far"})
+    hold.dispatched(22.0, ["f4"])
+    assert hold.counts(24.5) == (0, 1), "f4 counts on while the keys here are behind it: far was heard from"
+
+
+def test_an_id_admitted_without_its_key_counts_as_before():
+    hold = ledger()
+    hold.admit(0.0, ["f1", "n1"], room=2, keys={"f1": "far", "n1": "near"})
+    hold.dispatched(0.0, ["f1"])
+    hold.dispatched(1.0, ["n1"])
+    hold.arrived(2.0, ["n1"])
+    assert hold.counts(3.0) == (0, 0)
+    hold.admit(10.0, ["x"], room=1)  # untold: it may be far's, and it is counted as any other
+    hold.dispatched(10.0, ["x"])
+    assert hold.counts(12.5) == (0, 1), "nothing dispatched with or after it has arrived"
+
+
 def test_a_worker_whose_keys_receive_nothing_counts_requests_on_their_way_for_transit_s():
     """All its reads go to keys other workers host: once its keys have received nothing for cap_s since a read
     was dispatched, what it dispatches counts for transit_s, as before any arrival could tell. A worker that

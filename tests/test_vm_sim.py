@@ -92,19 +92,18 @@ def reading_on_s(outcome: Outcome, startup_s: float = 0.0) -> float:
     return startup_s + 2 * rounds * (1.0 + outcome.setup.transit_s + FULL_DELAY_S + 10 * STEP_S) + 5.0
 
 
-@pytest.mark.xfail(strict=True, reason="known defect, found by VM_SIM_SEEDS=20: a fill that all went to other "
-                   "workers holds the worker full until transit_cap_s")
 def test_seed_7_with_half_the_keys_elsewhere_reads_on() -> None:
-    """Seed 7 of the remote-keys case: a bound of 3, 4 of 7 keys on other workers; it took 195 s against 89. Traced:
-    about one fill in four sends all 3 requests elsewhere, and nothing dispatched after them can arrive here while
-    they hold the worker full, so they count until transit_cap_s. Letting them lapse once the keys here have
-    received nothing for twice the longest recent transit fixed this seed, but broke the bound in
-    test_worker_rig's late-timer case (8 against 4 + 2): keys whose timers run late are silent too. Letting them
-    lapse after twice the longest recent transit only on an idle worker (no unfinished stream, no waiting report)
-    fixed this seed and 20 seeds of every case here, but the rig's late case then held 7 against 4 + 2 (cuts [3],
-    late): a worker whose keys run late can be idle too. A fix must tell keys that receive nothing from keys that
-    do not run (the simulator plays no late keys yet: a case that does would prove it). When it lands, this passes
-    and strict xfail says so."""
+    """Seed 7 of the remote-keys case, found by VM_SIM_SEEDS=20: a bound of 3, 4 of 7 keys on other workers. About
+    one fill in four sends all 3 requests elsewhere, and nothing dispatched after them can arrive here while they
+    hold the worker full. Told each request's key, the ledger has learned by then that those keys are another
+    worker's (an earlier request of theirs lapsed unarrived), so they count for transit_s only."""
     outcome = run(7, "timers", transit_s=0.3, admission_transit_s=1.0, remote_share=0.5)
     check(outcome)
     assert outcome.makespan_s <= reading_on_s(outcome), outcome.makespan_s
+
+
+def test_it_bites_when_the_ledger_is_not_told_the_keys() -> None:
+    """Without the keys the same fills count until transit_cap_s: it took 195 s against 89."""
+    outcome = run(7, "timers", transit_s=0.3, admission_transit_s=1.0, remote_share=0.5, keys_told=False)
+    check(outcome)
+    assert outcome.makespan_s > reading_on_s(outcome), outcome.makespan_s

@@ -28,7 +28,7 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
-from pipeline.flow.admission import AdmitFn
+from pipeline.flow.admission import AdmitFn, GenerateKeys
 from pipeline.flow.batching import BatchingConfig, _BatchFn, _keyed
 from pipeline.flow.subscription_reader import FULL_DELAY_S
 from pipeline.serving.vllm_server import server_metrics
@@ -142,7 +142,7 @@ def test_a_backlog_through_read_batching_and_generation_on_four_threads(worker, 
             places = read_places.reserve(source.runtime, len(bundle))
             pulled, rest = bundle[:len(places)], bundle[len(places):]
             read_places.settle(source.runtime, source.tag, places, len(pulled))
-            admit = AdmitFn(source)
+            admit = AdmitFn(source, GenerateKeys(BATCHING))
             admit.setup()
             admit.start_bundle()
             passed = [out for request in pulled for out in admit.process(request)]

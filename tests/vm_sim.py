@@ -16,7 +16,7 @@ model server (tokens at a rate, at most ``max_in_flight`` streams), the shuffle 
 (``transit_s``), the runner's resumption of a deferred reader (``FULL_DELAY_S`` or ``EMPTY_DELAY_S`` later),
 and the round itself, which follows :class:`~pipeline.flow.subscription_reader.PullWithinRoomFn` and
 :class:`~pipeline.flow.admission.AdmitFn` in one fused work item: take places, pull at most that many, give
-back the rest, admit each request in its place, end the bundle.
+back the rest, admit each request in its place and with its key, end the bundle.
 
 Reads: ``reader`` (the job's) and, to show what it saves, ``native`` (a read that pulls whatever the
 subscription gives, as Dataflow's own source does, with each request admitted where there is room). Policies,
@@ -79,6 +79,9 @@ class Setup:
     # Whether a request on its way counts once its read's bundle ended (the admission transit); False plays the
     # ledger without it, to measure what it saves (mechanisms()).
     transit_counted: bool = True
+    # Whether the admission step tells the ledger each request's key (AdmitFn does); False plays a ledger that
+    # cannot learn which keys other workers host.
+    keys_told: bool = True
 
     @classmethod
     def draw(cls, seed: int, policy: str, design: str = "reader") -> Setup:
@@ -215,7 +218,8 @@ class _Vm:
         read_places.settle(self.ledger, self.tag, places, len(pulled))
         admitted = []
         for request in pulled:  # AdmitFn, in the same bundle
-            if self.ledger.admit([request.id], in_place_of=read_places.take(self.tag, 1)):
+            if self.ledger.admit([request.id], in_place_of=read_places.take(self.tag, 1),
+                                 keys={request.id: repr(self._key_of(request))} if self.s.keys_told else None):
                 admitted.append(request.id)
             else:
                 self.out.uncounted += 1

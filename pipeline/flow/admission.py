@@ -8,7 +8,9 @@ the batcher's shuffle, admits each request in place of one of those place-holder
 (:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit` with ``in_place_of``), so from then on it
 counts by its id: until the generate step reports it arrived, or, once its bundle ended, for
 ``AdmissionSettings.transit_s`` and on while this worker's keys are behind it (it may go to another worker;
-:mod:`pipeline.worker.hold`). A request whose place no longer counts (a
+:mod:`pipeline.worker.hold`). Each is admitted with the generate step's key it goes to
+(:class:`GenerateKeys`), so the ledger learns which keys other workers host and counts what goes to them for
+``transit_s`` only. A request whose place no longer counts (a
 runtime rebuilt since its read, or a place that lapsed) is admitted only if there is room, and otherwise passes
 on uncounted: it was read already, and holding it back would take a thread.
 
@@ -27,12 +29,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
+from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import InferenceRequest
+from pipeline.flow.batching import BatchingConfig, batch_key
 from pipeline.worker import read_places
 from pipeline.worker.load import LOAD_NAMESPACE, LoadGauges
 from pipeline.worker.runtime import RuntimeSource, SharedRuntime, process_record
@@ -44,11 +49,30 @@ LOGGER = logging.getLogger(__name__)
 UNCOUNTED_LOG_INTERVAL_S = 60.0
 
 
-class AdmitFn(beam.DoFn):
-    """The admission step's DoFn (see the module docstring); ``runtime`` says how it reaches its worker's runtime."""
+@dataclass(frozen=True)
+class GenerateKeys:
+    """Which key of the generate step a request goes to: the batcher's, or its generate shard where that step
+    re-keys. The ledger learns from it which keys another worker hosts (:mod:`pipeline.worker.hold`)."""
 
-    def __init__(self, runtime: RuntimeSource) -> None:
+    batching: BatchingConfig
+    generate_shards: int | None = None
+
+    def of(self, request: InferenceRequest) -> str | None:
+        if self.generate_shards:
+            return f"generate shard {generate_key(request.id, self.generate_shards)}"
+        try:
+            return batch_key(self.batching, request)
+        except Exception:  # the batcher dead-letters what it cannot key; here the key only goes untold
+            return None
+
+
+class AdmitFn(beam.DoFn):
+    """The admission step's DoFn (see the module docstring); ``runtime`` says how it reaches its worker's runtime,
+    ``keys`` which of the generate step's keys each request goes to (None: the ledger is not told)."""
+
+    def __init__(self, runtime: RuntimeSource, keys: GenerateKeys | None = None) -> None:
         self._source = runtime
+        self._keys = keys
         self._gauges = LoadGauges("admit")
         self.uncounted = Metrics.counter(LOAD_NAMESPACE, "admitted_uncounted")
 
@@ -62,7 +86,10 @@ class AdmitFn(beam.DoFn):
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
         places = read_places.take(self._source.tag, 1, fresher_than_s=self._source.settings.admission.transit_s)
-        _, taken = self._runtime.call("admit", lambda runtime: runtime.admit([request.id], in_place_of=places))
+        key = self._keys.of(request) if self._keys else None
+        told = {request.id: key} if key is not None else None
+        _, taken = self._runtime.call("admit", lambda runtime: runtime.admit([request.id], in_place_of=places,
+                                                                              keys=told))
         if taken:
             self._bundle_ids.append(request.id)
             self._gauges.update(self._source, self._record)
@@ -96,9 +123,10 @@ class AdmitRequests(beam.PTransform):
     process that read the request.
     """
 
-    def __init__(self, runtime: SharedRuntime) -> None:
+    def __init__(self, runtime: SharedRuntime, keys: GenerateKeys | None = None) -> None:
         super().__init__()
         self._runtime = runtime
+        self._keys = keys
 
     def expand(self, requests):
-        return requests | "Admit" >> beam.ParDo(AdmitFn(self._runtime))
+        return requests | "Admit" >> beam.ParDo(AdmitFn(self._runtime, self._keys))

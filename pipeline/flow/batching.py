@@ -255,12 +255,18 @@ class BatchOutputs(NamedTuple):
     dead_letters: beam.PCollection
 
 
-def _keyed(config: BatchingConfig, request: InferenceRequest) -> Iterator[tuple[str, InferenceRequest]]:
+def batch_key(config: BatchingConfig, request: InferenceRequest) -> str:
+    """The batcher's key for ``request``: its lane, length bucket and shard (and the generate step's key, unless
+    that step re-keys by ``generate_shards``)."""
     tokens = request.prompt_tokens
     if tokens is None:
         tokens = estimate_tokens(request.prompt_text())
     lane = "bulk." if request.bulk else ""  # a batch is of one lane: the generate step serves live first
-    yield f"{lane}{config.bucket_name(tokens, request.max_tokens)}:{shard_of(request.id, config.num_shards)}", request
+    return f"{lane}{config.bucket_name(tokens, request.max_tokens)}:{shard_of(request.id, config.num_shards)}"
+
+
+def _keyed(config: BatchingConfig, request: InferenceRequest) -> Iterator[tuple[str, InferenceRequest]]:
+    yield batch_key(config, request), request
 
 
 class _KeyFn(beam.DoFn):

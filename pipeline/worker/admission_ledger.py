@@ -34,7 +34,8 @@ class AdmissionLedger:
                                 report_lapse_s=admission.report_lapse_s, cap_s=admission.transit_cap_s)
         self._lock = threading.Lock()
 
-    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False) -> int:
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False,
+              keys: dict[str, str] | None = None) -> int:
         """Takes ``ids`` into the worker's hold while it has room, in order; returns how many.
 
         They count as held until the generate step reports them arrived, or, after :meth:`dispatched`, for
@@ -48,7 +49,7 @@ class AdmissionLedger:
         now = self._clock()
         with self._lock:
             room = max((self._bulk_bound if bulk else self._bound) - self._held(now), 0)
-            return len(self._hold.admit(now, ids, room + self._hold.release(in_place_of)))
+            return len(self._hold.admit(now, ids, room + self._hold.release(in_place_of), keys))
 
     def withdraw(self, ids: Sequence[str]) -> None:
         """Places a read took and its pull did not fill: they no longer count here."""

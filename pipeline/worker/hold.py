@@ -21,6 +21,11 @@ has taken and not yet finished, wherever it is on the way:
   goes back to ``transit_s`` once its keys have received nothing for ``cap_s`` since a read was dispatched: it
   waits ``cap_s`` once, not each time. (A worker that reads nothing because it is full receives nothing
   either; that is not counted against it.) A place-holder is on its way from the moment its read ends.
+  Where the admission step says which of the generate step's keys an id goes to, the ledger learns which keys
+  another worker hosts: a key one of whose ids stopped counting without arriving is elsewhere until an id of
+  it arrives here, and an id on its way to such a key counts for ``transit_s`` only. A worker full of requests
+  that all went elsewhere so reads on after ``transit_s``, not after ``cap_s`` (``tests/vm_sim.py``, seed 7 of
+  the remote-keys case), while a key of its own that runs late keeps its requests counted: it was heard from.
 * **waiting**: what each key of the generate step reports waiting in its state
   (a report lapses unless renewed: its key moved, or its worker stalled).
 
@@ -58,9 +63,12 @@ class WorkerHold:
     # the longest (a sliding maximum, so a busy worker's arrivals cost no scan)
     _transits: deque[tuple[float, float]] = field(default_factory=deque)
     _unanswered_since: float | None = None  # the first dispatch since the keys here last reported an arrival
+    _key_of: dict[str, str] = field(default_factory=dict)  # id -> the generate step's key it goes to, where told
+    _elsewhere: set[str] = field(default_factory=set)  # keys whose requests lapsed unarrived, none arrived since
 
-    def admit(self, now: float, ids: Iterable[str], room: int) -> list[str]:
-        """Takes ids while ``room`` allows (an id already held takes none); returns those taken, in order."""
+    def admit(self, now: float, ids: Iterable[str], room: int, keys: dict[str, str] | None = None) -> list[str]:
+        """Takes ids while ``room`` allows (an id already held takes none); returns those taken, in order.
+        ``keys``: the generate step's key each goes to, where the caller knows it."""
         taken = []
         for request_id in ids:
             if request_id in self._ids:
@@ -71,6 +79,8 @@ class WorkerHold:
             else:
                 break
             taken.append(request_id)
+            if keys and request_id in keys:
+                self._key_of[request_id] = keys[request_id]
         return taken
 
     def dispatched(self, now: float, ids: Iterable[str]) -> None:
@@ -84,7 +94,11 @@ class WorkerHold:
     def release(self, ids: Iterable[str]) -> int:
         """They no longer count here: the generate step on this worker has them (its streams and reports count
         them from now on), or they are places a pull did not fill. Returns how many were held."""
-        return sum(self._ids.pop(request_id, None) is not None for request_id in ids)
+        held = 0
+        for request_id in ids:
+            self._key_of.pop(request_id, None)
+            held += self._ids.pop(request_id, None) is not None
+        return held
 
     def arrived(self, now: float, ids: Iterable[str]) -> None:
         """The generate step on this worker reported these arrived: they no longer count, and how far the
@@ -94,6 +108,9 @@ class WorkerHold:
             self._unanswered_since = None
         for request_id in ids:
             entry = self._ids.pop(request_id, None)
+            key = self._key_of.pop(request_id, None)
+            if key is not None:
+                self._elsewhere.discard(key)  # a key of this worker's
             if entry is not None and entry[1] is not None:
                 self._passed = max(self._passed, entry[1])
                 took = now - entry[1]
@@ -112,19 +129,27 @@ class WorkerHold:
         while self._transits and now - self._transits[0][0] >= self.cap_s:
             self._transits.popleft()
         longest = self._transits[0][1] if self._transits else 0.0
-        self._ids = {request_id: entry for request_id, entry in self._ids.items()
-                     if self._counts(now, entry[0], entry[1], longest)}
+        kept = {}
+        for request_id, entry in self._ids.items():
+            if self._counts(now, entry[0], entry[1], longest, self._key_of.get(request_id)):
+                kept[request_id] = entry
+            elif (key := self._key_of.pop(request_id, None)) is not None and entry[1] is not None:
+                self._elsewhere.add(key)  # dispatched and never arrived: another worker hosts its key
+        self._ids = kept
         self._waiting = {holder: (count, at) for holder, (count, at) in self._waiting.items()
                          if now - at < self.report_lapse_s}
         on_the_way = len(self._ids)
         return sum(count for count, _ in self._waiting.values()), on_the_way
 
-    def _counts(self, now: float, admitted_at: float, dispatched_at: float | None, longest: float) -> bool:
+    def _counts(self, now: float, admitted_at: float, dispatched_at: float | None, longest: float,
+                key: str | None) -> bool:
         if dispatched_at is None:
             return now - admitted_at < self.unclaimed_s
         age = now - dispatched_at
         if age < self.transit_s:
             return True
+        if key in self._elsewhere:
+            return False  # its key's requests went to another worker before: so, most likely, did this one
         unanswered = self._unanswered_since is not None and now - self._unanswered_since >= self.cap_s
         if age >= self.cap_s or unanswered:
             return False  # the keys here received nothing read for cap_s: what is read goes to other workers

@@ -130,8 +130,9 @@ class WorkerRuntime:
 
     # Admission (the admission step; the generate step reports what waits) ------------------
 
-    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False) -> int:
-        return self.admission.admit(ids, in_place_of, bulk)
+    def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False,
+              keys: dict[str, str] | None = None) -> int:
+        return self.admission.admit(ids, in_place_of, bulk, keys)
 
     def withdraw(self, ids: list[str]) -> None:
         self.admission.withdraw(ids)
