@@ -55,15 +55,14 @@ class WorkerHold:
     unclaimed_s: float  # how long an id counts while its bundle is open: the request's own timeout
     report_lapse_s: float
     cap_s: float = 30.0  # the most an id on its way counts while the keys here are behind it
-    # id -> (admitted at, dispatched at or None while its bundle is open)
-    _ids: dict[str, tuple[float, float | None]] = field(default_factory=dict)
+    # id -> (admitted at, dispatched at or None while its bundle is open, the generate step's key where told)
+    _ids: dict[str, tuple[float, float | None, str | None]] = field(default_factory=dict)
     _waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # holder -> (count, reported at)
     _passed: float = float("-inf")  # the latest dispatch time of a request that arrived here
     # (arrived at, took) of arrivals in the last cap_s, each took longer than every later one's: the first is
     # the longest (a sliding maximum, so a busy worker's arrivals cost no scan)
     _transits: deque[tuple[float, float]] = field(default_factory=deque)
     _unanswered_since: float | None = None  # the first dispatch since the keys here last reported an arrival
-    _key_of: dict[str, str] = field(default_factory=dict)  # id -> the generate step's key it goes to, where told
     _elsewhere: set[str] = field(default_factory=set)  # keys whose requests lapsed unarrived, none arrived since
 
     def admit(self, now: float, ids: Iterable[str], room: int, keys: dict[str, str] | None = None) -> list[str]:
@@ -71,34 +70,30 @@ class WorkerHold:
         ``keys``: the generate step's key each goes to, where the caller knows it."""
         taken = []
         for request_id in ids:
-            if request_id in self._ids:
-                self._ids[request_id] = (now, None)  # admitted again: its bundle (a retry) is open again
+            key = (keys or {}).get(request_id)
+            if request_id in self._ids:  # admitted again: its bundle (a retry) is open again
+                self._ids[request_id] = (now, None, key or self._ids[request_id][2])
             elif room > 0:
-                self._ids[request_id] = (now, None)
+                self._ids[request_id] = (now, None, key)
                 room -= 1
             else:
                 break
             taken.append(request_id)
-            if keys and request_id in keys:
-                self._key_of[request_id] = keys[request_id]
         return taken
 
     def dispatched(self, now: float, ids: Iterable[str]) -> None:
         """Their bundle finished: they are on their way to the generate step (here or on another worker)."""
         for request_id in ids:
             if request_id in self._ids:
-                self._ids[request_id] = (self._ids[request_id][0], now)
+                admitted_at, _, key = self._ids[request_id]
+                self._ids[request_id] = (admitted_at, now, key)
                 if self._unanswered_since is None:
                     self._unanswered_since = now
 
     def release(self, ids: Iterable[str]) -> int:
         """They no longer count here: the generate step on this worker has them (its streams and reports count
         them from now on), or they are places a pull did not fill. Returns how many were held."""
-        held = 0
-        for request_id in ids:
-            self._key_of.pop(request_id, None)
-            held += self._ids.pop(request_id, None) is not None
-        return held
+        return sum(self._ids.pop(request_id, None) is not None for request_id in ids)
 
     def arrived(self, now: float, ids: Iterable[str]) -> None:
         """The generate step on this worker reported these arrived: they no longer count, and how far the
@@ -108,9 +103,8 @@ class WorkerHold:
             self._unanswered_since = None
         for request_id in ids:
             entry = self._ids.pop(request_id, None)
-            key = self._key_of.pop(request_id, None)
-            if key is not None:
-                self._elsewhere.discard(key)  # a key of this worker's
+            if entry is not None and entry[2] is not None:
+                self._elsewhere.discard(entry[2])  # a key of this worker's
             if entry is not None and entry[1] is not None:
                 self._passed = max(self._passed, entry[1])
                 took = now - entry[1]
@@ -131,18 +125,18 @@ class WorkerHold:
         longest = self._transits[0][1] if self._transits else 0.0
         kept = {}
         for request_id, entry in self._ids.items():
-            if self._counts(now, entry[0], entry[1], longest, self._key_of.get(request_id)):
+            if self._counts(now, *entry, longest):
                 kept[request_id] = entry
-            elif (key := self._key_of.pop(request_id, None)) is not None and entry[1] is not None:
-                self._elsewhere.add(key)  # dispatched and never arrived: another worker hosts its key
+            elif entry[1] is not None and entry[2] is not None:
+                self._elsewhere.add(entry[2])  # dispatched and never arrived: another worker hosts its key
         self._ids = kept
         self._waiting = {holder: (count, at) for holder, (count, at) in self._waiting.items()
                          if now - at < self.report_lapse_s}
         on_the_way = len(self._ids)
         return sum(count for count, _ in self._waiting.values()), on_the_way
 
-    def _counts(self, now: float, admitted_at: float, dispatched_at: float | None, longest: float,
-                key: str | None) -> bool:
+    def _counts(self, now: float, admitted_at: float, dispatched_at: float | None, key: str | None,
+                longest: float) -> bool:
         if dispatched_at is None:
             return now - admitted_at < self.unclaimed_s
         age = now - dispatched_at
