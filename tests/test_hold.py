@@ -81,6 +81,21 @@ def test_a_key_whose_request_went_elsewhere_counts_its_next_ones_for_transit_s_u
     assert hold.counts(24.5) == (0, 1), "f4 counts on while the keys here are behind it: far was heard from"
 
 
+def test_a_request_that_arrives_after_it_lapsed_marks_its_key_as_this_workers_again():
+    """On a loaded runner a request of a key of this worker's can arrive after it stopped counting. Its key was
+    marked elsewhere; the late arrival marks it back, so the key's next requests count as before."""
+    hold = ledger()
+    hold.admit(0.0, ["late", "n1"], room=2, keys={"late": "mine", "n1": "near"})
+    hold.dispatched(0.0, ["late"])
+    hold.dispatched(1.0, ["n1"])
+    hold.arrived(1.5, ["n1"])
+    assert hold.counts(2.0) == (0, 0), "late lapsed: its key looks like another worker's"
+    hold.arrived(5.0, ["late"])  # it was this worker's after all
+    hold.admit(10.0, ["m2"], room=1, keys={"m2": "mine"})
+    hold.dispatched(10.0, ["m2"])
+    assert hold.counts(12.5) == (0, 1), "m2 counts on while the keys here are behind it"
+
+
 def test_an_id_admitted_without_its_key_counts_as_before():
     hold = ledger()
     hold.admit(0.0, ["f1", "n1"], room=2, keys={"f1": "far", "n1": "near"})

@@ -64,6 +64,9 @@ class WorkerHold:
     _transits: deque[tuple[float, float]] = field(default_factory=deque)
     _unanswered_since: float | None = None  # the first dispatch since the keys here last reported an arrival
     _elsewhere: set[str] = field(default_factory=set)  # keys whose requests lapsed unarrived, none arrived since
+    # id -> (its key, lapsed at) of ids that marked their key elsewhere, for unclaimed_s: one that arrives after
+    # all (a late one, on a loaded runner) marks its key as this worker's again
+    _lapsed: dict[str, tuple[str, float]] = field(default_factory=dict)
 
     def admit(self, now: float, ids: Iterable[str], room: int, keys: dict[str, str] | None = None) -> list[str]:
         """Takes ids while ``room`` allows (an id already held takes none); returns those taken, in order.
@@ -103,8 +106,10 @@ class WorkerHold:
             self._unanswered_since = None
         for request_id in ids:
             entry = self._ids.pop(request_id, None)
-            if entry is not None and entry[2] is not None:
-                self._elsewhere.discard(entry[2])  # a key of this worker's
+            late = self._lapsed.pop(request_id, None)
+            key = entry[2] if entry is not None else late[0] if late is not None else None
+            if key is not None:
+                self._elsewhere.discard(key)  # a key of this worker's
             if entry is not None and entry[1] is not None:
                 self._passed = max(self._passed, entry[1])
                 took = now - entry[1]
@@ -129,7 +134,10 @@ class WorkerHold:
                 kept[request_id] = entry
             elif entry[1] is not None and entry[2] is not None:
                 self._elsewhere.add(entry[2])  # dispatched and never arrived: another worker hosts its key
+                self._lapsed[request_id] = (entry[2], now)
         self._ids = kept
+        while self._lapsed and now - next(iter(self._lapsed.values()))[1] >= self.unclaimed_s:
+            del self._lapsed[next(iter(self._lapsed))]
         self._waiting = {holder: (count, at) for holder, (count, at) in self._waiting.items()
                          if now - at < self.report_lapse_s}
         on_the_way = len(self._ids)
