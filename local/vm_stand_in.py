@@ -76,6 +76,7 @@ from pipeline.worker.runtime_client import RuntimeClient
 from pipeline.worker.runtime_settings import RuntimeSettings
 
 START_TIMEOUT_S = 600.0  # the first process starts the runtime's host: with a managed vLLM, minutes on a CPU
+LATE_ROUND_S = 1.0  # a round of the runner this long after the last is recorded (``VmStandIn.late_rounds``)
 # Engine calls that a schedule may make raise (the generate step's calls into the runtime).
 FAULTY_CALLS = ("poll", "submit_batch", "cancel")
 
@@ -219,10 +220,15 @@ class VmStandIn:
     holds: list[int] = field(default_factory=list)  # requests taken and not yet ended, at each round
     timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, undisturbed and reading
     work_items: list[tuple[float, Any, str]] = field(default_factory=list)  # (seconds it ran, key, method)
+    # When each key's work items were sent, and the runner's own rounds that came late (when, seconds late),
+    # on the monotonic clock: a key polls its streams only in a work item, so these say how long each went unpolled.
+    sent_at: dict[Any, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+    late_rounds: list[tuple[float, float]] = field(default_factory=list)
     reading: bool = True
     _next_read_at: float = 0.0  # when a deferred reader's round runs again
     _disrupted_at: float = 0.0  # the last resume, kill or update: only timers due after it are measured
     _began: dict[int, float] = field(default_factory=dict)  # token -> when its work item was sent
+    _last_round: float = 0.0
 
     def __enter__(self) -> VmStandIn:
         self.tag = self.tag or new_runtime_tag(self.settings)
@@ -244,8 +250,9 @@ class VmStandIn:
         self.backlog, self.queue, self.taken = collections.deque(), collections.deque(), set()
         self.retried = self.deferred = self.failed_commits = 0
         self.holds, self.timer_delays, self.reading = [], [], True
-        self.work_items = []
+        self.work_items, self.sent_at, self.late_rounds = [], collections.defaultdict(list), []
         self._next_read_at = 0.0
+        self._last_round = time.monotonic()
 
     # The runner's side ------------------------------------------------------------------------
 
@@ -276,11 +283,24 @@ class VmStandIn:
     def step(self) -> bool:
         """One round of the runner: takes back what finished, queues due timers, gives every free thread of a
         running process a work item (a read bundle when no key's work item waits for it). Whether anything ran."""
+        now = time.monotonic()
+        if now - self._last_round > LATE_ROUND_S:
+            self.late_rounds.append((now, now - self._last_round))
+        self._last_round = now
         moved = self._collect()
         self._queue_due_timers()
         moved = self._dispatch() or moved
         self.holds.append(len(self.taken - self.ended))
         return moved
+
+    def unpolled(self) -> dict[Any, tuple[float, float]]:
+        """Per key, the longest time between two of its work items being sent (or since the last), and when that
+        began (monotonic): what the lease saw of the key's polls. For a failure's message, with ``late_rounds``."""
+        now, longest = time.monotonic(), {}
+        for key, times in self.sent_at.items():
+            spans = [(b - a, a) for a, b in zip(times, [*times[1:], now])]
+            longest[key] = max(spans)
+        return longest
 
     def run_for(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -558,6 +578,8 @@ class VmStandIn:
         record = item[1] if item[0] == "work" else item
         sdk.running[self._tokens] = record
         self._began[self._tokens] = time.monotonic()
+        if item[0] == "work":
+            self.sent_at[record[0]].append(self._began[self._tokens])
         try:
             sdk.conn.send(("work", self._tokens, "read" if item[0] == "read" else "run", payload))
         except OSError:

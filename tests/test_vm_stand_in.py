@@ -177,12 +177,17 @@ def test_one_sdk_process_paused_longer_than_the_lease_while_another_polls_keeps_
         vm.deliver(f"b{n}", [request])
     vm.run_for(0.5)
     vm.pause(1)
+    paused_at = time.monotonic()
     vm.run_for(3 * LEASE_S)  # process 0 polls throughout: to a VM-wide lease, process 1's keys moved away
     assert vm.busy(), "process 0's streams still run: it polled for the whole pause"
     vm.resume(1)
+    resumed_at = time.monotonic()
     vm.run_until_idle()
     completions = assert_each_ends_once_and_whole(vm, busy + paused)
-    assert {r.id: completions[r.id]["attempt"] for r in paused} == {r.id: 1 for r in paused}
+    attempts = {r.id: completions[r.id]["attempt"] for r in busy + paused}
+    assert attempts == {r.id: 1 for r in busy + paused}, (
+        f"attempts {attempts}; paused at {paused_at:.1f}, resumed at {resumed_at:.1f}; each key's longest time "
+        f"unpolled (s, from): {vm.unpolled()}; the runner's late rounds (at, s late): {vm.late_rounds}")
 
 
 def test_a_managed_vllms_host_paused_then_killed_with_failing_rebuilds_loses_nothing_and_leaks_nothing(
