@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -61,16 +62,23 @@ def uses_the_model(module: str) -> bool:
     return "mark.engine" in (Path(__file__).parent.parent / module).read_text()
 
 
+def in_the_models_process(nodeid: str) -> bool:
+    """Whether a test runs in the model's process under ``make test``: one of a module that uses the model, unless
+    its parameter runs it on the transformers engine, which generates inside its own pipeline and shares no vLLM."""
+    module, _, test = nodeid.partition("::")
+    return uses_the_model(module) and re.search(r"\[transformers\b", test) is None
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """``make test`` runs in two processes (pytest-xdist): the modules that start the model, one at a time as
     they always ran (they share one vLLM and must not compete for its cores), and the rest beside them. Split
-    by module, as two scopes of xdist's scope scheduler: its ``loadgroup`` marks do not reach pytest 9's node
-    ids."""
+    by node id (:func:`in_the_models_process`), as two scopes of xdist's scope scheduler: its ``loadgroup`` marks
+    do not reach pytest 9's node ids."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModelAndRest(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "model" if uses_the_model(nodeid.split("::")[0]) else "rest"
+            return "model" if in_the_models_process(nodeid) else "rest"
 
     return ModelAndRest(config, log)
 
