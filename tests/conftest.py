@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -62,13 +61,6 @@ def uses_the_model(module: str) -> bool:
     return "mark.engine" in (Path(__file__).parent.parent / module).read_text()
 
 
-def in_the_models_process(nodeid: str) -> bool:
-    """Whether a test runs in the model's process under ``make test``: one of a module that uses the model, unless
-    its parameter runs it on the transformers engine, which generates inside its own pipeline and shares no vLLM."""
-    module, _, test = nodeid.partition("::")
-    return uses_the_model(module) and re.search(r"\[transformers\b", test) is None
-
-
 # What the model-free process of ``make test`` runs at: CFS gives a nice-10 thread about a tenth of a core that a
 # nice-0 one also wants.
 MODEL_FREE_NICENESS = 10
@@ -79,7 +71,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under ``make test``'s two processes, the model-free one, and all it starts, yields the CPU to the model's: the
     model's tests keep the cores they had when the suite ran in one process (their time bounds assume it, a 3 s
     ``request_timeout_s`` among them), and the model-free ones use what those leave (an idle vLLM takes none)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not _LOWERED and not in_the_models_process(item.nodeid):
+    if os.environ.get("PYTEST_XDIST_WORKER") and not _LOWERED and not uses_the_model(item.nodeid.split("::")[0]):
         os.nice(MODEL_FREE_NICENESS)  # this thread, and every process and thread it starts from now on
         _LOWERED.append(True)
 
@@ -87,13 +79,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """``make test`` runs in two processes (pytest-xdist): the modules that start the model, one at a time as
     they always ran (they share one vLLM and must not compete for its cores), and the rest beside them. Split
-    by node id (:func:`in_the_models_process`), as two scopes of xdist's scope scheduler: its ``loadgroup`` marks
-    do not reach pytest 9's node ids."""
+    by module, as two scopes of xdist's scope scheduler: its ``loadgroup`` marks do not reach pytest 9's node
+    ids."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModelAndRest(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "model" if in_the_models_process(nodeid) else "rest"
+            return "model" if uses_the_model(nodeid.split("::")[0]) else "rest"
 
     return ModelAndRest(config, log)
 
