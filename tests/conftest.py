@@ -64,16 +64,16 @@ def uses_the_model(module: str) -> bool:
 # What the model-free process of ``make test`` runs at: CFS gives a nice-10 thread about a tenth of a core that a
 # nice-0 one also wants.
 MODEL_FREE_NICENESS = 10
-_LOWERED: list[bool] = []
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under ``make test``'s two processes, the model-free one, and all it starts, yields the CPU to the model's: the
     model's tests keep the cores they had when the suite ran in one process (their time bounds assume it, a 3 s
     ``request_timeout_s`` among them), and the model-free ones use what those leave (an idle vLLM takes none)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not _LOWERED and not uses_the_model(item.nodeid.split("::")[0]):
-        os.nice(MODEL_FREE_NICENESS)  # this thread, and every process and thread it starts from now on
-        _LOWERED.append(True)
+    if (os.environ.get("PYTEST_XDIST_WORKER") and not uses_the_model(item.nodeid.split("::")[0])
+            and os.getpriority(os.PRIO_PROCESS, 0) < MODEL_FREE_NICENESS):
+        # This thread, and every process and thread it starts from now on.
+        os.setpriority(os.PRIO_PROCESS, 0, MODEL_FREE_NICENESS)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
