@@ -67,9 +67,9 @@ MODEL_FREE_NICENESS = 10
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Under ``make test``'s two processes, the model-free one, and all it starts, yields the CPU to the model's: the
-    model's tests keep the cores they had when the suite ran in one process (their time bounds assume it, a 3 s
-    ``request_timeout_s`` among them), and the model-free ones use what those leave (an idle vLLM takes none)."""
+    """Under ``make test``'s two processes, the model-free one, and all it starts, yields the CPU to the model's
+    pipelines (same session); a server in a session of its own (vLLM, an emulator) shares by session, as Linux's
+    autogroup schedules, so the model's time bounds leave room for this process (docs/testing.md)."""
     if (os.environ.get("PYTEST_XDIST_WORKER") and not uses_the_model(item.nodeid.split("::")[0])
             and os.getpriority(os.PRIO_PROCESS, 0) < MODEL_FREE_NICENESS):
         # This thread, and every process and thread it starts from now on.

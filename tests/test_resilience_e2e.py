@@ -158,8 +158,10 @@ def test_hostile_dead_letters_say_where_and_why_and_keep_the_raw_message(hostile
 
 # The backlog -----------------------------------------------------------------------------------------
 
-BACKLOG = 150  # at the 2-3 requests a second a 2-core machine serves: about twenty times what ends in 3 s
-BACKLOG_TIMEOUT_S = 3
+BACKLOG = 150  # at the 1-3 requests a second a 2-core machine serves: minutes of work, ten times what ends in 10 s
+# A bound on one request's generation from its sending, not on its wait at the worker: it is the hold that keeps the
+# backlog in Pub/Sub. It leaves room for make test's other process to slow the local server down several times.
+BACKLOG_TIMEOUT_S = 10
 BACKLOG_IN_FLIGHT = 2
 BACKLOG_QUEUE = 4
 MAX_HELD = BACKLOG_IN_FLIGHT + BACKLOG_QUEUE
@@ -175,7 +177,7 @@ def load_lines(path) -> list[dict]:
 
 
 def test_a_backlog_waits_in_the_subscription_and_is_served_whole(vllm_server, emulator, tmp_path):
-    """Twenty times what finishes within request_timeout_s: the worker holds a bounded share, the rest stays
+    """Ten times what finishes within request_timeout_s: the worker holds a bounded share, the rest stays
     unacknowledged in Pub/Sub (a pipeline started after the first one is killed finds it there) and is served."""
     args = [f"--server_url={vllm_server.base_url}", f"--served_model_name={SERVED_NAME}",
             f"--max_in_flight={BACKLOG_IN_FLIGHT}", f"--worker_queue={BACKLOG_QUEUE}",
