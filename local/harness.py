@@ -97,6 +97,28 @@ class OutputCollector:
             time.sleep(0.2)
         return wanted - self.finished_ids()
 
+    def wait_for_streams(self, streams: Iterable[str], timeout_s: float) -> set[str]:
+        """Waits until each stream's chunks have all arrived, its final one among them: a completion, on a topic of
+        its own, can come before its stream's last chunks. Returns the streams still incomplete."""
+        wanted = set(streams)
+
+        def incomplete() -> set[str]:
+            seqs: dict[str, set[int]] = {stream: set() for stream in wanted}
+            ends: dict[str, int] = {}
+            with self._lock:
+                for chunk in self.chunks:
+                    stream = chunk.data["stream"]
+                    if stream in seqs:
+                        seqs[stream].add(chunk.data["seq"])
+                        if chunk.data["final"]:
+                            ends[stream] = chunk.data["seq"]
+            return {stream for stream in wanted if stream not in ends or seqs[stream] != set(range(ends[stream] + 1))}
+
+        deadline = time.monotonic() + timeout_s
+        while (missing := incomplete()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return missing
+
     def stop(self) -> None:
         for future in self._futures:
             future.cancel()

@@ -139,6 +139,8 @@ def test_a_burst_mixing_two_adapters_and_the_model_gives_each_request_its_own_ex
     missing = collector.wait_for([r["id"] for r in burst], 600)
     assert not missing, f"no outcome for {missing}:\n{run.log_tail()}"
     completions = {c.data["id"]: c.data for c in collector.completions}
+    unfinished = collector.wait_for_streams({completions[sent["id"]]["stream"] for sent in burst}, 60)
+    assert not unfinished, f"streams without all their chunks: {unfinished}"
     for sent in burst:
         completion = completions[sent["id"]]
         expected = reference[sent.get("adapter"), sent["prompt"]]

@@ -9,7 +9,6 @@ engines keep one contract: the same records for the same messages.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import psutil
@@ -118,7 +117,8 @@ def run(request, checkpoint, emulator, bigquery):
             expected |= {r["id"] for r in BULK + LIVE_BESIDE_BULK}
             missing = collector.wait_for(expected, 600)
             assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
-        time.sleep(1.0)  # trailing chunks of the last completions
+        unfinished = collector.wait_for_streams({c.data["stream"] for c in collector.completions}, 60)
+        assert not unfinished, f"streams without all their chunks: {unfinished}\n{local_run.log_tail()}"
         yield local_run, collector, expected, suffix, engine
     finally:
         collector.stop()

@@ -83,7 +83,8 @@ def hostile_run(checkpoint, emulator):
         local_run.publish(AFTER)  # still serving after all of it
         missing = collector.wait_for(wanted + [r["id"] for r in AFTER], 300)
         assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
-        time.sleep(5)  # a request's last chunks can arrive after its completion (another topic)
+        unfinished = collector.wait_for_streams({c.data["stream"] for c in collector.completions}, 60)
+        assert not unfinished, f"streams without all their chunks: {unfinished}\n{local_run.log_tail()}"
         yield local_run, collector, server_pid
     finally:
         collector.stop()
