@@ -62,7 +62,7 @@ def uses_the_model(module: str) -> bool:
 
 
 # What the model-free process of ``make test`` runs at: CFS gives a nice-10 thread about a tenth of a core that a
-# nice-0 one also wants.
+# nice-0 one of the same session also wants.
 MODEL_FREE_NICENESS = 10
 
 
