@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,19 +24,43 @@ SETTINGS = {"PROJECT": "proj-123456", "REGION": "us-central1", "BUCKET": "bkt-te
             "DEAD_LETTER_TOPIC": "projects/proj-123456/topics/llm-dead-letters"}
 
 
-def test_every_command_of_step_one_is_one_the_real_gcloud_accepts(tmp_path):
-    recorder = Recorder(str(tmp_path / "gcloud-config"))
+# Step one with every optional account and secret set: the commands the tests below run once through the real gcloud.
+TOKEN_SETTINGS = {**SETTINGS, "HF_TOKEN_SECRET": "projects/proj-123456/secrets/hf-token/versions/latest",
+                  "BAKE_TOKEN_SECRET": "projects/proj-123456/secrets/bake-token/versions/2"}
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One command of step one as the real gcloud ran it, and how many API calls it made."""
+
+    command: list[str]
+    result: subprocess.CompletedProcess
+    calls: int
+
+
+@pytest.fixture(scope="module")
+def step_one(tmp_path_factory) -> tuple[list[Ran], list[tuple[str, str, str]]]:
+    """Every command of step one run once, in order, by the real gcloud against the loopback recorder: what each
+    did, and the grants the recorder received (resource, role, member)."""
+    recorder = Recorder(str(tmp_path_factory.mktemp("gcloud") / "gcloud-config"))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CLOUDSDK_")}, **recorder.env()}
+    ran = []
     try:
-        for command in setup_project.commands(Settings(SETTINGS), "123456789012"):
+        for command in setup_project.commands(Settings(TOKEN_SETTINGS), "123456789012"):
             before = len(recorder.requests)
             result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-            # gcloud parses every argument before it calls anything: 2 and these words are a parse error.
-            assert result.returncode != 2 and "unrecognized arguments" not in result.stderr \
-                and "Invalid choice" not in result.stderr, (command, result.stderr)
-            assert len(recorder.requests) > before, f"gcloud made no API call for {command}: {result.stderr}"
+            ran.append(Ran(command, result, len(recorder.requests) - before))
+        return ran, recorder.grants()
     finally:
         recorder.close()
+
+
+def test_every_command_of_step_one_is_one_the_real_gcloud_accepts(step_one):
+    for ran in step_one[0]:
+        # gcloud parses every argument before it calls anything: 2 and these words are a parse error.
+        assert ran.result.returncode != 2 and "unrecognized arguments" not in ran.result.stderr \
+            and "Invalid choice" not in ran.result.stderr, (ran.command, ran.result.stderr)
+        assert ran.calls > 0, f"gcloud made no API call for {ran.command}: {ran.result.stderr}"
 
 
 def test_step_one_creates_what_the_later_steps_use_and_the_jobs_own_account():
@@ -108,20 +133,14 @@ def _recording_env(recorder: Recorder, monkeypatch) -> None:
         monkeypatch.setenv(key, value)
 
 
-def test_every_grant_lands_on_its_one_resource_as_the_real_gcloud_sends_it(tmp_path, monkeypatch):
+def test_every_grant_lands_on_its_one_resource_as_the_real_gcloud_sends_it(step_one):
     """Least privilege, checked in what gcloud sent: the job's account holds one role on the project (Dataflow
     Worker); each other role is on the bucket, the repository, the input subscription, each output topic or the
     one token secret. Cloud Build's accounts hold the build's roles the same way."""
-    settings = Settings({**SETTINGS, "HF_TOKEN_SECRET": "projects/proj-123456/secrets/hf-token/versions/latest",
-                         "BAKE_TOKEN_SECRET": "projects/proj-123456/secrets/bake-token/versions/2"})
-    recorder = Recorder(str(tmp_path / "gcloud-config"))
-    _recording_env(recorder, monkeypatch)
-    try:
-        for grant in setup_project.grants(settings, "123456789012"):
-            assert setup_project.run_command(grant.command("proj-123456", "us-central1")) == 0, grant
-        sent = recorder.grants()
-    finally:
-        recorder.close()
+    ran, sent = step_one
+    grants = [r for r in ran if "add-iam-policy-binding" in r.command]
+    assert len(grants) == len(setup_project.grants(Settings(TOKEN_SETTINGS), "123456789012"))
+    assert all(r.result.returncode == 0 for r in grants), [(r.command, r.result.stderr) for r in grants]
     where = {"project": "/v1/projects/proj-123456", "bucket": "/storage/v1/b/bkt-test",
              "repository": "/v1/projects/proj-123456/locations/us-central1/repositories/dataflow",
              "subscription": "/v1/projects/proj-123456/subscriptions/prompts-sub"}
