@@ -115,6 +115,20 @@ def activated(emulator: Emulator):
                 os.environ[key] = value
 
 
+@pytest.fixture
+def secret_manager(monkeypatch):
+    """Secret Manager's stand-in holding the token, and this process as a fresh worker's: nothing read yet."""
+    from pipeline.serving import model_access
+    from tests.secret_manager_stand_in import SECRET, TOKEN, SecretManagerStandIn
+
+    monkeypatch.delenv(model_access.HF_TOKEN_ENV, raising=False)
+    monkeypatch.setattr(model_access, "_installed", {})
+    stand_in = SecretManagerStandIn({SECRET: TOKEN + "\n"})
+    yield stand_in
+    stand_in.close()
+    os.environ.pop(model_access.HF_TOKEN_ENV, None)  # read in by the test (monkeypatch restores a value it had)
+
+
 @pytest.fixture(scope="session")
 def bigquery():
     """The BigQuery emulator with a dataset named ``llm``."""

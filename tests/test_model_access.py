@@ -1,23 +1,15 @@
-"""Getting at the weights: the Hugging Face token from Secret Manager, and a failed fetch explained.
-
-Secret Manager has no emulator; its REST API is served here by a loopback stand-in that answers
-``versions:access`` as the API reference documents it
-(https://cloud.google.com/secret-manager/docs/reference/rest/v1/projects.secrets.versions/access), and the real
-client library (``google-cloud-secret-manager``, REST transport) talks to it.
+"""Getting at the weights: the Hugging Face token from Secret Manager (its stand-in:
+tests/secret_manager_stand_in.py), and a failed fetch explained. The managed vLLM server's start with the token
+is proved in tests/test_model_weights.py, on the start that fetches its weights from Cloud Storage.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
-from pathlib import Path
 
 import pytest
-from google.auth.credentials import AnonymousCredentials
-from google.cloud import secretmanager
 
-from pipeline.serving import model_access
 from pipeline.serving.model_access import (
     HF_TOKEN_ENV,
     ModelAccessError,
@@ -25,46 +17,7 @@ from pipeline.serving.model_access import (
     fetch_failure,
     install_hf_token,
 )
-from pipeline.serving.vllm_server import VLLMServer
-from tests.conftest import local_server_spec, process_tree, started
-from tests.loopback_api import LoopbackApi
-
-TOKEN = "hf_streamingLLMtestToken0123456789"
-
-
-class SecretManagerStandIn:
-    """Answers GET .../versions/V:access with the payload set for that name; 404 otherwise."""
-
-    def __init__(self, secrets: dict[str, str]) -> None:
-        self.secrets = secrets
-        self.requests: list[str] = []
-        self.api = LoopbackApi(self.access)
-
-    def access(self, method: str, path: str, headers, body: bytes) -> tuple[int, dict]:
-        name = path.split("?")[0].removeprefix("/v1/").removesuffix(":access")
-        self.requests.append(name)
-        if method == "GET" and name in self.secrets:
-            return 200, {"name": name, "payload": {"data": base64.b64encode(self.secrets[name].encode()).decode()}}
-        return 404, {"error": {"code": 404, "message": f"Secret Version [{name}] not found.", "status": "NOT_FOUND"}}
-
-    def client(self) -> secretmanager.SecretManagerServiceClient:
-        return secretmanager.SecretManagerServiceClient(
-            transport="rest", credentials=AnonymousCredentials(), client_options={"api_endpoint": self.api.url})
-
-    def close(self) -> None:
-        self.api.close()
-
-
-SECRET = "projects/my-project/secrets/hf-token/versions/latest"
-
-
-@pytest.fixture
-def secret_manager(monkeypatch):
-    monkeypatch.delenv(HF_TOKEN_ENV, raising=False)
-    monkeypatch.setattr(model_access, "_installed", {})  # a fresh worker process: nothing read yet
-    stand_in = SecretManagerStandIn({SECRET: TOKEN + "\n"})
-    yield stand_in
-    stand_in.close()
+from tests.secret_manager_stand_in import SECRET, TOKEN
 
 
 def test_the_token_is_read_once_per_process_into_the_environment_and_never_logged(secret_manager, caplog):
@@ -121,16 +74,3 @@ def test_the_real_tokenizer_without_a_route_to_the_hub_says_so(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelAccessError, match="cannot reach huggingface.co.*Cloud NAT"):
         TokenizerMeter("streaming-llm-tests/not-in-any-cache", "chat")
-
-
-@pytest.mark.engine
-def test_the_managed_vllm_server_gets_the_token_in_its_environment_and_never_in_its_log(
-        secret_manager, checkpoint: Path, caplog):
-    caplog.set_level(logging.DEBUG)
-    install_hf_token(SECRET, secret_manager.client())  # as the worker's first reader does, once per process
-    lines: list[str] = []
-    with started(VLLMServer(local_server_spec(checkpoint, hf_token_secret=SECRET), log_sink=lines.append)) as server:
-        environments = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in process_tree(server)]
-        assert all(f"{HF_TOKEN_ENV}={TOKEN}".encode() in environment for environment in environments)
-    assert secret_manager.requests == [SECRET]  # the server's start read nothing again
-    assert lines and not any(TOKEN in line for line in lines) and TOKEN not in caplog.text

@@ -1,8 +1,11 @@
-"""Model weights from gs://, against a local Cloud Storage emulator."""
+"""Model weights from gs://, against a local Cloud Storage emulator; and a managed server's start from them, with
+the Hugging Face token."""
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 import pytest
 from google.api_core.exceptions import RetryError
@@ -12,6 +15,7 @@ from hypothesis import strategies as st
 from local.emulators import GcsEmulator
 from pipeline.serving import model_weights
 from pipeline.serving.lineage import model_lineage
+from pipeline.serving.model_access import HF_TOKEN_ENV, install_hf_token
 from pipeline.serving.model_weights import (
     WeightsError,
     copy_path,
@@ -21,7 +25,8 @@ from pipeline.serving.model_weights import (
     storage_client,
 )
 from pipeline.serving.vllm_server import VLLMServer, free_port
-from tests.conftest import activated, chat, local_server_spec, started
+from tests.conftest import activated, chat, local_server_spec, process_tree, started
+from tests.secret_manager_stand_in import SECRET, TOKEN
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +173,21 @@ def test_a_folder_with_an_object_named_to_climb_out_of_it_is_refused_and_nothing
 
 
 @pytest.mark.engine
-def test_the_vllm_server_serves_weights_from_gcs(gcs, checkpoint, tmp_path):
+def test_the_managed_vllm_server_serves_weights_from_gcs_with_the_token_in_its_environment_never_its_log(
+        gcs, secret_manager, checkpoint, tmp_path, caplog):
+    """A worker's start, as on Dataflow: the token read once from Secret Manager (tests/test_model_access.py
+    proves the read), the weights copied from gs://, and every process of the server given the token while
+    neither its log nor ours shows it."""
+    caplog.set_level(logging.DEBUG)
+    install_hf_token(SECRET, secret_manager.client())  # as the worker's first reader does, once per process
     uri = gcs.upload_folder(checkpoint, "models", "smollm2-135m")
-    with started(VLLMServer(local_server_spec(checkpoint, model=uri, model_cache_dir=str(tmp_path / "cache")))) \
-            as server:
+    lines: list[str] = []
+    spec = local_server_spec(checkpoint, model=uri, model_cache_dir=str(tmp_path / "cache"), hf_token_secret=SECRET)
+    with started(VLLMServer(spec, log_sink=lines.append)) as server:
+        environments = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in process_tree(server)]
+        assert all(f"{HF_TOKEN_ENV}={TOKEN}".encode() in environment for environment in environments)
         answer = chat(server.base_url, "What is the capital of France?", temperature=0, max_tokens=20)
         assert "Paris" in answer["choices"][0]["message"]["content"]
         assert (tmp_path / "cache" / "models" / "smollm2-135m" / "model.safetensors").is_file()
+    assert secret_manager.requests == [SECRET]  # the server's start read nothing again
+    assert lines and not any(TOKEN in line for line in lines) and TOKEN not in caplog.text

@@ -1,7 +1,7 @@
 """The model manager with a real vLLM server: health, restarts, clean stop.
 
 A clean stop is checked on every server a test starts of its own (``tests.conftest.started``: here, and in
-``test_model_weights`` and ``test_model_access``), not by a start of its own."""
+``test_model_weights``), not by a start of its own."""
 
 from __future__ import annotations
 
