@@ -83,12 +83,17 @@ class InferenceRequest:
         """The lane as completions and dead letters record it."""
         return self.lane or LANE_LIVE
 
+    def _fields(self) -> dict[str, Any]:
+        """The fields by name, in order, values as they are: what ``dataclasses.asdict`` gives for this record
+        (no field is a dataclass), without its deep copy, which the key machine paid on every step."""
+        return {name: getattr(self, name) for name in _FIELD_ORDER}
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        return json.dumps(self._fields(), separators=(",", ":"))
 
     def to_payload(self) -> str:
         """The request as a publisher would send it: what a redrive republishes to an input topic."""
-        fields = {name: value for name, value in dataclasses.asdict(self).items()
+        fields = {name: value for name, value in self._fields().items()
                   if value is not None and name not in ("received_at", "prompt_tokens", "lane")}
         return json.dumps(fields, separators=(",", ":"))
 
@@ -115,7 +120,7 @@ class InferenceRequest:
     def fingerprint(self) -> str:
         """What the request asks for, without when or on which lane it arrived: equal for a redelivery, a publisher
         retry, or the same request on the other lane (one is served, the other dropped as its copy)."""
-        fields = dataclasses.asdict(self)
+        fields = self._fields()
         for name in ("received_at", "prompt_tokens", "lane"):
             fields.pop(name)
         for name in _FIELDS_ADDED_LATER:  # unset, they leave a fingerprint as earlier versions stored it
@@ -130,7 +135,8 @@ class InferenceRequest:
         return "\n".join(m["content"] for m in self.messages or ())
 
 
-_DATACLASS_FIELDS = frozenset(f.name for f in dataclasses.fields(InferenceRequest))
+_FIELD_ORDER = tuple(f.name for f in dataclasses.fields(InferenceRequest))
+_DATACLASS_FIELDS = frozenset(_FIELD_ORDER)
 
 
 @dataclass(frozen=True)

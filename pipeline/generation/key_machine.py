@@ -87,7 +87,7 @@ class _Draining:
 def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects]:
     """The key after ``event``, and what the caller must do (see :class:`Effects`)."""
     pending = state.pending
-    work = StepWork(rules, replace(state, pending=None), event.now)
+    work = StepWork(rules, state if pending is None else replace(state, pending=None), event.now)
     if isinstance(event, Arrived) and pending is None:
         return _arrive(work, event)
     if isinstance(event, PollDue) and pending is None:

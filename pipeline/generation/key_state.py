@@ -25,7 +25,7 @@ step turns it into a dead letter with its raw text, and the key goes on.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 from pipeline.contract.messages import InferenceRequest
@@ -63,7 +63,7 @@ class RequestEntry:
         return RequestProgress(self.key, 0, self.attempt, self.lost)
 
     def encode(self) -> str:
-        return write_cell(asdict(self), STATE_VERSION)
+        return write_cell({name: getattr(self, name) for name in _ENTRY_ORDER}, STATE_VERSION)
 
     @classmethod
     def decode(cls, text: str) -> RequestEntry:
@@ -83,6 +83,10 @@ class RequestEntry:
         if not isinstance(bulk, bool):
             raise StateFormatError("field 'bulk' of the wrong type")
         return cls(data["request"], data["fp"], data["attempt"], data["key"], data["deadline_at"], batch, lost, bulk)
+
+
+# The entry's fields in order (all plain values): its cell, as ``dataclasses.asdict`` wrote it without the copy.
+_ENTRY_ORDER = tuple(f.name for f in fields(RequestEntry))
 
 
 @dataclass(frozen=True)

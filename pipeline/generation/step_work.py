@@ -118,5 +118,5 @@ class StepWork:
             ids = self.ids
             changed = dedupe.prune(ids, self.now) or self._ids_changed
             seen = IdRecord(state.seen.text, ids, changed)
-        return replace(state, seen=seen), Effects(outputs=tuple(self.outputs), counts=dict(self.counts),
-                                                  logs=tuple(self.logs), **effects)
+        return (state if seen is state.seen else replace(state, seen=seen)), Effects(
+            outputs=tuple(self.outputs), counts=dict(self.counts), logs=tuple(self.logs), **effects)
