@@ -16,12 +16,14 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 import psutil
 import pytest
 
+from local import core_placement
 from local.cpu_server import LOCAL_SERVER
-from local.harness import REPO_ROOT, LocalRun, requests_at_server, server_pids_in_log
+from local.harness import REPO_ROOT, LocalRun, OutputCollector, requests_at_server, server_pids_in_log
 from tests.conftest import SERVED_NAME, wait_until
 from tests.hostile_inputs import carries_too_long_id, hostile_corpus
 
@@ -50,6 +52,17 @@ def chunk_streams(collector) -> dict[str, list[dict]]:
     return {key: [seqs[s] for s in sorted(seqs)] for key, seqs in streams.items()}
 
 
+@dataclass(frozen=True)
+class HostileRun:
+    """The pipeline after the hostile traffic: its vLLM was killed mid-stream (that server's pid and the cores its
+    engine was bound to) and restarted by the model manager."""
+
+    run: LocalRun
+    collector: OutputCollector
+    killed_pid: int
+    killed_cores: frozenset[int]
+
+
 @pytest.fixture(scope="module")
 def hostile_run(checkpoint, emulator):
     local_run = LocalRun([f"--model={checkpoint}", f"--served_model_name={SERVED_NAME}",
@@ -73,6 +86,7 @@ def hostile_run(checkpoint, emulator):
         assert wait_until(lambda: any(c.data["id"].startswith("long-") and c.data["seq"] >= 2
                                       for c in collector.chunks), 300), local_run.log_tail()
         server_pid = server_pids_in_log(local_run.log_path.read_text())[-1]
+        model_cores = core_placement.bound_cores(server_pid)
         os.kill(server_pid, signal.SIGKILL)
         time.sleep(2)
         local_run.publish(LONG[2:3])  # a redelivery while the server is down
@@ -85,14 +99,14 @@ def hostile_run(checkpoint, emulator):
         assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
         unfinished = collector.wait_for_streams({c.data["stream"] for c in collector.completions}, 60)
         assert not unfinished, f"streams without all their chunks: {unfinished}\n{local_run.log_tail()}"
-        yield local_run, collector, server_pid
+        yield HostileRun(local_run, collector, server_pid, model_cores)
     finally:
         collector.stop()
         local_run.stop()
 
 
 def test_every_input_ends_with_exactly_one_outcome(hostile_run):
-    _, collector, _ = hostile_run
+    collector = hostile_run.collector
     completions = Counter(c.data["id"] for c in collector.completions)
     letters = Counter(d.data.get("id") for d in collector.dead_letters)
     assert all(n == 1 for n in completions.values()), completions
@@ -106,7 +120,7 @@ def test_every_input_ends_with_exactly_one_outcome(hostile_run):
 
 
 def test_duplicates_are_served_once_and_a_reused_id_is_refused_by_name(hostile_run):
-    _, collector, _ = hostile_run
+    collector = hostile_run.collector
     completions = {c.data["id"]: c.data for c in collector.completions}
     for request in LONG + SHORT:
         assert request["id"] in completions, request["id"]
@@ -118,16 +132,16 @@ def test_duplicates_are_served_once_and_a_reused_id_is_refused_by_name(hostile_r
 
 
 def test_text_that_looks_like_json_is_served_as_text(hostile_run):
-    _, collector, _ = hostile_run
+    collector = hostile_run.collector
     completions = {c.data["id"]: c.data for c in collector.completions}
     for request_id, text in [*TEXT_LIKE_JSON.items(), MARKED_TEXT]:
         assert completions[request_id]["prompt"] == text
 
 
 def test_after_a_kill_9_every_completion_has_a_whole_chunk_stream(hostile_run):
-    local_run, collector, server_pid = hostile_run
+    collector, server_pid = hostile_run.collector, hostile_run.killed_pid
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
-    assert "Restarting vLLM server" in local_run.log_path.read_text()
+    assert "Restarting vLLM server" in hostile_run.run.log_path.read_text()
     streams = chunk_streams(collector)
     completions = {c.data["id"]: c.data for c in collector.completions}
     assert any(c["attempt"] > 1 for c in completions.values()), "the kill should have cut a stream mid-way"
@@ -138,8 +152,16 @@ def test_after_a_kill_9_every_completion_has_a_whole_chunk_stream(hostile_run):
         assert "".join(c["text"] for c in chunks) == completion["text"], request_id
 
 
+def test_the_restarted_vllm_is_bound_to_the_cores_the_killed_one_had(hostile_run):
+    """The pipeline moved its own threads off the model's cores once the first server started (as on a CPU
+    worker), the model manager's among them: the server it starts again must not inherit what is left to them."""
+    restarted = server_pids_in_log(hostile_run.run.log_path.read_text())[-1]
+    assert restarted != hostile_run.killed_pid
+    assert hostile_run.killed_cores and core_placement.bound_cores(restarted) == hostile_run.killed_cores
+
+
 def test_hostile_dead_letters_say_where_and_why_and_keep_the_raw_message(hostile_run):
-    _, collector, _ = hostile_run
+    collector = hostile_run.collector
     raw = {f"hostile-{i}": payload for i, (payload, _) in enumerate(HOSTILE)}
     for letter in (d.data for d in collector.dead_letters):
         assert letter["stage"] in ("parse", "validate", "measure", "batch", "inference", "sink") and letter["reason"]

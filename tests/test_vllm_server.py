@@ -12,10 +12,9 @@ import time
 import psutil
 import pytest
 
-from local import core_placement
 from pipeline.serving.server_platform import ServerStartError, check_platform, installed_vllm_build
 from pipeline.serving.vllm_server import ServerSpec, VLLMServer
-from tests.conftest import chat, local_server_spec, thread_cores_restored, wait_until
+from tests.conftest import chat, local_server_spec, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -23,22 +22,6 @@ pytestmark = pytest.mark.engine
 def test_server_serves_the_real_model(vllm_server):
     answer = chat(vllm_server.base_url, "What is the capital of France?", temperature=0, max_tokens=20)
     assert "Paris" in answer["choices"][0]["message"]["content"]
-
-
-def test_a_crashed_server_is_restarted_on_the_cores_it_first_had(vllm_server):
-    old_pid, restarts = vllm_server.pid, vllm_server.stats.restarts
-    model_cores = core_placement.bound_cores(old_pid)
-    # The pipeline's threads, the supervisor's among them, move off the model's cores (as on a CPU worker);
-    # the restarted server must not inherit what is left to them.
-    with thread_cores_restored():
-        core_placement.keep_off(model_cores)
-        os.kill(old_pid, signal.SIGKILL)
-        assert wait_until(lambda: vllm_server.stats.restarts == restarts + 1, 30)
-        vllm_server.wait_until_healthy(600)
-    assert vllm_server.pid != old_pid and not psutil.pid_exists(old_pid)
-    assert core_placement.bound_cores(vllm_server.pid) == model_cores
-    assert "Paris" in chat(vllm_server.base_url, "What is the capital of France?", temperature=0,
-                           max_tokens=20)["choices"][0]["message"]["content"]
 
 
 def test_a_stalled_server_is_restarted(vllm_server):
