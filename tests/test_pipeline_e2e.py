@@ -61,9 +61,11 @@ HOL_LONG = {"id": "hol-long", "prompt": "Count from 1 to 1000, writing every num
             "temperature": 0, "max_tokens": 240, "min_tokens": 240}
 HOL_SHORT = {"id": "hol-short", "prompt": "Say hi.", "max_tokens": 8}
 # The bulk lane (docs/operations.md#the-bulk-lane): a backlog larger than the worker takes from that lane (its
-# max_in_flight + worker_queue less live_reserve), then a few live requests while it drains.
+# max_in_flight + worker_queue less live_reserve), then a few live requests while it drains. Its answers are short:
+# what it proves is counted in requests, not tokens.
+BULK_TOKENS = 8
 BULK = [{"id": f"bulk-{i}", "prompt": f"Write about {LONG_TOPICS[i % len(LONG_TOPICS)]}, part {i}.",
-         "max_tokens": 24, "min_tokens": 24} for i in range(80)]
+         "max_tokens": BULK_TOKENS, "min_tokens": BULK_TOKENS} for i in range(80)]
 LIVE_BESIDE_BULK = [{"id": f"live-{i}", "prompt": question, "max_tokens": 8}
                     for i, question in enumerate(SHORT_QUESTIONS[:4])]
 
@@ -208,7 +210,7 @@ def test_both_lanes_end_every_request_once_and_record_their_lane(run):
         sorted(bulk + live), "one completion each"
     assert {completions[i]["lane"] for i in bulk} == {"bulk"}
     assert {completions[i]["lane"] for i in live + [r["id"] for r in VALID]} == {"live"}
-    assert all(completions[i]["usage"]["completion_tokens"] == 24 for i in bulk)
+    assert all(completions[i]["usage"]["completion_tokens"] == BULK_TOKENS for i in bulk)
 
 
 def test_bigquery_holds_the_same_completions_chunks_and_dead_letters(run):
