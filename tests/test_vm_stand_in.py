@@ -247,18 +247,3 @@ def test_a_managed_vllms_host_paused_then_killed_with_failing_rebuilds_loses_not
         assert wait_until(lambda: server_metrics(second_url)["vllm:num_requests_running"] == 0, 30)
         after = vm.thread_counts()
         assert all(after[n] <= threads[n] for n in threads), f"threads before the kill {threads}, after {after}"
-
-
-def test_a_drain_of_many_more_keys_than_threads_loses_no_running_stream(vllm_server):
-    """Twelve keys, each with a stream running, on four harness threads: every key's drain timer fires at once and
-    each drain holds its thread for up to drain_timeout_s. Keys drained last still find their streams (the drain
-    holds every lease), so each request ends as its completion, none as a lost stream."""
-    settings_ = vm_settings(vllm_server.base_url, max_in_flight=12)
-    with VmStandIn(settings_, processes=PROCESSES, threads=THREADS, drain_timeout_s=30.0) as vm:
-        sent = requests("drain", 12, 64)
-        for n, request in enumerate(sent):
-            vm.deliver(f"d{n}", [request])
-        vm.run_for(1.0)
-        vm.drain()
-        completions = assert_each_ends_once_and_whole(vm, sent)
-        assert {c["attempt"] for c in completions.values()} == {1}
