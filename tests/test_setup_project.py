@@ -24,7 +24,7 @@ SETTINGS = {"PROJECT": "proj-123456", "REGION": "us-central1", "BUCKET": "bkt-te
             "DEAD_LETTER_TOPIC": "projects/proj-123456/topics/llm-dead-letters"}
 
 
-# Step one with both token secrets set (the most commands it has): what the tests below run once through gcloud.
+# Step one with both token secrets set, their grants included: what the tests below run once through gcloud.
 TOKEN_SETTINGS = {**SETTINGS, "HF_TOKEN_SECRET": "projects/proj-123456/secrets/hf-token/versions/latest",
                   "BAKE_TOKEN_SECRET": "projects/proj-123456/secrets/bake-token/versions/2"}
 
