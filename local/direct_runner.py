@@ -88,9 +88,10 @@ from pipeline.worker.runtime_settings import RuntimeSettings
 LOGGER = logging.getLogger(__name__)
 
 
-# How long a read that found nothing waits for the next message: briefly while the worker holds requests (the
-# executor's only thread fires their timers), longer while it holds none. An arrival ends either wait at once.
+# How long a read that found nothing waits: 2 ms while the worker holds requests (the executor's only thread fires
+# their timers), up to 20 ms while it holds none, a wait that a message arriving for any read (live or bulk) ends.
 BUSY_WAIT_S, IDLE_WAIT_S = 0.002, 0.02
+_ARRIVED = threading.Event()
 
 
 class _PrefetchingPullClient:
@@ -109,7 +110,6 @@ class _PrefetchingPullClient:
         self._queue: collections.deque[Any] = collections.deque()
         self._subscription: str | None = None
         self._lock = threading.Lock()
-        self._arrived = threading.Event()
         self.taken = 0  # messages handed to the pipeline (and so acknowledged)
 
     def _prefetch_target(self) -> int:
@@ -138,7 +138,7 @@ class _PrefetchingPullClient:
                 continue
             self._queue.extend(response.received_messages)
             if response.received_messages:
-                self._arrived.set()
+                _ARRIVED.set()
 
     def pull(self, subscription: str, max_messages: int = 10, timeout: float | None = None) -> Any:
         from google.cloud.pubsub_v1 import types
@@ -161,10 +161,10 @@ class _PrefetchingPullClient:
         self.taken += len(received)
         if not received:  # an idle source must not spin the executor thread
             load = _source_load()
-            if not self._queue and load is not None and load["held"] == 0 and load["on_the_way"] == 0:
-                self._arrived.clear()
-                if not self._queue:  # re-read: an arrival since sets the event after the clear
-                    self._arrived.wait(IDLE_WAIT_S)
+            if not _prefetched() and load is not None and load["held"] == 0 and load["on_the_way"] == 0:
+                _ARRIVED.clear()
+                if not _prefetched():  # looked at again: an arrival since sets the event after the clear
+                    _ARRIVED.wait(IDLE_WAIT_S)
             else:
                 time.sleep(BUSY_WAIT_S)
         return types.PullResponse(received_messages=received)
@@ -197,6 +197,11 @@ def _source_runtime() -> tuple[str, WorkerRuntime] | None:
     a local run."""
     with _RUNTIMES_LOCK:
         return next(iter(_RUNTIMES.items()), None)
+
+
+def _prefetched() -> bool:
+    """Whether any read (live or bulk) has messages waiting to be taken."""
+    return any(client._queue for client in list(_CLIENTS.values()))
 
 
 def _source_load() -> dict | None:
