@@ -1,9 +1,9 @@
 """Fuzzing the input stages: any message ends as exactly one request or one dead letter, and nothing raises.
 
-The real stages (``ParseRequests`` → ``MeasurePromptLength`` with the model's
-own tokenizer → ``BatchRequests``) are fuzzed in a Beam pipeline, where an
-exception would fail the pipeline. The pure parser is fuzzed with thousands of
-examples in tests/test_messages.py, beside its other tests: it needs no model.
+The pure parser is fuzzed with thousands of examples; the real stages
+(``ParseRequests`` → ``MeasurePromptLength`` with the model's own tokenizer →
+``BatchRequests``) are fuzzed in a Beam pipeline, where an exception would fail
+the pipeline.
 """
 
 from __future__ import annotations
@@ -19,13 +19,31 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.contract.request_parsing import RequestLimits
+from pipeline.contract.messages import DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import RequestLimits, parse_request
 from pipeline.flow.batching import BatchingConfig, BatchRequests
 from pipeline.intake.parsing import ParseRequests
 from pipeline.intake.prompt_length import MeasurePromptLength, PromptLength
 from tests.hostile_inputs import attributes, hostile_corpus, payloads
 
 LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048, adapters=("support", "extract"))
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=payloads, attrs=attributes)
+def test_the_parser_answers_every_payload_with_a_request_or_a_dead_letter(data, attrs):
+    result = parse_request(data, attrs, "m-1", limits=LIMITS)
+    assert isinstance(result, (InferenceRequest, DeadLetter))
+    if isinstance(result, DeadLetter):
+        assert result.stage in ("parse", "validate") and result.reason
+        record = json.loads(result.to_json())  # publishable as it stands
+        assert record["payload"] or not data.strip()
+    else:
+        # Whatever was accepted can be serialised, published and encoded as valid UTF-8.
+        result.to_json().encode("utf-8")
+        assert InferenceRequest.from_json(result.to_json()) == result
+        assert len(result.id.encode("utf-8")) <= 512
+        assert result.adapter in (None, *LIMITS.adapters)
 
 
 _OUTCOMES: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))

@@ -13,7 +13,6 @@ import pytest
 
 from pipeline.contract.messages import STAGE_PARSE, STAGE_VALIDATE, DeadLetter, InferenceRequest
 from pipeline.contract.request_parsing import RequestLimits, parse_request
-from tests.hostile_inputs import attributes, payloads
 
 LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048)
 
@@ -269,24 +268,3 @@ def test_a_request_crosses_a_shuffle_as_a_version_byte_and_its_json_and_an_unkno
     # What Beam picks for the elements that cross the template's two shuffles.
     for hint in (Tuple[str, InferenceRequest], Tuple[int, List[InferenceRequest]]):
         assert "InferenceRequestCoder" in repr(coders.registry.get_coder(convert_to_beam_type(hint)))
-
-
-FUZZ_LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048, adapters=("support", "extract"))
-
-
-@hypothesis.settings(max_examples=3000, deadline=None,
-                    suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large])
-@hypothesis.given(data=payloads, attrs=attributes)
-def test_the_parser_answers_every_payload_with_a_request_or_a_dead_letter(data, attrs):
-    result = parse_request(data, attrs, "m-1", limits=FUZZ_LIMITS)
-    assert isinstance(result, (InferenceRequest, DeadLetter))
-    if isinstance(result, DeadLetter):
-        assert result.stage in ("parse", "validate") and result.reason
-        record = json.loads(result.to_json())  # publishable as it stands
-        assert record["payload"] or not data.strip()
-    else:
-        # Whatever was accepted can be serialised, published and encoded as valid UTF-8.
-        result.to_json().encode("utf-8")
-        assert InferenceRequest.from_json(result.to_json()) == result
-        assert len(result.id.encode("utf-8")) <= 512
-        assert result.adapter in (None, *FUZZ_LIMITS.adapters)
