@@ -160,8 +160,7 @@ class _PrefetchingPullClient:
         received = [self._queue.popleft() for _ in range(granted)]
         self.taken += len(received)
         if not received:  # an idle source must not spin the executor thread
-            load = _source_load()
-            if not _prefetched() and load is not None and load["held"] == 0 and load["on_the_way"] == 0:
+            if not _prefetched() and (load := _source_load()) is not None and load["held"] == load["on_the_way"] == 0:
                 _ARRIVED.clear()
                 if not _prefetched():  # looked at again: an arrival since sets the event after the clear
                     _ARRIVED.wait(IDLE_WAIT_S)
