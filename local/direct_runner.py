@@ -5,9 +5,10 @@
    fire up to 30 s late, and ``cancel()`` takes as long. :func:`apply_local_runner_fixes`
    moves the pull to a background thread; the executor only takes what has
    arrived, without blocking. A read that finds nothing waits 2 ms (the
-   thread's timers come first), or, while the worker holds no request, until
-   the next message arrives or 20 ms pass: an idle pipeline then takes a
-   fraction of the CPU that re-reading every 2 ms took.
+   thread's timers come first), or, while the worker holds no request and no
+   read has a message waiting, until the next message arrives or 20 ms pass:
+   an idle pipeline then takes a fraction of the CPU that re-reading every
+   2 ms took.
 2. It schedules its sources only in a cycle where no timer fired and nothing
    else runs, so while streams are active (their poll timers fire every few
    tens of milliseconds) new messages wait — seconds, under load. The sources
