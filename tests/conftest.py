@@ -56,11 +56,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @functools.cache
-def shares_the_vllm(module: str) -> bool:
-    """Whether a test module has tests marked ``engine`` and is not marked ``model_in_process``: it starts a vLLM
-    or uses the session's (read from its source: the scheduler sees node ids only)."""
-    source = (Path(__file__).parent.parent / module).read_text()
-    return "mark.engine" in source and "mark.model_in_process" not in source
+def uses_the_model(module: str) -> bool:
+    """Whether a test module has tests marked ``engine`` (read from its source: the scheduler sees node ids only)."""
+    return "mark.engine" in (Path(__file__).parent.parent / module).read_text()
 
 
 # What the model-free process of ``make test`` runs at: CFS gives a nice-10 thread about a tenth of a core that a
@@ -72,22 +70,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under ``make test``'s two processes, the model-free one, and all it starts, yields the CPU to the model's
     pipelines (same session); a server in a session of its own (vLLM, an emulator) shares by session, as Linux's
     autogroup schedules, so the model's time bounds leave room for this process (docs/testing.md)."""
-    if (os.environ.get("PYTEST_XDIST_WORKER") and not shares_the_vllm(item.nodeid.split("::")[0])
+    if (os.environ.get("PYTEST_XDIST_WORKER") and not uses_the_model(item.nodeid.split("::")[0])
             and os.getpriority(os.PRIO_PROCESS, 0) < MODEL_FREE_NICENESS):
         # This thread, and every process and thread it starts from now on.
         os.setpriority(os.PRIO_PROCESS, 0, MODEL_FREE_NICENESS)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``make test`` runs in two processes (pytest-xdist): the modules that start or use a vLLM, one at a time as
-    they always ran (they share one vLLM and must not compete for its cores), and the rest beside them, the
-    transformers engine's among them. Split by module, as two scopes of xdist's scope scheduler: its
-    ``loadgroup`` marks do not reach pytest 9's node ids."""
+    """``make test`` runs in two processes (pytest-xdist): the modules that start the model, one at a time as
+    they always ran (they share one vLLM and must not compete for its cores), and the rest beside them. Split
+    by module, as two scopes of xdist's scope scheduler: its ``loadgroup`` marks do not reach pytest 9's node
+    ids."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModelAndRest(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "model" if shares_the_vllm(nodeid.split("::")[0]) else "rest"
+            return "model" if uses_the_model(nodeid.split("::")[0]) else "rest"
 
     return ModelAndRest(config, log)
 

@@ -19,7 +19,7 @@ from pipeline.flow.batching import BatchingConfig
 from pipeline.intake.prompt_length import TokenizerMeter
 from pipeline.serving.vllm_server import ServerSpec
 
-pytestmark = [pytest.mark.engine, pytest.mark.model_in_process]
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
