@@ -154,6 +154,24 @@ def assert_nothing_left_running(workers: list[Worker], base_url: str) -> None:
                       and m["vllm:num_requests_waiting"] == 0, timeout_s=10), server_metrics(base_url)
 
 
+def assert_ended_by_its_lease(engine: Engine, request_id: str) -> None:
+    """The request's running stream leaves the engine (a finished one would stay, kept for a late poll): no poll
+    renewed its lease, so the engine cancelled it. The bound is the lease clocks' (ABANDONED_LEASES leases of the
+    process's awake time), read on a wall clock with room for a loaded machine, whose late janitor ticks count at
+    most two ticks each (:mod:`pipeline.engines.leases`); on failure the clocks say where the time went."""
+    def taken() -> bool:
+        return not any(key.startswith(f"{request_id}#") for key in engine._registry.streams)
+
+    started = time.monotonic()
+    if not wait_until(taken, timeout_s=3 * (LEASE_S * (ABANDONED_LEASES + 1) + 5)):
+        with engine._lock:
+            leases = engine._registry.leases
+            stamps = {key: stream.lease for key, stream in engine._registry.streams.items()}
+            raise AssertionError(f"after {time.monotonic() - started:.1f} s: host awake {leases.awake_s:.1f} s, held "
+                                 f"until {leases.held_until:.1f} s, clients {leases.clients}, streams' stamps {stamps}, "
+                                 f"janitor alive: {engine._janitor.is_alive()}")
+
+
 RUNS = iter(range(10**6))
 # (tokens generated at the server, tokens delivered, whether a key moved), per schedule
 GENERATED: list[tuple[float, float, bool]] = []
@@ -438,13 +456,14 @@ def test_an_engine_call_that_raises_never_fails_a_timer_and_every_request_still_
     assert f"failed each of the {MAX_LOST_STREAMS} times it was asked" in given_up("broken", PROMPTS[1], poll=10**6)
     assert f"failed each of the {MAX_LOST_STREAMS} times" in given_up("refused", PROMPTS[2], submit=10**6)
 
-    # 400 tokens, none of them skippable, cannot be made within a second on a CPU
+    # 1,900 tokens, none of them skippable, outlast the drain's second and the lease's seconds on any CPU
     stuck = failing_driver(engine, "stuck", drain_timeout_s=1, cancel=10**6)
-    stuck.deliver("k", [InferenceRequest(id="drained-0", prompt="Count from 1 to 500.", max_tokens=400,
-                                         min_tokens=400, temperature=0, received_at=time.time())])
+    stuck.deliver("k", [InferenceRequest(id="drained-0", prompt="Count from 1 to 5000.", max_tokens=1900,
+                                         min_tokens=1900, temperature=0, received_at=time.time())])
     assert stuck.drain("k") is not None  # a drain whose cancel raises still commits
     assert [d["stage"] for d in stuck.committed.dead_letters] == [STAGE_DRAIN]
-    assert_nothing_left_running(workers[:1], vllm_server.base_url)  # the lease ends what the cancel could not
+    assert_ended_by_its_lease(engine, "drained-0")  # the lease ends what the cancel could not
+    assert_nothing_left_running(workers[:1], vllm_server.base_url)
 
 
 def test_a_drain_of_more_keys_than_threads_collects_the_streams_of_the_keys_drained_last(workers, vllm_server):
