@@ -169,11 +169,23 @@ class VLLMBackend:
         if self._closed:
             return
         self._closed = True
-        if self._session is not None:
-            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(timeout=10)
+        try:
+            asyncio.run_coroutine_threadsafe(self._shut_down(), self._loop).result(timeout=10)
+        except (concurrent.futures.TimeoutError, RuntimeError):  # a loop that no longer runs has nothing to end
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._server is not None:
             self._server.stop()
+
+    async def _shut_down(self) -> None:
+        """Ends the streams still running (their connections close, so the server stops them too) before the loop
+        stops: a task left pending on a stopped loop is only destroyed, with a warning, when it is collected."""
+        running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
 
     def load(self) -> ServerLoad:
         return self._server_load_cache
