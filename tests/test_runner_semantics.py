@@ -44,6 +44,9 @@ from tests.conftest import SERVED_NAME, wait_until
 pytestmark = pytest.mark.engine
 
 LEASE_S = 4.0  # a loaded 2-core machine may leave a live stream unpolled for 2 s (docs/testing.md)
+# How long the wall clock may take to show an abandoned stream's lease run out: ABANDONED_LEASES leases of the
+# process's awake time, which a loaded machine's late janitor ticks stretch (pipeline.engines.leases), three times.
+LEASE_WAIT_S = 3 * (LEASE_S * (ABANDONED_LEASES + 1) + 5)
 POLL_MS = 50.0
 PROMPTS = ["Name a color.", "Write one sentence about rain.", "Count from 1 to 10.", "Say hello in French."]
 EVENTS = st.sampled_from(["poll", "poll", "poll", "poll_fails", "deliver_fails", "late", "move",
@@ -148,7 +151,7 @@ def assert_nothing_left_running(workers: list[Worker], base_url: str) -> None:
     """Abandoned streams are cancelled within their lease (ABANDONED_LEASES of them on a worker no key polls any
     more): the server runs nothing, and the engines hold only finished outputs, kept for request_timeout_s."""
     assert wait_until(lambda: all(w.engine.in_flight() == 0 and all(s.done for s in w.engine._registry.streams.values())
-                                  for w in workers), timeout_s=LEASE_S * (ABANDONED_LEASES + 1) + 5), \
+                                  for w in workers), timeout_s=LEASE_WAIT_S), \
         {w.name: [key for key, s in w.engine._registry.streams.items() if not s.done] for w in workers}
     assert wait_until(lambda: (m := server_metrics(base_url))["vllm:num_requests_running"] == 0
                       and m["vllm:num_requests_waiting"] == 0, timeout_s=10), server_metrics(base_url)
@@ -156,14 +159,13 @@ def assert_nothing_left_running(workers: list[Worker], base_url: str) -> None:
 
 def assert_ended_by_its_lease(engine: Engine, request_id: str) -> None:
     """The request's running stream leaves the engine (a finished one would stay, kept for a late poll): no poll
-    renewed its lease, so the engine cancelled it. The bound is the lease clocks' (ABANDONED_LEASES leases of the
-    process's awake time), read on a wall clock with room for a loaded machine, whose late janitor ticks count at
-    most two ticks each (:mod:`pipeline.engines.leases`); on failure the clocks say where the time went."""
+    renewed its lease, so the engine cancelled it within LEASE_WAIT_S; on failure the clocks say where the time
+    went."""
     def taken() -> bool:
         return not any(key.startswith(f"{request_id}#") for key in engine._registry.streams)
 
     started = time.monotonic()
-    if not wait_until(taken, timeout_s=3 * (LEASE_S * (ABANDONED_LEASES + 1) + 5)):
+    if not wait_until(taken, timeout_s=LEASE_WAIT_S):
         with engine._lock:
             leases = engine._registry.leases
             stamps = {key: stream.lease for key, stream in engine._registry.streams.items()}
