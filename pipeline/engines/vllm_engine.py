@@ -169,10 +169,8 @@ class VLLMBackend:
         if self._closed:
             return
         self._closed = True
-        try:
+        if self._loop.is_running():  # a loop that no longer runs has nothing to end
             asyncio.run_coroutine_threadsafe(self._shut_down(), self._loop).result(timeout=10)
-        except (concurrent.futures.TimeoutError, RuntimeError):  # a loop that no longer runs has nothing to end
-            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._server is not None:
             self._server.stop()
