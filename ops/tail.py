@@ -6,7 +6,10 @@ are left alone) and prints each record as it comes: a chunk's text under its req
 (tokens, time to first token, the structured answer if any), a dead letter's stage and reason. What is printed
 is acknowledged; a subscription that does not exist (an output the job does not have) is left out, saying so.
 The three are read at once (streaming pull), so a chunk is printed as it arrives. Runs until interrupted, or
-``--until N`` completions and dead letters have arrived, or ``--seconds`` have passed.
+``--until N`` completions and dead letters have arrived, or ``--seconds`` have passed. Pub/Sub keeps no order
+across topics, so a request's last chunks may come after its completion: on reaching ``--until`` it goes on
+printing until the streams have been quiet for a moment (``SETTLE_QUIET_S``, at most ``SETTLE_MAX_S``), and it
+stops only once every record it was handed has been printed and acknowledged.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from ops.settings import DeployError, Settings, output_subscription
 
 # Which output each subscription carries, by the setting of its topic.
 OUTPUTS = (("CHUNKS_TOPIC", "chunk"), ("COMPLETIONS_TOPIC", "completion"), ("DEAD_LETTER_TOPIC", "dead letter"))
+SETTLE_QUIET_S = 1.0  # after --until: stop once nothing has arrived for this long ...
+SETTLE_MAX_S = 5.0  # ... or this long has passed, whichever is first (a busy job is never quiet)
 
 
 def line_for(kind: str, data: bytes) -> tuple[str, bool]:
@@ -73,18 +78,22 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             print(f"(no {subscription}: its {kind}s are not shown; make setup creates it)", flush=True)
     ended = threading.Semaphore(0)
     lock = threading.Lock()  # one line at a time from the three streams
+    last_arrival = [time.monotonic()]
 
     def shown(kind: str) -> Callable[[Any], None]:
         def callback(message: Any) -> None:
             text, ends = line_for(kind, message.data)
             with lock:
                 print(text, flush=True)
+                last_arrival[0] = time.monotonic()
             message.ack()
             if ends:
                 ended.release()
         return callback
 
-    streams = [subscriber.subscribe(subscription, callback=shown(kind)) for subscription, kind in watching]
+    # Waiting for the callbacks on shutdown: none acknowledges on a channel already closed.
+    streams = [subscriber.subscribe(subscription, callback=shown(kind), await_callbacks_on_shutdown=True)
+               for subscription, kind in watching]
     print(f"Watching {', '.join(s for s, _ in watching) or 'nothing'} (Ctrl-C to stop)", flush=True)
     deadline = None if args.seconds is None else time.monotonic() + args.seconds
     try:
@@ -95,13 +104,35 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                 break
             if ended.acquire(timeout=1.0 if left is None else min(left, 1.0)):
                 count += 1
+        if streams and args.until is not None and count >= args.until:
+            settle(last_arrival, lock, deadline)
     except KeyboardInterrupt:
         pass
     finally:
         for stream in streams:
             stream.cancel()
+        for stream, (subscription, _) in zip(streams, watching):
+            try:
+                stream.result(timeout=30)
+            except Exception as exc:  # noqa: BLE001 - say why a stream ended early, then close the rest
+                print(f"make tail: {subscription} stopped: {exc}", file=sys.stderr)
         subscriber.close()
     return 0
+
+
+def settle(last_arrival: list[float], lock: threading.Lock, deadline: float | None) -> None:
+    """Go on printing what still arrives until a quiet moment, the settle bound or the deadline."""
+    end = time.monotonic() + SETTLE_MAX_S
+    if deadline is not None:
+        end = min(end, deadline)
+    while True:
+        now = time.monotonic()
+        with lock:
+            quiet_since = last_arrival[0]
+        if now >= end or now - quiet_since >= SETTLE_QUIET_S:
+            return
+        time.sleep(min(0.1, end - now))
+
 
 if __name__ == "__main__":
     sys.exit(main())

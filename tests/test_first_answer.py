@@ -87,7 +87,8 @@ def test_make_tail_prints_chunks_then_the_answer_and_dead_letters_as_they_arrive
     tail = make("tail", emulator, **names, TAIL_ARGS="--until 2 --seconds 120")
     assert tail.returncode == 0, tail.stdout + tail.stderr
     assert time.monotonic() - started < 120, "stopped after the two answers, not at the time limit"
-    assert "q-1 #0: Hel" in tail.stdout and "q-1 #1: lo!" in tail.stdout
+    assert "q-1 #0: Hel" in tail.stdout and "q-1 #1: lo!" in tail.stdout, "a chunk after its completion is shown"
+    assert "Error" not in tail.stderr, "every callback ended before the channel closed"
     assert 'q-1 done: 2 tokens, first token 0.12 s, stop; answer {"category": "billing"}' in tail.stdout
     assert "q-2 dead letter (parse): 'prompt' must be a string" in tail.stdout
     for name in ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC"):  # what was printed was acknowledged
