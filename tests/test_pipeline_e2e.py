@@ -72,6 +72,10 @@ LIVE_BESIDE_BULK = [{"id": f"live-{i}", "prompt": question, "max_tokens": 8}
 
 ENGINE_ARGS = {"vllm": LOCAL_SERVER.template_args(),
                "transformers": ["--engine=transformers", "--dtype=float32"]}
+# How the batching step keys and fills batches. With the transformers engine a batch is the one local worker's unit
+# of work: one key per bucket (num_shards's guidance), and batches of up to eight, so that fewer, fuller batches
+# run one after another.
+BATCHING = {"vllm": ["--num_shards=4"], "transformers": ["--num_shards=1", "--batch_size_target=8"]}
 
 
 # Both engines on length buckets: each has a path of its own there (vLLM's priority scheduling; the
@@ -87,7 +91,7 @@ def run(request, checkpoint, emulator, bigquery):
               f"--output_chunks_table=local-project:llm.chunks_{suffix}",
               f"--dead_letter_table=local-project:llm.dead_letters_{suffix}"]
     local_run = LocalRun([f"--model={checkpoint}", "--served_model_name=smollm2", *ENGINE_ARGS[engine],
-                          "--num_shards=4", "--max_in_flight=48", "--chunk_tokens=4", "--chunk_interval_ms=100",
+                          *BATCHING[engine], "--max_in_flight=48", "--chunk_tokens=4", "--chunk_interval_ms=100",
                           "--default_max_tokens=64",
                           *(["--worker_queue=16"] if engine == "vllm" else []), *bucketing, *tables],
                          log_path=REPO_ROOT / ".cache" / "test-e2e" / f"{suffix}.log", emulator=emulator,
