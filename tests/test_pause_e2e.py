@@ -9,7 +9,7 @@ attempt 1 and one chunk stream: nothing generated twice.
 
 The streams' leases live in the engine's registry whichever server it talks to, so the run uses the suite's
 vLLM (``--server_url``) and starts none of its own: what owning the server changes is proved by the end-to-end
-tests of the managed server (tests/test_pipeline_e2e.py, tests/test_resilience_e2e.py).
+tests of the managed server (tests/test_pipeline_e2e.py's vLLM run, its kill -9 among them).
 """
 
 from __future__ import annotations
