@@ -312,12 +312,12 @@ def hostile_run(run):
     os.kill(server_pid, signal.SIGKILL)
     time.sleep(2)
     local_run.publish(COUNTING[2:3])  # a redelivery while the server is down
-    wanted = ([r["id"] for r in COUNTING + QUICK] + list(TEXT_LIKE_JSON) + [MARKED_TEXT[0]]
-              + [i for i in HOSTILE_IDS if i not in NAMELESS])
+    after = {r["id"] for r in AFTER}
+    wanted = HOSTILE_TRAFFIC - NAMELESS - after
     missing = collector.wait_for(wanted, 900)
     assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
     local_run.publish(AFTER)  # still serving after all of it
-    missing = collector.wait_for(wanted + [r["id"] for r in AFTER], 300)
+    missing = collector.wait_for(wanted | after, 300)
     assert not missing, f"no outcome for {missing}:\n{local_run.log_tail()}"
     unfinished = collector.wait_for_streams({c.data["stream"] for c in collector.completions}, 60)
     assert not unfinished, f"streams without all their chunks: {unfinished}\n{local_run.log_tail()}"
