@@ -26,8 +26,8 @@ from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
 LEASE_S = 4
-# Five leases: past the three a running stream's client may go unpolled (leases.ABANDONED_LEASES), and far past
-# the one a finished stream would be kept if it were kept for the lease and not for request_timeout_s.
+# Five leases: a finished stream's text kept for the lease, not for request_timeout_s, would be gone long before
+# the pipeline resumes, and its request generated again (attempt 2).
 LONG_PAUSE_S = 5 * LEASE_S
 
 
