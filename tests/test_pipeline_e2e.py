@@ -148,6 +148,24 @@ def completions_by_id(collector):
     return {c.data["id"]: c.data for c in collector.completions}
 
 
+def chunk_streams(collector) -> dict[str, list[dict]]:
+    """Each stream's chunks in order. At-least-once: a redelivered chunk is the same chunk again."""
+    streams: dict[str, dict[int, dict]] = defaultdict(dict)
+    for chunk in collector.chunks:
+        seqs = streams[chunk.data["stream"]]
+        if chunk.data["seq"] in seqs:
+            assert seqs[chunk.data["seq"]]["text"] == chunk.data["text"], "one seq, two texts"
+        seqs[chunk.data["seq"]] = chunk.data
+    return {key: [seqs[s] for s in sorted(seqs)] for key, seqs in streams.items()}
+
+
+def assert_whole_stream(request_id: str, completion: dict, chunks: list[dict]) -> None:
+    """The completion's stream: gapless, one final chunk at its end, its texts adding up to the completion's."""
+    assert chunks and [c["seq"] for c in chunks] == list(range(len(chunks))), request_id
+    assert chunks[-1]["final"] and not any(c["final"] for c in chunks[:-1]), request_id
+    assert "".join(c["text"] for c in chunks) == completion["text"], request_id
+
+
 def test_every_message_ends_as_exactly_one_completion_or_dead_letter(run):
     _, collector, expected, _, _ = run
     completion_ids = [c.data["id"] for c in collector.completions]
@@ -159,17 +177,10 @@ def test_every_message_ends_as_exactly_one_completion_or_dead_letter(run):
 
 def test_chunks_are_gapless_and_add_up_to_the_final_text(run):
     _, collector, _, _, _ = run
-    chunks = defaultdict(dict)
-    for chunk in collector.chunks:  # at-least-once: a redelivered chunk is the same chunk again
-        key = chunk.data["stream"]
-        if chunk.data["seq"] in chunks[key]:
-            assert chunks[key][chunk.data["seq"]]["text"] == chunk.data["text"], "one seq, two texts"
-        chunks[key][chunk.data["seq"]] = chunk.data
+    streams = chunk_streams(collector)
     for request_id, completion in completions_by_id(collector).items():
-        mine = sorted(chunks[completion["stream"]].values(), key=lambda c: c["seq"])
-        assert [c["seq"] for c in mine] == list(range(len(mine))), request_id
-        assert mine[-1]["final"] and not any(c["final"] for c in mine[:-1]), request_id
-        assert "".join(c["text"] for c in mine) == completion["text"], request_id
+        mine = streams.get(completion["stream"], [])
+        assert_whole_stream(request_id, completion, mine)
         usage = completion["usage"]
         assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] == mine[-1]["tokens"], request_id
         assert completion["total_ms"] >= (completion["time_to_first_token_ms"] or 0) >= 0
@@ -273,13 +284,6 @@ HOSTILE_TRAFFIC = ({r["id"] for r in COUNTING + QUICK + AFTER} | set(TEXT_LIKE_J
                    | set(HOSTILE_IDS))
 
 
-def chunk_streams(collector) -> dict[str, list[dict]]:
-    streams: dict[str, dict[int, dict]] = defaultdict(dict)
-    for chunk in collector.chunks:
-        streams[chunk.data["stream"]][chunk.data["seq"]] = chunk.data  # a redelivery is one chunk
-    return {key: [seqs[s] for s in sorted(seqs)] for key, seqs in streams.items()}
-
-
 @dataclass(frozen=True)
 class HostileRun:
     """The vLLM run after the hostile traffic: its vLLM was killed mid-stream (that server's pid and the cores its
@@ -340,7 +344,7 @@ def test_every_hostile_input_ends_with_exactly_one_outcome(hostile_run):
 
 def test_duplicates_are_served_once_and_a_reused_id_is_refused_by_name(hostile_run):
     collector = hostile_run.collector
-    completions = {c.data["id"]: c.data for c in collector.completions}
+    completions = completions_by_id(collector)
     for request in COUNTING + QUICK:
         assert request["id"] in completions, request["id"]
         assert completions[request["id"]]["prompt"] == request["prompt"], "never another request's answer"
@@ -352,7 +356,7 @@ def test_duplicates_are_served_once_and_a_reused_id_is_refused_by_name(hostile_r
 
 def test_text_that_looks_like_json_is_served_as_text(hostile_run):
     collector = hostile_run.collector
-    completions = {c.data["id"]: c.data for c in collector.completions}
+    completions = completions_by_id(collector)
     for request_id, text in [*TEXT_LIKE_JSON.items(), MARKED_TEXT]:
         assert completions[request_id]["prompt"] == text
 
@@ -362,13 +366,10 @@ def test_after_a_kill_9_every_completion_has_a_whole_chunk_stream(hostile_run):
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
     assert "Restarting vLLM server" in hostile_run.run.log_path.read_text()
     streams = chunk_streams(collector)
-    completions = {c.data["id"]: c.data for c in collector.completions}
+    completions = completions_by_id(collector)
     assert any(c["attempt"] > 1 for c in completions.values()), "the kill should have cut a stream mid-way"
     for request_id, completion in completions.items():
-        chunks = streams[completion["stream"]]
-        assert [c["seq"] for c in chunks] == list(range(len(chunks))), request_id
-        assert chunks[-1]["final"] and not any(c["final"] for c in chunks[:-1]), request_id
-        assert "".join(c["text"] for c in chunks) == completion["text"], request_id
+        assert_whole_stream(request_id, completion, streams.get(completion["stream"], []))
 
 
 def test_the_restarted_vllm_is_bound_to_the_cores_the_killed_one_had(hostile_run):
