@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ops.settings import BUILD_SOURCE_PREFIX, Settings
 from pipeline.serving.gpus import DEFAULT_CUDA_MAJOR
 
 VLLM_VERSION = "0.32.0"
@@ -85,8 +86,10 @@ def commands(settings: Mapping[str, str]) -> list[list[str]]:
                      "_BAKE_TOKEN_SECRET": get("BAKE_TOKEN_SECRET")}
     # gcloud's list flags split on commas; "^|^" makes | the separator (gcloud topic escaping).
     joined = "^|^" + "|".join(f"{name}={value}" for name, value in substitutions.items())
+    builder = Settings(settings).build_service_account()
     return [["gcloud", "builds", "submit", "--project", get("PROJECT"), "--region", get("REGION"),
-             "--gcs-source-staging-dir", f"gs://{get('BUCKET')}/cloudbuild-source", "--config",
+             "--gcs-source-staging-dir", f"gs://{get('BUCKET')}/{BUILD_SOURCE_PREFIX}",
+             "--service-account", f"projects/{get('PROJECT')}/serviceAccounts/{builder}", "--config",
              "container/cloudbuild.yaml", "--substitutions", joined, *shlex.split(get("IMAGE_BUILD_ARGS")), "."]]
 
 

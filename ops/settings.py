@@ -14,8 +14,13 @@ from typing import Mapping
 
 # The launcher's and workers' account make setup creates when SERVICE_ACCOUNT is unset (NAME@PROJECT.iam...).
 DEFAULT_SERVICE_ACCOUNT_ID = "streaming-llm"
+# The account make image's Cloud Build runs as, which make setup creates (ops/setup_project.py says why).
+BUILD_SERVICE_ACCOUNT_ID = "streaming-llm-build"
 # A user-managed service account's ID (IAM: 6-30 characters, lower-case letters, digits and '-', a letter first).
 SERVICE_ACCOUNT_ID_REGEX = r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$"
+# Where in BUCKET each writer puts its files: Dataflow's staging and temp locations (the job's account writes
+# them), and the build source make image uploads (the build account reads it). make setup grants on these prefixes.
+STAGING_PREFIX, TEMP_PREFIX, BUILD_SOURCE_PREFIX = "staging", "tmp", "cloudbuild-source"
 # Secret Manager settings (a secret's version, or the secret itself), read by make setup and make run.
 SECRET_REGEX = r"^projects/(?P<project>[^/]+)/secrets/(?P<secret>[^/]+)(/versions/(?P<version>[^/]+))?$"
 
@@ -76,6 +81,11 @@ class Settings:
             raise DeployError(f"SERVICE_ACCOUNT={value!r} is not a service account's email (NAME@PROJECT."
                               "iam.gserviceaccount.com)")
         return value
+
+    def build_service_account(self) -> str:
+        """The account ``make image``'s Cloud Build runs as: ``streaming-llm-build@PROJECT.iam.gserviceaccount.com``,
+        made by make setup with only what a build needs (never the project's default accounts)."""
+        return f"{BUILD_SERVICE_ACCOUNT_ID}@{self.get('PROJECT')}.iam.gserviceaccount.com"
 
     def own_service_account_id(self) -> str | None:
         """The ID of :meth:`service_account` when it is a user-managed account of PROJECT, which make setup creates

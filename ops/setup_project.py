@@ -1,26 +1,37 @@
 """``make setup``: step 1 of the README, a blank Google Cloud project made ready for ``make image``, ``template`` and
-``run``: the APIs enabled, the bucket, the image repository, the topics and their subscriptions, the workers' own
-service account created, and each account granted the roles docs/operations.md#roles lists, each on the narrowest
-resource it applies to.
+``run``: the APIs enabled, the bucket, the image repository, the topics and their subscriptions, the job's and the
+build's own service accounts created, and each account granted the roles docs/operations.md#roles lists, each on the
+narrowest resource it applies to.
 
 Every command is printed before it runs (``DRY_RUN=1``: printed only), and each is one ``gcloud`` call a person
-could type. What exists already is left as it is: a create that finds its resource says so and the next command
-runs, so a rerun after a failure continues. The accounts, from Google's pages:
+could type. It can be run again at any time, and changes nothing that is already as it should be: each create that
+finds its resource is read by the answer the service documents for it (Pub/Sub, Artifact Registry and IAM say
+``ALREADY_EXISTS``; Cloud Storage answers a bucket its caller owns with ``HTTPError 409: Your previous request to
+create the named bucket succeeded and you already own it.``, and a name another project holds with 409 "not
+available"), so a rerun after a failure continues where it stopped. A command refused for want of a permission
+stops the run, naming the role to ask for. The accounts, from Google's pages:
 
 * the launcher's and workers' account: ``SERVICE_ACCOUNT``, by default
   ``streaming-llm@PROJECT.iam.gserviceaccount.com``, which this creates ("Dataflow security and permissions",
   worker service account: https://cloud.google.com/dataflow/docs/concepts/security-and-permissions; a Flex
   Template's launcher VM runs as the same account: https://cloud.google.com/dataflow/docs/guides/templates/run-flex-templates).
-  Only ``roles/dataflow.worker`` is granted on the project; the bucket, the image repository, the input
-  subscription, the output topics and the token secrets are granted one by one;
-* Cloud Build's: ``PROJECT_NUMBER@cloudbuild.gserviceaccount.com`` on projects made before Cloud Build's
-  change of default, the Compute Engine default account on newer ones ("Cloud Build service account":
-  https://cloud.google.com/build/docs/cloud-build-service-account); both are granted what the build needs.
+  Only ``roles/dataflow.worker`` is granted on the project; the input subscription, the output topics and the token
+  secret are granted one by one, and in the bucket it may read every object but write only under Dataflow's staging
+  and temp prefixes (an IAM condition on object names), so a worker cannot replace the template specs;
+* the build's: ``streaming-llm-build@PROJECT.iam.gserviceaccount.com``, which this creates and ``make image`` names
+  (``gcloud builds submit --service-account``). Which account Cloud Build uses by default depends on when the
+  project first enabled it: the legacy ``PROJECT_NUMBER@cloudbuild.gserviceaccount.com`` exists only on projects
+  from before Cloud Build's 2024 change, newer ones build as the Compute Engine default account, and an organisation
+  policy (``constraints/cloudbuild.disableCreateDefaultServiceAccount``) can forbid the legacy one
+  (https://cloud.google.com/build/docs/cloud-build-service-account-updates). Google recommends an account of one's
+  own for builds (https://cloud.google.com/build/docs/securing-builds/configure-user-specified-service-accounts):
+  it exists on every project because this makes it, and the default accounts, shared by every VM or build of the
+  project, are granted nothing. The image repository is created with immutable tags, so no account can move a tag
+  the workers pull.
 
-IAM is eventually consistent: an account just created, or one a just-enabled API has yet to make, can be unknown to
-a grant for a minute or more ("Access change propagation": https://cloud.google.com/iam/docs/access-change-propagation).
-A grant that fails so is tried again after a wait, saying so; if it still fails, the run stops and says to run it
-again later.
+IAM is eventually consistent: an account just created can be unknown to a grant for a minute or more ("Access
+change propagation": https://cloud.google.com/iam/docs/access-change-propagation). A grant that fails so is tried
+again after a wait, saying so; if it still fails, the run stops and says to run it again later.
 
 The person running the deploy targets needs roles of their own (operations.md lists them); an owner of the
 project has them, and granting them to oneself is left to the project's owner.
@@ -37,31 +48,70 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from ops.settings import DeployError, Settings, gcloud_output, output_subscription
+from ops.settings import (
+    BUILD_SERVICE_ACCOUNT_ID,
+    BUILD_SOURCE_PREFIX,
+    STAGING_PREFIX,
+    TEMP_PREFIX,
+    DeployError,
+    Settings,
+    output_subscription,
+)
 
-# Every API the product uses (docs/operations.md#roles says which for what); IAM's, to create the workers' account.
+# Every API the product uses (docs/operations.md#roles says which for what); IAM's, to create the accounts.
 APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.com", "storage.googleapis.com",
         "artifactregistry.googleapis.com", "cloudbuild.googleapis.com", "secretmanager.googleapis.com",
         "monitoring.googleapis.com", "logging.googleapis.com", "bigquery.googleapis.com", "iam.googleapis.com")
 REPOSITORY = "dataflow"  # the Makefile's IMAGE_REPOSITORY: REGION-docker.pkg.dev/PROJECT/dataflow
-NUMBER = "PROJECT_NUMBER"  # stands for the project's number in a dry run
-# The only roles granted on the whole project: the job's account's Dataflow Worker, Cloud Build's Logs Writer.
+# The only roles granted on the whole project: the job's account's Dataflow Worker, the build's Logs Writer.
 PROJECT_ROLES = {"roles/dataflow.worker", "roles/logging.logWriter"}
 # A grant refused for these reasons is IAM or a new API not having caught up yet: it is tried again after a wait.
 NOT_YET = ("does not exist", "SERVICE_DISABLED", "has not been used in project", "wait a few minutes")
 # Seconds to wait before each retry of such a grant (about two and a half minutes in all).
 RETRY_WAITS_S = (5.0, 10.0, 20.0, 40.0, 80.0)
+# How each service says a create found its resource: Pub/Sub, Artifact Registry, IAM and Service Usage answer
+# ALREADY_EXISTS (gcloud prints "already exists"); Cloud Storage answers a bucket its caller owns with a 409 of its own.
+ALREADY_THERE = ("ALREADY_EXISTS", "already exists", "you already own it")
+# How gcloud prints a refusal for want of a permission: the APIs' PERMISSION_DENIED, with Google's usual message,
+# Pub/Sub's own, or Cloud Storage's 403.
+DENIED = ("PERMISSION_DENIED", "HTTPError 403", "does not have permission", "not authorized to perform",
+          "Permission denied")
+# The role that lets the person running make setup do each kind of command (Owner holds them all).
+ROLE_FOR = (("services enable", "Service Usage Admin (roles/serviceusage.serviceUsageAdmin)"),
+            ("storage buckets", "Storage Admin (roles/storage.admin)"),
+            ("artifacts repositories", "Artifact Registry Administrator (roles/artifactregistry.admin)"),
+            ("pubsub", "Pub/Sub Admin (roles/pubsub.admin)"),
+            ("iam service-accounts create", "Service Account Admin (roles/iam.serviceAccountAdmin)"),
+            ("projects add-iam-policy-binding", "Project IAM Admin (roles/resourcemanager.projectIamAdmin)"),
+            ("secrets", "Secret Manager Admin (roles/secretmanager.admin)"))
 
 
 @dataclass(frozen=True)
 class Grant:
     """One role for one account on one resource: ``scope`` is its kind (a topic, subscription, secret as
-    ``PROJECT/SECRET``, repository, bucket or project), ``resource`` its name."""
+    ``PROJECT/SECRET``, repository, bucket or project), ``resource`` its name; on a bucket, ``prefixes`` limits the
+    role to the objects whose names start with one of them (an IAM condition on ``resource.name``)."""
 
     account: str
     role: str
     scope: str
     resource: str
+    prefixes: tuple[str, ...] = ()
+
+    def condition(self) -> str | None:
+        """The IAM condition of a grant limited to prefixes, as gcloud's ``--condition`` takes it (``^;^``: ';'
+        separates its keys, as the expression holds no ';'), or None.
+
+        Cloud Storage names an object ``projects/_/buckets/BUCKET/objects/NAME`` in a condition
+        (https://cloud.google.com/storage/docs/access-control/iam#conditions); a bucket with conditions needs uniform
+        bucket-level access, which make setup's bucket has. A listing is checked against the bucket, not an
+        object, so a role limited to prefixes cannot list: the job's account lists through its unconditional
+        Storage Object Viewer."""
+        if not self.prefixes:
+            return None
+        names = " || ".join(f'resource.name.startsWith("projects/_/buckets/{self.resource}/objects/{prefix}/")'
+                            for prefix in self.prefixes)
+        return f"^;^title={self.role.rsplit('.', 1)[-1]} on {', '.join(self.prefixes)};expression={names}"
 
     def command(self, project: str, region: str) -> list[str]:
         member = ["--member", f"serviceAccount:{self.account}", "--role", self.role]
@@ -69,8 +119,9 @@ class Grant:
             return ["gcloud", "projects", "add-iam-policy-binding", self.resource, *member, "--condition=None",
                     "--quiet"]
         if self.scope == "bucket":
+            # The bucket's policy holds conditional bindings, beside which gcloud adds one only when told which.
             return ["gcloud", "storage", "buckets", "add-iam-policy-binding", f"gs://{self.resource}", *member,
-                    "--project", project]
+                    f"--condition={self.condition() or 'None'}", "--project", project]
         if self.scope == "repository":
             return ["gcloud", "artifacts", "repositories", "add-iam-policy-binding", self.resource,
                     "--location", region, *member, "--project", project]
@@ -86,14 +137,17 @@ def resource_id(settings: Settings, name: str) -> str:
     return settings.pubsub_path(name).rsplit("/", 1)[-1]
 
 
-def grants(settings: Settings, number: str = NUMBER) -> list[Grant]:
+def grants(settings: Settings) -> list[Grant]:
     """What each account is granted, on what: the workers' account on the project only ``roles/dataflow.worker``
-    (Dataflow's security page: the role a worker account needs), everything else on its one resource."""
+    (Dataflow's security page: the role a worker account needs), everything else on its one resource; the build's
+    account only what a build of container/cloudbuild.yaml uses."""
     project, bucket = settings.get("PROJECT"), settings.get("BUCKET")
-    workers = settings.service_account()
+    workers, builder = settings.service_account(), settings.build_service_account()
     found = [Grant(workers, "roles/dataflow.worker", "project", project),
-             # Staging and temp files, the template spec the launcher reads (Flex Templates' "Required permissions").
-             Grant(workers, "roles/storage.objectAdmin", "bucket", bucket),
+             # The template spec the launcher reads, a model or adapters kept in the bucket (Flex Templates'
+             # "Required permissions": read the spec; write the staging and temp locations, and nothing else).
+             Grant(workers, "roles/storage.objectViewer", "bucket", bucket),
+             Grant(workers, "roles/storage.objectAdmin", "bucket", bucket, (STAGING_PREFIX, TEMP_PREFIX)),
              # Both images: the launcher's and the workers' (the same page: "read access to the Flex Template image").
              Grant(workers, "roles/artifactregistry.reader", "repository", REPOSITORY)]
     for name in ("INPUT_SUBSCRIPTION", "BULK_SUBSCRIPTION"):
@@ -105,18 +159,25 @@ def grants(settings: Settings, number: str = NUMBER) -> list[Grant]:
               for name in ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC") if settings.get(name)]
     if token := settings.secret("HF_TOKEN_SECRET"):
         found.append(Grant(workers, "roles/secretmanager.secretAccessor", "secret", "/".join(token)))
-    builders = [f"{number}@cloudbuild.gserviceaccount.com", f"{number}-compute@developer.gserviceaccount.com"]
-    for account in builders:
-        found += [Grant(account, "roles/artifactregistry.writer", "repository", REPOSITORY),
-                  Grant(account, "roles/storage.objectViewer", "bucket", bucket),  # the staged build source
-                  Grant(account, "roles/logging.logWriter", "project", project)]  # the build's log
-        if token := settings.secret("BAKE_TOKEN_SECRET"):
-            found.append(Grant(account, "roles/secretmanager.secretAccessor", "secret", "/".join(token)))
+    found += [Grant(builder, "roles/artifactregistry.writer", "repository", REPOSITORY),  # pushing the images
+              # The build source make image stages (gcloud builds submit --gcs-source-staging-dir).
+              Grant(builder, "roles/storage.objectViewer", "bucket", bucket, (BUILD_SOURCE_PREFIX,)),
+              Grant(builder, "roles/logging.logWriter", "project", project)]  # its log: CLOUD_LOGGING_ONLY
+    if token := settings.secret("BAKE_TOKEN_SECRET"):
+        found.append(Grant(builder, "roles/secretmanager.secretAccessor", "secret", "/".join(token)))
     return list(dict.fromkeys(found))
 
 
-def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
-    """The gcloud commands of step 1, in order; ``number`` is the project's number (looked up before granting)."""
+def subscription(name: str, topic: str, where: list[str], *flags: str) -> list[str]:
+    """Creating a subscription that never expires: Pub/Sub deletes one inactive for 31 days by default, and a
+    quiet one (the dead letters' copy that only ops.redrive reads) would take what its topic gets with it
+    (https://cloud.google.com/pubsub/docs/subscription-properties#expiration_period)."""
+    return ["gcloud", "pubsub", "subscriptions", "create", name, "--topic", topic, "--expiration-period", "never",
+            *flags, *where]
+
+
+def commands(settings: Settings) -> list[list[str]]:
+    """The gcloud commands of step 1, in order."""
     settings.require("PROJECT", "REGION", "BUCKET", "INPUT_TOPIC", "INPUT_SUBSCRIPTION")
     if bool(settings.get("BULK_TOPIC")) != bool(settings.get("BULK_SUBSCRIPTION")):
         raise DeployError("set BULK_TOPIC and BULK_SUBSCRIPTION together (the bulk lane's topic and the subscription "
@@ -127,66 +188,87 @@ def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
              ["gcloud", "storage", "buckets", "create", f"gs://{settings.get('BUCKET')}", *where, "--location", region,
               "--uniform-bucket-level-access"],
              ["gcloud", "artifacts", "repositories", "create", REPOSITORY, "--repository-format", "docker",
-              "--location", region, *where]]
+              "--location", region, "--immutable-tags", *where]]
     input_topic = resource_id(settings, "INPUT_TOPIC")
     topics = [input_topic] + [resource_id(settings, name) for name in
                               ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC") if settings.get(name)]
     found += [["gcloud", "pubsub", "topics", "create", topic, *where] for topic in dict.fromkeys(topics)]
-    found.append(["gcloud", "pubsub", "subscriptions", "create",
-                  resource_id(settings, "INPUT_SUBSCRIPTION"), "--topic", input_topic, *where])
+    found.append(subscription(resource_id(settings, "INPUT_SUBSCRIPTION"), input_topic, where))
     if settings.get("BULK_SUBSCRIPTION"):  # the bulk lane: its topic and the subscription the job reads
         bulk_topic = resource_id(settings, "BULK_TOPIC")
         found += [["gcloud", "pubsub", "topics", "create", bulk_topic, *where],
-                  ["gcloud", "pubsub", "subscriptions", "create", resource_id(settings, "BULK_SUBSCRIPTION"),
-                   "--topic", bulk_topic, *where]]
+                  subscription(resource_id(settings, "BULK_SUBSCRIPTION"), bulk_topic, where)]
     # The outputs' subscriptions (output_subscription): Pub/Sub keeps nothing on a topic without one. The answers
     # and dead letters are kept for an application and ops.redrive; what make tail reads is for watching live, so
-    # it is kept for the shortest retention Pub/Sub allows.
+    # it is kept for the shortest retention Pub/Sub allows, and the chunks' one delivers each request's chunks in
+    # the order they were published (they carry the request id as ordering key).
     for name in ("COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC", "CHUNKS_TOPIC"):
         if settings.get(name):
             path = settings.pubsub_path(name)
-            topic = ["--topic", path.rsplit("/", 1)[1]]
+            topic = path.rsplit("/", 1)[1]
             if name != "CHUNKS_TOPIC":
-                found.append(["gcloud", "pubsub", "subscriptions", "create",
-                              output_subscription(path).rsplit("/", 1)[1], *topic, *where])
-            found.append(["gcloud", "pubsub", "subscriptions", "create",
-                          output_subscription(path, "tail").rsplit("/", 1)[1], *topic,
-                          "--message-retention-duration", "10m", *where])
-    if account_id := settings.own_service_account_id():
-        found.append(["gcloud", "iam", "service-accounts", "create", account_id, "--display-name",
-                      "Streaming LLM launcher and workers", *where])
-    return found + [grant.command(project, region) for grant in grants(settings, number)]
+                found.append(subscription(output_subscription(path).rsplit("/", 1)[1], topic, where))
+            ordered = ("--enable-message-ordering",) if name == "CHUNKS_TOPIC" else ()
+            found.append(subscription(output_subscription(path, "tail").rsplit("/", 1)[1], topic, where,
+                                      "--message-retention-duration", "10m", *ordered))
+    accounts = [(settings.own_service_account_id(), "Streaming LLM launcher and workers"),
+                (BUILD_SERVICE_ACCOUNT_ID, "Streaming LLM image builds")]
+    found += [["gcloud", "iam", "service-accounts", "create", account_id, "--display-name", title, *where]
+              for account_id, title in accounts if account_id]
+    return found + [grant.command(project, region) for grant in grants(settings)]
+
+
+def follow_up(command: list[str]) -> list[str] | None:
+    """What brings a resource a create found to what the create would have made, where that can change: a
+    subscription an earlier make setup made with Pub/Sub's default expiry is set never to expire."""
+    if command[:4] == ["gcloud", "pubsub", "subscriptions", "create"]:
+        return ["gcloud", "pubsub", "subscriptions", "update", command[4], "--expiration-period", "never",
+                *command[command.index("--project"):command.index("--project") + 2]]
+    return None
+
+
+def role_for(command: list[str]) -> str:
+    """The role that lets its caller run this command of step 1."""
+    return next((role for words, role in ROLE_FOR if " ".join(command[1:]).startswith(words)), "Owner")
 
 
 def run_command(command: list[str], sleep: Callable[[float], None] = time.sleep) -> int:
-    """Runs one command of step 1: a resource that exists already is fine; a grant that IAM cannot apply yet (see
-    the module docstring) is tried again after each of :data:`RETRY_WAITS_S`. Returns gcloud's exit status."""
+    """Runs one command of step 1: a resource that exists already is fine (and brought up to date, see
+    :func:`follow_up`); a grant that IAM cannot apply yet (see the module docstring) is tried again after each of
+    :data:`RETRY_WAITS_S`; a refusal names the role to ask for. Returns gcloud's exit status."""
     granting = "add-iam-policy-binding" in command
     for attempt, wait_s in enumerate((*RETRY_WAITS_S, None), start=1):
         result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if not result.returncode or "ALREADY_EXISTS" in result.stderr or "already exists" in result.stderr:
-            print("    already there" if result.returncode else "    done", flush=True)
+        if not result.returncode:
+            print("    done", flush=True)
             return 0
+        if "create" in command[:4] and any(word in result.stderr for word in ALREADY_THERE):
+            print("    already there", flush=True)
+            if (update := follow_up(command)) is not None:
+                print(f"==> {shlex.join(update)}", flush=True)
+                return run_command(update, sleep)
+            return 0
+        sys.stderr.write(result.stderr)
+        if any(word in result.stderr for word in DENIED):
+            print(f"make setup: you lack a permission this command needs: ask the project's owner for "
+                  f"{role_for(command)} (or Owner) on the project, then run make setup again; what exists is left "
+                  "as it is.", file=sys.stderr, flush=True)
+            return result.returncode
+        if "HTTPError 409" in result.stderr and "buckets create" in " ".join(command):
+            print("make setup: that bucket name is taken (Cloud Storage's names are shared by every project): set "
+                  "another BUCKET in .env and run make setup again.", file=sys.stderr, flush=True)
+            return result.returncode
         not_yet = granting and any(reason in result.stderr for reason in NOT_YET)
         if not not_yet or wait_s is None:
-            sys.stderr.write(result.stderr)
             if not_yet:
-                print("make setup: IAM has still not caught up with a new account or API (it can take up to 7 "
-                      "minutes): run make setup again in a few minutes; what exists is left as it is.",
-                      file=sys.stderr, flush=True)
+                print("make setup: IAM still does not know an account or API (a new one can take up to 7 minutes to "
+                      "be known; an account named in SERVICE_ACCOUNT must exist): run make setup again in a few "
+                      "minutes; what exists is left as it is.", file=sys.stderr, flush=True)
             return result.returncode
         print(f"    not yet known to IAM ({result.stderr.strip().splitlines()[-1][:160]}); trying again in "
               f"{wait_s:.0f} s ({attempt} of {len(RETRY_WAITS_S)})", flush=True)
         sleep(wait_s)
     raise AssertionError("unreachable: the last attempt returns")
-
-
-def project_number(settings: Settings) -> str:
-    command = ["gcloud", "projects", "describe", settings.get("PROJECT"), "--format=value(projectNumber)"]
-    number = (gcloud_output(command, "reading the project's number") or "").strip()
-    if not number.isdigit():
-        raise DeployError(f"the project's number could not be read: {number!r}")
-    return number
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -200,8 +282,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             print("warning: SERVICE_ACCOUNT is the Compute Engine default account, which every VM of the project "
                   "runs as unless told otherwise: what is granted to it here reaches them all. Leave SERVICE_ACCOUNT "
                   "unset for an account of the job's own (docs/operations.md#roles).", file=sys.stderr, flush=True)
-        number = NUMBER if args.dry_run else project_number(settings)
-        for command in commands(settings, number):
+        for command in commands(settings):
             print(f"==> {shlex.join(command)}", flush=True)
             if args.dry_run:
                 continue

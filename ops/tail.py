@@ -4,7 +4,9 @@ Pulls from the subscriptions ``make setup`` creates for it on the job's output t
 chunks, completions and dead-letter topics, kept 10 minutes; an application's and ops.redrive's ``-sub`` copies
 are left alone) and prints each record as it comes: a chunk's text under its request id, a completion's summary
 (tokens, time to first token, the structured answer if any), a dead letter's stage and reason. What is printed
-is acknowledged; a subscription that does not exist (an output the job does not have) is left out, saying so.
+is acknowledged; a subscription that does not exist (an output the job does not have) is left out, saying so, and
+one you may not read stops it with the roles to ask for. The chunks' subscription delivers each request's chunks in
+order (make setup makes it with message ordering; one made before is named).
 The three are read at once (streaming pull), so a chunk is printed as it arrives. Runs until interrupted, or
 ``--until N`` completions and dead letters have arrived, or ``--seconds`` have passed. Pub/Sub keeps no order
 across topics, so a request's last chunks may come after its completion: on reaching ``--until`` it goes on
@@ -72,10 +74,19 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     watching = []
     for subscription, kind in outputs:
         try:
-            subscriber.get_subscription(subscription=subscription)
-            watching.append((subscription, kind))
+            found = subscriber.get_subscription(subscription=subscription)
         except exceptions.NotFound:
             print(f"(no {subscription}: its {kind}s are not shown; make setup creates it)", flush=True)
+            continue
+        except exceptions.PermissionDenied:
+            print(f"make tail: {not_allowed(subscription)}", file=sys.stderr, flush=True)
+            subscriber.close()
+            return 2
+        if kind == "chunk" and not found.enable_message_ordering:
+            print(f"(a request's chunks may print out of order: {subscription} was made without message ordering, "
+                  "by a make setup before it ordered them; delete it with gcloud pubsub subscriptions delete and run "
+                  "make setup again)", flush=True)
+        watching.append((subscription, kind))
     ended = threading.Semaphore(0)
     lock = threading.Lock()  # one line at a time from the three streams
     last_arrival = [time.monotonic()]
@@ -114,10 +125,18 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         for stream, (subscription, _) in zip(streams, watching):
             try:
                 stream.result(timeout=30)
+            except exceptions.PermissionDenied:
+                print(f"make tail: {not_allowed(subscription)}", file=sys.stderr)
             except Exception as exc:  # noqa: BLE001 - say why a stream ended early, then close the rest
                 print(f"make tail: {subscription} stopped: {exc}", file=sys.stderr)
         subscriber.close()
     return 0
+
+
+def not_allowed(subscription: str) -> str:
+    """One sentence for a refusal: what reading a subscription takes (Pub/Sub's access control page)."""
+    return (f"Pub/Sub refused to let you read {subscription}: ask for Pub/Sub Subscriber (roles/pubsub.subscriber) and "
+            "Pub/Sub Viewer (roles/pubsub.viewer) on it, or on the project (docs/operations.md#roles).")
 
 
 def settle(last_arrival: list[float], lock: threading.Lock, deadline: float | None) -> None:

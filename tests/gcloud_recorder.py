@@ -5,9 +5,18 @@ gcloud reads API endpoint overrides from its configuration (``CLOUDSDK_API_ENDPO
 and request building all run, and what it sends lands here. The answers are the smallest that gcloud
 accepts: a job for Dataflow's launch and update calls, an object with the uploaded bytes' hashes for Cloud
 Storage (gcloud compares them with the file it sent), a build operation for Cloud Build, for Cloud
-Monitoring the dashboard or alert policy it was sent, named, and for IAM the account it was asked to create and an
-empty policy that a grant reads and writes back (``not_yet`` grants are first refused as IAM refuses a grant for an
-account it does not know yet).
+Monitoring the dashboard or alert policy it was sent, named.
+
+What ``make setup`` creates is answered as each service documents it, not with 200 to everything: the recorder keeps
+what was made, so a second create of a topic, subscription, repository or service account is refused with 409
+``ALREADY_EXISTS`` (Pub/Sub's, Artifact Registry's and IAM's reference pages), a bucket its caller owns with Cloud
+Storage's own 409 ("Your previous request to create the named bucket succeeded and you already own it.", as gcloud
+528 prints it) and a bucket another project holds with 409 "not available" (Cloud Storage's bucket naming page), a
+subscription of a topic that does not exist with 404 ``NOT_FOUND``; a grant to an account that does not exist is
+refused as IAM refuses it (400, "Service account ... does not exist."), and so, ``propagation`` times each, is a
+grant to an account just created (IAM's eventual consistency: https://cloud.google.com/iam/docs/access-change-propagation);
+requests a test lists in ``denied`` get 403 ``PERMISSION_DENIED``. Policies are kept and read back, so a rerun's
+grants find the earlier ones.
 """
 
 from __future__ import annotations
@@ -16,9 +25,9 @@ import base64
 import hashlib
 import json
 import re
-from urllib.parse import quote, unquote
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, unquote
 
 import google_crc32c
 
@@ -44,8 +53,15 @@ class Recorder:
         self.objects: dict[str, bytes] = {}  # "bucket/name" -> uploaded bytes
         self.jobs: list[dict[str, Any]] = []  # what a job listing answers
         self.made: list[dict[str, Any]] = []  # dashboards and alert policies created, as created or updated
-        self.not_yet = 0  # how many policy writes to refuse first, as for an account IAM does not know yet
-        self.missing: set[str] = set()  # API paths of topics, subscriptions and accounts that do not exist
+        self.missing: set[str] = set()  # API paths of topics, subscriptions and accounts a describe does not find
+        self.made_resources: set[str] = set()  # what creates made: API paths (a bucket as /storage/v1/b/NAME)
+        self.taken_buckets: set[str] = set()  # bucket names another project holds
+        self.accounts: set[str] = set()  # emails of service accounts that exist (made here, or said to exist)
+        self.propagation = 0  # how many policy writes naming a just-made account IAM refuses first, for each
+        self.unknown: dict[str, int] = {}  # email -> policy writes still to refuse
+        self.denied: list[str] = []  # regexes over "METHOD /path": answered 403 PERMISSION_DENIED
+        self.policies: dict[str, dict[str, Any]] = {}  # resource path -> its IAM policy as last written
+        self.repositories: dict[str, dict[str, Any]] = {}  # API path -> an image repository made
         self.api = LoopbackApi(self.record)
 
     @property
@@ -85,26 +101,38 @@ class Recorder:
 
     def answer(self, request: Request, content_type: str) -> tuple[int, Any]:
         path = request.path.split("?")[0]
+        if any(re.search(pattern, f"{request.method} {unquote(path)}") for pattern in self.denied):
+            # Pub/Sub's message for it, and the one most Google APIs give.
+            message = "User not authorized to perform this action." if re.match(r"^/v1/projects/[^/]+/(topics|sub" \
+                r"scriptions)/", path) else "The caller does not have permission"
+            return 403, {"error": {"code": 403, "status": "PERMISSION_DENIED", "message": message}}
+        if made := self.create(request, path):
+            return made
         if path.endswith(":setIamPolicy") or (path.endswith("/iam") and request.method == "PUT"):
-            if self.not_yet > 0:
-                self.not_yet -= 1
-                member = next((m for b in request.json().get("policy", request.json()).get("bindings", [])
-                               for m in b["members"]), "the account")
-                return 400, {"error": {"code": 400, "status": "INVALID_ARGUMENT",
-                                       "message": f"Service account {member.split(':')[-1]} does not exist."}}
-            return 200, request.json().get("policy", request.json())
+            policy = request.json().get("policy", request.json())
+            for member in (m for b in policy.get("bindings", []) for m in b["members"]):
+                email = member.split(":", 1)[-1]
+                if member.startswith("serviceAccount:") and (email not in self.accounts or self.unknown.get(email)):
+                    if self.unknown.get(email):
+                        self.unknown[email] -= 1
+                    return 400, {"error": {"code": 400, "status": "INVALID_ARGUMENT",
+                                           "message": f"Service account {email} does not exist."}}
+            resource = path.removesuffix(":setIamPolicy").removesuffix("/iam")
+            self.policies[resource] = {**policy, "etag": "BwYAAAAAAAE="}
+            return 200, self.policies[resource]
         if path.endswith(":getIamPolicy") or (path.endswith("/iam") and request.method == "GET"):
-            return 200, {"etag": "BwYAAAAAAAA=", "version": 1, "bindings": []}
+            resource = path.removesuffix(":getIamPolicy").removesuffix("/iam")
+            return 200, self.policies.get(resource, {"etag": "BwYAAAAAAAA=", "version": 1, "bindings": []})
         if re.match(r"^/v1/projects/[^/]+/(topics|subscriptions|serviceAccounts)/[^/:]+$", path) \
                 and request.method == "GET":  # a describe: there, unless the test says it is missing
             if unquote(path) in self.missing:
                 return 404, {"error": {"code": 404, "status": "NOT_FOUND", "message": "Resource not found"}}
             return 200, {"name": unquote(path).removeprefix("/v1/"), "email": unquote(path).rsplit("/", 1)[1]}
-        account = re.match(r"^/v1/projects/([^/]+)/serviceAccounts$", path)
-        if account and request.method == "POST":
-            email = f"{request.json()['accountId']}@{account.group(1)}.iam.gserviceaccount.com"
-            return 200, {"name": f"projects/{account.group(1)}/serviceAccounts/{email}", "email": email,
-                         "projectId": account.group(1), "uniqueId": "1"}
+        if re.match(r"^/v1/projects/[^/]+/subscriptions/[^/:]+$", path) and request.method == "PATCH":
+            if unquote(path) not in self.made_resources:
+                return 404, {"error": {"code": 404, "status": "NOT_FOUND",
+                                       "message": f"Resource not found (resource={path.rsplit('/', 1)[1]})."}}
+            return 200, {**request.json().get("subscription", {}), "name": unquote(path).removeprefix("/v1/")}
         job = {"id": "2026-11-25_00_00_00-1", "projectId": "recorded", "name": "recorded",
                "currentState": "JOB_STATE_QUEUED"}
         if path.endswith("/flexTemplates:launch"):
@@ -150,6 +178,62 @@ class Recorder:
             kept.update({**request.json(), "name": one.group(1)})
             return 200, kept
         return 404, {"error": {"code": 404, "message": f"the recorder does not answer {request.method} {path}"}}
+
+    def create(self, request: Request, path: str) -> tuple[int, Any] | None:
+        """The answer to one of make setup's creates (see the module docstring), or None for any other request."""
+        exists = {"code": 409, "status": "ALREADY_EXISTS"}
+        if request.method == "POST" and re.match(r"^/v1/projects/[^/]+/services:batchEnable$", path):
+            return 200, {"name": "operations/acat.recorded", "done": True, "response": {
+                "@type": "type.googleapis.com/google.api.serviceusage.v1.BatchEnableServicesResponse", "services": []}}
+        if request.method == "POST" and path == "/storage/v1/b":
+            name = request.json()["name"]
+            if name in self.taken_buckets:
+                return 409, {"error": {"code": 409, "message": "The requested bucket name is not available. The "
+                                       "bucket namespace is shared by all users of the system. Please select a "
+                                       "different name and try again.", "errors": [{"reason": "conflict"}]}}
+            if f"/storage/v1/b/{name}" in self.made_resources:
+                return 409, {"error": {"code": 409, "message": "Your previous request to create the named bucket "
+                                       "succeeded and you already own it.", "errors": [{"reason": "conflict"}]}}
+            self.made_resources.add(f"/storage/v1/b/{name}")
+            return 200, {**request.json(), "kind": "storage#bucket", "id": name}
+        repository = re.search(r"[?&]repositoryId=([^&]+)", request.path)
+        if request.method == "POST" and repository \
+                and re.match(r"^/v1/projects/[^/]+/locations/[^/]+/repositories$", path):
+            made = f"{path}/{repository.group(1)}"
+            if made in self.made_resources:
+                return 409, {"error": {**exists, "message": "the repository already exists"}}
+            self.made_resources.add(made)
+            self.repositories[made] = {**request.json(), "name": made.removeprefix("/v1/")}
+            return 200, {"name": "projects/recorded/locations/recorded/operations/recorded", "done": True,
+                         "response": {**request.json(),
+                                      "@type": "type.googleapis.com/google.devtools.artifactregistry.v1.Repository"}}
+        if request.method == "GET" and path in self.repositories:  # gcloud reads the repository it made back
+            return 200, self.repositories[path]
+        pubsub = re.match(r"^/v1/projects/([^/]+)/(topics|subscriptions)/([^/:]+)$", path)
+        if request.method == "PUT" and pubsub:
+            name = unquote(path)
+            if name in self.made_resources:
+                return 409, {"error": {**exists, "message": "Resource already exists in the project "
+                                       f"(resource={pubsub.group(3)})."}}
+            topic = request.json().get("topic") or ""
+            if pubsub.group(2) == "subscriptions" and f"/v1/{topic}" not in self.made_resources:
+                return 404, {"error": {"code": 404, "status": "NOT_FOUND",
+                                       "message": f"Resource not found (resource={topic.rsplit('/', 1)[-1]})."}}
+            self.made_resources.add(name)
+            return 200, {**request.json(), "name": name.removeprefix("/v1/")}
+        account = re.match(r"^/v1/projects/([^/]+)/serviceAccounts$", path)
+        if request.method == "POST" and account:
+            account_id = request.json()["accountId"]
+            email = f"{account_id}@{account.group(1)}.iam.gserviceaccount.com"
+            if email in self.accounts:
+                return 409, {"error": {**exists, "message": f"Service account {account_id} already exists within "
+                                       f"project projects/{account.group(1)}."}}
+            self.accounts.add(email)
+            self.unknown[email] = self.propagation
+            return 200, {"name": f"projects/{account.group(1)}/serviceAccounts/{email}", "email": email,
+                         "projectId": account.group(1), "uniqueId": "1"}
+        return None
+
 
     def store(self, bucket: str, request: Request, content_type: str) -> dict[str, Any]:
         """A multipart upload: the object's metadata part, then its bytes; answered with the bytes' hashes."""

@@ -39,7 +39,7 @@ def job_topics(emulator) -> dict[str, str]:
     subscriber = pubsub_v1.SubscriberClient()
     for name in ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC"):
         topic = emulator.create_topic(names[name], subscription=output_subscription(
-            emulator.topic(names[name]), "tail").rsplit("/", 1)[1])
+            emulator.topic(names[name]), "tail").rsplit("/", 1)[1], ordering=name == "CHUNKS_TOPIC")
         if name != "CHUNKS_TOPIC":
             subscriber.create_subscription(request={"name": output_subscription(topic), "topic": topic})
     subscriber.close()
@@ -95,8 +95,47 @@ def test_make_tail_prints_chunks_then_the_answer_and_dead_letters_as_they_arrive
         assert not PubSubEmulator.take(output_subscription(emulator.topic(names[name]), "tail"))
     for name in ("COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC"):  # ... in its own copy: an app's and redrive's remain
         assert len(PubSubEmulator.take(output_subscription(emulator.topic(names[name])))) == 1
+    assert "out of order" not in tail.stdout, "make setup's chunk subscription orders by key"
     again = make("tail", emulator, **{**names, "CHUNKS_TOPIC": "fa-no-such-topic"}, TAIL_ARGS="--seconds 3")
     assert again.returncode == 0 and "(no projects/local-project/subscriptions/fa-no-such-topic-tail" in again.stdout
+    unordered = f"fa-unordered-{next(RUNS)}"  # a chunk subscription an older make setup made: named, still shown
+    emulator.create_topic(unordered, subscription=f"{unordered}-tail")
+    old = make("tail", emulator, **{**names, "CHUNKS_TOPIC": unordered}, TAIL_ARGS="--seconds 2")
+    assert old.returncode == 0 and "may print out of order" in old.stdout and f"{unordered}-tail" in old.stdout
+
+
+class RefusingPubSub:
+    """A Pub/Sub endpoint on loopback that refuses every call with PERMISSION_DENIED, as the service answers a
+    caller without a role on the resource (https://cloud.google.com/pubsub/docs/access-control)."""
+
+    def __init__(self) -> None:
+        import grpc
+        from concurrent import futures
+
+        class Refuse(grpc.GenericRpcHandler):
+            def service(self, details):
+                def refuse(request, context):
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, "User not authorized to perform this action.")
+                return grpc.unary_unary_rpc_method_handler(refuse)
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[Refuse()])
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def env(self) -> dict[str, str]:
+        return {"PUBSUB_EMULATOR_HOST": f"127.0.0.1:{self.port}", "PUBSUB_PROJECT_ID": PROJECT}
+
+
+def test_make_tail_without_the_role_to_read_says_which_roles_to_ask_for():
+    refusing = RefusingPubSub()
+    try:
+        tail = make("tail", refusing, TAIL_ARGS="--seconds 5")
+    finally:
+        refusing.server.stop(None)
+    assert tail.returncode == 2, tail.stdout + tail.stderr
+    assert "roles/pubsub.subscriber" in tail.stderr and "Traceback" not in tail.stderr
+    said = [line for line in tail.stderr.splitlines() if line.startswith("make tail:")]
+    assert len(said) == 1 and said == [line for line in tail.stderr.splitlines() if not line.startswith("make:")]
 
 
 def test_make_setup_creates_the_subscriptions_make_tail_an_app_and_redrive_read():
@@ -104,9 +143,10 @@ def test_make_setup_creates_the_subscriptions_make_tail_an_app_and_redrive_read(
     settings = Settings({"PROJECT": PROJECT, "REGION": "us-central1", "BUCKET": "bkt-test",
                          "INPUT_TOPIC": "prompts", "INPUT_SUBSCRIPTION": "prompts-sub", "CHUNKS_TOPIC": "llm-chunks",
                          "COMPLETIONS_TOPIC": "llm-completions", "DEAD_LETTER_TOPIC": "llm-dead-letters"})
-    text = "\n".join(" ".join(c) for c in setup_project.commands(settings, "123"))
+    text = "\n".join(" ".join(c) for c in setup_project.commands(settings))
     for topic in ("llm-completions", "llm-dead-letters"):
-        assert f"subscriptions create {topic}-sub --topic {topic} --project {PROJECT}" in text
+        assert f"subscriptions create {topic}-sub --topic {topic} --expiration-period never --project {PROJECT}" in text
     for topic in ("llm-completions", "llm-dead-letters", "llm-chunks"):
-        assert f"subscriptions create {topic}-tail --topic {topic} --message-retention-duration 10m" in text
+        assert f"subscriptions create {topic}-tail --topic {topic} --expiration-period never " \
+               "--message-retention-duration 10m" in text
     assert "llm-chunks-sub" not in text

@@ -4,6 +4,9 @@ later steps need."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import os
 import subprocess
 from dataclasses import dataclass
@@ -30,41 +33,118 @@ TOKEN_SETTINGS = {**SETTINGS, "HF_TOKEN_SECRET": "projects/proj-123456/secrets/h
 
 
 @dataclass(frozen=True)
-class Ran:
-    """One command of step one as the real gcloud ran it, and how many API calls it made."""
+class Run:
+    """One whole ``make setup`` (``ops.setup_project.main``) against the recorder: its exit status, what it printed,
+    and the recorder's requests, policies and resources once it ended."""
 
-    command: list[str]
-    result: subprocess.CompletedProcess
-    calls: int
+    status: int
+    out: str
+    err: str
+    requests: list
+    policies: dict
+    made: frozenset
+
+
+def setup_runs(recorder: Recorder, settings: dict[str, str], times: int) -> list[Run]:
+    """``make setup`` run ``times`` times, one after another, the real gcloud pointed at ``recorder``."""
+    runs = []
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("CLOUDSDK_")]:
+            patch.delenv(key)
+        for key, value in recorder.env().items():
+            patch.setenv(key, value)
+        patch.setattr(setup_project, "RETRY_WAITS_S", (0.5, 1.0))  # IAM's catching up, shortened
+        for _ in range(times):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = setup_project.main([], settings)
+            runs.append(Run(status, out.getvalue(), err.getvalue(), list(recorder.requests),
+                            copy.deepcopy(recorder.policies), frozenset(recorder.made_resources)))
+    return runs
 
 
 @pytest.fixture(scope="module")
-def step_one(tmp_path_factory) -> tuple[list[Ran], list[tuple[str, str, str]]]:
-    """Every command of step one run once, in order, by the real gcloud against the loopback recorder: what each
-    did, and the grants the recorder received (resource, role, member)."""
+def step_one(tmp_path_factory) -> list[Run]:
+    """Step one with both token secrets set run three times on a blank project, as IAM answers a new project: each
+    account it creates is unknown to the first grant that names it (eventual consistency)."""
     recorder = Recorder(str(tmp_path_factory.mktemp("gcloud") / "gcloud-config"))
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CLOUDSDK_")}, **recorder.env()}
-    ran = []
+    recorder.propagation = 1
     try:
-        for command in setup_project.commands(Settings(TOKEN_SETTINGS), "123456789012"):
-            before = len(recorder.requests)
-            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-            ran.append(Ran(command, result, len(recorder.requests) - before))
-        return ran, recorder.grants()
+        return setup_runs(recorder, TOKEN_SETTINGS, 3)
     finally:
         recorder.close()
 
 
-def test_every_command_of_step_one_is_one_the_real_gcloud_accepts(step_one):
-    for ran in step_one[0]:
-        # gcloud parses every argument before it calls anything: 2 and these words are a parse error.
-        assert ran.result.returncode != 2 and "unrecognized arguments" not in ran.result.stderr \
-            and "Invalid choice" not in ran.result.stderr, (ran.command, ran.result.stderr)
-        assert ran.calls > 0, f"gcloud made no API call for {ran.command}: {ran.result.stderr}"
+def test_make_setup_runs_through_on_a_blank_project_and_again_and_again(step_one):
+    """The README's "then make setup again": the second and third runs meet every resource the first made, as the
+    services answer it (409 ALREADY_EXISTS, Cloud Storage's "you already own it"), pass and change nothing."""
+    for run in step_one:
+        assert run.status == 0, run.err
+        assert "unrecognized arguments" not in run.err and "Invalid choice" not in run.err
+    first, *again = step_one
+    creates = len([c for c in setup_project.commands(Settings(TOKEN_SETTINGS)) if "create" in c[:4]])
+    assert first.out.count("not yet known to IAM") >= 2, "each new account was refused once, then granted"
+    for run in again:
+        assert run.out.count("already there") == creates, run.out
+        assert run.made == first.made and run.policies == first.policies, "a rerun changed what exists"
+    assert first.made >= {"/storage/v1/b/bkt-test", "/v1/projects/proj-123456/subscriptions/prompts-sub",
+                          "/v1/projects/proj-123456/locations/us-central1/repositories/dataflow"}
+
+
+def test_every_subscription_never_expires_and_the_tails_chunks_come_in_order(step_one):
+    """Pub/Sub deletes a subscription inactive for 31 days unless its expiration policy has no ttl; make tail's
+    chunk subscription orders by key, as the chunks carry the request id as their ordering key. A subscription a
+    rerun finds is set never to expire too (an earlier make setup made them with the default)."""
+    first, second, _ = step_one
+    made = {r.path.split("?")[0].rsplit("/", 1)[1]: r.json() for r in first.requests
+            if r.method == "PUT" and "/subscriptions/" in r.path}
+    assert set(made) == {"prompts-sub", "llm-completions-sub", "llm-completions-tail", "llm-dead-letters-sub",
+                         "llm-dead-letters-tail", "llm-chunks-tail"}
+    assert all(body["expirationPolicy"] == {} for body in made.values()), made
+    assert [name for name, body in made.items() if body.get("enableMessageOrdering")] == ["llm-chunks-tail"]
+    updated = {r.path.split("?")[0].rsplit("/", 1)[1]: r.json() for r in second.requests[len(first.requests):]
+               if r.method == "PATCH" and "/subscriptions/" in r.path}
+    assert set(updated) == set(made)
+    assert all(u["subscription"]["expirationPolicy"] == {} and u["updateMask"] == "expirationPolicy"
+               for u in updated.values())
+
+
+def test_the_image_repository_keeps_its_tags_immutable(step_one):
+    created = [r.json() for r in step_one[0].requests if r.method == "POST" and r.path.split("?")[0].endswith(
+        "/repositories")]
+    assert created and created[0]["dockerConfig"] == {"immutableTags": True}
+
+
+def test_a_run_stopped_half_way_is_finished_by_the_next_and_a_missing_permission_names_its_role(tmp_path):
+    recorder = Recorder(str(tmp_path / "gcloud-config"))
+    try:
+        recorder.denied.append(r"^PUT /v1/projects/proj-123456/topics/")
+        stopped, = setup_runs(recorder, SETTINGS, 1)
+        assert stopped.status != 0 and "Pub/Sub Admin (roles/pubsub.admin)" in stopped.err
+        assert "User not authorized to perform this action" in stopped.err, "gcloud's own words are shown"
+        assert "/storage/v1/b/bkt-test" in stopped.made and not any("/topics/" in m for m in stopped.made)
+        recorder.denied.clear()
+        finished, = setup_runs(recorder, SETTINGS, 1)
+        assert finished.status == 0, finished.err
+        assert "/v1/projects/proj-123456/topics/prompts" in finished.made
+        assert finished.out.count("already there") == 2, "the bucket and the repository"
+    finally:
+        recorder.close()
+
+
+def test_a_bucket_name_another_project_holds_stops_with_what_to_do(tmp_path):
+    recorder = Recorder(str(tmp_path / "gcloud-config"))
+    try:
+        recorder.taken_buckets.add("bkt-test")
+        run, = setup_runs(recorder, SETTINGS, 1)
+        assert run.status != 0 and "set another BUCKET" in run.err and "not available" in run.err
+        assert not any("/topics/" in r.path for r in run.requests), "nothing after the bucket ran"
+    finally:
+        recorder.close()
 
 
 def test_step_one_creates_what_the_later_steps_use_and_the_jobs_own_account():
-    commands = [" ".join(c) for c in setup_project.commands(Settings(SETTINGS), "123456789012")]
+    commands = [" ".join(c) for c in setup_project.commands(Settings(SETTINGS))]
     text = "\n".join(commands)
     assert all(api in commands[0] for api in ("dataflow.googleapis.com", "secretmanager.googleapis.com",
                                                 "monitoring.googleapis.com", "artifactregistry.googleapis.com",
@@ -79,7 +159,8 @@ def test_step_one_creates_what_the_later_steps_use_and_the_jobs_own_account():
     assert created in text and text.index(created) < text.index("add-iam-policy-binding")
     assert "123456789012-compute@developer.gserviceaccount.com --role roles/dataflow.worker" not in text
     bare = "\n".join(" ".join(c) for c in setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "mine"})))
-    assert "subscriptions create mine --topic prompts --project proj-123456" in bare, "a bare ID is in PROJECT"
+    assert "subscriptions create mine --topic prompts --expiration-period never --project proj-123456" in bare, \
+        "a bare ID is in PROJECT"
     assert "pubsub subscriptions add-iam-policy-binding mine " in bare
     with pytest.raises(DeployError, match="is in project my-project, not PROJECT=proj-123456"):
         setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "projects/my-project/subscriptions/s"}))
@@ -89,14 +170,15 @@ def test_step_one_creates_what_the_later_steps_use_and_the_jobs_own_account():
 
 def test_a_bulk_lane_gets_its_topic_its_subscription_and_only_a_subscribers_roles_on_it():
     bulk = {**SETTINGS, "BULK_TOPIC": "bulk-prompts", "BULK_SUBSCRIPTION": "bulk-prompts-sub"}
-    commands = [" ".join(c) for c in setup_project.commands(Settings(bulk), "123456789012")]
+    commands = [" ".join(c) for c in setup_project.commands(Settings(bulk))]
     text = "\n".join(commands)
     assert "pubsub topics create bulk-prompts --project proj-123456" in text
-    assert "pubsub subscriptions create bulk-prompts-sub --topic bulk-prompts --project proj-123456" in text
-    on_bulk = {grant.role for grant in setup_project.grants(Settings(bulk), "123456789012")
+    assert "pubsub subscriptions create bulk-prompts-sub --topic bulk-prompts --expiration-period never " \
+        "--project proj-123456" in text
+    on_bulk = {grant.role for grant in setup_project.grants(Settings(bulk))
                if grant.resource == "bulk-prompts-sub"}
     assert on_bulk == {"roles/pubsub.subscriber", "roles/pubsub.viewer"}
-    assert "bulk" not in "\n".join(" ".join(c) for c in setup_project.commands(Settings(SETTINGS), "1")), \
+    assert "bulk" not in "\n".join(" ".join(c) for c in setup_project.commands(Settings(SETTINGS))), \
         "no lane unless asked for"
     for half in ({"BULK_TOPIC": "bulk-prompts"}, {"BULK_SUBSCRIPTION": "bulk-prompts-sub"}):
         with pytest.raises(DeployError, match="BULK_TOPIC and BULK_SUBSCRIPTION together"):
@@ -115,8 +197,9 @@ def test_a_bulk_lane_gets_its_topic_its_subscription_and_only_a_subscribers_role
 def test_service_account_is_the_jobs_own_unless_named_and_made_only_in_project(account, created, email):
     settings = Settings({**SETTINGS, "SERVICE_ACCOUNT": account})
     assert settings.service_account() == email and settings.own_service_account_id() == created
-    text = "\n".join(" ".join(c) for c in setup_project.commands(settings, "123456789012"))
-    assert ("iam service-accounts create" in text) == (created is not None)
+    text = "\n".join(" ".join(c) for c in setup_project.commands(settings))
+    assert (f"iam service-accounts create {created} " in text) == (created is not None)
+    assert text.count("iam service-accounts create") == 1 + (created is not None), "and the build's, always"
     assert f"--member serviceAccount:{email} --role roles/dataflow.worker" in text
 
 
@@ -126,60 +209,73 @@ def test_a_service_account_that_cannot_exist_is_refused_by_name(account):
         setup_project.commands(Settings({**SETTINGS, "SERVICE_ACCOUNT": account}))
 
 
-def _recording_env(recorder: Recorder, monkeypatch) -> None:
+def test_every_grant_lands_on_its_one_resource_as_the_real_gcloud_sends_it(step_one):
+    """Least privilege, checked in what gcloud sent: the job's account holds one role on the project (Dataflow
+    Worker); each other role is on the bucket (writes only under the staging and temp prefixes), the repository,
+    the input subscription, each output topic or the one token secret. The build's own account holds the build's
+    roles the same way; the project's default accounts hold nothing."""
+    first = step_one[0]
+    where = {"project": "/v1/projects/proj-123456", "bucket": "/storage/v1/b/bkt-test",
+             "repository": "/v1/projects/proj-123456/locations/us-central1/repositories/dataflow",
+             "subscription": "/v1/projects/proj-123456/subscriptions/prompts-sub"}
+    bindings = [(resource, b["role"], member, (b.get("condition") or {}).get("expression"))
+                for resource, policy in first.policies.items() for b in policy["bindings"] for member in b["members"]]
+    job = "serviceAccount:streaming-llm@proj-123456.iam.gserviceaccount.com"
+    build = "serviceAccount:streaming-llm-build@proj-123456.iam.gserviceaccount.com"
+    objects = 'resource.name.startsWith("projects/_/buckets/bkt-test/objects/'
+    assert {(resource, role, condition) for resource, role, member, condition in bindings if member == job} == {
+        (where["project"], "roles/dataflow.worker", None),
+        (where["bucket"], "roles/storage.objectViewer", None),
+        (where["bucket"], "roles/storage.objectAdmin", f'{objects}staging/") || {objects}tmp/")'),
+        (where["repository"], "roles/artifactregistry.reader", None),
+        (where["subscription"], "roles/pubsub.subscriber", None), (where["subscription"], "roles/pubsub.viewer", None),
+        *{(f"/v1/projects/proj-123456/topics/{topic}", "roles/pubsub.publisher", None)
+          for topic in ("llm-chunks", "llm-completions", "llm-dead-letters")},
+        ("/v1/projects/proj-123456/secrets/hf-token", "roles/secretmanager.secretAccessor", None)}
+    assert {(resource, role, condition) for resource, role, member, condition in bindings if member == build} == {
+        (where["repository"], "roles/artifactregistry.writer", None),
+        (where["bucket"], "roles/storage.objectViewer", f'{objects}cloudbuild-source/")'),
+        (where["project"], "roles/logging.logWriter", None),
+        ("/v1/projects/proj-123456/secrets/bake-token", "roles/secretmanager.secretAccessor", None)}
+    assert {member for _, _, member, _ in bindings} == {job, build}, "the default accounts are granted nothing"
+    on_project = {role for resource, role, _, _ in bindings if resource == where["project"]}
+    assert on_project <= setup_project.PROJECT_ROLES, "a project-wide role beyond the documented ones"
+    assert len(first.policies[where["bucket"]]["bindings"]) == 3 and first.policies[where["bucket"]]["version"] == 3
+
+
+def test_make_image_builds_as_the_account_setup_made():
+    """Cloud Build's default account is the legacy one, the Compute Engine default one, or none an organisation
+    allows: make image names the one make setup made and granted."""
+    from ops import image
+
+    submit, = image.commands({**SETTINGS, "WORKER_IMAGE": "w", "LAUNCHER_IMAGE": "l"})
+    assert submit[submit.index("--service-account") + 1] == \
+        "projects/proj-123456/serviceAccounts/streaming-llm-build@proj-123456.iam.gserviceaccount.com"
+    assert Settings(SETTINGS).build_service_account() in {g.account for g in setup_project.grants(Settings(SETTINGS))}
+
+
+def test_a_grant_iam_cannot_apply_yet_is_tried_again_and_a_rerun_is_advised(tmp_path, monkeypatch, capsys):
+    """Right after an account is created, IAM can refuse a grant naming it as an account it does not know yet: the
+    grant waits and is tried again; past the last wait, the run stops saying to run it again."""
+    recorder = Recorder(str(tmp_path / "gcloud-config"))
     for key in [k for k in os.environ if k.startswith("CLOUDSDK_")]:
         monkeypatch.delenv(key)
     for key, value in recorder.env().items():
         monkeypatch.setenv(key, value)
-
-
-def test_every_grant_lands_on_its_one_resource_as_the_real_gcloud_sends_it(step_one):
-    """Least privilege, checked in what gcloud sent: the job's account holds one role on the project (Dataflow
-    Worker); each other role is on the bucket, the repository, the input subscription, each output topic or the
-    one token secret. Cloud Build's accounts hold the build's roles the same way."""
-    ran, sent = step_one
-    grants = [r for r in ran if "add-iam-policy-binding" in r.command]
-    assert len(grants) == len(setup_project.grants(Settings(TOKEN_SETTINGS), "123456789012"))
-    assert all(r.result.returncode == 0 for r in grants), [(r.command, r.result.stderr) for r in grants]
-    where = {"project": "/v1/projects/proj-123456", "bucket": "/storage/v1/b/bkt-test",
-             "repository": "/v1/projects/proj-123456/locations/us-central1/repositories/dataflow",
-             "subscription": "/v1/projects/proj-123456/subscriptions/prompts-sub"}
-    job = "serviceAccount:streaming-llm@proj-123456.iam.gserviceaccount.com"
-    held = {(resource, role) for resource, role, member in sent if member == job}
-    assert held == {
-        (where["project"], "roles/dataflow.worker"),
-        (where["bucket"], "roles/storage.objectAdmin"),
-        (where["repository"], "roles/artifactregistry.reader"),
-        (where["subscription"], "roles/pubsub.subscriber"), (where["subscription"], "roles/pubsub.viewer"),
-        *{(f"/v1/projects/proj-123456/topics/{topic}", "roles/pubsub.publisher")
-          for topic in ("llm-chunks", "llm-completions", "llm-dead-letters")},
-        ("/v1/projects/proj-123456/secrets/hf-token", "roles/secretmanager.secretAccessor")}
-    for builder in ("123456789012@cloudbuild.gserviceaccount.com",
-                    "123456789012-compute@developer.gserviceaccount.com"):
-        assert {(resource, role) for resource, role, member in sent if member == f"serviceAccount:{builder}"} == {
-            (where["repository"], "roles/artifactregistry.writer"), (where["bucket"], "roles/storage.objectViewer"),
-            (where["project"], "roles/logging.logWriter"),
-            ("/v1/projects/proj-123456/secrets/bake-token", "roles/secretmanager.secretAccessor")}
-    on_project = {role for resource, role, _ in sent if resource == where["project"]}
-    assert on_project <= setup_project.PROJECT_ROLES, "a project-wide role beyond the documented ones"
-
-
-def test_a_grant_iam_cannot_apply_yet_is_tried_again_and_a_rerun_is_advised(tmp_path, monkeypatch, capsys):
-    """Right after an account is created (or an API enabled), IAM can refuse a grant naming an account it does not
-    know yet: the grant waits and is tried again; past the last wait, the run stops saying to run it again."""
-    recorder = Recorder(str(tmp_path / "gcloud-config"))
-    _recording_env(recorder, monkeypatch)
     monkeypatch.setattr(setup_project, "RETRY_WAITS_S", (7.0, 9.0))
-    command = setup_project.grants(Settings(SETTINGS))[0].command("proj-123456", "us-central1")
+    create = next(c for c in setup_project.commands(Settings(SETTINGS)) if c[:4] == ["gcloud", "iam",
+                                                                                     "service-accounts", "create"])
+    grant = setup_project.grants(Settings(SETTINGS))[0].command("proj-123456", "us-central1")
     waits: list[float] = []
     try:
-        recorder.not_yet = 2
-        assert setup_project.run_command(command, sleep=waits.append) == 0
+        recorder.propagation = 2
+        assert setup_project.run_command(create) == 0
+        assert setup_project.run_command(grant, sleep=waits.append) == 0
         assert waits == [7.0, 9.0] and recorder.grants(), "granted on the third try"
         out = capsys.readouterr().out
         assert out.count("not yet known to IAM") == 2 and "does not exist" in out
-        recorder.not_yet, waits[:] = 3, []
-        assert setup_project.run_command(command, sleep=waits.append) != 0
+        recorder.unknown[Settings(SETTINGS).service_account()], waits[:] = 3, []
+        assert setup_project.run_command(grant, sleep=waits.append) != 0
         assert waits == [7.0, 9.0] and "run make setup again" in capsys.readouterr().err
     finally:
         recorder.close()
@@ -197,9 +293,10 @@ def test_make_setup_dry_run_prints_every_command_with_the_settings_of_env_exampl
     # Only PROJECT, REGION and BUCKET are set: every Pub/Sub name is derived from PROJECT, in PROJECT.
     for topic in ("prompts", "llm-chunks", "llm-completions", "llm-dead-letters"):
         assert f"pubsub topics create {topic} --project my-project" in printed
-    assert "pubsub subscriptions create prompts-sub --topic prompts --project my-project" in printed
+    assert "pubsub subscriptions create prompts-sub --topic prompts --expiration-period never --project my-project" \
+        in printed
     assert "iam service-accounts create streaming-llm " in printed, "the job's own account, from PROJECT"
     assert "--member serviceAccount:streaming-llm@my-project.iam.gserviceaccount.com --role roles/dataflow.worker" \
         in printed
-    assert "PROJECT_NUMBER@cloudbuild.gserviceaccount.com" in printed  # looked up when it runs for real
+    assert "iam service-accounts create streaming-llm-build " in printed, "the build's own account"
     assert "Next:" in result.stdout and "make image" in result.stdout  # logging in came before (README step 1)
