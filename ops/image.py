@@ -5,15 +5,20 @@ newer, NVIDIA's CUDA Compatibility guide) and is the one fact the launcher must 
 table, :mod:`pipeline.serving.gpus`). Each major is built from its own base, with torch and vLLM wheels built
 for it:
 
-* **CUDA 13** (the default): vLLM 0.32 as published on PyPI is built for CUDA 13.0 and pulls torch 2.13 for CUDA
-  13.0, so the worker installs ``.[gpu]`` from PyPI alone.
-* **CUDA 12**: vLLM publishes a CUDA 12.9 build of each release beside the default ("We only release cu129 and
-  cu130 wheels", vLLM's maintainers, vllm-project/vllm#42756) on its wheel index, one folder a release and
+* **CUDA 12** (the default: it runs on every driver from 525.60.13 on, the branch Container-Optimized OS labels
+  ``latest`` included, docs/operations.md#gpu-driver): vLLM publishes a CUDA 12.9 build of each release beside
+  PyPI's ("We only release cu129 and cu130 wheels", vLLM's maintainers, vllm-project/vllm#42756) on its wheel
+  index, one folder a release and
   variant (``wheels.vllm.ai/<version>/cu129``, vllm-project/vllm#50822, #43847), and PyTorch publishes torch for
   CUDA 12.9 on its own index (vLLM's GPU installation page: ``--extra-index-url
   https://download.pytorch.org/whl/cu129``). Both are pinned with their local version label, so pip cannot fall
   back to PyPI's CUDA 13 wheels. These indexes cannot be reached from where this template is developed: the
   image's build checks its imports and ``pip check`` (container/Dockerfile), so a missing wheel fails the build.
+* **CUDA 13**: vLLM 0.32 as published on PyPI is built for CUDA 13.0 and pulls torch 2.13 for CUDA 13.0, so the
+  worker installs ``.[gpu]`` from PyPI alone; it needs driver 580 or newer.
+
+The build runs as the build account make setup creates (``--service-account``), not a default account of the
+project (ops/setup_project.py says why).
 
 Cloud Build (``BUILDER=cloudbuild``, container/cloudbuild.yaml) and a local Docker (``BUILDER=docker``) get the same
 build arguments; ``--dry-run`` prints the commands.

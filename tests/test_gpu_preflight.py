@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.serving.server_platform import GpuInfo, ServerStartError, check_platform, driver_problem
+from pipeline.serving.gpus import DEFAULT_CUDA_MAJOR
+from pipeline.serving.server_platform import (GpuInfo, ServerStartError, check_platform, driver_in_nvidia_smi,
+                                              driver_in_proc_version, driver_problem)
 from pipeline.serving.vllm_server import ServerSpec
 
 
@@ -58,3 +60,42 @@ def test_the_dtype_follows_the_gpu_when_it_is_auto():
     assert flag(ServerSpec(model="m").command("m", 8000, gpus=GpuInfo(count=1, bfloat16=True)), "--dtype") == "auto"
     assert flag(ServerSpec(model="m", dtype="float32").command("m", 8000, gpus=t4), "--dtype") == "float32"
     assert flag(ServerSpec(model="m").command("m", 8000, on_cpu=True), "--dtype") == "auto"
+
+
+# What a worker's driver says of itself, as recorded from NVIDIA's tools: the proprietary and the open kernel
+# module's /proc/driver/nvidia/version, nvidia-smi's query (a line per GPU) and its table's header.
+PROC_PROPRIETARY = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.133.20  Fri Mar 14 01:16:24 UTC 2025\n"
+                    "GCC version:  gcc version 12.2.0 (GCC)\n")
+PROC_OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.82.07  Release Build  "
+             "(dvs-builder@U16-I3-B03-4-3)  Wed Aug 27 02:07:16 UTC 2025\nGCC version:  gcc version 12.2.0 (GCC)\n")
+SMI_QUERY = "535.261.03\n535.261.03\n"
+SMI_TABLE = ("+-----------------------------------------------------------------------------------------+\n"
+             "| NVIDIA-SMI 570.133.20             Driver Version: 570.133.20     CUDA Version: 12.8     |\n"
+             "|-----------------------------------------+------------------------+----------------------+\n")
+# Container-Optimized OS's GPU driver list labels the 570.133.20 production branch LATEST since 2025 (cos
+# board-overlays, "scripts/gpu_driver_versions: Update policy to support New Feature Branch drivers"); Dataflow's
+# GPU page says the driver depends on the COS version, and the template asks for install-nvidia-driver:latest.
+COS_LATEST_DRIVER = "570.133.20"
+
+
+def test_the_driver_is_read_from_each_of_its_recorded_outputs():
+    assert driver_in_proc_version(PROC_PROPRIETARY) == "570.133.20"
+    assert driver_in_proc_version(PROC_OPEN) == "580.82.07"
+    assert driver_in_nvidia_smi(SMI_QUERY) == "535.261.03"
+    assert driver_in_nvidia_smi(SMI_TABLE) == "570.133.20"
+    for nothing in ("", "No devices were found\n", "NVIDIA-SMI has failed because it couldn't communicate"):
+        assert driver_in_nvidia_smi(nothing) is None and driver_in_proc_version(nothing) is None
+
+
+def test_the_default_image_runs_on_the_driver_container_optimized_os_labels_latest():
+    """The default CUDA major's runtime fits COS's LATEST driver; CUDA 13 does not, and its worker says so in one
+    sentence naming both versions and the setting, before vLLM starts."""
+    cuda = {12: "12.9", 13: "13.0"}  # what torch.version.cuda says in each image (ops/image.py's wheels)
+    driver = driver_in_proc_version(PROC_PROPRIETARY)
+    assert driver == COS_LATEST_DRIVER
+    check_platform("cuda", has_gpu=True, driver=driver, cuda=cuda[DEFAULT_CUDA_MAJOR])  # fits: nothing raised
+    with pytest.raises(ServerStartError) as refused:
+        check_platform("cuda", has_gpu=True, driver=driver, cuda=cuda[13])
+    message = str(refused.value)
+    assert "570.133.20" in message and "CUDA 13.0" in message and "make image CUDA=12" in message
+    assert message.count(". ") == 0, "one sentence"

@@ -12,6 +12,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.config.launch_checks import WORKER_CUDA_ENV, dataflow_launch_problems, image_cuda_major
 from pipeline.config.options import PipelineConfig
 from pipeline.serving.gpus import (
+    DEFAULT_CUDA_MAJOR,
     FIXED_SHAPES,
     GPUS,
     GPUS_BY_TYPE,
@@ -105,9 +106,9 @@ def test_the_launch_refuses_gpus_the_image_or_machine_cannot_have(gpu_option, ma
 
 
 def test_the_launcher_reads_its_workers_cuda_major():
-    assert image_cuda_major({}) == 13
-    assert image_cuda_major({WORKER_CUDA_ENV: "12"}) == 12
-    assert image_cuda_major({WORKER_CUDA_ENV: "11"}) == 13, "not an image this template builds: the default"
+    assert image_cuda_major({}) == DEFAULT_CUDA_MAJOR == 12
+    assert image_cuda_major({WORKER_CUDA_ENV: "13"}) == 13
+    assert image_cuda_major({WORKER_CUDA_ENV: "11"}) == 12, "not an image this template builds: the default"
 
 
 def nvidia_smi(tmp_path, monkeypatch, lines: list[str], driver: str = "580.159.04") -> None:

@@ -23,9 +23,11 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 
-# The CUDA majors the worker image is built for (container/Dockerfile, make image CUDA=...).
+# The CUDA majors the worker image is built for (container/Dockerfile, make image CUDA=...). The default is 12: its
+# runtime runs on every NVIDIA driver from 525.60.13 on (minor version compatibility), so on whatever branch
+# Container-Optimized OS labels the driver Dataflow installs; CUDA 13 needs 580 (docs/operations.md#gpu-driver).
 CUDA_MAJORS = (12, 13)
-DEFAULT_CUDA_MAJOR = 13
+DEFAULT_CUDA_MAJOR = 12
 VLLM_MIN_CAPABILITY = (7, 5)
 # The oldest architecture each CUDA major builds code for.
 CUDA_MIN_CAPABILITY = {12: (5, 0), 13: (7, 5)}

@@ -47,19 +47,32 @@ def visible_gpus() -> GpuInfo | None:
 def gpu_driver_version() -> str | None:
     """The NVIDIA kernel driver's version on this machine (Dataflow mounts it into the container), or None."""
     try:
-        text = Path("/proc/driver/nvidia/version").read_text()
+        found = driver_in_proc_version(Path("/proc/driver/nvidia/version").read_text())
     except OSError:
-        text = ""
-    found = re.search(r"Kernel Module(?: for \S+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
+        found = None
     if found:
-        return found.group(1)
+        return found
     try:
         result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    lines = result.stdout.split()
-    return lines[0] if result.returncode == 0 and lines else None
+    return driver_in_nvidia_smi(result.stdout) if result.returncode == 0 else None
+
+
+def driver_in_proc_version(text: str) -> str | None:
+    """The driver's version in ``/proc/driver/nvidia/version`` (the proprietary and the open kernel module say it
+    differently), or None."""
+    found = re.search(r"Kernel Module(?: for \S+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
+    return found.group(1) if found else None
+
+
+def driver_in_nvidia_smi(text: str) -> str | None:
+    """The driver's version in ``nvidia-smi --query-gpu=driver_version --format=csv,noheader`` (a line per GPU) or in
+    its table's header (``Driver Version: X``), or None."""
+    header = re.search(r"Driver Version:\s*([0-9]+(?:\.[0-9]+)+)", text)
+    first = (text.split() or [""])[0]
+    return header.group(1) if header else first if re.fullmatch(r"[0-9]+(?:\.[0-9]+)+", first) else None
 
 
 def torch_cuda_version() -> str | None:
