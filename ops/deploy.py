@@ -13,7 +13,8 @@ Before anything is launched, the parameters are checked with the template's own 
 (:class:`pipeline.config.settings.JobSettings`) and the launch with the launcher's own checks (GPU type,
 count and machine type against the image and Compute Engine's shapes, the worker image, a gated model's
 token, the LoRA adapters: :func:`pipeline.config.launch_checks.launch_problems`), so a bad value fails here,
-naming the parameter, rather than on the launcher VM minutes later.
+naming the parameter, rather than on the launcher VM minutes later. Then ``make run`` and ``make update`` print the
+job's hourly ceiling at the catalog's prices and, above ``MAX_HOURLY_COST``, have it confirmed (:mod:`ops.cost`).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from typing import Any, Mapping, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from ops.settings import PUBSUB_SETTINGS, DeployError, Settings, gcloud_output
+from ops import cost
+from ops.settings import PUBSUB_SETTINGS, STAGING_PREFIX, TEMP_PREFIX, DeployError, Settings, gcloud_output
 from pipeline.config.launch_checks import launch_problems
 from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
-from pipeline.contract.parameters import PARAMETERS_BY_NAME, WORKER_OPTIONS
+from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, PARAMETERS_BY_NAME, WORKER_OPTIONS
 from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR
 
 # Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
@@ -265,7 +267,7 @@ def job_name(settings: Settings, update: bool) -> str:
 
 def staging_locations(settings: Settings) -> tuple[str, str]:
     """(staging, temp) locations in the bucket, for gcloud and Beam alike."""
-    return f"gs://{settings.get('BUCKET')}/staging", f"gs://{settings.get('BUCKET')}/tmp"
+    return f"gs://{settings.get('BUCKET')}/{STAGING_PREFIX}", f"gs://{settings.get('BUCKET')}/{TEMP_PREFIX}"
 
 
 def job_environment(settings: Settings) -> list[str]:
@@ -487,12 +489,37 @@ def require_resources(settings: Settings, parameters: Mapping[str, str], dry_run
         raise DeployError("This launch would fail:\n  - " + "\n  - ".join(missing))
 
 
+def whole_number(settings: Settings, name: str, default: str) -> int:
+    text = settings.get(name) or default
+    if not text.isdigit():
+        raise DeployError(f"{name}={text!r} is not a whole number")
+    return int(text)
+
+
+def check_cost(settings: Settings, parameters: Mapping[str, str], dry_run: bool,
+               environ: Mapping[str, str] | None = None) -> None:
+    """Prints the job's hourly ceiling (:mod:`ops.cost`) and, above ``MAX_HOURLY_COST``, has it confirmed
+    (``CONFIRM_COST=1``, or an answer on the terminal); refused, it stops the launch before gcloud runs."""
+    limit = cost.parse_limit(settings.get("MAX_HOURLY_COST"))
+    confirmed = cost.parse_confirm(settings.get("CONFIRM_COST"))
+    disk = settings.get("DISK_SIZE_GB") or parameters.get("disk_size_gb") or str(DEFAULT_DISK_SIZE_GB)
+    job = cost.Job(project=settings.get("PROJECT"), region=settings.get("REGION"), zone=settings.get("WORKER_ZONE"),
+                   machine_type=settings.get("MACHINE_TYPE"), gpu_type=settings.get("GPU_TYPE"),
+                   gpu_count=whole_number(settings, "GPU_COUNT", "1") if settings.get("GPU_TYPE") else 0,
+                   disk_gb=int(disk) if disk.isdigit() else DEFAULT_DISK_SIZE_GB,
+                   max_workers=max(whole_number(settings, "MAX_WORKERS", "1"),
+                                   whole_number(settings, "NUM_WORKERS", "1")),
+                   launcher_machine_type=settings.get("LAUNCHER_MACHINE_TYPE"))
+    cost.check_ceiling(job, limit, confirmed, dry_run, environ)
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ops.deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("template", "run", "update", "run-dataflow", "drain", "cancel"))
     parser.add_argument("--dry-run", action="store_true", help="print the command (and its flags file); run nothing")
     args = parser.parse_args(argv)
-    settings = Settings(dict(os.environ if environ is None else environ))
+    environ = os.environ if environ is None else environ
+    settings = Settings(dict(environ))
     try:
         if args.action == "template":
             built = run_gcloud(*flex_template_build(settings), dry_run=args.dry_run)
@@ -502,6 +529,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.action in ("run", "update"):
             launch = flex_template_run(settings, update=args.action == "update")
             require_resources(settings, launch[1]["--parameters"], args.dry_run)
+            check_cost(settings, launch[1]["--parameters"], args.dry_run, environ)
             return run_gcloud(*launch, dry_run=args.dry_run)
         command = dataflow_runner(settings)
         print(f"==> {shlex.join(command)}", flush=True)

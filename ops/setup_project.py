@@ -58,10 +58,12 @@ from ops.settings import (
     output_subscription,
 )
 
-# Every API the product uses (docs/operations.md#roles says which for what); IAM's, to create the accounts.
+# Every API the product uses (docs/operations.md#roles says which for what); IAM's, to create the accounts; Cloud
+# Billing's, whose catalog make run prices the job's ceiling from.
 APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.com", "storage.googleapis.com",
         "artifactregistry.googleapis.com", "cloudbuild.googleapis.com", "secretmanager.googleapis.com",
-        "monitoring.googleapis.com", "logging.googleapis.com", "bigquery.googleapis.com", "iam.googleapis.com")
+        "monitoring.googleapis.com", "logging.googleapis.com", "bigquery.googleapis.com", "iam.googleapis.com",
+        "cloudbilling.googleapis.com")
 REPOSITORY = "dataflow"  # the Makefile's IMAGE_REPOSITORY: REGION-docker.pkg.dev/PROJECT/dataflow
 # The only roles granted on the whole project: the job's account's Dataflow Worker, the build's Logs Writer.
 PROJECT_ROLES = {"roles/dataflow.worker", "roles/logging.logWriter"}
