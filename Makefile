@@ -62,12 +62,17 @@ PUBLIC_IPS ?=
 METADATA ?= metadata.json
 GPU_TYPE ?= nvidia-l4
 GPU_COUNT ?= 1
-# The worker image's CUDA major: 13 (vLLM as on PyPI; NVIDIA driver >= 580) or 12 (driver >= 525.60.13).
-# See docs/operations.md#gpu-driver.
-CUDA ?= 13
-# The NVIDIA driver Dataflow installs: latest, as the image's CUDA 13 build needs (docs/operations.md#gpu-driver).
+# The worker image's CUDA major: 12 (vLLM's CUDA 12.9 build; NVIDIA driver >= 525.60.13, so whatever branch
+# Dataflow's latest label brings) or 13 (vLLM as on PyPI; driver >= 580). See docs/operations.md#gpu-driver.
+CUDA ?= 12
+# The NVIDIA driver Dataflow installs (install-nvidia-driver:NVIDIA_DRIVER); docs/operations.md#gpu-driver.
 NVIDIA_DRIVER ?= latest
 MAX_WORKERS ?= 4
+# make run and make update print the job's hourly ceiling (MAX_WORKERS workers at the Cloud Billing Catalog's prices
+# for REGION) and, above MAX_HOURLY_COST (USD an hour; empty: no limit), ask "Launch anyway?" on a terminal and refuse
+# without one unless CONFIRM_COST=1. A ceiling that cannot be priced is said so and launched. docs/operations.md#cost.
+MAX_HOURLY_COST ?=
+CONFIRM_COST ?=
 NUM_WORKERS ?= 1
 # Target CPU utilization for autoscaling (0.1-0.9); empty: Dataflow's default. See docs/operations.md#autoscaling.
 UTILIZATION_HINT ?=
@@ -96,11 +101,15 @@ BACKFILL_ARGS ?=
 PROMPT ?=
 PROMPTS ?=
 TAIL_ARGS ?=
+# make verify: BACKLOG=N also publishes N requests and follows the autoscaler; VERIFY_ARGS: more ops/verify.py flags.
+BACKLOG ?=
+VERIFY_ARGS ?=
 # The tests run local.backfill: the same feeder, against the BigQuery emulator.
 BACKFILL_MODULE ?= ops.backfill
 # For make update: a JSON object of renamed steps, old name -> new.
 TRANSFORM_NAME_MAPPINGS ?=
-# DRY_RUN=1: the launch targets print the gcloud command and its flags file, and run nothing.
+# DRY_RUN=1: the launch targets print the gcloud command and its flags file, and run nothing (make run still reads
+# the prices for its ceiling).
 DRY_RUN ?=
 BUILDER ?= cloudbuild
 # Further `gcloud builds submit` flags, e.g. --async to return once the build is queued.
@@ -118,6 +127,7 @@ ALERT_TTFT_P95_S ?= 5
 DEPLOY_SETTINGS := PROJECT REGION BUCKET WORKER_IMAGE LAUNCHER_IMAGE TEMPLATE_PATH JOB_NAME SERVICE_ACCOUNT CUDA \
   HF_TOKEN_SECRET BAKE_TOKEN_SECRET \
   MACHINE_TYPE DISK_SIZE_GB LAUNCHER_MACHINE_TYPE WORKER_ZONE NETWORK SUBNETWORK PUBLIC_IPS METADATA GPU_TYPE GPU_COUNT NVIDIA_DRIVER MAX_WORKERS NUM_WORKERS \
+  MAX_HOURLY_COST CONFIRM_COST \
   UTILIZATION_HINT MODEL INPUT_TOPIC BACKFILL_TOPIC BULK_TOPIC BULK_SUBSCRIPTION INPUT_SUBSCRIPTION CHUNKS_TOPIC COMPLETIONS_TOPIC DEAD_LETTER_TOPIC EXTRA_PARAMETERS \
   PARAMETERS_FILE TRANSFORM_NAME_MAPPINGS NOTIFICATION_CHANNELS ALERT_BACKLOG_AGE_S ALERT_DEAD_LETTER_RATIO \
   ALERT_TTFT_P95_S
@@ -276,7 +286,7 @@ lint-container: install ## Lint container/Dockerfile with hadolint
 	$(VENV)/bin/hadolint container/Dockerfile
 
 # The launch targets get the settings in their environment, values as they are.
-$(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow drain cancel dashboard alerts backfill publish tail: export $(v) := $$($(v))))
+$(foreach v,$(DEPLOY_SETTINGS),$(eval setup template run update run-dataflow drain cancel dashboard alerts backfill publish tail verify: export $(v) := $$($(v))))
 # The prompt travels in the environment, as it was typed: no quote in it meets the shell, no $ is expanded by make.
 publish: override export PROMPT := $(value PROMPT)
 publish: override export PROMPTS := $(value PROMPTS)
@@ -288,7 +298,7 @@ setup: ## 1. Make a blank project ready: APIs, bucket, image repository, topics,
 	$(PYTHON) -m ops.setup_project $(if $(DRY_RUN),--dry-run)
 
 .PHONY: image
-image: ## 4. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker; CUDA=13 or 12)
+image: ## 4. Build and push the worker and launcher images, tagged with the commit (BUILDER=cloudbuild or docker; CUDA=12 or 13)
 	$(call require,PROJECT REGION BUCKET TAG)
 	@[ -z "$(GIT_DIRTY)" ] || [ "$(origin TAG)" != file ] || { echo "The working tree has uncommitted changes, so an image tagged $(TAG) would not hold commit $(TAG): commit them, or name the build with TAG=..." >&2; exit 1; }
 	@echo "Images for CUDA $(CUDA): $(WORKER_IMAGE) and $(LAUNCHER_IMAGE)"
@@ -329,6 +339,12 @@ tail: ## 7. Watch the job's chunks, completions and dead letters arrive (TAIL_AR
 	$(call require,PROJECT)
 	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
 	$(DEPLOY_PY) -m ops.tail $(TAIL_ARGS)
+
+.PHONY: verify
+verify: ## 7. Check a running job: known prompts answered, its driver, failed work items, flow control (BACKLOG=N: autoscaling)
+	$(call require,PROJECT REGION JOB_NAME)
+	@$(MAKE) --no-print-directory -s $(DEPLOY_STAMP)
+	$(DEPLOY_PY) -m ops.verify $(if $(BACKLOG),--backlog '$(BACKLOG)') $(VERIFY_ARGS)
 
 .PHONY: backfill
 backfill: ## Feed history to a job of this template: make backfill SOURCE='gs://b/history/*.jsonl' (or bq:P.D.T) [BACKFILL_ARGS=...]

@@ -25,10 +25,10 @@ from tests.gcloud_recorder import Recorder
 REPO = Path(__file__).resolve().parent.parent
 TAG = "0123456789ab"
 SETTINGS = {"PROJECT": "proj-123456", "BUCKET": "bkt-test"}
-# The commit and the CUDA major (.env.example's CUDA=13): a build for the other CUDA never overwrites these.
-WORKER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:{TAG}-cu13"
-LAUNCHER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-launcher:{TAG}-cu13"
-TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{TAG}-cu13.json"
+# The commit and the CUDA major (.env.example's CUDA=12): a build for the other CUDA never overwrites these.
+WORKER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:{TAG}-cu12"
+LAUNCHER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-launcher:{TAG}-cu12"
+TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{TAG}-cu12.json"
 # Values no shell word, gcloud dict string or comma list carries as they are.
 HOSTILE = {
     "system_prompt": 'You are terse, "very" terse.\nAnswer with one word ~ ^ = , ; \' $HOME `x` \\ ünïcödé 🙂 \x7f\x85',
