@@ -40,7 +40,7 @@ from pipeline.config.launch_checks import launch_problems
 from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
 from pipeline.contract.parameters import DEFAULT_DISK_SIZE_GB, PARAMETERS_BY_NAME, WORKER_OPTIONS
-from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR
+from pipeline.serving.gpus import CUDA_MAJORS, DEFAULT_CUDA_MAJOR, FIXED_SHAPES
 
 # Parameters the Makefile names as settings of their own (the rest come from PARAMETERS_FILE or EXTRA_PARAMETERS).
 NAMED_SETTINGS = {"INPUT_SUBSCRIPTION": "input_subscription", "BULK_SUBSCRIPTION": "bulk_subscription",
@@ -503,9 +503,12 @@ def check_cost(settings: Settings, parameters: Mapping[str, str], dry_run: bool,
     limit = cost.parse_limit(settings.get("MAX_HOURLY_COST"))
     confirmed = cost.parse_confirm(settings.get("CONFIRM_COST"))
     disk = settings.get("DISK_SIZE_GB") or parameters.get("disk_size_gb") or str(DEFAULT_DISK_SIZE_GB)
-    job = cost.Job(project=settings.get("PROJECT"), region=settings.get("REGION"), zone=settings.get("WORKER_ZONE"),
-                   machine_type=settings.get("MACHINE_TYPE"), gpu_type=settings.get("GPU_TYPE"),
-                   gpu_count=whole_number(settings, "GPU_COUNT", "1") if settings.get("GPU_TYPE") else 0,
+    # A machine type that comes with its GPUs has them without GPU_TYPE; the workers bill in WORKER_ZONE's region.
+    gpu_type, gpu_count = (settings.get("GPU_TYPE"), whole_number(settings, "GPU_COUNT", "1")) \
+        if settings.get("GPU_TYPE") else FIXED_SHAPES.get(settings.get("MACHINE_TYPE"), ("", 0))
+    zone = settings.get("WORKER_ZONE")
+    job = cost.Job(project=settings.get("PROJECT"), region=zone.rsplit("-", 1)[0] if zone else settings.get("REGION"),
+                   zone=zone, machine_type=settings.get("MACHINE_TYPE"), gpu_type=gpu_type, gpu_count=gpu_count,
                    disk_gb=int(disk) if disk.isdigit() else DEFAULT_DISK_SIZE_GB,
                    max_workers=max(whole_number(settings, "MAX_WORKERS", "1"),
                                    whole_number(settings, "NUM_WORKERS", "1")),

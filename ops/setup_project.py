@@ -67,8 +67,11 @@ APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.
 REPOSITORY = "dataflow"  # the Makefile's IMAGE_REPOSITORY: REGION-docker.pkg.dev/PROJECT/dataflow
 # The only roles granted on the whole project: the job's account's Dataflow Worker, the build's Logs Writer.
 PROJECT_ROLES = {"roles/dataflow.worker", "roles/logging.logWriter"}
-# A grant refused for these reasons is IAM or a new API not having caught up yet: it is tried again after a wait.
-NOT_YET = ("does not exist", "SERVICE_DISABLED", "has not been used in project", "wait a few minutes")
+# A command refused for these reasons is an API just enabled not having caught up yet (its 403 SERVICE_DISABLED:
+# https://cloud.google.com/apis/design/errors), or, for a grant, IAM not knowing a new account yet: it is tried again
+# after a wait. Checked before DENIED, as gcloud prints the former as PERMISSION_DENIED too.
+NOT_YET = ("SERVICE_DISABLED", "has not been used in project", "wait a few minutes")
+NOT_YET_FOR_GRANTS = ("does not exist",)
 # Seconds to wait before each retry of such a grant (about two and a half minutes in all).
 RETRY_WAITS_S = (5.0, 10.0, 20.0, 40.0, 80.0)
 # How each service says a create found its resource: Pub/Sub, Artifact Registry, IAM and Service Usage answer
@@ -217,16 +220,31 @@ def commands(settings: Settings) -> list[list[str]]:
                 (BUILD_SERVICE_ACCOUNT_ID, "Streaming LLM image builds")]
     found += [["gcloud", "iam", "service-accounts", "create", account_id, "--display-name", title, *where]
               for account_id, title in accounts if account_id]
-    return found + [grant.command(project, region) for grant in grants(settings)]
+    return found + [grant.command(project, region) for grant in grants(settings)] + retired(settings)
 
 
 def follow_up(command: list[str]) -> list[str] | None:
-    """What brings a resource a create found to what the create would have made, where that can change: a
-    subscription an earlier make setup made with Pub/Sub's default expiry is set never to expire."""
+    """What brings a resource a create found to what the create would have made, where that can change (an earlier
+    make setup, or the user, made it otherwise): a subscription is set never to expire, the image repository's tags
+    immutable, the bucket to uniform bucket-level access (which its conditional grants need)."""
+    where = command[command.index("--project"):command.index("--project") + 2]
     if command[:4] == ["gcloud", "pubsub", "subscriptions", "create"]:
-        return ["gcloud", "pubsub", "subscriptions", "update", command[4], "--expiration-period", "never",
-                *command[command.index("--project"):command.index("--project") + 2]]
+        return ["gcloud", "pubsub", "subscriptions", "update", command[4], "--expiration-period", "never", *where]
+    if command[:4] == ["gcloud", "artifacts", "repositories", "create"]:
+        location = command[command.index("--location"):command.index("--location") + 2]
+        return ["gcloud", "artifacts", "repositories", "update", command[4], *location, "--immutable-tags", *where]
+    if command[:4] == ["gcloud", "storage", "buckets", "create"]:
+        return ["gcloud", "storage", "buckets", "update", command[4], "--uniform-bucket-level-access", *where]
     return None
+
+
+def retired(settings: Settings) -> list[list[str]]:
+    """Grants an earlier make setup made that this one no longer does, removed where they are: the job's account's
+    Storage Object Admin on the whole bucket (IAM grants add up, so it would outweigh the prefix-limited one). An
+    earlier setup's grants to the project's default accounts are listed in docs/operations.md#roles to remove."""
+    return [["gcloud", "storage", "buckets", "remove-iam-policy-binding", f"gs://{settings.get('BUCKET')}",
+             "--member", f"serviceAccount:{settings.service_account()}", "--role", "roles/storage.objectAdmin",
+             "--condition=None", "--project", settings.get("PROJECT")]]
 
 
 def role_for(command: list[str]) -> str:
@@ -236,13 +254,17 @@ def role_for(command: list[str]) -> str:
 
 def run_command(command: list[str], sleep: Callable[[float], None] = time.sleep) -> int:
     """Runs one command of step 1: a resource that exists already is fine (and brought up to date, see
-    :func:`follow_up`); a grant that IAM cannot apply yet (see the module docstring) is tried again after each of
-    :data:`RETRY_WAITS_S`; a refusal names the role to ask for. Returns gcloud's exit status."""
+    :func:`follow_up`); a command an API just enabled refuses, or a grant IAM cannot apply yet (see the module
+    docstring), is tried again after each of :data:`RETRY_WAITS_S`; a refusal names the role to ask for. Returns
+    gcloud's exit status."""
     granting = "add-iam-policy-binding" in command
     for attempt, wait_s in enumerate((*RETRY_WAITS_S, None), start=1):
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if not result.returncode:
             print("    done", flush=True)
+            return 0
+        if "remove-iam-policy-binding" in command and "not found!" in result.stderr:
+            print("    not there", flush=True)
             return 0
         if "create" in command[:4] and any(word in result.stderr for word in ALREADY_THERE):
             print("    already there", flush=True)
@@ -250,7 +272,18 @@ def run_command(command: list[str], sleep: Callable[[float], None] = time.sleep)
                 print(f"==> {shlex.join(update)}", flush=True)
                 return run_command(update, sleep)
             return 0
+        not_yet = any(reason in result.stderr for reason in (*NOT_YET, *(NOT_YET_FOR_GRANTS if granting else ())))
+        if not_yet and wait_s is not None:
+            print(f"    not yet known to IAM or the API ({result.stderr.strip().splitlines()[-1][:160]}); trying again "
+                  f"in {wait_s:.0f} s ({attempt} of {len(RETRY_WAITS_S)})", flush=True)
+            sleep(wait_s)
+            continue
         sys.stderr.write(result.stderr)
+        if not_yet:
+            print("make setup: an API or account is still not known (a new one can take up to 7 minutes; an account "
+                  "named in SERVICE_ACCOUNT must exist): run make setup again in a few minutes; what exists is left "
+                  "as it is.", file=sys.stderr, flush=True)
+            return result.returncode
         if any(word in result.stderr for word in DENIED):
             print(f"make setup: you lack a permission this command needs: ask the project's owner for "
                   f"{role_for(command)} (or Owner) on the project, then run make setup again; what exists is left "
@@ -260,16 +293,7 @@ def run_command(command: list[str], sleep: Callable[[float], None] = time.sleep)
             print("make setup: that bucket name is taken (Cloud Storage's names are shared by every project): set "
                   "another BUCKET in .env and run make setup again.", file=sys.stderr, flush=True)
             return result.returncode
-        not_yet = granting and any(reason in result.stderr for reason in NOT_YET)
-        if not not_yet or wait_s is None:
-            if not_yet:
-                print("make setup: IAM still does not know an account or API (a new one can take up to 7 minutes to "
-                      "be known; an account named in SERVICE_ACCOUNT must exist): run make setup again in a few "
-                      "minutes; what exists is left as it is.", file=sys.stderr, flush=True)
-            return result.returncode
-        print(f"    not yet known to IAM ({result.stderr.strip().splitlines()[-1][:160]}); trying again in "
-              f"{wait_s:.0f} s ({attempt} of {len(RETRY_WAITS_S)})", flush=True)
-        sleep(wait_s)
+        return result.returncode
     raise AssertionError("unreachable: the last attempt returns")
 
 

@@ -15,8 +15,10 @@ Storage's own 409 ("Your previous request to create the named bucket succeeded a
 subscription of a topic that does not exist with 404 ``NOT_FOUND``; a grant to an account that does not exist is
 refused as IAM refuses it (400, "Service account ... does not exist."), and so, ``propagation`` times each, is a
 grant to an account just created (IAM's eventual consistency: https://cloud.google.com/iam/docs/access-change-propagation);
-requests a test lists in ``denied`` get 403 ``PERMISSION_DENIED``. Policies are kept and read back, so a rerun's
-grants find the earlier ones.
+requests a test lists in ``denied`` get 403 ``PERMISSION_DENIED``, and the ``enabling`` calls after an API is
+enabled get its 403 ``SERVICE_DISABLED`` (https://cloud.google.com/apis/design/errors). Policies are kept and read
+back, so a rerun's grants find the earlier ones; a conditional grant on a bucket without uniform bucket-level access
+is refused, as IAM Conditions need it (https://cloud.google.com/storage/docs/access-control/iam#conditions).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class Recorder:
         self.denied: list[str] = []  # regexes over "METHOD /path": answered 403 PERMISSION_DENIED
         self.policies: dict[str, dict[str, Any]] = {}  # resource path -> its IAM policy as last written
         self.repositories: dict[str, dict[str, Any]] = {}  # API path -> an image repository made
+        self.buckets: dict[str, dict[str, Any]] = {}  # name -> a bucket made (or said to exist), as last written
+        self.enabling = 0  # how many calls after services:batchEnable the just-enabled APIs refuse, as not yet on
+        self.enabling_left = 0
         self.api = LoopbackApi(self.record)
 
     @property
@@ -101,6 +106,13 @@ class Recorder:
 
     def answer(self, request: Request, content_type: str) -> tuple[int, Any]:
         path = request.path.split("?")[0]
+        if self.enabling_left > 0 and not path.endswith(":batchEnable"):  # an API switched on, not yet serving
+            self.enabling_left -= 1
+            return 403, {"error": {"code": 403, "status": "PERMISSION_DENIED", "message": "The API has not been used "
+                                   "in project proj-123456 before or it is disabled. If you enabled this API recently, "
+                                   "wait a few minutes for the action to propagate to our systems and retry.",
+                                   "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                                                "reason": "SERVICE_DISABLED"}]}}
         if any(re.search(pattern, f"{request.method} {unquote(path)}") for pattern in self.denied):
             # Pub/Sub's message for it, and the one most Google APIs give.
             message = "User not authorized to perform this action." if re.match(r"^/v1/projects/[^/]+/(topics|sub" \
@@ -118,6 +130,13 @@ class Recorder:
                     return 400, {"error": {"code": 400, "status": "INVALID_ARGUMENT",
                                            "message": f"Service account {email} does not exist."}}
             resource = path.removesuffix(":setIamPolicy").removesuffix("/iam")
+            bucket = self.buckets.get(resource.removeprefix("/storage/v1/b/"), {})
+            uniform = bucket.get("iamConfiguration", {}).get("uniformBucketLevelAccess", {}).get("enabled")
+            if resource.startswith("/storage/v1/b/") and not uniform \
+                    and any(b.get("condition") for b in policy.get("bindings", [])):
+                # IAM Conditions on a bucket need uniform bucket-level access (Cloud Storage's IAM page).
+                return 400, {"error": {"code": 400, "message": "IAM conditions need uniform bucket-level access "
+                                       "enabled on the bucket.", "errors": [{"reason": "invalid"}]}}
             self.policies[resource] = {**policy, "etag": "BwYAAAAAAAE="}
             return 200, self.policies[resource]
         if path.endswith(":getIamPolicy") or (path.endswith("/iam") and request.method == "GET"):
@@ -151,8 +170,12 @@ class Recorder:
             if "alt=media" in request.path:
                 return 200, self.objects[key]
             return 200, self.object_metadata(stored.group(1), unquote(stored.group(2)), self.objects[key])
-        if re.match(r"^/storage/v1/b/[^/]+$", path):
-            return 200, {"name": path.rsplit("/", 1)[1], "location": "US"}
+        bucket = re.match(r"^/storage/v1/b/([^/]+)$", path)
+        if bucket and request.method == "PATCH" and bucket.group(1) in self.buckets:
+            self.buckets[bucket.group(1)].update(request.json())
+            return 200, self.buckets[bucket.group(1)]
+        if bucket:
+            return 200, self.buckets.get(bucket.group(1), {"name": bucket.group(1), "location": "US"})
         listing = re.search(r"[?&]prefix=([^&]+)", request.path)
         if path == "/storage/v1/b" and listing:  # the buckets gcloud builds submit looks for in the project
             return 200, {"items": [{"name": unquote(listing.group(1)), "location": "US"}]}
@@ -183,6 +206,7 @@ class Recorder:
         """The answer to one of make setup's creates (see the module docstring), or None for any other request."""
         exists = {"code": 409, "status": "ALREADY_EXISTS"}
         if request.method == "POST" and re.match(r"^/v1/projects/[^/]+/services:batchEnable$", path):
+            self.enabling_left = self.enabling
             return 200, {"name": "operations/acat.recorded", "done": True, "response": {
                 "@type": "type.googleapis.com/google.api.serviceusage.v1.BatchEnableServicesResponse", "services": []}}
         if request.method == "POST" and path == "/storage/v1/b":
@@ -195,7 +219,8 @@ class Recorder:
                 return 409, {"error": {"code": 409, "message": "Your previous request to create the named bucket "
                                        "succeeded and you already own it.", "errors": [{"reason": "conflict"}]}}
             self.made_resources.add(f"/storage/v1/b/{name}")
-            return 200, {**request.json(), "kind": "storage#bucket", "id": name}
+            self.buckets[name] = {**request.json(), "kind": "storage#bucket", "id": name}
+            return 200, self.buckets[name]
         repository = re.search(r"[?&]repositoryId=([^&]+)", request.path)
         if request.method == "POST" and repository \
                 and re.match(r"^/v1/projects/[^/]+/locations/[^/]+/repositories$", path):
@@ -208,6 +233,9 @@ class Recorder:
                          "response": {**request.json(),
                                       "@type": "type.googleapis.com/google.devtools.artifactregistry.v1.Repository"}}
         if request.method == "GET" and path in self.repositories:  # gcloud reads the repository it made back
+            return 200, self.repositories[path]
+        if request.method == "PATCH" and path in self.repositories:
+            self.repositories[path].update(request.json())
             return 200, self.repositories[path]
         pubsub = re.match(r"^/v1/projects/([^/]+)/(topics|subscriptions)/([^/:]+)$", path)
         if request.method == "PUT" and pubsub:

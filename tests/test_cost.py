@@ -296,3 +296,10 @@ def test_above_max_hourly_cost_on_a_terminal_asks(recorder, catalog, env_file):
     assert "the launch was not confirmed" in output and launched(recorder) == 0
     code, output = run_on_a_terminal(recorder, catalog, env_file, "y")
     assert code == 0 and launched(recorder) == 1, output
+
+
+def test_a_machine_type_that_brings_its_gpu_is_priced_with_it_without_gpu_type(recorder, catalog, env_file):
+    """g2-standard-8 comes with one L4 whatever GPU_TYPE says: leaving GPU_TYPE empty must not drop the GPU from
+    the ceiling (a ceiling too low is worse than none)."""
+    result = make_run(recorder, catalog, env_file, GPU_TYPE="")
+    assert "MAX_WORKERS=4: at most 4.9465 USD an hour" in result.stdout, result.stdout + result.stderr
