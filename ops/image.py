@@ -18,7 +18,9 @@ for it:
   worker installs ``.[gpu]`` from PyPI alone; it needs driver 580 or newer.
 
 The build runs as the build account make setup creates (``--service-account``), not a default account of the
-project (ops/setup_project.py says why).
+project (ops/setup_project.py says why), and keeps its log in the build logs' bucket make setup creates
+(``--gcs-log-dir``, :meth:`ops.settings.Settings.build_logs_bucket`), which ``gcloud builds submit`` streams to the
+terminal while the build runs.
 
 Cloud Build (``BUILDER=cloudbuild``, container/cloudbuild.yaml) and a local Docker (``BUILDER=docker``) get the same
 build arguments; ``--dry-run`` prints the commands.
@@ -94,6 +96,7 @@ def commands(settings: Mapping[str, str]) -> list[list[str]]:
     builder = Settings(settings).build_service_account()
     return [["gcloud", "builds", "submit", "--project", get("PROJECT"), "--region", get("REGION"),
              "--gcs-source-staging-dir", f"gs://{get('BUCKET')}/{BUILD_SOURCE_PREFIX}",
+             "--gcs-log-dir", f"gs://{Settings(settings).build_logs_bucket()}",
              "--service-account", f"projects/{get('PROJECT')}/serviceAccounts/{builder}", "--config",
              "container/cloudbuild.yaml", "--substitutions", joined, *shlex.split(get("IMAGE_BUILD_ARGS")), "."]]
 

@@ -87,6 +87,19 @@ class Settings:
         made by make setup with only what a build needs (never the project's default accounts)."""
         return f"{BUILD_SERVICE_ACCOUNT_ID}@{self.get('PROJECT')}.iam.gserviceaccount.com"
 
+    def build_logs_bucket(self) -> str:
+        """The bucket ``make image``'s builds keep their logs in, ``BUCKET-build-logs``: a build with an account of
+        its own must log to Cloud Logging or to a bucket of the user's, and only a bucket's log can be streamed by
+        ``gcloud builds submit`` (its GA track tails a bucket's log object, never Cloud Logging). A bucket of its
+        own, because the role Cloud Build asks for on it, Storage Admin
+        (https://cloud.google.com/build/docs/securing-builds/store-manage-build-logs), would reach the template
+        specs in BUCKET."""
+        name = f"{self.get('BUCKET')}-build-logs"
+        if len(name) > 63:  # Cloud Storage: a bucket name without dots is 3-63 characters
+            raise DeployError(f"BUCKET={self.get('BUCKET')!r} is too long for its build logs' bucket {name!r} "
+                              "(63 characters at most): set a BUCKET of 52 characters or fewer")
+        return name
+
     def own_service_account_id(self) -> str | None:
         """The ID of :meth:`service_account` when it is a user-managed account of PROJECT, which make setup creates
         if missing; None for any other (the Compute Engine default, another project's)."""

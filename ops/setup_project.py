@@ -55,18 +55,21 @@ from ops.settings import (
     TEMP_PREFIX,
     DeployError,
     Settings,
+    gcloud_output,
     output_subscription,
 )
 
 # Every API the product uses (docs/operations.md#roles says which for what); IAM's, to create the accounts; Cloud
-# Billing's, whose catalog make run prices the job's ceiling from.
+# Billing's, whose catalog make run prices the job's ceiling from; Resource Manager's, which the project's own
+# policy and number are read and written through.
 APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.com", "storage.googleapis.com",
         "artifactregistry.googleapis.com", "cloudbuild.googleapis.com", "secretmanager.googleapis.com",
         "monitoring.googleapis.com", "logging.googleapis.com", "bigquery.googleapis.com", "iam.googleapis.com",
-        "cloudbilling.googleapis.com")
+        "cloudbilling.googleapis.com", "cloudresourcemanager.googleapis.com")
 REPOSITORY = "dataflow"  # the Makefile's IMAGE_REPOSITORY: REGION-docker.pkg.dev/PROJECT/dataflow
-# The only roles granted on the whole project: the job's account's Dataflow Worker, the build's Logs Writer.
-PROJECT_ROLES = {"roles/dataflow.worker", "roles/logging.logWriter"}
+# The only role granted on the whole project: the job's account's Dataflow Worker.
+PROJECT_ROLES = {"roles/dataflow.worker"}
+NUMBER = "PROJECT_NUMBER"  # stands for the project's number in a dry run
 # A command refused for these reasons is an API just enabled not having caught up yet (its 403 SERVICE_DISABLED:
 # https://cloud.google.com/apis/design/errors), or, for a grant, IAM not knowing a new account yet: it is tried again
 # after a wait. Checked before DENIED, as gcloud prints the former as PERMISSION_DENIED too.
@@ -136,6 +139,12 @@ class Grant:
         kind = {"topic": "topics", "subscription": "subscriptions"}[self.scope]
         return ["gcloud", "pubsub", kind, "add-iam-policy-binding", self.resource, *member, "--project", project]
 
+    def removal(self, project: str, region: str) -> list[str]:
+        """The command that takes this grant away again (gcloud's remove-iam-policy-binding beside each add)."""
+        found = self.command(project, region)
+        found[found.index("add-iam-policy-binding")] = "remove-iam-policy-binding"
+        return [word for word in found if word != "--quiet"]
+
 
 def resource_id(settings: Settings, name: str) -> str:
     """The ID of the topic or subscription setting ``name`` names in PROJECT (another project's is refused)."""
@@ -167,7 +176,8 @@ def grants(settings: Settings) -> list[Grant]:
     found += [Grant(builder, "roles/artifactregistry.writer", "repository", REPOSITORY),  # pushing the images
               # The build source make image stages (gcloud builds submit --gcs-source-staging-dir).
               Grant(builder, "roles/storage.objectViewer", "bucket", bucket, (BUILD_SOURCE_PREFIX,)),
-              Grant(builder, "roles/logging.logWriter", "project", project)]  # its log: CLOUD_LOGGING_ONLY
+              # Its log (--gcs-log-dir): the role Cloud Build documents for a bucket of the user's, on that bucket.
+              Grant(builder, "roles/storage.admin", "bucket", settings.build_logs_bucket())]
     if token := settings.secret("BAKE_TOKEN_SECRET"):
         found.append(Grant(builder, "roles/secretmanager.secretAccessor", "secret", "/".join(token)))
     return list(dict.fromkeys(found))
@@ -181,8 +191,9 @@ def subscription(name: str, topic: str, where: list[str], *flags: str) -> list[s
             *flags, *where]
 
 
-def commands(settings: Settings) -> list[list[str]]:
-    """The gcloud commands of step 1, in order."""
+def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
+    """The gcloud commands of step 1, in order; ``number`` is the project's number, which names its default
+    accounts (for :func:`retired`)."""
     settings.require("PROJECT", "REGION", "BUCKET", "INPUT_TOPIC", "INPUT_SUBSCRIPTION")
     if bool(settings.get("BULK_TOPIC")) != bool(settings.get("BULK_SUBSCRIPTION")):
         raise DeployError("set BULK_TOPIC and BULK_SUBSCRIPTION together (the bulk lane's topic and the subscription "
@@ -190,8 +201,8 @@ def commands(settings: Settings) -> list[list[str]]:
     project, region = settings.get("PROJECT"), settings.get("REGION")
     where = ["--project", project]
     found = [["gcloud", "services", "enable", *APIS, *where],
-             ["gcloud", "storage", "buckets", "create", f"gs://{settings.get('BUCKET')}", *where, "--location", region,
-              "--uniform-bucket-level-access"],
+             *[["gcloud", "storage", "buckets", "create", f"gs://{bucket}", *where, "--location", region,
+                "--uniform-bucket-level-access"] for bucket in (settings.get("BUCKET"), settings.build_logs_bucket())],
              ["gcloud", "artifacts", "repositories", "create", REPOSITORY, "--repository-format", "docker",
               "--location", region, "--immutable-tags", *where]]
     input_topic = resource_id(settings, "INPUT_TOPIC")
@@ -220,7 +231,7 @@ def commands(settings: Settings) -> list[list[str]]:
                 (BUILD_SERVICE_ACCOUNT_ID, "Streaming LLM image builds")]
     found += [["gcloud", "iam", "service-accounts", "create", account_id, "--display-name", title, *where]
               for account_id, title in accounts if account_id]
-    return found + [grant.command(project, region) for grant in grants(settings)] + retired(settings)
+    return found + [grant.command(project, region) for grant in grants(settings)] + retired(settings, number)
 
 
 def follow_up(command: list[str]) -> list[str] | None:
@@ -238,13 +249,57 @@ def follow_up(command: list[str]) -> list[str] | None:
     return None
 
 
-def retired(settings: Settings) -> list[list[str]]:
-    """Grants an earlier make setup made that this one no longer does, removed where they are: the job's account's
-    Storage Object Admin on the whole bucket (IAM grants add up, so it would outweigh the prefix-limited one). An
-    earlier setup's grants to the project's default accounts are listed in docs/operations.md#roles to remove."""
-    return [["gcloud", "storage", "buckets", "remove-iam-policy-binding", f"gs://{settings.get('BUCKET')}",
-             "--member", f"serviceAccount:{settings.service_account()}", "--role", "roles/storage.objectAdmin",
-             "--condition=None", "--project", settings.get("PROJECT")]]
+def retired(settings: Settings, number: str = NUMBER) -> list[list[str]]:
+    """Grants an earlier make setup made that this one no longer does, removed where they are (IAM grants add up, so
+    each would outweigh what replaced it; a removal that finds nothing is fine): the job's account's Storage Object
+    Admin on the whole bucket; the build account's Logs Writer on the project (its log is now in a bucket); and
+    what the project's default accounts were granted for builds before the build had an account of its own, on
+    the repository, the bucket, the project and the bake token."""
+    project, bucket = settings.get("PROJECT"), settings.get("BUCKET")
+    old = [Grant(settings.service_account(), "roles/storage.objectAdmin", "bucket", bucket),
+           Grant(settings.build_service_account(), "roles/logging.logWriter", "project", project)]
+    for account in (f"{number}@cloudbuild.gserviceaccount.com", f"{number}-compute@developer.gserviceaccount.com"):
+        old += [Grant(account, "roles/artifactregistry.writer", "repository", REPOSITORY),
+                Grant(account, "roles/storage.objectViewer", "bucket", bucket),
+                Grant(account, "roles/logging.logWriter", "project", project)]
+        if token := settings.secret("BAKE_TOKEN_SECRET"):
+            old.append(Grant(account, "roles/secretmanager.secretAccessor", "secret", "/".join(token)))
+    if settings.service_account() in {grant.account for grant in old[2:]}:  # SERVICE_ACCOUNT names one of them
+        old = [grant for grant in old if (grant.account, grant.role, grant.resource) not in
+               {(g.account, g.role, g.resource) for g in grants(settings)}]
+    return [grant.removal(project, settings.get("REGION")) for grant in old]
+
+
+def project_number(settings: Settings) -> str:
+    """The project's number, which names its default accounts (read with the project's describe)."""
+    command = ["gcloud", "projects", "describe", settings.get("PROJECT"), "--format=value(projectNumber)"]
+    number = (gcloud_output(command, "reading the project's number") or "").strip()
+    if not number.isdigit():
+        raise DeployError(f"the project's number could not be read: {number!r}")
+    return number
+
+
+def ordered(command: list[str]) -> bool:
+    """Whether the subscription a create with message ordering found delivers in order: Pub/Sub cannot turn ordering
+    on for a subscription once made (https://cloud.google.com/pubsub/docs/ordering), and an earlier make setup made
+    make tail's chunk subscription without it."""
+    where = command[command.index("--project"):command.index("--project") + 2]
+    found = gcloud_output(["gcloud", "pubsub", "subscriptions", "describe", command[4], *where,
+                           "--format=value(enableMessageOrdering)"], "reading whether it is ordered")
+    return (found or "").strip().lower() == "true"
+
+
+def reordered(command: list[str], sleep: Callable[[float], None]) -> int:
+    """Deletes and makes again an unordered subscription a create with ordering found. Only make tail's chunk
+    subscription is made so, and it is for watching live (10 minutes' retention): nothing kept is lost."""
+    where = command[command.index("--project"):command.index("--project") + 2]
+    delete = ["gcloud", "pubsub", "subscriptions", "delete", command[4], *where, "--quiet"]
+    print(f"    made without message ordering, which a subscription cannot gain: made again\n==> "
+          f"{shlex.join(delete)}", flush=True)
+    if status := subprocess.run(delete, check=False).returncode:
+        return status
+    print(f"==> {shlex.join(command)}", flush=True)
+    return run_command(command, sleep)
 
 
 def role_for(command: list[str]) -> str:
@@ -268,6 +323,8 @@ def run_command(command: list[str], sleep: Callable[[float], None] = time.sleep)
             return 0
         if "create" in command[:4] and any(word in result.stderr for word in ALREADY_THERE):
             print("    already there", flush=True)
+            if "--enable-message-ordering" in command and not ordered(command):
+                return reordered(command, sleep)
             if (update := follow_up(command)) is not None:
                 print(f"==> {shlex.join(update)}", flush=True)
                 return run_command(update, sleep)
@@ -308,7 +365,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             print("warning: SERVICE_ACCOUNT is the Compute Engine default account, which every VM of the project "
                   "runs as unless told otherwise: what is granted to it here reaches them all. Leave SERVICE_ACCOUNT "
                   "unset for an account of the job's own (docs/operations.md#roles).", file=sys.stderr, flush=True)
+        number = NUMBER
         for command in commands(settings):
+            if NUMBER in " ".join(command) and not args.dry_run:  # read once needed, after the APIs are on
+                number = number if number != NUMBER else project_number(settings)
+                command = [word.replace(NUMBER, number) for word in command]
             print(f"==> {shlex.join(command)}", flush=True)
             if args.dry_run:
                 continue

@@ -84,8 +84,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return 2
         if kind == "chunk" and not found.enable_message_ordering:
             print(f"(a request's chunks may print out of order: {subscription} was made without message ordering, "
-                  "by a make setup before it ordered them; delete it with gcloud pubsub subscriptions delete and run "
-                  "make setup again)", flush=True)
+                  "by a make setup before it ordered them; make setup makes it again with ordering)", flush=True)
         watching.append((subscription, kind))
     ended = threading.Semaphore(0)
     lock = threading.Lock()  # one line at a time from the three streams

@@ -86,6 +86,9 @@ DRIVER_LINE = re.compile(r"GPU driver (?P<driver>not found|[^,\s]+), torch built
 DRIVER_TEXT = "torch built for CUDA"
 # The readers' flow-control counters (pipeline/flow/subscription_reader.py, pipeline/flow/admission.py).
 FLOW_COUNTERS = ("read_messages", "read_deferred", "admitted_uncounted")
+# More of what was read passing on uncounted than this share is flow control not holding: a runtime rebuild passes
+# on what the readers had pulled before, a small share; a runtime never reachable passes on everything.
+UNCOUNTED_SHARE = 0.05
 COUNTER_WINDOW_S = 900.0  # a counter's newest point within this long (Dataflow exports them up to 4 minutes late)
 GAUGE_WINDOW_S = 300.0
 LOG_PAGES = 20  # at most this many pages of log entries per question
@@ -680,6 +683,12 @@ def flow_control_check(rest: Rest, job: Job) -> Check:
                      "page's Job metrics show them live)")
     shown = ", ".join(f"{name} {values[name]:.0f}" if values[name] is not None else f"{name} (none yet)"
                       for name in FLOW_COUNTERS)
+    read, uncounted = values["read_messages"] or 0, values["admitted_uncounted"] or 0
+    if uncounted > UNCOUNTED_SHARE * max(read, 1):
+        return Check("flow_control", FAIL, f"{shown}: {uncounted / max(read, 1):.0%} of what was read passed on "
+                     "without a place in the worker's hold (the runtime could not be asked), so nothing bounded what "
+                     "each worker took", "the job's log says why the runtime was unreachable (its engine host or "
+                     "model server failing to start: docs/operations.md#first-job-checklist)")
     deferred = values["read_deferred"] or 0
     reading = ("the readers found the workers full in some rounds and pulled nothing then, as designed"
                if deferred else "no reader round found a worker full")
@@ -696,7 +705,7 @@ def sample(rest: Rest, job: Job, subscription: str, at_s: float) -> Sample:
 
 
 def autoscaling_check(samples: Sequence[Sample], backlog: int, follow_s: float, max_workers: int | None,
-                      job: Job) -> Check:
+                      job: Job, num_workers: int | None = None) -> Check:
     """Whether the workers rose while the backlog waited in Pub/Sub
     (docs/operations.md#autoscaling-with-the-jobs-reader)."""
     def values(field: str) -> list[float]:
@@ -718,8 +727,12 @@ def autoscaling_check(samples: Sequence[Sample], backlog: int, follow_s: float, 
     if most > first:
         return Check("autoscaling", PASS, f"{unit} rose from {first:.0f} to {most:.0f} within {follow_s:.0f} s of a "
                      f"backlog of {backlog} ({waiting}): the autoscaler sees the backlog this reader leaves in Pub/Sub")
-    if workers and max_workers is not None and first >= max_workers:
-        return Check("autoscaling", UNKNOWN, f"the job already runs {first:.0f} of MAX_WORKERS={max_workers} workers",
+    # Counted in vCPUs (no worker gauge), the workers' number is not known, but a job launched at its ceiling is.
+    at_ceiling = max_workers is not None and (first >= max_workers if workers else
+                                              num_workers is not None and num_workers >= max_workers)
+    if at_ceiling:
+        running = f"{first:.0f} of" if workers else f"NUM_WORKERS={num_workers}, at"
+        return Check("autoscaling", UNKNOWN, f"the job already runs {running} MAX_WORKERS={max_workers} workers",
                      "launch a job with MAX_WORKERS above NUM_WORKERS to see whether workers are added")
     if min(undelivered) <= 0:
         return Check("autoscaling", UNKNOWN, f"the backlog of {backlog} drained within {follow_s:.0f} s without "
@@ -767,9 +780,10 @@ def follow_backlog(rest: Rest, settings: Settings, job: Job, run: str, backlog: 
         return refused("autoscaling", exc, job.project), samples
     except KeyboardInterrupt:
         pass
-    max_workers = settings.get("MAX_WORKERS")
+    max_workers, num_workers = settings.get("MAX_WORKERS"), settings.get("NUM_WORKERS")
     return autoscaling_check(samples, backlog, time.monotonic() - started,
-                             int(max_workers) if max_workers.isdigit() else None, job), samples
+                             int(max_workers) if max_workers.isdigit() else None, job,
+                             int(num_workers) if num_workers.isdigit() else None), samples
 
 
 # The report -------------------------------------------------------------------------------------------------------

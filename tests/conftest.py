@@ -18,8 +18,13 @@ from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator, Emulator, PubSubEmulator
 from pipeline.config.settings import JobSettings
 from pipeline.serving.vllm_server import ServerSpec, VLLMServer
+from tests.gcloud_recorder import Recorder
 
 SERVED_NAME = "smollm2"
+REPO = Path(__file__).resolve().parent.parent
+# The deploy tests' commit, and the spec of an earlier make template for it (CUDA 12, .env.example's).
+DEPLOY_TAG = "0123456789ab"
+DEPLOY_TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{DEPLOY_TAG}-cu12.json"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -200,3 +205,22 @@ def started(server: VLLMServer):
         server.stop()
     assert wait_until(lambda: not any(psutil.pid_exists(pid) for pid in tree), 10), "the stop left processes behind"
     server.stop()  # idempotent
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    """The recorder, with the spec of an earlier make template for this TAG in its bucket (make run looks for it)."""
+    recording = Recorder(str(tmp_path / "gcloud-config"))
+    recording.objects[DEPLOY_TEMPLATE_PATH.removeprefix("gs://")] = b"{}"
+    yield recording
+    recording.close()
+
+
+@pytest.fixture
+def env_file(tmp_path) -> Path:
+    """`.env.example`, filled in as its comments ask."""
+    text = (REPO / ".env.example").read_text().replace("my-project", "proj-123456").replace(
+        "my-bucket", "bkt-test")
+    path = tmp_path / "deploy.env"
+    path.write_text(text)
+    return path

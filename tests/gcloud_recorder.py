@@ -64,6 +64,8 @@ class Recorder:
         self.denied: list[str] = []  # regexes over "METHOD /path": answered 403 PERMISSION_DENIED
         self.policies: dict[str, dict[str, Any]] = {}  # resource path -> its IAM policy as last written
         self.repositories: dict[str, dict[str, Any]] = {}  # API path -> an image repository made
+        self.subscriptions: dict[str, dict[str, Any]] = {}  # API path -> a subscription as made
+        self.project_number = "123456789012"  # what Resource Manager answers for the project's number
         self.buckets: dict[str, dict[str, Any]] = {}  # name -> a bucket made (or said to exist), as last written
         self.enabling = 0  # how many calls after services:batchEnable the just-enabled APIs refuse, as not yet on
         self.enabling_left = 0
@@ -142,11 +144,23 @@ class Recorder:
         if path.endswith(":getIamPolicy") or (path.endswith("/iam") and request.method == "GET"):
             resource = path.removesuffix(":getIamPolicy").removesuffix("/iam")
             return 200, self.policies.get(resource, {"etag": "BwYAAAAAAAA=", "version": 1, "bindings": []})
+        if re.match(r"^/v1/projects/[^/]+/subscriptions/[^/:]+$", path) and request.method == "DELETE":
+            if unquote(path) not in self.made_resources:
+                return 404, {"error": {"code": 404, "status": "NOT_FOUND", "message": "Resource not found "
+                                       f"(resource={path.rsplit('/', 1)[1]})."}}
+            self.made_resources.discard(unquote(path))
+            self.subscriptions.pop(unquote(path), None)
+            return 200, {}
         if re.match(r"^/v1/projects/[^/]+/(topics|subscriptions|serviceAccounts)/[^/:]+$", path) \
                 and request.method == "GET":  # a describe: there, unless the test says it is missing
             if unquote(path) in self.missing:
                 return 404, {"error": {"code": 404, "status": "NOT_FOUND", "message": "Resource not found"}}
-            return 200, {"name": unquote(path).removeprefix("/v1/"), "email": unquote(path).rsplit("/", 1)[1]}
+            return 200, {"name": unquote(path).removeprefix("/v1/"), "email": unquote(path).rsplit("/", 1)[1],
+                         **self.subscriptions.get(unquote(path), {})}
+        project = re.match(r"^/v[13]/projects/([^/:]+)$", path)
+        if project and request.method == "GET":  # Resource Manager's describe
+            return 200, {"projectId": project.group(1), "projectNumber": self.project_number,
+                         "name": f"projects/{self.project_number}", "lifecycleState": "ACTIVE"}
         if re.match(r"^/v1/projects/[^/]+/subscriptions/[^/:]+$", path) and request.method == "PATCH":
             if unquote(path) not in self.made_resources:
                 return 404, {"error": {"code": 404, "status": "NOT_FOUND",
@@ -248,6 +262,8 @@ class Recorder:
                 return 404, {"error": {"code": 404, "status": "NOT_FOUND",
                                        "message": f"Resource not found (resource={topic.rsplit('/', 1)[-1]})."}}
             self.made_resources.add(name)
+            if pubsub.group(2) == "subscriptions":
+                self.subscriptions[name] = request.json()
             return 200, {**request.json(), "name": name.removeprefix("/v1/")}
         account = re.match(r"^/v1/projects/([^/]+)/serviceAccounts$", path)
         if request.method == "POST" and account:

@@ -20,11 +20,10 @@ import pytest
 
 from ops import cost
 from tests.billing_catalog_stand_in import CatalogStandIn
+from tests.conftest import DEPLOY_TAG as TAG
 from tests.gcloud_recorder import Recorder
 
 REPO = Path(__file__).resolve().parent.parent
-TAG = "0123456789ab"
-TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{TAG}-cu12.json"
 # The default job: .env.example's machine, GPU and workers, the template's 200 GB disk.
 DEFAULT_JOB = cost.Job(project="proj-123456", region="us-central1", zone="", machine_type="g2-standard-8",
                        gpu_type="nvidia-l4", gpu_count=1, disk_gb=200, max_workers=4,
@@ -47,22 +46,6 @@ def gcloud_env(tmp_path, catalog, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env
-
-
-@pytest.fixture
-def recorder(tmp_path):
-    recording = Recorder(str(tmp_path / "recorder-config"))
-    recording.objects[TEMPLATE_PATH.removeprefix("gs://")] = b"{}"
-    yield recording
-    recording.close()
-
-
-@pytest.fixture
-def env_file(tmp_path) -> Path:
-    path = tmp_path / "deploy.env"
-    path.write_text((REPO / ".env.example").read_text().replace("my-project", "proj-123456").replace(
-        "my-bucket", "bkt-test"))
-    return path
 
 
 def make_run(recorder: Recorder, catalog: CatalogStandIn | None, env_file: Path, stdin=subprocess.DEVNULL,

@@ -20,15 +20,16 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from ops import deploy, monitoring
 from ops.settings import PUBSUB_SETTINGS
 from pipeline.config.options import PipelineConfig
+from tests.conftest import DEPLOY_TAG, DEPLOY_TEMPLATE_PATH
 from tests.gcloud_recorder import Recorder
 
 REPO = Path(__file__).resolve().parent.parent
-TAG = "0123456789ab"
+TAG = DEPLOY_TAG
 SETTINGS = {"PROJECT": "proj-123456", "BUCKET": "bkt-test"}
 # The commit and the CUDA major (.env.example's CUDA=12): a build for the other CUDA never overwrites these.
 WORKER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-worker:{TAG}-cu12"
 LAUNCHER_IMAGE = f"us-central1-docker.pkg.dev/proj-123456/dataflow/streaming-llm-launcher:{TAG}-cu12"
-TEMPLATE_PATH = f"gs://bkt-test/templates/streaming-llm-{TAG}-cu12.json"
+TEMPLATE_PATH = DEPLOY_TEMPLATE_PATH
 # Values no shell word, gcloud dict string or comma list carries as they are.
 HOSTILE = {
     "system_prompt": 'You are terse, "very" terse.\nAnswer with one word ~ ^ = , ; \' $HOME `x` \\ ünïcödé 🙂 \x7f\x85',
@@ -43,25 +44,6 @@ HOSTILE = {
 
 # The account make setup creates for the job, from PROJECT alone (.env.example leaves SERVICE_ACCOUNT unset).
 ACCOUNT = "streaming-llm@proj-123456.iam.gserviceaccount.com"
-
-
-@pytest.fixture
-def recorder(tmp_path):
-    """The recorder, with the spec of an earlier make template for this TAG in its bucket (make run looks for it)."""
-    recording = Recorder(str(tmp_path / "gcloud-config"))
-    recording.objects[TEMPLATE_PATH.removeprefix("gs://")] = b"{}"
-    yield recording
-    recording.close()
-
-
-@pytest.fixture
-def env_file(tmp_path) -> Path:
-    """`.env.example`, filled in as its comments ask."""
-    text = (REPO / ".env.example").read_text().replace("my-project", SETTINGS["PROJECT"]).replace(
-        "my-bucket", SETTINGS["BUCKET"])
-    path = tmp_path / "deploy.env"
-    path.write_text(text)
-    return path
 
 
 def make(target: str, recorder: Recorder | None, env_file: Path | None, **variables: str) -> \
@@ -89,6 +71,8 @@ def test_a_filled_in_env_example_runs_every_deploy_target(recorder, env_file):
     assert image.returncode == 0, image.stdout + image.stderr
     build = recorder.find("POST", r"/v1/projects/proj-123456/locations/us-central1/builds$")[0].json()
     assert build["substitutions"]["_WORKER_IMAGE"] == WORKER_IMAGE
+    # A build with its own account logs to a bucket of the user's, the log gcloud builds submit streams.
+    assert build["logsBucket"] == "gs://bkt-test-build-logs" and build["options"]["logging"] == "GCS_ONLY"
     assert build["substitutions"]["_LAUNCHER_IMAGE"] == LAUNCHER_IMAGE
     assert build["substitutions"]["_BAKE_MODEL"] == "google/gemma-2-2b-it"
     assert build["substitutions"]["_BAKE_TOKEN_SECRET"] == "projects/proj-123456/secrets/hf-token/versions/3"

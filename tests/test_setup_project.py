@@ -130,7 +130,7 @@ def test_a_run_stopped_half_way_is_finished_by_the_next_and_a_missing_permission
         finished, = setup_runs(recorder, SETTINGS, 1)
         assert finished.status == 0, finished.err
         assert "/v1/projects/proj-123456/topics/prompts" in finished.made
-        assert finished.out.count("already there") == 2, "the bucket and the repository"
+        assert finished.out.count("already there") == 3, "the two buckets and the repository"
     finally:
         recorder.close()
 
@@ -138,18 +138,31 @@ def test_a_run_stopped_half_way_is_finished_by_the_next_and_a_missing_permission
 def test_a_project_an_earlier_setup_made_is_brought_to_what_setup_makes_now(tmp_path):
     """IAM grants add up, and a create that finds its resource changes nothing: what an earlier make setup (or the
     user) made otherwise is brought in line. The bucket gets uniform bucket-level access (its conditional grants
-    need it), the repository immutable tags, and the job's account loses its Object Admin on the whole bucket."""
+    need it), the repository immutable tags, the job's account loses its Object Admin on the whole bucket, the
+    project's default accounts what they were granted for builds, and make tail's unordered chunk subscription is
+    made again with ordering."""
     recorder = Recorder(str(tmp_path / "gcloud-config"))
     job = Settings(SETTINGS).service_account()
+    legacy = f"serviceAccount:{recorder.project_number}@cloudbuild.gserviceaccount.com"
+    compute = f"serviceAccount:{recorder.project_number}-compute@developer.gserviceaccount.com"
     repository = "/v1/projects/proj-123456/locations/us-central1/repositories/dataflow"
+    tail = "/v1/projects/proj-123456/subscriptions/llm-chunks-tail"
     try:
-        recorder.made_resources |= {"/storage/v1/b/bkt-test", repository}
+        recorder.made_resources |= {"/storage/v1/b/bkt-test", repository, "/v1/projects/proj-123456/topics/llm-chunks",
+                                    tail}
+        recorder.subscriptions[tail] = {"topic": "projects/proj-123456/topics/llm-chunks"}  # no ordering
         recorder.buckets["bkt-test"] = {"name": "bkt-test", "iamConfiguration": {
             "uniformBucketLevelAccess": {"enabled": False}}}
         recorder.repositories[repository] = {"name": repository.removeprefix("/v1/"), "format": "DOCKER"}
-        recorder.accounts.add(job)
+        recorder.accounts |= {job, legacy.split(":")[1], compute.split(":")[1]}
         recorder.policies["/storage/v1/b/bkt-test"] = {"version": 1, "etag": "BwYAAAAAAAA=", "bindings": [
-            {"role": "roles/storage.objectAdmin", "members": [f"serviceAccount:{job}"]}]}
+            {"role": "roles/storage.objectAdmin", "members": [f"serviceAccount:{job}"]},
+            {"role": "roles/storage.objectViewer", "members": [legacy, compute]}]}
+        recorder.policies[repository] = {"etag": "BwYAAAAAAAA=", "bindings": [
+            {"role": "roles/artifactregistry.writer", "members": [legacy, compute]}]}
+        recorder.policies["/v1/projects/proj-123456"] = {"etag": "BwYAAAAAAAA=", "bindings": [
+            {"role": "roles/logging.logWriter", "members": [legacy, compute]},
+            {"role": "roles/owner", "members": ["user:owner@example.com"]}]}
         run, = setup_runs(recorder, SETTINGS, 1)
         assert run.status == 0, run.err
         assert recorder.buckets["bkt-test"]["iamConfiguration"]["uniformBucketLevelAccess"]["enabled"] is True
@@ -157,6 +170,11 @@ def test_a_project_an_earlier_setup_made_is_brought_to_what_setup_makes_now(tmp_
         admin = [b for b in recorder.policies["/storage/v1/b/bkt-test"]["bindings"]
                  if b["role"] == "roles/storage.objectAdmin" and f"serviceAccount:{job}" in b["members"]]
         assert len(admin) == 1 and "staging/" in admin[0]["condition"]["expression"], admin
+        members = {m for policy in recorder.policies.values() for b in policy["bindings"] for m in b["members"]}
+        assert not members & {legacy, compute}, "the default accounts keep nothing an earlier setup granted"
+        assert "user:owner@example.com" in members, "what setup never granted is left alone"
+        assert recorder.subscriptions[tail].get("enableMessageOrdering") is True
+        assert recorder.find("DELETE", "/subscriptions/llm-chunks-tail$")
     finally:
         recorder.close()
 
@@ -264,7 +282,7 @@ def test_every_grant_lands_on_its_one_resource_as_the_real_gcloud_sends_it(step_
     assert {(resource, role, condition) for resource, role, member, condition in bindings if member == build} == {
         (where["repository"], "roles/artifactregistry.writer", None),
         (where["bucket"], "roles/storage.objectViewer", f'{objects}cloudbuild-source/")'),
-        (where["project"], "roles/logging.logWriter", None),
+        ("/storage/v1/b/bkt-test-build-logs", "roles/storage.admin", None),
         ("/v1/projects/proj-123456/secrets/bake-token", "roles/secretmanager.secretAccessor", None)}
     assert {member for _, _, member, _ in bindings} == {job, build}, "the default accounts are granted nothing"
     on_project = {role for resource, role, _, _ in bindings if resource == where["project"]}

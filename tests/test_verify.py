@@ -148,7 +148,7 @@ def constant(value: float) -> Any:
 
 
 def a_running_job(stand_in: ObservabilityStandIn, world: dict[str, str], *, driver: tuple[str, str, str],
-                  workers: Any, targets: Any, undelivered: Any) -> dict[str, Any]:
+                  workers: Any, targets: Any, undelivered: Any, uncounted: float = 0) -> dict[str, Any]:
     """A job in the stand-in with its logs and metrics, beside another job's, which verify must not read."""
     run = next(RUNS)
     name, job_id, other = f"streaming-llm-vf{run}", f"2026-11-25_00_00_{run:02d}-111", f"2026-11-24_00_00_{run:02d}-222"
@@ -164,7 +164,7 @@ def a_running_job(stand_in: ObservabilityStandIn, world: dict[str, str], *, driv
     stand_in.log(harness, other, name, REGION, message=driver_line("525.60.13", "13.0", "does not fit"))
     counter = "dataflow.googleapis.com/job/user_counter"
     counters: tuple[tuple[str, dict[str, Any]], ...] = (
-        (job_id, {"read_messages": 120, "read_deferred": lambda s: 7 + 10 * s, "admitted_uncounted": 0}),
+        (job_id, {"read_messages": 120, "read_deferred": lambda s: 7 + 10 * s, "admitted_uncounted": uncounted}),
         (other, {"read_messages": 999}))
     for job_of, values in counters:
         for metric_name, value in values.items():
@@ -278,6 +278,34 @@ def test_a_job_whose_autoscaler_never_adds_a_worker_fails_the_autoscaling_line(e
     # The backlog it published waits in the subscription, untouched by the job that stopped reading.
     left = [json.loads(data)["id"] for data in PubSubEmulator.take(world["INPUT_SUBSCRIPTION"])]
     assert len(left) == backlog and all("-backlog-" in request_id for request_id in left)
+
+
+@pytest.mark.parametrize("uncounted, status", [(0, "PASS"), (5, "PASS"), (60, "FAIL")])
+def test_flow_control_fails_when_what_is_read_passes_on_without_a_place(emulator, stand_in, uncounted, status):
+    """A runtime the admission step cannot ask passes everything on uncounted: nothing bounds what a worker takes.
+    A rebuild's few (here 5 of 120) are flow control working."""
+    world = job_world(emulator)
+    job = a_running_job(stand_in, world, driver=("580.95.05", "13.0", "fits"), workers=constant(1),
+                        targets=constant(1), undelivered=constant(0), uncounted=uncounted)
+    rest = verify.Rest(settings_env(world, stand_in, job["name"]))
+    try:
+        found = verify.flow_control_check(rest, verify.find_job(rest, PROJECT, REGION, job["name"], None))
+    finally:
+        rest.close()
+    assert found.status == status, found
+    if status == "FAIL":
+        assert "50% of what was read" in found.detail and "runtime" in found.advice
+
+
+@pytest.mark.parametrize("num_workers, status", [(4, "UNKNOWN"), (1, "FAIL")])
+def test_a_job_counted_only_in_vcpus_at_its_ceiling_is_not_failed_for_not_rising(num_workers, status):
+    """Without the worker gauge the check counts vCPUs, whose number says nothing of MAX_WORKERS; a job launched
+    with NUM_WORKERS at MAX_WORKERS cannot rise, so its flat line is no verdict."""
+    job = verify.Job(PROJECT, REGION, "2026-11-25_00_00_00-1", "j", "JOB_STATE_RUNNING", "", "")
+    samples = [verify.Sample(at, 25.0, None, None, None, 32.0) for at in (0.0, 60.0, 120.0)]
+    found = verify.autoscaling_check(samples, 25, 120.0, 4, job, num_workers)
+    assert found.status == status, found
+    assert ("NUM_WORKERS=4, at MAX_WORKERS=4" in found.detail) == (status == "UNKNOWN")
 
 
 def test_a_refusal_from_monitoring_or_logging_is_unknown_naming_the_role(emulator, stand_in, tmp_path, capsys):
