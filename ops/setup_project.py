@@ -67,8 +67,10 @@ APIS = ("dataflow.googleapis.com", "compute.googleapis.com", "pubsub.googleapis.
         "monitoring.googleapis.com", "logging.googleapis.com", "bigquery.googleapis.com", "iam.googleapis.com",
         "cloudbilling.googleapis.com", "cloudresourcemanager.googleapis.com")
 REPOSITORY = "dataflow"  # the Makefile's IMAGE_REPOSITORY: REGION-docker.pkg.dev/PROJECT/dataflow
-# The only role granted on the whole project: the job's account's Dataflow Worker.
-PROJECT_ROLES = {"roles/dataflow.worker"}
+# The ack deadline of the subscriptions the job reads: the reader's own (pipeline/flow/subscription_reader.py).
+READ_ACK_DEADLINE_S = 120
+# The only roles granted on the whole project: the job's account's Dataflow Worker and Monitoring Viewer.
+PROJECT_ROLES = {"roles/dataflow.worker", "roles/monitoring.viewer"}
 NUMBER = "PROJECT_NUMBER"  # stands for the project's number in a dry run
 # A command refused for these reasons is an API just enabled not having caught up yet (its 403 SERVICE_DISABLED:
 # https://cloud.google.com/apis/design/errors), or, for a grant, IAM not knowing a new account yet: it is tried again
@@ -91,6 +93,7 @@ ROLE_FOR = (("services enable", "Service Usage Admin (roles/serviceusage.service
             ("pubsub", "Pub/Sub Admin (roles/pubsub.admin)"),
             ("iam service-accounts create", "Service Account Admin (roles/iam.serviceAccountAdmin)"),
             ("projects add-iam-policy-binding", "Project IAM Admin (roles/resourcemanager.projectIamAdmin)"),
+            ("projects remove-iam-policy-binding", "Project IAM Admin (roles/resourcemanager.projectIamAdmin)"),
             ("secrets", "Secret Manager Admin (roles/secretmanager.admin)"))
 
 
@@ -140,10 +143,12 @@ class Grant:
         return ["gcloud", "pubsub", kind, "add-iam-policy-binding", self.resource, *member, "--project", project]
 
     def removal(self, project: str, region: str) -> list[str]:
-        """The command that takes this grant away again (gcloud's remove-iam-policy-binding beside each add)."""
-        found = self.command(project, region)
+        """The command that takes this unconditional grant away again (gcloud's remove-iam-policy-binding beside
+        each add). ``--condition=None`` on every kind: without it gcloud refuses to choose, in a script, when the
+        policy holds a conditional binding."""
+        found = [word for word in self.command(project, region) if word != "--quiet"]
         found[found.index("add-iam-policy-binding")] = "remove-iam-policy-binding"
-        return [word for word in found if word != "--quiet"]
+        return found if any(word.startswith("--condition") for word in found) else [*found, "--condition=None"]
 
 
 def resource_id(settings: Settings, name: str) -> str:
@@ -158,6 +163,9 @@ def grants(settings: Settings) -> list[Grant]:
     project, bucket = settings.get("PROJECT"), settings.get("BUCKET")
     workers, builder = settings.service_account(), settings.build_service_account()
     found = [Grant(workers, "roles/dataflow.worker", "project", project),
+             # The readers report their subscriptions' backlog bytes to the autoscaler, read from Cloud Monitoring
+             # (pipeline/flow/subscription_backlog.py); Monitoring's roles are granted on projects only.
+             Grant(workers, "roles/monitoring.viewer", "project", project),
              # The template spec the launcher reads, a model or adapters kept in the bucket (Flex Templates'
              # "Required permissions": read the spec; write the staging and temp locations, and nothing else).
              Grant(workers, "roles/storage.objectViewer", "bucket", bucket),
@@ -209,11 +217,14 @@ def commands(settings: Settings, number: str = NUMBER) -> list[list[str]]:
     topics = [input_topic] + [resource_id(settings, name) for name in
                               ("CHUNKS_TOPIC", "COMPLETIONS_TOPIC", "DEAD_LETTER_TOPIC") if settings.get(name)]
     found += [["gcloud", "pubsub", "topics", "create", topic, *where] for topic in dict.fromkeys(topics)]
-    found.append(subscription(resource_id(settings, "INPUT_SUBSCRIPTION"), input_topic, where))
+    # What the job reads keeps a pulled message for the reader's ack deadline before it is extended
+    # (pipeline/flow/subscription_feed.py): Pub/Sub's default is 10 s.
+    read = ("--ack-deadline", str(READ_ACK_DEADLINE_S))
+    found.append(subscription(resource_id(settings, "INPUT_SUBSCRIPTION"), input_topic, where, *read))
     if settings.get("BULK_SUBSCRIPTION"):  # the bulk lane: its topic and the subscription the job reads
         bulk_topic = resource_id(settings, "BULK_TOPIC")
         found += [["gcloud", "pubsub", "topics", "create", bulk_topic, *where],
-                  subscription(resource_id(settings, "BULK_SUBSCRIPTION"), bulk_topic, where)]
+                  subscription(resource_id(settings, "BULK_SUBSCRIPTION"), bulk_topic, where, *read)]
     # The outputs' subscriptions (output_subscription): Pub/Sub keeps nothing on a topic without one. The answers
     # and dead letters are kept for an application and ops.redrive; what make tail reads is for watching live, so
     # it is kept for the shortest retention Pub/Sub allows, and the chunks' one delivers each request's chunks in
@@ -240,7 +251,10 @@ def follow_up(command: list[str]) -> list[str] | None:
     immutable, the bucket to uniform bucket-level access (which its conditional grants need)."""
     where = command[command.index("--project"):command.index("--project") + 2]
     if command[:4] == ["gcloud", "pubsub", "subscriptions", "create"]:
-        return ["gcloud", "pubsub", "subscriptions", "update", command[4], "--expiration-period", "never", *where]
+        deadline = command[command.index("--ack-deadline"):command.index("--ack-deadline") + 2] \
+            if "--ack-deadline" in command else []
+        return ["gcloud", "pubsub", "subscriptions", "update", command[4], "--expiration-period", "never",
+                *deadline, *where]
     if command[:4] == ["gcloud", "artifacts", "repositories", "create"]:
         location = command[command.index("--location"):command.index("--location") + 2]
         return ["gcloud", "artifacts", "repositories", "update", command[4], *location, "--immutable-tags", *where]
@@ -254,14 +268,16 @@ def retired(settings: Settings, number: str = NUMBER) -> list[list[str]]:
     each would outweigh what replaced it; a removal that finds nothing is fine): the job's account's Storage Object
     Admin on the whole bucket; the build account's Logs Writer on the project (its log is now in a bucket); and
     what the project's default accounts were granted for builds before the build had an account of its own, on
-    the repository, the bucket, the project and the bake token."""
+    the repository, the bucket and the bake token (``number`` is the project's number, which names them). Each
+    removal names no condition, so only an unconditional grant is removed."""
     project, bucket = settings.get("PROJECT"), settings.get("BUCKET")
     old = [Grant(settings.service_account(), "roles/storage.objectAdmin", "bucket", bucket),
            Grant(settings.build_service_account(), "roles/logging.logWriter", "project", project)]
     for account in (f"{number}@cloudbuild.gserviceaccount.com", f"{number}-compute@developer.gserviceaccount.com"):
+        # Their Logs Writer on the project is left: the project's other VMs and builds may rely on it, and a grant
+        # setup made cannot be told from one an administrator made (docs/operations.md#roles says how to remove it).
         old += [Grant(account, "roles/artifactregistry.writer", "repository", REPOSITORY),
-                Grant(account, "roles/storage.objectViewer", "bucket", bucket),
-                Grant(account, "roles/logging.logWriter", "project", project)]
+                Grant(account, "roles/storage.objectViewer", "bucket", bucket)]
         if token := settings.secret("BAKE_TOKEN_SECRET"):
             old.append(Grant(account, "roles/secretmanager.secretAccessor", "secret", "/".join(token)))
     if settings.service_account() in {grant.account for grant in old[2:]}:  # SERVICE_ACCOUNT names one of them
@@ -290,16 +306,24 @@ def ordered(command: list[str]) -> bool:
 
 
 def reordered(command: list[str], sleep: Callable[[float], None]) -> int:
-    """Deletes and makes again an unordered subscription a create with ordering found. Only make tail's chunk
-    subscription is made so, and it is for watching live (10 minutes' retention): nothing kept is lost."""
+    """Deletes and makes again, once, an unordered subscription a create with ordering found. Only make tail's chunk
+    subscription is made so, and it is for watching live (10 minutes' retention): nothing kept is lost, but a make
+    tail running now loses its subscription and must be started again."""
     where = command[command.index("--project"):command.index("--project") + 2]
     delete = ["gcloud", "pubsub", "subscriptions", "delete", command[4], *where, "--quiet"]
-    print(f"    made without message ordering, which a subscription cannot gain: made again\n==> "
-          f"{shlex.join(delete)}", flush=True)
-    if status := subprocess.run(delete, check=False).returncode:
-        return status
+    print(f"    made without message ordering, which a subscription cannot gain: made again (start a running make "
+          f"tail again)\n==> {shlex.join(delete)}", flush=True)
+    deleted = subprocess.run(delete, capture_output=True, text=True, check=False)
+    if deleted.returncode and "NOT_FOUND" not in deleted.stderr and "not found" not in deleted.stderr.lower():
+        sys.stderr.write(deleted.stderr)
+        return deleted.returncode
     print(f"==> {shlex.join(command)}", flush=True)
-    return run_command(command, sleep)
+    made = subprocess.run(command, capture_output=True, text=True, check=False)
+    if made.returncode:
+        sys.stderr.write(made.stderr)
+    else:
+        print("    done", flush=True)
+    return made.returncode
 
 
 def role_for(command: list[str]) -> str:
@@ -365,11 +389,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             print("warning: SERVICE_ACCOUNT is the Compute Engine default account, which every VM of the project "
                   "runs as unless told otherwise: what is granted to it here reaches them all. Leave SERVICE_ACCOUNT "
                   "unset for an account of the job's own (docs/operations.md#roles).", file=sys.stderr, flush=True)
-        number = NUMBER
-        for command in commands(settings):
-            if NUMBER in " ".join(command) and not args.dry_run:  # read once needed, after the APIs are on
-                number = number if number != NUMBER else project_number(settings)
-                command = [word.replace(NUMBER, number) for word in command]
+        # gcloud's projects commands bill Resource Manager to gcloud's own project, so this works before the
+        # project's APIs are on; the real number also tells a SERVICE_ACCOUNT that is a default account apart.
+        number = NUMBER if args.dry_run else project_number(settings)
+        for command in commands(settings, number):
             print(f"==> {shlex.join(command)}", flush=True)
             if args.dry_run:
                 continue

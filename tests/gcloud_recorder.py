@@ -196,6 +196,15 @@ class Recorder:
         if re.search(r"/v1/projects/[^/]+/(locations/[^/]+/)?builds/recorded$", path):  # gcloud waits for the build
             return 200, {"id": "recorded", "projectId": "recorded", "status": "SUCCESS", "logsBucket": "gs://recorded-logs"}
         build = re.search(r"/v1/projects/([^/]+)/(?:locations/([^/]+)/)?builds$", path)
+        if build and request.method == "POST":
+            body = request.json()
+            if body.get("serviceAccount") and not body.get("logsBucket") and (body.get("options") or {}).get(
+                    "logging") not in ("CLOUD_LOGGING_ONLY", "NONE"):
+                return 400, {"error": {"code": 400, "status": "INVALID_ARGUMENT", "message": (
+                    "generic::invalid_argument: if 'build.service_account' is specified, the build must either (a) "
+                    "specify 'build.logs_bucket', (b) use the REGIONAL_USER_OWNED_BUCKET "
+                    "build.options.default_logs_bucket_behavior option, or (c) use either CLOUD_LOGGING_ONLY / NONE "
+                    "logging options")}}
         if build:
             return 200, {"name": "operations/build/recorded", "metadata": {
                 "@type": "type.googleapis.com/google.devtools.cloudbuild.v1.BuildOperationMetadata",

@@ -108,8 +108,13 @@ def test_every_subscription_never_expires_and_the_tails_chunks_come_in_order(ste
     updated = {r.path.split("?")[0].rsplit("/", 1)[1]: r.json() for r in second.requests[len(first.requests):]
                if r.method == "PATCH" and "/subscriptions/" in r.path}
     assert set(updated) == set(made)
-    assert all(u["subscription"]["expirationPolicy"] == {} and u["updateMask"] == "expirationPolicy"
+    assert all(u["subscription"]["expirationPolicy"] == {} and "expirationPolicy" in u["updateMask"]
                for u in updated.values())
+    # What the job reads keeps a pulled message for the reader's own ack deadline, on a rerun too.
+    from pipeline.flow.subscription_reader import ACK_DEADLINE_S
+    assert made["prompts-sub"]["ackDeadlineSeconds"] == ACK_DEADLINE_S == setup_project.READ_ACK_DEADLINE_S
+    assert updated["prompts-sub"]["subscription"]["ackDeadlineSeconds"] == ACK_DEADLINE_S
+    assert all("ackDeadlineSeconds" not in body for name, body in made.items() if name != "prompts-sub")
 
 
 def test_the_image_repository_keeps_its_tags_immutable(step_one):
@@ -170,11 +175,30 @@ def test_a_project_an_earlier_setup_made_is_brought_to_what_setup_makes_now(tmp_
         admin = [b for b in recorder.policies["/storage/v1/b/bkt-test"]["bindings"]
                  if b["role"] == "roles/storage.objectAdmin" and f"serviceAccount:{job}" in b["members"]]
         assert len(admin) == 1 and "staging/" in admin[0]["condition"]["expression"], admin
-        members = {m for policy in recorder.policies.values() for b in policy["bindings"] for m in b["members"]}
-        assert not members & {legacy, compute}, "the default accounts keep nothing an earlier setup granted"
-        assert "user:owner@example.com" in members, "what setup never granted is left alone"
+        members = {m for resource, policy in recorder.policies.items() if resource != "/v1/projects/proj-123456"
+                   for b in policy["bindings"] for m in b["members"]}
+        assert not members & {legacy, compute}, "the default accounts keep nothing an earlier setup granted them"
+        project = recorder.policies["/v1/projects/proj-123456"]["bindings"]
+        assert {"user:owner@example.com", legacy, compute} <= {m for b in project for m in b["members"]}, \
+            "a project-wide grant is left: other VMs may rely on it, and setup cannot tell it made it"
         assert recorder.subscriptions[tail].get("enableMessageOrdering") is True
         assert recorder.find("DELETE", "/subscriptions/llm-chunks-tail$")
+    finally:
+        recorder.close()
+
+
+def test_a_default_account_named_as_service_account_keeps_what_setup_grants_it(tmp_path):
+    """SERVICE_ACCOUNT may name the Compute Engine default account (make update's old jobs run as it): the removals
+    of what an older setup gave the default accounts must not take back what this one grants it."""
+    recorder = Recorder(str(tmp_path / "gcloud-config"))
+    compute = f"{recorder.project_number}-compute@developer.gserviceaccount.com"
+    try:
+        recorder.accounts.add(compute)
+        run, = setup_runs(recorder, {**SETTINGS, "SERVICE_ACCOUNT": compute}, 1)
+        assert run.status == 0, run.err
+        bucket = recorder.policies["/storage/v1/b/bkt-test"]["bindings"]
+        assert any(b["role"] == "roles/storage.objectViewer" and f"serviceAccount:{compute}" in b["members"]
+                   and not b.get("condition") for b in bucket), bucket
     finally:
         recorder.close()
 
@@ -206,7 +230,7 @@ def test_step_one_creates_what_the_later_steps_use_and_the_jobs_own_account():
     assert created in text and text.index(created) < text.index("add-iam-policy-binding")
     assert "123456789012-compute@developer.gserviceaccount.com --role roles/dataflow.worker" not in text
     bare = "\n".join(" ".join(c) for c in setup_project.commands(Settings({**SETTINGS, "INPUT_SUBSCRIPTION": "mine"})))
-    assert "subscriptions create mine --topic prompts --expiration-period never --project proj-123456" in bare, \
+    assert "subscriptions create mine --topic prompts --expiration-period never --ack-deadline 120 --project proj-123456" in bare, \
         "a bare ID is in PROJECT"
     assert "pubsub subscriptions add-iam-policy-binding mine " in bare
     with pytest.raises(DeployError, match="is in project my-project, not PROJECT=proj-123456"):
@@ -221,7 +245,7 @@ def test_a_bulk_lane_gets_its_topic_its_subscription_and_only_a_subscribers_role
     text = "\n".join(commands)
     assert "pubsub topics create bulk-prompts --project proj-123456" in text
     assert "pubsub subscriptions create bulk-prompts-sub --topic bulk-prompts --expiration-period never " \
-        "--project proj-123456" in text
+        "--ack-deadline 120 --project proj-123456" in text
     on_bulk = {grant.role for grant in setup_project.grants(Settings(bulk))
                if grant.resource == "bulk-prompts-sub"}
     assert on_bulk == {"roles/pubsub.subscriber", "roles/pubsub.viewer"}
@@ -257,8 +281,8 @@ def test_a_service_account_that_cannot_exist_is_refused_by_name(account):
 
 
 def test_every_grant_lands_on_its_one_resource_as_the_real_gcloud_sends_it(step_one):
-    """Least privilege, checked in what gcloud sent: the job's account holds one role on the project (Dataflow
-    Worker); each other role is on the bucket (writes only under the staging and temp prefixes), the repository,
+    """Least privilege, checked in what gcloud sent: the job's account holds two roles on the project (Dataflow
+    Worker, Monitoring Viewer for its subscriptions' backlog); each other role is on the bucket (writes only under the staging and temp prefixes), the repository,
     the input subscription, each output topic or the one token secret. The build's own account holds the build's
     roles the same way; the project's default accounts hold nothing."""
     first = step_one[0]
@@ -271,7 +295,7 @@ def test_every_grant_lands_on_its_one_resource_as_the_real_gcloud_sends_it(step_
     build = "serviceAccount:streaming-llm-build@proj-123456.iam.gserviceaccount.com"
     objects = 'resource.name.startsWith("projects/_/buckets/bkt-test/objects/'
     assert {(resource, role, condition) for resource, role, member, condition in bindings if member == job} == {
-        (where["project"], "roles/dataflow.worker", None),
+        (where["project"], "roles/dataflow.worker", None), (where["project"], "roles/monitoring.viewer", None),
         (where["bucket"], "roles/storage.objectViewer", None),
         (where["bucket"], "roles/storage.objectAdmin", f'{objects}staging/") || {objects}tmp/")'),
         (where["repository"], "roles/artifactregistry.reader", None),
@@ -340,7 +364,7 @@ def test_make_setup_dry_run_prints_every_command_with_the_settings_of_env_exampl
     # Only PROJECT, REGION and BUCKET are set: every Pub/Sub name is derived from PROJECT, in PROJECT.
     for topic in ("prompts", "llm-chunks", "llm-completions", "llm-dead-letters"):
         assert f"pubsub topics create {topic} --project my-project" in printed
-    assert "pubsub subscriptions create prompts-sub --topic prompts --expiration-period never --project my-project" \
+    assert "pubsub subscriptions create prompts-sub --topic prompts --expiration-period never --ack-deadline 120 --project my-project" \
         in printed
     assert "iam service-accounts create streaming-llm " in printed, "the job's own account, from PROJECT"
     assert "--member serviceAccount:streaming-llm@my-project.iam.gserviceaccount.com --role roles/dataflow.worker" \
