@@ -257,6 +257,10 @@ bench-lanes: model ## Live first chunk alone and beside a backfill on the bulk l
 bench-spike: install ## Simulate a tenfold traffic spike: backlog in Pub/Sub (the job's reader) vs in state, workers added, drain, first chunk
 	$(PY) -m benchmarks.spike $(BENCH_ARGS)
 
+.PHONY: bench-pubsub-faults
+bench-pubsub-faults: install ## The reader's feed through a Pub/Sub that shortens, refuses and delays calls, against a clean one
+	$(PY) -m benchmarks.pubsub_faults $(BENCH_ARGS)
+
 .PHONY: bench-state-cost
 bench-state-cost: model ## Measure the generate step's timer firings and state writes per key (the figures bench-scale uses)
 	$(PY) -m benchmarks.state_cost

@@ -31,8 +31,12 @@ chunk of a request that arrives as the spike ends (FIFO wait + ``--ttft-s``),
 GPU worker-hours, and what holding the backlog in Pub/Sub costs: while the
 workers are full, every reader runs a round that takes nothing every
 ``FULL_DELAY_S`` (a work item that ends at once, no error), holding a harness
-thread for ``--round-s``; the log gets at most one line a minute per SDK
-process. Needs no cloud: ``python -m benchmarks.spike``.
+thread for ``--round-s`` (a lock on what its process's feed pulled); the log gets
+at most one line a minute per SDK process. A second table gives what the read
+path spends per second on a job of ``--cost-workers`` workers, idle and full:
+readers' work items, pull calls (one feed a subscription and SDK process, each
+with one long pull open while there is room: :mod:`pipeline.flow.subscription_feed`),
+and the threads it keeps. Needs no cloud: ``python -m benchmarks.spike``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ import math
 from dataclasses import dataclass
 
 from pipeline.contract.parameters import PARAMETERS
-from pipeline.flow.subscription_reader import FULL_DELAY_S, readers_for
+from pipeline.flow.subscription_feed import FULL_WAIT_S, PULL_DEADLINE_S, PULL_FIRST
+from pipeline.flow.subscription_reader import EMPTY_DELAY_S, FULL_DELAY_S, readers_for
 
 DEFAULTS = {p.name: p.default for p in PARAMETERS}
 CLEAR_BACKLOG_S = 150.0
@@ -123,6 +128,24 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
                    deferred * args.round_s)
 
 
+def read_costs(workers: int, processes: int, hold: int,
+               round_s: float) -> list[tuple[str, float, float, float, float, float]]:
+    """Per second, for a job of ``workers`` workers at its ceiling, ``processes`` SDK processes each and a hold of
+    ``hold`` requests a worker: (state, readers' work items, harness-thread seconds they hold, pull calls, feed
+    threads, calls to the worker's runtime). Idle: as many feeds as the hold has room for ``PULL_FIRST`` places
+    each (an idle feed's pull asks for that many) keep one long pull open, which the real service holds to its deadline when nothing comes (an assumption:
+    Pub/Sub's pull guide says a pull may wait); the other feeds find no room, ask whether the worker is full (it is
+    not) and try again every ``FULL_WAIT_S``; each reader's round finds nothing and comes back after
+    ``EMPTY_DELAY_S``. Full: no pull at all; each feed asks for places and whether the worker is full every
+    ``FULL_WAIT_S``, each reader's round comes back every ``FULL_DELAY_S``."""
+    readers, feeds = readers_for(workers), workers * processes
+    pulling = workers * min(processes, hold // PULL_FIRST)
+    idle_items, full_items = readers / EMPTY_DELAY_S, readers / FULL_DELAY_S
+    idle_calls = pulling * 2 / PULL_DEADLINE_S + (feeds - pulling) * 2 / FULL_WAIT_S  # take + give back; take + ask
+    return [("idle", idle_items, idle_items * round_s, pulling / PULL_DEADLINE_S, feeds, idle_calls),
+            ("full", full_items, full_items * round_s, 0.0, feeds, feeds * 2 / FULL_WAIT_S)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=1, help="workers before the spike")
@@ -143,9 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-start-s", type=float, default=360.0,
                         help="from the decision to a new GPU worker serving: VM, image, weights (assumption)")
     parser.add_argument("--ttft-s", type=float, default=0.3, help="time to first chunk once a request starts")
-    parser.add_argument("--round-s", type=float, default=0.005,
-                        help="how long a reader's round that takes nothing holds a harness thread: one call to the "
-                             "worker's runtime (assumption)")
+    parser.add_argument("--round-s", type=float, default=0.001,
+                        help="how long a reader's round that takes nothing holds a harness thread: a work item that "
+                             "takes a lock (assumption)")
+    parser.add_argument("--cost-workers", type=int, default=10, help="the job the per-second read costs are for")
+    parser.add_argument("--sdk-processes", type=int, default=8,
+                        help="SDK processes a worker runs: Dataflow runs one per vCPU for Python (g2-standard-8: 8)")
     args = parser.parse_args(argv)
     outcomes = [simulate(design, args) for design in ("in state", "in Pub/Sub, seen", "in Pub/Sub, unseen")]
     print(f"Spike: {args.rate:g} -> {args.rate * args.spike_factor:g} requests/s for {args.spike_s / 60:g} min; "
@@ -161,6 +187,14 @@ def main(argv: list[str] | None = None) -> None:
         ttft = "not within the window" if o.ttft_at_peak_s is None else f"{o.ttft_at_peak_s / 60:.1f} min"
         print(f"| {o.design} | {o.peak_visible_backlog:,} | {o.peak_held_in_state:,} | {o.max_workers} | {drained} "
               f"| {ttft} | {o.worker_hours:.2f} | {o.deferred_rounds:,} ({o.round_thread_s:,.0f}) |")
+    print(f"\nThe read path per second, a job of {args.cost_workers} workers at its ceiling "
+          f"({readers_for(args.cost_workers)} readers, {args.sdk_processes} SDK processes a worker, one subscription):")
+    print("| workers | readers' work items/s | harness thread-s/s | pull calls/s | feed threads (not harness) "
+          "| calls to the runtime/s |")
+    print("|---|---|---|---|---|---|")
+    for state, items, held, pulls, threads, asks in read_costs(args.cost_workers, args.sdk_processes,
+                                                               args.max_in_flight + args.worker_queue, args.round_s):
+        print(f"| {state} | {items:.0f} | {held:.3f} | {pulls:.1f} | {threads:.0f} | {asks:.0f} |")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def _read(pipeline: beam.Pipeline, config: PipelineConfig, runtime: SharedRuntim
     if config.bulk_subscription:
         lanes.append(("ReadBulkPrompts", config.bulk_subscription, True))
     workers = pipeline.options.view_as(WorkerOptions)
-    readers = readers_for(workers.max_num_workers or workers.num_workers or 1)
+    readers = readers_for(workers.max_num_workers)
     reads = []
     for name, subscription, bulk in lanes:
         if local:

@@ -219,3 +219,19 @@ def test_every_schedule_counts_each_request_at_most_once_and_only_while_it_may_b
         _, on_the_way = hold.counts(now)
         assert on_the_way == len(hold._ids) <= 8, "one place per distinct id"
         assert not arrived & set(hold._ids), "an arrived request never counts as on its way"
+
+
+def test_a_place_and_the_request_admitted_in_it_lapse_when_their_bundle_never_ends():
+    """A read's place whose reader lost it (a late call, a failed bundle), and a request admitted in a place whose
+    bundle failed, stop counting after place_open_s, not the request's own timeout; a request admitted without a
+    place keeps that; renewing a place keeps it, but does not take back one already taken over."""
+    hold = WorkerHold(transit_s=2.0, unclaimed_s=600.0, report_lapse_s=6.0, place_prefix="place:", place_open_s=10.0)
+    assert hold.admit(0.0, ["place:a", "place:b", "place:c"], room=3) == ["place:a", "place:b", "place:c"]
+    hold.release(["place:a"])
+    assert hold.admit(0.0, ["req-1"], room=1, in_places=True) == ["req-1"]  # in place:a's stead
+    assert hold.admit(0.0, ["req-2"], room=1) == ["req-2"]  # no place
+    assert hold.renew(8.0, ["place:b", "place:a"]) == 1, "place:a was taken over: not taken in again"
+    assert hold.counts(9.9) == (0, 4)
+    assert hold.counts(10.1) == (0, 2), "place:c and req-1 lapsed; place:b was renewed; req-2 counts on"
+    assert hold.counts(18.1) == (0, 1), "place:b lapsed too"
+    assert hold.counts(599.0) == (0, 1) and hold.counts(600.1) == (0, 0)

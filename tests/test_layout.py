@@ -192,7 +192,9 @@ def test_every_reference_to_a_worker_module_names_one_that_exists():
 
 
 # Beam calls these on a DoFn or PTransform: a public method of that name is the runner's, not a seam.
-BEAM_CALLBACKS = {"setup", "start_bundle", "process", "finish_bundle", "teardown", "expand"}
+BEAM_CALLBACKS = {"setup", "start_bundle", "process", "finish_bundle", "teardown", "expand",
+                  # a RestrictionProvider's and a RestrictionTracker's, which Beam calls
+                  "initial_restriction", "create_tracker", "restriction_size", "truncate", "split", "try_split"}
 
 
 def exposed(path: Path) -> set[str]:

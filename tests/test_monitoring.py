@@ -101,7 +101,7 @@ def test_the_counter_scan_sees_literal_f_string_and_helper_names():
 
 def test_every_file_is_a_dashboard_or_alert_policy_to_google_s_own_types():
     files = filled()
-    assert len(files) == 1 + 4
+    assert len(files) == 1 + 5
     for path, document in files.items():
         text = json.dumps(document)
         assert "${" not in text.replace("${metric.labels.", ""), f"{path.name}: a placeholder left unfilled"

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from local.runner_semantics import Driver, InProcessRuntime, KeyState, Worker, entry_v1, generate_fn, in_process
+from pipeline.contract.call_outcome import Call
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
@@ -32,7 +33,6 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.flow.admission import AdmitFn
-from pipeline.flow.subscription_reader import take_places
 from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from pipeline.worker import read_places
@@ -637,8 +637,8 @@ def test_reads_while_the_runtime_is_rebuilt_neither_wait_nor_fail_and_pull_nothi
         admit.finish_bundle()
         assert time.monotonic() - started < settings_.calls.bound_s
         assert passed == [r.id for r in sent[:3]]
-        assert take_places(RuntimeClient(source, "test"), 2) == [], \
-            "no runtime to ask: a read takes no place, so it pulls nothing"
+        outcome, _ = RuntimeClient(source, "test").call("take places", lambda rt: read_places.reserve(rt, 2))
+        assert outcome is not Call.ANSWERED, "no runtime to ask: a read's feed takes no place, so it pulls nothing"
         assert wait_until(lambda: source.builds == 1, 60), "rebuilt in the background, after two failures"
         assert source.attempts == 3
         places = read_places.reserve(source.runtime, 2)

@@ -25,6 +25,7 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
+from pipeline.flow import subscription_feed
 from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.subscription_reader import ReadWithinRoom
 from pipeline.intake.parsing import ParseRequests
@@ -66,11 +67,13 @@ class Gone:
 
 @pytest.fixture()
 def worker(vllm_server):
-    """A worker runtime of bound 5 (2 in flight, 3 waiting) whose admissions stay counted for the whole test."""
+    """A worker runtime of bound 5 (2 in flight, 3 waiting) whose admissions, once their bundle ended, stay counted
+    for the whole test; a bundle that never ends frees its room after Pub/Sub's least ack deadline."""
     settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
                               max_in_flight=2, chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
     tag = f"reader-test-{time.monotonic_ns()}"
-    _RUNTIMES[tag] = WorkerRuntime(vllm_engine(settings), AdmissionSettings(worker_queue=3, transit_s=600.0))
+    _RUNTIMES[tag] = WorkerRuntime(vllm_engine(settings), AdmissionSettings(worker_queue=3, transit_s=600.0,
+                                                                                 place_open_s=ACK_DEADLINE_S))
     yield Registered(tag)
     _RUNTIMES.pop(tag).close()
 
@@ -87,6 +90,13 @@ def backlog(emulator):
     return emulator.subscription(f"{name}-sub")
 
 
+@pytest.fixture(autouse=True)
+def feeds_hold_through_a_runner_start(monkeypatch):
+    """The portable runner takes seconds to start a pipeline, where Dataflow's rounds come every second: the feed
+    keeps what it pulled for the first rounds instead of handing it back to Pub/Sub."""
+    monkeypatch.setattr(subscription_feed, "HELD_MOST_S", 120.0)
+
+
 def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int = 6, fail: bool = False) -> None:
     """Reads ``rounds`` rounds of ``readers`` readers into parse and admission, as the job's first stage does,
     writing each admitted request's id to ``out``; ``fail``: a step after admission raises, failing the bundle."""
@@ -97,11 +107,24 @@ def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int 
         with open(path, "a") as ids:
             ids.write(request.id + "\n")
 
-    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
-        messages = pipeline | ReadWithinRoom(subscription, source, readers=readers, rounds=rounds,
-                                             ack_deadline_s=ACK_DEADLINE_S)
-        parsed = messages | ParseRequests(RequestLimits(default_max_tokens=16), "id")
-        _ = parsed.requests | AdmitRequests(source) | beam.Map(record)
+    feed = warmed_feed(subscription, source)
+    try:
+        with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+            messages = pipeline | ReadWithinRoom(subscription, source, readers=readers, rounds=rounds,
+                                                 ack_deadline_s=ACK_DEADLINE_S)
+            parsed = messages | ParseRequests(RequestLimits(default_max_tokens=16), "id")
+            _ = parsed.requests | AdmitRequests(source) | beam.Map(record)
+    finally:
+        feed.stop()
+
+
+def warmed_feed(subscription: str, source, settle_s: float = 1.0) -> subscription_feed.SubscriptionFeed:
+    """The process's feed of ``subscription``, started before the readers' rounds and given ``settle_s`` to pull
+    what the worker has room for: the portable runner resumes a deferred round at once, where Dataflow resumes it
+    after its delay, by which time the feed has pulled."""
+    feed = subscription_feed.feed_for(subscription, source, False, ACK_DEADLINE_S)
+    time.sleep(settle_s)
+    return feed
 
 
 def ids_in(out: Path) -> list[str]:
@@ -131,10 +154,13 @@ def test_a_backlog_ten_times_the_bound_is_read_no_faster_than_the_worker_has_roo
 
 def test_a_bundle_that_fails_leaves_its_messages_in_the_subscription(worker, backlog, tmp_path):
     """A step after admission raises: the runner fails the bundle, so its finalizer never runs and what it read
-    is delivered again once its ack deadline passes."""
+    is delivered again once its ack deadline passes; the places it took and the requests admitted in them stop
+    counting within place_open_s, so the worker's room is whole again."""
     with pytest.raises(Exception, match="the bundle fails after admission"):
         read(backlog, worker, tmp_path / "ids", readers=1, rounds=1, fail=True)
+    assert sum(worker.acquire().admission.counts()) > 0, "the failed bundle's requests held the worker's room"
     time.sleep(ACK_DEADLINE_S + 1)
+    assert worker.acquire().admission.counts() == (0, 0, 0)
     assert len(PubSubEmulator.take(backlog)) == 50
 
 
@@ -147,8 +173,12 @@ def test_a_reader_whose_runtime_cannot_be_asked_pulls_nothing(worker, backlog, t
         with open(path, "a") as messages:
             messages.write(message.message_id + "\n")
 
-    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
-        _ = (pipeline | ReadWithinRoom(backlog, Gone(worker.tag, worker.settings), readers=3, rounds=6)
-             | beam.Map(record))
+    gone = Gone(worker.tag, worker.settings)
+    feed = warmed_feed(backlog, gone)
+    try:
+        with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+            _ = pipeline | ReadWithinRoom(backlog, gone, readers=3, rounds=6) | beam.Map(record)
+    finally:
+        feed.stop()
     assert ids_in(out) == []
     assert len(PubSubEmulator.take(backlog)) == 50

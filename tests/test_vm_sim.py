@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.flow.subscription_reader import FULL_DELAY_S
 from pipeline.worker.runtime_settings import AdmissionSettings
+from tests.pubsub_fault_proxy import Faults as PubSubFaults
 from tests.vm_sim import POLICIES, SHUFFLES, STEP_S, Outcome, Violation, check, run
 
 SEEDS = range(int(os.environ.get("VM_SIM_SEEDS", "6")))
@@ -107,3 +108,26 @@ def test_it_bites_when_the_ledger_is_not_told_the_keys() -> None:
     outcome = run(7, "timers", transit_s=0.3, admission_transit_s=1.0, remote_share=0.5, keys_told=False)
     check(outcome)
     assert outcome.makespan_s > reading_on_s(outcome), outcome.makespan_s
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_pubsub_that_shortens_pulls_refuses_calls_and_fails_acknowledgements_keeps_the_bound(policy: str) -> None:
+    """The simulated Pub/Sub draws what the fault proxy does (tests/pubsub_fault_proxy.py): a third of the pulls
+    short, a fifth of the calls refused with a retryable code, a tenth of the acknowledgements and deadline
+    changes failed (those messages come back after their ack deadline). The feed retries; every request ends
+    exactly once (a redelivered one is served once by its id) and the worker keeps its bound."""
+    for seed in SEEDS:
+        outcome = run(seed, policy, pubsub_faults=PubSubFaults(short=0.3, error=0.2, ack_error=0.1))
+        check(outcome)
+
+
+def test_reader_bundles_that_fail_after_admission_lose_nothing_and_free_their_room() -> None:
+    """A tenth of the reader's bundles fail after their requests were admitted in their places: nothing is
+    acknowledged or dispatched, Pub/Sub delivers the messages again after their deadline, and the places and
+    requests of the failed bundles stop counting within place_open_s. Every request still ends exactly once."""
+    failed = 0
+    for seed in SEEDS:
+        outcome = run(seed, "timers", failed_bundles=0.1, limit_s=3000.0)
+        check(outcome)
+        failed += outcome.failed_bundles
+    assert failed > 0, "bundles did fail"

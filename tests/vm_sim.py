@@ -8,15 +8,18 @@ subscription without starving the work items that free room. This plays a backlo
 bound and measures, per policy: rounds that found no room (each defers; none fails), the most the worker held
 against its bound, how late poll timers ran, and the model's idle slots while requests waited in keyed state.
 
-What runs for real: the worker's admission ledger (:class:`~pipeline.worker.admission_ledger.AdmissionLedger`
-on the simulated clock), the places a read takes (:mod:`pipeline.worker.read_places`), and the generate step's
-key machine with its state codec and the engine side of the poll contract (the world of :mod:`tests.worker_sim`,
-which runs :func:`~pipeline.generation.key_machine.converse`). What is simulated: the threads and the clock, the
-model server (tokens at a rate, at most ``max_in_flight`` streams), the shuffle between admission and the keys
-(``transit_s``), the runner's resumption of a deferred reader (``FULL_DELAY_S`` or ``EMPTY_DELAY_S`` later),
-and the round itself, which follows :class:`~pipeline.flow.subscription_reader.PullWithinRoomFn` and
-:class:`~pipeline.flow.admission.AdmitFn` in one fused work item: take places, pull at most that many, give
-back the rest, admit each request in its place and with its key, end the bundle.
+What runs for real: the worker's admission ledger (:class:`~pipeline.worker.admission_ledger.AdmissionLedger` on the
+simulated clock), the places a read takes (:mod:`pipeline.worker.read_places`), the reader's feed
+(:class:`~pipeline.flow.subscription_feed.SubscriptionFeed`, its turns run on the simulated clock instead of its
+thread) and its rounds (:func:`~pipeline.flow.subscription_reader.take_round`, what the DoFn runs), and the generate
+step's key machine with its state codec and the engine side of the poll contract (the world of
+:mod:`tests.worker_sim`, which runs :func:`~pipeline.generation.key_machine.converse`). What is simulated: the
+threads and the clock, the model server (tokens at a rate, at most ``max_in_flight`` streams), the shuffle between
+admission and the keys (``transit_s``), the runner's resumption of a deferred reader (``FULL_DELAY_S`` or
+``EMPTY_DELAY_S`` later), Pub/Sub (:class:`SimPubSub`: pulls of drawn sizes, redelivery after the ack deadline, and
+the fault proxy's faults, ``Setup.pubsub_faults``), and, fused with the round in one work item,
+:class:`~pipeline.flow.admission.AdmitFn`: admit each request in its place and with its key, end the bundle,
+acknowledge.
 
 Reads: ``reader`` (the job's) and, to show what it saves, ``native`` (a read that pulls whatever the
 subscription gives, as Dataflow's own source does, with each request admitted where there is room). Policies,
@@ -36,16 +39,20 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pipeline.contract.call_outcome import Call
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.flow.subscription_reader import EMPTY_DELAY_S, FULL_DELAY_S, PULL_MOST
+from pipeline.flow.subscription_backlog import SubscriptionBacklog
+from pipeline.flow.subscription_feed import SubscriptionFeed
+from pipeline.flow.subscription_reader import ACK_DEADLINE_S, EMPTY_DELAY_S, PULL_MOST, take_round
 from pipeline.generation.key_events import Arrived, PollDue, Rules
 from pipeline.generation.key_events import Report as WaitingReport
 from pipeline.serving.vllm_server import ServerSpec
 from pipeline.worker import read_places
 from pipeline.worker.admission_ledger import AdmissionLedger
 from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
+from tests.pubsub_fault_proxy import Faults as PubSubFaults
 from tests.worker_sim import Faults, Schedule, SimEngine, World
 
 POLICIES = ("timers", "fair", "reads")
@@ -82,6 +89,10 @@ class Setup:
     # Whether the admission step tells the ledger each request's key (AdmitFn does); False plays a ledger that
     # cannot learn which keys other workers host.
     keys_told: bool = True
+    # What the simulated Pub/Sub does wrong, drawn as the fault proxy draws it (tests/pubsub_fault_proxy.py).
+    pubsub_faults: PubSubFaults = field(default_factory=PubSubFaults)
+    # The share of the reader's bundles that fail after admission (nothing acknowledged, nothing dispatched).
+    failed_bundles: float = 0.0
 
     @classmethod
     def draw(cls, seed: int, policy: str, design: str = "reader") -> Setup:
@@ -100,7 +111,7 @@ class Outcome:
     ended: dict[str, int]
     makespan_s: float = 0.0
     rounds: int = 0  # readers' rounds run
-    deferred: int = 0  # rounds that found no room (or no runtime) and pulled nothing
+    deferred: int = 0  # the feed's asks that found the worker full (or no runtime) and pulled nothing
     uncounted: int = 0  # requests admitted without a place that still counted (their runtime was rebuilt)
     peak_hold: int = 0  # requests taken from the backlog and not yet ended, at the worst moment
     bound: int = 0
@@ -109,6 +120,7 @@ class Outcome:
     starved_slot_s: float = 0.0  # model slots free while nothing waited in keyed state but the backlog did
     timer_late_s: list[float] = field(default_factory=list)
     host_deaths: int = 0
+    failed_bundles: int = 0  # the reader's bundles that failed after admission
     remote_ended: int = 0  # requests generated by the workers that host the remote keys
     arrival_late_s: list[float] = field(default_factory=list)  # from reaching a key's queue to its work item
 
@@ -117,6 +129,92 @@ class Outcome:
         """What the contract allows over the bound: the finished streams whose completions are not yet collected
         (they leave the engine's count before their key's)."""
         return self.setup.max_in_flight
+
+
+@dataclass(frozen=True)
+class _Message:
+    data: bytes
+
+
+@dataclass(frozen=True)
+class _Received:
+    ack_id: str
+    message: _Message
+
+
+@dataclass(frozen=True)
+class _PullResponse:
+    received_messages: list[_Received]
+
+
+class SimPubSub:
+    """The subscription, as the feed's client sees it, on the simulated clock: a unary pull answers with at most
+    ``max_messages`` (at most a pull size of the setup, fewer or an error as ``faults`` draw), what is pulled is
+    delivered again once its ack deadline passes unacknowledged, and an ack deadline of 0 gives it back at once."""
+
+    def __init__(self, vm: "_Vm", faults: PubSubFaults) -> None:
+        self._vm = vm
+        self._faults = faults
+        self.outstanding: dict[str, tuple[InferenceRequest, float]] = {}  # ack id -> (request, deadline)
+        self._ack_ids = 0
+
+    def _expire(self) -> None:
+        now = self._vm.world.now
+        for ack_id, (request, deadline) in list(self.outstanding.items()):
+            if deadline <= now:  # back in the subscription: no longer the worker's
+                del self.outstanding[ack_id]
+                self._vm.backlog.appendleft(request)
+                self._vm.taken.discard(request.id)
+                self._vm.requests_by_ack.pop(ack_id, None)
+
+    def _fault(self) -> None:
+        from google.api_core import exceptions
+
+        if self._vm.rng.random() < self._faults.error:
+            raise exceptions.from_grpc_status(self._vm.rng.choice(self._faults.codes), "simulated")
+
+    def pull(self, subscription: str, max_messages: int, timeout: float, retry: Any) -> _PullResponse:
+        self._expire()
+        self._fault()
+        vm = self._vm
+        size = vm.s.pull_sizes[vm._pulls % len(vm.s.pull_sizes)]
+        vm._pulls += 1
+        if vm.rng.random() < self._faults.short:
+            size = int(size * vm.rng.random())
+        received = []
+        for _ in range(min(max_messages, size, len(vm.backlog))):
+            request = vm.backlog.popleft()
+            self._ack_ids += 1
+            ack_id = f"a{self._ack_ids}"
+            self.outstanding[ack_id] = (request, vm.world.now + 10.0)  # the subscription's own deadline
+            vm.taken.add(request.id)
+            vm.requests_by_ack[ack_id] = request
+            received.append(_Received(ack_id, _Message(request.id.encode())))
+        return _PullResponse(received)
+
+    def modify_ack_deadline(self, subscription: str, ack_ids: list[str], ack_deadline_seconds: int,
+                            timeout: float, retry: Any = None) -> None:
+        if self._vm.rng.random() < self._faults.ack_error:
+            self._fault_raise()
+        for ack_id in ack_ids:
+            if ack_id in self.outstanding:
+                request, _ = self.outstanding[ack_id]
+                self.outstanding[ack_id] = (request, self._vm.world.now + ack_deadline_seconds)
+        self._expire()
+
+    def acknowledge(self, subscription: str, ack_ids: list[str], timeout: float, retry: Any = None) -> None:
+        if self._vm.rng.random() < self._faults.ack_error:
+            self._fault_raise()
+        for ack_id in ack_ids:
+            self.outstanding.pop(ack_id, None)
+
+    def get_subscription(self, subscription: str, timeout: float, retry: Any = None) -> None:
+        return None
+
+    def _fault_raise(self) -> None:
+        from google.api_core import exceptions
+
+        raise exceptions.ServiceUnavailable("simulated")
 
 
 class _Vm:
@@ -152,6 +250,15 @@ class _Vm:
         self.taken: set[str] = set()
         self.out = Outcome(setup, ended={}, bound=bound)
         self._pulls = 0
+        self.requests_by_ack: dict[str, InferenceRequest] = {}
+        self.pubsub = SimPubSub(self, setup.pubsub_faults)
+        # The job's feed of the subscription (pipeline/flow/subscription_feed.py), run on the simulated clock by
+        # its own thread's turns (feed_due), its runtime calls answered by the ledger, or unreachable while the
+        # host is down.
+        self.feed = SubscriptionFeed("projects/sim/subscriptions/s", None, False, ACK_DEADLINE_S, lambda: self.pubsub,
+                                     clock=lambda: self.world.now, runtime_call=self._runtime_call,
+                                     backlog=SubscriptionBacklog("", clock=lambda: self.world.now), start=False)
+        self.feed_due = 0.0
 
     def _key_of(self, request: InferenceRequest) -> int:
         return zlib.crc32(request.id.encode()) % self.s.keys
@@ -199,39 +306,70 @@ class _Vm:
         due = [n for n, at in enumerate(self.readers_due) if at <= self.world.now and n not in busy]
         return due[0] if due else None
 
+    def _runtime_call(self, what: str, call: Any) -> tuple[Call, Any]:
+        if self.down_until is not None:
+            return Call.UNREACHABLE, None
+        return Call.ANSWERED, call(self.ledger)
+
     def _run_round(self, thread: int, reader: int) -> None:
         now = self.world.now
         self.out.rounds += 1
         self.out.read_thread_s += STEP_S
         self.threads[thread] = ("read", reader, now + STEP_S)
         if self.s.design == "native":  # no places: the pull takes what the subscription gives
-            places = [f"unasked-{self._pulls}-{n}" for n in range(PULL_MOST)]
-        else:
-            places = [] if self.down_until is not None else read_places.reserve(self.ledger, PULL_MOST)
-        if not places:  # a full worker, or no runtime to ask: pull nothing, defer
-            self.out.deferred += 1
-            self.readers_due[reader] = now + FULL_DELAY_S
+            self._native_round(reader)
             return
+        taken = take_round(self.feed, self.tag)  # the reader's own round (PullWithinRoomFn runs the same)
+        if not taken.messages:
+            self.readers_due[reader] = now + taken.again_s
+            return
+        pulled = [self.requests_by_ack.pop(ack_id) for ack_id in taken.ack_ids]
+        places = taken.places
+        if self.rng.random() < self.s.failed_bundles:  # admitted, then the fused stage fails: the runner retries
+            # nothing here; the messages come back after their deadline, the places and ids lapse (place_open_s)
+            for request in pulled:
+                self.ledger.admit([request.id], in_place_of=read_places.take(self.tag, 1))
+            read_places.discard(self.tag, places)
+            self.taken.difference_update(request.id for request in pulled)  # leased to a bundle that is gone
+            self.out.failed_bundles += 1
+            self.readers_due[reader] = now
+            return
+        self._admit(pulled, places)
+        self.feed.acknowledge(taken.ack_ids)  # the bundle committed: its finalizer acknowledges
+        self.readers_due[reader] = now
+
+    def _native_round(self, reader: int) -> None:
+        """A read that pulls whatever the subscription gives, as Dataflow's own source does: no feed, no places."""
+        now = self.world.now
+        places = [f"unasked-{self._pulls}-{n}" for n in range(PULL_MOST)]
         size = self.s.pull_sizes[self._pulls % len(self.s.pull_sizes)]
         self._pulls += 1
         pulled = [self.backlog.popleft() for _ in range(min(len(places), size, len(self.backlog)))]
+        self.taken.update(request.id for request in pulled)
         read_places.settle(self.ledger, self.tag, places, len(pulled))
+        self._admit(pulled, places)
+        self.readers_due[reader] = now if pulled else now + EMPTY_DELAY_S
+
+    def _admit(self, pulled: list[InferenceRequest], places: list[str]) -> None:
+        """AdmitFn, in the round's bundle: each request in place of a place, then the bundle ends."""
+        now = self.world.now
         admitted = []
-        for request in pulled:  # AdmitFn, in the same bundle
-            if self.ledger.admit([request.id], in_place_of=read_places.take(self.tag, 1),
-                                 keys={request.id: repr(self._key_of(request))} if self.s.keys_told else None):
+        for request in pulled:
+            if self.down_until is None and self.ledger.admit(
+                    [request.id], in_place_of=read_places.take(self.tag, 1),
+                    keys={request.id: repr(self._key_of(request))} if self.s.keys_told else None):
                 admitted.append(request.id)
             else:
                 self.out.uncounted += 1
-            self.taken.add(request.id)
-        self.ledger.dispatched(admitted + places[:len(pulled)])  # the bundle ends
+        read_places.discard(self.tag, places)
+        if self.down_until is None:
+            self.ledger.dispatched(admitted + places[:len(pulled)])  # the bundle ends
         by_key: dict[int, list[InferenceRequest]] = {}
         for request in pulled:
             by_key.setdefault(self._key_of(request), []).append(request)
         for key, requests in by_key.items():
             spread = self.rng.uniform(-self.s.transit_spread, self.s.transit_spread) if self.s.transit_spread else 0.0
             self.transit.append((now + self.s.transit_s * (1 + spread), key, tuple(requests)))
-        self.readers_due[reader] = now if pulled else now + EMPTY_DELAY_S
 
     # The runner ---------------------------------------------------------------------------------------------
 
@@ -271,6 +409,9 @@ class _Vm:
     def step(self) -> None:
         now = self.world.now
         self._host(now)
+        if self.s.design == "reader" and now >= self.feed_due:  # the feed's thread: never a harness thread
+            self.feed_due = now + max(self.feed.step(), STEP_S)
+            self.out.deferred += self.feed.counts().get("read_deferred", 0)
         for item in [t for t in self.transit if t[0] <= now]:
             self.transit.remove(item)
             if self._remote(item[1]):  # another worker generates them; this one never hears of them again
@@ -294,7 +435,7 @@ class _Vm:
         self.world.tick(now + STEP_S)
 
     def done(self) -> bool:
-        return len(self.world.report.ended) == self.s.requests and not self.backlog
+        return len(self.world.report.ended) == self.s.requests and not self.backlog and not self.pubsub.outstanding
 
 
 def _transit(setup: Setup) -> dict[str, float]:

@@ -4,54 +4,56 @@ Design (b) of docs/architecture.md ("Backpressure"). Dataflow's own Pub/Sub sour
 subscription holds and acknowledges it once the first fused stage commits; holding a backlog back then takes a
 step that waits (a harness thread per read bundle) or fails its work item. This reader asks first: it is a
 splittable DoFn (`Beam programming guide: splittable DoFns
-<https://beam.apache.org/documentation/programming-guide/#splittable-dofns>`_) run as ``READERS``
-independent restrictions that Dataflow spreads over the job's workers like keys, each pulling for the worker it
-runs on. Every round of a reader
+<https://beam.apache.org/documentation/programming-guide/#splittable-dofns>`_) run as independent restrictions
+(:func:`readers_for`) that Dataflow spreads over the job's workers like keys. The pulling itself is done by one
+feed per SDK process and subscription (:mod:`pipeline.flow.subscription_feed`): a thread of its own that takes
+places in the worker's hold first and long-pulls no more messages than it got places for. Every round of a reader
 
-1. takes places in the worker's hold for at most ``PULL_MOST`` messages (:mod:`pipeline.worker.read_places`:
-   the admission ledger grants no more than its room), and when it gets none, **defers the rest of its
-   restriction** (``tracker.defer_remainder``): its work item ends, the runner resumes it ``FULL_DELAY_S``
-   later, and no thread waits and nothing fails meanwhile ("self-checkpointing" in the guide). A worker's
-   readers share its room, so while a few pull the others find none and defer at once;
-2. pulls at most that many messages, waiting at most ``PULL_WAIT_S`` (the rest stays in the subscription,
-   durable and counted as its backlog), gives back the places the pull did not fill, and extends the pulled
-   messages' ack deadline to ``ACK_DEADLINE_S``;
+1. takes up to ``PULL_MOST`` of what its process's feed has pulled, under a lock: it never waits on Pub/Sub or on
+   the worker's runtime. When there is nothing, it **defers the rest of its restriction**
+   (``tracker.defer_remainder``): its work item ends, the runner resumes it ``EMPTY_DELAY_S`` later if the
+   subscription had nothing, ``FULL_DELAY_S`` later otherwise (the worker is full, or a pull is under way), and no
+   thread waits and nothing fails meanwhile ("self-checkpointing" in the guide);
+2. queues the messages' places for the admission step, which takes each over for its request
+   (:mod:`pipeline.worker.read_places`);
 3. outputs them as the native source does (``PubsubMessage`` with attributes, id and publish time, timestamped
    by their publish time), and registers a **bundle finalizer** that acknowledges them: the runner calls it only
    once the bundle's output is committed ("Bundle finalization" in the guide), so a bundle that fails leaves its
-   messages unacknowledged, and Pub/Sub delivers them again once their deadline passes;
-4. ends its work item (``defer_remainder``), so its output commits and is acknowledged, and resumes at once
-   after a pull that got messages, ``EMPTY_DELAY_S`` later after an empty one.
+   messages unacknowledged, and Pub/Sub delivers them again once their deadline passes; the places of its
+   messages lapse within ``AdmissionSettings.place_open_s``;
+4. ends its work item (``defer_remainder``), so its output commits and is acknowledged, and resumes at once.
 
 What the native source did that this one does for itself, or gives up:
 
 * **Deduplication by message id** goes; a message delivered again (a bundle that failed, a finalizer that did
-  not run before the deadline) is a request the generate step has seen, and its dedupe by request id
-  (``dedupe_window_s``) serves it once.
-* **Its watermark**: this reader's follows the oldest publish time of what it pulled, and the clock while the
-  subscription is empty (Beam's ``ManualWatermarkEstimator``); while the worker is full it does not advance, so
-  the job's data freshness shows the backlog waiting.
-* **Its backlog**, which Dataflow's autoscaler reads for the native source: what this reader has not pulled is
-  the subscription's backlog, which the reader cannot see without pulling it. Its restriction's size
-  (``restriction_size``, which Beam's own unbounded ``PeriodicSequence`` reports as backlog bytes "as some
-  runners scale based upon bytes") is the bytes of its last pull when that pull filled every place it had, so a
-  full worker whose subscription keeps more reports work waiting; how Dataflow's autoscaler weighs a Python
-  splittable DoFn's size is not documented (docs/operations.md says what a first job should check).
-* **Drain**: ``truncate`` returns nothing, so a drained job stops pulling and lets what it pulled finish.
+  not run before the deadline: counted, ``finalize_late``) is a request the generate step has seen, and its dedupe
+  by request id (``dedupe_window_s``) serves it once.
+* **Its watermark**: this reader's follows the oldest publish time of what it took, and the clock while the
+  subscription is empty (Beam's ``ManualWatermarkEstimator``); while the worker is full, a pull is under way or
+  Pub/Sub refuses, it does not advance, so the job's data freshness shows the backlog waiting.
+* **Its backlog**, which Dataflow's autoscaler reads for the native source: a reader's restriction reports its
+  share of the subscription's backlog bytes as Cloud Monitoring has them (:mod:`pipeline.flow.subscription_backlog`;
+  the size Beam's own unbounded ``PeriodicSequence`` reports as backlog bytes "as some runners scale based upon
+  bytes", and the estimate Dataflow's Horizontal Autoscaling page asks a custom source for:
+  https://cloud.google.com/dataflow/docs/horizontal-autoscaling), read by the feed's thread, never here.
+* **Splits**: Dataflow does not split an unbounded splittable DoFn's restriction today; a split other than a
+  checkpoint would make two readers of one subscription out of one, so the tracker refuses it
+  (:class:`CheckpointsOnly`).
+* **Drain**: ``truncate`` returns nothing, so a drained job stops taking and lets what it took finish; what its
+  feeds hold is given back to Pub/Sub once no round asks (``subscription_feed.IDLE_S``).
 
-A job with a ``bulk_subscription`` runs a second set of readers for it, which take places only while the worker
-holds fewer than ``bulk_held`` (``live_reserve`` keeps the rest for live reads) and mark what they pull as the
-bulk lane's (``LANE_ATTRIBUTE``).
-
-A message stays unacknowledged at most until its bundle commits: ``ACK_DEADLINE_S`` is far above a bundle's
-life (one pull and a few steps), and a redelivery after it costs a duplicate, which the dedupe drops.
+A job with a ``bulk_subscription`` runs a second set of readers for it, whose feeds take places only while the
+worker holds fewer than ``bulk_held`` (``live_reserve`` keeps the rest for live reads) and mark what they pull as
+the bulk lane's (``LANE_ATTRIBUTE``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import apache_beam as beam
@@ -63,8 +65,8 @@ from apache_beam.transforms.core import RestrictionProvider
 from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
-from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import LANE_ATTRIBUTE, LANE_BULK
+from pipeline.flow import subscription_feed
 from pipeline.worker import read_places
 from pipeline.worker.load import LOAD_NAMESPACE
 from pipeline.worker.runtime import RuntimeSource, process_record
@@ -72,44 +74,64 @@ from pipeline.worker.runtime_client import RuntimeClient
 
 LOGGER = logging.getLogger(__name__)
 
-# The fewest readers a job runs: independent restrictions, which Dataflow spreads over its workers like keys
-# (a job runs four for each worker it may have, readers_for). Each pulls for the worker it runs on; a worker's
-# readers share its room, so one that finds the room taken by the others' places pulls nothing.
+# The fewest readers a job runs (readers_for): independent restrictions, which Dataflow spreads over its workers
+# like keys. A round costs a lock and a work item, not a pull: a worker needs one reader to be read, and more only
+# to be read by several threads at once.
 READERS = 16
-# The most messages one round pulls: small enough that several of a worker's readers pull at once, so one of them
-# is waiting at the subscription when a message comes.
-PULL_MOST = 32
-# How long a round's pull waits for messages when the subscription is empty.
-PULL_WAIT_S = 0.5
-# When a reader that found no room asks again: its work item ends, and the runner resumes it this much later.
-# While it waits, the worker's queue (worker_queue) keeps its model busy.
+# How many workers a job may grow to when its launch names none: Dataflow's default max_num_workers for a
+# streaming job on Streaming Engine (https://cloud.google.com/dataflow/docs/reference/pipeline-options).
+DEFAULT_MAX_WORKERS = 100
+# The most messages one round takes.
+PULL_MOST = subscription_feed.PULL_MOST
+# When a reader that found its worker full asks again: its work item ends, and the runner resumes it this much
+# later. While it waits, the worker's queue (worker_queue) keeps its model busy.
 FULL_DELAY_S = 0.2
-# When a reader whose pull found nothing pulls again.
+# When a reader that found nothing pulled asks again.
 EMPTY_DELAY_S = 1.0
 # How long a pulled message may wait for its bundle to commit before Pub/Sub delivers it again.
 ACK_DEADLINE_S = 120
 # How often a reader that finds its worker full says so.
 FULL_LOG_INTERVAL_S = 60.0
 
+class CheckpointsOnly(OffsetRestrictionTracker):
+    """A reader's tracker: it splits only to checkpoint (``defer_remainder``), never a part of its rounds off to a
+    second reader of the same subscription (module docstring)."""
+
+    def try_split(self, fraction_of_remainder: float) -> Any:
+        if fraction_of_remainder != 0:
+            return None
+        return super().try_split(0)
+
 
 class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
     """Subscription path in, its messages out, never more than the worker has room for (module docstring). Its own
-    restriction provider: the restriction is the rounds it has left, one claimed per pull, unbounded for a job's
-    stream (``rounds`` bounds it where a test runs the reader to its end)."""
+    restriction provider: the restriction is the rounds it has left, one claimed per round, unbounded for a job's
+    stream (``rounds`` bounds it where a test runs the reader to its end). ``readers``: how many share the
+    subscription, each reporting its share of the backlog."""
 
     def __init__(self, runtime: RuntimeSource, rounds: int = sys.maxsize,
-                 ack_deadline_s: int = ACK_DEADLINE_S, bulk: bool = False) -> None:
+                 ack_deadline_s: int = ACK_DEADLINE_S, bulk: bool = False, readers: int = READERS) -> None:
         self._source = runtime
         self._rounds = rounds
         self._ack_deadline_s = ack_deadline_s
         self._bulk = bulk
-        self.pulled = Metrics.counter(LOAD_NAMESPACE, "read_messages")
-        self.deferred = Metrics.counter(LOAD_NAMESPACE, "read_deferred")
+        self._readers = readers
+        self._counters = {  # each by its name, as the dashboard and the alerts query them
+            "read_messages": Metrics.counter(LOAD_NAMESPACE, "read_messages"),
+            "read_deferred": Metrics.counter(LOAD_NAMESPACE, "read_deferred"),
+            "acked": Metrics.counter(LOAD_NAMESPACE, "acked"),
+            "ack_failed": Metrics.counter(LOAD_NAMESPACE, "ack_failed"),
+            "modify_failed": Metrics.counter(LOAD_NAMESPACE, "modify_failed"),
+            "finalize_late": Metrics.counter(LOAD_NAMESPACE, "finalize_late"),
+            "pull_retried": Metrics.counter(LOAD_NAMESPACE, "pull_retried"),
+            "pull_refused": Metrics.counter(LOAD_NAMESPACE, "pull_refused"),
+            "pubsub_unreachable": Metrics.counter(LOAD_NAMESPACE, "pubsub_unreachable"),
+            "given_back": Metrics.counter(LOAD_NAMESPACE, "given_back"),
+            "runtime_unreachable": Metrics.counter(LOAD_NAMESPACE, "runtime_unreachable"),
+            "engine_call_failures": Metrics.counter(LOAD_NAMESPACE, "engine_call_failures"),
+        }
 
     def setup(self) -> None:
-        from google.cloud import pubsub_v1
-
-        self._client = pubsub_v1.SubscriberClient()
         self._runtime = RuntimeClient(self._source, LOAD_NAMESPACE)
 
     def start_bundle(self) -> None:
@@ -121,24 +143,23 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         places, self._bundle_places = self._bundle_places, []
         if places:
             read_places.discard(self._source.tag, places)
-            # Unanswered, they count, open, in a silent ledger until request_timeout_s, or are gone with a dead one.
             self._runtime.call("dispatch places", lambda runtime: runtime.dispatched(places))
-
-    def teardown(self) -> None:
-        client = getattr(self, "_client", None)
-        if client is not None:
-            client.close()
 
     def initial_restriction(self, element: tuple[str, int]) -> OffsetRange:
         return OffsetRange(0, self._rounds)
 
     def create_tracker(self, restriction: OffsetRange) -> OffsetRestrictionTracker:
-        return OffsetRestrictionTracker(restriction)
+        return CheckpointsOnly(restriction)
 
     def restriction_size(self, element: tuple[str, int], restriction: OffsetRange) -> int:
-        """The backlog this reader reports: the bytes of its last pull when that pull filled every place it had
-        (more is likely waiting), else none (module docstring)."""
-        return getattr(self, "_backlog_bytes", 0)
+        """This reader's share of its subscription's backlog in bytes (module docstring): Cloud Monitoring's figure
+        while a fresh one is known, else the bytes this process's feed holds; zero before a feed is started."""
+        feed = subscription_feed.existing_feed(element[0], self._source.tag, self._bulk)
+        if feed is None:
+            return 0
+        backlog = feed.backlog.bytes()
+        total = backlog if backlog is not None else feed.held_bytes()
+        return math.ceil(total / max(self._readers, 1))
 
     def truncate(self, element: tuple[str, int], restriction: OffsetRange) -> None:
         """A drained job stops pulling (Beam's drain truncates an unbounded restriction)."""
@@ -154,50 +175,31 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         round_at = tracker.current_restriction().start
         if not tracker.try_claim(round_at):
             return
-        places = take_places(self._runtime, PULL_MOST, self._bulk)
-        if not places:
-            self.deferred.inc()
-            self._log_full()
-            tracker.defer_remainder(Duration.of(FULL_DELAY_S))
+        feed = subscription_feed.feed_for(subscription, self._source, self._bulk, self._ack_deadline_s)
+        taken = take_round(feed, self._source.tag)
+        for name, value in feed.counts().items():
+            if name in self._counters:  # the feed counts by these names
+                self._counters[name].inc(value)
+        if not taken.messages:
+            if feed.full:
+                self._log_full()
+            elif feed.empty:  # not while a pull is under way over a backlog, nor while Pub/Sub refuses
+                _advance(watermark, Timestamp.now())
+            tracker.defer_remainder(Duration.of(taken.again_s))
             return
-        received = self._pull(subscription, len(places))
-        self._settle(places, len(received))
-        self._bundle_places.extend(places[:len(received)])
-        self._backlog_bytes = sum(len(m.message.data) for m in received) if len(received) == len(places) else 0
-        if received:
-            ack_ids = [message.ack_id for message in received]
-            self._client.modify_ack_deadline(subscription=subscription, ack_ids=ack_ids,
-                                             ack_deadline_seconds=self._ack_deadline_s)
-            finalizer.register(lambda: self._client.acknowledge(subscription=subscription, ack_ids=ack_ids))
-            self.pulled.inc(len(received))
+        self._bundle_places.extend(taken.places)
+        finalizer.register(lambda: feed.acknowledge(taken.ack_ids))
         oldest = None
-        for received_message in received:
-            message = PubsubMessage._from_message(received_message.message)  # as the native source makes it
+        for pulled in taken.messages:
+            message = PubsubMessage._from_message(pulled.received.message)  # as the native source makes it
             if self._bulk:
                 message = marked_bulk(message)
             published = Timestamp.from_utc_datetime(message.publish_time)
             oldest = published if oldest is None else min(oldest, published)
             yield TimestampedValue(message, published)
-        _advance(watermark, oldest if oldest is not None else Timestamp.now())
-        tracker.defer_remainder(Duration.of(0 if received else EMPTY_DELAY_S))
-
-    def _settle(self, places: list[str], used: int) -> None:
-        tag = self._source.tag
-        outcome, _ = self._runtime.call("settle places", lambda runtime: read_places.settle(runtime, tag, places, used))
-        if outcome is not Call.ANSWERED:
-            # Gone with a dead host's ledger, or counted in a silent one until request_timeout_s; this round's
-            # requests pass the admission step uncounted if no room is left for them.
-            LOGGER.warning("The worker's runtime did not answer as a read settled its places")
-
-    def _pull(self, subscription: str, most: int) -> list[Any]:
-        from google.api_core import exceptions
-
-        try:
-            response = self._client.pull(subscription=subscription, max_messages=most, timeout=PULL_WAIT_S,
-                                         retry=None)
-        except (exceptions.DeadlineExceeded, exceptions.ServiceUnavailable):
-            return []
-        return list(response.received_messages)
+        if oldest is not None:
+            _advance(watermark, oldest)
+        tracker.defer_remainder(Duration.of(0))
 
     def _log_full(self) -> None:
         """At most once a minute in each process, however many readers and threads find the worker full."""
@@ -210,12 +212,34 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
                     "subscription (counter read_deferred)", FULL_DELAY_S)
 
 
-def take_places(runtime: RuntimeClient, most: int, bulk: bool = False) -> list[str]:
-    """A round's places for up to ``most`` messages (:mod:`pipeline.worker.read_places`); none while the runtime
-    cannot be asked: silent, or its host gone, which the client starts acquiring anew in the background (a reader
-    may be the only step that still calls it). The round then defers like a full one, and nothing is pulled."""
-    _, places = runtime.call("take places", lambda worker: read_places.reserve(worker, most, bulk))
-    return places or []
+@dataclass(frozen=True)
+class Round:
+    """What one round of a reader took, and when its reader asks again."""
+
+    messages: tuple[subscription_feed.Pulled, ...]
+    again_s: float
+
+    @property
+    def places(self) -> list[str]:
+        return [pulled.place for pulled in self.messages]
+
+    @property
+    def ack_ids(self) -> list[str]:
+        return [pulled.received.ack_id for pulled in self.messages]
+
+
+def take_round(feed: subscription_feed.SubscriptionFeed, tag: str, most: int = PULL_MOST) -> Round:
+    """One round's take, as :class:`PullWithinRoomFn` and the worker's simulator (``tests/vm_sim.py``) both run it:
+    up to ``most`` of what the feed pulled, their places queued for the admission step in this process; with
+    nothing, the reader asks again ``EMPTY_DELAY_S`` later if the subscription was empty (or cannot be pulled),
+    else ``FULL_DELAY_S`` (the worker is full, or a pull is under way). Never waits. The caller acknowledges
+    :attr:`Round.ack_ids` once its bundle committed."""
+    messages = tuple(feed.take(most))
+    if not messages:
+        return Round((), EMPTY_DELAY_S if (feed.empty or feed.refused) and not feed.full else FULL_DELAY_S)
+    taken = Round(messages, 0.0)
+    read_places.queue(tag, taken.places)
+    return taken
 
 
 def marked_bulk(message: PubsubMessage) -> PubsubMessage:
@@ -224,9 +248,11 @@ def marked_bulk(message: PubsubMessage) -> PubsubMessage:
                          message.message_id, message.publish_time, message.ordering_key)
 
 
-def readers_for(max_workers: int) -> int:
-    """How many readers a job that may run ``max_workers`` workers runs: four for each, at least ``READERS``."""
-    return max(READERS, 4 * max_workers)
+def readers_for(max_workers: int | None) -> int:
+    """How many readers a job that may run ``max_workers`` workers runs (Dataflow's default ceiling when the launch
+    names none): two for each, at least ``READERS``. They are fixed when the job is launched (an update keeps the
+    readers it has): docs/operations.md#autoscaling-with-the-jobs-reader."""
+    return max(READERS, 2 * (max_workers or DEFAULT_MAX_WORKERS))
 
 
 def _advance(watermark: Any, to: Timestamp) -> None:
@@ -256,4 +282,5 @@ class ReadWithinRoom(beam.PTransform):
                 | "Start" >> beam.Impulse()
                 | "Readers" >> beam.FlatMap(lambda _, path=self._subscription, count=self._readers:
                                              [(path, n) for n in range(count)])
-                | "Pull" >> beam.ParDo(PullWithinRoomFn(self._runtime, self._rounds, self._ack_deadline_s, self._bulk)))
+                | "Pull" >> beam.ParDo(PullWithinRoomFn(self._runtime, self._rounds, self._ack_deadline_s, self._bulk,
+                                                       self._readers)))

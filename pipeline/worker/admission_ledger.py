@@ -16,6 +16,7 @@ import time
 from typing import Callable, Sequence
 
 from pipeline.worker.hold import WorkerHold
+from pipeline.worker.read_places import PLACE_PREFIX
 from pipeline.worker.runtime_settings import RuntimeSettings
 
 
@@ -31,7 +32,8 @@ class AdmissionLedger:
         self._unfinished = unfinished
         admission = settings.admission
         self._hold = WorkerHold(transit_s=admission.transit_s, unclaimed_s=settings.engine.request_timeout_s,
-                                report_lapse_s=admission.report_lapse_s, cap_s=admission.transit_cap_s)
+                                report_lapse_s=admission.report_lapse_s, cap_s=admission.transit_cap_s,
+                                place_prefix=PLACE_PREFIX, place_open_s=admission.place_open_s)
         self._lock = threading.Lock()
 
     def admit(self, ids: list[str], in_place_of: Sequence[str] = (), bulk: bool = False,
@@ -49,7 +51,14 @@ class AdmissionLedger:
         now = self._clock()
         with self._lock:
             room = max((self._bulk_bound if bulk else self._bound) - self._held(now), 0)
-            return len(self._hold.admit(now, ids, room + self._hold.release(in_place_of), keys))
+            return len(self._hold.admit(now, ids, room + self._hold.release(in_place_of), keys,
+                                        in_places=bool(in_place_of)))
+
+    def renew(self, ids: Sequence[str]) -> int:
+        """Places a reader still holds count from now again; a place no longer held (taken over, lapsed) is not
+        taken in again. Returns how many still counted."""
+        with self._lock:
+            return self._hold.renew(self._clock(), ids)
 
     def withdraw(self, ids: Sequence[str]) -> None:
         """Places a read took and its pull did not fill: they no longer count here."""
@@ -75,6 +84,14 @@ class AdmissionLedger:
         with self._lock:
             waiting, on_the_way = self._hold.counts(self._clock())
             return self._unfinished(), waiting, on_the_way
+
+    def full(self, bulk: bool = False) -> bool:
+        """Whether the worker holds its bound (for a bulk read, the bulk lane's) in work: what reads' places keep
+        for pulls still under way is room, not work, so a worker whose readers hold all its room while the
+        subscription is empty is not full."""
+        now = self._clock()
+        with self._lock:
+            return self._held(now) - self._hold.open_places(now) >= (self._bulk_bound if bulk else self._bound)
 
     @property
     def bound(self) -> int:

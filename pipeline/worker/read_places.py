@@ -32,6 +32,8 @@ class Ledger(Protocol):
 
     def withdraw(self, ids: list[str]) -> None: ...
 
+    def renew(self, ids: list[str]) -> int: ...
+
     def dispatched(self, ids: list[str]) -> None: ...
 
 
@@ -44,13 +46,25 @@ _QUEUES: dict[str, collections.deque[tuple[str, float]]] = {}
 _LOCK = threading.Lock()
 
 
-def reserve(runtime: Ledger, most: int, bulk: bool = False) -> list[str]:
+def reserve(runtime: Ledger, most: int, bulk: bool = False, name: str | None = None) -> list[str]:
     """Up to ``most`` place-holders admitted into the worker's hold while it has room (none when it is full; for a
-    read of the bulk lane, while it has more room than the live lane keeps)."""
+    read of the bulk lane, while it has more room than the live lane keeps).
+
+    ``name`` names the places (``name:0``, ``name:1``, ...), so a call made again after its answer was lost (a
+    runtime call past its bound may still be carried out) takes the same places, not more: an id already held
+    takes no room. Unnamed, each call takes new ones."""
     if most <= 0:
         return []
-    places = [PLACE_PREFIX + uuid.uuid4().hex for _ in range(most)]
+    prefix = f"{PLACE_PREFIX}{name}:" if name is not None else None
+    places = [f"{prefix}{n}" if prefix else PLACE_PREFIX + uuid.uuid4().hex for n in range(most)]
     return places[:runtime.admit(places, (), bulk)]
+
+
+def renew(runtime: Ledger, places: list[str]) -> int:
+    """The reader still holds these places (messages not yet handed on): their open time starts again, so they do
+    not lapse (``AdmissionSettings.place_open_s``). A place taken over or lapsed meanwhile stays out. Returns how
+    many still count."""
+    return runtime.renew(places) if places else 0
 
 
 def settle(runtime: Ledger, tag: str, places: list[str], used: int) -> None:
@@ -59,10 +73,15 @@ def settle(runtime: Ledger, tag: str, places: list[str], used: int) -> None:
     bundle ends (the reader then :func:`discard` s what is left and calls the ledger's ``dispatched`` with it)."""
     if used < len(places):
         runtime.withdraw(places[used:])
-    if used:
+    queue(tag, places[:used])
+
+
+def queue(tag: str, places: list[str]) -> None:
+    """Places whose messages go down this process's stage now: the admission step takes them over."""
+    if places:
         now = time.monotonic()
         with _LOCK:
-            _QUEUES.setdefault(tag, collections.deque()).extend((place, now) for place in places[:used])
+            _QUEUES.setdefault(tag, collections.deque()).extend((place, now) for place in places)
 
 
 def take(tag: str, count: int, fresher_than_s: float = float("inf")) -> list[str]:

@@ -137,11 +137,17 @@ class WorkerRuntime:
     def withdraw(self, ids: list[str]) -> None:
         self.admission.withdraw(ids)
 
+    def renew(self, ids: list[str]) -> int:
+        return self.admission.renew(ids)
+
     def dispatched(self, ids: list[str]) -> None:
         self.admission.dispatched(ids)
 
     def report_waiting(self, holder: str, count: int, arrived: Sequence[str] = ()) -> None:
         self.admission.report_waiting(holder, count, arrived)
+
+    def full(self, bulk: bool = False) -> bool:
+        return self.admission.full(bulk)
 
     # Both ---------------------------------------------------------------------------------
 

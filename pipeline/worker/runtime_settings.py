@@ -33,10 +33,14 @@ class AdmissionSettings:
     # How long a key's report of its waiting requests counts unless renewed (keys that wait poll every 2 s): a key
     # that moved to another worker, or stalled, stops holding this worker's room.
     report_lapse_s: float = 6.0
+    # How long a read's place counts while its bundle is open, from when its reader last renewed it: a reader
+    # renews the places it holds for a pull under way or for messages it has not handed on yet, so only a place
+    # its reader lost (a bundle that failed, a call answered after its bound) lapses, and frees its room this soon.
+    place_open_s: float = 60.0
 
     def __post_init__(self) -> None:
         check_parameters({"worker_queue": self.worker_queue})
-        for name in ("transit_s", "transit_cap_s", "report_lapse_s"):
+        for name in ("transit_s", "transit_cap_s", "report_lapse_s", "place_open_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"an admission's {name} must be positive, got {getattr(self, name)} s")
 

@@ -1,0 +1,412 @@
+"""One process's puller of one subscription: long pulls on a thread of its own, never more than its places allow.
+
+The job's reader (:mod:`pipeline.flow.subscription_reader`) must not hold a harness thread on Pub/Sub. The real
+service answers a unary pull as it gathers messages, up to the call's deadline ("we may hang up until the max rpc
+deadline": googleapis/google-cloud-java#3168), so a short deadline ends in ``DeadlineExceeded`` with messages
+waiting (googleapis/python-pubsub#343), and the client's maintainers name 60 s as the pull's deadline
+(googleapis/python-pubsub#1414; Pub/Sub's pull guide: https://cloud.google.com/pubsub/docs/pull). So the pulling
+happens here, on one daemon thread per SDK process, runtime and subscription, which may wait as long as Pub/Sub
+takes; a reader's round only takes what this thread has pulled, under a lock, and never waits
+(:meth:`SubscriptionFeed.take`).
+
+Each pull asks for no more messages than the places the feed took in the worker's hold first
+(:mod:`pipeline.worker.read_places`): the feed never holds more unacknowledged messages than the worker granted,
+so nothing is pulled past the bound. Its places are named by the feed and its pull's number, so a call to the
+runtime that is carried out after its bound (the client then cannot tell) and is made again takes the same places;
+and every way out of a pull, an exception included, gives back the places the pull did not fill. The places of
+messages it holds are renewed as the feed goes (``RENEW_S``; a pull under way lasts ``PULL_DEADLINE_S`` at most),
+so only a place the feed lost lapses, after ``AdmissionSettings.place_open_s``. The ack deadline of what it holds
+is extended to ``ack_deadline_s`` as it is pulled and while it is held (the subscription's own deadline applies
+until then: make setup makes the job's subscriptions with the same 120 s); a round's bundle finalizer acknowledges
+what it took, on the feed's acknowledging thread. A message no round takes within ``HELD_MOST_S`` goes back to
+Pub/Sub, for a process whose readers run. What Pub/Sub's errors mean for it is :mod:`pipeline.flow.pubsub_trouble`'s.
+
+A feed that no round has taken from for ``IDLE_S`` (its readers moved to another worker) gives back what it holds,
+its messages to Pub/Sub at once (an ack deadline of 0) and its places to the worker, and stops pulling until a round
+asks again. Beam's counters count only within a bundle, so the feed keeps its counts and each round adds them
+(:meth:`counts`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from pipeline.contract.call_outcome import Call
+from pipeline.flow.pubsub_trouble import CALL_DEADLINE_S, PubSubTrouble, call_retry
+from pipeline.flow.subscription_backlog import SubscriptionBacklog
+from pipeline.worker import read_places
+from pipeline.worker.load import LOAD_NAMESPACE
+from pipeline.worker.runtime import RuntimeSource
+from pipeline.worker.runtime_client import RuntimeClient
+
+LOGGER = logging.getLogger(__name__)
+
+# The most messages one pull asks for, and the most a feed holds pulled and not yet taken by a round.
+PULL_MOST = 32
+# What a pull asks for after one that came back empty; each pull that gets all it asked for asks twice as many next,
+# up to PULL_MOST. An idle feed's open pull so keeps few places, and a worker's feeds (one an SDK process) all pull.
+PULL_FIRST = 4
+# How long a pull may wait for messages: long enough for Pub/Sub to gather a backlog's messages, short enough that
+# what the feed holds is renewed (RENEW_S, after the pull) well within AdmissionSettings.place_open_s.
+PULL_DEADLINE_S = 20.0
+# The least time between two pulls after one that got nothing: an emulator (or a service) that answers an empty
+# pull at once is not asked again at once.
+PULL_EVERY_S = 0.5
+# How long the feed waits before it asks for places again when the worker had none to give.
+FULL_WAIT_S = 0.2
+# How often the places and ack deadlines of what the feed holds are renewed.
+RENEW_S = 10.0
+# A feed no round has taken from for this long gives back what it holds and stops pulling.
+IDLE_S = 30.0
+# A message a feed has held this long without a round taking it (its process's readers run rarely) goes back to
+# Pub/Sub, for a feed whose rounds come to take it.
+HELD_MOST_S = 5.0
+# How long the feed waits after a refusal (PermissionDenied, NotFound, unreachable) before it pulls again.
+REFUSED_WAIT_S = 10.0
+# Backoff for errors worth trying again at once: the first wait, doubled up to the most.
+RETRY_FIRST_S, RETRY_MOST_S = 0.1, 10.0
+# A taken message whose finalizer has not acknowledged it this long after the round took it is counted once.
+FINALIZE_LATE_S = 120.0
+
+# How a feed's call reaches the worker's runtime: (what, call) -> (outcome, answer), as RuntimeClient.call.
+RuntimeCall = Callable[[str, Callable[[Any], Any]], tuple[Call, Any]]
+# Per process: the feeds, by (runtime tag, subscription, lane).
+_FEEDS: dict[tuple[str, str, bool], "SubscriptionFeed"] = {}
+_FEEDS_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+    """A message the feed pulled, with the place it holds in the worker's hold."""
+
+    received: Any  # the ReceivedMessage
+    place: str
+    size: int
+    pulled_at: float
+
+
+def feed_for(subscription: str, source: RuntimeSource, bulk: bool, ack_deadline_s: int,
+             client: Callable[[], Any] | None = None) -> "SubscriptionFeed":
+    """This process's feed of ``subscription`` for the runtime ``source`` names (started on first use)."""
+    key = (source.tag, subscription, bulk)
+    with _FEEDS_LOCK:
+        feed = _FEEDS.get(key)
+        if feed is None or not feed.alive():
+            feed = _FEEDS[key] = SubscriptionFeed(subscription, source, bulk, ack_deadline_s, client)
+        return feed
+
+
+def existing_feed(subscription: str, tag: str, bulk: bool) -> "SubscriptionFeed | None":
+    """This process's feed of ``subscription``, if a round started one (never starts one)."""
+    with _FEEDS_LOCK:
+        return _FEEDS.get((tag, subscription, bulk))
+
+
+class SubscriptionFeed:
+    """See the module docstring. ``client`` makes the Pub/Sub ``SubscriberClient`` (by default the library's)."""
+
+    def __init__(self, subscription: str, source: RuntimeSource | None, bulk: bool, ack_deadline_s: int,
+                 client: Callable[[], Any] | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 runtime_call: RuntimeCall | None = None, backlog: SubscriptionBacklog | None = None,
+                 start: bool = True) -> None:
+        """``clock``, ``runtime_call`` (how a call reaches the worker's runtime: by default the one call policy,
+        :class:`RuntimeClient`), ``backlog`` (by default Cloud Monitoring's) and ``start=False`` (no thread: the
+        caller runs :meth:`step`) let the worker's simulator (``tests/vm_sim.py``) run this feed on its own clock."""
+        self.subscription = subscription
+        self._source = source
+        self._bulk = bulk
+        self._ack_deadline_s = ack_deadline_s
+        self._make_client = client
+        self._clock = clock
+        self._call = runtime_call or self._client_call
+        self._name = f"{uuid.uuid4().hex[:12]}"
+        self._pulls = itertools.count()
+        self._runtime: RuntimeClient | None = None
+        self._held: collections.deque[Pulled] = collections.deque()
+        self._taken: dict[str, float] = {}  # ack id -> when a round took it, until acknowledged
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Condition()
+        self._asked_at = clock()  # when a round last asked
+        self._renewed_at = clock()
+        self._retry_wait = RETRY_FIRST_S
+        self._want = PULL_FIRST  # how many the next pull asks for (at most the room)
+        self._full = False  # the worker had no room at the last ask
+        self._empty = False  # the last pull came back with nothing
+        self._refused = False  # the last pull was refused, or Pub/Sub cannot be reached
+        self.trouble = PubSubTrouble(subscription, self._count, self._client, clock)
+        self.backlog = backlog or SubscriptionBacklog(subscription)
+        self._stopped = False
+        self._not_before = 0.0  # a pause the feed keeps, whatever wakes it
+        self._thread = threading.Thread(target=self._run, name=f"pubsub-feed-{subscription.rsplit('/', 1)[-1]}",
+                                        daemon=True)
+        self._acker: ThreadPoolExecutor | None = None
+        if start:
+            self._acker = ThreadPoolExecutor(1, thread_name_prefix="pubsub-ack")
+            self._thread.start()
+
+    # What a round calls (never waits on Pub/Sub or the runtime) -----------------------------------------------
+
+    def take(self, most: int) -> list[Pulled]:
+        """Up to ``most`` of the messages pulled, oldest first; their places and acknowledgement are the caller's."""
+        now = self._clock()
+        with self._lock:
+            self._asked_at = now
+            taken = [self._held.popleft() for _ in range(min(most, len(self._held)))]
+            for pulled in taken:
+                self._taken[pulled.received.ack_id] = now
+            self._lock.notify_all()
+        return taken
+
+    @property
+    def full(self) -> bool:
+        """Whether the worker had no room for this feed at its last ask (the round defers as a full one)."""
+        return self._full
+
+    @property
+    def empty(self) -> bool:
+        """Whether the feed's last pull found the subscription empty (its reader's watermark may follow the clock)."""
+        return self._empty
+
+    @property
+    def refused(self) -> bool:
+        """Whether the feed's last pull was refused, or Pub/Sub could not be reached (said in the log)."""
+        return self._refused
+
+    def acknowledge(self, ack_ids: list[str]) -> None:
+        """A bundle's finalizer: its messages' output committed. Beam runs finalizers on a harness thread, so the
+        call to Pub/Sub is made on the feed's acknowledging thread and this returns at once (``start=False``: here)."""
+        with self._lock:
+            for ack_id in ack_ids:
+                self._taken.pop(ack_id, None)
+        try:
+            if self._acker is not None:
+                self._acker.submit(self._acknowledge, ack_ids)
+                return
+        except RuntimeError:  # the feed stopped: acknowledged here, as well as a closed client can
+            pass
+        self._acknowledge(ack_ids)
+
+    def _acknowledge(self, ack_ids: list[str]) -> None:
+        """A failure is counted and logged; Pub/Sub then delivers them again after their deadline, and the generate
+        step's dedupe serves each once."""
+        try:
+            self._client().acknowledge(subscription=self.subscription, ack_ids=ack_ids, timeout=CALL_DEADLINE_S,
+                                       retry=call_retry())
+            self._count("acked", len(ack_ids))
+        except Exception as exc:  # noqa: BLE001 - told and counted; Pub/Sub redelivers
+            self._count("ack_failed", len(ack_ids))
+            self.trouble.warn("ack", "Acknowledging %d messages of %s failed (%s): Pub/Sub delivers them again "
+                              "after their deadline, and the job serves each request once (counter ack_failed)",
+                              len(ack_ids), self.subscription, exc)
+
+    def counts(self) -> dict[str, int]:
+        """What the feed counted since the last call (for a round to add to Beam's counters)."""
+        with self._lock:
+            found, self._counts = dict(self._counts), collections.Counter()
+        return found
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(pulled.size for pulled in self._held)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def stop(self) -> None:
+        """Gives back what it holds and ends its thread (tests, and a process's end)."""
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+        self._thread.join(timeout=PULL_DEADLINE_S + 5)
+
+    # The feed's own thread ----------------------------------------------------------------------------------
+
+    def _client(self) -> Any:
+        """The Pub/Sub client, made on first use outside the lock (it may wait for the worker's credentials, and a
+        round's take must not)."""
+        client = getattr(self, "_subscriber", None)
+        if client is not None:
+            return client
+        if self._make_client is not None:
+            made = self._make_client()
+        else:
+            from google.cloud import pubsub_v1
+            made = pubsub_v1.SubscriberClient()
+        with self._lock:  # the feed's thread and the acknowledging thread may both have made one
+            if getattr(self, "_subscriber", None) is None:
+                self._subscriber = made
+            return self._subscriber
+
+    def _count(self, name: str, value: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += value
+
+    def _client_call(self, what: str, call: Callable[[Any], Any]) -> tuple[Call, Any]:
+        """The one call policy; what it counts on this thread Beam drops (no bundle), so the feed counts it."""
+        assert self._source is not None, "a feed without a runtime source is given runtime_call"
+        if self._runtime is None:
+            self._runtime = RuntimeClient(self._source, LOAD_NAMESPACE)
+        outcome, answer = self._runtime.call(what, call)
+        if outcome is Call.UNREACHABLE:
+            self._count("runtime_unreachable")
+        elif outcome is Call.FAILED:
+            self._count("engine_call_failures")
+        return outcome, answer
+
+    def _run(self) -> None:
+        self.backlog.refresh_soon()
+        while True:
+            with self._lock:
+                if self._stopped:
+                    break
+            self._pause(self.step())
+        self._give_back()
+        if self._acker is not None:
+            self._acker.shutdown(wait=True)  # what finalizers asked for is sent before the client closes
+        client = getattr(self, "_subscriber", None)
+        if client is not None:
+            client.close()
+
+    def step(self) -> float:
+        """One turn of the feed: give back what no round asked for, renew what it holds, or pull as much as it has
+        places for. Returns how long to wait before the next turn (a round's take ends a wait for room early)."""
+        now = self._clock()
+        with self._lock:
+            idle = now - self._asked_at > IDLE_S
+            room = PULL_MOST - len(self._held)
+            give_back = bool(self._held) and (idle or now - self._held[0].pulled_at > HELD_MOST_S)
+        if give_back:
+            self._give_back(older_than_s=0.0 if idle else HELD_MOST_S)
+            return 0.0
+        if now - self._renewed_at >= RENEW_S:
+            self._renew()
+            self._renewed_at = now
+        if idle or room <= 0:
+            self._not_before = now  # a round's take ends this wait
+            return 1.0
+        after = self._pull_once(room)
+        self._empty, self._refused = after == "empty", after == "refused"
+        if after == "retry":
+            wait, self._retry_wait = self._retry_wait, min(self._retry_wait * 2, RETRY_MOST_S)
+        elif after == "pulled":
+            self._retry_wait, wait = RETRY_FIRST_S, 0.0  # more may be waiting: pull again while there are places
+        else:
+            self._retry_wait = RETRY_FIRST_S
+            pause = {"full": FULL_WAIT_S, "refused": REFUSED_WAIT_S}.get(after, 0.0)
+            wait = max(pause, PULL_EVERY_S - (self._clock() - now))
+        self._not_before = self._clock() + wait  # a backoff no round's take cuts short
+        return wait
+
+    def _pause(self, seconds: float) -> None:
+        """Waits, unless stopped meanwhile: a backoff or a refusal's wait for all of it; a wait for room (the feed
+        holds all it may) until a round takes."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._lock.wait(timeout=left)
+                if self._clock() >= self._not_before and len(self._held) < PULL_MOST:
+                    return
+
+    def _pull_once(self, most: int) -> str:
+        """One pull for up to ``most`` messages; returns what follows: ``pulled``, ``empty``, ``full``, ``retry``
+        or ``refused``."""
+        name, want = f"{self._name}-{next(self._pulls)}", min(most, self._want)
+        outcome, places = self._call(
+            "take places", lambda runtime: read_places.reserve(runtime, want, self._bulk, name))
+        if outcome is not Call.ANSWERED:  # silent or gone: the client recovers; a late answer's places lapse
+            self._full = True
+            return "full"
+        if not places:
+            outcome, full = self._call("ask if full", lambda runtime: runtime.full(self._bulk))
+            self._full = outcome is not Call.ANSWERED or bool(full)
+            if self._full:
+                self._count("read_deferred")
+            return "full"
+        self._full = False
+        received: list[Any] = []
+        try:
+            received = self._pull(len(places))
+            self._want = (min(PULL_MOST, 2 * self._want) if len(received) == len(places) else
+                          PULL_FIRST if not received else self._want)
+            return "pulled" if received else "empty"
+        except Exception as exc:  # noqa: BLE001 - classified below
+            return self.trouble.after(exc)
+        finally:
+            self._keep(received, places)
+
+    def _pull(self, most: int) -> list[Any]:
+        response = self._client().pull(subscription=self.subscription, max_messages=most,
+                                       timeout=PULL_DEADLINE_S, retry=None)
+        self.trouble.reached()
+        return list(response.received_messages)
+
+    def _keep(self, received: list[Any], places: list[str]) -> None:
+        """What a pull got joins what the feed holds, each with a place; the places it did not fill go back."""
+        now = self._clock()
+        unused = places[len(received):]
+        with self._lock:
+            self._held.extend(Pulled(message, place, len(message.message.data), now)
+                              for message, place in zip(received, places))
+        if received:
+            self._count("read_messages", len(received))
+            self._extend([m.ack_id for m in received], self._ack_deadline_s)
+        if unused:
+            self._call("give back places", lambda runtime: runtime.withdraw(unused))
+
+    def _extend(self, ack_ids: list[str], seconds: int) -> None:
+        if not ack_ids:
+            return
+        try:
+            self._client().modify_ack_deadline(subscription=self.subscription, ack_ids=ack_ids,
+                                               ack_deadline_seconds=seconds, timeout=CALL_DEADLINE_S,
+                                               retry=call_retry())
+        except Exception as exc:  # noqa: BLE001 - Pub/Sub may deliver them again sooner; the dedupe serves once
+            self._count("modify_failed", len(ack_ids))
+            self.trouble.warn("modify", "Extending the ack deadline of %d messages of %s failed (%s): they may be "
+                              "delivered again (counter modify_failed)", len(ack_ids), self.subscription, exc)
+
+    def _renew(self) -> None:
+        """What the feed holds keeps its places and its ack deadlines; taken messages not acknowledged long after
+        are counted (their finalizer did not run: Pub/Sub delivers them again)."""
+        now = self._clock()
+        with self._lock:
+            held = list(self._held)
+            late = [ack_id for ack_id, at in self._taken.items() if now - at > FINALIZE_LATE_S]
+            for ack_id in late:
+                del self._taken[ack_id]
+        if late:
+            self._count("finalize_late", len(late))
+            self.trouble.warn("finalize", "%d messages of %s were handed on %g s ago and not acknowledged: their "
+                              "bundles' finalizers did not run (counter finalize_late); Pub/Sub delivers them again",
+                              len(late), self.subscription, FINALIZE_LATE_S)
+        self.backlog.refresh_soon()
+        if held:
+            places = [pulled.place for pulled in held]
+            self._call("renew places", lambda runtime: read_places.renew(runtime, places))
+            self._extend([pulled.received.ack_id for pulled in held], self._ack_deadline_s)
+
+    def _give_back(self, older_than_s: float = 0.0) -> None:
+        """Returns what the feed has held longer than ``older_than_s`` (all of it by default): its messages to
+        Pub/Sub at once, its places to the worker."""
+        now = self._clock()
+        with self._lock:
+            held = [pulled for pulled in self._held if now - pulled.pulled_at >= older_than_s]
+            self._held = collections.deque(pulled for pulled in self._held if now - pulled.pulled_at < older_than_s)
+        if not held:
+            return
+        self._extend([pulled.received.ack_id for pulled in held], 0)
+        places = [pulled.place for pulled in held]
+        self._call("give back places", lambda runtime: runtime.withdraw(places))
+        self._count("given_back", len(held))
+

@@ -1,0 +1,249 @@
+"""The reader's feed (pipeline/flow/subscription_feed.py) against a Pub/Sub that misbehaves as the real one does.
+
+Each test runs the real feed thread, the real Pub/Sub client and the real admission ledger (what the worker's
+runtime holds its places in), with the Pub/Sub emulator behind the fault proxy (tests/pubsub_fault_proxy.py):
+short and empty pulls, UNAVAILABLE / INTERNAL / DEADLINE_EXCEEDED, late answers, failed acknowledgements and
+deadline changes, and delivery again after the ack deadline. A round is played as the reader's DoFn plays it
+(take, hand each place to its request, acknowledge once the bundle "committed"), and as the admission step does
+(the request in place of its place), so the ledger's count is the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import grpc
+import pytest
+from google.cloud import pubsub_v1
+
+from pipeline.flow import pubsub_trouble, subscription_backlog, subscription_feed
+from pipeline.flow.subscription_reader import CheckpointsOnly, PullWithinRoomFn
+from tests.feed_harness import ACK_DEADLINE_S, BOUND, a_feed, a_worker, held, publish, serve_rounds
+from tests.observability_stand_in import ObservabilityStandIn
+from tests.pubsub_fault_proxy import FaultProxy, Faults
+
+
+@pytest.fixture()
+def subscription(emulator):
+    """A topic and a subscription whose ack deadline is Pub/Sub's least, 10 s: what nobody acknowledged comes
+    back that soon."""
+    name = f"feed-{time.monotonic_ns()}"
+    topic = emulator.create_topic(name)
+    client = pubsub_v1.SubscriberClient()
+    client.create_subscription(request={"name": emulator.subscription(f"{name}-sub"), "topic": topic,
+                                        "ack_deadline_seconds": ACK_DEADLINE_S})
+    client.close()
+    return topic, emulator.subscription(f"{name}-sub")
+
+
+@pytest.fixture()
+def proxy(emulator, monkeypatch):
+    """The fault proxy in front of the emulator; the feed's client (and only it) reaches Pub/Sub through it."""
+    found = FaultProxy(os.environ["PUBSUB_EMULATOR_HOST"], seed=int(os.environ.get("FEED_SEED", "7")))
+    yield found
+    found.close()
+
+
+def test_a_backlog_ten_times_the_bound_ends_each_request_once_through_faults(subscription, proxy, monkeypatch):
+    """Fifty requests, ten times the worker's bound, through a Pub/Sub that shortens a third of the pulls, refuses
+    a fifth of the calls, answers a fifth of the pulls after their deadline, loses a fifth of the answers after
+    carrying them out and fails a tenth of the acknowledgements; one bundle in seven fails. Every request ends, no request is admitted
+    without a place (nothing was pulled past the bound), and once the lost places' time is up the ledger is at
+    zero."""
+    monkeypatch.setattr(subscription_feed, "PULL_DEADLINE_S", 2.0)  # so that a slow answer comes too late
+    topic, path = subscription
+    expected = set(publish(topic, 10 * BOUND))
+    proxy.faults = Faults(short=0.3, error=0.2, slow=0.2, slow_s=3.0, lost=0.2, ack_error=0.1)
+    source = a_worker(place_open_s=3.0)
+    feed = a_feed(path, source, proxy)
+    try:
+        served = serve_rounds(feed, source, expected, timeout_s=240, fail_every=7)
+    finally:
+        feed.stop()
+    assert set(served.ended) == expected, f"{len(expected - set(served.ended))} never ended; {dict(proxy.done)}"
+    assert served.uncounted == 0 and served.most <= BOUND, (served.uncounted, served.most)
+    assert served.failed > 0 and {"Pull slow", "Pull lost", "Pull short"} <= set(proxy.done), proxy.done
+    time.sleep(source.settings.admission.place_open_s + 0.5)
+    assert held(source) == 0, "every place given back, taken over or lapsed"
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                                  grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED,
+                                  grpc.StatusCode.NOT_FOUND])
+def test_a_pull_that_fails_gives_back_its_places(subscription, proxy, code, caplog):
+    """Whatever a pull fails with, the places it took are back in the worker's room once it ends; a refusal is
+    said in the log with its cause and counted, never taken for an empty subscription."""
+    topic, path = subscription
+    publish(topic, 3)
+    proxy.faults = Faults(error=1.0, codes=(code,), only=frozenset({"Pull"}))
+    source = a_worker()
+    with caplog.at_level(logging.WARNING, logger="pipeline.flow.subscription_feed"):
+        feed = a_feed(path, source, proxy)
+        try:
+            time.sleep(1.5)
+            counts = feed.counts()
+        finally:
+            feed.stop()
+    assert held(source) == 0
+    assert not counts.get("read_messages")
+    kind = pubsub_trouble.classify(_error(code))
+    if kind == "refused":
+        assert counts.get("pull_refused") and "refuses to let this worker pull" in caplog.text
+    elif kind == "retry":
+        assert counts.get("pull_retried", 0) >= 2, counts  # tried again, with backoff
+
+
+def _error(code: grpc.StatusCode) -> Exception:
+    from google.api_core import exceptions
+
+    return exceptions.from_grpc_status(code, "x")
+
+
+def test_places_a_late_call_took_lapse_within_place_open_s(subscription, proxy):
+    """The worker's runtime answers each call only after the call's bound (a paused host): the feed takes that for
+    no room and pulls nothing, and the places the late calls took, owned by nobody, stop counting within
+    place_open_s."""
+    topic, path = subscription
+    publish(topic, 3)
+    source = a_worker(place_open_s=2.0, pause_s=6.0)  # the call bound is 5 s
+    feed = a_feed(path, source, proxy)
+    most = 0
+    try:
+        deadline = time.monotonic() + 14
+        while time.monotonic() < deadline:
+            most = max(most, held(source))
+            time.sleep(0.1)
+        assert feed.full and not feed.counts().get("read_messages")
+    finally:
+        feed.stop()
+    assert 0 < most <= BOUND, "the late calls took places, no more than the worker had"
+    time.sleep(source.pause_s + source.settings.admission.place_open_s + 0.5)  # the last call lands, then lapses
+    assert held(source) == 0, "a lost place lapses in place_open_s, not in request_timeout_s"
+
+
+def test_an_idle_feed_gives_its_messages_back_to_pubsub_and_its_places_to_the_worker(subscription, proxy,
+                                                                                      monkeypatch):
+    """No round asks (the readers moved to another worker): the feed returns what it holds, at once."""
+    monkeypatch.setattr(subscription_feed, "IDLE_S", 2.0)
+    topic, path = subscription
+    publish(topic, 4)
+    source = a_worker()
+    feed = a_feed(path, source, proxy)
+    try:
+        deadline = time.monotonic() + 20
+        while feed.counts().get("given_back", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert held(source) == 0
+        assert len(PullTaker(path).take()) == 4, "back in the subscription before their ack deadline"
+    finally:
+        feed.stop()
+
+
+class PullTaker:
+    """Pulls a subscription directly (not through the proxy), acknowledging nothing."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def take(self) -> list[bytes]:
+        client = pubsub_v1.SubscriberClient()
+        try:
+            return [m.message.data for m in client.pull(subscription=self.path, max_messages=100,
+                                                        timeout=10).received_messages]
+        finally:
+            client.close()
+
+
+def test_a_bundle_whose_finalizer_never_runs_is_counted_and_its_messages_come_back(subscription, proxy,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(subscription_feed, "FINALIZE_LATE_S", 1.0)
+    monkeypatch.setattr(subscription_feed, "RENEW_S", 0.5)
+    topic, path = subscription
+    publish(topic, 2)
+    source = a_worker()
+    feed = a_feed(path, source, proxy)
+    try:
+        deadline = time.monotonic() + 20
+        taken: list = []
+        while len(taken) < 2 and time.monotonic() < deadline:
+            taken += feed.take(32)
+            time.sleep(0.1)
+        late = 0
+        while not late and time.monotonic() < deadline:
+            feed.take(0)  # a round that finds nothing keeps the feed from going idle
+            late = feed.counts().get("finalize_late", 0)
+            time.sleep(0.2)
+    finally:
+        feed.stop()
+    assert late == 2
+    time.sleep(ACK_DEADLINE_S + 1)
+    assert len(PullTaker(path).take()) == 2, "never acknowledged: delivered again"
+
+
+def test_failed_acknowledgements_are_counted(subscription, proxy):
+    topic, path = subscription
+    publish(topic, 3)
+    proxy.faults = Faults(ack_error=1.0, only=frozenset({"Acknowledge"}))
+    source = a_worker()
+    feed = a_feed(path, source, proxy)
+    try:
+        expected = {f"req-{i}" for i in range(3)}
+        serve_rounds(feed, source, expected, timeout_s=20)
+        deadline = time.monotonic() + 3 * pubsub_trouble.CALL_DEADLINE_S  # the client retries UNAVAILABLE first
+        failed = 0
+        while failed < 3 and time.monotonic() < deadline:  # acknowledged on the feed's own thread
+            failed += feed.counts().get("ack_failed", 0)
+            time.sleep(0.1)
+        assert failed == 3
+    finally:
+        feed.stop()
+
+
+def test_the_backlog_a_reader_reports_follows_the_subscriptions_and_is_shared(monkeypatch):
+    """Cloud Monitoring's backlog bytes of three subscriptions (empty, 33 messages of 200 bytes, 100,000 of them),
+    through the stand-in of its timeSeries.list: each reader reports its share, zero for the empty one, in the
+    backlogs' order; with no figure (Monitoring refuses), what the feed itself holds."""
+    stand_in = ObservabilityStandIn("proj-feed")
+    try:
+        for name, messages in (("empty", 0), ("some", 33), ("many", 100_000)):
+            stand_in.gauge("pubsub.googleapis.com/subscription/backlog_bytes", "pubsub_subscription", {},
+                           {"subscription_id": name, "project_id": "proj-feed"},
+                           lambda s, total=200 * messages: total)
+        monkeypatch.setenv(subscription_backlog.ENDPOINT_VARIABLE, stand_in.env()[
+            subscription_backlog.ENDPOINT_VARIABLE])
+        sizes = {}
+        for name in ("empty", "some", "many"):
+            backlog = subscription_backlog.SubscriptionBacklog(f"projects/proj-feed/subscriptions/{name}")
+            backlog.refresh()
+            sizes[name] = backlog.bytes()
+        assert sizes == {"empty": 0, "some": 6_600, "many": 20_000_000}
+        worker = a_worker()
+        fn = PullWithinRoomFn(worker, readers=8)
+        assert fn.restriction_size(("projects/proj-feed/subscriptions/many", 0), None) == 0, "no feed: nothing"
+        for name, backlog_bytes in sizes.items():  # a feed of this process (not started: no pulls here)
+            path = f"projects/proj-feed/subscriptions/{name}"
+            feed = subscription_feed.SubscriptionFeed(path, worker, False, ACK_DEADLINE_S, start=False)
+            feed.backlog.refresh()
+            subscription_feed._FEEDS[(worker.tag, path, False)] = feed
+            assert fn.restriction_size((path, 3), None) == -(-backlog_bytes // 8), "each of 8 readers its share"
+        stand_in.denied.add("monitoring")
+        refused = subscription_backlog.SubscriptionBacklog("projects/proj-feed/subscriptions/many")
+        refused.refresh()
+        assert refused.bytes() is None
+    finally:
+        stand_in.close()
+
+
+def test_a_reader_splits_only_to_checkpoint():
+    """Dataflow does not split an unbounded restriction today; a split that would make two readers of one
+    subscription is refused, a checkpoint is not."""
+    from apache_beam.io.restriction_trackers import OffsetRange
+
+    tracker = CheckpointsOnly(OffsetRange(0, 1_000))
+    assert tracker.try_claim(0)
+    assert tracker.try_split(0.5) is None
+    primary, residual = tracker.try_split(0)
+    assert (primary.stop, residual.start) == (1, 1)
