@@ -20,10 +20,8 @@ import statistics
 import sys
 import time
 
-from google.cloud import pubsub_v1
-
 from local.emulators import PubSubEmulator
-from tests.feed_harness import ACK_DEADLINE_S, a_feed, a_worker, held, publish, serve_rounds
+from tests.feed_harness import a_feed, a_worker, held, publish, serve_rounds, short_deadline_subscription
 from tests.pubsub_fault_proxy import FaultProxy, Faults
 
 FAULTS = {"none": Faults(),
@@ -32,17 +30,12 @@ FAULTS = {"none": Faults(),
 
 def one_run(emulator: PubSubEmulator, proxy: FaultProxy, faults: Faults, messages: int, bound: int,
             run: int) -> dict[str, float]:
-    name = f"bench-faults-{run}-{time.monotonic_ns()}"
-    topic = emulator.create_topic(name)
-    client = pubsub_v1.SubscriberClient()  # Pub/Sub's least ack deadline: what no one acknowledged is back in 10 s
-    client.create_subscription(request={"name": emulator.subscription(f"{name}-sub"), "topic": topic,
-                                        "ack_deadline_seconds": ACK_DEADLINE_S})
-    client.close()
+    topic, path = short_deadline_subscription(emulator, f"bench-faults-{run}-{time.monotonic_ns()}")
     expected = set(publish(topic, messages))
     proxy.faults = faults
     before = sum(proxy.done.values())
     source = a_worker(bound=bound)
-    feed = a_feed(emulator.subscription(f"{name}-sub"), source, proxy)
+    feed = a_feed(path, source, proxy)
     started = time.monotonic()
     try:
         served = serve_rounds(feed, source, expected, timeout_s=600)

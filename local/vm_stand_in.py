@@ -66,7 +66,7 @@ import psutil
 from local.runner_semantics import Driver, KeyState, Outputs, Worker
 from pipeline.contract.messages import InferenceRequest
 from pipeline.flow.admission import AdmitFn
-from pipeline.flow.subscription_reader import FULL_DELAY_S, take_places
+from pipeline.flow.subscription_reader import FULL_DELAY_S
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.serving.vllm_server import is_healthy
@@ -138,7 +138,8 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
         driver, admit = dofns()
         try:
             if kind == "read":
-                places = take_places(reads, len(payload))
+                _, places = reads.call("take places", lambda runtime: read_places.reserve(runtime, len(payload)))
+                places = places or []
                 pulled, rest = payload[:len(places)], payload[len(places):]
                 if pulled:
                     reads.call("settle", lambda runtime: read_places.settle(runtime, source.tag, places, len(pulled)))

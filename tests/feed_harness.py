@@ -114,3 +114,16 @@ class Served:
     uncounted: int = 0
     failed: int = 0
     most: int = 0
+
+
+def short_deadline_subscription(emulator, name: str) -> tuple[str, str]:
+    """A topic of the emulator and a subscription to it with Pub/Sub's least ack deadline (``ACK_DEADLINE_S``):
+    what nobody acknowledged comes back that soon. Returns (topic, subscription) paths."""
+    topic = emulator.create_topic(name)
+    client = pubsub_v1.SubscriberClient()
+    try:
+        client.create_subscription(request={"name": emulator.subscription(f"{name}-sub"), "topic": topic,
+                                            "ack_deadline_seconds": ACK_DEADLINE_S})
+    finally:
+        client.close()
+    return topic, emulator.subscription(f"{name}-sub")

@@ -117,7 +117,9 @@ class FaultProxy:
                 time.sleep(min(1.0, (context.time_remaining() or 1.0) / 2))  # an empty answer, after a while
                 return b""  # an empty PullResponse
             request = PullRequest.serialize(pull)
-        answer = self._channel.unary_unary(method)(request, timeout=30)
+        # The caller's deadline goes upstream, as gRPC propagates it: a pull the caller gave up on is not left
+        # waiting at the emulator to lease what comes later to no one (that is the "slow" fault's to do).
+        answer = self._channel.unary_unary(method)(request, timeout=context.time_remaining() or 30)
         if "slow_s" in drawn:
             with self._lock:
                 self.done[f"{method.rsplit('/', 1)[-1]} slow"] += 1

@@ -78,7 +78,7 @@ def test_the_job_reads_its_subscription_with_its_own_reader_and_keys_state_by_de
     (docs/architecture.md, "Backpressure")."""
     from apache_beam.internal import pickler
 
-    from pipeline.flow.subscription_reader import READERS, PullWithinRoomFn
+    from pipeline.flow.subscription_reader import PullWithinRoomFn, readers_for
 
     _, pipeline = built_job
     components = pipeline.components
@@ -94,7 +94,8 @@ def test_the_job_reads_its_subscription_with_its_own_reader_and_keys_state_by_de
         elif transform.unique_name.endswith("/Readers"):
             elements = list(fn._fn(None))
     assert readers == [(True, True)], "one splittable reader that acknowledges in its bundle finalizer"
-    assert elements == [("projects/proj-123456/subscriptions/prompts-sub", n) for n in range(READERS)]
+    # No max_num_workers at launch: readers for Dataflow's default ceiling of a Streaming Engine job.
+    assert elements == [("projects/proj-123456/subscriptions/prompts-sub", n) for n in range(readers_for(None))]
     stateful = _stateful_steps(pipeline)
     assert any("BatchRequests" in name for name in stateful) and any("StreamingGenerate" in name for name in stateful)
     assert {key_coder for _, _, key_coder in stateful.values()} <= DETERMINISTIC_KEY_CODERS, stateful

@@ -11,6 +11,7 @@ runtime with a real engine on the real vLLM, whose admission ledger the reader a
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from pipeline.intake.parsing import ParseRequests
 from pipeline.worker.runtime import WorkerRuntime
 from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 from tests.conftest import SERVED_NAME
+from tests.feed_harness import short_deadline_subscription, through
+from tests.pubsub_fault_proxy import FaultProxy, Faults
 
 pytestmark = pytest.mark.engine
 
@@ -97,9 +100,11 @@ def feeds_hold_through_a_runner_start(monkeypatch):
     monkeypatch.setattr(subscription_feed, "HELD_MOST_S", 120.0)
 
 
-def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int = 6, fail: bool = False) -> None:
+def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int = 6, fail: bool = False,
+         client=None) -> None:
     """Reads ``rounds`` rounds of ``readers`` readers into parse and admission, as the job's first stage does,
-    writing each admitted request's id to ``out``; ``fail``: a step after admission raises, failing the bundle."""
+    writing each admitted request's id to ``out``; ``fail``: a step after admission raises, failing the bundle;
+    ``client``: how the process's feed makes its Pub/Sub client (through the fault proxy)."""
 
     def record(request, path=str(out), fail=fail):
         if fail:
@@ -107,7 +112,7 @@ def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int 
         with open(path, "a") as ids:
             ids.write(request.id + "\n")
 
-    feed = warmed_feed(subscription, source)
+    feed = warmed_feed(subscription, source, client=client)
     try:
         with beam.Pipeline(runner=FnApiRunner()) as pipeline:
             messages = pipeline | ReadWithinRoom(subscription, source, readers=readers, rounds=rounds,
@@ -118,11 +123,11 @@ def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int 
         feed.stop()
 
 
-def warmed_feed(subscription: str, source, settle_s: float = 1.0) -> subscription_feed.SubscriptionFeed:
+def warmed_feed(subscription: str, source, settle_s: float = 1.0, client=None) -> subscription_feed.SubscriptionFeed:
     """The process's feed of ``subscription``, started before the readers' rounds and given ``settle_s`` to pull
     what the worker has room for: the portable runner resumes a deferred round at once, where Dataflow resumes it
     after its delay, by which time the feed has pulled."""
-    feed = subscription_feed.feed_for(subscription, source, False, ACK_DEADLINE_S)
+    feed = subscription_feed.feed_for(subscription, source, False, ACK_DEADLINE_S, client)
     time.sleep(settle_s)
     return feed
 
@@ -182,3 +187,33 @@ def test_a_reader_whose_runtime_cannot_be_asked_pulls_nothing(worker, backlog, t
         feed.stop()
     assert ids_in(out) == []
     assert len(PubSubEmulator.take(backlog)) == 50
+
+
+def test_a_backlog_through_a_misbehaving_pubsub_is_read_once_and_within_the_bound(worker, emulator, tmp_path):
+    """The real DoFn under the portable runner, the real runtime on vLLM, and a Pub/Sub that shortens a third of
+    the pulls, refuses a fifth of the calls, loses a tenth of its answers after leasing their messages and refuses
+    a tenth of the acknowledgements (tests/pubsub_fault_proxy.py). Reading a backlog ten times the bound, round
+    after round as the generate step reports what reached it: every request is read, the worker never holds more
+    than its bound, and once everything arrived and the lost places' time is up, the ledger is at zero."""
+    topic, path = short_deadline_subscription(emulator, f"reader-faults-{time.monotonic_ns()}")
+    publisher = pubsub_v1.PublisherClient()
+    for i in range(50):
+        publisher.publish(topic, json.dumps({"prompt": f"question {i}"}).encode(), id=f"req-{i}").result()
+    proxy = FaultProxy(os.environ["PUBSUB_EMULATOR_HOST"], Faults(short=0.3, error=0.2, lost=0.1, ack_error=0.1),
+                       seed=11)
+    runtime, seen, reads = worker.acquire(), set(), 0
+    try:
+        deadline = time.monotonic() + 420
+        while len(seen) < 50 and time.monotonic() < deadline:
+            reads += 1
+            out = tmp_path / f"ids-{reads}"
+            read(path, worker, out, client=through(proxy))
+            assert sum(runtime.admission.counts()) <= runtime.admission.bound, runtime.admission.counts()
+            seen |= set(ids_in(out))  # one delivered again is read again: the generate step's dedupe serves it once
+            runtime.report_waiting("key-1", 0, arrived=ids_in(out))  # the generate step has them
+    finally:
+        proxy.close()
+    assert seen == {f"req-{i}" for i in range(50)}, f"{50 - len(seen)} never read; faults {dict(proxy.done)}"
+    assert sum(proxy.done.values()) >= 5, proxy.done
+    time.sleep(ACK_DEADLINE_S + 1)
+    assert runtime.admission.counts() == (0, 0, 0)

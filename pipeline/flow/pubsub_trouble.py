@@ -88,11 +88,13 @@ class PubSubTrouble:
         if kind == "empty":
             if self._clock() - self._reached_at < UNREACHABLE_S:
                 return "empty"
-            return self._probe(exc)
+            return self._probe(exc, "empty")
         if kind == "retry":
             self._count("pull_retried")
             if self._clock() - self._reached_at >= UNREACHABLE_S:
-                return self._probe(exc)
+                self.warn("retrying", "Pulls of %s have failed for over %g s (%s); trying again with backoff "
+                          "(counter pull_retried)", self._subscription, UNREACHABLE_S, exc)
+                return self._probe(exc, "retry")
             return "retry"
         self._count("pull_refused")
         self.warn(type(exc).__name__, "Pub/Sub refuses to let this worker pull %s: %s. Nothing is read from it "
@@ -100,13 +102,14 @@ class PubSubTrouble:
                    "make setup grants, and the subscription must exist; counter pull_refused)", self._subscription, exc)
         return "refused"
 
-    def _probe(self, cause: BaseException) -> str:
-        """No call reached Pub/Sub for UNREACHABLE_S: whether it can be reached at all."""
+    def _probe(self, cause: BaseException, kind: str) -> str:
+        """No call reached Pub/Sub for UNREACHABLE_S: whether it can be reached at all. Reached, the pull's own
+        ``kind`` stands (an empty subscription, or a pull worth trying again)."""
         try:
             self._client().get_subscription(subscription=self._subscription, timeout=CALL_DEADLINE_S,
                                             retry=call_retry())
             self._reached_at = self._clock()
-            return "empty"
+            return kind
         except Exception as exc:  # noqa: BLE001
             if classify(exc) == "refused" and not isinstance(exc, ConnectionError):
                 return self.after(exc)

@@ -267,7 +267,12 @@ class SubscriptionFeed:
             with self._lock:
                 if self._stopped:
                     break
-            self._pause(self.step())
+            try:
+                wait = self.step()
+            except Exception:  # noqa: BLE001 - a feed's thread must outlive what goes wrong in one turn
+                LOGGER.exception("A turn of the feed of %s failed; it goes on in a second", self.subscription)
+                wait = 1.0
+            self._pause(wait)
         self._give_back()
         if self._acker is not None:
             self._acker.shutdown(wait=True)  # what finalizers asked for is sent before the client closes
@@ -325,8 +330,8 @@ class SubscriptionFeed:
         outcome, places = self._call(
             "take places", lambda runtime: read_places.reserve(runtime, want, self._bulk, name))
         if outcome is not Call.ANSWERED:  # silent or gone: the client recovers; a late answer's places lapse
-            self._full = True
-            return "full"
+            self._full = False  # not full: unasked (counted runtime_unreachable), and nothing is pulled
+            return "refused"
         if not places:
             outcome, full = self._call("ask if full", lambda runtime: runtime.full(self._bulk))
             self._full = outcome is not Call.ANSWERED or bool(full)
@@ -337,17 +342,24 @@ class SubscriptionFeed:
         received: list[Any] = []
         try:
             received = self._pull(len(places))
-            self._want = (min(PULL_MOST, 2 * self._want) if len(received) == len(places) else
-                          PULL_FIRST if not received else self._want)
+            # Slow start: twice as many after a pull that filled all its places, what came after one that did not.
+            self._want = min(PULL_MOST, 2 * self._want) if len(received) == len(places) else \
+                max(PULL_FIRST, len(received))
             return "pulled" if received else "empty"
         except Exception as exc:  # noqa: BLE001 - classified below
-            return self.trouble.after(exc)
+            after = self.trouble.after(exc)
+            if after == "empty":  # the real service ends an empty long pull with DeadlineExceeded
+                self._want = PULL_FIRST
+            return after
         finally:
             self._keep(received, places)
 
     def _pull(self, most: int) -> list[Any]:
+        """One long pull; while the feed holds messages, it waits no longer than they may stay (``HELD_MOST_S``)."""
+        with self._lock:
+            holding = bool(self._held)
         response = self._client().pull(subscription=self.subscription, max_messages=most,
-                                       timeout=PULL_DEADLINE_S, retry=None)
+                                       timeout=HELD_MOST_S if holding else PULL_DEADLINE_S, retry=None)
         self.trouble.reached()
         return list(response.received_messages)
 

@@ -51,8 +51,8 @@ class AdmissionLedger:
         now = self._clock()
         with self._lock:
             room = max((self._bulk_bound if bulk else self._bound) - self._held(now), 0)
-            return len(self._hold.admit(now, ids, room + self._hold.release(in_place_of), keys,
-                                        in_places=bool(in_place_of)))
+            released = self._hold.release(in_place_of)
+            return len(self._hold.admit(now, ids, room + released, keys, in_places=released > 0))
 
     def renew(self, ids: Sequence[str]) -> int:
         """Places a reader still holds count from now again; a place no longer held (taken over, lapsed) is not

@@ -93,6 +93,8 @@ class WorkerHold:
             taken.append(request_id)
         if in_places:
             self._in_places.update(taken)
+        else:
+            self._in_places.difference_update(taken)  # admitted again without a place: its own timeout
         return taken
 
     def renew(self, now: float, ids: Iterable[str]) -> int:
