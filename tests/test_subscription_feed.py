@@ -138,15 +138,24 @@ def test_an_idle_feed_gives_its_messages_back_to_pubsub_and_its_places_to_the_wo
     source = a_worker()
     feed = a_feed(path, source, proxy)
     try:
-        deadline = time.monotonic() + 20
-        given_back = 0
-        while given_back < 4 and time.monotonic() < deadline:
-            given_back += feed.counts().get("given_back", 0)
-            time.sleep(0.2)
+        given_back = counted(feed, "given_back", 4, within_s=20)
         assert given_back == 4 and held(source) == 0
         assert len(PullTaker(path).take()) == 4, "back in the subscription before their ack deadline"
     finally:
         feed.stop()
+
+
+def counted(feed: subscription_feed.SubscriptionFeed, name: str, wanted: int, within_s: float,
+            asking: bool = False) -> int:
+    """What the feed counts of ``name`` until it reaches ``wanted`` or ``within_s`` pass (``asking``: a round's
+    take of nothing each time, as a reader that finds nothing keeps asking)."""
+    found, deadline = 0, time.monotonic() + within_s
+    while found < wanted and time.monotonic() < deadline:
+        if asking:
+            feed.take(0)
+        found += feed.counts().get(name, 0)
+        time.sleep(0.1)
+    return found
 
 
 class PullTaker:
@@ -185,11 +194,8 @@ def test_a_bundle_whose_finalizer_never_runs_is_counted_and_its_messages_come_ba
         while len(taken) < 2 and time.monotonic() < deadline:
             taken += feed.take(32)
             time.sleep(0.1)
-        late = 0
-        while not late and time.monotonic() < deadline:
-            feed.take(0)  # a round that finds nothing keeps the feed from going idle
-            late = feed.counts().get("finalize_late", 0)
-            time.sleep(0.2)
+        # A round that finds nothing keeps the feed from going idle meanwhile.
+        late = counted(feed, "finalize_late", 2, within_s=deadline - time.monotonic(), asking=True)
     finally:
         feed.stop()
     assert late == 2
@@ -206,12 +212,8 @@ def test_failed_acknowledgements_are_counted(subscription, proxy):
     try:
         expected = {f"req-{i}" for i in range(3)}
         serve_rounds(feed, source, expected, timeout_s=20)
-        deadline = time.monotonic() + 3 * pubsub_trouble.CALL_DEADLINE_S  # the client retries UNAVAILABLE first
-        failed = 0
-        while failed < 3 and time.monotonic() < deadline:  # acknowledged on the feed's own thread
-            failed += feed.counts().get("ack_failed", 0)
-            time.sleep(0.1)
-        assert failed == 3
+        # Acknowledged on the feed's own thread, after the client's retries of UNAVAILABLE.
+        assert counted(feed, "ack_failed", 3, within_s=3 * pubsub_trouble.CALL_DEADLINE_S) == 3
     finally:
         feed.stop()
 
