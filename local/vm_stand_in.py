@@ -16,13 +16,15 @@ own process. A worker VM is more than that, and this adds what it is made of:
   concurrently running bundle.
 * **Reads whenever a thread is free.** Dataflow does not document how it schedules its readers' rounds against
   timers; the worst case, taken here, is that every thread with no due work item of a key runs a round of the
-  job's reader (:mod:`pipeline.flow.subscription_reader`) fused with the admission step: it takes places in
-  the worker's hold (the real :mod:`pipeline.worker.read_places` on the real shared runtime), "pulls" at most
-  that many of the backlog, admits each request in its place with the real ``AdmitFn`` and ends its bundle. The
-  backlog lives in this runner's process, so a round is sent the next messages of a drawn size and hands back
-  those it had no place for, as if it had never pulled them; a round that took nothing defers, and the next
-  round runs ``FULL_DELAY_S`` later, as the runner resumes a deferred reader. Due timers queue first in, first
-  out with the elements that arrive for keys, as a worker's work queue holds them.
+  job's reader fused with parsing and the admission step: the real ``PullWithinRoomFn.process`` on Beam's own
+  restriction tracker, so the round takes what its process's real feed (:mod:`pipeline.flow.subscription_feed`)
+  pulled from a real Pub/Sub (the emulator, or the tests' fault proxy in front of it: ``pubsub_host``) within
+  the places it took in the worker's hold, and each request is parsed (``parse_request``) and admitted in its
+  place by the real ``AdmitFn``. A round that took nothing defers, and the next runs when its residual says, as
+  the runner resumes a deferred reader; a round whose bundle committed has its finalizer run (the feed
+  acknowledges), and what a dead process took comes back from Pub/Sub once its ack deadline
+  (``READ_ACK_DEADLINE_S``) passes. Due timers queue first in, first out with the elements that arrive for keys,
+  as a worker's work queue holds them.
 * **One runtime per VM.** The steps reach the worker's runtime through Beam's ``MultiProcessShared``, which
   "will be instantiated once per VM and methods will be invoked on it via rpc" (its module's documentation): the
   first process to acquire it starts its host, a process of its own (``spawn_process``), and every process calls
@@ -41,8 +43,8 @@ own process. A worker VM is more than that, and this adds what it is made of:
   https://cloud.google.com/dataflow/docs/guides/updating-a-pipeline).
 
 The admission step's requests go straight to the generate step's keys here (the batcher between them is
-tested with the real DoFn in ``tests/test_worker_rig.py``; the reader's own pull, acknowledgement and deferral
-under Beam's portable runner in ``tests/test_subscription_reader.py``).
+tested with the real DoFn in ``tests/test_worker_rig.py``; the reader under Beam's own portable runner, where
+the runner resumes its residuals and calls its finalizers, in ``tests/test_subscription_reader.py``).
 """
 
 from __future__ import annotations
@@ -59,26 +61,31 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import psutil
+from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
+from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRestrictionTracker
 
 from local.runner_semantics import Driver, KeyState, Outputs, Worker
-from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.messages import DeadLetter, InferenceRequest
+from pipeline.contract.request_parsing import parse_request
+from pipeline.flow import subscription_feed
 from pipeline.flow.admission import AdmitFn
-from pipeline.flow.subscription_reader import FULL_DELAY_S
+from pipeline.flow.subscription_reader import PullWithinRoomFn
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.serving.vllm_server import is_healthy
-from pipeline.worker import read_places
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
-from pipeline.worker.runtime_client import RuntimeClient
 from pipeline.worker.runtime_settings import RuntimeSettings
 
 START_TIMEOUT_S = 600.0  # the first process starts the runtime's host: with a managed vLLM, minutes on a CPU
 LATE_ROUND_S = 1.0  # a round of the runner this long after the last is recorded (``VmStandIn.late_rounds``)
 # Engine calls that a schedule may make raise (the generate step's calls into the runtime).
 FAULTY_CALLS = ("poll", "submit_batch", "cancel")
+# The ack deadline the readers' feeds give what they pull: Pub/Sub's least, so what a dead process took comes back
+# within seconds (the job's is the reader's ACK_DEADLINE_S).
+READ_ACK_DEADLINE_S = 10
 
 
 class InjectedFault(RuntimeError):
@@ -116,40 +123,72 @@ class _FaultySource:
         return _FaultyRuntime(self.inner.acquire(fresh=fresh), self.rate, self._chance)
 
 
+class _Finalizer:
+    """What a read bundle's ``BundleFinalizerParam`` is given: the callbacks, run once the bundle committed."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def register(self, callback: Callable[[], None]) -> None:
+        self.callbacks.append(callback)
+
+
+def _read_round(reader: PullWithinRoomFn, admit: AdmitFn, subscription: str, tag: str
+                ) -> tuple[list[InferenceRequest], float, bool, list[Callable[[], None]]]:
+    """One work item of a reader fused with parsing and admission, as Beam runs it: the real DoFn's ``process`` on
+    Beam's restriction tracker. Returns the requests admitted, when the reader's residual resumes (seconds from
+    now), whether its process's feed found the worker full, and the finalizer's callbacks for the runner to run
+    once the bundle commits."""
+    restriction = reader.initial_restriction((subscription, 0))
+    tracker = ThreadsafeRestrictionTracker(reader.create_tracker(restriction))
+    finalizer = _Finalizer()
+    reader.start_bundle()
+    admit.start_bundle()
+    passed: list[InferenceRequest] = []
+    for value in reader.process((subscription, 0), finalizer, RestrictionTrackerView(tracker),
+                                ManualWatermarkEstimator(None)):
+        message = value.value
+        parsed = parse_request(message.data, message.attributes, message.message_id)
+        if not isinstance(parsed, DeadLetter):
+            passed.extend(admit.process(parsed))
+    admit.finish_bundle()
+    reader.finish_bundle()
+    deferred = tracker.deferred_status()
+    feed = subscription_feed.existing_feed(subscription, tag, False)
+    return (passed, max(deferred[1].micros / 1e6, 0.0) if deferred else 0.0, feed is not None and feed.full,
+            finalizer.callbacks)
+
+
 def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: float, drain_timeout_s: float,
-           conn: Any) -> None:
+           pubsub_host: str | None, conn: Any) -> None:
     """An SDK process: runs the work items it is sent on ``threads`` harness threads, one DoFn each."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    if pubsub_host:
+        os.environ["PUBSUB_EMULATOR_HOST"] = pubsub_host
     local = threading.local()
     send = threading.Lock()
-    reads = RuntimeClient(source, "vm_stand_in")  # the reader's calls, with its call policy
+    finalizers: dict[int, list[Callable[[], None]]] = {}  # by read work item, until the runner says it committed
 
-    def dofns() -> tuple[Driver, AdmitFn]:
+    def dofns() -> tuple[Driver, AdmitFn, PullWithinRoomFn]:
         if not hasattr(local, "driver"):
             generate = StreamingGenerateFn(source, poll_interval_ms, GenerateSettings(
                 dedupe_window_s=600, drain_timeout_s=drain_timeout_s, engine=source.settings.engine.engine))
             generate.setup()
             local.admit = AdmitFn(source)
             local.admit.setup()
+            local.reader = PullWithinRoomFn(source, ack_deadline_s=READ_ACK_DEADLINE_S)
+            local.reader.setup()
             local.driver = Driver([Worker(name, generate, None)])
-        return local.driver, local.admit
+        return local.driver, local.admit, local.reader
 
     def work(token: int, kind: str, payload: Any) -> None:
-        driver, admit = dofns()
+        driver, admit, reader = dofns()
         try:
             if kind == "read":
-                _, places = reads.call("take places", lambda runtime: read_places.reserve(runtime, len(payload)))
-                places = places or []
-                pulled, rest = payload[:len(places)], payload[len(places):]
-                if pulled:
-                    reads.call("settle", lambda runtime: read_places.settle(runtime, source.tag, places, len(pulled)))
-                    admit.start_bundle()
-                    passed = [out for request in pulled for out in admit.process(request)]
-                    admit.finish_bundle()
-                    reads.call("dispatch", lambda runtime: runtime.dispatched(places))
-                else:
-                    passed = []
-                reply: tuple = (token, "done", (passed, rest))
+                passed, again_s, full, callbacks = _read_round(reader, admit, payload, source.tag)
+                if callbacks:
+                    finalizers[token] = callbacks
+                reply: tuple = (token, "done", (passed, again_s, full))
             else:
                 key, method, element, timer, state = payload
                 driver.state[key] = state
@@ -169,6 +208,14 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
         if message[0] == "stop":
             pool.shutdown(wait=False, cancel_futures=True)
             return
+        if message[0] == "finalize":  # its read bundle committed: Beam runs the finalizer on a harness thread
+            for callback in finalizers.pop(message[1], []):
+                pool.submit(callback)
+            continue
+        if message[0] == "stop feeds":  # a new schedule reads another subscription: what the old ones hold goes back
+            for feed in subscription_feed.feeds_of(source.tag):
+                threading.Thread(target=feed.stop, daemon=True).start()
+            continue
         _, token, kind, payload = message
         pool.submit(work, token, kind, payload)
 
@@ -186,10 +233,9 @@ class SdkProcess:
 
 @dataclass
 class Schedule:
-    """What the runner does to the VM, drawn by a test: how many messages a round's pull returns at most
-    (cycled), how often a work item fails to commit, and how often an engine call raises."""
+    """What the runner does to the VM, drawn by a test: how often a work item of a key fails to commit, and how
+    often an engine call raises (what Pub/Sub does wrong is the fault proxy's, in front of the emulator)."""
 
-    bundle_sizes: tuple[int, ...] = (2,)
     commit_failure_rate: float = 0.0
     engine_failure_rate: float = 0.0
     seed: int = 0
@@ -198,7 +244,9 @@ class Schedule:
 @dataclass
 class VmStandIn:
     """A worker VM of ``processes`` SDK processes of ``threads`` harness threads each; the first process starts
-    the runtime's host. Use as a context manager; :meth:`reset` starts a new schedule on the same processes."""
+    the runtime's host. Use as a context manager; :meth:`reset` starts a new schedule on the same processes, reading
+    ``subscription`` of ``topic`` (what :meth:`publish` publishes to) on the Pub/Sub at ``pubsub_host`` (the
+    environment's ``PUBSUB_EMULATOR_HOST`` when None)."""
 
     settings: RuntimeSettings
     processes: int = 2
@@ -207,16 +255,20 @@ class VmStandIn:
     drain_timeout_s: float = 20.0
     generate_keys: int = 4
     schedule: Schedule = field(default_factory=Schedule)
+    topic: str = ""
+    subscription: str = ""
+    pubsub_host: str | None = None
     tag: str = ""
     sdk: list[SdkProcess] = field(default_factory=list)
     state: dict[Any, KeyState] = field(default_factory=dict)
     owner: dict[Any, int] = field(default_factory=dict)
     committed: Outputs = field(default_factory=Outputs)
-    backlog: collections.deque = field(default_factory=collections.deque)  # unacknowledged in the source
+    published: set[str] = field(default_factory=set)  # ids published to the topic this schedule
     queue: collections.deque = field(default_factory=collections.deque)  # work items of keys, first in first out
     taken: set[str] = field(default_factory=set)  # ids whose read bundle committed
     retried: int = 0  # work items that failed (a process died in them, or they raised) and ran again
-    deferred: int = 0  # reads' rounds that took nothing (the worker was full) and deferred
+    deferred: int = 0  # reads' rounds that took nothing while the worker was full
+    rounds: collections.Counter = field(default_factory=collections.Counter)  # reads' rounds, by what they did
     failed_commits: int = 0
     holds: list[int] = field(default_factory=list)  # requests taken and not yet ended, at each round
     timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, undisturbed and reading
@@ -240,25 +292,40 @@ class VmStandIn:
     def __exit__(self, *exc: object) -> None:
         self._stop_all()
 
-    def reset(self, schedule: Schedule) -> None:
-        """A new schedule, on the same processes and runtime (dead ones started again), with no keys."""
-        self.schedule = schedule
+    def reset(self, schedule: Schedule, topic: str = "", subscription: str = "") -> None:
+        """A new schedule, on the same processes and runtime (dead ones started again), with no keys, reading
+        ``subscription`` of ``topic``: the feeds of the last one stop, giving back what they hold."""
+        for sdk in self.sdk:
+            if not sdk.dead:
+                sdk.conn.send(("stop feeds",))
+        self.schedule, self.topic, self.subscription = schedule, topic, subscription
         self._chance = random.Random(schedule.seed)
-        self._sizes = 0
         self._tokens = 0
         self.sdk = [self._start(n) if sdk.dead else sdk for n, sdk in enumerate(self.sdk)]
         self.state, self.owner, self.committed = {}, {}, Outputs()
-        self.backlog, self.queue, self.taken = collections.deque(), collections.deque(), set()
+        self.published, self.queue, self.taken = set(), collections.deque(), set()
         self.retried = self.deferred = self.failed_commits = 0
+        self.rounds = collections.Counter()
         self.holds, self.timer_delays, self.reading = [], [], True
         self.work_items, self.sent_at, self.late_rounds = [], collections.defaultdict(list), []
         self._next_read_at = 0.0
         self._last_round = time.monotonic()
 
+    @property
+    def unread(self) -> set[str]:
+        """What was published and no committed read bundle took: in Pub/Sub, or in a feed's hands."""
+        return self.published - self.taken
+
     # The runner's side ------------------------------------------------------------------------
 
     def publish(self, requests: list[InferenceRequest]) -> None:
-        self.backlog.extend(requests)
+        """Publishes the requests to the schedule's topic, as their publisher would."""
+        from google.cloud import pubsub_v1
+
+        publisher = pubsub_v1.PublisherClient()
+        for future in [publisher.publish(self.topic, request.to_payload().encode()) for request in requests]:
+            future.result(timeout=30)
+        self.published.update(request.id for request in requests)
 
     def assign(self, key: Any, process: int) -> None:
         """The key's work items run in SDK process ``process`` from now on (otherwise in any process with a free
@@ -310,11 +377,11 @@ class VmStandIn:
                 time.sleep(0.01)
 
     def run_until_idle(self, timeout_s: float = 180.0) -> None:
-        """Runs until the backlog is read and no key holds anything (every timer committed)."""
+        """Runs until what was published is read and no key holds anything (every timer committed)."""
         deadline = time.monotonic() + timeout_s
-        while (self.reading and self.backlog) or self.busy():
+        while (self.reading and self.unread) or self.busy():
             if time.monotonic() > deadline:
-                raise AssertionError(f"still busy after {timeout_s:g} s: backlog {len(self.backlog)}, "
+                raise AssertionError(f"still busy after {timeout_s:g} s: {len(self.unread)} unread, "
                                      f"keys {self.busy()}")
             if not self.step():
                 time.sleep(0.01)
@@ -428,7 +495,7 @@ class VmStandIn:
                                self.schedule.seed * 31 + n)
         # Not daemonic: an SDK process starts the runtime's host as a child of its own, as on a worker.
         process = context.Process(target=_serve, name=name, daemon=False, args=(
-            name, source, self.threads, self.poll_interval_ms, self.drain_timeout_s, child))
+            name, source, self.threads, self.poll_interval_ms, self.drain_timeout_s, self.pubsub_host, child))
         process.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not parent.poll(1.0):
@@ -454,7 +521,8 @@ class VmStandIn:
                 sdk.process.join(timeout=5)
 
     def _died(self, sdk: SdkProcess) -> None:
-        """Its work items failed: a key's runs again (elsewhere), a read bundle's messages are read again."""
+        """Its work items failed: a key's runs again (elsewhere); what its reads and feeds took comes back from
+        Pub/Sub once its ack deadline passes."""
         sdk.dead = True
         for token, item in sdk.running.items():
             self._began.pop(token, None)
@@ -463,9 +531,7 @@ class VmStandIn:
 
     def _failed(self, item: tuple) -> None:
         self.retried += 1
-        if item[0] == "read":
-            self.backlog.extendleft(reversed(item[1]))
-        else:
+        if item[0] != "read":  # a read's messages were never acknowledged: Pub/Sub delivers them again
             self.queue.appendleft(item)
 
     def _running_keys(self) -> set[Any]:
@@ -499,20 +565,24 @@ class VmStandIn:
                 began = self._began.pop(token, None)
                 if item[0] != "read" and began is not None:
                     self.work_items.append((time.monotonic() - began, item[0], item[1]))
-                self._finished(item, status, result)
+                self._finished(sdk, token, item, status, result)
         return moved
 
-    def _finished(self, item: tuple, status: str, result: Any) -> None:
+    def _finished(self, sdk: SdkProcess, token: int, item: tuple, status: str, result: Any) -> None:
         if item[0] == "read":
             if status == "failed":
                 self._failed(item)
                 return
-            result, rest = result
-            self.backlog.extendleft(reversed(rest))  # never pulled: no place for them
+            result, again_s, full = result
+            self.rounds["took" if result else "full" if full else "nothing pulled"] += 1
             if not result:
-                self.deferred += 1
-                self._next_read_at = time.monotonic() + FULL_DELAY_S
-            else:
+                self.deferred += full
+                self._next_read_at = max(self._next_read_at, time.monotonic() + again_s)
+            try:
+                sdk.conn.send(("finalize", token))  # committed: its finalizer acknowledges what it read
+            except OSError:
+                self._died(sdk)
+            if result:
                 self.taken.update(request.id for request in result)
                 by_key: dict[int, list] = collections.defaultdict(list)
                 for request in result:
@@ -562,11 +632,8 @@ class VmStandIn:
                     key, method, element, timer, _ = item
                     payload = (key, method, element, timer, self.state.setdefault(key, KeyState()))
                     sent = self._send(sdk, ("work", item), payload)
-                elif self.reading and self.backlog and time.monotonic() >= self._next_read_at:
-                    size = self.schedule.bundle_sizes[self._sizes % len(self.schedule.bundle_sizes)]
-                    self._sizes += 1
-                    bundle = [self.backlog.popleft() for _ in range(min(size, len(self.backlog)))]
-                    sent = self._send(sdk, ("read", bundle), bundle)
+                elif self.reading and self.unread and time.monotonic() >= self._next_read_at:
+                    sent = self._send(sdk, ("read",), self.subscription)
                 else:
                     break
                 moved = True

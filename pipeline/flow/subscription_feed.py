@@ -23,8 +23,9 @@ Pub/Sub, for a process whose readers run. What Pub/Sub's errors mean for it is :
 
 A feed that no round has taken from for ``IDLE_S`` (its readers moved to another worker) gives back what it holds,
 its messages to Pub/Sub at once (an ack deadline of 0) and its places to the worker, and stops pulling until a round
-asks again. Beam's counters count only within a bundle, so the feed keeps its counts and each round adds them
-(:meth:`counts`).
+asks again. Beam's counters count only within a bundle, so the feed keeps its counts and every round in its process, of any
+reader and lane, adds them (:meth:`counts`): what a feed whose readers moved away counts is not lost while any
+reader of the job runs here. After a drain no round runs, and the last counts stay uncounted.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def existing_feed(subscription: str, tag: str, bulk: bool) -> "SubscriptionFeed 
     """This process's feed of ``subscription``, if a round started one (never starts one)."""
     with _FEEDS_LOCK:
         return _FEEDS.get((tag, subscription, bulk))
+
+
+def feeds_of(tag: str) -> list["SubscriptionFeed"]:
+    """This process's feeds for the runtime ``tag`` names, every subscription and lane."""
+    with _FEEDS_LOCK:
+        return [feed for (feed_tag, _, _), feed in _FEEDS.items() if feed_tag == tag]
 
 
 class SubscriptionFeed:
@@ -373,8 +380,8 @@ class SubscriptionFeed:
         if received:
             self._count("read_messages", len(received))
             self._extend([m.ack_id for m in received], self._ack_deadline_s)
-        if unused:
-            self._call("give back places", lambda runtime: runtime.withdraw(unused))
+        filled = places[:len(received)]  # work now, no longer room a pull keeps (the worker's full)
+        self._call("give back places", lambda runtime: runtime.settled(filled, unused))
 
     def _extend(self, ack_ids: list[str], seconds: int) -> None:
         if not ack_ids:
