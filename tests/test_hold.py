@@ -235,3 +235,24 @@ def test_a_place_and_the_request_admitted_in_it_lapse_when_their_bundle_never_en
     assert hold.counts(10.1) == (0, 2), "place:c and req-1 lapsed; place:b was renewed; req-2 counts on"
     assert hold.counts(18.1) == (0, 1), "place:b lapsed too"
     assert hold.counts(599.0) == (0, 1) and hold.counts(600.1) == (0, 0)
+
+
+def test_a_worker_whose_places_wait_for_pulls_is_not_full_and_one_whose_places_hold_messages_is():
+    """Reads' places held for a pull still under way are room a reader keeps (an idle worker with more readers
+    than room is not full), while places their pull filled hold messages: work, so the worker is full, and its
+    readers count their deferrals (read_deferred)."""
+    settings_ = RuntimeSettings(EngineSettings(server=None, server_url="http://unused", max_in_flight=3),
+                                AdmissionSettings(worker_queue=1))
+    ledger_ = AdmissionLedger(settings_, lambda: 0, clock=lambda: 0.0)
+    waiting = read_places.reserve(ledger_, 4, name="feed-a-1")  # a long pull over an empty subscription
+    assert len(waiting) == 4 and read_places.reserve(ledger_, 4, name="feed-b-1") == []
+    assert not ledger_.full(), "every place waits on a pull: an idle worker"
+    ledger_.settled(waiting[:3], waiting[3:])  # the pull came back with 3 messages
+    assert not ledger_.full(), "one place given back: room"
+    assert len(more := read_places.reserve(ledger_, 4, name="feed-b-2")) == 1
+    ledger_.settled(more, [])
+    assert ledger_.full(), "four places hold messages: the worker holds its bound in work"
+    ledger_.admit(["req-1"], in_place_of=waiting[:1])
+    assert ledger_.full(), "a request admitted in a filled place is still work"
+    ledger_.withdraw(more)
+    assert not ledger_.full()

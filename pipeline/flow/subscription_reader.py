@@ -177,9 +177,10 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
             return
         feed = subscription_feed.feed_for(subscription, self._source, self._bulk, self._ack_deadline_s)
         taken = take_round(feed, self._source.tag)
-        for name, value in feed.counts().items():
-            if name in self._counters:  # the feed counts by these names
-                self._counters[name].inc(value)
+        for each in subscription_feed.feeds_of(self._source.tag):  # a feed whose readers left counts on too
+            for name, value in each.counts().items():
+                if name in self._counters:  # the feed counts by these names
+                    self._counters[name].inc(value)
         if not taken.messages:
             if feed.full:
                 self._log_full()

@@ -65,6 +65,13 @@ class AdmissionLedger:
         with self._lock:
             self._hold.release(ids)
 
+    def settled(self, filled: Sequence[str], unfilled: Sequence[str]) -> None:
+        """A pull's end, in one step: the places it filled hold messages (work, for :meth:`full`), those it did
+        not fill no longer count."""
+        with self._lock:
+            self._hold.release(unfilled)
+            self._hold.fill(filled)
+
     def dispatched(self, ids: list[str]) -> None:
         """The bundle that took these (a read's places, or the admission step's requests) finished: they are on
         their way to the generate step."""
@@ -87,7 +94,8 @@ class AdmissionLedger:
 
     def full(self, bulk: bool = False) -> bool:
         """Whether the worker holds its bound (for a bulk read, the bulk lane's) in work: what reads' places keep
-        for pulls still under way is room, not work, so a worker whose readers hold all its room while the
+        for pulls still under way is room, not work (a filled place is work: :meth:`settled`), so a worker whose
+        readers hold all its room while the
         subscription is empty is not full."""
         now = self._clock()
         with self._lock:

@@ -73,6 +73,7 @@ class WorkerHold:
     # all (a late one, on a loaded runner) marks its key as this worker's again
     _lapsed: dict[str, tuple[str, float]] = field(default_factory=dict)
     _in_places: set[str] = field(default_factory=set)  # ids admitted in reads' places, until dispatched
+    _filled: set[str] = field(default_factory=set)  # reads' places a pulled message fills: work, not room
 
     def admit(self, now: float, ids: Iterable[str], room: int, keys: dict[str, str] | None = None,
               in_places: bool = False) -> list[str]:
@@ -123,7 +124,13 @@ class WorkerHold:
         them from now on), or they are places a pull did not fill. Returns how many were held."""
         ids = list(ids)
         self._in_places.difference_update(ids)
+        self._filled.difference_update(ids)
         return sum(self._ids.pop(request_id, None) is not None for request_id in ids)
+
+    def fill(self, ids: Iterable[str]) -> None:
+        """These places hold a message now (their pull filled them): they count as work, no longer as room a
+        reader keeps (:meth:`open_places`)."""
+        self._filled.update(request_id for request_id in ids if request_id in self._ids)
 
     def arrived(self, now: float, ids: Iterable[str]) -> None:
         """The generate step on this worker reported these arrived: they no longer count, and how far the
@@ -164,6 +171,7 @@ class WorkerHold:
                 self._lapsed[request_id] = (entry[2], now)
         self._ids = kept
         self._in_places &= kept.keys()
+        self._filled &= kept.keys()
         while self._lapsed and now - next(iter(self._lapsed.values()))[1] >= self.unclaimed_s:
             del self._lapsed[next(iter(self._lapsed))]
         self._waiting = {holder: (count, at) for holder, (count, at) in self._waiting.items()
@@ -172,10 +180,11 @@ class WorkerHold:
         return sum(count for count, _ in self._waiting.values()), on_the_way
 
     def open_places(self, now: float) -> int:
-        """How many of the ids on their way are reads' places whose bundles are open (held for a pull, or a
-        message read and not yet handed on): room a reader keeps, not work."""
+        """How many of the ids on their way are reads' places held for a pull still under way: room a reader
+        keeps, not work (a place its pull filled holds a message: :meth:`fill`)."""
         return sum(1 for request_id, (admitted_at, dispatched_at, _) in self._ids.items()
                    if dispatched_at is None and request_id.startswith(self.place_prefix)
+                   and request_id not in self._filled
                    and now - admitted_at < self.place_open_s)
 
     def _counts(self, now: float, request_id: str, admitted_at: float, dispatched_at: float | None,

@@ -32,6 +32,8 @@ class Ledger(Protocol):
 
     def withdraw(self, ids: list[str]) -> None: ...
 
+    def settled(self, filled: list[str], unfilled: list[str]) -> None: ...
+
     def renew(self, ids: list[str]) -> int: ...
 
     def dispatched(self, ids: list[str]) -> None: ...
@@ -71,8 +73,7 @@ def settle(runtime: Ledger, tag: str, places: list[str], used: int) -> None:
     """The pull filled ``used`` of ``places``: those are queued for the admission step to take over, and the rest
     are given back to the worker's room. The used places count, open, until they are taken over or the read's
     bundle ends (the reader then :func:`discard` s what is left and calls the ledger's ``dispatched`` with it)."""
-    if used < len(places):
-        runtime.withdraw(places[used:])
+    runtime.settled(places[:used], places[used:])
     queue(tag, places[:used])
 
 

@@ -137,6 +137,9 @@ class WorkerRuntime:
     def withdraw(self, ids: list[str]) -> None:
         self.admission.withdraw(ids)
 
+    def settled(self, filled: list[str], unfilled: list[str]) -> None:
+        self.admission.settled(filled, unfilled)
+
     def renew(self, ids: list[str]) -> int:
         return self.admission.renew(ids)
 
