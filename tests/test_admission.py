@@ -9,13 +9,14 @@ way) end to end in ``tests/test_resilience_e2e.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
 from local.runner_semantics import Driver, InProcessRuntime, Worker, generate_fn, in_process
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.messages import LANE_BULK, InferenceRequest
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
@@ -153,6 +154,26 @@ def test_a_request_whose_place_no_longer_counts_passes_on_uncounted_without_wait
         assert len(places) == 1 and source.runtime.load()["on_the_way"] == 1
         assert [r.id for r in admit.process(request(31))] == ["adm-31"]
         assert source.runtime.load()["on_the_way"] == 1, "counted once, in its read's place"
+        admit.finish_bundle()
+    finally:
+        engine.close()
+
+
+def test_a_bulk_request_without_a_place_takes_none_of_the_room_kept_for_live_ones(vllm_server):
+    """The bulk lane's reads take places only below bulk_held, and so does its request when it is admitted without
+    one (its place lapsed): it passes uncounted, where a live request at the same load is counted in the room
+    live_reserve keeps."""
+    source, engine, _, admit = full_worker(vllm_server.base_url)
+    settings_ = source.settings
+    assert settings_.bulk_held < settings_.max_held, "the premise: live_reserve keeps room"
+    try:
+        source.runtime.report_waiting("other-key", settings_.bulk_held)  # the bulk lane's share is used
+        admit.start_bundle()
+        bulk = dataclasses.replace(request(40), lane=LANE_BULK)
+        assert [r.id for r in admit.process(bulk)] == ["adm-40"]
+        assert source.runtime.load()["on_the_way"] == 0, "a bulk request takes no live room"
+        assert [r.id for r in admit.process(request(41))] == ["adm-41"]
+        assert source.runtime.load()["on_the_way"] == 1, "a live one does"
         admit.finish_bundle()
     finally:
         engine.close()

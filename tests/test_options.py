@@ -88,6 +88,13 @@ def test_launcher_strings_are_converted():
     ({"vllm_args": "--dtype float16"}, "use --dtype instead"),
     ({"vllm_args": "--port 9000"}, "--vllm_args sets --port, which the template sets itself"),
     ({"vllm_args": "--enforce-eager '--unclosed"}, "--vllm_args cannot be split into flags"),
+    ({"vllm_args": "--scheduling-policy fcfs"},
+     "--vllm_args sets --scheduling-policy fcfs, but with prioritize_short_prompts the template sends each request"),
+    ({"vllm_args": "--scheduling_policy=fcfs", "prioritize_short_prompts": "false",
+      "bulk_subscription": "projects/my-project/subscriptions/backfill-sub"},
+     "--scheduling-policy fcfs, but with a bulk_subscription the template sends each request a vLLM priority"),
+    ({"engine": "transformers", "bulk_subscription": "projects/my-project/subscriptions/backfill-sub"},
+     "--bulk_subscription does not go with --engine=transformers: it generates each batch whole, in the order"),
     ({"number_of_worker_harness_threads": "1"}, "number_of_worker_harness_threads must be at least 2"),
     ({"number_of_worker_harness_threads": "many"}, "number_of_worker_harness_threads: expected a whole number"),
 ])
@@ -323,3 +330,10 @@ def test_the_record_that_owns_a_value_refuses_it_with_the_transformers_engine_on
     with pytest.raises(ConfigError) as excinfo:
         settings(engine="transformers", **{name: value})
     assert str(excinfo.value).count(f"--{name} does not go with --engine=transformers") == 1
+
+
+def test_a_scheduling_policy_of_ones_own_is_taken_where_no_priority_is_sent():
+    assert settings(vllm_args="--scheduling-policy fcfs", prioritize_short_prompts="false").engine.server \
+        .extra_args[-2:] == ("--scheduling-policy", "fcfs")
+    assert settings(vllm_args="--scheduling-policy priority").engine.priority_scheduling
+    settings(vllm_args="--scheduling-policy fcfs", server_url="http://127.0.0.1:8000")  # its policy is its own

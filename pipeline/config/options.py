@@ -189,11 +189,38 @@ def _check_combinations(fields: dict[str, Any]) -> list[str]:
         problems.append(f"--max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices), "
                         f"got {fields['max_lora_rank']}")
     problems.extend(_vllm_args_problems(fields.get("vllm_args") or ""))
+    problems.extend(_scheduling_problems(fields))
     if "default_max_tokens" in fields and "max_model_len" in fields and \
             fields["default_max_tokens"] >= fields["max_model_len"]:
         problems.append(f"--default_max_tokens ({fields['default_max_tokens']}) must be below "
                         f"--max_model_len ({fields['max_model_len']})")
     return problems
+
+
+def _scheduling_problems(fields: dict[str, Any]) -> list[str]:
+    """A ``--scheduling-policy`` in ``vllm_args`` other than ``priority`` on a worker whose requests carry vLLM
+    priorities (a bulk lane, shorter prompts first): vLLM refuses every request with a priority its policy does not
+    use, so every one would be a dead letter."""
+    if fields.get("engine", "vllm") != "vllm" or fields.get("server_url"):
+        return []
+    why = [what for name, what in (("bulk_subscription", "a bulk_subscription"),
+                                   ("prioritize_short_prompts", "prioritize_short_prompts"))
+           if fields.get(name)]
+    try:
+        args = shlex.split(fields.get("vllm_args") or "")
+    except ValueError:
+        return []  # said by _vllm_args_problems
+    for n, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag.replace("_", "-") != "--scheduling-policy":
+            continue
+        policy = value or (args[n + 1] if n + 1 < len(args) else "")
+        if policy != "priority" and why:
+            return [f"--vllm_args sets --scheduling-policy {policy}, but with {' and with '.join(why)} the template "
+                    "sends each request a vLLM priority, which vLLM refuses under any policy but priority (every "
+                    "request would be a dead letter): drop the flag (the template sets priority) or set it to "
+                    "priority"]
+    return []
 
 
 def _vllm_args_problems(vllm_args: str) -> list[str]:

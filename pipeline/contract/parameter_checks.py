@@ -23,6 +23,8 @@ NOT_WITH_TRANSFORMERS: dict[str, str] = {
     "generate_shards": "it generates each batch whole, on its batching key",
     "lora_adapters": "it serves the model alone, without adapters",
     "lora_adapter_root": "it serves the model alone, without adapters",
+    "bulk_subscription": "it generates each batch whole, in the order batches come, so a backfill's batches would "
+                         "hold live requests back",
 }
 
 

@@ -89,7 +89,7 @@ class AdmitFn(beam.DoFn):
         key = self._keys.of(request) if self._keys else None
         told = {request.id: key} if key is not None else None
         _, taken = self._runtime.call("admit", lambda runtime: runtime.admit([request.id], in_place_of=places,
-                                                                              keys=told))
+                                                                              bulk=request.bulk, keys=told))
         if taken:
             self._bundle_ids.append(request.id)
             self._gauges.update(self._source, self._record)
