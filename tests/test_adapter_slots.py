@@ -110,3 +110,71 @@ def test_a_restarted_server_has_forgotten_them_and_each_is_loaded_again_on_its_n
         return server.calls
 
     assert asyncio.run(run()) == [("load", "a"), ("load", "a")]
+
+
+def test_a_backfill_on_one_adapter_lets_a_live_request_for_another_through():
+    """One slot, adapter a busy with a backfill's streams that keep coming: a live request for b waits only for
+    a's streams in progress, since no bulk stream joins a while b waits; the backfill's next stream of a waits
+    in turn for b's."""
+    async def run() -> list[tuple[str, str]]:
+        server = Server()
+        held = slots(server)
+        await held.acquire("a", bulk=True)
+        live = asyncio.ensure_future(held.acquire("b"))
+        await asyncio.sleep(0.05)
+        joining = asyncio.ensure_future(held.acquire("a", bulk=True))
+        await asyncio.sleep(0.05)
+        assert not joining.done(), "a bulk stream joins no adapter while a live request waits for a slot"
+        held.release("a")  # the stream in progress ends
+        await asyncio.wait_for(live, 1.0)
+        assert held.loaded() == ["b"] and not joining.done()
+        held.release("b")
+        await asyncio.wait_for(joining, 2.0)
+        return server.calls
+
+    assert asyncio.run(run()) == [("load", "a"), ("unload", "a"), ("load", "b"), ("unload", "b"), ("load", "a")]
+
+
+def test_a_live_request_waits_for_a_slot_no_longer_than_the_patience_and_the_streams_in_progress(monkeypatch):
+    """Live streams of a loaded adapter keep joining it while a live request for another waits, until it has
+    waited PATIENCE_S: then none joins, and the one in progress ending gives the slot up."""
+    monkeypatch.setattr("pipeline.engines.adapter_slots.PATIENCE_S", 0.3)
+
+    async def run() -> None:
+        server = Server()
+        held = slots(server)
+        await held.acquire("a")
+        other = asyncio.ensure_future(held.acquire("b"))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(held.acquire("a"), 0.5)  # within its patience: a live stream joins a
+        held.release("a")
+        await asyncio.sleep(0.4)
+        late = asyncio.ensure_future(held.acquire("a"))
+        await asyncio.sleep(0.05)
+        assert not late.done(), "past its patience, no stream joins a"
+        held.release("a")
+        await asyncio.wait_for(other, 1.0)
+        assert held.loaded() == ["b"]
+        held.release("b")
+        await asyncio.wait_for(late, 2.0)
+
+    asyncio.run(run())
+
+
+def test_a_bulk_request_waiting_for_a_slot_lets_a_live_one_go_first():
+    async def run() -> list[str]:
+        server = Server()
+        held = slots(server)
+        await held.acquire("a")
+        bulk = asyncio.ensure_future(held.acquire("c", bulk=True))
+        await asyncio.sleep(0.05)
+        live = asyncio.ensure_future(held.acquire("b"))
+        await asyncio.sleep(0.05)
+        held.release("a")
+        await asyncio.wait_for(live, 1.0)
+        assert not bulk.done()
+        held.release("b")
+        await asyncio.wait_for(bulk, 2.0)
+        return [name for call, name in server.calls if call == "load"]
+
+    assert asyncio.run(run()) == ["a", "b", "c"]

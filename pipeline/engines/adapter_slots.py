@@ -10,6 +10,11 @@ using is unloaded (``/v1/unload_lora_adapter``): its next request pays the load 
 every loaded adapter is in use, a request for another waits until a stream ends. A server that restarted has
 forgotten them all (:meth:`AdapterSlots.forget`).
 
+Live first, and no request waits without bound: while a request waits for a slot, no bulk stream joins another
+adapter that is loaded (a backfill on adapter A would otherwise keep A in use for ever), a bulk request waiting
+for a slot lets a live one waiting go first, and once a live request has waited ``PATIENCE_S``, no new stream of
+either lane joins the adapters in use, so their streams end and one of them gives its slot up.
+
 Everything here runs on the engine's event loop, so its bookkeeping needs no lock; fetching (a copy from Cloud
 Storage, a check of files) runs on the loop's executor.
 """
@@ -22,6 +27,9 @@ import logging
 from typing import Awaitable, Callable
 
 LOGGER = logging.getLogger(__name__)
+
+# How long a live request waits for a slot before the streams of the loaded adapters stop taking new ones.
+PATIENCE_S = 30.0
 
 
 class AdapterSlots:
@@ -38,26 +46,33 @@ class AdapterSlots:
         self._loading: dict[str, asyncio.Future[None]] = {}
         self._unloading: dict[str, asyncio.Future[None]] = {}  # still holding its slot at the server
         self._placing: set[str] = set()  # fetched and checked, a slot taken for it, being loaded
+        self._waiting: dict[str, tuple[bool, float]] = {}  # waiting for a slot: name -> (for a live one, since)
         self._changed = asyncio.Event()
 
     def loaded(self) -> list[str]:
         """The adapters loaded now, least recently used first."""
         return list(self._loaded)
 
-    async def acquire(self, name: str) -> None:
-        """Returns once ``name`` is loaded, counted as used by one more stream until :meth:`release`."""
+    async def acquire(self, name: str, bulk: bool = False) -> None:
+        """Returns once ``name`` is loaded, counted as used by one more stream until :meth:`release`; a ``bulk``
+        request's stream goes after live ones (module docstring)."""
         while True:
             if name in self._loaded:
+                if self._holds_back(name, bulk):
+                    await self._wait_for_change()
+                    continue
                 self._loaded[name] += 1
                 self._loaded.move_to_end(name)
                 return
             if name in self._loading:
+                if not bulk and name in self._waiting and self._waiting[name][0] is False:
+                    self._waiting[name] = (True, self._now())  # a live request waits for it now
                 await asyncio.shield(self._loading[name])  # the one load under way: its outcome is ours
                 continue
             if name in self._unloading:  # loaded again only once the server has let it go
                 await asyncio.shield(self._unloading[name])
                 continue
-            await self._load_once(name)
+            await self._load_once(name, bulk)
 
     def release(self, name: str) -> None:
         """One stream no longer uses ``name``."""
@@ -78,15 +93,18 @@ class AdapterSlots:
         self._loaded.pop(name, None)
         self._wake()
 
-    async def _load_once(self, name: str) -> None:
+    async def _load_once(self, name: str, bulk: bool) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._loading[name] = future
         try:
             # Fetched and checked first: a name that cannot be served never unloads one that can.
             path = await asyncio.get_running_loop().run_in_executor(None, self._fetch, name)
+            self._waiting[name] = (not bulk, self._now())
+            self._wake()  # the streams that would join a loaded adapter now ask whether to hold back
             while len(self._loaded) + len(self._unloading) + len(self._placing) >= self.capacity:
-                if not await self._make_room():
+                if self._behind(name) or not await self._make_room():
                     await self._wait_for_change()
+            self._waiting.pop(name, None)
             self._placing.add(name)
             await self._load(name, path)
         except asyncio.CancelledError:
@@ -100,6 +118,7 @@ class AdapterSlots:
             self._loaded[name] = 0
             future.set_result(None)
         finally:
+            self._waiting.pop(name, None)
             self._placing.discard(name)
             del self._loading[name]
             self._wake()
@@ -122,9 +141,29 @@ class AdapterSlots:
             self._wake()
         return True
 
+    def _holds_back(self, name: str, bulk: bool) -> bool:
+        """Whether a new stream of loaded adapter ``name`` waits: a bulk one while any other adapter waits for a
+        slot, a live one while a live request has waited for one ``PATIENCE_S`` or longer."""
+        others = [(live, since) for waiting, (live, since) in self._waiting.items() if waiting != name]
+        if bulk:
+            return bool(others)
+        return any(live and self._now() - since >= PATIENCE_S for live, since in others)
+
+    def _behind(self, name: str) -> bool:
+        """Whether ``name``, waiting for a slot for bulk requests only, lets a live request's adapter go first."""
+        live, _ = self._waiting.get(name, (True, 0.0))
+        return not live and any(other_live for waiting, (other_live, _) in self._waiting.items() if waiting != name)
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
     async def _wait_for_change(self) -> None:
+        """Until the slots change, or a second passes (a live request's patience runs out on the clock)."""
         event = self._changed
-        await event.wait()
+        try:
+            await asyncio.wait_for(event.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
 
     def _wake(self) -> None:
         self._changed.set()

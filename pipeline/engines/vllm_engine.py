@@ -274,7 +274,7 @@ class VLLMBackend:
             self._server_starts = self._server.stats.starts
             self._adapter_slots.forget()
         try:
-            await self._adapter_slots.acquire(adapter)
+            await self._adapter_slots.acquire(adapter, bulk=stream.request.bulk)
         except AdapterUnavailable as exc:
             raise _RequestRejected(str(exc)) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
