@@ -49,7 +49,7 @@ from google.api_core.exceptions import NotFound
 
 from ops.deploy import template_parameters
 from ops.settings import DeployError, Settings
-from pipeline.contract.messages import STAGE_PARSE, DeadLetter, InferenceRequest
+from pipeline.contract.messages import REFUSED_BY_SERVER, STAGE_INFERENCE, STAGE_PARSE, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import default
 from pipeline.contract.request_parsing import parse_request
 from pipeline.serving.model_weights import storage_client
@@ -60,8 +60,9 @@ CHUNK_ROWS = 5_000  # rows looked up in the completions table, and published, at
 # that stops the run. A CSV field larger than this is read as that row's problem (csv refuses past its limit).
 PUBSUB_MESSAGE_MAX_BYTES = 10_000_000
 # The job's dead-letter stages that a resend of the same row cannot change while the job's settings stay the same:
-# the message itself (parse, validate) or its length against the model's context (measure). Letters of the other
-# stages (batch, inference, drain, sink: a full queue, a server failure, a drain) are worth a resend.
+# the message itself (parse, validate) or its length against the model's context (measure); and at the inference
+# stage, a request the model server refused for what it is (REFUSED_BY_SERVER: final). Letters of the other stages
+# (batch, inference, drain, sink: a full queue, a server failure, a drain) are worth a resend.
 FINAL_STAGES = frozenset({"parse", "validate", "measure"})
 WAIT_POLL_S = 10.0
 # What one L4 worker is assumed to generate (a 2 B model, 256-token answers: docs/benchmarks.md#traffic-spike) and
@@ -389,7 +390,7 @@ class Outputs:
             return set(), set()
         published_at = self._published_at(list(ids))
         letters = self._letters_since(published_at)
-        final = {request_id for request_id, (stage, _) in letters.items() if stage in FINAL_STAGES}
+        final = {request_id for request_id, (stage, reason) in letters.items() if is_final(stage, reason)}
         return set(published_at) - set(letters), final
 
     def letters_at(self, positions: Sequence[str]) -> dict[str, set[str]]:
@@ -419,14 +420,15 @@ class Outputs:
             bigquery.SchemaField("published_at", "TIMESTAMP", mode="REQUIRED"),
             bigquery.SchemaField("source_position", "STRING")]), exists_ok=True)
 
-    def record(self, rows: list[tuple[str, str]]) -> None:
-        """Notes (id, source position) pairs as published; called once Pub/Sub has confirmed them."""
+    def record(self, rows: list[tuple[str, str]], published_at: datetime.datetime) -> None:
+        """Notes (id, source position) pairs as published at ``published_at``, taken before they were published (a
+        letter the job writes for one, however soon, is then later); called once Pub/Sub has confirmed them."""
         if self.published_table is None or not rows:
             return
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        at = published_at.isoformat()
         errors = self.bigquery.insert_rows_json(
-            self.published_table, [{"request_id": i, "published_at": now, "source_position": p} for i, p in rows],
-            row_ids=[f"{i}@{now}" for i, _ in rows])
+            self.published_table, [{"request_id": i, "published_at": at, "source_position": p} for i, p in rows],
+            row_ids=[f"{i}@{at}" for i, _ in rows])
         if errors:
             raise BackfillError(f"the table of published ids {self.published_table} refused rows: {errors[:3]}")
 
@@ -463,6 +465,11 @@ class Outputs:
 # The run ------------------------------------------------------------------------------------------------
 
 
+def is_final(stage: str, reason: str) -> bool:
+    """Whether a job's letter at ``stage`` for ``reason`` is what a resend of the same row gets again."""
+    return stage in FINAL_STAGES or (stage == STAGE_INFERENCE and reason.startswith(REFUSED_BY_SERVER))
+
+
 def chunks(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
     chunk: list[Row] = []
     for row in rows:
@@ -478,6 +485,7 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
          progress: Any = None) -> None:
     """Publishes every unanswered row once, letters the rows that cannot be requests; counts each row once."""
     for chunk in chunks(rows, CHUNK_ROWS):
+        publishing_at = datetime.datetime.now(datetime.timezone.utc)  # before any of the chunk reaches the job
         made = [(row, checked(row, mapping)) for row in chunk]
         ids = {result[1].id for _, result in made if isinstance(result, tuple)}
         answered = outputs.answered(ids)
@@ -530,7 +538,7 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
                 progress.set_postfix(published=tally.published, skipped=tally.skipped, lettered=tally.lettered,
                                      refresh=False)
         outputs.flush()
-        outputs.record(sent)
+        outputs.record(sent, publishing_at)
 
 
 def estimate(args: argparse.Namespace, tally: Tally) -> str:
@@ -604,7 +612,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--republish", action="store_true",
                         help="send again the rows an earlier run published that are not answered yet (by default "
                              "they are left to wait in the job's subscription, and those the job dead-lettered at "
-                             "parse, validate or measure are not sent again): for a subscription deleted or emptied "
+                             "parse, validate or measure, or its model server refused, are not sent again): for a "
+                             "subscription deleted or emptied "
                              "since, or a job whose settings were changed to take them")
     parser.add_argument("--wait", action="store_true",
                         help="then wait until the job has answered or dead-lettered every row, showing its progress, "
@@ -654,8 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{tally.skipped:,} skipped as answered, {tally.lettered:,} dead letters (each with its position; "
           f"{tally.lettered_before:,} more lettered by an earlier run, not again), {tally.repeated:,} repeated rows, "
           f"{tally.waiting:,} published by an earlier run and not answered yet (left to wait in the job's "
-          f"subscription), {tally.final:,} dead-lettered by the job at parse, validate or measure (a resend gets "
-          f"the same letter: fix the row or the job's settings, then --republish sends these and the waiting ones "
+          f"subscription), {tally.final:,} dead-lettered by the job at parse, validate or measure or refused by "
+          f"its model server (a resend gets the same letter: fix the row or the job's settings, then --republish "
+          f"sends these and the waiting ones "
           f"again). Estimate: {estimate(args, tally)}.", flush=True)
     assert tally.adds_up(), tally
     if args.wait and args.completions_table and published:

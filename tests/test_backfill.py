@@ -371,3 +371,26 @@ def test_make_backfill_takes_its_topic_and_tables_from_the_deploy_settings(tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 published" in result.stdout and "4 dead letters" in result.stdout
     assert sorted(pulled_ids(subscription)) == ["t-1", "t-2"]
+
+
+def test_wait_counts_a_job_letter_that_lands_before_the_feeder_records_its_row(tmp_path, places, capsys, monkeypatch):
+    """The job may letter a row (a refusal takes milliseconds) before the feeder has recorded it as published, which
+    waits for Pub/Sub's confirmation of the whole chunk: the record's time is taken before the chunk is published,
+    so the letter still counts as the job's answer to this run, and --wait ends."""
+    jsonl, _, _ = write_sources(tmp_path)
+    _, subscription, completions, letters = places
+    recording = backfill.Outputs.record
+
+    def letter_first(self, rows, published_at):
+        if any(request_id == "t-2" for request_id, _ in rows):
+            job_gave_up_on(letters, "t-2", "measure", "prompt too long for the model's context")
+        recording(self, rows, published_at)
+
+    monkeypatch.setattr(backfill.Outputs, "record", letter_first)
+    answered_already(completions, ["t-1"])
+    started = time.monotonic()
+    assert backfill.main(args_for([jsonl], places, "--wait", "--wait-poll-s=0.2",
+                                  "--wait-timeout-s=60")) == 0, capsys.readouterr()
+    assert time.monotonic() - started < 30
+    assert "1 dead-lettered by the job: t-2 (measure" in capsys.readouterr().out
+

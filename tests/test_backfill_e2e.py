@@ -92,3 +92,23 @@ def test_a_feeder_killed_while_the_job_answers_and_run_again_answers_every_row_o
     assert skipped >= at_kill and skipped + published + waiting == total, again.stdout
     ids = [a["request_id"] for a in answered("record-")]
     assert sorted(ids) == sorted(f"record-{i}" for i in range(total)), "every row answered, none twice"
+
+
+def test_a_row_the_model_server_refuses_ends_the_wait_and_is_not_published_again(run, tmp_path, capsys):
+    """A row whose prompt overflows the server's context, which a job on a server_url does not refuse itself (it
+    estimates prompts by characters), is refused by vLLM itself (HTTP 400) and lettered at the inference stage:
+    --wait counts it as ended, however soon after its publishing the job's letter lands, and a rerun leaves it
+    alone, as it does a row lettered at parse, validate or measure."""
+    history = tmp_path / "refused.jsonl"
+    history.write_text(json.dumps({"id": "kept-1", "prompt": "The parcel came late.", "max_tokens": 4}) + "\n"
+                       + json.dumps({"id": "refused-1", "prompt": "The parcel came late. " * 500, "max_tokens": 4})
+                       + "\n")  # about 2,500 tokens: the server's context is 2,048
+    assert backfill_smoke.feed(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=300",
+                               "--quiet") == 0, run.log_tail()
+    first = capsys.readouterr().out
+    assert "Answered 1 of 2" in first and \
+        "1 dead-lettered by the job: refused-1 (inference: the server rejected the request: HTTP 400" in first, first
+    assert backfill_smoke.feed(run, history, "--quiet") == 0
+    again = capsys.readouterr().out
+    assert ": 0 published, 1 skipped as answered" in again and \
+        "1 dead-lettered by the job at parse, validate or measure or refused by its model server" in again, again

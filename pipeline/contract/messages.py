@@ -24,6 +24,10 @@ STAGE_BATCH = "batch"
 STAGE_INFERENCE = "inference"
 STAGE_DRAIN = "drain"  # the job drained before the request could be served; it can be redriven
 STAGE_SINK = "sink"
+# How an inference letter's reason begins when the model server refused the request for what it is (an HTTP 4xx
+# answer: too long for its context, a schema it cannot use, an adapter it does not have): sent again unchanged, it
+# gets the same answer (ops/backfill.py does not resend it).
+REFUSED_BY_SERVER = "the server rejected the request"
 
 # Request fields newer than state written by earlier versions (an update reads that state; see fingerprint).
 _FIELDS_ADDED_LATER = ("min_tokens", "adapter")

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from pipeline.contract.chunking import ChunkAssembler
-from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.messages import REFUSED_BY_SERVER, InferenceRequest
 from pipeline.engines.adapter_slots import AdapterSlots
 from pipeline.engines.backend import ServerLoad, StreamEvents
 from pipeline.engines.engine import Engine
@@ -251,7 +251,7 @@ class VLLMBackend:
                                    "now on, which costs more CPU per token on both sides", exc)
                 continue  # at once: nothing was generated
             except _RequestRejected as exc:
-                self._events.dead_letter(stream, f"the server rejected the request: {exc}")
+                self._events.dead_letter(stream, f"{REFUSED_BY_SERVER}: {exc}")
                 return
             except Exception as exc:  # a bug must not leave a request without an outcome
                 LOGGER.exception("Unexpected error streaming request %s", request.id)
@@ -301,7 +301,9 @@ class VLLMBackend:
                 raise AdapterUnavailable(f"adapter {name!r}: the server refused it: {_error_message(body)}")
         spec = self.settings.server
         assert spec is not None and spec.adapter_root is not None
-        self.lineage.adapters[name] = adapter_lineage(spec.adapter_root.location_of(name), path)
+        # Its digest reads every file of the copy: off the loop, so that no stream waits for it.
+        self.lineage.adapters[name] = await asyncio.get_running_loop().run_in_executor(
+            None, adapter_lineage, spec.adapter_root.location_of(name), path)
         LOGGER.info("Loaded adapter %s from %s", name, path)
 
     async def _unload_adapter(self, name: str) -> None:
