@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
 import shutil
 import time
 
@@ -21,7 +22,16 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
-from pipeline.serving.lineage import SEED_BITS, adapter_lineage, chat_template_digest, model_lineage, seed_for
+from pipeline.serving.lineage import (
+    DIGEST_BLOCK_BYTES,
+    DIGEST_CHARS,
+    SEED_BITS,
+    adapter_lineage,
+    chat_template_digest,
+    folder_digest,
+    model_lineage,
+    seed_for,
+)
 from tests.conftest import SERVED_NAME
 
 
@@ -83,6 +93,16 @@ def test_an_adapter_is_named_by_a_digest_of_every_file_it_has(tmp_path):
     assert adapter_lineage(str(adapter), str(adapter)) == first
     (adapter / "adapter_model.safetensors").write_bytes(b"\1" + b"\0" * 63)
     assert adapter_lineage(str(adapter), str(adapter)).config != first.config, "changed weights, another digest"
+
+
+def test_an_adapter_larger_than_a_block_is_digested_whole_a_block_at_a_time(tmp_path):
+    adapter = tmp_path / "large"
+    adapter.mkdir()
+    weights = os.urandom(3 * DIGEST_BLOCK_BYTES + 5)
+    (adapter / "adapter_model.safetensors").write_bytes(weights)
+    whole = hashlib.sha256(b"adapter_model.safetensors\0" + weights).hexdigest()[:DIGEST_CHARS]
+    assert folder_digest(adapter) == f"sha256:{whole}"
+    assert folder_digest(adapter) == f"sha256:{whole}", "the copy's digest again, from what this process computed"
 
 
 @pytest.mark.engine

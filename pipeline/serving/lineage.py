@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,6 +31,10 @@ from pipeline.serving.model_weights import GCS, HUB, downloaded_generations, loc
 DIGEST_CHARS = 16  # hex characters of sha256 kept: enough to tell versions apart, short enough for every row
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 SEED_BITS = 31  # vLLM takes any int: 31 bits stay a positive 32-bit int in every client and column
+DIGEST_BLOCK_BYTES = 1 << 20  # how much of a file a digest reads at once
+# Per process: each folder's digest, with the signature (names, sizes, times) of the files it was computed over.
+_FOLDER_DIGESTS: dict[str, tuple[tuple[tuple[str, int, int], ...], str]] = {}
+_DIGESTS_LOCK = threading.Lock()
 
 
 def digest(data: bytes) -> str:
@@ -45,14 +50,29 @@ def file_digest(path: Path) -> str | None:
 
 def folder_digest(folder: Path) -> str | None:
     """One digest of every file under ``folder`` (names and contents; this code's markers left out): an adapter's
-    identity, small enough to read whole."""
+    identity. Files are read a block at a time (an adapter may be gigabytes), and a copy's digest is computed once:
+    it is kept for as long as its files' names, sizes and times stay the same. Call it off an event loop."""
     if not folder.is_dir():
         return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".download"))
+    try:
+        signature = tuple((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    except OSError:
+        return None
+    with _DIGESTS_LOCK:
+        known = _FOLDER_DIGESTS.get(str(folder))
+    if known is not None and known[0] == signature:
+        return known[1]
     hasher = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".download")):
+    for path in files:
         hasher.update(str(path.relative_to(folder)).encode() + b"\0")
-        hasher.update(path.read_bytes())
-    return "sha256:" + hasher.hexdigest()[:DIGEST_CHARS]
+        with path.open("rb") as data:
+            while block := data.read(DIGEST_BLOCK_BYTES):
+                hasher.update(block)
+    found = "sha256:" + hasher.hexdigest()[:DIGEST_CHARS]
+    with _DIGESTS_LOCK:
+        _FOLDER_DIGESTS[str(folder)] = (signature, found)
+    return found
 
 
 @dataclass(frozen=True)
