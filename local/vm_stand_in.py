@@ -20,8 +20,9 @@ own process. A worker VM is more than that, and this adds what it is made of:
   restriction tracker, so the round takes what its process's real feed (:mod:`pipeline.flow.subscription_feed`)
   pulled from a real Pub/Sub (the emulator, or the tests' fault proxy in front of it: ``pubsub_host``) within
   the places it took in the worker's hold, and each request is parsed (``parse_request``) and admitted in its
-  place by the real ``AdmitFn``. A round that took nothing defers, and the next runs when its residual says, as
-  the runner resumes a deferred reader; a round whose bundle committed has its finalizer run (the feed
+  place by the real ``AdmitFn``. The job's readers are ``readers`` restrictions, each of which runs one round at a
+  time and, after a round that took nothing, again when its residual says, as the runner resumes a deferred
+  reader; a round whose bundle committed has its finalizer run (the feed
   acknowledges), and what a dead process took comes back from Pub/Sub once its ack deadline
   (``READ_ACK_DEADLINE_S``) passes. Due timers queue first in, first out with the elements that arrive for keys,
   as a worker's work queue holds them.
@@ -254,6 +255,7 @@ class VmStandIn:
     poll_interval_ms: float = 50.0
     drain_timeout_s: float = 20.0
     generate_keys: int = 4
+    readers: int = 8  # the job's readers: restrictions, each resumed on its own residual
     schedule: Schedule = field(default_factory=Schedule)
     topic: str = ""
     subscription: str = ""
@@ -278,7 +280,8 @@ class VmStandIn:
     sent_at: dict[Any, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     late_rounds: list[tuple[float, float]] = field(default_factory=list)
     reading: bool = True
-    _next_read_at: float = 0.0  # when a deferred reader's round runs again
+    _readers_due: list[float] = field(default_factory=list)  # when each reader's next round may run (monotonic)
+    _publisher: Any = None
     _disrupted_at: float = 0.0  # the last resume, kill or update: only timers due after it are measured
     _began: dict[int, float] = field(default_factory=dict)  # token -> when its work item was sent
     _last_round: float = 0.0
@@ -308,7 +311,7 @@ class VmStandIn:
         self.rounds = collections.Counter()
         self.holds, self.timer_delays, self.reading = [], [], True
         self.work_items, self.sent_at, self.late_rounds = [], collections.defaultdict(list), []
-        self._next_read_at = 0.0
+        self._readers_due = [0.0] * self.readers
         self._last_round = time.monotonic()
 
     @property
@@ -320,10 +323,11 @@ class VmStandIn:
 
     def publish(self, requests: list[InferenceRequest]) -> None:
         """Publishes the requests to the schedule's topic, as their publisher would."""
-        from google.cloud import pubsub_v1
+        if self._publisher is None:
+            from google.cloud import pubsub_v1
 
-        publisher = pubsub_v1.PublisherClient()
-        for future in [publisher.publish(self.topic, request.to_payload().encode()) for request in requests]:
+            self._publisher = pubsub_v1.PublisherClient()
+        for future in [self._publisher.publish(self.topic, request.to_payload().encode()) for request in requests]:
             future.result(timeout=30)
         self.published.update(request.id for request in requests)
 
@@ -577,7 +581,7 @@ class VmStandIn:
             self.rounds["took" if result else "full" if full else "nothing pulled"] += 1
             if not result:
                 self.deferred += full
-                self._next_read_at = max(self._next_read_at, time.monotonic() + again_s)
+            self._readers_due[item[1]] = time.monotonic() + again_s
             try:
                 sdk.conn.send(("finalize", token))  # committed: its finalizer acknowledges what it read
             except OSError:
@@ -632,14 +636,20 @@ class VmStandIn:
                     key, method, element, timer, _ = item
                     payload = (key, method, element, timer, self.state.setdefault(key, KeyState()))
                     sent = self._send(sdk, ("work", item), payload)
-                elif self.reading and self.unread and time.monotonic() >= self._next_read_at:
-                    sent = self._send(sdk, ("read",), self.subscription)
+                elif self.reading and self.unread and (reader := self._due_reader()) is not None:
+                    sent = self._send(sdk, ("read", reader), self.subscription)
                 else:
                     break
                 moved = True
                 if not sent:
                     break
         return moved
+
+    def _due_reader(self) -> int | None:
+        """A reader whose round may run now: none of its rounds runs, and its residual is due."""
+        running = {item[1] for sdk in self.sdk for item in sdk.running.values() if item[0] == "read"}
+        now = time.monotonic()
+        return next((n for n, due in enumerate(self._readers_due) if n not in running and due <= now), None)
 
     def _send(self, sdk: SdkProcess, item: tuple, payload: Any) -> bool:
         self._tokens += 1

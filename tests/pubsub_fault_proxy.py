@@ -78,6 +78,11 @@ class FaultProxy:
     def env(self) -> dict[str, str]:
         return {"PUBSUB_EMULATOR_HOST": self.host}
 
+    def counts(self) -> collections.Counter[str]:
+        """A copy of ``done``, taken under the lock its handlers count under."""
+        with self._lock:
+            return collections.Counter(self.done)
+
     def close(self) -> None:
         self._server.stop(grace=None)
         self._channel.close()

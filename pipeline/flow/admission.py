@@ -85,7 +85,9 @@ class AdmitFn(beam.DoFn):
         self._bundle_ids: list[str] = []
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
-        places = read_places.take(self._source.tag, 1, fresher_than_s=self._source.settings.admission.transit_s)
+        # A place queued longer ago than a place stays open is a dead letter's, left by an earlier bundle; one
+        # queued by this bundle's round is taken however long parsing the round's messages took.
+        places = read_places.take(self._source.tag, 1, fresher_than_s=self._source.settings.admission.place_open_s)
         key = self._keys.of(request) if self._keys else None
         told = {request.id: key} if key is not None else None
         _, taken = self._runtime.call("admit", lambda runtime: runtime.admit([request.id], in_place_of=places,

@@ -23,9 +23,12 @@ Pub/Sub, for a process whose readers run. What Pub/Sub's errors mean for it is :
 
 A feed that no round has taken from for ``IDLE_S`` (its readers moved to another worker) gives back what it holds,
 its messages to Pub/Sub at once (an ack deadline of 0) and its places to the worker, and stops pulling until a round
-asks again. Beam's counters count only within a bundle, so the feed keeps its counts and every round in its process, of any
-reader and lane, adds them (:meth:`counts`): what a feed whose readers moved away counts is not lost while any
-reader of the job runs here. After a drain no round runs, and the last counts stay uncounted.
+asks again. It pulls only while its rounds come (one asked within ``ASKED_WITHIN_S``): a process whose readers run
+rarely (a worker runs an SDK process per vCPU, and the job's readers are spread over them) holds no messages that
+keep the worker's places from the processes whose readers run. Beam's counters count only within a bundle, so the
+feed keeps its counts and every round in its process, of any reader and lane, adds them (:meth:`counts`): what a
+feed whose readers moved away counts is not lost while any reader of the job runs here. After a drain no round
+runs, and the last counts stay uncounted.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ FULL_WAIT_S = 0.2
 RENEW_S = 10.0
 # A feed no round has taken from for this long gives back what it holds and stops pulling.
 IDLE_S = 30.0
+# A feed pulls only if a round asked within this long: a few of an idle reader's intervals (EMPTY_DELAY_S, 1 s).
+ASKED_WITHIN_S = 3.0
 # A message a feed has held this long without a round taking it (its process's readers run rarely) goes back to
 # Pub/Sub, for a feed whose rounds come to take it.
 HELD_MOST_S = 5.0
@@ -136,6 +141,7 @@ class SubscriptionFeed:
         self._call = runtime_call or self._client_call
         self._name = f"{uuid.uuid4().hex[:12]}"
         self._pulls = itertools.count()
+        self._name_of_pull: str | None = None  # a reserve not yet answered: the next is asked under its name
         self._runtime: RuntimeClient | None = None
         self._held: collections.deque[Pulled] = collections.deque()
         self._taken: dict[str, float] = {}  # ack id -> when a round took it, until acknowledged
@@ -293,6 +299,7 @@ class SubscriptionFeed:
         now = self._clock()
         with self._lock:
             idle = now - self._asked_at > IDLE_S
+            unasked = now - self._asked_at > ASKED_WITHIN_S
             room = PULL_MOST - len(self._held)
             give_back = bool(self._held) and (idle or now - self._held[0].pulled_at > HELD_MOST_S)
         if give_back:
@@ -301,7 +308,7 @@ class SubscriptionFeed:
         if now - self._renewed_at >= RENEW_S:
             self._renew()
             self._renewed_at = now
-        if idle or room <= 0:
+        if unasked or room <= 0:
             self._not_before = now  # a round's take ends this wait
             return 1.0
         after = self._pull_once(room)
@@ -333,15 +340,19 @@ class SubscriptionFeed:
     def _pull_once(self, most: int) -> str:
         """One pull for up to ``most`` messages; returns what follows: ``pulled``, ``empty``, ``full``, ``retry``
         or ``refused``."""
-        name, want = f"{self._name}-{next(self._pulls)}", min(most, self._want)
+        # A reserve left unanswered is asked again under its name: one carried out late took those places, which
+        # this one then finds its own, not more.
+        self._name_of_pull = self._name_of_pull or f"{self._name}-{next(self._pulls)}"
+        name, want = self._name_of_pull, min(most, self._want)
         outcome, places = self._call(
             "take places", lambda runtime: read_places.reserve(runtime, want, self._bulk, name))
         if outcome is not Call.ANSWERED:  # silent or gone: the client recovers; a late answer's places lapse
             self._full = False  # not full: unasked (counted runtime_unreachable), and nothing is pulled
             return "refused"
+        self._name_of_pull = None
         if not places:
             outcome, full = self._call("ask if full", lambda runtime: runtime.full(self._bulk))
-            self._full = outcome is not Call.ANSWERED or bool(full)
+            self._full = outcome is Call.ANSWERED and bool(full)  # unasked is not full (runtime_unreachable)
             if self._full:
                 self._count("read_deferred")
             return "full"
@@ -377,11 +388,11 @@ class SubscriptionFeed:
         with self._lock:
             self._held.extend(Pulled(message, place, len(message.message.data), now)
                               for message, place in zip(received, places))
-        if received:
-            self._count("read_messages", len(received))
-            self._extend([m.ack_id for m in received], self._ack_deadline_s)
         filled = places[:len(received)]  # work now, no longer room a pull keeps (the worker's full)
         self._call("give back places", lambda runtime: runtime.settled(filled, unused))
+        if received:  # after the places: an extension Pub/Sub is slow to take holds no room meanwhile
+            self._count("read_messages", len(received))
+            self._extend([m.ack_id for m in received], self._ack_deadline_s)
 
     def _extend(self, ack_ids: list[str], seconds: int) -> None:
         if not ack_ids:

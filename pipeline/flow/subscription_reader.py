@@ -9,8 +9,9 @@ splittable DoFn (`Beam programming guide: splittable DoFns
 feed per SDK process and subscription (:mod:`pipeline.flow.subscription_feed`): a thread of its own that takes
 places in the worker's hold first and long-pulls no more messages than it got places for. Every round of a reader
 
-1. takes up to ``PULL_MOST`` of what its process's feed has pulled, under a lock: it never waits on Pub/Sub or on
-   the worker's runtime. When there is nothing, it **defers the rest of its restriction**
+1. takes up to ``PULL_MOST`` of what its process's feed has pulled, under a lock: it never waits on Pub/Sub (its
+   bundle's calls to the worker's runtime, admitting each request and handing the places on at its end, are each
+   bounded by ``CallSettings.bound_s``). When there is nothing, it **defers the rest of its restriction**
    (``tracker.defer_remainder``): its work item ends, the runner resumes it ``EMPTY_DELAY_S`` later if the
    subscription had nothing, ``FULL_DELAY_S`` later otherwise (the worker is full, or a pull is under way), and no
    thread waits and nothing fails meanwhile ("self-checkpointing" in the guide);
