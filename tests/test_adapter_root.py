@@ -117,6 +117,29 @@ def test_a_worker_fetches_a_good_adapter_and_says_why_it_cannot_serve_each_bad_o
     assert fetch_adapter(found, "other-model", None, 16)
 
 
+def test_an_adapter_trained_for_another_model_of_the_same_shape_is_refused_naming_both(root, checkpoint, tmp_path):
+    """Shapes cannot tell two models of one architecture apart; the base model peft recorded can. An adapter whose
+    adapter_config.json names another model is refused, whatever the served model is called (a hub id whose files
+    are not on disk here, a local folder), unless lora_base_model_check is off; one trained on a copy of the model
+    (a folder of the same name) is served."""
+    other = tmp_path / "other-base"
+    build_adapter(checkpoint, other, seed=2)
+    config = json.loads((other / "adapter_config.json").read_text())
+    assert Path(config["base_model_name_or_path"]).name == checkpoint.name, "peft records what it was trained on"
+    config["base_model_name_or_path"] = "Qwen/Qwen2.5-0.5B-Instruct"
+    (other / "adapter_config.json").write_text(json.dumps(config))
+    found = AdapterRoot(str(tmp_path))
+    for served, folder in ((str(checkpoint), str(checkpoint)), (f"HuggingFaceTB/{checkpoint.name}", None)):
+        with pytest.raises(AdapterUnavailable) as raised:
+            fetch_adapter(found, "other-base", folder, 16, base_model=served)
+        assert "was trained for 'Qwen/Qwen2.5-0.5B-Instruct'" in str(raised.value) and served in str(raised.value)
+        assert "lora_base_model_check=false" in str(raised.value)
+        assert fetch_adapter(AdapterRoot(str(root)), "good", folder, 16, base_model=served)
+    assert fetch_adapter(found, "other-base", str(checkpoint), 16, base_model=None), "the check off: shapes fit"
+    assert JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": str(tmp_path),
+                                     "lora_base_model_check": "false"}).engine.server.lora_base_model_check is False
+
+
 def test_a_root_in_cloud_storage_is_copied_down_once_an_adapter_is_named(root, checkpoint, tmp_path):
     with GcsEmulator() as gcs, activated(gcs):
         gcs.upload_folder(root / "good", "adapters", "team/good")

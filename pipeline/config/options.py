@@ -81,6 +81,7 @@ class PipelineConfig:
     vllm_args: str
     lora_adapters: str | None
     lora_adapter_root: str | None
+    lora_base_model_check: bool
     max_lora_rank: int
     max_loras: int
     server_start_timeout_s: int

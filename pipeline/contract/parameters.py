@@ -258,6 +258,13 @@ PARAMETERS: tuple[Parameter, ...] = (
               "loaded, the least recently used unloaded first. engine=vllm with the model manager's own server only.",
               "gs://my-bucket/adapters/", GROUP_MODEL,
               regex=r"^(gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/\S*)?|(/|\./|\.\./|~)\S*)$"),
+    Parameter("lora_base_model_check", "Check adapters' base model",
+              "Serve an adapter of lora_adapter_root only if the base model its adapter_config.json names "
+              "(peft's base_model_name_or_path) is the served model: its hub id or Cloud Storage folder, the model "
+              "its config.json names, or a folder of the same name (an adapter trained on a copy of the model). "
+              "Another is a dead letter naming both, since an adapter for another model of the same shape answers "
+              "nonsense. false skips this check (the rank, module and shape checks stay).",
+              "true", GROUP_MODEL, "BOOLEAN", default=True),
     Parameter("max_lora_rank", "Max LoRA rank",
               "The largest rank among lora_adapters (vLLM's --max-lora-rank: 8, 16, 32, 64, 128, 256, 320 or 512). "
               "vLLM reserves GPU memory for this rank in every adapter slot; an adapter of higher rank is refused "

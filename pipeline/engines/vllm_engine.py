@@ -119,7 +119,8 @@ class VLLMBackend:
         self._server_starts = self._server.stats.starts if self._server else 0
         if spec is not None and spec.adapter_root is not None and self._server is not None:
             fetch = functools.partial(fetch_adapter, spec.adapter_root, model_folder=self._server.model_path,
-                                      max_lora_rank=spec.max_lora_rank, cache_dir=spec.model_cache_dir)
+                                      max_lora_rank=spec.max_lora_rank, cache_dir=spec.model_cache_dir,
+                                      base_model=spec.model if spec.lora_base_model_check else None)
             self._adapter_slots = AdapterSlots(spec.root_adapters, fetch, self._load_adapter, self._unload_adapter)
         atexit.register(self.close)
 

@@ -57,9 +57,10 @@ class AdapterRoot:
 
 
 def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lora_rank: int,
-                  cache_dir: str | None = None) -> str:
+                  cache_dir: str | None = None, base_model: str | None = None) -> str:
     """Where adapter ``name`` of ``root`` lies on this worker, copied and checked against the model in
-    ``model_folder`` (None: a model whose files are not on disk here, whose shapes go unchecked). Raises
+    ``model_folder`` (None: a model whose files are not on disk here, whose shapes go unchecked) and, with
+    ``base_model`` (the served model as configured), that it was trained for it (:func:`base_problem`). Raises
     :class:`AdapterUnavailable` with the reason."""
     if not ADAPTER_NAME.match(name):
         raise AdapterUnavailable(f"adapter {name[:80]!r}: not a folder name under lora_adapter_root")
@@ -73,9 +74,48 @@ def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lo
         raise AdapterUnavailable(f"adapter {name!r}: {location} cannot be read ({type(exc).__name__}: "
                                  f"{str(exc)[:300]})") from None
     problem = fit_problem(name, Path(path), model_folder, max_lora_rank)
+    if problem is None and base_model is not None:
+        problem = base_problem(name, Path(path), base_model, model_folder)
     if problem:
         raise AdapterUnavailable(problem)
     return path
+
+
+def model_names(base_model: str, model_folder: str | None) -> set[str]:
+    """What an adapter may name the served model by: as configured (a hub id, a gs:// or local folder), the folder
+    it was loaded from, the model its config.json names (``_name_or_path``), and each of their last path parts,
+    lowercased (an adapter trained on a copy of the model names the copy's folder)."""
+    names = {base_model, *([model_folder] if model_folder else [])}
+    try:
+        recorded = json.loads((Path(model_folder) / "config.json").read_text()).get("_name_or_path") \
+            if model_folder else None
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if isinstance(recorded, str) and recorded:
+        names.add(recorded)
+    return {name.rstrip("/").lower() for name in names} | {_last_part(name) for name in names}
+
+
+def base_problem(name: str, folder: Path, base_model: str, model_folder: str | None) -> str | None:
+    """Why the adapter in ``folder`` was not trained for the served model (``lora_base_model_check``), or None: the
+    base model its adapter_config.json names (peft's ``base_model_name_or_path``) must be one of
+    :func:`model_names`. An adapter that names none is left to the shape checks."""
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None  # fit_problem has said what is wrong with its config
+    if not isinstance(base, str) or not base.strip():
+        return None
+    known = model_names(base_model, model_folder)
+    if base.rstrip("/").lower() in known or _last_part(base) in known:
+        return None
+    return (f"adapter {name!r} was trained for {base[:200]!r} (its {ADAPTER_CONFIG}'s base_model_name_or_path), "
+            f"not for the served model {base_model!r}: an adapter for another model answers nonsense; set "
+            "lora_base_model_check=false if it was trained on a copy of this model under another name")
+
+
+def _last_part(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
 def fit_problem(name: str, folder: Path, model_folder: str | None, max_lora_rank: int) -> str | None:

@@ -65,6 +65,8 @@ class ServerSpec:
     adapters: tuple[Adapter, ...] = ()
     # A folder whose sub-folders are adapters loaded at run time on first use (pipeline.serving.adapter_root).
     adapter_root: AdapterRoot | None = None
+    # Whether a root's adapter must name this model as its base (pipeline.serving.adapter_root.base_problem).
+    lora_base_model_check: bool = default("lora_base_model_check")
     max_lora_rank: int = default("max_lora_rank")
     max_loras: int = default("max_loras")
     # A Secret Manager secret version holding a Hugging Face token (pipeline.serving.model_access); its name, not the
