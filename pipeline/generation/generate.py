@@ -57,8 +57,8 @@ from pipeline.generation.key_machine import converse
 from pipeline.generation.key_state import KeyState
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS, StepOutputs
 from pipeline.worker.load import LoadGauges
-from pipeline.worker.runtime import RuntimeSource, SharedRuntime, new_runtime_tag, process_record, start_heartbeat
-from pipeline.worker.runtime_client import RuntimeClient
+from pipeline.worker.runtime import RuntimeSource, SharedRuntime, new_runtime_tag, process_record
+from pipeline.worker.runtime_client import RuntimeClient, start_heartbeat
 from pipeline.worker.runtime_settings import RuntimeSettings
 
 

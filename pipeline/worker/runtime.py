@@ -72,30 +72,6 @@ def client_id() -> str:
     return _CLIENT.setdefault(pid, f"{pid}-{uuid.uuid4().hex[:8]}")
 
 
-# Per process: the runtimes it sends its heartbeat to, by tag.
-_HEARTBEATS: dict[str, threading.Thread] = {}
-
-
-def start_heartbeat(source: RuntimeSource) -> None:
-    """Tells ``source``'s runtime that this process is alive, several times a lease, for the life of the process:
-    a process that pauses stops, and the runtime keeps its streams (:mod:`pipeline.engines.leases`)."""
-    interval_s = min(max(source.settings.engine.stream_lease_s / 8, 0.025), 0.5)
-
-    def beat() -> None:
-        client = client_id()
-        while True:
-            try:
-                source.acquire().heartbeat(client)
-            except Exception:  # reconnecting, or the runtime is gone: the steps say so
-                pass
-            time.sleep(interval_s)
-
-    with _ACQUIRE_LOCK:
-        if source.tag not in _HEARTBEATS:
-            _HEARTBEATS[source.tag] = threading.Thread(target=beat, name=f"heartbeat-{source.tag}", daemon=True)
-            _HEARTBEATS[source.tag].start()
-
-
 class WorkerRuntime:
     """One VM's engine and admission ledger; every public method is a call a step may make through the proxy."""
 
@@ -240,20 +216,34 @@ def acquire_runtime(settings: RuntimeSettings, tag: str, *, fresh: bool = False)
 
 # Per process: the threads acquiring a runtime anew after its host died, by tag.
 _RECONNECTING: dict[str, threading.Thread] = {}
+# Per process: how many times each runtime was acquired anew, by tag (runtime_generation).
+_GENERATIONS: dict[str, int] = {}
+
+
+def runtime_generation(tag: str) -> int:
+    """How many reconnects to the runtime ``tag`` names this process has completed: a call that read it before it
+    took its handle, and whose handle then failed, starts no reconnect when one completed since (its handle was the
+    dead host's; the runtime is back already)."""
+    with _ACQUIRE_LOCK:
+        return _GENERATIONS.get(tag, 0)
 RECONNECT_BACKOFF_S = (1.0, 60.0)  # first and longest wait between failed attempts
 
 
-def reconnect(source: RuntimeSource, cause: BaseException) -> None:
+def reconnect(source: RuntimeSource, cause: BaseException, seen: int | None = None) -> None:
     """Acquires ``source``'s runtime anew in a thread of its own, once at a time per process, retrying with
     backoff until it succeeds: a step that found the runtime's host gone (``cause``: what its call raised) goes
     on meanwhile (its calls fail fast on the old handle), so no timer waits for a rebuild and no failed rebuild
-    wedges a key. A start is logged with its cause; while one runs, a further call does nothing."""
+    wedges a key. A start is logged with its cause; while one runs, a further call does nothing, and so does a
+    call made on a handle from before the last reconnect (``seen``: :func:`runtime_generation` when it began): a
+    second rebuild would lose every stream the first one's runtime runs."""
 
     def again() -> None:
         wait_s = RECONNECT_BACKOFF_S[0]
         while True:
             try:
                 source.acquire(fresh=True)
+                with _ACQUIRE_LOCK:
+                    _GENERATIONS[source.tag] = _GENERATIONS.get(source.tag, 0) + 1
                 LOGGER.warning("Reconnected to the worker's runtime (%s)", source.tag)
                 return
             except Exception:
@@ -265,6 +255,8 @@ def reconnect(source: RuntimeSource, cause: BaseException) -> None:
         running = _RECONNECTING.get(source.tag)
         if running is not None and running.is_alive():
             return
+        if seen is not None and _GENERATIONS.get(source.tag, 0) > seen:
+            return  # the call's handle was the dead host's: the runtime was acquired anew since
         _RECONNECTING[source.tag] = threading.Thread(target=again, name=f"reconnect-{source.tag}", daemon=True)
         _RECONNECTING[source.tag].start()
     LOGGER.warning("The worker's runtime is unreachable (%s); acquiring it anew in the background", cause)

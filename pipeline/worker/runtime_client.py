@@ -32,7 +32,14 @@ from apache_beam.metrics import Metrics
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.stream_progress import Output
-from pipeline.worker.runtime import RuntimeSource, WorkerRuntime, client_id, process_record, reconnect
+from pipeline.worker.runtime import (
+    RuntimeSource,
+    WorkerRuntime,
+    client_id,
+    process_record,
+    reconnect,
+    runtime_generation,
+)
 from pipeline.worker.runtime_settings import CallSettings
 
 LOGGER = logging.getLogger(__name__)
@@ -105,6 +112,30 @@ def _answered(tag: str, future: Future) -> None:
         _UNANSWERED.get(tag, set()).discard(future)
 
 
+# Per process: the runtimes it sends its heartbeat to, by tag.
+_HEARTBEATS: dict[str, threading.Thread] = {}
+
+
+def start_heartbeat(source: RuntimeSource) -> None:
+    """Tells ``source``'s runtime that this process is alive, several times a lease, for the life of the process:
+    a process that pauses stops, and the runtime keeps its streams (:mod:`pipeline.engines.leases`)."""
+    interval_s = min(max(source.settings.engine.stream_lease_s / 8, 0.025), 0.5)
+
+    def beat() -> None:
+        client = client_id()
+        while True:
+            try:
+                call_within(source, lambda runtime: runtime.heartbeat(client))  # bounded: a silent host is said so
+            except Exception:  # noqa: BLE001 - silent, reconnecting or gone: the steps' calls say so and recover
+                pass
+            time.sleep(interval_s)
+
+    with _CALLERS_LOCK:
+        if source.tag not in _HEARTBEATS:
+            _HEARTBEATS[source.tag] = threading.Thread(target=beat, name=f"heartbeat-{source.tag}", daemon=True)
+            _HEARTBEATS[source.tag].start()
+
+
 class RuntimeClient:
     """A step's calls to its worker's runtime (``namespace``: the step's metrics namespace)."""
 
@@ -118,6 +149,7 @@ class RuntimeClient:
 
     def call(self, what: str, call: Callable[[WorkerRuntime], Any]) -> tuple[Call, Any]:
         """``(ANSWERED, call(runtime))``, ``(UNREACHABLE, None)`` or ``(FAILED, None)``, within the call bound."""
+        generation = runtime_generation(self._source.tag)  # before the call takes its handle
         try:
             return Call.ANSWERED, call_within(self._source, call)
         except RuntimeSilent:
@@ -125,7 +157,7 @@ class RuntimeClient:
             return Call.UNREACHABLE, None
         except (ConnectionError, EOFError) as exc:
             self._unreachable.inc()
-            reconnect(self._source, exc)
+            reconnect(self._source, exc, seen=generation)
             return Call.UNREACHABLE, None
         except Exception:
             LOGGER.exception("The worker's engine failed to %s", what)
