@@ -159,6 +159,14 @@ PARAMETERS: tuple[Parameter, ...] = (
               "arrives while the bulk lane fills the worker is read and started at once. 0 keeps none: live "
               "requests still go first in every queue.",
               "0.25", GROUP_INPUT, "NUMBER", default=0.25, minimum=0, maximum=0.9),
+    Parameter("live_first_token_slo_ms", "Live first-token objective (ms)",
+              "With a bulk_subscription: how long a live request may wait at its worker's model server for its "
+              "first token. Each worker measures it as it runs and runs as many bulk streams as keep it there: "
+              "half as many within a second when live first tokens pass it, one more each second while they stay "
+              "well below it, all the lane's share while no live request comes, never fewer than one (a backlog "
+              "always moves). 0 runs the lane's whole share (max_in_flight less live_reserve) whatever it costs "
+              "live requests.",
+              "1000", GROUP_INPUT, "NUMBER", default=1000, minimum=0, maximum=600_000),
     Parameter("id_attribute", "Request id attribute",
               "Message attribute that holds the request id when the payload has no 'id'. "
               "Without either, the Pub/Sub message id is used.",

@@ -159,8 +159,15 @@ class Engine:
         running, queued = self.backend.load()
         with self._lock:
             busy_ms = round(self._registry.busy.busy_s * 1000)
+            lane = self._registry.lane
+            now = time.monotonic()
+            bulk_cap, live_p90 = lane.bulk_cap(now), lane.percentile_ms(now)
+            lane_totals = {"live_first_tokens": lane.live_first_tokens,
+                           "live_first_tokens_over_objective": lane.live_over_objective,
+                           "bulk_lane_halvings": lane.halvings}
         publisher = self._chunk_publisher
-        return {"server_running": running, "server_waiting": queued, "busy_ms": busy_ms,
+        return {"server_running": running, "server_waiting": queued, "busy_ms": busy_ms, "bulk_cap": bulk_cap,
+                "live_first_token_p90_ms": None if live_p90 is None else round(live_p90), **lane_totals,
                 "chunks_published": publisher.published if publisher else 0,
                 "chunks_unconfirmed": publisher.unconfirmed() if publisher else 0, **self.backend.stats()}
 
@@ -250,6 +257,8 @@ class Engine:
         """Publishes and/or queues chunks for poll(); the caller holds the lock."""
         if not self._registry.holds(stream):
             return  # cancelled: nobody will collect it
+        if chunks:
+            self._registry.first_chunk(stream, time.monotonic())
         for chunk in chunks:
             if self._chunk_publisher is not None:
                 self._chunk_publisher.publish(stream.key, chunk)

@@ -11,6 +11,7 @@ so the same registry runs under a simulated clock.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pipeline.contract.chunking import ChunkAssembler
@@ -18,6 +19,7 @@ from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import UNKNOWN, OutputWindow
 from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.lane_governor import BULK_STARVED_S, LaneGovernor
 from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
 
 
@@ -31,6 +33,7 @@ class Stream:
     done: bool = False
     lease: Stamp = (0.0, "", 0.0, 0.0)  # the lease clocks when this stream was last polled, submitted or joined
     sent_at: float | None = None  # when the model first took it (wall clock): what it waited before is its queue
+    taken_mono: float | None = None  # when the model took its first attempt (monotonic), until its first token
     accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
 
 
@@ -45,9 +48,12 @@ class StreamRegistry:
         self.settings, self.instance, self.whole_batches = settings, instance, whole_batches
         self.streams: dict[str, Stream] = {}
         self.unfinished = 0  # streams not yet done: what max_in_flight bounds
+        self.bulk_unfinished = 0  # of them, the bulk lane's: what the lane's cap bounds
+        self._bulk_refused_since: float | None = None  # a bulk request found no room, none running, since then
         self.busy = BusyShares()
         self.leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
         self.finished_kept = finished_kept(settings.max_in_flight)
+        self.lane = LaneGovernor(settings.live_first_token_slo_ms, settings.bulk_streams)
         # How often the lease clocks tick (:meth:`expire`): several times a lease, at most once a second.
         self.tick_s = min(max(settings.stream_lease_s / 4, 0.05), 1.0)
 
@@ -73,16 +79,31 @@ class StreamRegistry:
             self.streams[stream.key] = stream
             started.append(stream)
         self.unfinished += len(started)
+        bulk = sum(stream.request.bulk for stream in started)
+        if bulk:
+            self.bulk_unfinished += bulk
+            self._bulk_refused_since = None
         return keys, started
 
     def room(self, new: int, bulk: bool = False) -> int:
-        """How many of ``new`` requests to take now, under ``max_in_flight`` (under ``bulk_streams`` for the bulk
-        lane's, so live requests always find room).
+        """How many of ``new`` requests to take now, under ``max_in_flight``; a bulk lane's only beside fewer than
+        ``bulk_streams`` unfinished streams (so live requests always find room) and fewer bulk ones than the lane's
+        cap (:mod:`.lane_governor`), except that one starts, where any room is left, once the lane has had none
+        running for ``BULK_STARVED_S``: a backlog always moves.
 
         With whole batches none of a batch that does not fit is taken, except when idle, so no batch waits
         forever (the launch refuses batches larger than ``max_in_flight`` for that engine)."""
-        limit = self.settings.bulk_streams if bulk else self.settings.max_in_flight
-        free = max(limit - self.unfinished, 0)
+        if not bulk:
+            free = max(self.settings.max_in_flight - self.unfinished, 0)
+        else:
+            now = time.monotonic()
+            free = min(self.settings.bulk_streams - self.unfinished, self.lane.bulk_cap(now) - self.bulk_unfinished)
+            if free <= 0 and self.bulk_unfinished == 0 and self.unfinished < self.settings.max_in_flight:
+                if self._bulk_refused_since is None:
+                    self._bulk_refused_since = now
+                elif now - self._bulk_refused_since >= BULK_STARVED_S:
+                    free = 1
+            free = max(free, 0)
         if not self.whole_batches:
             return min(new, free)
         return new if new <= free or self.unfinished == 0 else 0
@@ -128,6 +149,7 @@ class StreamRegistry:
             if not stream.done:
                 stream.done = True
                 self.unfinished -= 1
+                self.bulk_unfinished -= stream.request.bulk
                 running.append(stream)
         return running
 
@@ -141,12 +163,23 @@ class StreamRegistry:
         if final and not stream.done:
             stream.done = True
             self.unfinished -= 1
+            self.bulk_unfinished -= stream.request.bulk
 
     def began(self, stream: Stream, now: float, now_mono: float) -> None:
         """The model took the stream (an attempt of it) at ``now``: it shares the model's time from here."""
         if stream.sent_at is None:
-            stream.sent_at = now
+            stream.sent_at, stream.taken_mono = now, now_mono
+            if not stream.request.bulk:
+                self.lane.live_sent(now_mono)
         self.busy.begin(stream.key, now_mono)
+
+    def first_chunk(self, stream: Stream, now_mono: float) -> None:
+        """A chunk of the stream went out: its first, a live stream's, tells the lane how long live first tokens
+        take beside it (:mod:`.lane_governor`)."""
+        if stream.taken_mono is not None:
+            if not stream.request.bulk:
+                self.lane.first_token(now_mono, (now_mono - stream.taken_mono) * 1000.0)
+            stream.taken_mono = None
 
     def ended(self, stream: Stream, now_mono: float) -> None:
         """The model no longer works on the stream (finished, failed or cancelled); idempotent."""

@@ -4,7 +4,9 @@ Namespace :data:`LOAD_NAMESPACE`, set at most once a second per process and
 step: ``held_requests`` and ``max_held_requests`` (the worker's hold and its
 bound, :mod:`pipeline.worker.hold`), ``in_flight_requests``,
 ``waiting_requests``, ``server_running_requests`` and
-``server_waiting_requests`` (vLLM's own ``/metrics``), ``model_busy_ms`` (how
+``server_waiting_requests`` (vLLM's own ``/metrics``), ``bulk_cap`` and ``live_first_token_p90_ms`` (how many
+bulk streams the lane may run, and the live first tokens it follows: :mod:`pipeline.engines.lane_governor`),
+``model_busy_ms`` (how
 long the model has had a request running, so far: its busy share of the
 worker's time), ``chunks_published`` and ``chunks_unconfirmed`` (by the engine,
 to the chunk topic), and with ``engine=transformers`` the token positions its
@@ -32,8 +34,11 @@ _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight"
            "waiting": "waiting_requests", "server_running": "server_running_requests",
            "server_waiting": "server_waiting_requests", "busy_ms": "model_busy_ms",
            "chunks_published": "chunks_published", "chunks_unconfirmed": "chunks_unconfirmed",
+           "bulk_cap": "bulk_cap", "live_first_token_p90_ms": "live_first_token_p90_ms",
            **{name: name for name in ("batch_requests", "prompt_positions", "prompt_padding", "decode_positions",
                                       "decode_padding")}}
+# Totals the engine keeps (its runtime has no Beam context), counted here as Beam counters of the same name by
+# what each grew since this process last counted it (LoadGauges._totals).
 GAUGE_INTERVAL_S = 1.0
 
 
@@ -49,6 +54,11 @@ class LoadGauges:
         self._step = step
         self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
         self._restarts = Metrics.counter(LOAD_NAMESPACE, "server_restarts")
+        self._totals = {  # each by its name, as the dashboard queries them
+            "live_first_tokens": Metrics.counter(LOAD_NAMESPACE, "live_first_tokens"),
+            "live_first_tokens_over_objective": Metrics.counter(LOAD_NAMESPACE, "live_first_tokens_over_objective"),
+            "bulk_lane_halvings": Metrics.counter(LOAD_NAMESPACE, "bulk_lane_halvings"),
+        }
 
     def update(self, source: RuntimeSource, record: ProcessRecord) -> None:
         now = time.monotonic()
@@ -63,8 +73,18 @@ class LoadGauges:
         with record.lock:
             new = max(restarts - record.restarts_counted, 0)
             record.restarts_counted += new
+            grown: dict[str, int] = {}
+            for name in self._totals:
+                total = load.get(name) or 0
+                # A total below what was counted: a new engine (a rebuilt runtime) counting from zero again.
+                counted = record.totals_counted.get(name, 0)
+                grown[name] = total - counted if total >= counted else total
+                record.totals_counted[name] = total
         if new:
             self._restarts.inc(new)
+        for name, more in grown.items():
+            if more:
+                self._totals[name].inc(more)
         for key, gauge in self._gauges.items():
             value = load.get(key)
             if value is not None:

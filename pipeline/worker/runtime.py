@@ -47,6 +47,7 @@ class ProcessRecord:
     reported_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (count, monotonic when)
     gauges_at: dict[str, float] = field(default_factory=dict)  # step -> when it last set the load gauges
     restarts_counted: int = 0  # the model server's restarts counted as Beam counters so far
+    totals_counted: dict[str, int] = field(default_factory=dict)  # the engine's other totals counted so far
     uncounted_logged_at: float = float("-inf")  # when the admission step last logged that it could not count
     full_logged_at: float = float("-inf")  # when a reader last logged that the worker was full
     lock: threading.Lock = field(default_factory=threading.Lock)
