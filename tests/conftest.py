@@ -63,9 +63,10 @@ NO_VLLM_REASON = ("this environment has no vLLM (installed for the transformers 
 
 
 def needs_vllm(item: pytest.Item) -> bool:
-    """Whether a test serves with vLLM: it takes the suite's vLLM server, or is of the model (marked ``engine``) and
-    does not name the transformers engine in its id (that engine's own tests, and its runs of the end-to-end ones)."""
-    if "vllm_server" in getattr(item, "fixturenames", ()):
+    """Whether a test needs vLLM: it takes the suite's vLLM server, imports vLLM (marked ``imports_vllm``), or is of
+    the model (marked ``engine``) and does not name the transformers engine in its id (that engine's own tests, and
+    its runs of the end-to-end ones)."""
+    if "vllm_server" in getattr(item, "fixturenames", ()) or item.get_closest_marker("imports_vllm"):
         return True
     return item.get_closest_marker("engine") is not None and "transformers" not in item.nodeid
 

@@ -52,6 +52,7 @@ def test_every_file_the_dockerfile_copies_exists_and_is_not_docker_ignored():
     assert (REPO / "template" / "main.py").is_file()
 
 
+@pytest.mark.imports_vllm
 def test_each_images_base_carries_the_cuda_major_its_wheels_are_built_for():
     """PyPI's vLLM release declares the CUDA version its wheels are built for (the same release's CPU build is here):
     the build without pins or indexes is of that major, and the Dockerfile's and Cloud Build's fallbacks are it (a
@@ -145,6 +146,7 @@ def run_instructions() -> list[str]:
     return [line[4:] for line in joined.splitlines() if line.startswith("RUN ")]
 
 
+@pytest.mark.imports_vllm
 def test_a_broken_image_fails_its_build_not_the_workers():
     runs = run_instructions()
     install = next(i for i, run in enumerate(runs) if '".[gpu]"' in run)
