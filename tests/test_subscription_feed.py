@@ -20,6 +20,7 @@ from google.cloud import pubsub_v1
 
 from pipeline.flow import pubsub_trouble, subscription_backlog, subscription_feed
 from pipeline.flow.subscription_reader import CheckpointsOnly, PullWithinRoomFn
+from tests.conftest import wait_until
 from tests.feed_harness import (
     ACK_DEADLINE_S,
     BOUND,
@@ -263,3 +264,23 @@ def test_a_reader_splits_only_to_checkpoint():
     assert tracker.try_split(0.5) is None
     primary, residual = tracker.try_split(0)
     assert (primary.stop, residual.start) == (1, 1)
+
+
+def test_a_feed_whose_places_no_longer_count_gives_its_messages_back(subscription, proxy, monkeypatch):
+    """The worker's runtime was rebuilt (its new ledger knows none of the feed's places) while the feed held pulled
+    messages: they would pass on uncounted, past the worker's bound, so the feed's next renewal gives them back to
+    Pub/Sub, and it pulls again in places that count."""
+    monkeypatch.setattr(subscription_feed, "RENEW_S", 0.01)  # each turn renews
+    monkeypatch.setattr(subscription_feed, "HELD_MOST_S", 120.0)  # held messages would not go back on their own
+    topic, path = subscription
+    publish(topic, BOUND)
+    source = a_worker()
+    feed = a_feed(path, source, proxy)
+    try:
+        assert wait_until(lambda: (feed.take(0), held(source))[1] == BOUND, 20), "the feed holds the worker's bound"
+        source.ledger.withdraw(list(source.ledger._hold._ids))  # as a rebuilt runtime's new ledger knows none
+        assert held(source) == 0
+        assert counted(feed, "given_back", BOUND, within_s=20, asking=True) == BOUND
+        assert wait_until(lambda: (feed.take(0), held(source))[1] == BOUND, 20), "pulled again, counted"
+    finally:
+        feed.stop()

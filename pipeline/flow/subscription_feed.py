@@ -423,7 +423,15 @@ class SubscriptionFeed:
         self.backlog.refresh_soon()
         if held:
             places = [pulled.place for pulled in held]
-            self._call("renew places", lambda runtime: read_places.renew(runtime, places))
+            outcome, still = self._call("renew places", lambda runtime: read_places.renew(runtime, places))
+            if outcome is Call.ANSWERED and still < len(places):
+                # Places the worker no longer counts (a rebuilt runtime's new ledger, places that lapsed while the
+                # feed could not renew them): their messages would pass uncounted, so all go back and are pulled
+                # again in places that count.
+                LOGGER.info("%d of the %d places this feed of %s holds no longer count in the worker's hold; its "
+                            "messages go back to Pub/Sub", len(places) - still, len(places), self.subscription)
+                self._give_back()
+                return
             self._extend([pulled.received.ack_id for pulled in held], self._ack_deadline_s)
 
     def _give_back(self, older_than_s: float = 0.0) -> None:
