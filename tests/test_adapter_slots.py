@@ -178,3 +178,25 @@ def test_a_bulk_request_waiting_for_a_slot_lets_a_live_one_go_first():
         return [name for call, name in server.calls if call == "load"]
 
     assert asyncio.run(run()) == ["a", "b", "c"]
+
+
+def test_bulk_requests_for_several_adapters_at_once_are_each_served_and_none_is_loaded_for_nothing():
+    """A backfill with an adapter per customer: with one slot, bulk requests for a, b and c at once are served one
+    adapter after another as each one's stream ends; no adapter is unloaded before the request that loaded it
+    used it (the review's livelock: 121 loads in 5 s, none served)."""
+    async def run() -> list[tuple[str, str]]:
+        server = Server()
+        held = slots(server)
+        asked = {name: asyncio.ensure_future(held.acquire(name, bulk=True)) for name in "abc"}
+        served: list[str] = []
+        for _ in range(3):
+            done, _ = await asyncio.wait([f for f in asked.values() if not f.done()] or [asyncio.sleep(0)],
+                                         timeout=3.0, return_when=asyncio.FIRST_COMPLETED)
+            name = next(n for n, f in asked.items() if f.done() and n not in served)
+            served.append(name)
+            held.release(name)
+        assert sorted(served) == ["a", "b", "c"]
+        return server.calls
+
+    calls = asyncio.run(run())
+    assert [call for call, _ in calls].count("load") == 3, calls

@@ -40,14 +40,42 @@ def test_well_below_the_objective_the_lane_grows_one_stream_a_second_and_between
     for second in range(8):
         lane.live_sent(second)
         lane.first_token(second, (HEADROOM - 0.1) * 1000.0)
-        caps.append(lane.bulk_cap(second))
+        caps.append(lane.bulk_cap(second, live_running=1, bulk_running=lane.cap))
     assert caps == [2, 3, 4, 5, 6, 6, 6, 6]
+    unused = LaneGovernor(1000.0, 6)
+    unused.cap = 2
+    for second in range(4):
+        unused.live_sent(second)
+        unused.first_token(second, 100.0)
+        assert unused.bulk_cap(second, live_running=1, bulk_running=1) == 2, "a cap the lane does not use stays"
     steady = LaneGovernor(1000.0, 6)
     steady.cap = 3
     for second in range(4):
         steady.live_sent(second)
         steady.first_token(second, 850.0)  # between HEADROOM and the objective
-        assert steady.bulk_cap(second) == 3
+        assert steady.bulk_cap(second, live_running=1, bulk_running=3) == 3
+
+
+def test_one_slow_first_token_halves_the_lane_once_not_once_a_second_while_it_stays_in_the_window():
+    lane, _ = governed(most=64)
+    lane.live_sent(0.0)
+    lane.first_token(0.0, 1500.0)
+    caps = []
+    for second in range(6):
+        lane.live_sent(float(second))
+        if second:
+            lane.first_token(float(second), 300.0)  # the first tokens after the halving are fast
+        caps.append(lane.bulk_cap(float(second), live_running=1, bulk_running=0))
+    assert caps == [32, 32, 32, 32, 32, 32], "halved on the slow one, then held: the cap is not used to grow"
+
+
+def test_a_live_stream_still_running_keeps_the_lane_governed_past_idle_s():
+    lane, _ = governed()
+    lane.live_sent(0.0)
+    lane.first_token(0.0, 5000.0)
+    assert lane.bulk_cap(0.0, live_running=1) == 8
+    assert lane.bulk_cap(IDLE_S + 1.0, live_running=1) == 8, "a long live answer is still running: not idle"
+    assert lane.bulk_cap(IDLE_S + 2.0, live_running=0) == 16
 
 
 def test_with_no_live_request_the_lane_takes_its_whole_share_and_off_it_always_does():
@@ -103,12 +131,16 @@ def test_the_engine_starts_no_more_bulk_streams_than_the_cap_and_one_after_starv
 
 def test_a_live_streams_first_chunk_is_what_the_lane_follows(monkeypatch):
     registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=4), "engine")
+    start = time.monotonic()  # the registry asks the lane on the monotonic clock
     (key,), (live,) = registry.submit([request(0, False)], [1], "client")
-    registry.began(live, time.time(), 100.0)
-    registry.first_chunk(live, 100.25)
-    registry.first_chunk(live, 101.0)  # a later chunk says nothing more
+    registry.began(live, time.time(), start)
+    registry.first_chunk(live, start + 0.25)
+    registry.first_chunk(live, start + 1.0)  # a later chunk says nothing more
     (_,), (bulk,) = registry.submit([request(1, True)], [1], "client")
-    registry.began(bulk, time.time(), 100.0)
-    registry.first_chunk(bulk, 103.0)
-    assert registry.lane.percentile_ms(101.0) == pytest.approx(250.0)
-    assert lane_governor.WINDOW_S < 20 and registry.lane.percentile_ms(100.0 + 20) is None, "the window forgets"
+    registry.began(bulk, time.time(), start)
+    registry.first_chunk(bulk, start + 3.0)  # a bulk stream's says nothing
+    assert registry.lane.percentile_ms(start + 1.0) == pytest.approx(250.0)
+    registry.began(live, time.time(), start + 2.0)  # a retried attempt is measured from its own start
+    registry.first_chunk(live, start + 2.5)
+    assert registry.lane.percentile_ms(start + 3.0) == pytest.approx(500.0)
+    assert lane_governor.WINDOW_S < 20 and registry.lane.percentile_ms(start + 20) is None, "the window forgets"

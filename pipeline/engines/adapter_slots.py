@@ -10,10 +10,12 @@ using is unloaded (``/v1/unload_lora_adapter``): its next request pays the load 
 every loaded adapter is in use, a request for another waits until a stream ends. A server that restarted has
 forgotten them all (:meth:`AdapterSlots.forget`).
 
-Live first, and no request waits without bound: while a request waits for a slot, no bulk stream joins another
-adapter that is loaded (a backfill on adapter A would otherwise keep A in use for ever), a bulk request waiting
-for a slot lets a live one waiting go first, and once a live request has waited ``PATIENCE_S``, no new stream of
-either lane joins the adapters in use, so their streams end and one of them gives its slot up.
+Live first, and no request waits without bound: while a live request waits for a slot, no bulk stream joins
+another adapter that is loaded (a backfill on adapter A would otherwise keep A in use for ever), a bulk request
+waiting for a slot lets a live one waiting go first, and once any request has waited ``PATIENCE_S`` (its first
+wait, kept however often it loses a slot), no new bulk stream joins the adapters in use, nor, for a live one, a
+live stream: their streams end and one of them gives its slot up. The request that loads an adapter takes its
+use of it in the same step, so no other waiter's room-making unloads it before it is used.
 
 Everything here runs on the engine's event loop, so its bookkeeping needs no lock; fetching (a copy from Cloud
 Storage, a check of files) runs on the loop's executor.
@@ -47,6 +49,7 @@ class AdapterSlots:
         self._unloading: dict[str, asyncio.Future[None]] = {}  # still holding its slot at the server
         self._placing: set[str] = set()  # fetched and checked, a slot taken for it, being loaded
         self._waiting: dict[str, tuple[bool, float]] = {}  # waiting for a slot: name -> (for a live one, since)
+        self._first_wait: dict[str, float] = {}  # when each name not yet loaded first waited for a slot
         self._changed = asyncio.Event()
 
     def loaded(self) -> list[str]:
@@ -72,7 +75,8 @@ class AdapterSlots:
             if name in self._unloading:  # loaded again only once the server has let it go
                 await asyncio.shield(self._unloading[name])
                 continue
-            await self._load_once(name, bulk)
+            await self._load_once(name, bulk)  # loaded with this stream's use counted
+            return
 
     def release(self, name: str) -> None:
         """One stream no longer uses ``name``."""
@@ -99,7 +103,7 @@ class AdapterSlots:
         try:
             # Fetched and checked first: a name that cannot be served never unloads one that can.
             path = await asyncio.get_running_loop().run_in_executor(None, self._fetch, name)
-            self._waiting[name] = (not bulk, self._now())
+            self._waiting[name] = (not bulk, self._first_wait.setdefault(name, self._now()))
             self._wake()  # the streams that would join a loaded adapter now ask whether to hold back
             while len(self._loaded) + len(self._unloading) + len(self._placing) >= self.capacity:
                 if self._behind(name) or not await self._make_room():
@@ -115,7 +119,8 @@ class AdapterSlots:
             future.exception()  # retrieved: the waiters raise it themselves
             raise
         else:
-            self._loaded[name] = 0
+            self._loaded[name] = 1  # the loader's own use, taken with the load: nothing unloads it unused
+            self._first_wait.pop(name, None)
             future.set_result(None)
         finally:
             self._waiting.pop(name, None)
@@ -142,12 +147,13 @@ class AdapterSlots:
         return True
 
     def _holds_back(self, name: str, bulk: bool) -> bool:
-        """Whether a new stream of loaded adapter ``name`` waits: a bulk one while any other adapter waits for a
-        slot, a live one while a live request has waited for one ``PATIENCE_S`` or longer."""
-        others = [(live, since) for waiting, (live, since) in self._waiting.items() if waiting != name]
+        """Whether a new stream of loaded adapter ``name`` waits: a bulk one while a live request waits for another
+        adapter's slot, or any request has waited for one ``PATIENCE_S``; a live one while a live request has."""
+        now = self._now()
+        others = [(live, now - since) for waiting, (live, since) in self._waiting.items() if waiting != name]
         if bulk:
-            return bool(others)
-        return any(live and self._now() - since >= PATIENCE_S for live, since in others)
+            return any(live or waited >= PATIENCE_S for live, waited in others)
+        return any(live and waited >= PATIENCE_S for live, waited in others)
 
     def _behind(self, name: str) -> bool:
         """Whether ``name``, waiting for a slot for bulk requests only, lets a live request's adapter go first."""

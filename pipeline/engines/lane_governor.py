@@ -10,11 +10,13 @@ interference the lane causes and nothing else (not the queue in front of the eng
 The rule is additive increase, multiplicative decrease on the bulk lane's stream cap, adjusted once a second from
 the 90th percentile of the live first tokens of the last ``WINDOW_S``:
 
-* above ``live_first_token_slo_ms``, the cap halves (it shrinks within seconds);
-* below ``HEADROOM`` of it, the cap grows by one;
+* above ``live_first_token_slo_ms``, the cap halves (it shrinks within seconds), and halves again only on first
+  tokens that came after (a halving stops new bulk streams; what came before it cannot show its effect);
+* below ``HEADROOM`` of it, the cap grows by one, while the lane runs as many streams as its cap (a cap it does
+  not use tells nothing of what more would cost);
 * between, it stays;
-* with no live stream sent for ``IDLE_S``, the cap is the lane's whole share (``bulk_streams``): the lane takes
-  everything while no live request is there to slow.
+* with no live stream running and none sent for ``IDLE_S``, the cap is the lane's whole share (``bulk_streams``):
+  the lane takes everything while no live request is there to slow.
 
 It never goes below one stream, and a lane that live traffic alone keeps from running for ``BULK_STARVED_S``
 starts one where the engine has any room (the live reserve included), so a backlog always moves (no starvation:
@@ -54,6 +56,7 @@ class LaneGovernor:
         self._first_tokens: collections.deque[tuple[float, float]] = collections.deque()  # (at, ms)
         self._live_sent_at = float("-inf")
         self._adjusted_at = float("-inf")
+        self._halved_at = float("-inf")  # first tokens before this cannot show the last halving's effect
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.live_first_tokens = self.live_over_objective = self.halvings = 0
 
@@ -67,33 +70,33 @@ class LaneGovernor:
         self.live_first_tokens += 1
         self.live_over_objective += 0 < self.objective_ms < ms
 
-    def percentile_ms(self, now: float) -> float | None:
-        """The window's live first-token percentile, or None with none in it."""
+    def percentile_ms(self, now: float, since: float = float("-inf")) -> float | None:
+        """The window's live first-token percentile (of those after ``since``), or None with none."""
         while self._first_tokens and now - self._first_tokens[0][0] > WINDOW_S:
             self._first_tokens.popleft()
-        if not self._first_tokens:
+        ordered = sorted(ms for at, ms in self._first_tokens if at > since)
+        if not ordered:
             return None
-        ordered = sorted(ms for _, ms in self._first_tokens)
         return ordered[min(len(ordered) - 1, math.ceil(PERCENTILE * len(ordered)) - 1)]
 
-    def bulk_cap(self, now: float) -> int:
-        """How many bulk streams may run now (at least one)."""
+    def bulk_cap(self, now: float, live_running: int = 0, bulk_running: int = 0) -> int:
+        """How many bulk streams may run now (at least one), beside ``live_running`` live and ``bulk_running`` bulk
+        streams."""
         if self.objective_ms <= 0:
             return self.most
         if now - self._adjusted_at >= ADJUST_S:
             self._adjusted_at = now
-            self.cap = self._adjusted(now)
+            self.cap = self._adjusted(now, live_running, bulk_running)
         return self.cap
 
-    def _adjusted(self, now: float) -> int:
-        if now - self._live_sent_at > IDLE_S:
+    def _adjusted(self, now: float, live_running: int, bulk_running: int) -> int:
+        if not live_running and now - self._live_sent_at > IDLE_S:
             return self.most
-        seen = self.percentile_ms(now)
-        if seen is None:
-            return self.cap
-        if seen > self.objective_ms:
+        if (fresh := self.percentile_ms(now, since=self._halved_at)) is not None and fresh > self.objective_ms:
             self.halvings += self.cap > 1
+            self._halved_at = now
             return max(1, self.cap // 2)
-        if seen < HEADROOM * self.objective_ms:
+        seen = self.percentile_ms(now)
+        if seen is not None and seen < HEADROOM * self.objective_ms and bulk_running >= self.cap:
             return min(self.most, self.cap + 1)
         return self.cap

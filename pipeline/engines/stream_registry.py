@@ -97,8 +97,11 @@ class StreamRegistry:
             free = max(self.settings.max_in_flight - self.unfinished, 0)
         else:
             now = time.monotonic()
-            free = min(self.settings.bulk_streams - self.unfinished, self.lane.bulk_cap(now) - self.bulk_unfinished)
-            if free <= 0 and self.bulk_unfinished == 0 and self.unfinished < self.settings.max_in_flight:
+            cap = self.lane.bulk_cap(now, self.unfinished - self.bulk_unfinished, self.bulk_unfinished)
+            free = min(self.settings.bulk_streams - self.unfinished, cap - self.bulk_unfinished)
+            if free > 0 or self.bulk_unfinished:
+                self._bulk_refused_since = None  # the lane moves
+            elif self.unfinished < self.settings.max_in_flight:
                 if self._bulk_refused_since is None:
                     self._bulk_refused_since = now
                 elif now - self._bulk_refused_since >= BULK_STARVED_S:
@@ -168,9 +171,10 @@ class StreamRegistry:
     def began(self, stream: Stream, now: float, now_mono: float) -> None:
         """The model took the stream (an attempt of it) at ``now``: it shares the model's time from here."""
         if stream.sent_at is None:
-            stream.sent_at, stream.taken_mono = now, now_mono
-            if not stream.request.bulk:
-                self.lane.live_sent(now_mono)
+            stream.sent_at = now
+        stream.taken_mono = now_mono  # each attempt's first token is measured from its own start
+        if not stream.request.bulk:
+            self.lane.live_sent(now_mono)
         self.busy.begin(stream.key, now_mono)
 
     def first_chunk(self, stream: Stream, now_mono: float) -> None:
