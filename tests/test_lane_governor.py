@@ -114,29 +114,29 @@ def test_the_engine_starts_no_more_bulk_streams_than_the_cap_and_one_after_starv
     assert registry.settings.bulk_streams == 6
     registry.lane.cap = 2
     registry.lane._adjusted_at = time.monotonic() + 3600  # held where it is: what the engine does with a cap
-    keys, _ = registry.submit([request(i, True) for i in range(5)], [1] * 5, "client")
+    keys, _ = registry.submit([request(i, True) for i in range(5)], [1] * 5, "client", time.monotonic())
     assert sum(key is not None for key in keys) == 2, "the cap, not the lane's share"
     for stream in list(registry.streams.values()):
         registry.stop([registry.streams.pop(stream.key)], time.monotonic())
     assert registry.bulk_unfinished == 0
-    keys, _ = registry.submit([request(i, False) for i in range(6)], [1] * 6, "client")
+    keys, _ = registry.submit([request(i, False) for i in range(6)], [1] * 6, "client", time.monotonic())
     assert all(keys), "live requests fill the lane's share"
-    assert registry.submit([request(9, True)], [1], "client")[0] == [None], "the live reserve is kept"
+    assert registry.submit([request(9, True)], [1], "client", time.monotonic())[0] == [None], "the live reserve is kept"
     time.sleep(0.35)
-    assert registry.submit([request(10, True)], [1], "client")[0] != [None], \
+    assert registry.submit([request(10, True)], [1], "client", time.monotonic())[0] != [None], \
         "refused for BULK_STARVED_S with none running: one starts in the reserve"
-    assert registry.submit([request(11, True)], [1], "client")[0] == [None], "one, not more"
+    assert registry.submit([request(11, True)], [1], "client", time.monotonic())[0] == [None], "one, not more"
     assert registry.unfinished == 7 and registry.bulk_unfinished == 1
 
 
 def test_a_live_streams_first_chunk_is_what_the_lane_follows(monkeypatch):
     registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=4), "engine")
     start = time.monotonic()  # the registry asks the lane on the monotonic clock
-    (key,), (live,) = registry.submit([request(0, False)], [1], "client")
+    (key,), (live,) = registry.submit([request(0, False)], [1], "client", time.monotonic())
     registry.began(live, time.time(), start)
     registry.first_chunk(live, start + 0.25)
     registry.first_chunk(live, start + 1.0)  # a later chunk says nothing more
-    (_,), (bulk,) = registry.submit([request(1, True)], [1], "client")
+    (_,), (bulk,) = registry.submit([request(1, True)], [1], "client", time.monotonic())
     registry.began(bulk, time.time(), start)
     registry.first_chunk(bulk, start + 3.0)  # a bulk stream's says nothing
     assert registry.lane.percentile_ms(start + 1.0) == pytest.approx(250.0)

@@ -55,7 +55,7 @@ def test_what_a_poll_from_its_committed_position_returns_is_every_output_once_in
             _, first, count, bulk = operation
             batch = [request(first + n, bulk) for n in range(count)]
             held = set(reg.streams)
-            keys, started = reg.submit(batch, [1] * count, IN_PROCESS)
+            keys, started = reg.submit(batch, [1] * count, IN_PROCESS, 0.0)
             assert {s.key for s in started} == {k for k in keys if k is not None and k not in held}
             for stream in started:  # new here, or anew after it was forgotten: a stream from its start
                 emitted[stream.key], committed[stream.key] = [], 0
@@ -104,35 +104,35 @@ def test_what_a_poll_from_its_committed_position_returns_is_every_output_once_in
 
 def test_a_retried_submission_joins_its_stream_and_a_new_attempt_is_a_stream_of_its_own():
     reg = registry()
-    keys, started = reg.submit([request(1)], [1], IN_PROCESS)
-    again, joined = reg.submit([request(1)], [1], IN_PROCESS)
+    keys, started = reg.submit([request(1)], [1], IN_PROCESS, 0.0)
+    again, joined = reg.submit([request(1)], [1], IN_PROCESS, 0.0)
     assert again == keys and joined == [] and reg.unfinished == 1
-    next_try, started_again = reg.submit([request(1)], [2], IN_PROCESS)
+    next_try, started_again = reg.submit([request(1)], [2], IN_PROCESS, 0.0)
     assert next_try != keys and len(started_again) == 1 and reg.unfinished == 2
 
 
 def test_the_bulk_lane_starts_only_beside_fewer_than_its_streams_and_live_requests_take_the_rest():
     reg = registry(max_in_flight=4, live_reserve=0.5)  # bulk beside fewer than 2
-    bulk_keys, _ = reg.submit([request(n, bulk=True) for n in range(4)], [1] * 4, IN_PROCESS)
+    bulk_keys, _ = reg.submit([request(n, bulk=True) for n in range(4)], [1] * 4, IN_PROCESS, 0.0)
     assert sum(k is not None for k in bulk_keys) == 2
-    live_keys, _ = reg.submit([request(n) for n in range(10, 14)], [1] * 4, IN_PROCESS)
+    live_keys, _ = reg.submit([request(n) for n in range(10, 14)], [1] * 4, IN_PROCESS, 0.0)
     assert sum(k is not None for k in live_keys) == 2, "live takes what the bulk lane left"
 
 
 def test_a_static_engine_takes_a_batch_whole_or_not_at_all_unless_idle():
     reg = registry(whole_batches=True)
-    keys, _ = reg.submit([request(n) for n in range(2)], [1, 1], IN_PROCESS)
+    keys, _ = reg.submit([request(n) for n in range(2)], [1, 1], IN_PROCESS, 0.0)
     assert all(keys)
-    refused, started = reg.submit([request(n) for n in range(10, 12)], [1, 1], IN_PROCESS)
+    refused, started = reg.submit([request(n) for n in range(10, 12)], [1, 1], IN_PROCESS, 0.0)
     assert refused == [None, None] and not started, "two do not fit beside two of three: none taken"
     reg.stop(reg.take([k for k in keys if k]), 0.0)
-    big, _ = reg.submit([request(n) for n in range(20, 25)], [1] * 5, IN_PROCESS)
+    big, _ = reg.submit([request(n) for n in range(20, 25)], [1] * 5, IN_PROCESS, 0.0)
     assert all(big), "an idle engine takes a batch larger than its room, so no batch waits forever"
 
 
 def test_a_stream_no_key_polls_expires_within_its_lease_and_its_model_time_is_counted():
     reg = registry()
-    (key,), (stream,) = reg.submit([request(1)], [1], IN_PROCESS)
+    (key,), (stream,) = reg.submit([request(1)], [1], IN_PROCESS, 0.0)
     reg.began(stream, 100.0, 0.0)
     expired = []
     now = 0.0

@@ -207,7 +207,7 @@ class SimEngine:
 
     def submit(self, request_jsons: tuple[str, ...], attempts: tuple[int, ...], now: float) -> list[str | None]:
         requests = [InferenceRequest.from_json(text) for text in request_jsons]
-        keys, started = self.registry.submit(requests, list(attempts), IN_PROCESS)
+        keys, started = self.registry.submit(requests, list(attempts), IN_PROCESS, now)
         for stream in started:
             self.server[stream.key] = _Generation(stream, now, self.schedule.rate_tps, self.schedule.chunk_tokens)
             self._advance(self.server[stream.key], now)

@@ -112,7 +112,7 @@ class Engine:
         """
         requests = [InferenceRequest.from_json(text) for text in request_jsons]
         with self._lock:
-            keys, started = self._registry.submit(requests, attempts, client)
+            keys, started = self._registry.submit(requests, attempts, client, time.monotonic())
         if started:
             self.backend.start(started)
         return keys

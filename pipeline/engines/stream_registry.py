@@ -11,7 +11,6 @@ so the same registry runs under a simulated clock.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from pipeline.contract.chunking import ChunkAssembler
@@ -57,10 +56,11 @@ class StreamRegistry:
         # How often the lease clocks tick (:meth:`expire`): several times a lease, at most once a second.
         self.tick_s = min(max(settings.stream_lease_s / 4, 0.05), 1.0)
 
-    def submit(self, requests: list[InferenceRequest], attempts: list[int],
-               client: str) -> tuple[list[str | None], list[Stream]]:
-        """Registers what fits of a batch: each request's key (None where there was no room) and the streams
-        new here, which the engine's backend must start. A request already registered joins its stream."""
+    def submit(self, requests: list[InferenceRequest], attempts: list[int], client: str,
+               now_mono: float) -> tuple[list[str | None], list[Stream]]:
+        """Registers what fits of a batch at ``now_mono`` (the monotonic clock): each request's key (None where
+        there was no room) and the streams new here, which the engine's backend must start. A request already
+        registered joins its stream."""
         asked = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}" for r, a in zip(requests, attempts)]
         keys: list[str | None] = list(asked)
         started: list[Stream] = []
@@ -69,7 +69,7 @@ class StreamRegistry:
             if key in self.streams:  # joined again: a retried submission renews the lease
                 self._renew(self.streams[key], client)
         new = [i for i, key in enumerate(asked) if key not in self.streams]
-        room = self.room(len(new), bulk=any(requests[i].bulk for i in new))
+        room = self.room(len(new), now_mono, bulk=any(requests[i].bulk for i in new))
         for n, i in enumerate(new):
             if n >= room:
                 keys[i] = None
@@ -85,7 +85,7 @@ class StreamRegistry:
             self._bulk_refused_since = None
         return keys, started
 
-    def room(self, new: int, bulk: bool = False) -> int:
+    def room(self, new: int, now: float, bulk: bool = False) -> int:
         """How many of ``new`` requests to take now, under ``max_in_flight``; a bulk lane's only beside fewer than
         ``bulk_streams`` unfinished streams (so live requests always find room) and fewer bulk ones than the lane's
         cap (:mod:`.lane_governor`), except that one starts, where any room is left, once the lane has had none
@@ -96,7 +96,6 @@ class StreamRegistry:
         if not bulk:
             free = max(self.settings.max_in_flight - self.unfinished, 0)
         else:
-            now = time.monotonic()
             cap = self.lane.bulk_cap(now, self.unfinished - self.bulk_unfinished, self.bulk_unfinished)
             free = min(self.settings.bulk_streams - self.unfinished, cap - self.bulk_unfinished)
             if free > 0 or self.bulk_unfinished:
