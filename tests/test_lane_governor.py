@@ -16,6 +16,8 @@ from pipeline.engines import lane_governor, stream_registry
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.lane_governor import ADJUST_S, HEADROOM, IDLE_S, LaneGovernor
 from pipeline.engines.stream_registry import StreamRegistry
+from pipeline.engines.vllm_engine import vllm_engine
+from pipeline.worker.runtime import COUNTED_TOTALS, WorkerRuntime
 
 
 def governed(objective_ms: float = 1000.0, most: int = 16) -> tuple[LaneGovernor, list[float]]:
@@ -144,3 +146,19 @@ def test_a_live_streams_first_chunk_is_what_the_lane_follows(monkeypatch):
     registry.first_chunk(live, start + 2.5)
     assert registry.lane.percentile_ms(start + 3.0) == pytest.approx(500.0)
     assert lane_governor.WINDOW_S < 20 and registry.lane.percentile_ms(start + 20) is None, "the window forgets"
+
+
+def test_the_lanes_counts_are_taken_once_for_the_whole_vm_however_many_processes_ask():
+    """The runtime is one per VM and each SDK process's steps report its load: a total each process counted as
+    it grew was counted once per process (the review's K-fold counters). The runtime hands out what grew since
+    anyone took it."""
+    engine = vllm_engine(EngineSettings(server=None, server_url="http://127.0.0.1:9", served_model_name="m"))
+    try:
+        runtime = WorkerRuntime(engine)
+        assert set(runtime.take_counts()) == {"server_restarts", *COUNTED_TOTALS}
+        engine._registry.lane.first_token(time.monotonic(), 50.0)
+        engine._registry.lane.first_token(time.monotonic(), 50.0)
+        taken = [runtime.take_counts() for _ in range(3)]  # three processes' steps, one after another
+        assert [counts["live_first_tokens"] for counts in taken] == [2, 0, 0]
+    finally:
+        engine.close()

@@ -14,10 +14,13 @@ batches computed and how many were padding (``batch_requests``,
 ``prompt_positions``, ``prompt_padding``, ``decode_positions``,
 ``decode_padding``). The admission step and the generate step both report them.
 
-Beside them, the counter ``server_restarts``: how many times this process's
-model server was restarted, counted once per process whichever step notices
-(the server is restarted by its monitor thread, which has no Beam context to
-count in). Cloud Monitoring charts counters, not gauges (docs/operations.md).
+Beside them, the counters ``server_restarts`` (how many times the worker's
+model server was restarted), ``live_first_tokens``,
+``live_first_tokens_over_objective`` and ``bulk_lane_halvings`` (the bulk
+lane's governor): totals the runtime keeps, which has no Beam context to count
+in, counted once per VM whichever step of whichever SDK process takes them
+(``WorkerRuntime.take_counts``). Cloud Monitoring charts counters, not gauges
+(docs/operations.md).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight"
            "bulk_cap": "bulk_cap", "live_first_token_p90_ms": "live_first_token_p90_ms",
            **{name: name for name in ("batch_requests", "prompt_positions", "prompt_padding", "decode_positions",
                                       "decode_padding")}}
-# Totals the engine keeps (its runtime has no Beam context), counted here as Beam counters of the same name by
-# what each grew since this process last counted it (LoadGauges._totals).
+# Totals the engine keeps (its runtime has no Beam context) are counted here as Beam counters of the same name,
+# by what each grew since any step of the VM last took them (WorkerRuntime.take_counts): once per VM.
 GAUGE_INTERVAL_S = 1.0
 
 
@@ -53,8 +56,8 @@ class LoadGauges:
     def __init__(self, step: str) -> None:
         self._step = step
         self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
-        self._restarts = Metrics.counter(LOAD_NAMESPACE, "server_restarts")
-        self._totals = {  # each by its name, as the dashboard queries them
+        self._counters = {  # each by its name, as the dashboard queries them
+            "server_restarts": Metrics.counter(LOAD_NAMESPACE, "server_restarts"),
             "live_first_tokens": Metrics.counter(LOAD_NAMESPACE, "live_first_tokens"),
             "live_first_tokens_over_objective": Metrics.counter(LOAD_NAMESPACE, "live_first_tokens_over_objective"),
             "bulk_lane_halvings": Metrics.counter(LOAD_NAMESPACE, "bulk_lane_halvings"),
@@ -67,24 +70,12 @@ class LoadGauges:
                 return
             record.gauges_at[self._step] = now
         try:
-            load, restarts = call_within(source, lambda runtime: (runtime.load(), runtime.server_restarts()))
+            load, grown = call_within(source, lambda runtime: (runtime.load(), runtime.take_counts()))
         except Exception:  # advisory: a step must not fail for its gauges (the runtime may be reconnecting or silent)
             return
-        with record.lock:
-            new = max(restarts - record.restarts_counted, 0)
-            record.restarts_counted += new
-            grown: dict[str, int] = {}
-            for name in self._totals:
-                total = load.get(name) or 0
-                # A total below what was counted: a new engine (a rebuilt runtime) counting from zero again.
-                counted = record.totals_counted.get(name, 0)
-                grown[name] = total - counted if total >= counted else total
-                record.totals_counted[name] = total
-        if new:
-            self._restarts.inc(new)
         for name, more in grown.items():
-            if more:
-                self._totals[name].inc(more)
+            if more and name in self._counters:
+                self._counters[name].inc(more)
         for key, gauge in self._gauges.items():
             value = load.get(key)
             if value is not None:

@@ -46,8 +46,6 @@ class ProcessRecord:
 
     reported_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (count, monotonic when)
     gauges_at: dict[str, float] = field(default_factory=dict)  # step -> when it last set the load gauges
-    restarts_counted: int = 0  # the model server's restarts counted as Beam counters so far
-    totals_counted: dict[str, int] = field(default_factory=dict)  # the engine's other totals counted so far
     uncounted_logged_at: float = float("-inf")  # when the admission step last logged that it could not count
     full_logged_at: float = float("-inf")  # when a reader last logged that the worker was full
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -73,6 +71,10 @@ def client_id() -> str:
     return _CLIENT.setdefault(pid, f"{pid}-{uuid.uuid4().hex[:8]}")
 
 
+# The engine's running totals that the steps count as Beam counters (WorkerRuntime.take_counts).
+COUNTED_TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "bulk_lane_halvings")
+
+
 class WorkerRuntime:
     """One VM's engine and admission ledger; every public method is a call a step may make through the proxy."""
 
@@ -81,6 +83,8 @@ class WorkerRuntime:
         self.engine = engine
         self.settings = RuntimeSettings(engine.settings, admission, calls)
         self.admission = AdmissionLedger(self.settings, engine.in_flight)
+        self._counted: dict[str, int] = {}  # the engine's totals handed out as counts so far (take_counts)
+        self._counted_lock = threading.Lock()
 
     # Generation (the generate step) -----------------------------------------------------
 
@@ -104,6 +108,17 @@ class WorkerRuntime:
 
     def server_restarts(self) -> int:
         return self.engine.server_restarts()
+
+    def take_counts(self) -> dict[str, int]:
+        """What the engine's totals (its server's restarts, the lane governor's counts) grew by since any step of
+        any SDK process last took them: each is counted as a Beam counter once for the whole VM, not once per
+        process that asks."""
+        totals = {"server_restarts": self.engine.server_restarts(),
+                  **{name: int(value or 0) for name, value in self.engine.stats().items() if name in COUNTED_TOTALS}}
+        with self._counted_lock:
+            grown = {name: max(total - self._counted.get(name, 0), 0) for name, total in totals.items()}
+            self._counted.update(totals)
+        return grown
 
     # Admission (the admission step; the generate step reports what waits) ------------------
 
