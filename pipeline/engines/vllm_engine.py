@@ -37,7 +37,7 @@ from pipeline.engines.backend import ServerLoad, StreamEvents
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream
-from pipeline.serving.adapter_root import AdapterUnavailable, fetch_adapter
+from pipeline.serving.adapter_root import AdapterUnavailable, AdapterUnreadable, fetch_adapter
 from pipeline.serving.lineage import ServingLineage, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
@@ -278,7 +278,7 @@ class VLLMBackend:
             await self._adapter_slots.acquire(adapter, bulk=stream.request.bulk)
         except AdapterUnavailable as exc:
             raise _RequestRejected(str(exc)) from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, AdapterUnreadable) as exc:
             raise RetryableError(f"loading adapter {adapter}: {type(exc).__name__}: {exc}") from exc
         try:
             await self._stream_from_server(stream)
@@ -328,7 +328,8 @@ class VLLMBackend:
                 self._events.began(stream)  # the server answered: it has the request (vLLM answers before it generates)
                 if response.status >= 400:
                     body = (await response.text())[:2000]
-                    if response.status in (408, 429) or response.status >= 500:
+                    # 401/403: a proxy in front of a server_url refusing expired credentials, not the request.
+                    if response.status in (401, 403, 408, 429) or response.status >= 500:
                         raise RetryableError(f"HTTP {response.status}: {body}")
                     if "stream_interval" in payload and "stream_interval" in body:
                         raise _StreamIntervalRefused(f"HTTP {response.status}: {_error_message(body)}")

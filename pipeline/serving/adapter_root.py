@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from google.api_core.exceptions import GoogleAPIError
+from google.api_core.exceptions import GoogleAPIError, NotFound
 from google.auth.exceptions import DefaultCredentialsError
 
 from pipeline.contract.parameter_checks import check_parameters
@@ -38,6 +38,10 @@ _OUT_FEATURES = {"o_proj": "hidden_size", "down_proj": "hidden_size", "gate_proj
 
 class AdapterUnavailable(Exception):
     """An adapter a request names that this worker cannot serve; the message is the dead letter's reason."""
+
+
+class AdapterUnreadable(Exception):
+    """An adapter that could not be read just now (Cloud Storage or the disk failed): its request is tried again."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +71,15 @@ def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lo
     location = root.location_of(name)
     try:
         path = local_weights(location, ADAPTER_CONFIG, cache_dir)
-    except (WeightsError, FileNotFoundError) as exc:
+    except (WeightsError, FileNotFoundError, NotFound) as exc:
         raise AdapterUnavailable(f"adapter {name!r}: no adapter at {location} ({exc}); an adapter is a folder "
                                  "saved by peft (save_pretrained)") from None
-    except (GoogleAPIError, DefaultCredentialsError, OSError, ValueError) as exc:
+    except ValueError as exc:
         raise AdapterUnavailable(f"adapter {name!r}: {location} cannot be read ({type(exc).__name__}: "
                                  f"{str(exc)[:300]})") from None
+    except (GoogleAPIError, DefaultCredentialsError, OSError) as exc:  # Cloud Storage or a disk, for now
+        raise AdapterUnreadable(f"adapter {name!r}: {location} cannot be read now ({type(exc).__name__}: "
+                                f"{str(exc)[:300]})") from exc
     problem = fit_problem(name, Path(path), model_folder, max_lora_rank)
     if problem is None and base_model is not None:
         problem = base_problem(name, Path(path), base_model, model_folder)
