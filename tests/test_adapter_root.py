@@ -24,6 +24,7 @@ from pipeline.contract.request_parsing import RequestLimits, parse_request
 from pipeline.serving.adapter_root import (
     AdapterRoot,
     AdapterUnavailable,
+    base_problem,
     fetch_adapter,
     root_problem,
     safetensors_shapes,
@@ -177,3 +178,23 @@ def test_any_weights_file_is_read_or_refused_with_a_reason(tmp_path, header, dec
     except ValueError:
         return
     assert all(isinstance(size, int) for shape in shapes.values() for size in shape)
+
+
+@pytest.mark.parametrize("base, served, matches", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", True),
+    ("/home/me/models/SmolLM2-135M-Instruct/", "HuggingFaceTB/SmolLM2-135M-Instruct", True),  # trained on a copy
+    ("/root/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0a1b2c3d4e5f60718293",
+     "HuggingFaceTB/SmolLM2-135M-Instruct", True),  # peft records the hub cache's folder
+    ("gs://my-bucket/models/smollm2-135m-instruct", "gs://my-bucket/models/SmolLM2-135M-Instruct", True),
+    ("Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", False),
+    ("/data/model", "/models/model", False),  # a folder called 'model' says nothing of which
+    ("/runs/7/checkpoint-500", "/models/checkpoint-500", False),
+    ("/cache/snapshots/0a1b2c3d4e5f60718293", "/other/snapshots/0a1b2c3d4e5f60718293", False),
+])
+def test_the_base_an_adapter_names_is_matched_by_hub_id_cache_folder_or_a_models_folder_name(tmp_path, base,
+                                                                                             served, matches):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+    problem = base_problem("a", adapter, served, None)
+    assert (problem is None) is matches, problem

@@ -13,6 +13,7 @@ safetensors header without loading a tensor. What fails is the reason of the req
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,9 @@ def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lo
 
 def model_names(base_model: str, model_folder: str | None) -> set[str]:
     """What an adapter may name the served model by: as configured (a hub id, a gs:// or local folder), the folder
-    it was loaded from, the model its config.json names (``_name_or_path``), and each of their last path parts,
-    lowercased (an adapter trained on a copy of the model names the copy's folder)."""
+    it was loaded from, the model its config.json names (``_name_or_path``), each as its hub id where it is a
+    Hugging Face cache folder, and each of their last path parts that is a model's name (an adapter trained on a
+    copy of the model names the copy's folder), lowercased."""
     names = {base_model, *([model_folder] if model_folder else [])}
     try:
         recorded = json.loads((Path(model_folder) / "config.json").read_text()).get("_name_or_path") \
@@ -100,7 +102,8 @@ def model_names(base_model: str, model_folder: str | None) -> set[str]:
         recorded = None
     if isinstance(recorded, str) and recorded:
         names.add(recorded)
-    return {name.rstrip("/").lower() for name in names} | {_last_part(name) for name in names}
+    identities = {_identity(name) for name in names}
+    return identities | {part for name in identities if (part := _last_part(name))}
 
 
 def base_problem(name: str, folder: Path, base_model: str, model_folder: str | None) -> str | None:
@@ -113,16 +116,33 @@ def base_problem(name: str, folder: Path, base_model: str, model_folder: str | N
         return None  # fit_problem has said what is wrong with its config
     if not isinstance(base, str) or not base.strip():
         return None
-    known = model_names(base_model, model_folder)
-    if base.rstrip("/").lower() in known or _last_part(base) in known:
+    known, named = model_names(base_model, model_folder), _identity(base)
+    if named in known or (_last_part(named) or named) in known:
         return None
     return (f"adapter {name!r} was trained for {base[:200]!r} (its {ADAPTER_CONFIG}'s base_model_name_or_path), "
             f"not for the served model {base_model!r}: an adapter for another model answers nonsense; set "
             "lora_base_model_check=false if it was trained on a copy of this model under another name")
 
 
-def _last_part(name: str) -> str:
-    return name.rstrip("/").rsplit("/", 1)[-1].lower()
+# Folder names that say nothing of which model a folder holds (and a cache snapshot's commit hash): never matched.
+_GENERIC_PARTS = frozenset({"model", "models", "base", "final", "checkpoint", "weights", "main", "latest", "hf"})
+# A Hugging Face cache folder: .../models--ORG--NAME/snapshots/COMMIT.
+_HUB_CACHE = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]+$")
+
+
+def _identity(name: str) -> str:
+    """A model's name as compared: lowercased, without a trailing slash; a hub cache folder as its hub id."""
+    name = name.strip().rstrip("/")
+    cached = _HUB_CACHE.search(name)
+    return (f"{cached.group(1)}/{cached.group(2)}" if cached else name).lower()
+
+
+def _last_part(name: str) -> str | None:
+    """The last path part of a name, where it names a model (not a generic folder name or a commit hash)."""
+    part = name.rsplit("/", 1)[-1]
+    if part in _GENERIC_PARTS or re.fullmatch(r"[0-9a-f]{12,}", part) or re.fullmatch(r"(v|checkpoint-)?\d+", part):
+        return None
+    return part
 
 
 def fit_problem(name: str, folder: Path, model_folder: str | None, max_lora_rank: int) -> str | None:
