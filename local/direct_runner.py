@@ -73,6 +73,7 @@ import argparse
 import collections
 import inspect
 import logging
+import os
 import signal
 import sys
 import threading
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     if own.load_log:
         threading.Thread(target=_log_load, args=(own.load_log,), name="load-log", daemon=True).start()
     apply_server_environment()
-    if own.keep_pipeline_off_model_cores == "true":
+    if own.keep_pipeline_off_model_cores == "true" and hasattr(os, "sched_setaffinity"):  # Linux's call
         keep_pipeline_off_local_model(own.server_url)
     # Beam's default DirectRunner first tries Prism, which needs a download: the bundle-based one runs here.
     template_args = [arg for arg in template_args

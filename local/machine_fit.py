@@ -63,12 +63,20 @@ def _cpu_flags(system: str) -> frozenset[str]:
 
 def local_engine(facts: MachineFacts, asked: str | None = None) -> tuple[str, str]:
     """(the engine, why): ``asked`` when given (``ENGINE=``), else vLLM's CPU build where it runs, else
-    transformers."""
+    transformers. Raises ValueError, saying why, where neither can be installed."""
+    x86 = facts.machine.lower() in ("x86_64", "amd64")
+    if facts.system == "Darwin" and x86:
+        raise ValueError("this is an Intel Mac, and PyTorch has published no wheels for macOS on x86-64 since 2.2: "
+                         "run the local pipeline on Apple silicon, or in a Linux machine or VM")
+    if facts.system == "Windows":
+        raise ValueError("the Makefile needs a Unix shell: run it in WSL2 (Linux), where this check runs again")
     if asked:
         if asked not in ENGINES:
             raise ValueError(f"ENGINE={asked!r}: choose one of {', '.join(ENGINES)}")
+        if asked == "vllm" and not (facts.system == "Linux" and x86):
+            raise ValueError(f"ENGINE=vllm: vLLM's CPU build has no wheel for {facts.system} on {facts.machine}; "
+                             "use ENGINE=transformers, or a server of your own (SERVER_URL=)")
         return asked, f"ENGINE={asked} chosen"
-    x86 = facts.machine.lower() in ("x86_64", "amd64")
     if facts.system == "Linux" and x86 and VLLM_CPU_FLAGS <= facts.cpu_flags:
         return "vllm", "Linux x86-64 with AVX-512: vLLM's CPU build runs here"
     where = f"{facts.system or 'this OS'} on {facts.machine or 'this CPU'}"

@@ -140,7 +140,11 @@ def completions_query() -> str:
 def smoke(args: argparse.Namespace, tables: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    engine, why = local_engine(this_machine(), args.engine)
+    try:
+        engine, why = local_engine(this_machine(), args.engine)
+    except ValueError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 2
     if args.server_url:
         print(f"==> Engine: the OpenAI-compatible server at {args.server_url} (--server-url)", flush=True)
     else:

@@ -232,6 +232,7 @@ def test_core_plans_split_and_refuse():
         plans(["isolated"], {0})
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="renicing threads reads Linux's /proc")
 def test_server_niceness_variants_alternate_and_renice_every_thread_of_a_tree():
     from benchmarks.side_by_side.__main__ import niceness_order, parse_args
 

@@ -21,20 +21,29 @@ AVX2 = frozenset({"sse4_2", "avx2", "fma"})
     (MachineFacts("Linux", "x86_64", AVX512), "vllm", "Linux x86-64 with AVX-512"),
     (MachineFacts("Linux", "x86_64", AVX2), "transformers", "this x86-64 CPU, which has no AVX-512"),
     (MachineFacts("Darwin", "arm64", frozenset({"neon"})), "transformers", "Darwin on arm64"),
-    (MachineFacts("Darwin", "x86_64", AVX512), "transformers", "Darwin on x86_64"),
     (MachineFacts("Linux", "aarch64", frozenset({"fp", "asimd", "sve"})), "transformers", "Linux on aarch64"),
-    (MachineFacts("Windows", "AMD64", AVX512), "transformers", "Windows on AMD64"),
 ])
 def test_vllms_cpu_build_only_where_it_runs_and_the_transformers_engine_everywhere_else(facts, engine, said):
     chosen, why = local_engine(facts)
     assert chosen == engine and said in why
 
 
-def test_engine_chooses_either_way_and_refuses_what_is_not_an_engine():
-    assert local_engine(MachineFacts("Darwin", "arm64", frozenset()), "vllm") == ("vllm", "ENGINE=vllm chosen")
+def test_engine_chooses_either_way_and_refuses_what_is_not_an_engine_or_cannot_install():
+    assert local_engine(MachineFacts("Linux", "x86_64", AVX2), "vllm") == ("vllm", "ENGINE=vllm chosen")
     assert local_engine(MachineFacts("Linux", "x86_64", AVX512), "transformers")[0] == "transformers"
     with pytest.raises(ValueError, match="choose one of vllm, transformers"):
         local_engine(MachineFacts("Linux", "x86_64", AVX512), "tgi")
+    with pytest.raises(ValueError, match="no wheel for Darwin on arm64"):
+        local_engine(MachineFacts("Darwin", "arm64", frozenset()), "vllm")
+
+
+@pytest.mark.parametrize("facts, said", [
+    (MachineFacts("Darwin", "x86_64", AVX512), "PyTorch has published no wheels for macOS on x86-64"),
+    (MachineFacts("Windows", "AMD64", AVX512), "WSL2"),
+])
+def test_a_machine_neither_engine_installs_on_is_told_why_before_anything_is_installed(facts, said):
+    with pytest.raises(ValueError, match=said):
+        local_engine(facts)
 
 
 def test_this_machines_facts_are_read_and_the_command_says_the_engine_and_why_with_the_systems_python():
