@@ -128,6 +128,9 @@ def spread(values: list[float], unit: str = "") -> str:
     return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
 
 
+FIGURES = ("alone p50", "alone p95", "beside p50", "beside p95", "bulk beside", "bulk alone", "live tokens/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -138,73 +141,88 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-tokens", type=int, default=32)
     parser.add_argument("--step-tokens", type=int, default=256,
                         help="vLLM's --max-num-batched-tokens, the most prompt a step reads (0: vLLM's default)")
+    parser.add_argument("--objectives", default="default",
+                        help="comma-separated live_first_token_slo_ms values, one pipeline each, their repetitions "
+                             "interleaved ('default': the template's; 0: the lane's whole share, no objective)")
     parser.add_argument("--template-arg", action="append", default=[], metavar="--NAME=VALUE",
-                        help="a template parameter for the pipeline (repeat), e.g. --live_reserve=0.5")
+                        help="a template parameter for the pipelines (repeat), e.g. --live_reserve=0.5")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     folder = REPO_ROOT / ".cache" / "bench-lanes"
     folder.mkdir(parents=True, exist_ok=True)
     server = (replace(LOCAL_SERVER, extra_args=("--max-num-batched-tokens", str(args.step_tokens)))
               if args.step_tokens else LOCAL_SERVER)
-    run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
-                    *server.template_args(), "--chunk_tokens=4", *args.template_arg],
-                   log_path=folder / "pipeline.log", bulk_lane=True)
-    run.start()
-    collector = run.collector()
-    figures: dict[str, list[float]] = {name: [] for name in (
-        "alone p50", "alone p95", "beside p50", "beside p95", "bulk beside", "bulk alone", "live tokens/s")}
+    objectives = [value.strip() for value in args.objectives.split(",") if value.strip()]
+    runs: dict[str, tuple[LocalRun, OutputCollector]] = {}
+    figures: dict[str, dict[str, list[float]]] = {o: {name: [] for name in FIGURES} for o in objectives}
     try:
-        warm = live_requests(-1, "warm", 1, 1)
-        run.publish(warm)
-        ended(collector, [warm[0]["id"]], 900)
+        for objective in objectives:
+            extra = [] if objective == "default" else [f"--live_first_token_slo_ms={objective}"]
+            run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
+                            *server.template_args(), "--chunk_tokens=4", *args.template_arg, *extra],
+                           log_path=folder / f"pipeline-{objective}.log", bulk_lane=True)
+            run.start()
+            runs[objective] = (run, run.collector())
+            warm = live_requests(-1, f"warm{objective}", 1, 1)
+            run.publish(warm)
+            ended(runs[objective][1], [warm[0]["id"]], 900)
         for rep in range(args.reps):
-            live = live_requests(rep, "alone", args.live, args.tokens)
-            published = publish_paced(run, live, args.live_every_s)
-            ended(collector, list(published), 600)
-            ttft = first_chunks(collector, published)
-            print(f"rep {rep + 1}: each live request alone, s (read to the engine / read to its first token / first "
-                  f"chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
-            figures["alone p50"].append(statistics.median(ttft))
-            figures["alone p95"].append(percentile(ttft, 0.95))
-
-            bulk = bulk_requests(rep, "beside", args.bulk, args.bulk_tokens)
-            run.publish(bulk, kind="bulk")
-            prefix = f"bulk-{rep}-beside-"
-            until(lambda: any(b["id"] in collector.finished_ids() for b in bulk), 600)
-            live = live_requests(rep, "beside", args.live, args.tokens)
-            start = time.time()
-            published = publish_paced(run, live, args.live_every_s)
-            ended(collector, list(published), 600)
-            end = time.time()
-            ttft = first_chunks(collector, published)
-            print(f"rep {rep + 1}: each live request beside the backfill, s (read to the engine / read to its first "
-                  f"token / first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
-            figures["beside p50"].append(statistics.median(ttft))
-            figures["beside p95"].append(percentile(ttft, 0.95))
-            figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
-            figures["live tokens/s"].append(args.live * args.tokens / (end - start))
-            if all(b["id"] in collector.finished_ids() for b in bulk):
-                print(f"rep {rep + 1}: the backlog ended before the live traffic did ({end - start:.1f} s): the bulk "
-                      "rate beside live is low by the span it ran without a backlog (raise --bulk)", flush=True)
-            ended(collector, [b["id"] for b in bulk], 1800)
-
-            bulk = bulk_requests(rep, "alone", args.bulk, args.bulk_tokens)
-            run.publish(bulk, kind="bulk")
-            prefix = f"bulk-{rep}-alone-"
-            ids = [b["id"] for b in bulk]
-            start = until(lambda: any(i in collector.finished_ids() for i in ids), 600)
-            # While the backlog lasts: from its first answer to its 80th percentile.
-            end = until(lambda: sum(i in collector.finished_ids() for i in ids) >= 0.8 * len(ids), 1800)
-            figures["bulk alone"].append(tokens_between(collector, prefix, start, end) / (end - start))
-            ended(collector, [b["id"] for b in bulk], 1800)
-            print(f"rep {rep + 1}: live first chunk p50 {figures['alone p50'][-1]:.2f} s alone, "
-                  f"{figures['beside p50'][-1]:.2f} s beside the backfill; bulk {figures['bulk beside'][-1]:.0f} "
-                  f"tokens/s beside live, {figures['bulk alone'][-1]:.0f} alone", flush=True)
+            for objective, (run, collector) in runs.items():  # interleaved: one pipeline works at a time
+                one_repetition(run, collector, rep, f"{objective}-", args, figures[objective], objective)
     finally:
-        collector.stop()
-        run.stop()
-    report(args, figures)
+        for run, collector in runs.values():
+            collector.stop()
+            run.stop()
+    for objective in objectives:
+        report(args, figures[objective], objective)
     return 0
+
+
+def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str, args: argparse.Namespace,
+                   figures: dict[str, list[float]], objective: str) -> None:
+    """Live alone, live beside a backlog on the bulk lane, the backlog alone: one repetition of the three phases."""
+    live = live_requests(rep, f"{tag}alone", args.live, args.tokens)
+    published = publish_paced(run, live, args.live_every_s)
+    ended(collector, list(published), 600)
+    ttft = first_chunks(collector, published)
+    print(f"[{objective}] rep {rep + 1}: each live request alone, s (read to the engine / read to its first token / "
+          f"first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
+    figures["alone p50"].append(statistics.median(ttft))
+    figures["alone p95"].append(percentile(ttft, 0.95))
+
+    bulk = bulk_requests(rep, f"{tag}beside", args.bulk, args.bulk_tokens)
+    run.publish(bulk, kind="bulk")
+    prefix = f"bulk-{rep}-{tag}beside-"
+    until(lambda: any(b["id"] in collector.finished_ids() for b in bulk), 600)
+    live = live_requests(rep, f"{tag}beside", args.live, args.tokens)
+    start = time.time()
+    published = publish_paced(run, live, args.live_every_s)
+    ended(collector, list(published), 600)
+    end = time.time()
+    ttft = first_chunks(collector, published)
+    print(f"[{objective}] rep {rep + 1}: each live request beside the backfill, s (read to the engine / read to its "
+          f"first token / first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
+    figures["beside p50"].append(statistics.median(ttft))
+    figures["beside p95"].append(percentile(ttft, 0.95))
+    figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
+    figures["live tokens/s"].append(args.live * args.tokens / (end - start))
+    if all(b["id"] in collector.finished_ids() for b in bulk):
+        print(f"[{objective}] rep {rep + 1}: the backlog ended before the live traffic did ({end - start:.1f} s): the "
+              "bulk rate beside live is low by the span it ran without a backlog (raise --bulk)", flush=True)
+    ended(collector, [b["id"] for b in bulk], 1800)
+
+    bulk = bulk_requests(rep, f"{tag}alone", args.bulk, args.bulk_tokens)
+    run.publish(bulk, kind="bulk")
+    prefix = f"bulk-{rep}-{tag}alone-"
+    ids = [b["id"] for b in bulk]
+    start = until(lambda: any(i in collector.finished_ids() for i in ids), 600)
+    # While the backlog lasts: from its first answer to its 80th percentile.
+    end = until(lambda: sum(i in collector.finished_ids() for i in ids) >= 0.8 * len(ids), 1800)
+    figures["bulk alone"].append(tokens_between(collector, prefix, start, end) / (end - start))
+    ended(collector, [b["id"] for b in bulk], 1800)
+    print(f"[{objective}] rep {rep + 1}: live first chunk p50 {figures['alone p50'][-1]:.2f} s alone, "
+          f"{figures['beside p50'][-1]:.2f} s beside the backfill; bulk {figures['bulk beside'][-1]:.0f} "
+          f"tokens/s beside live, {figures['bulk alone'][-1]:.0f} alone", flush=True)
 
 
 def until(condition, timeout_s: float) -> float:
@@ -217,12 +235,13 @@ def until(condition, timeout_s: float) -> float:
     return time.time()
 
 
-def report(args: argparse.Namespace, figures: dict[str, list[float]]) -> None:
+def report(args: argparse.Namespace, figures: dict[str, list[float]], objective: str = "default") -> None:
     p50 = [b / a for a, b in zip(figures["alone p50"], figures["beside p50"])]
     p95 = [b / a for a, b in zip(figures["alone p95"], figures["beside p95"])]
     share = [b / max(c - live, 1e-9) for b, c, live in
              zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"])]
-    print(f"\n{args.reps} interleaved repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} "
+    print(f"\nlive_first_token_slo_ms={objective}: {args.reps} interleaved repetitions, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores; live: {args.live} requests x {args.tokens} tokens, one every {args.live_every_s:g} s; bulk: "
           f"{args.bulk} x {args.bulk_tokens} tokens; vLLM reads at most "
           f"{args.step_tokens or 'its default'} prompt tokens a step; template parameters "
