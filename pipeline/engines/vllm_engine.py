@@ -302,8 +302,7 @@ class VLLMBackend:
                 raise AdapterUnavailable(f"adapter {name!r}: the server refused it: {_error_message(body)}")
         spec = self.settings.server
         assert spec is not None and spec.adapter_root is not None
-        # Its digest reads every file of the copy: off the loop, so that no stream waits for it.
-        self.lineage.adapters[name] = await asyncio.get_running_loop().run_in_executor(
+        self.lineage.adapters[name] = await asyncio.get_running_loop().run_in_executor(  # a digest of every file
             None, adapter_lineage, spec.adapter_root.location_of(name), path)
         LOGGER.info("Loaded adapter %s from %s", name, path)
 
@@ -328,8 +327,7 @@ class VLLMBackend:
                 self._events.began(stream)  # the server answered: it has the request (vLLM answers before it generates)
                 if response.status >= 400:
                     body = (await response.text())[:2000]
-                    # 401/403: a proxy in front of a server_url refusing expired credentials, not the request.
-                    if response.status in (401, 403, 408, 429) or response.status >= 500:
+                    if response.status in (401, 403, 408, 429) or response.status >= 500:  # 401/403: a proxy's
                         raise RetryableError(f"HTTP {response.status}: {body}")
                     if "stream_interval" in payload and "stream_interval" in body:
                         raise _StreamIntervalRefused(f"HTTP {response.status}: {_error_message(body)}")
