@@ -337,3 +337,9 @@ def test_a_scheduling_policy_of_ones_own_is_taken_where_no_priority_is_sent():
         .extra_args[-2:] == ("--scheduling-policy", "fcfs")
     assert settings(vllm_args="--scheduling-policy priority").engine.priority_scheduling
     settings(vllm_args="--scheduling-policy fcfs", server_url="http://127.0.0.1:8000")  # its policy is its own
+
+
+def test_the_last_scheduling_policy_in_vllm_args_is_the_one_checked_as_vllm_takes_it():
+    assert settings(vllm_args="--scheduling-policy fcfs --scheduling-policy priority").engine.priority_scheduling
+    with pytest.raises(ConfigError, match="--scheduling-policy fcfs"):
+        settings(vllm_args="--scheduling-policy=priority --scheduling_policy=fcfs")

@@ -212,16 +212,16 @@ def _scheduling_problems(fields: dict[str, Any]) -> list[str]:
         args = shlex.split(fields.get("vllm_args") or "")
     except ValueError:
         return []  # said by _vllm_args_problems
-    for n, arg in enumerate(args):
-        flag, _, value = arg.partition("=")
-        if flag.replace("_", "-") != "--scheduling-policy":
-            continue
-        policy = value or (args[n + 1] if n + 1 < len(args) else "")
-        if policy != "priority" and why:
-            return [f"--vllm_args sets --scheduling-policy {policy}, but with {' and with '.join(why)} the template "
-                    "sends each request a vLLM priority, which vLLM refuses under any policy but priority (every "
-                    "request would be a dead letter): drop the flag (the template sets priority) or set it to "
-                    "priority"]
+    policy = None
+    for n, arg in enumerate(args):  # the last one counts, as vLLM's argument parser takes it
+        flag, equals, value = arg.partition("=")
+        if flag.replace("_", "-") == "--scheduling-policy":
+            policy = value if equals else (args[n + 1] if n + 1 < len(args) else "")
+    if policy is not None and policy != "priority" and why:
+        return [f"--vllm_args sets --scheduling-policy {policy}, but with {' and with '.join(why)} the template "
+                "sends each request a vLLM priority, which vLLM refuses under any policy but priority (every "
+                "request would be a dead letter): drop the flag (the template sets priority) or set it to "
+                "priority"]
     return []
 
 

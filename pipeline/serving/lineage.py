@@ -64,11 +64,14 @@ def folder_digest(folder: Path) -> str | None:
     if known is not None and known[0] == signature:
         return known[1]
     hasher = hashlib.sha256()
-    for path in files:
-        hasher.update(str(path.relative_to(folder)).encode() + b"\0")
-        with path.open("rb") as data:
-            while block := data.read(DIGEST_BLOCK_BYTES):
-                hasher.update(block)
+    try:
+        for path in files:
+            hasher.update(str(path.relative_to(folder)).encode() + b"\0")
+            with path.open("rb") as data:
+                while block := data.read(DIGEST_BLOCK_BYTES):
+                    hasher.update(block)
+    except OSError:  # a file went while it was read: no digest, rather than an adapter loaded and not counted
+        return None
     found = "sha256:" + hasher.hexdigest()[:DIGEST_CHARS]
     with _DIGESTS_LOCK:
         _FOLDER_DIGESTS[str(folder)] = (signature, found)
