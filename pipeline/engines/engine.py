@@ -161,9 +161,7 @@ class Engine:
             busy_ms = round(self._registry.busy.busy_s * 1000)
             lane = self._registry.lane
             now = time.monotonic()
-            registry = self._registry
-            bulk_cap = lane.bulk_cap(now, registry.unfinished - registry.bulk_unfinished, registry.bulk_unfinished)
-            live_p90 = lane.percentile_ms(now)
+            bulk_cap, live_p90 = self._registry.bulk_cap(now), lane.percentile_ms(now)
             lane_totals = {"live_first_tokens": lane.live_first_tokens,
                            "live_first_tokens_over_objective": lane.live_over_objective,
                            "bulk_lane_halvings": lane.halvings}

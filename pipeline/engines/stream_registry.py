@@ -96,8 +96,7 @@ class StreamRegistry:
         if not bulk:
             free = max(self.settings.max_in_flight - self.unfinished, 0)
         else:
-            cap = self.lane.bulk_cap(now, self.unfinished - self.bulk_unfinished, self.bulk_unfinished)
-            free = min(self.settings.bulk_streams - self.unfinished, cap - self.bulk_unfinished)
+            free = min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished)
             if free > 0 or self.bulk_unfinished:
                 self._bulk_refused_since = None  # the lane moves
             elif self.unfinished < self.settings.max_in_flight:
@@ -109,6 +108,11 @@ class StreamRegistry:
         if not self.whole_batches:
             return min(new, free)
         return new if new <= free or self.unfinished == 0 else 0
+
+    def bulk_cap(self, now: float) -> int:
+        """How many bulk streams the lane may run now, beside the live and bulk streams running
+        (:class:`.lane_governor.LaneGovernor`)."""
+        return self.lane.bulk_cap(now, self.unfinished - self.bulk_unfinished, self.bulk_unfinished)
 
     def poll(self, positions: dict[str, int], client: str) -> dict[str, list[tuple[str, str]]]:
         """For each key, its outputs from ``positions[key]`` on (see :meth:`.engine.Engine.poll`)."""

@@ -70,7 +70,7 @@ class LoadGauges:
                 return
             record.gauges_at[self._step] = now
         try:
-            load, grown = call_within(source, lambda runtime: (runtime.load(), runtime.take_counts()))
+            load, grown = call_within(source, lambda runtime: runtime.load_and_counts())
         except Exception:  # advisory: a step must not fail for its gauges (the runtime may be reconnecting or silent)
             return
         for name, more in grown.items():

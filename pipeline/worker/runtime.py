@@ -109,12 +109,21 @@ class WorkerRuntime:
     def server_restarts(self) -> int:
         return self.engine.server_restarts()
 
+    def load_and_counts(self) -> tuple[dict[str, int | None], dict[str, int]]:
+        """:meth:`load` and :meth:`take_counts` in one call (the load gauges' once a second), the engine's stats
+        read once for both."""
+        load = self.load()
+        return load, self._take_counts(load)
+
     def take_counts(self) -> dict[str, int]:
         """What the engine's totals (its server's restarts, the lane governor's counts) grew by since any step of
         any SDK process last took them: each is counted as a Beam counter once for the whole VM, not once per
         process that asks."""
+        return self._take_counts(self.engine.stats())
+
+    def _take_counts(self, stats: dict[str, int | None]) -> dict[str, int]:
         totals = {"server_restarts": self.engine.server_restarts(),
-                  **{name: int(value or 0) for name, value in self.engine.stats().items() if name in COUNTED_TOTALS}}
+                  **{name: int(stats.get(name) or 0) for name in COUNTED_TOTALS}}
         with self._counted_lock:
             grown = {name: max(total - self._counted.get(name, 0), 0) for name, total in totals.items()}
             self._counted.update(totals)
