@@ -155,10 +155,10 @@ def test_the_lanes_counts_are_taken_once_for_the_whole_vm_however_many_processes
     engine = vllm_engine(EngineSettings(server=None, server_url="http://127.0.0.1:9", served_model_name="m"))
     try:
         runtime = WorkerRuntime(engine)
-        assert set(runtime.take_counts()) == {"server_restarts", *COUNTED_TOTALS}
+        assert set(runtime.load_and_counts()[1]) == {"server_restarts", *COUNTED_TOTALS}
         engine._registry.lane.first_token(time.monotonic(), 50.0)
         engine._registry.lane.first_token(time.monotonic(), 50.0)
-        taken = [runtime.take_counts() for _ in range(3)]  # three processes' steps, one after another
+        taken = [runtime.load_and_counts()[1] for _ in range(3)]  # three processes' steps, one after another
         assert [counts["live_first_tokens"] for counts in taken] == [2, 0, 0]
     finally:
         engine.close()

@@ -19,7 +19,7 @@ model server was restarted), ``live_first_tokens``,
 ``live_first_tokens_over_objective`` and ``bulk_lane_halvings`` (the bulk
 lane's governor): totals the runtime keeps, which has no Beam context to count
 in, counted once per VM whichever step of whichever SDK process takes them
-(``WorkerRuntime.take_counts``). Cloud Monitoring charts counters, not gauges
+(``WorkerRuntime.load_and_counts``). Cloud Monitoring charts counters, not gauges
 (docs/operations.md).
 """
 
@@ -41,7 +41,7 @@ _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight"
            **{name: name for name in ("batch_requests", "prompt_positions", "prompt_padding", "decode_positions",
                                       "decode_padding")}}
 # Totals the engine keeps (its runtime has no Beam context) are counted here as Beam counters of the same name,
-# by what each grew since any step of the VM last took them (WorkerRuntime.take_counts): once per VM.
+# by what each grew since any step of the VM last took them (WorkerRuntime.load_and_counts): once per VM.
 GAUGE_INTERVAL_S = 1.0
 
 

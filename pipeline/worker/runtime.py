@@ -71,7 +71,7 @@ def client_id() -> str:
     return _CLIENT.setdefault(pid, f"{pid}-{uuid.uuid4().hex[:8]}")
 
 
-# The engine's running totals that the steps count as Beam counters (WorkerRuntime.take_counts).
+# The engine's running totals that the steps count as Beam counters (WorkerRuntime.load_and_counts).
 COUNTED_TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "bulk_lane_halvings")
 
 
@@ -83,7 +83,7 @@ class WorkerRuntime:
         self.engine = engine
         self.settings = RuntimeSettings(engine.settings, admission, calls)
         self.admission = AdmissionLedger(self.settings, engine.in_flight)
-        self._counted: dict[str, int] = {}  # the engine's totals handed out as counts so far (take_counts)
+        self._counted: dict[str, int] = {}  # the engine's totals handed out as counts so far (load_and_counts)
         self._counted_lock = threading.Lock()
 
     # Generation (the generate step) -----------------------------------------------------
@@ -110,16 +110,11 @@ class WorkerRuntime:
         return self.engine.server_restarts()
 
     def load_and_counts(self) -> tuple[dict[str, int | None], dict[str, int]]:
-        """:meth:`load` and :meth:`take_counts` in one call (the load gauges' once a second), the engine's stats
-        read once for both."""
+        """:meth:`load`, and what the engine's totals (its server's restarts, the lane governor's counts) grew by
+        since any step of any SDK process last took them: each is counted as a Beam counter once for the whole VM,
+        not once per process that asks. One call, the engine's stats read once for both."""
         load = self.load()
         return load, self._take_counts(load)
-
-    def take_counts(self) -> dict[str, int]:
-        """What the engine's totals (its server's restarts, the lane governor's counts) grew by since any step of
-        any SDK process last took them: each is counted as a Beam counter once for the whole VM, not once per
-        process that asks."""
-        return self._take_counts(self.engine.stats())
 
     def _take_counts(self, stats: dict[str, int | None]) -> dict[str, int]:
         totals = {"server_restarts": self.engine.server_restarts(),
