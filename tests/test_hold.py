@@ -256,3 +256,24 @@ def test_a_worker_whose_places_wait_for_pulls_is_not_full_and_one_whose_places_h
     assert ledger_.full(), "a request admitted in a filled place is still work"
     ledger_.withdraw(more)
     assert not ledger_.full()
+
+
+def test_a_place_a_long_pull_fills_counts_from_its_fill_and_one_never_filled_lapses_from_its_reserve():
+    """A pull under way is not renewed: its places count from when they were taken. The pull that fills them ends
+    close to their lapse (a long pull, a loaded host); the message it brings holds its place from then, so the
+    round that takes it finds the place still counted, and a place the pull did not fill lapses as before."""
+    now = [0.0]
+    settings_ = RuntimeSettings(EngineSettings(server=None, server_url="http://unused", max_in_flight=3),
+                                AdmissionSettings(worker_queue=1, place_open_s=3.0))
+    ledger_ = AdmissionLedger(settings_, lambda: 0, clock=lambda: now[0])
+    places = read_places.reserve(ledger_, 2, name="feed-a-1")
+    lost = read_places.reserve(ledger_, 1, name="feed-a-2")  # its answer never reached the feed
+    now[0] = 2.9
+    ledger_.settled(places[:1], places[1:])
+    now[0] = 4.0
+    assert sum(ledger_.counts()) == 1, "the filled place counts on; the lost one lapsed 3 s after its reserve"
+    assert ledger_.admit(["req-1"], in_place_of=places[:1]) == 1 and lost
+    now[0] = 5.8
+    assert sum(ledger_.counts()) == 1
+    now[0] = 7.0
+    assert sum(ledger_.counts()) == 0, "a request whose bundle never ends lapses place_open_s after its admission"

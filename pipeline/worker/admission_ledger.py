@@ -66,11 +66,11 @@ class AdmissionLedger:
             self._hold.release(ids)
 
     def settled(self, filled: Sequence[str], unfilled: Sequence[str]) -> None:
-        """A pull's end, in one step: the places it filled hold messages (work, for :meth:`full`), those it did
-        not fill no longer count."""
+        """A pull's end, in one step: the places it filled hold messages (work, for :meth:`full`, counted from
+        now), those it did not fill no longer count."""
         with self._lock:
             self._hold.release(unfilled)
-            self._hold.fill(filled)
+            self._hold.fill(self._clock(), filled)
 
     def dispatched(self, ids: list[str]) -> None:
         """The bundle that took these (a read's places, or the admission step's requests) finished: they are on

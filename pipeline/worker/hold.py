@@ -127,10 +127,13 @@ class WorkerHold:
         self._filled.difference_update(ids)
         return sum(self._ids.pop(request_id, None) is not None for request_id in ids)
 
-    def fill(self, ids: Iterable[str]) -> None:
+    def fill(self, now: float, ids: Iterable[str]) -> None:
         """These places hold a message now (their pull filled them): they count as work, no longer as room a
-        reader keeps (:meth:`open_places`)."""
-        self._filled.update(request_id for request_id in ids if request_id in self._ids)
+        reader keeps (:meth:`open_places`), and from ``now`` (their reader holds them: a long pull's places do not
+        lapse as it ends)."""
+        filled = [request_id for request_id in ids if request_id in self._ids]
+        self._filled.update(filled)
+        self.renew(now, filled)
 
     def arrived(self, now: float, ids: Iterable[str]) -> None:
         """The generate step on this worker reported these arrived: they no longer count, and how far the
