@@ -94,7 +94,7 @@ class AdmitFn(beam.DoFn):
                                                                               bulk=request.bulk, keys=told))
         if taken:
             self._bundle_ids.append(request.id)
-            self._gauges.update(self._source, self._record)
+            self._gauges.update(self._runtime, self._record)
         else:
             self._uncounted()
         yield request

@@ -10,24 +10,21 @@ takes; a reader's round only takes what this thread has pulled, under a lock, an
 (:meth:`SubscriptionFeed.take`).
 
 Each pull asks for no more messages than the places the feed took in the worker's hold first
-(:mod:`pipeline.worker.read_places`): the feed never holds more unacknowledged messages than the worker granted,
-so nothing is pulled past the bound. Its places are named by the feed and its pull's number, so a call to the
-runtime that is carried out after its bound (the client then cannot tell) and is made again takes the same places;
-and every way out of a pull, an exception included, gives back the places the pull did not fill. The places of
-messages it holds are renewed as the feed goes (``RENEW_S``; a pull under way lasts ``PULL_DEADLINE_S`` at most),
-so only a place the feed lost lapses, after ``AdmissionSettings.place_open_s``. The ack deadline of what it holds
-is extended to ``ack_deadline_s`` as it is pulled and while it is held (the subscription's own deadline applies
-until then: make setup makes the job's subscriptions with the same 120 s); a round's bundle finalizer acknowledges
-what it took, on the feed's acknowledging thread. A message no round takes within ``HELD_MOST_S`` goes back to
-Pub/Sub, for a process whose readers run. What Pub/Sub's errors mean for it is :mod:`pipeline.flow.pubsub_trouble`'s.
+(:mod:`pipeline.worker.read_places`), so nothing is pulled past the bound. Its places are named by the feed and its
+pull's number, so a call to the runtime carried out after its bound and made again takes the same places; every way
+out of a pull, an exception included, gives back the places it did not fill. A filled place counts from the pull's
+end, and the places of what the feed holds are renewed every ``RENEW_S``, so only a place the feed lost lapses,
+after ``AdmissionSettings.place_open_s``. The ack deadline of what it holds is extended to ``ack_deadline_s`` (make
+setup gives the job's subscriptions the same 120 s); a round's bundle finalizer acknowledges what it took, and its
+end tells the runtime what it handed on, both on the feed's acknowledging thread. A message no round takes within
+``HELD_MOST_S`` goes back to Pub/Sub, for a process whose readers run. What Pub/Sub's errors mean for it is
+:mod:`pipeline.flow.pubsub_trouble`'s.
 
-A feed that no round has taken from for ``IDLE_S`` (its readers moved to another worker) gives back what it holds,
-its messages to Pub/Sub at once (an ack deadline of 0) and its places to the worker, and stops pulling until a round
-asks again. It pulls only while its rounds come (one asked within ``ASKED_WITHIN_S``): a process whose readers run
-rarely (a worker runs an SDK process per vCPU, and the job's readers are spread over them) holds no messages that
-keep the worker's places from the processes whose readers run. Beam's counters count only within a bundle, so the
-feed keeps its counts and every round in its process, of any reader and lane, adds them (:meth:`counts`): what a
-feed whose readers moved away counts is not lost while any reader of the job runs here. After a drain no round
+A feed no round has taken from for ``IDLE_S`` (its readers moved away) gives back what it holds, its messages at
+once (an ack deadline of 0), and stops pulling until a round asks again; it pulls only while its rounds come (one
+asked within ``ASKED_WITHIN_S``), so a process whose readers run rarely (a worker runs an SDK process per vCPU)
+keeps no places from those whose readers run. Beam's counters count only within a bundle, so the feed keeps its
+counts and every round in its process, of any reader and lane, adds them (:meth:`counts`); after a drain no round
 runs, and the last counts stay uncounted.
 """
 
@@ -151,9 +148,10 @@ class SubscriptionFeed:
         self._renewed_at = clock()
         self._retry_wait = RETRY_FIRST_S
         self._want = PULL_FIRST  # how many the next pull asks for (at most the room)
-        self._full = False  # the worker had no room at the last ask
-        self._empty = False  # the last pull came back with nothing
-        self._refused = False  # the last pull was refused, or Pub/Sub cannot be reached
+        # What the last turn found, for the rounds (read-only to them): the worker had no room for this feed at its
+        # last ask (the round defers as a full one); the last pull found the subscription empty (the reader's
+        # watermark may follow the clock); the last pull was refused, or Pub/Sub could not be reached (logged).
+        self.full = self.empty = self.refused = False
         self.trouble = PubSubTrouble(subscription, self._count, self._client, clock)
         self.backlog = backlog or SubscriptionBacklog(subscription)
         self._stopped = False
@@ -178,34 +176,29 @@ class SubscriptionFeed:
             self._lock.notify_all()
         return taken
 
-    @property
-    def full(self) -> bool:
-        """Whether the worker had no room for this feed at its last ask (the round defers as a full one)."""
-        return self._full
-
-    @property
-    def empty(self) -> bool:
-        """Whether the feed's last pull found the subscription empty (its reader's watermark may follow the clock)."""
-        return self._empty
-
-    @property
-    def refused(self) -> bool:
-        """Whether the feed's last pull was refused, or Pub/Sub could not be reached (said in the log)."""
-        return self._refused
-
     def acknowledge(self, ack_ids: list[str]) -> None:
         """A bundle's finalizer: its messages' output committed. Beam runs finalizers on a harness thread, so the
-        call to Pub/Sub is made on the feed's acknowledging thread and this returns at once (``start=False``: here)."""
+        call to Pub/Sub is made on the feed's acknowledging thread and this returns at once."""
         with self._lock:
             for ack_id in ack_ids:
                 self._taken.pop(ack_id, None)
+        self._off_thread(self._acknowledge, ack_ids)
+
+    def dispatched(self, places: list[str]) -> None:
+        """A read bundle ended: its places are on their way to the generate step (the admission step took over
+        those of its requests). Told to the runtime on the acknowledging thread: a bundle's end waits on nothing."""
+        if places:
+            self._off_thread(self._call, "dispatch places", lambda runtime: runtime.dispatched(places))
+
+    def _off_thread(self, work: Callable[..., Any], *args: Any) -> None:
+        """``work(*args)`` on the feed's acknowledging thread (here once the feed stopped, or with ``start=False``)."""
         try:
             if self._acker is not None:
-                self._acker.submit(self._acknowledge, ack_ids)
+                self._acker.submit(work, *args)
                 return
-        except RuntimeError:  # the feed stopped: acknowledged here, as well as a closed client can
+        except RuntimeError:  # the feed stopped: done here, as well as a closed client can
             pass
-        self._acknowledge(ack_ids)
+        work(*args)
 
     def _acknowledge(self, ack_ids: list[str]) -> None:
         """A failure is counted and logged; Pub/Sub then delivers them again after their deadline, and the generate
@@ -312,7 +305,7 @@ class SubscriptionFeed:
             self._not_before = now  # a round's take ends this wait
             return 1.0
         after = self._pull_once(room)
-        self._empty, self._refused = after == "empty", after == "refused"
+        self.empty, self.refused = after == "empty", after == "refused"
         if after == "retry":
             wait, self._retry_wait = self._retry_wait, min(self._retry_wait * 2, RETRY_MOST_S)
         elif after == "pulled":
@@ -347,16 +340,16 @@ class SubscriptionFeed:
         outcome, places = self._call(
             "take places", lambda runtime: read_places.reserve(runtime, want, self._bulk, name))
         if outcome is not Call.ANSWERED:  # silent or gone: the client recovers; a late answer's places lapse
-            self._full = False  # not full: unasked (counted runtime_unreachable), and nothing is pulled
+            self.full = False  # not full: unasked (counted runtime_unreachable), and nothing is pulled
             return "refused"
         self._name_of_pull = None
         if not places:
             outcome, full = self._call("ask if full", lambda runtime: runtime.full(self._bulk))
-            self._full = outcome is Call.ANSWERED and bool(full)  # unasked is not full (runtime_unreachable)
-            if self._full:
+            self.full = outcome is Call.ANSWERED and bool(full)  # unasked is not full (runtime_unreachable)
+            if self.full:
                 self._count("read_deferred")
             return "full"
-        self._full = False
+        self.full = False
         received: list[Any] = []
         try:
             received = self._pull(len(places))

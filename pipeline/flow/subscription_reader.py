@@ -9,9 +9,10 @@ splittable DoFn (`Beam programming guide: splittable DoFns
 feed per SDK process and subscription (:mod:`pipeline.flow.subscription_feed`): a thread of its own that takes
 places in the worker's hold first and long-pulls no more messages than it got places for. Every round of a reader
 
-1. takes up to ``PULL_MOST`` of what its process's feed has pulled, under a lock: it never waits on Pub/Sub (its
-   bundle's calls to the worker's runtime, admitting each request and handing the places on at its end, are each
-   bounded by ``CallSettings.bound_s``). When there is nothing, it **defers the rest of its restriction**
+1. takes up to ``PULL_MOST`` of what its process's feed has pulled, under a lock: it waits on neither Pub/Sub nor
+   the worker's runtime (the feed's thread tells the runtime what the bundle handed on, once it ends; the
+   admission step fused after it admits each request with a call bounded by ``CallSettings.bound_s``, the
+   :mod:`~pipeline.worker.runtime_client` policy). When there is nothing, it **defers the rest of its restriction**
    (``tracker.defer_remainder``): its work item ends, the runner resumes it ``EMPTY_DELAY_S`` later if the
    subscription had nothing, ``FULL_DELAY_S`` later otherwise (the worker is full, or a pull is under way), and no
    thread waits and nothing fails meanwhile ("self-checkpointing" in the guide);
@@ -71,7 +72,6 @@ from pipeline.flow import subscription_feed
 from pipeline.worker import read_places
 from pipeline.worker.load import LOAD_NAMESPACE
 from pipeline.worker.runtime import RuntimeSource, process_record
-from pipeline.worker.runtime_client import RuntimeClient
 
 LOGGER = logging.getLogger(__name__)
 
@@ -132,19 +132,17 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
             "engine_call_failures": Metrics.counter(LOAD_NAMESPACE, "engine_call_failures"),
         }
 
-    def setup(self) -> None:
-        self._runtime = RuntimeClient(self._source, LOAD_NAMESPACE)
-
     def start_bundle(self) -> None:
         self._bundle_places: list[str] = []
+        self._bundle_feed: subscription_feed.SubscriptionFeed | None = None
 
     def finish_bundle(self) -> None:
         """What the bundle read has gone down the stage, each request in its place: a place left (its message was
         a dead letter) is no longer for taking, and counts from now on only as a request on its way."""
         places, self._bundle_places = self._bundle_places, []
-        if places:
+        if places and self._bundle_feed is not None:
             read_places.discard(self._source.tag, places)
-            self._runtime.call("dispatch places", lambda runtime: runtime.dispatched(places))
+            self._bundle_feed.dispatched(places)  # on the feed's thread: the bundle's end waits on nothing
 
     def initial_restriction(self, element: tuple[str, int]) -> OffsetRange:
         return OffsetRange(0, self._rounds)
@@ -190,6 +188,7 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
             tracker.defer_remainder(Duration.of(taken.again_s))
             return
         self._bundle_places.extend(taken.places)
+        self._bundle_feed = feed
         finalizer.register(lambda: feed.acknowledge(taken.ack_ids))
         oldest = None
         for pulled in taken.messages:

@@ -147,7 +147,7 @@ class StreamingGenerateFn(beam.DoFn):
                 wait_ms=beam.DoFn.StateParam(WAIT_MS), key=beam.DoFn.KeyParam) -> Iterator[Any]:
         cells = _Cells(waiting, inflight, progress_state, seen_state, poll_at_ms, wait_ms, poll)
         yield from self._run(cells, key, PollDue(time.time()))
-        self._gauges.update(self._source, self._record)
+        self._gauges.update(self._client, self._record)
 
     @on_timer(DRAIN)
     def on_drain(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),

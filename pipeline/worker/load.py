@@ -29,8 +29,9 @@ import time
 
 from apache_beam.metrics import Metrics
 
-from pipeline.worker.runtime import ProcessRecord, RuntimeSource
-from pipeline.worker.runtime_client import call_within
+from pipeline.contract.call_outcome import Call
+from pipeline.worker.runtime import ProcessRecord
+from pipeline.worker.runtime_client import RuntimeClient
 
 LOAD_NAMESPACE = "worker_load"
 _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight": "in_flight_requests",
@@ -63,16 +64,18 @@ class LoadGauges:
             "bulk_lane_halvings": Metrics.counter(LOAD_NAMESPACE, "bulk_lane_halvings"),
         }
 
-    def update(self, source: RuntimeSource, record: ProcessRecord) -> None:
+    def update(self, client: RuntimeClient, record: ProcessRecord) -> None:
+        """Through the step's own client, the one call policy: bounded, a lost host reconnected, an engine that
+        raised logged and counted; gauges are advisory, so any outcome but an answer leaves them as they were."""
         now = time.monotonic()
         with record.lock:
             if now - record.gauges_at.get(self._step, float("-inf")) < GAUGE_INTERVAL_S:
                 return
             record.gauges_at[self._step] = now
-        try:
-            load, grown = call_within(source, lambda runtime: runtime.load_and_counts())
-        except Exception:  # advisory: a step must not fail for its gauges (the runtime may be reconnecting or silent)
+        outcome, answer = client.call("read the load", lambda runtime: runtime.load_and_counts())
+        if outcome is not Call.ANSWERED:
             return
+        load, grown = answer
         for name, more in grown.items():
             if more and name in self._counters:
                 self._counters[name].inc(more)
