@@ -8,7 +8,9 @@ emulator. Serving them through vLLM is tests/test_lora_root_e2e.py.
 from __future__ import annotations
 
 import json
+import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,13 @@ from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import DeadLetter
 from pipeline.contract.request_parsing import RequestLimits, parse_request
+from pipeline.serving.adapter_disk import DEFAULT_DISK_SHARE, AdapterDisk, budget_bytes
 from pipeline.serving.adapter_root import (
     AdapterRoot,
     AdapterUnavailable,
     base_problem,
     fetch_adapter,
+    root_fetch,
     root_problem,
     safetensors_shapes,
 )
@@ -160,6 +164,55 @@ def test_a_root_in_cloud_storage_is_copied_down_once_an_adapter_is_named(root, c
     # make run checks on the user's machine, where a folder of the worker image is not: a warning, not a refusal
     problem, warning = root_problem(AdapterRoot(str(root / "good" / "adapter_config.json")), 15)
     assert problem is None and "is not a folder here" in warning
+
+
+def test_a_cloud_storage_roots_copies_stay_within_their_disk_budget_least_recently_used_out_first(
+        root, checkpoint, tmp_path):
+    """Three adapters of one root, a budget that holds two: the third's copy deletes the least recently used
+    copy that no slot holds (one a slot holds stays, even if older), a deleted one is copied again on its next use,
+    and an adapter larger than the whole budget is a dead letter's reason, not a full disk. The sizes are the
+    bucket's, read before anything is copied."""
+    size = sum(path.stat().st_size for path in (root / "good").iterdir())
+    held: set[str] = set()
+    with GcsEmulator() as gcs, activated(gcs):
+        for name in ("a", "b", "c"):
+            gcs.upload_folder(root / "good", "adapters", f"team/{name}")
+        cache = str(tmp_path / "cache")
+        fetch = root_fetch(AdapterRoot("gs://adapters/team/"), model_folder=str(checkpoint), max_lora_rank=16,
+                           cache_dir=cache, base_model=None, disk_gb=2.5 * size / 1e9, in_use=lambda: set(held))
+        copies = Path(cache, "adapters", "team")
+
+        def on_disk() -> set[str]:
+            return {folder.name for folder in copies.iterdir() if (folder / "adapter_config.json").exists()}
+
+        fetch("a")
+        time.sleep(0.05)
+        fetch("b")
+        assert on_disk() == {"a", "b"}
+        time.sleep(0.05)
+        fetch("a")  # used again: b is now the least recently used
+        fetch("c")
+        assert on_disk() == {"a", "c"}, "b, least recently used, made room"
+        held.update({"a", "c"})  # both in slots now: the next copy may delete neither
+        with pytest.raises(AdapterUnavailable, match="does not fit beside the adapters loaded now"):
+            fetch("b")
+        assert on_disk() == {"a", "c"}
+        held.discard("a")
+        assert Path(fetch("b"), "adapter_model.safetensors").is_file() and on_disk() == {"b", "c"}, "copied again"
+        small = root_fetch(AdapterRoot("gs://adapters/team/"), model_folder=str(checkpoint), max_lora_rank=16,
+                           cache_dir=str(tmp_path / "small"), base_model=None, disk_gb=size / 2e9,
+                           in_use=lambda: set())
+        with pytest.raises(AdapterUnavailable, match="more than the .* GB this worker keeps .*lora_adapter_disk_gb"):
+            small("a")
+        assert not Path(tmp_path, "small", "adapters", "team", "a", "adapter_model.safetensors").exists()
+
+
+def test_without_a_budget_a_quarter_of_the_disk_is_kept_for_adapter_copies(tmp_path):
+    disk = AdapterDisk(tmp_path, budget_bytes(0), in_use=set)
+    assert disk.budget_bytes == int(shutil.disk_usage(tmp_path).total * DEFAULT_DISK_SHARE)
+    assert AdapterDisk(tmp_path, budget_bytes(3), in_use=set).budget_bytes == 3 * 10**9
+    assert JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "gs://my-bucket/adapters/",
+                                     "lora_adapter_disk_gb": "40"}).engine.server.adapter_disk_gb == 40.0
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

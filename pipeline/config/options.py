@@ -83,6 +83,7 @@ class PipelineConfig:
     lora_adapters: str | None
     lora_adapter_root: str | None
     lora_base_model_check: bool
+    lora_adapter_disk_gb: int
     max_lora_rank: int
     max_loras: int
     server_start_timeout_s: int

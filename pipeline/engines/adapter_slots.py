@@ -56,6 +56,15 @@ class AdapterSlots:
         """The adapters loaded now, least recently used first."""
         return list(self._loaded)
 
+    def held(self) -> set[str]:
+        """The adapters a slot holds or is being filled with, whose copies on disk stay (read on the fetch's thread
+        while the loop may change them: tried again until a read is whole)."""
+        while True:
+            try:
+                return set(self._loaded) | set(self._loading) | set(self._placing) | set(self._unloading)
+            except RuntimeError:  # changed size during the read
+                continue
+
     async def acquire(self, name: str, bulk: bool = False) -> None:
         """Returns once ``name`` is loaded, counted as used by one more stream until :meth:`release`; a ``bulk``
         request's stream goes after live ones (module docstring)."""

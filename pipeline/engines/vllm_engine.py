@@ -1,18 +1,15 @@
 """The vLLM engine: many requests in flight against one OpenAI-compatible server.
 
-:class:`VLLMBackend` is the engine's backend (:mod:`pipeline.engines.backend`) for vLLM, and
-:func:`vllm_engine` the engine over it. It owns the model manager's server (or calls ``server_url``) and
-streams each request to it from an asyncio loop on a background thread;
-vLLM's continuous batching sees every in-flight request, so a short request
-never waits for a long one. Each server-sent event is cut into chunks by the
-request's :class:`~pipeline.contract.chunking.ChunkAssembler`.
+:class:`VLLMBackend` is the engine's backend (:mod:`pipeline.engines.backend`) for vLLM, and :func:`vllm_engine`
+the engine over it. It owns the model manager's server (or calls ``server_url``) and streams each request to it
+from an asyncio loop on a background thread; vLLM's continuous batching sees every in-flight request, so a short
+request never waits for a long one. Each server-sent event is cut into chunks by the request's
+:class:`~pipeline.contract.chunking.ChunkAssembler`.
 
-The engine asks vLLM for the events it will publish: a request carries
-``stream_interval`` = ``chunk_tokens`` (vLLM sends the first token at once,
-then one event per that many tokens, and the last at once), so neither the
-server's API front end nor this client turns every token into an HTTP event
-only for the assembler to regroup them. A server that refuses the field is
-asked per token from then on, after one warning.
+The engine asks vLLM for the events it will publish: a request carries ``stream_interval`` = ``chunk_tokens``
+(vLLM sends the first token at once, then one event per that many tokens, and the last at once), so neither the
+server's API front end nor this client turns every token into an HTTP event only for the assembler to regroup
+them. A server that refuses the field is asked per token from then on, after one warning.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ from pipeline.engines.backend import ServerLoad, StreamEvents
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream
-from pipeline.serving.adapter_root import AdapterUnavailable, AdapterUnreadable, fetch_adapter
+from pipeline.serving.adapter_root import AdapterUnavailable, AdapterUnreadable, root_fetch
 from pipeline.serving.lineage import ServingLineage, adapter_lineage, chat_template_digest, model_lineage, seed_for
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
@@ -118,10 +115,12 @@ class VLLMBackend:
         self._static_adapters = frozenset(adapter.name for adapter in spec.adapters) if spec else frozenset()
         self._server_starts = self._server.stats.starts if self._server else 0
         if spec is not None and spec.adapter_root is not None and self._server is not None:
-            fetch = functools.partial(fetch_adapter, spec.adapter_root, model_folder=self._server.model_path,
-                                      max_lora_rank=spec.max_lora_rank, cache_dir=spec.model_cache_dir,
-                                      base_model=spec.model if spec.lora_base_model_check else None)
-            self._adapter_slots = AdapterSlots(spec.root_adapters, fetch, self._load_adapter, self._unload_adapter)
+            fetch = root_fetch(spec.adapter_root, model_folder=self._server.model_path, cache_dir=spec.model_cache_dir,
+                               max_lora_rank=spec.max_lora_rank, disk_gb=spec.adapter_disk_gb,
+                               base_model=spec.model if spec.lora_base_model_check else None,
+                               in_use=lambda: slots.held())
+            self._adapter_slots = slots = AdapterSlots(spec.root_adapters, fetch, self._load_adapter,
+                                                       self._unload_adapter)
         atexit.register(self.close)
 
     def _discover_model_name(self, settings: EngineSettings) -> str:

@@ -12,19 +12,30 @@ safetensors header without loading a tensor. What fails is the reason of the req
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from google.api_core.exceptions import GoogleAPIError, NotFound
 from google.auth.exceptions import DefaultCredentialsError
 
 from pipeline.contract.parameter_checks import check_parameters
 from pipeline.contract.request_parsing import ADAPTER_NAME
+from pipeline.serving.adapter_disk import AdapterDisk, AdapterTooLarge, budget_bytes
 from pipeline.serving.lora_adapters import ADAPTER_CONFIG, Adapter, rank_problem
-from pipeline.serving.model_weights import GCS, LOCAL, WeightsError, local_weights, location_kind, parse_gcs_uri
+from pipeline.serving.model_weights import (
+    GCS,
+    LOCAL,
+    WeightsError,
+    gcs_copy_folder,
+    local_weights,
+    location_kind,
+    parse_gcs_uri,
+)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # A LoRA adapter's safetensors header lists a few hundred tensors; a header claiming more is not an adapter's.
@@ -61,17 +72,30 @@ class AdapterRoot:
         return f"{self.location.rstrip('/')}/{name}"
 
 
+def root_fetch(root: AdapterRoot, *, model_folder: str | None, max_lora_rank: int, cache_dir: str | None,
+               base_model: str | None, disk_gb: float, in_use: Callable[[], set[str]]) -> Callable[[str], str]:
+    """How a worker's engine fetches ``root``'s adapters by name (:func:`fetch_adapter`), a ``gs://`` root's copies
+    within ``disk_gb`` (:mod:`pipeline.serving.adapter_disk`; ``in_use``: the names its slots hold)."""
+    disk = AdapterDisk(gcs_copy_folder(root.location, cache_dir), budget_bytes(disk_gb), in_use) \
+        if location_kind(root.location) == GCS else None
+    return functools.partial(fetch_adapter, root, model_folder=model_folder, max_lora_rank=max_lora_rank,
+                             cache_dir=cache_dir, base_model=base_model, disk=disk)
+
+
 def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lora_rank: int,
-                  cache_dir: str | None = None, base_model: str | None = None) -> str:
-    """Where adapter ``name`` of ``root`` lies on this worker, copied and checked against the model in
-    ``model_folder`` (None: a model whose files are not on disk here, whose shapes go unchecked) and, with
-    ``base_model`` (the served model as configured), that it was trained for it (:func:`base_problem`). Raises
+                  cache_dir: str | None = None, base_model: str | None = None, disk: AdapterDisk | None = None) -> str:
+    """Where adapter ``name`` of ``root`` lies on this worker, copied (within ``disk``'s budget) and checked against
+    the model in ``model_folder`` (None: a model whose files are not on disk here, whose shapes go unchecked) and,
+    with ``base_model`` (the served model as configured), that it was trained for it (:func:`base_problem`). Raises
     :class:`AdapterUnavailable` with the reason."""
     if not ADAPTER_NAME.match(name):
         raise AdapterUnavailable(f"adapter {name[:80]!r}: not a folder name under lora_adapter_root")
     location = root.location_of(name)
     try:
-        path = local_weights(location, ADAPTER_CONFIG, cache_dir)
+        path = local_weights(location, ADAPTER_CONFIG, cache_dir,
+                             room_for=None if disk is None else functools.partial(disk.room_for, name))
+    except AdapterTooLarge as exc:
+        raise AdapterUnavailable(str(exc)) from None
     except (WeightsError, FileNotFoundError, NotFound) as exc:
         raise AdapterUnavailable(f"adapter {name!r}: no adapter at {location} ({exc}); an adapter is a folder "
                                  "saved by peft (save_pretrained)") from None
@@ -86,6 +110,8 @@ def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lo
         problem = base_problem(name, Path(path), base_model, model_folder)
     if problem:
         raise AdapterUnavailable(problem)
+    if disk is not None:
+        disk.used(name)
     return path
 
 

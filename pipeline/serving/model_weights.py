@@ -18,6 +18,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Callable
 
 import fasteners
 
@@ -46,12 +47,14 @@ def location_kind(location: str) -> str:
     return LOCAL if location.startswith(LOCAL_FOLDER_PREFIXES) else HUB
 
 
-def local_weights(location: str, required_file: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+def local_weights(location: str, required_file: str, cache_dir: str | os.PathLike[str] | None = None,
+                  room_for: Callable[[int], None] | None = None) -> str:
     """What a loader reads on this worker: a ``gs://`` folder copied down (again only once it changed), a local
-    folder checked for ``required_file`` and made absolute, a hub id as it is."""
+    folder checked for ``required_file`` and made absolute, a hub id as it is. ``room_for``: see
+    :func:`download_gcs_folder`."""
     kind = location_kind(location)
     if kind == GCS:
-        return str(download_gcs_folder(location, cache_dir, required_file=required_file))
+        return str(download_gcs_folder(location, cache_dir, required_file=required_file, room_for=room_for))
     if kind == LOCAL:
         path = Path(location).expanduser()
         if not (path / required_file).is_file():
@@ -108,19 +111,25 @@ def storage_client():
     return storage.Client()
 
 
+def gcs_copy_folder(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where :func:`download_gcs_folder` copies the ``gs://`` folder ``uri``: ``<cache>/gcs/<bucket>/<prefix>``."""
+    bucket_name, prefix = parse_gcs_uri(uri)
+    return (Path(cache_dir) if cache_dir else cache_root() / "gcs") / bucket_name / prefix
+
+
 def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = None, *,
-                        required_file: str = "config.json") -> Path:
+                        required_file: str = "config.json", room_for: Callable[[int], None] | None = None) -> Path:
     """Copies a folder (a checkpoint, or a LoRA adapter with ``required_file``) to ``<cache>/gcs/<bucket>/<prefix>``
     and returns that path. A copy made earlier is used as long as the folder's objects are the ones it was made
     from (same names, same generations): a folder rewritten in place is copied again, so what a worker serves is
     what the folder holds now, and what its answers' lineage names (:mod:`pipeline.serving.lineage`). When the
-    folder cannot be listed, an earlier complete copy is used, with a warning."""
+    folder cannot be listed, an earlier complete copy is used, with a warning. ``room_for(bytes)`` is called with
+    the folder's size before a copy is made, and may refuse it by raising (a disk budget)."""
     from google.api_core.exceptions import GoogleAPIError
     from google.cloud.storage.retry import DEFAULT_RETRY
 
     bucket_name, prefix = parse_gcs_uri(uri)
-    base = Path(cache_dir) if cache_dir else cache_root() / "gcs"
-    target = base / bucket_name / prefix
+    target = gcs_copy_folder(uri, cache_dir)
     target.mkdir(parents=True, exist_ok=True)
     with fasteners.InterProcessLock(str(target / _LOCK_FILE)):
         copied = downloaded_generations(target)
@@ -145,13 +154,15 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
         generations = {relative[b.name]: b.generation for b in blobs}
         if copied == generations:
             return target
+        total = sum(b.size or 0 for b in blobs)
+        if room_for is not None:
+            room_for(total)
         if (target / _COMPLETE_MARKER).exists():
             LOGGER.info("%s changed since it was copied to %s: copying it again", uri, target)
             (target / _COMPLETE_MARKER).unlink()
             for gone in set(copied or ()) - names:
                 with contextlib.suppress(WeightsError):
                     copy_path(target, gone).unlink(missing_ok=True)
-        total = sum(b.size or 0 for b in blobs)
         LOGGER.info("Downloading %d files (%.1f MB) from %s to %s", len(blobs), total / 1e6, uri, target)
         started, done, next_report = time.monotonic(), 0, 0.1
         for blob in blobs:

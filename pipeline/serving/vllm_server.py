@@ -67,6 +67,8 @@ class ServerSpec:
     adapter_root: AdapterRoot | None = None
     # Whether a root's adapter must name this model as its base (pipeline.serving.adapter_root.base_problem).
     lora_base_model_check: bool = default("lora_base_model_check")
+    # How much disk the copies of a gs:// root's adapters may take (0: a quarter of it; pipeline.serving.adapter_disk).
+    adapter_disk_gb: float = default("lora_adapter_disk_gb")
     max_lora_rank: int = default("max_lora_rank")
     max_loras: int = default("max_loras")
     # A Secret Manager secret version holding a Hugging Face token (pipeline.serving.model_access); its name, not the
