@@ -15,10 +15,16 @@ except that, drawn from one seeded generator, it:
   delivered to no one, as a late answer's are;
 * answers a call with UNAVAILABLE after the emulator carried it out (``lost``): a pull's messages are then leased
   to no one, as when an answer is lost on its way back;
-* refuses an acknowledgement or a deadline change (``ack_error``), which then never reaches the emulator.
+* refuses an acknowledgement or a deadline change (``ack_error``), which then never reaches the emulator; either
+  may also be slow or lost, as any call.
 
 Clients reach it as they reach the emulator, through ``PUBSUB_EMULATOR_HOST`` (:meth:`FaultProxy.env`). What it
-did is counted in ``done``, so a test can say how much went wrong.
+did is counted in ``done``, so a test can say how much went wrong; and what was acknowledged in time is kept by
+message (:meth:`FaultProxy.acknowledged`), so a test can say that nothing it ended is left to come back. The
+emulator takes an acknowledgement whatever its lease; the service does not promise to honour one that comes after
+the ack deadline (https://cloud.google.com/pubsub/docs/lease-management), so here an acknowledgement counts only
+for an ack id still leased: pulled within the subscription's ``ack_deadline_s``, or the last deadline a
+ModifyAckDeadline gave it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.pubsub_v1.types import PullRequest
+from google.pubsub_v1.types import AcknowledgeRequest, ModifyAckDeadlineRequest, PullRequest, PullResponse
 
 SUBSCRIBER = "/google.pubsub.v1.Subscriber/"
 ACKS = {SUBSCRIBER + "Acknowledge", SUBSCRIBER + "ModifyAckDeadline"}
@@ -61,9 +67,13 @@ class FaultProxy:
     faults: Faults = field(default_factory=Faults)
     seed: int = 0
     done: collections.Counter[str] = field(default_factory=collections.Counter)
+    ack_deadline_s: float = 10.0  # the subscriptions' own (Pub/Sub's least, as the tests make them)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        self._leased: dict[str, bytes] = {}  # ack id -> the data of the message a pull leased under it
+        self._lease_ends: dict[str, float] = {}  # ack id -> when its lease ends (monotonic)
+        self._acked: set[bytes] = set()  # the data of every message an acknowledgement the emulator carried out named
         self._lock = threading.Lock()
         self._channel = grpc.insecure_channel(self.upstream)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
@@ -83,6 +93,12 @@ class FaultProxy:
         with self._lock:
             return collections.Counter(self.done)
 
+    def acknowledged(self) -> set[bytes]:
+        """The data of every message that an acknowledgement carried out by the emulator named while its lease ran
+        (its answer may have been lost on the way back: ``lost``)."""
+        with self._lock:
+            return set(self._acked)
+
     def close(self) -> None:
         self._server.stop(grace=None)
         self._channel.close()
@@ -96,8 +112,7 @@ class FaultProxy:
             if method in ACKS:
                 if self._rng.random() < self.faults.ack_error:
                     drawn["code"] = grpc.StatusCode.UNAVAILABLE
-                return drawn
-            if self._rng.random() < self.faults.error:
+            elif self._rng.random() < self.faults.error:
                 drawn["code"] = self._rng.choice(self.faults.codes)
             elif name == "Pull" and self._rng.random() < self.faults.short:
                 drawn["fewer"] = self._rng.random()
@@ -125,6 +140,7 @@ class FaultProxy:
         # The caller's deadline goes upstream, as gRPC propagates it: a pull the caller gave up on is not left
         # waiting at the emulator to lease what comes later to no one (that is the "slow" fault's to do).
         answer = self._channel.unary_unary(method)(request, timeout=context.time_remaining() or 30)
+        self._record(method, request, answer)
         if "slow_s" in drawn:
             with self._lock:
                 self.done[f"{method.rsplit('/', 1)[-1]} slow"] += 1
@@ -134,6 +150,32 @@ class FaultProxy:
                 self.done[f"{method.rsplit('/', 1)[-1]} lost"] += 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "the answer was lost (the fault proxy)")
         return answer
+
+
+    def _record(self, method: str, request: bytes, answer: bytes) -> None:
+        """What the emulator carried out: the messages a pull leased, and those an acknowledgement named."""
+        now = time.monotonic()
+        if method == SUBSCRIBER + "Pull":
+            leased = {m.ack_id: m.message.data for m in PullResponse.deserialize(answer).received_messages}
+            with self._lock:
+                self._leased.update(leased)
+                self._lease_ends.update(dict.fromkeys(leased, now + self.ack_deadline_s))
+        elif method == SUBSCRIBER + "ModifyAckDeadline":
+            modify = ModifyAckDeadlineRequest.deserialize(request)
+            with self._lock:
+                for ack_id in modify.ack_ids:
+                    if self._lease_ends.get(ack_id, float("-inf")) >= now:  # an ended lease is not extended
+                        self._lease_ends[ack_id] = now + modify.ack_deadline_seconds
+        elif method == SUBSCRIBER + "Acknowledge":
+            ack_ids = AcknowledgeRequest.deserialize(request).ack_ids
+            with self._lock:
+                for ack_id in ack_ids:
+                    if ack_id not in self._leased:
+                        continue
+                    if self._lease_ends[ack_id] >= now:
+                        self._acked.add(self._leased[ack_id])
+                    else:
+                        self.done["Acknowledge after its lease"] += 1
 
 
 class _Handler(grpc.GenericRpcHandler):

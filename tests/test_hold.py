@@ -230,7 +230,7 @@ def test_a_place_and_the_request_admitted_in_it_lapse_when_their_bundle_never_en
     hold.release(["place:a"])
     assert hold.admit(0.0, ["req-1"], room=1, in_places=True) == ["req-1"]  # in place:a's stead
     assert hold.admit(0.0, ["req-2"], room=1) == ["req-2"]  # no place
-    assert hold.renew(8.0, ["place:b", "place:a"]) == 1, "place:a was taken over: not taken in again"
+    assert hold.renew(8.0, ["place:b", "place:a"]) == ["place:b"], "place:a was taken over: not taken in again"
     assert hold.counts(9.9) == (0, 4)
     assert hold.counts(10.1) == (0, 2), "place:c and req-1 lapsed; place:b was renewed; req-2 counts on"
     assert hold.counts(18.1) == (0, 1), "place:b lapsed too"

@@ -10,6 +10,8 @@ deadline changes, and delivery again after the ack deadline. A round is played a
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
 import os
 import time
@@ -18,7 +20,9 @@ import grpc
 import pytest
 from google.cloud import pubsub_v1
 
+from pipeline.contract.call_outcome import Call
 from pipeline.flow import pubsub_trouble, subscription_backlog, subscription_feed
+from pipeline.flow.feed_acks import FeedAcks
 from pipeline.flow.subscription_reader import CheckpointsOnly, PullWithinRoomFn
 from tests.conftest import wait_until
 from tests.feed_harness import (
@@ -30,6 +34,7 @@ from tests.feed_harness import (
     publish,
     serve_rounds,
     short_deadline_subscription,
+    through,
 )
 from tests.observability_stand_in import ObservabilityStandIn
 from tests.pubsub_fault_proxy import FaultProxy, Faults
@@ -284,3 +289,61 @@ def test_a_feed_whose_places_no_longer_count_gives_its_messages_back(subscriptio
         assert wait_until(lambda: (feed.take(0), held(source))[1] == BOUND, 20), "pulled again, counted"
     finally:
         feed.stop()
+
+
+def test_a_renewal_that_crosses_a_round_gives_back_none_of_what_the_feed_still_holds(subscription, proxy):
+    """A renewal copies the places the feed holds, then asks the worker; a round takes one of those messages
+    meanwhile and the admission step takes over its place, so the worker no longer has that place to renew. That
+    one was handed on, not lost: the feed keeps the rest, and their deadlines are extended, nothing given back.
+    The interleaving is made exact by running the round inside the renewal's call to the real ledger."""
+    topic, path = subscription
+    publish(topic, 3)
+    source = a_worker()
+
+    def runtime_call(what: str, call):
+        if what == "renew places":  # the round and its admission, between the feed's copy and the worker's answer
+            taken = feed.take(1)
+            assert source.ledger.admit([f"req-of-{taken[0].place}"], in_place_of=[taken[0].place]) == 1
+        return Call.ANSWERED, call(source.ledger)
+
+    feed = subscription_feed.SubscriptionFeed(path, source, False, ACK_DEADLINE_S, through(proxy),
+                                              runtime_call=runtime_call, start=False)
+    try:
+        assert wait_until(lambda: (feed.step(), len(feed._held))[1] == 3, 20), "the feed pulled all three"
+        feed._renew()
+        assert len(feed._held) == 2 and not feed.counts().get("given_back"), "nothing it still holds went back"
+        assert held(source) == 3, "two places renewed and one request in the place it took"
+    finally:
+        feed.stop()
+
+
+def test_acknowledgements_that_wait_on_a_slow_pubsub_go_together_and_late_ones_are_counted(subscription, proxy):
+    """Pub/Sub answers every acknowledgement after 1.5 s. Six bundles' finalizers each hand over their ack ids at
+    once; the first call goes alone, the five that waited behind it go in one more call (not five), and every
+    message is acknowledged at the emulator while its lease runs. With an ack deadline of 1 s (the stand-in's
+    leases are the subscription's 10 s), the ones that waited past it are counted late."""
+    topic, path = subscription
+    publish(topic, 6)
+    puller = through(proxy)()  # through the proxy, which so knows each message's lease
+    try:
+        received = list(puller.pull(subscription=path, max_messages=6, timeout=10).received_messages)
+        while len(received) < 6:
+            received += puller.pull(subscription=path, max_messages=6, timeout=10).received_messages
+    finally:
+        puller.close()
+    proxy.faults = Faults(slow=1.0, slow_s=1.5, only=frozenset({"Acknowledge"}))
+    counts: collections.Counter[str] = collections.Counter()
+    client = through(proxy)()
+    acks = FeedAcks(path, 1.0, lambda: client, lambda name, value: counts.update({name: value}), lambda *args: None)
+    try:
+        taken_at = time.monotonic()
+        acks.submit([received[0].ack_id], taken_at)
+        assert wait_until(lambda: not acks._queue, 5)  # the thread took it
+        time.sleep(0.3)  # and its call is under way at the proxy
+        for message in received[1:]:
+            acks.submit([message.ack_id], taken_at)
+    finally:
+        acks.stop()
+    assert proxy.counts()["Acknowledge slow"] == 2, proxy.counts()
+    assert counts["acked"] == 6 and counts["ack_late"] == 5, counts
+    assert {json.loads(data)["id"] for data in proxy.acknowledged()} == {f"req-{i}" for i in range(6)}

@@ -16,7 +16,7 @@ out of a pull, an exception included, gives back the places it did not fill. A f
 end, and the places of what the feed holds are renewed every ``RENEW_S``, so only a place the feed lost lapses,
 after ``AdmissionSettings.place_open_s``. The ack deadline of what it holds is extended to ``ack_deadline_s`` (make
 setup gives the job's subscriptions the same 120 s); a round's bundle finalizer acknowledges what it took, and its
-end tells the runtime what it handed on, both on the feed's acknowledging thread. A message no round takes within
+end gives back the places of its dead letters, each on a thread of the feed's. A message no round takes within
 ``HELD_MOST_S`` goes back to Pub/Sub, for a process whose readers run. What Pub/Sub's errors mean for it is
 :mod:`pipeline.flow.pubsub_trouble`'s.
 
@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from pipeline.contract.call_outcome import Call
+from pipeline.flow.feed_acks import FeedAcks
 from pipeline.flow.pubsub_trouble import CALL_DEADLINE_S, PubSubTrouble, call_retry
 from pipeline.flow.subscription_backlog import SubscriptionBacklog
 from pipeline.worker import read_places
@@ -138,7 +139,7 @@ class SubscriptionFeed:
         self._call = runtime_call or self._client_call
         self._name = f"{uuid.uuid4().hex[:12]}"
         self._pulls = itertools.count()
-        self._name_of_pull: str | None = None  # a reserve not yet answered: the next is asked under its name
+        self._name_of_pull: tuple[str, int] | None = None  # a reserve not answered: the next asks for it again
         self._runtime: RuntimeClient | None = None
         self._held: collections.deque[Pulled] = collections.deque()
         self._taken: dict[str, float] = {}  # ack id -> when a round took it, until acknowledged
@@ -158,9 +159,9 @@ class SubscriptionFeed:
         self._not_before = 0.0  # a pause the feed keeps, whatever wakes it
         self._thread = threading.Thread(target=self._run, name=f"pubsub-feed-{subscription.rsplit('/', 1)[-1]}",
                                         daemon=True)
-        self._acker: ThreadPoolExecutor | None = None
+        self._acks = FeedAcks(subscription, ack_deadline_s, self._client, self._count, self.trouble.warn, start=start)
+        self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="feed-dispatch") if start else None
         if start:
-            self._acker = ThreadPoolExecutor(1, thread_name_prefix="pubsub-ack")
             self._thread.start()
 
     # What a round calls (never waits on Pub/Sub or the runtime) -----------------------------------------------
@@ -177,41 +178,27 @@ class SubscriptionFeed:
         return taken
 
     def acknowledge(self, ack_ids: list[str]) -> None:
-        """A bundle's finalizer: its messages' output committed. Beam runs finalizers on a harness thread, so the
-        call to Pub/Sub is made on the feed's acknowledging thread and this returns at once."""
+        """A bundle's finalizer: its messages' output committed. Beam runs finalizers on a harness thread, so this
+        only queues them for the feed's acknowledgements (:mod:`pipeline.flow.feed_acks`) and returns at once."""
+        now = self._clock()
         with self._lock:
-            for ack_id in ack_ids:
-                self._taken.pop(ack_id, None)
-        self._off_thread(self._acknowledge, ack_ids)
+            taken_at = min((self._taken.pop(ack_id, now) for ack_id in ack_ids), default=now)
+        self._acks.submit(ack_ids, taken_at)
 
-    def dispatched(self, places: list[str]) -> None:
-        """A read bundle ended: its places are on their way to the generate step (the admission step took over
-        those of its requests). Told to the runtime on the acknowledging thread: a bundle's end waits on nothing."""
-        if places:
-            self._off_thread(self._call, "dispatch places", lambda runtime: runtime.dispatched(places))
-
-    def _off_thread(self, work: Callable[..., Any], *args: Any) -> None:
-        """``work(*args)`` on the feed's acknowledging thread (here once the feed stopped, or with ``start=False``)."""
+    def left_over(self, places: list[str]) -> None:
+        """A read bundle ended, and the admission step fused after it took over none of these places: their
+        messages became dead letters (of the parse or measure step), which go nowhere near the generate step, so the
+        places go back to the worker's room. Told to the runtime on a thread of the feed's: a bundle's end waits on
+        nothing."""
+        if not places:
+            return
         try:
-            if self._acker is not None:
-                self._acker.submit(work, *args)
+            if self._dispatcher is not None:
+                self._dispatcher.submit(self._call, "give back places", lambda runtime: runtime.withdraw(places))
                 return
-        except RuntimeError:  # the feed stopped: done here, as well as a closed client can
+        except RuntimeError:  # the feed stopped: told from here
             pass
-        work(*args)
-
-    def _acknowledge(self, ack_ids: list[str]) -> None:
-        """A failure is counted and logged; Pub/Sub then delivers them again after their deadline, and the generate
-        step's dedupe serves each once."""
-        try:
-            self._client().acknowledge(subscription=self.subscription, ack_ids=ack_ids, timeout=CALL_DEADLINE_S,
-                                       retry=call_retry())
-            self._count("acked", len(ack_ids))
-        except Exception as exc:  # noqa: BLE001 - told and counted; Pub/Sub redelivers
-            self._count("ack_failed", len(ack_ids))
-            self.trouble.warn("ack", "Acknowledging %d messages of %s failed (%s): Pub/Sub delivers them again "
-                              "after their deadline, and the job serves each request once (counter ack_failed)",
-                              len(ack_ids), self.subscription, exc)
+        self._call("give back places", lambda runtime: runtime.withdraw(places))
 
     def counts(self) -> dict[str, int]:
         """What the feed counted since the last call (for a round to add to Beam's counters)."""
@@ -231,7 +218,10 @@ class SubscriptionFeed:
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
-        self._thread.join(timeout=PULL_DEADLINE_S + 5)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=PULL_DEADLINE_S + 5)
+        else:  # never started (start=False): closed here
+            self._close()
 
     # The feed's own thread ----------------------------------------------------------------------------------
 
@@ -279,9 +269,13 @@ class SubscriptionFeed:
                 LOGGER.exception("A turn of the feed of %s failed; it goes on in a second", self.subscription)
                 wait = 1.0
             self._pause(wait)
+        self._close()
+
+    def _close(self) -> None:
         self._give_back()
-        if self._acker is not None:
-            self._acker.shutdown(wait=True)  # what finalizers asked for is sent before the client closes
+        self._acks.stop()  # what finalizers asked for is sent before the client closes
+        if self._dispatcher is not None:
+            self._dispatcher.shutdown(wait=True)
         client = getattr(self, "_subscriber", None)
         if client is not None:
             client.close()
@@ -333,16 +327,19 @@ class SubscriptionFeed:
     def _pull_once(self, most: int) -> str:
         """One pull for up to ``most`` messages; returns what follows: ``pulled``, ``empty``, ``full``, ``retry``
         or ``refused``."""
-        # A reserve left unanswered is asked again under its name: one carried out late took those places, which
-        # this one then finds its own, not more.
-        self._name_of_pull = self._name_of_pull or f"{self._name}-{next(self._pulls)}"
-        name, want = self._name_of_pull, min(most, self._want)
+        # A reserve left unanswered is asked again under its name and for as many: one carried out late took those
+        # places, which this one then finds its own, not more.
+        self._name_of_pull = self._name_of_pull or (f"{self._name}-{next(self._pulls)}", min(most, self._want))
+        name, want = self._name_of_pull
         outcome, places = self._call(
             "take places", lambda runtime: read_places.reserve(runtime, want, self._bulk, name))
         if outcome is not Call.ANSWERED:  # silent or gone: the client recovers; a late answer's places lapse
             self.full = False  # not full: unasked (counted runtime_unreachable), and nothing is pulled
             return "refused"
         self._name_of_pull = None
+        if len(places) > most:  # asked again for as many as before, more than the feed has room for now
+            extra, places = places[most:], places[:most]
+            self._call("give back places", lambda runtime: runtime.withdraw(extra))
         if not places:
             outcome, full = self._call("ask if full", lambda runtime: runtime.full(self._bulk))
             self.full = outcome is Call.ANSWERED and bool(full)  # unasked is not full (runtime_unreachable)
@@ -416,28 +413,31 @@ class SubscriptionFeed:
         self.backlog.refresh_soon()
         if held:
             places = [pulled.place for pulled in held]
-            outcome, still = self._call("renew places", lambda runtime: read_places.renew(runtime, places))
-            if outcome is Call.ANSWERED and still < len(places):
+            outcome, missed = self._call("renew places", lambda runtime: read_places.renew(runtime, places))
+            with self._lock:  # a place a round took meanwhile, and the admission step took over, is not lost
+                lost = set(missed or ()) & {pulled.place for pulled in self._held}
+            if outcome is Call.ANSWERED and lost:
                 # Places the worker no longer counts (a rebuilt runtime's new ledger, places that lapsed while the
-                # feed could not renew them): their messages would pass uncounted, so all go back and are pulled
+                # feed could not renew them): their messages would pass uncounted, so they go back and are pulled
                 # again in places that count.
-                LOGGER.info("%d of the %d places this feed of %s holds no longer count in the worker's hold; its "
-                            "messages go back to Pub/Sub", len(places) - still, len(places), self.subscription)
-                self._give_back()
-                return
-            self._extend([pulled.received.ack_id for pulled in held], self._ack_deadline_s)
+                LOGGER.info("%d of the %d places this feed of %s holds no longer count in the worker's hold; their "
+                            "messages go back to Pub/Sub", len(lost), len(places), self.subscription)
+                self._give_back(places=lost)
+            self._extend([pulled.received.ack_id for pulled in held if pulled.place not in lost], self._ack_deadline_s)
 
-    def _give_back(self, older_than_s: float = 0.0) -> None:
-        """Returns what the feed has held longer than ``older_than_s`` (all of it by default): its messages to
-        Pub/Sub at once, its places to the worker."""
+    def _give_back(self, older_than_s: float = 0.0, places: set[str] | None = None) -> None:
+        """Returns what the feed has held longer than ``older_than_s`` (all of it by default; with ``places``, only
+        those in them): its messages to Pub/Sub at once, its places to the worker."""
         now = self._clock()
         with self._lock:
-            held = [pulled for pulled in self._held if now - pulled.pulled_at >= older_than_s]
-            self._held = collections.deque(pulled for pulled in self._held if now - pulled.pulled_at < older_than_s)
+            going = [now - pulled.pulled_at >= older_than_s and (places is None or pulled.place in places)
+                     for pulled in self._held]
+            held = [pulled for pulled, goes in zip(self._held, going, strict=True) if goes]
+            self._held = collections.deque(pulled for pulled, goes in zip(self._held, going, strict=True) if not goes)
         if not held:
             return
         self._extend([pulled.received.ack_id for pulled in held], 0)
-        places = [pulled.place for pulled in held]
-        self._call("give back places", lambda runtime: runtime.withdraw(places))
+        returned = [pulled.place for pulled in held]
+        self._call("give back places", lambda runtime: runtime.withdraw(returned))
         self._count("given_back", len(held))
 

@@ -10,7 +10,7 @@ feed per SDK process and subscription (:mod:`pipeline.flow.subscription_feed`): 
 places in the worker's hold first and long-pulls no more messages than it got places for. Every round of a reader
 
 1. takes up to ``PULL_MOST`` of what its process's feed has pulled, under a lock: it waits on neither Pub/Sub nor
-   the worker's runtime (the feed's thread tells the runtime what the bundle handed on, once it ends; the
+   the worker's runtime (the feed's thread gives back the places of its dead letters, once it ends; the
    admission step fused after it admits each request with a call bounded by ``CallSettings.bound_s``, the
    :mod:`~pipeline.worker.runtime_client` policy). When there is nothing, it **defers the rest of its restriction**
    (``tracker.defer_remainder``): its work item ends, the runner resumes it ``EMPTY_DELAY_S`` later if the
@@ -122,6 +122,7 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
             "read_deferred": Metrics.counter(LOAD_NAMESPACE, "read_deferred"),
             "acked": Metrics.counter(LOAD_NAMESPACE, "acked"),
             "ack_failed": Metrics.counter(LOAD_NAMESPACE, "ack_failed"),
+            "ack_late": Metrics.counter(LOAD_NAMESPACE, "ack_late"),
             "modify_failed": Metrics.counter(LOAD_NAMESPACE, "modify_failed"),
             "finalize_late": Metrics.counter(LOAD_NAMESPACE, "finalize_late"),
             "pull_retried": Metrics.counter(LOAD_NAMESPACE, "pull_retried"),
@@ -137,12 +138,12 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         self._bundle_feed: subscription_feed.SubscriptionFeed | None = None
 
     def finish_bundle(self) -> None:
-        """What the bundle read has gone down the stage, each request in its place: a place left (its message was
-        a dead letter) is no longer for taking, and counts from now on only as a request on its way."""
+        """What the bundle read has gone down the fused stage, each request admitted in a place: a place left (its
+        message was a dead letter of parsing or measuring) is no longer for taking, and goes back to the worker."""
         places, self._bundle_places = self._bundle_places, []
         if places and self._bundle_feed is not None:
             read_places.discard(self._source.tag, places)
-            self._bundle_feed.dispatched(places)  # on the feed's thread: the bundle's end waits on nothing
+            self._bundle_feed.left_over(places)  # on the feed's thread: the bundle's end waits on nothing
 
     def initial_restriction(self, element: tuple[str, int]) -> OffsetRange:
         return OffsetRange(0, self._rounds)

@@ -54,11 +54,12 @@ class AdmissionLedger:
             released = self._hold.release(in_place_of)
             return len(self._hold.admit(now, ids, room + released, keys, in_places=released > 0))
 
-    def renew(self, ids: Sequence[str]) -> int:
+    def renew(self, ids: Sequence[str]) -> list[str]:
         """Places a reader still holds count from now again; a place no longer held (taken over, lapsed) is not
-        taken in again. Returns how many still counted."""
+        taken in again. Returns those that no longer counted."""
         with self._lock:
-            return self._hold.renew(self._clock(), ids)
+            renewed = set(self._hold.renew(self._clock(), ids))
+        return [place for place in ids if place not in renewed]
 
     def withdraw(self, ids: Sequence[str]) -> None:
         """Places a read took and its pull did not fill: they no longer count here."""

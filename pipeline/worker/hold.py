@@ -98,15 +98,15 @@ class WorkerHold:
             self._in_places.difference_update(taken)  # admitted again without a place: its own timeout
         return taken
 
-    def renew(self, now: float, ids: Iterable[str]) -> int:
+    def renew(self, now: float, ids: Iterable[str]) -> list[str]:
         """Those of ``ids`` still held with their bundle open count from ``now`` again (a reader still holds its
-        places); an id not held is not taken in. Returns how many were renewed."""
-        renewed = 0
+        places); an id not held is not taken in. Returns those renewed."""
+        renewed = []
         for request_id in ids:
             entry = self._ids.get(request_id)
             if entry is not None and entry[1] is None:
                 self._ids[request_id] = (now, None, entry[2])
-                renewed += 1
+                renewed.append(request_id)
         return renewed
 
     def dispatched(self, now: float, ids: Iterable[str]) -> None:

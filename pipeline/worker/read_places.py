@@ -34,7 +34,7 @@ class Ledger(Protocol):
 
     def settled(self, filled: list[str], unfilled: list[str]) -> None: ...
 
-    def renew(self, ids: list[str]) -> int: ...
+    def renew(self, ids: list[str]) -> list[str]: ...
 
     def dispatched(self, ids: list[str]) -> None: ...
 
@@ -62,17 +62,17 @@ def reserve(runtime: Ledger, most: int, bulk: bool = False, name: str | None = N
     return places[:runtime.admit(places, (), bulk)]
 
 
-def renew(runtime: Ledger, places: list[str]) -> int:
+def renew(runtime: Ledger, places: list[str]) -> list[str]:
     """The reader still holds these places (messages not yet handed on): their open time starts again, so they do
-    not lapse (``AdmissionSettings.place_open_s``). A place taken over or lapsed meanwhile stays out. Returns how
-    many still count."""
-    return runtime.renew(places) if places else 0
+    not lapse (``AdmissionSettings.place_open_s``). A place taken over or lapsed meanwhile stays out. Returns those
+    that no longer counted."""
+    return runtime.renew(places) if places else []
 
 
 def settle(runtime: Ledger, tag: str, places: list[str], used: int) -> None:
     """The pull filled ``used`` of ``places``: those are queued for the admission step to take over, and the rest
     are given back to the worker's room. The used places count, open, until they are taken over or the read's
-    bundle ends (the reader then :func:`discard` s what is left and calls the ledger's ``dispatched`` with it)."""
+    bundle ends (the reader then :func:`discard` s what is left, dead letters' places, and gives them back)."""
     runtime.settled(places[:used], places[used:])
     queue(tag, places[:used])
 

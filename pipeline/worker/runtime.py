@@ -136,7 +136,7 @@ class WorkerRuntime:
     def settled(self, filled: list[str], unfilled: list[str]) -> None:
         self.admission.settled(filled, unfilled)
 
-    def renew(self, ids: list[str]) -> int:
+    def renew(self, ids: list[str]) -> list[str]:
         return self.admission.renew(ids)
 
     def dispatched(self, ids: list[str]) -> None:
