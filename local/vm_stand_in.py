@@ -19,13 +19,15 @@ own process. A worker VM is more than that, and this adds what it is made of:
   job's reader fused with parsing and the admission step: the real ``PullWithinRoomFn.process`` on Beam's own
   restriction tracker, so the round takes what its process's real feed (:mod:`pipeline.flow.subscription_feed`)
   pulled from a real Pub/Sub (the emulator, or the tests' fault proxy in front of it: ``pubsub_host``) within
-  the places it took in the worker's hold, and each request is parsed (``parse_request``) and admitted in its
-  place by the real ``AdmitFn``. The job's readers are ``readers`` restrictions, each of which runs one round at a
-  time and, after a round that took nothing, again when its residual says, as the runner resumes a deferred
-  reader; a round whose bundle committed has its finalizer run (the feed
-  acknowledges), and what a dead process took comes back from Pub/Sub once its ack deadline
-  (``READ_ACK_DEADLINE_S``) passes. Due timers queue first in, first out with the elements that arrive for keys,
-  as a worker's work queue holds them.
+  the places it took in the worker's hold, and each message goes through the real steps fused after it: parsed
+  (``ParseFn``) and measured (``MeasureFn``), each guarded at its element boundary (a message that is no request
+  is a dead letter of the bundle), and admitted in its place by the real ``AdmitFn``; as Beam's SDK harness does
+  after each call of a splittable DoFn, the round ends with ``check_done``, its residual and the size
+  ``restriction_size`` reports for it. The job's readers are ``readers`` restrictions, each of which runs one
+  round at a time and resumes its residual when the residual says, as the runner resumes a deferred reader; a
+  round whose bundle committed has its finalizer run (the feed acknowledges), and what a dead process took comes
+  back from Pub/Sub once its ack deadline (``READ_ACK_DEADLINE_S``) passes. Due timers queue first in, first out
+  with the elements that arrive for keys, as a worker's work queue holds them.
 * **One runtime per VM.** The steps reach the worker's runtime through Beam's ``MultiProcessShared``, which
   "will be instantiated once per VM and methods will be invoked on it via rpc" (its module's documentation): the
   first process to acquire it starts its host, a process of its own (``spawn_process``), and every process calls
@@ -65,17 +67,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import psutil
+from apache_beam.io.restriction_trackers import OffsetRange
 from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
+from apache_beam.pvalue import TaggedOutput
 from apache_beam.runners.sdf_utils import RestrictionTrackerView, ThreadsafeRestrictionTracker
 
 from local.runner_semantics import Driver, KeyState, Outputs, Worker
-from pipeline.contract.messages import DeadLetter, InferenceRequest
-from pipeline.contract.request_parsing import parse_request
+from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.parameters import default
+from pipeline.contract.request_parsing import RequestLimits
 from pipeline.flow import subscription_feed
 from pipeline.flow.admission import AdmitFn
 from pipeline.flow.subscription_reader import PullWithinRoomFn
 from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.generation.generate_settings import GenerateSettings
+from pipeline.intake.parsing import ParseFn
+from pipeline.intake.prompt_length import MeasureFn, PromptLength
 from pipeline.serving.vllm_server import is_healthy
 from pipeline.worker.runtime import SharedRuntime, WorkerRuntime, new_runtime_tag
 from pipeline.worker.runtime_settings import RuntimeSettings
@@ -134,34 +141,63 @@ class _Finalizer:
         self.callbacks.append(callback)
 
 
-def _read_round(reader: PullWithinRoomFn, admit: AdmitFn, subscription: str, tag: str
-                ) -> tuple[list[InferenceRequest], float, bool, list[Callable[[], None]]]:
-    """One work item of a reader fused with parsing and admission, as Beam runs it: the real DoFn's ``process`` on
-    Beam's restriction tracker. Returns the requests admitted, when the reader's residual resumes (seconds from
-    now), whether its process's feed found the worker full, and the finalizer's callbacks for the runner to run
-    once the bundle commits."""
-    restriction = reader.initial_restriction((subscription, 0))
+@dataclass(frozen=True)
+class ReadRound:
+    """What one read work item did: the requests it admitted, the dead letters its parse and measure steps made,
+    the reader's residual (``None``: its restriction is done) with the size it reports for it and when the runner
+    resumes it (seconds from now), and whether the worker was full. The finalizer's callbacks stay in the SDK
+    process until the runner says the bundle committed."""
+
+    passed: list[InferenceRequest]
+    dead_letters: list[dict]
+    residual: OffsetRange | None
+    size: int
+    again_s: float
+    full: bool
+
+
+def _read_round(reader: PullWithinRoomFn, fused: tuple[ParseFn, MeasureFn, AdmitFn], element: tuple[str, int],
+                restriction: OffsetRange, tag: str) -> tuple[ReadRound, list[Callable[[], None]]]:
+    """One work item of a reader fused with parsing, measuring and admission, as Beam's SDK harness runs a
+    splittable DoFn (``DoFnInvoker.invoke_process`` in apache_beam/runners/common.py): the real ``process`` on
+    Beam's restriction tracker over the reader's current restriction, its outputs through the real steps fused
+    after it, then ``check_done``, the deferred residual and the size ``restriction_size`` reports for it (which
+    Beam refuses when negative)."""
+    parse, measure, admit = fused
     tracker = ThreadsafeRestrictionTracker(reader.create_tracker(restriction))
     finalizer = _Finalizer()
-    reader.start_bundle()
-    admit.start_bundle()
+    for dofn in (reader, parse, measure, admit):
+        dofn.start_bundle()
     passed: list[InferenceRequest] = []
-    for value in reader.process((subscription, 0), finalizer, RestrictionTrackerView(tracker),
+    letters: list[dict] = []
+
+    def through(dofn: Any, values: Any) -> list[Any]:
+        kept: list[Any] = []
+        for value in values:
+            if isinstance(value, TaggedOutput):
+                letters.append(value.value)
+            else:
+                kept.extend(dofn.process(value) if dofn is not None else [value])
+        return kept
+
+    for value in reader.process(element, finalizer, RestrictionTrackerView(tracker),
                                 ManualWatermarkEstimator(None)):
-        message = value.value
-        parsed = parse_request(message.data, message.attributes, message.message_id)
-        if not isinstance(parsed, DeadLetter):
-            passed.extend(admit.process(parsed))
-    admit.finish_bundle()
-    reader.finish_bundle()
+        measured = through(None, through(measure, through(parse, [value.value])))
+        passed.extend(through(None, through(admit, measured)))
+    for dofn in (admit, measure, parse, reader):
+        dofn.finish_bundle()
+    tracker.check_done()
     deferred = tracker.deferred_status()
-    feed = subscription_feed.existing_feed(subscription, tag, False)
-    return (passed, max(deferred[1].micros / 1e6, 0.0) if deferred else 0.0, feed is not None and feed.full,
-            finalizer.callbacks)
+    residual, size = (deferred[0], reader.restriction_size(element, deferred[0])) if deferred else (None, 0)
+    if size < 0:
+        raise ValueError(f"Expected size >= 0 but received {size}.")  # as Beam's SDK refuses it
+    feed = subscription_feed.existing_feed(element[0], tag, False)
+    return ReadRound(passed, letters, residual, size, max(deferred[1].micros / 1e6, 0.0) if deferred else 0.0,
+                     feed is not None and feed.full), finalizer.callbacks
 
 
-def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: float, drain_timeout_s: float,
-           pubsub_host: str | None, conn: Any) -> None:
+def _serve(name: str, source: _FaultySource, threads: int, readers: int, poll_interval_ms: float,
+           drain_timeout_s: float, pubsub_host: str | None, conn: Any) -> None:
     """An SDK process: runs the work items it is sent on ``threads`` harness threads, one DoFn each."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if pubsub_host:
@@ -170,26 +206,30 @@ def _serve(name: str, source: _FaultySource, threads: int, poll_interval_ms: flo
     send = threading.Lock()
     finalizers: dict[int, list[Callable[[], None]]] = {}  # by read work item, until the runner says it committed
 
-    def dofns() -> tuple[Driver, AdmitFn, PullWithinRoomFn]:
+    def dofns() -> tuple[Driver, tuple[ParseFn, MeasureFn, AdmitFn], PullWithinRoomFn]:
         if not hasattr(local, "driver"):
             generate = StreamingGenerateFn(source, poll_interval_ms, GenerateSettings(
                 dedupe_window_s=600, drain_timeout_s=drain_timeout_s, engine=source.settings.engine.engine))
             generate.setup()
-            local.admit = AdmitFn(source)
-            local.admit.setup()
-            local.reader = PullWithinRoomFn(source, ack_deadline_s=READ_ACK_DEADLINE_S)
-            local.reader.setup()
+            length = PromptLength()
+            local.fused = (ParseFn(RequestLimits(), default("id_attribute"), None),
+                           MeasureFn(length.estimator, length.model, length.prompt_format, length.max_model_len,
+                                     length.hf_token_secret), AdmitFn(source))
+            local.reader = PullWithinRoomFn(source, ack_deadline_s=READ_ACK_DEADLINE_S, readers=readers)
+            for dofn in (*local.fused, local.reader):
+                dofn.setup()
             local.driver = Driver([Worker(name, generate, None)])
-        return local.driver, local.admit, local.reader
+        return local.driver, local.fused, local.reader
 
     def work(token: int, kind: str, payload: Any) -> None:
-        driver, admit, reader = dofns()
+        driver, fused, reader = dofns()
         try:
             if kind == "read":
-                passed, again_s, full, callbacks = _read_round(reader, admit, payload, source.tag)
+                element, restriction = payload
+                done, callbacks = _read_round(reader, fused, element, restriction, source.tag)
                 if callbacks:
                     finalizers[token] = callbacks
-                reply: tuple = (token, "done", (passed, again_s, full))
+                reply: tuple = (token, "done", done)
             else:
                 key, method, element, timer, state = payload
                 driver.state[key] = state
@@ -266,6 +306,7 @@ class VmStandIn:
     owner: dict[Any, int] = field(default_factory=dict)
     committed: Outputs = field(default_factory=Outputs)
     published: set[str] = field(default_factory=set)  # ids published to the topic this schedule
+    raw: set[str] = field(default_factory=set)  # messages published as they are (publish_raw), by their text
     queue: collections.deque = field(default_factory=collections.deque)  # work items of keys, first in first out
     taken: set[str] = field(default_factory=set)  # ids whose read bundle committed
     retried: int = 0  # work items that failed (a process died in them, or they raised) and ran again
@@ -273,6 +314,7 @@ class VmStandIn:
     rounds: collections.Counter = field(default_factory=collections.Counter)  # reads' rounds, by what they did
     failed_commits: int = 0
     holds: list[int] = field(default_factory=list)  # requests taken and not yet ended, at each round
+    sizes: list[int] = field(default_factory=list)  # what each read's residual reported (restriction_size)
     timer_delays: list[float] = field(default_factory=list)  # from due to dispatched, undisturbed and reading
     work_items: list[tuple[float, Any, str]] = field(default_factory=list)  # (seconds it ran, key, method)
     # When each key's work items were sent, and the runner's own rounds that came late (when, seconds late),
@@ -280,7 +322,9 @@ class VmStandIn:
     sent_at: dict[Any, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     late_rounds: list[tuple[float, float]] = field(default_factory=list)
     reading: bool = True
+    keep_reading: bool = False  # read on when nothing published is left unread: what Pub/Sub delivers again
     _readers_due: list[float] = field(default_factory=list)  # when each reader's next round may run (monotonic)
+    _readers: list[OffsetRange] = field(default_factory=list)  # each reader's restriction: its last residual
     _publisher: Any = None
     _disrupted_at: float = 0.0  # the last resume, kill or update: only timers due after it are measured
     _began: dict[int, float] = field(default_factory=dict)  # token -> when its work item was sent
@@ -306,18 +350,22 @@ class VmStandIn:
         self._tokens = 0
         self.sdk = [self._start(n) if sdk.dead else sdk for n, sdk in enumerate(self.sdk)]
         self.state, self.owner, self.committed = {}, {}, Outputs()
-        self.published, self.queue, self.taken = set(), collections.deque(), set()
+        self.published, self.raw, self.queue, self.taken = set(), set(), collections.deque(), set()
         self.retried = self.deferred = self.failed_commits = 0
         self.rounds = collections.Counter()
-        self.holds, self.timer_delays, self.reading = [], [], True
+        self.holds, self.timer_delays, self.reading, self.keep_reading = [], [], True, False
         self.work_items, self.sent_at, self.late_rounds = [], collections.defaultdict(list), []
         self._readers_due = [0.0] * self.readers
+        self.sizes = []
+        reader = PullWithinRoomFn(None, ack_deadline_s=READ_ACK_DEADLINE_S)  # type: ignore[arg-type]
+        self._readers = [reader.initial_restriction((subscription, n)) for n in range(self.readers)]
         self._last_round = time.monotonic()
 
     @property
     def unread(self) -> set[str]:
-        """What was published and no committed read bundle took: in Pub/Sub, or in a feed's hands."""
-        return self.published - self.taken
+        """What was published and no committed read bundle took: in Pub/Sub, or in a feed's hands (requests by
+        id, messages published raw by their text until their dead letter commits)."""
+        return (self.published - self.taken) | (self.raw - {d["payload"] for d in self.committed.dead_letters})
 
     # The runner's side ------------------------------------------------------------------------
 
@@ -330,6 +378,15 @@ class VmStandIn:
         for future in [self._publisher.publish(self.topic, request.to_payload().encode()) for request in requests]:
             future.result(timeout=30)
         self.published.update(request.id for request in requests)
+
+    def publish_raw(self, data: bytes) -> None:
+        """Publishes ``data`` as it is (a message no request parses from), as a faulty publisher would."""
+        if self._publisher is None:
+            from google.cloud import pubsub_v1
+
+            self._publisher = pubsub_v1.PublisherClient()
+        self._publisher.publish(self.topic, data).result(timeout=30)
+        self.raw.add(data.decode())
 
     def assign(self, key: Any, process: int) -> None:
         """The key's work items run in SDK process ``process`` from now on (otherwise in any process with a free
@@ -379,6 +436,16 @@ class VmStandIn:
         while time.monotonic() < deadline:
             if not self.step():
                 time.sleep(0.01)
+
+    def run_until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
+        """Runs until ``condition()`` holds (checked every round); whether it did within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            if not self.step():
+                time.sleep(0.01)
+        return True
 
     def run_until_idle(self, timeout_s: float = 180.0) -> None:
         """Runs until what was published is read and no key holds anything (every timer committed)."""
@@ -499,7 +566,8 @@ class VmStandIn:
                                self.schedule.seed * 31 + n)
         # Not daemonic: an SDK process starts the runtime's host as a child of its own, as on a worker.
         process = context.Process(target=_serve, name=name, daemon=False, args=(
-            name, source, self.threads, self.poll_interval_ms, self.drain_timeout_s, self.pubsub_host, child))
+            name, source, self.threads, self.readers, self.poll_interval_ms, self.drain_timeout_s, self.pubsub_host,
+            child))
         process.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not parent.poll(1.0):
@@ -577,11 +645,17 @@ class VmStandIn:
             if status == "failed":
                 self._failed(item)
                 return
-            result, again_s, full = result
-            self.rounds["took" if result else "full" if full else "nothing pulled"] += 1
-            if not result:
-                self.deferred += full
-            self._readers_due[item[1]] = time.monotonic() + again_s
+            done: ReadRound = result
+            result = done.passed
+            self.rounds["took" if done.passed or done.dead_letters else "full" if done.full else "nothing pulled"] += 1
+            if not done.passed and not done.dead_letters:
+                self.deferred += done.full
+            self.sizes.append(done.size)
+            self.committed.dead_letters += done.dead_letters  # the parse and measure steps' outputs commit with it
+            if done.residual is None:  # a reader's restriction ends only with a job that bounds its rounds
+                raise AssertionError(f"reader {item[1]}'s restriction ended: an unbounded reader defers, always")
+            self._readers[item[1]] = done.residual
+            self._readers_due[item[1]] = time.monotonic() + done.again_s
             try:
                 sdk.conn.send(("finalize", token))  # committed: its finalizer acknowledges what it read
             except OSError:
@@ -636,8 +710,9 @@ class VmStandIn:
                     key, method, element, timer, _ = item
                     payload = (key, method, element, timer, self.state.setdefault(key, KeyState()))
                     sent = self._send(sdk, ("work", item), payload)
-                elif self.reading and self.unread and (reader := self._due_reader()) is not None:
-                    sent = self._send(sdk, ("read", reader), self.subscription)
+                elif self.reading and (self.unread or self.keep_reading) and \
+                        (reader := self._due_reader()) is not None:
+                    sent = self._send(sdk, ("read", reader), ((self.subscription, reader), self._readers[reader]))
                 else:
                     break
                 moved = True

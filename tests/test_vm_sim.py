@@ -113,11 +113,14 @@ def test_it_bites_when_the_ledger_is_not_told_the_keys() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_pubsub_that_shortens_pulls_refuses_calls_and_fails_acknowledgements_keeps_the_bound(policy: str) -> None:
     """The simulated Pub/Sub draws what the fault proxy does (tests/pubsub_fault_proxy.py): a third of the pulls
-    short, a fifth of the calls refused with a retryable code, a tenth of the acknowledgements and deadline
-    changes failed (those messages come back after their ack deadline). The feed retries; every request ends
+    short, a fifth of the calls refused with a retryable code, a tenth of the pulls' answers lost and a tenth
+    too late for their deadline (their messages leased to no one until their ack deadline), a tenth of the
+    acknowledgements and deadline changes failed (those messages come back after their ack deadline). The feed
+    retries; every request ends
     exactly once (a redelivered one is served once by its id) and the worker keeps its bound."""
     for seed in SEEDS:
-        outcome = run(seed, policy, pubsub_faults=PubSubFaults(short=0.3, error=0.2, ack_error=0.1))
+        faults = PubSubFaults(short=0.3, error=0.2, ack_error=0.1, lost=0.1, slow=0.1, slow_s=30.0)
+        outcome = run(seed, policy, pubsub_faults=faults)
         check(outcome)
 
 

@@ -14,6 +14,7 @@ cores)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 
 from local.vm_stand_in import READ_ACK_DEADLINE_S, Schedule, VmStandIn
 from pipeline.contract.chunking import ChunkPolicy
-from pipeline.contract.messages import STAGE_DRAIN, STAGE_INFERENCE, InferenceRequest
+from pipeline.contract.messages import STAGE_DRAIN, STAGE_INFERENCE, STAGE_PARSE, InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.serving.vllm_server import is_healthy, server_metrics
 from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
@@ -60,11 +61,11 @@ def generated_tokens(base_url: str) -> float:
 def assert_each_ends_once_and_whole(vm: VmStandIn, sent: list[InferenceRequest], *,
                                     letters: bool = False) -> dict[str, dict]:
     """Each request ends as exactly one completion or (where allowed) one dead letter; each completion's stream
-    is gapless and adds up to its text."""
-    ended = [c["id"] for c in vm.committed.completions] + [d["id"] for d in vm.committed.dead_letters]
+    is gapless and adds up to its text. (What was published as no request is the parse step's: not counted.)"""
+    ended = [c["id"] for c in vm.committed.completions] + [d["id"] for d in requests_letters(vm)]
     assert sorted(ended) == sorted(r.id for r in sent), (len(ended), len(sent))
     if not letters:
-        assert not vm.committed.dead_letters, vm.committed.dead_letters
+        assert not requests_letters(vm), requests_letters(vm)
     streams: dict[str, dict[int, str]] = defaultdict(dict)
     for chunk in vm.committed.chunks:
         assert streams[chunk["stream"]].setdefault(chunk["seq"], chunk["text"]) == chunk["text"]
@@ -74,6 +75,21 @@ def assert_each_ends_once_and_whole(vm: VmStandIn, sent: list[InferenceRequest],
         assert sorted(chunks) == list(range(len(chunks))), completion["id"]
         assert "".join(chunks[seq] for seq in sorted(chunks)) == completion["text"], completion["id"]
     return completions
+
+
+def requests_letters(vm: VmStandIn) -> list[dict]:
+    return [d for d in vm.committed.dead_letters if d["stage"] != STAGE_PARSE]
+
+
+def acknowledged_ids(proxy: FaultProxy) -> set[str]:
+    """What the emulator acknowledged, by request id (or, for a message that is no request, its text)."""
+    found = set()
+    for data in proxy.acknowledged():
+        try:
+            found.add(json.loads(data)["id"])
+        except (ValueError, KeyError, TypeError):
+            found.add(data.decode(errors="replace"))
+    return found
 
 
 def streams_on_each_process(vm: VmStandIn, prefix: str, tokens: int) -> tuple[int, list[InferenceRequest]]:
@@ -141,6 +157,8 @@ def test_every_drawn_schedule_keeps_the_vms_promises(vm, vllm_server, emulator, 
                                                     engine_failure_rate=engine_failures, seed=run), pubsub_faults)
     sent = requests(f"vm{run}", 10 * vm.settings.max_held, 8)
     before = generated_tokens(vllm_server.base_url)
+    malformed = f'{{"id": "vm{run}-cut", "prompt": '  # JSON cut short: the parse step makes it a dead letter
+    vm.publish_raw(malformed.encode())
     vm.publish(sent)
     vm.run_for(1.5)
     if event == "pause":
@@ -157,9 +175,22 @@ def test_every_drawn_schedule_keeps_the_vms_promises(vm, vllm_server, emulator, 
         sent = [r for r in sent if r.id in vm.taken]  # the rest stays in the subscription for the next job
     else:
         vm.run_until_idle()
+    if not drain:
+        # Nothing ended is left to come back: each message is acknowledged, one whose acknowledgement failed once
+        # Pub/Sub delivers it again and the job's dedupe serves it (the readers read on as a job's do).
+        vm.keep_reading = True
+        ended = {r.id for r in sent} | {malformed}
+        assert vm.run_until(lambda: ended <= acknowledged_ids(proxy), timeout_s=3 * READ_ACK_DEADLINE_S + 30), (
+            sorted(ended - acknowledged_ids(proxy)), dict(proxy.counts() - faults_before))
+        vm.keep_reading = False
+        vm.run_until_idle()
     completions = assert_each_ends_once_and_whole(vm, sent, letters=drain or engine_failures > 0)
     for letter in vm.committed.dead_letters:
-        assert letter["stage"] in (STAGE_DRAIN, STAGE_INFERENCE), letter
+        assert letter["stage"] in (STAGE_DRAIN, STAGE_INFERENCE, STAGE_PARSE), letter
+    parsed = [d for d in vm.committed.dead_letters if d["stage"] == STAGE_PARSE]
+    # Read (always, without a drain): its dead letter, and again only if Pub/Sub delivered it again (an
+    # acknowledgement that failed): a message that is no request has no id for the dedupe to know it by.
+    assert {d["payload"] for d in parsed} == ({malformed} if not drain or malformed not in vm.unread else set()), parsed
     assert not vm.busy(), "every key's timers committed; nothing left holding"
 
     settings_ = vm.settings

@@ -39,6 +39,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import grpc
+
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
@@ -190,6 +192,14 @@ class SimPubSub:
             vm.taken.add(request.id)
             vm.requests_by_ack[ack_id] = request
             received.append(_Received(ack_id, _Message(request.id.encode())))
+        late = self._faults.slow if self._faults.slow_s >= timeout else 0.0
+        if received and vm.rng.random() < self._faults.lost + late:  # carried out, its answer lost or too late:
+            from google.api_core import exceptions  # leased to no one until their deadline
+
+            for each in received:
+                vm.taken.discard(vm.requests_by_ack.pop(each.ack_id).id)
+            raise exceptions.from_grpc_status(self._vm.rng.choice(
+                (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)), "simulated: the answer was lost")
         return _PullResponse(received)
 
     def modify_ack_deadline(self, subscription: str, ack_ids: list[str], ack_deadline_seconds: int,
@@ -327,9 +337,8 @@ class _Vm:
         places = taken.places
         if self.rng.random() < self.s.failed_bundles:  # admitted, then the fused stage fails: the runner retries
             # nothing here; the messages come back after their deadline, the places and ids lapse (place_open_s)
-            for request in pulled:
+            for request in pulled:  # its finish_bundle never runs: nothing is discarded or dispatched
                 self.ledger.admit([request.id], in_place_of=read_places.take(self.tag, 1))
-            read_places.discard(self.tag, places)
             self.taken.difference_update(request.id for request in pulled)  # leased to a bundle that is gone
             self.out.failed_bundles += 1
             self.readers_due[reader] = now

@@ -15,7 +15,9 @@ from pipeline.contract.parameters import default
 from pipeline.contract.request_parsing import Defaults, RequestLimits, parse_request
 
 
-class _ParseFn(beam.DoFn):
+class ParseFn(beam.DoFn):
+    """The parse step's DoFn (:class:`ParseRequests`): each message, guarded, to a request or a dead letter."""
+
     def __init__(self, limits: RequestLimits, id_attribute: str, defaults: Defaults | None) -> None:
         self._limits = limits
         self._id_attribute = id_attribute
@@ -58,6 +60,6 @@ class ParseRequests(beam.PTransform):
         self._defaults = defaults
 
     def expand(self, messages):
-        parse = _ParseFn(self._limits, self._id_attribute, self._defaults)
+        parse = ParseFn(self._limits, self._id_attribute, self._defaults)
         return messages | "Parse" >> beam.ParDo(parse).with_outputs(
             TAG_DEAD_LETTERS, main="requests")

@@ -58,7 +58,9 @@ class _Holder:
         self.meter = meter
 
 
-class _MeasureFn(beam.DoFn):
+class MeasureFn(beam.DoFn):
+    """The measure step's DoFn (:class:`MeasurePromptLength`): each request, guarded, with its prompt's tokens."""
+
     def __init__(self, estimator: str, model: str, prompt_format: str, max_model_len: int,
                  hf_token_secret: str | None) -> None:
         self._estimator = estimator
@@ -128,6 +130,6 @@ class MeasurePromptLength(beam.PTransform):
 
     def expand(self, requests):
         s = self._settings
-        return requests | "Measure" >> beam.ParDo(_MeasureFn(
+        return requests | "Measure" >> beam.ParDo(MeasureFn(
             s.estimator, s.model, s.prompt_format, s.max_model_len, s.hf_token_secret)).with_outputs(
             TAG_DEAD_LETTERS, main="requests")
