@@ -24,9 +24,12 @@ from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import DeadLetter
 from pipeline.contract.request_parsing import RequestLimits, parse_request
 from pipeline.serving.adapter_disk import DEFAULT_DISK_SHARE, AdapterDisk, budget_bytes
+from pipeline.serving.lineage import folder_digest
+from pipeline.serving.model_weights import local_weights
 from pipeline.serving.adapter_root import (
     AdapterRoot,
     AdapterUnavailable,
+    AdapterUnreadable,
     base_problem,
     fetch_adapter,
     root_fetch,
@@ -169,23 +172,31 @@ def test_a_root_in_cloud_storage_is_copied_down_once_an_adapter_is_named(root, c
 def test_a_cloud_storage_roots_copies_stay_within_their_disk_budget_least_recently_used_out_first(
         root, checkpoint, tmp_path):
     """Three adapters of one root, a budget that holds two: the third's copy deletes the least recently used
-    copy that no slot holds (one a slot holds stays, even if older), a deleted one is copied again on its next use,
-    and an adapter larger than the whole budget is a dead letter's reason, not a full disk. The sizes are the
-    bucket's, read before anything is copied."""
+    copy that no slot holds (one a slot holds stays, even if older: the request waits and is tried again), a
+    deleted one is copied again on its next use, and an adapter larger than the whole budget is a dead letter's
+    reason, not a full disk. The sizes are the bucket's, read before anything is copied. What the server reads at
+    every start (a lora_adapters adapter copied from under the same folder) is never counted or deleted, and
+    neither is a folder copied from elsewhere; the used marker leaves the adapter's digest as it was."""
     size = sum(path.stat().st_size for path in (root / "good").iterdir())
     held: set[str] = set()
     with GcsEmulator() as gcs, activated(gcs):
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "static"):
             gcs.upload_folder(root / "good", "adapters", f"team/{name}")
         cache = str(tmp_path / "cache")
+        static = local_weights("gs://adapters/team/static", "adapter_config.json", cache)  # as lora_adapters copies
+        foreign = Path(cache, "adapters", "team", "notes")
+        foreign.mkdir(parents=True)
+        (foreign / "big.bin").write_bytes(b"\0" * 10 * size)  # not the root's copy: neither counted nor deleted
         fetch = root_fetch(AdapterRoot("gs://adapters/team/"), model_folder=str(checkpoint), max_lora_rank=16,
-                           cache_dir=cache, base_model=None, disk_gb=2.5 * size / 1e9, in_use=lambda: set(held))
+                           cache_dir=cache, base_model=None, disk_gb=2.5 * size / 1e9, in_use=lambda: set(held),
+                           keep=frozenset({static}))
         copies = Path(cache, "adapters", "team")
 
         def on_disk() -> set[str]:
-            return {folder.name for folder in copies.iterdir() if (folder / "adapter_config.json").exists()}
+            return {folder.name for folder in copies.iterdir() if (folder / "adapter_config.json").exists()} - {
+                "static"}
 
-        fetch("a")
+        assert folder_digest(Path(fetch("a"))) == folder_digest(Path(static)), "the used marker is not the adapter's"
         time.sleep(0.05)
         fetch("b")
         assert on_disk() == {"a", "b"}
@@ -193,12 +204,13 @@ def test_a_cloud_storage_roots_copies_stay_within_their_disk_budget_least_recent
         fetch("a")  # used again: b is now the least recently used
         fetch("c")
         assert on_disk() == {"a", "c"}, "b, least recently used, made room"
-        held.update({"a", "c"})  # both in slots now: the next copy may delete neither
-        with pytest.raises(AdapterUnavailable, match="does not fit beside the adapters loaded now"):
+        held.update({"a", "c"})  # both in slots now: the next copy may delete neither, and waits
+        with pytest.raises(AdapterUnreadable, match="does not fit now beside the adapters held"):
             fetch("b")
         assert on_disk() == {"a", "c"}
         held.discard("a")
         assert Path(fetch("b"), "adapter_model.safetensors").is_file() and on_disk() == {"b", "c"}, "copied again"
+        assert Path(static, "adapter_model.safetensors").is_file() and (foreign / "big.bin").is_file()
         small = root_fetch(AdapterRoot("gs://adapters/team/"), model_folder=str(checkpoint), max_lora_rank=16,
                            cache_dir=str(tmp_path / "small"), base_model=None, disk_gb=size / 2e9,
                            in_use=lambda: set())
@@ -208,9 +220,9 @@ def test_a_cloud_storage_roots_copies_stay_within_their_disk_budget_least_recent
 
 
 def test_without_a_budget_a_quarter_of_the_disk_is_kept_for_adapter_copies(tmp_path):
-    disk = AdapterDisk(tmp_path, budget_bytes(0), in_use=set)
+    disk = AdapterDisk(tmp_path, budget_bytes(0), in_use=set, source_of=str)
     assert disk.budget_bytes == int(shutil.disk_usage(tmp_path).total * DEFAULT_DISK_SHARE)
-    assert AdapterDisk(tmp_path, budget_bytes(3), in_use=set).budget_bytes == 3 * 10**9
+    assert AdapterDisk(tmp_path, budget_bytes(3), in_use=set, source_of=str).budget_bytes == 3 * 10**9
     assert JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "gs://my-bucket/adapters/",
                                      "lora_adapter_disk_gb": "40"}).engine.server.adapter_disk_gb == 40.0
 

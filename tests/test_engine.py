@@ -335,6 +335,32 @@ def test_structured_requests_come_back_as_json_that_fits_their_schema(vllm_serve
     assert completions["plain"]["output_json"] is None and completions["plain"]["output_error"] is None
 
 
+def test_every_field_the_table_sends_reaches_vllm_and_a_repetition_penalty_changes_a_greedy_answer(vllm_server):
+    """Greedy answers to a prompt that invites repetition, with and without vLLM's repetition_penalty (a field
+    added to the table alone): the penalised one differs, so vLLM got it; both lineages record what was applied."""
+    engine = engine_for(vllm_server.base_url)
+    prompt = "Write the word apple twenty times, separated by spaces."
+    try:
+        outputs = run_to_end(engine, [
+            InferenceRequest(id="free", prompt=prompt, max_tokens=24, min_tokens=24, temperature=0,
+                             received_at=time.time()),
+            InferenceRequest(id="penalised", prompt=prompt, max_tokens=24, min_tokens=24, temperature=0,
+                             repetition_penalty=1.8, received_at=time.time()),
+            InferenceRequest(id="both", prompt=prompt, max_tokens=24, min_tokens=24, temperature=0,
+                             presence_penalty=0.5, frequency_penalty=0.5, received_at=time.time())])
+    finally:
+        engine.close()
+    done = {rid: data for rid, items in outputs.items() for kind, data in items if kind == COMPLETION}
+    # vLLM takes fields it does not know without a word (its protocol allows extra fields): only a changed answer
+    # shows the field was applied.
+    assert done["free"]["text"] != done["penalised"]["text"], done["free"]["text"]
+    assert done["penalised"]["lineage"]["sampling"] == {
+        "max_tokens": 24, "min_tokens": 24, "temperature": 0, "repetition_penalty": 1.8}
+    assert done["both"]["lineage"]["sampling"] == {
+        "max_tokens": 24, "min_tokens": 24, "temperature": 0, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    assert "repetition_penalty" not in done["free"]["lineage"]["sampling"]
+
+
 def test_chunks_cut_by_the_chunk_clock_and_by_the_stream_share_one_gapless_sequence(vllm_server):
     """The chunk clock cuts waiting text on its thread while the stream cuts its own on the engine's loop, and
     polls come as fast as they can."""

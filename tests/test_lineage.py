@@ -31,7 +31,9 @@ from pipeline.serving.lineage import (
     folder_digest,
     model_lineage,
     seed_for,
+    server_lineage,
 )
+from pipeline.serving.vllm_server import loaded_config
 from tests.conftest import SERVED_NAME
 
 
@@ -81,6 +83,50 @@ def test_a_hub_id_is_named_by_the_commit_its_cache_resolved_to(checkpoint, tmp_p
     assert lineage.config == sha((checkpoint / "config.json").read_bytes())
     assert chat_template_digest("org/tiny", "org/tiny") is None, "this snapshot carries no chat template"
     assert model_lineage("org/not-cached", "org/not-cached").revision is None
+
+
+def test_a_pinned_revision_is_named_by_its_own_commit_not_mains(checkpoint, tmp_path, monkeypatch):
+    """vllm_args' --revision pins a branch, tag or commit; the engine says which it loaded, and the lineage names
+    the snapshot of that revision, not the one main points to."""
+    import huggingface_hub.constants
+
+    main, pinned = "1" * 40, "2" * 40
+    for commit in (main, pinned):
+        snapshot = tmp_path / "models--org--tiny" / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        shutil.copy(checkpoint / "config.json", snapshot / "config.json")
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text(main)
+    (tmp_path / "models--org--tiny" / "refs" / "v2").write_text(pinned)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert model_lineage("org/tiny", "org/tiny").revision == main
+    assert model_lineage("org/tiny", "org/tiny", "v2").revision == pinned
+    assert model_lineage("org/tiny", "org/tiny", pinned).revision == pinned
+    cards = {"m": {"id": "m", "root": "org/tiny", "max_model_len": 2048}}
+    loaded = {"revision": "v2", "dtype": "bfloat16", "quantization": "None", "kv_cache_dtype": "auto"}
+    lineage = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
+                             server_args=("--revision", "v2", "--api-key", "k-1", "--hf-token=t-2",
+                                          "--tokenizer", "org/tok", "--seed", "3"), loaded=loaded)
+    assert lineage.model.revision == pinned and lineage.engine == "vllm 0.32.0"
+    assert lineage.settings["dtype"] == "bfloat16", "the dtype the engine resolved, not auto"
+    assert "quantization" not in lineage.settings and "kv_cache_dtype" not in lineage.settings, "None and auto"
+    assert lineage.settings["server_args"] == ["--revision", "v2", "--api-key", "(secret)", "--hf-token=(secret)",
+                                               "--tokenizer", "org/tok", "--seed", "3"]
+    # The engine's line not seen (its logging quieter): what the command asked for, not main's nor "auto".
+    unseen = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
+                            command=("vllm", "--dtype", "float16", "--revision=v2"))
+    assert (unseen.model.revision, unseen.settings["dtype"]) == (pinned, "float16")
+
+
+def test_what_a_vllm_engine_logs_it_loaded_is_read_from_its_configuration_line():
+    line = ("(EngineCore_DP0 pid=8494) INFO 12-02 07:10:11 [core.py:134] Initializing a V1 LLM engine (v0.32.0) "
+            "with config: model='/m', speculative_config=None, tokenizer='/m', skip_tokenizer_init=False, "
+            "tokenizer_mode=auto, revision=v2, tokenizer_revision=None, trust_remote_code=False, "
+            "dtype=torch.float16, max_seq_len=2048, download_dir=None, load_format=auto, quantization=awq, "
+            "kv_cache_dtype=fp8, device_config=cuda")
+    assert loaded_config(line) == {"revision": "v2", "dtype": "float16", "max_seq_len": "2048",
+                                   "quantization": "awq", "kv_cache_dtype": "fp8"}
+    assert loaded_config("INFO Starting vLLM API server on http://127.0.0.1:8000") is None
 
 
 def test_an_adapter_is_named_by_a_digest_of_every_file_it_has(tmp_path):

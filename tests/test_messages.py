@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import json
 
 import hypothesis
 import hypothesis.strategies
 import pytest
 
-from pipeline.contract.messages import STAGE_PARSE, STAGE_VALIDATE, DeadLetter, InferenceRequest
+from pipeline.contract.messages import (
+    FINGERPRINTED_WHEN_UNSET,
+    STAGE_PARSE,
+    STAGE_VALIDATE,
+    DeadLetter,
+    InferenceRequest,
+)
+from pipeline.contract.request_fields import BOUNDED_FIELDS, FIELD_NAMES
 from pipeline.contract.request_parsing import RequestLimits, parse_request
 
 LIMITS = RequestLimits(default_max_tokens=64, max_model_len=2048)
@@ -165,11 +171,10 @@ def test_min_tokens_is_kept_and_unset_it_leaves_the_fingerprint_as_earlier_versi
     assert InferenceRequest.from_json(fixed.to_json()) == fixed and json.loads(fixed.to_payload())["min_tokens"] == 16
     assert parse({"prompt": "x", "min_tokens": 0}).min_tokens == 0
     assert parse({"prompt": "x", "max_tokens": 16}).min_tokens is None
-    # A fingerprint as a version without min_tokens computed it: a redelivery after an update still matches.
+    # The fingerprint a version without min_tokens stored (8dced2a, which hashed it as the first version did, by
+    # sha256 over the fields but min_tokens and adapter): a redelivery after an update still matches.
     plain = parse({"prompt": "x", "max_tokens": 16})
-    earlier = {k: v for k, v in dataclasses.asdict(plain).items() if k not in ("received_at", "prompt_tokens",
-                                                                             "min_tokens", "adapter", "lane")}
-    assert plain.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
+    assert plain.fingerprint() == "d14db736b8d707df10e85559b10b76a1"
     assert fixed.fingerprint() != parse({"prompt": "x", "max_tokens": 16}).fingerprint()
 
 
@@ -180,9 +185,7 @@ def test_an_adapter_the_job_serves_is_kept_and_unset_it_leaves_the_fingerprint_a
     assert json.loads(request.to_payload())["adapter"] == "support"  # a redrive asks for the same adapter
     plain = parse({"prompt": "x"})
     assert plain.adapter is None
-    earlier = {k: v for k, v in dataclasses.asdict(plain).items() if k not in ("received_at", "prompt_tokens",
-                                                                             "min_tokens", "adapter", "lane")}
-    assert plain.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
+    assert plain.fingerprint() == "825ee0840e7771432c0dd18aef257178", "as a version without adapters stored it"
     assert request.fingerprint() != parse_request(b'{"prompt": "x"}', limits=limits).fingerprint()
 
 
@@ -268,3 +271,69 @@ def test_a_request_crosses_a_shuffle_as_a_version_byte_and_its_json_and_an_unkno
     # What Beam picks for the elements that cross the template's two shuffles.
     for hint in (Tuple[str, InferenceRequest], Tuple[int, List[InferenceRequest]]):
         assert "InferenceRequestCoder" in repr(coders.registry.get_coder(convert_to_beam_type(hint)))
+
+
+# Fingerprints as the code before the request-field table stored them (commit 8dced2a, whose messages.py hashed
+# every field but min_tokens and adapter even when unset): state written then must still match after an update.
+STORED_BEFORE = {
+    "649ba49e3050cf8cecbe8045ce404206": InferenceRequest(id="req-7", prompt="Classify: charged twice.",
+                                                         max_tokens=64, temperature=0.2, metadata={"k": "v"}),
+    "ceb4b6cca52d433ccf2fa9760ead6a3a": InferenceRequest(
+        id="req-8", messages=({"role": "user", "content": "hi"},), max_tokens=16, min_tokens=4, adapter="orders",
+        seed=3, presence_penalty=0.5),
+}
+
+
+@pytest.mark.parametrize("stored", sorted(STORED_BEFORE))
+def test_a_field_added_since_leaves_every_stored_fingerprint_as_it_was(stored):
+    request = STORED_BEFORE[stored]
+    assert request.fingerprint() == stored
+    assert dataclasses.replace(request, repetition_penalty=1.1).fingerprint() != stored, "set, it counts"
+
+
+@hypothesis.given(field=hypothesis.strategies.sampled_from(BOUNDED_FIELDS),
+                  value=hypothesis.strategies.one_of(
+                      hypothesis.strategies.floats(allow_nan=True, allow_infinity=True),
+                      hypothesis.strategies.integers(-10, 10), hypothesis.strategies.booleans(),
+                      hypothesis.strategies.text(max_size=4), hypothesis.strategies.none()))
+@hypothesis.settings(max_examples=400, deadline=None)
+def test_every_bounded_field_takes_exactly_the_numbers_its_bounds_allow(field, value):
+    """Derived from the table alone: a number inside a field's bounds is kept, as a float, and reaches the
+    request and its JSON form; anything else is a validate dead letter naming the field (NaN and infinities are
+    refused earlier, as JSON that is not, by the parse stage)."""
+    low, high = field.bounds
+    try:
+        payload = json.dumps({"prompt": "x", field.name: value})
+    except ValueError:
+        return
+    parsed = parse(payload)
+    inside = (not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+              and abs(value) != float("inf") and (value > low if field.low_open else value >= low) and value <= high)
+    if value is None or inside:
+        assert isinstance(parsed, InferenceRequest), parsed
+        assert getattr(parsed, field.name) == (None if value is None else float(value))
+        assert InferenceRequest.from_json(parsed.to_json()) == parsed
+    else:
+        assert isinstance(parsed, DeadLetter) and f"'{field.name}'" in parsed.reason or "not JSON" in parsed.reason \
+            or "NaN" in parsed.reason or "finite" in parsed.reason, parsed
+
+
+def test_a_request_without_the_fields_added_since_is_written_as_the_first_state_was():
+    """A rollback update reads the state this version writes with older code, whose from_json refuses fields it
+    does not know: an unset field that the first stored state did not have is not written at all, and a set one
+    is, and is read back."""
+    request = parse({"prompt": "x", "temperature": 0.5})
+    assert set(json.loads(request.to_json())) <= FINGERPRINTED_WHEN_UNSET | {"received_at"}
+    penalised = dataclasses.replace(request, repetition_penalty=1.1, min_tokens=2, lane="bulk")
+    assert {"repetition_penalty", "min_tokens", "lane"} <= set(json.loads(penalised.to_json()))
+    for each in (request, penalised):
+        assert InferenceRequest.from_json(each.to_json()) == each
+
+
+def test_every_field_of_the_table_is_a_field_of_the_request_whose_unset_value_is_none():
+    """The fingerprint and the state's JSON leave out unset fields added since the first state: that holds only if
+    a new field's default is None, and the table and the record name the same fields."""
+    defaults = {f.name: f.default for f in dataclasses.fields(InferenceRequest)}
+    internal = {"received_at", "prompt_tokens", "lane"}  # set by the pipeline, never by a message
+    assert set(defaults) - internal == set(FIELD_NAMES)
+    assert all(defaults[name] is None for name in FIELD_NAMES if name not in ("id", "metadata"))

@@ -46,7 +46,8 @@ def test_each_request_keeps_its_own_parameters_within_one_batch(engine, checkpoi
         request("stop-paris", "What is the capital of France?", temperature=0, stop=("Paris",), max_tokens=30),
         request("greedy-a", "Describe a sunset over the sea.", temperature=0, max_tokens=24),
         request("greedy-b", "Describe a sunset over the sea.", temperature=0, max_tokens=24),
-        request("top-p", "Name an animal.", top_p=0.5, max_tokens=10, metadata={"team": "qa"}),
+        request("top-p", "Name an animal.", top_p=0.5, max_tokens=10, metadata={"team": "qa"},
+                presence_penalty=1.0, repetition_penalty=1.5),  # vLLM's alone: served without them
     ]
     outputs = run_batch(engine, requests)
     done = {rid: next(data for kind, data in items if kind == COMPLETION) for rid, items in outputs.items()}
@@ -65,7 +66,7 @@ def test_each_request_keeps_its_own_parameters_within_one_batch(engine, checkpoi
     import transformers
     lineage = done["top-p"]["lineage"]
     assert (lineage["engine"], lineage["settings"]["dtype"]) == (f"transformers {transformers.__version__}", "float32")
-    assert lineage["sampling"] == {"max_tokens": 10, "top_p": 0.5}, "no seed: this engine applies none"
+    assert lineage["sampling"] == {"max_tokens": 10, "top_p": 0.5}, "no seed, no penalties: it applies none"
     assert lineage["model"]["source"] == str(checkpoint) and lineage["model"]["config"].startswith("sha256:")
 
 

@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 
+from local.cpu_server import LOCAL_SERVER
 from pipeline.serving.server_platform import ServerStartError, check_platform, installed_vllm_build
 from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 from tests.conftest import chat, local_server_spec, wait_until
@@ -25,7 +26,12 @@ def test_server_serves_the_real_model(vllm_server):
 
 
 def test_a_stalled_server_is_restarted(vllm_server):
+    """...and what its engine says it loaded is read again from the new one (the lineage's source after a
+    restart: pipeline.serving.lineage.server_lineage)."""
     old_pid, restarts = vllm_server.pid, vllm_server.stats.restarts
+    loaded = vllm_server.loaded
+    assert loaded["dtype"] == LOCAL_SERVER.dtype and loaded["max_seq_len"] == str(vllm_server.spec.max_model_len), \
+        loaded
     os.kill(old_pid, signal.SIGSTOP)  # alive but unresponsive
     try:
         assert wait_until(lambda: vllm_server.stats.restarts == restarts + 1, 60)
@@ -34,6 +40,8 @@ def test_a_stalled_server_is_restarted(vllm_server):
             os.kill(old_pid, signal.SIGCONT)
     vllm_server.wait_until_healthy(600)
     assert vllm_server.pid != old_pid
+    assert wait_until(lambda: vllm_server.loaded is not loaded and vllm_server.loaded == loaded, 30), \
+        "the new server's engine said it again"
     assert wait_until(lambda: not psutil.pid_exists(old_pid), 30)
 
 

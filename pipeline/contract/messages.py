@@ -29,8 +29,12 @@ STAGE_SINK = "sink"
 # gets the same answer (ops/backfill.py does not resend it).
 REFUSED_BY_SERVER = "the server rejected the request"
 
-# Request fields newer than state written by earlier versions (an update reads that state; see fingerprint).
-_FIELDS_ADDED_LATER = ("min_tokens", "adapter")
+# The request fields of the first stored state, which its fingerprints hashed even when unset. Never add to it: a
+# field added since is left out of the fingerprint while unset, so every fingerprint stored before it came stays
+# the one its request computes (an update reads that state, and a redelivered request still matches its own).
+FINGERPRINTED_WHEN_UNSET = frozenset({
+    "id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata", "deadline_ms",
+    "response_format", "seed", "presence_penalty", "frequency_penalty"})
 # Pub/Sub refuses messages over 10 MB; a dead letter keeps its payload whole up to this size.
 MAX_DEAD_LETTER_BYTES = 8 * 1024 * 1024
 # Set by the redrive command on a request the template had already prepared (defaults applied): parsing
@@ -71,6 +75,7 @@ class InferenceRequest:
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     # A LoRA adapter the job serves (template parameter lora_adapters); None: the model itself.
     adapter: str | None = None
     received_at: float = 0.0
@@ -93,7 +98,10 @@ class InferenceRequest:
         return {name: getattr(self, name) for name in _FIELD_ORDER}
 
     def to_json(self) -> str:
-        return json.dumps(self._fields(), separators=(",", ":"))
+        """Every field, but an unset one the first stored state did not have: code from before it came reads this
+        too (a rollback update reads the state this wrote, and refuses fields it does not know)."""
+        return json.dumps({name: value for name, value in self._fields().items()
+                           if value is not None or name in FINGERPRINTED_WHEN_UNSET}, separators=(",", ":"))
 
     def to_payload(self) -> str:
         """The request as a publisher would send it: what a redrive republishes to an input topic."""
@@ -127,8 +135,8 @@ class InferenceRequest:
         fields = self._fields()
         for name in ("received_at", "prompt_tokens", "lane"):
             fields.pop(name)
-        for name in _FIELDS_ADDED_LATER:  # unset, they leave a fingerprint as earlier versions stored it
-            if fields[name] is None:
+        for name in [name for name, value in fields.items() if value is None]:
+            if name not in FINGERPRINTED_WHEN_UNSET:  # unset, a later field leaves the fingerprint as it was
                 fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 

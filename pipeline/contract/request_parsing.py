@@ -30,11 +30,9 @@ from pipeline.contract.messages import (
     lane_marked,
 )
 from pipeline.contract.parameters import default
+from pipeline.contract.request_fields import BOUNDED_FIELDS, FIELD_NAMES
 from pipeline.contract.structured_output import ResponseFormatError, checked_response_format
 
-ALLOWED_FIELDS = ("id", "prompt", "messages", "max_tokens", "min_tokens", "temperature", "top_p", "stop",
-                  "metadata", "deadline_ms", "response_format", "seed", "presence_penalty", "frequency_penalty",
-                  "adapter")
 # vLLM takes a 64-bit seed.
 SEED_RANGE = (-2**63, 2**63 - 1)
 CHAT_ROLES = ("system", "user", "assistant")
@@ -207,9 +205,9 @@ def _check_unicode(fields: dict[str, Any]) -> None:
 
 def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, received_at: float,
                lane: str | None = None) -> InferenceRequest:
-    unknown = sorted(set(fields) - set(ALLOWED_FIELDS))
+    unknown = sorted(set(fields) - set(FIELD_NAMES))
     if unknown:
-        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(ALLOWED_FIELDS)}")
+        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELD_NAMES)}")
     prompt, messages = fields.get("prompt"), fields.get("messages")
     if (prompt is None) == (messages is None):
         raise RequestError("exactly one of 'prompt' (text) or 'messages' (chat) is required")
@@ -234,8 +232,9 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
     if min_tokens is not None and (not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens):
         raise RequestError(f"'min_tokens' must be a whole number from 0 to max_tokens ({max_tokens}), "
                            f"got {str(min_tokens)[:40]}")
-    temperature = _optional_number(fields, "temperature", low=0.0, high=2.0)
-    top_p = _optional_number(fields, "top_p", low=0.0, high=1.0, low_inclusive=False)
+    bounded: dict[str, Any] = {f.name: _optional_number(fields, f.name, low=f.bounds[0], high=f.bounds[1],
+                                                    low_inclusive=not f.low_open)
+                               for f in BOUNDED_FIELDS if f.bounds is not None}
     stop = fields.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -265,8 +264,6 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
     seed = fields.get("seed")
     if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise RequestError(f"'seed' must be a whole number that fits in 64 bits, got {str(seed)[:40]}")
-    presence_penalty = _optional_number(fields, "presence_penalty", low=-2.0, high=2.0)
-    frequency_penalty = _optional_number(fields, "frequency_penalty", low=-2.0, high=2.0)
     adapter = fields.get("adapter")
     if adapter is not None:
         if not isinstance(adapter, str) or not 0 < len(adapter) <= 256:
@@ -285,10 +282,9 @@ def _validated(fields: dict[str, Any], request_id: str, limits: RequestLimits, r
         raise RequestError(f"'deadline_ms' must be a whole number of milliseconds from 1 to 604800000 "
                            f"(a week), got {deadline_ms!r}")
     return InferenceRequest(
-        id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, min_tokens=min_tokens,
-        temperature=temperature, top_p=top_p, stop=stop, metadata=metadata, deadline_ms=deadline_ms,
-        response_format=response_format, seed=seed, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, adapter=adapter, received_at=received_at, lane=lane)
+        id=request_id, prompt=prompt, messages=messages, max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
+        metadata=metadata, deadline_ms=deadline_ms, response_format=response_format, seed=seed, adapter=adapter,
+        received_at=received_at, lane=lane, **bounded)
 
 
 def _validated_messages(messages: Any) -> tuple[Mapping[str, str], ...]:

@@ -14,10 +14,12 @@ Per-request ``max_tokens``, ``min_tokens``, ``temperature``, ``top_p`` and
 ``stop`` hold within a batch: logits processors keep a row's end token out
 until its ``min_tokens`` and sample each row with its own settings
 (temperature 0 keeps only the row's best token), and a stopping criterion ends
-each row on its own limit, stop string or end-of-sequence token. ``seed``,
-the penalties and ``response_format`` are vLLM features this engine does not
-have; a request that sets one is served without it (``response_format``: the
-request becomes a dead letter, since its answer could not be trusted as data).
+each row on its own limit, stop string or end-of-sequence token. The fields the
+request table (:mod:`pipeline.contract.request_fields`) marks vLLM's alone
+(``seed``, the penalties, ``response_format``) this engine does not have; a
+request that sets one is served without it, and its lineage does not record it
+(``response_format``: the request becomes a dead letter, since its answer could
+not be trusted as data).
 
 Text streams per decoding step. transformers' own streamers refuse batches of
 more than one, so a small streamer of ours receives each step's tokens for the
@@ -40,6 +42,7 @@ from typing import Any
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.request_fields import ENGINE_TRANSFORMERS
 from pipeline.engines.backend import ServerLoad, StreamEvents
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
@@ -148,7 +151,7 @@ class TransformersBackend:
 
         self.lineage = ServingLineage(
             model=model_lineage(spec.model, path), engine=f"transformers {transformers.__version__}",
-            image=settings.image, seeds=False,  # it samples each row without a per-request generator
+            image=settings.image, kind=ENGINE_TRANSFORMERS,  # no seeds, no penalties: the table's engines
             settings={"dtype": str(self._model.dtype).removeprefix("torch."), "max_model_len": spec.max_model_len,
                       "chat_template": chat_template_digest(spec.model, path), "prompt_format": settings.prompt_format})
         self.padding = BatchPadding()

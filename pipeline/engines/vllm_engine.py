@@ -29,13 +29,14 @@ import aiohttp
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import REFUSED_BY_SERVER, InferenceRequest
+from pipeline.contract.request_fields import SENT_TO_SERVER
 from pipeline.engines.adapter_slots import AdapterSlots
 from pipeline.engines.backend import ServerLoad, StreamEvents
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream
 from pipeline.serving.adapter_root import AdapterUnavailable, AdapterUnreadable, root_fetch
-from pipeline.serving.lineage import ServingLineage, adapter_lineage, chat_template_digest, model_lineage, seed_for
+from pipeline.serving.lineage import ServingLineage, adapter_lineage, seed_for, server_lineage
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
 LOGGER = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class VLLMBackend:
             fetch = root_fetch(spec.adapter_root, model_folder=self._server.model_path, cache_dir=spec.model_cache_dir,
                                max_lora_rank=spec.max_lora_rank, disk_gb=spec.adapter_disk_gb,
                                base_model=spec.model if spec.lora_base_model_check else None,
-                               in_use=lambda: slots.held())
+                               in_use=lambda: slots.held(), keep=self._server.local_paths)
             self._adapter_slots = slots = AdapterSlots(spec.root_adapters, fetch, self._load_adapter,
                                                        self._unload_adapter)
         atexit.register(self.close)
@@ -132,32 +133,28 @@ class VLLMBackend:
         return models[0]["id"]
 
     def _read_lineage(self, settings: EngineSettings) -> ServingLineage:
-        """What the server loaded, as it says itself (``/version``, ``/v1/models``: the folder or hub id each model
-        and adapter was read from), resolved to revisions and digests (:mod:`pipeline.serving.lineage`); a
-        managed server's configured locations name the sources."""
-        version = _optional_json(f"{self.base_url}/version").get("version")
+        """What the server loaded, as it says itself (``/version``, ``/v1/models``) and, managed, as its engine
+        logged it (:func:`~pipeline.serving.lineage.server_lineage`); read again after each restart of the server."""
         listed = _optional_json(f"{self.base_url}/v1/models").get("data")
         cards = {card["id"]: card for card in (listed if isinstance(listed, list) else [])
                  if isinstance(card, dict) and isinstance(card.get("id"), str)}
-        base = cards.get(self.model_name) or next(iter(cards.values()), {})
-        root = base.get("root") if isinstance(base.get("root"), str) else None
-        spec = settings.server
-        source = spec.model if spec else root or self.model_name
-        configured = {adapter.name: adapter.location for adapter in spec.adapters} if spec else {}
-        adapters = {}
-        for name, card in cards.items():
-            path = card.get("root") if isinstance(card.get("root"), str) else None
-            if card.get("parent") and (name in configured or path):
-                adapters[name] = adapter_lineage(configured.get(name) or path or "", path)
-        server_settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"),
-                                           "chat_template": chat_template_digest(source, root),
-                                           "prompt_format": settings.prompt_format}
-        command = self._server.command if self._server else []
-        if "--dtype" in command:
-            server_settings["dtype"] = command[command.index("--dtype") + 1]
-        engine = f"vllm {version}" if isinstance(version, str) else "an OpenAI-compatible server without /version"
-        return ServingLineage(model=model_lineage(source, root), engine=engine, image=settings.image,
-                              settings=server_settings, adapters=adapters)
+        spec, server = settings.server, self._server
+        return server_lineage(
+            cards, self.model_name, _optional_json(f"{self.base_url}/version").get("version"),
+            model=spec.model if spec else None, adapters={a.name: a.location for a in spec.adapters} if spec else {},
+            prompt_format=settings.prompt_format, image=settings.image, server_args=spec.extra_args if spec else (),
+            loaded=server.loaded if server else None, command=server.command if server else ())
+
+    def _refresh_lineage(self) -> None:
+        """What a restarted server loaded; the root adapters loaded into it meanwhile are kept."""
+        try:
+            fresh = self._read_lineage(self.settings)
+        except Exception:  # noqa: BLE001 - the answers keep the lineage read before
+            LOGGER.exception("Reading the restarted server's lineage failed; answers keep the one read before")
+            return
+        fresh.adapters.update({name: found for name, found in self.lineage.adapters.items()
+                               if name not in fresh.adapters})
+        self.lineage = fresh  # one assignment: a completion reads the old record or the new one
 
     def restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
@@ -266,13 +263,15 @@ class VLLMBackend:
 
     async def _stream_once(self, stream: Stream, deadline: float) -> None:
         await self._wait_for_server(deadline)
+        if self._server is not None and self._server.stats.starts != self._server_starts:
+            self._server_starts = self._server.stats.starts  # a new server, which holds no root adapter yet
+            if self._adapter_slots is not None:
+                self._adapter_slots.forget()
+            asyncio.get_running_loop().run_in_executor(None, self._refresh_lineage)  # read again, not waited on
         adapter = stream.request.adapter
         if self._adapter_slots is None or adapter is None or adapter in self._static_adapters:
             await self._stream_from_server(stream)
             return
-        if self._server is not None and self._server.stats.starts != self._server_starts:
-            self._server_starts = self._server.stats.starts
-            self._adapter_slots.forget()
         try:
             await self._adapter_slots.acquire(adapter, bulk=stream.request.bulk)
         except AdapterUnavailable as exc:
@@ -361,8 +360,7 @@ class VLLMBackend:
             "model": request.adapter or self.model_name, "stream": True,  # vLLM picks a LoRA adapter by name
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
-        for name in ("max_tokens", "min_tokens", "temperature", "top_p", "presence_penalty",
-                     "frequency_penalty", "response_format"):
+        for name in SENT_TO_SERVER:
             if getattr(request, name) is not None:
                 payload[name] = getattr(request, name)
         seed = seed_for(request)  # its own, or one drawn from its id, as its lineage records

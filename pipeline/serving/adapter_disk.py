@@ -3,42 +3,59 @@
 A root with one adapter per customer would otherwise fill the worker's boot disk one first use at a time, and a
 full disk fails the model's own files too. Before an adapter of a ``gs://`` root is copied, its size (from the
 bucket's listing) is made room for: copies are deleted least recently used first, never one that an adapter slot
-holds (vLLM reads an adapter's files when it loads it; a deleted copy is copied again on its next use). An adapter
-larger than the whole budget is refused, as its request's dead letter, rather than filling the disk. Adapters of a
-root on the worker's own disk are read where they are and take no budget. Only the runtime's host copies adapters
-(one process a VM), so the budget is kept by this object alone; what earlier hosts copied is found on disk.
+holds or a fetch is using (vLLM reads an adapter's files when it loads it; a deleted copy is copied again on its
+next use). Only the root's own copies count and go: a folder of the copy cache whose marker says another source
+(the model's weights, a ``lora_adapters`` adapter from the same bucket) is never touched. An adapter larger than the
+whole budget is refused, as its request's dead letter; one that does not fit beside those held now waits (its
+request is tried again). Adapters of a root on the worker's own disk are read where they are and take no budget.
+Only the runtime's host copies adapters (one process a VM), so the budget is kept by this object alone; what
+earlier hosts copied is found on disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+from pipeline.serving.model_weights import copied_from
 
 LOGGER = logging.getLogger(__name__)
 # The default budget: this share of the disk the copies are on (the model's weights, the image and the logs share
 # it; docs/operations.md#disk).
 DEFAULT_DISK_SHARE = 0.25
-# Touched each time a copy is used, so the least recently used is known after a restart of the host.
-USED_MARKER = ".adapter-used"
+# Touched each time a copy is used, so the least recently used is known after a restart of the host. Its name
+# starts as the copy's own markers do, which an adapter's digest leaves out (pipeline.serving.lineage).
+USED_MARKER = ".download-used"
 
 
 class AdapterTooLarge(Exception):
     """An adapter that cannot fit within the budget even alone; the message is the dead letter's reason."""
 
 
+class AdapterNoRoom(Exception):
+    """An adapter that does not fit beside the copies held now: its request is tried again once one is let go."""
+
+
 class AdapterDisk:
     """The budget of one root's copies under ``folder`` (where the root's adapters are copied, one sub-folder
-    each). ``budget_bytes`` None: :data:`DEFAULT_DISK_SHARE` of the disk ``folder`` is on. ``in_use``: the names
-    the adapter slots hold now."""
+    each; ``source_of(name)`` is where each is copied from). ``budget_bytes`` None: :data:`DEFAULT_DISK_SHARE` of
+    the disk ``folder`` is on. ``in_use``: the names the adapter slots hold now. ``keep``: folders the model server
+    reads at every start (the model's, ``lora_adapters``'), never counted or deleted even under the root."""
 
-    def __init__(self, folder: Path, budget_bytes: int | None, in_use: Callable[[], set[str]]) -> None:
+    def __init__(self, folder: Path, budget_bytes: int | None, in_use: Callable[[], set[str]],
+                 source_of: Callable[[str], str], keep: frozenset[str] = frozenset()) -> None:
         self.folder = folder
+        self._keep = {str(Path(path).resolve()) for path in keep}
         self._budget = budget_bytes
         self._in_use = in_use
+        self._source_of = source_of
         self._lock = threading.Lock()
+        self._fetching: dict[str, int] = {}  # name -> how many fetches of it are under way
+        self._reserved: dict[str, int] = {}  # name -> the bytes a copy under way will take
 
     @property
     def budget_bytes(self) -> int:
@@ -47,48 +64,70 @@ class AdapterDisk:
         self.folder.mkdir(parents=True, exist_ok=True)
         return int(shutil.disk_usage(self.folder).total * DEFAULT_DISK_SHARE)
 
+    @contextlib.contextmanager
+    def fetching(self, name: str) -> Iterator[None]:
+        """While adapter ``name`` is copied, checked and loaded: its copy is not deleted, and the bytes a copy of it
+        will take are counted (:meth:`room_for`) until the fetch ends."""
+        with self._lock:
+            self._fetching[name] = self._fetching.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._fetching[name] -= 1
+                if not self._fetching[name]:
+                    del self._fetching[name]
+                    self._reserved.pop(name, None)
+
     def room_for(self, name: str, size: int) -> None:
         """Makes room for adapter ``name`` of ``size`` bytes (its copy, if there is one, already counts), deleting
-        the least recently used copies no slot holds; raises :class:`AdapterTooLarge` when it cannot fit."""
+        the least recently used copies no slot or fetch holds; raises :class:`AdapterTooLarge` when it can never
+        fit, :class:`AdapterNoRoom` when it cannot now."""
         budget = self.budget_bytes
         if size > budget:
             raise AdapterTooLarge(f"adapter {name!r} is {size / 1e9:.2f} GB, more than the {budget / 1e9:.2f} GB "
                                   "this worker keeps for adapter copies (lora_adapter_disk_gb)")
         with self._lock:
             copies = self.copies()
-            held = self._in_use() | {name}
-            used = sum(bytes_ for other, (bytes_, _) in copies.items() if other != name)
-            for other, (bytes_, _) in sorted(copies.items(), key=lambda item: item[1][1]):
+            held = self._in_use() | set(self._fetching) | {name}
+            sizes = {other: bytes_ for other, (bytes_, _) in copies.items()}
+            sizes.update({other: max(sizes.get(other, 0), bytes_) for other, bytes_ in self._reserved.items()})
+            sizes.pop(name, None)
+            used = sum(sizes.values())
+            for other, _ in sorted(copies.items(), key=lambda item: item[1][1]):
                 if used + size <= budget:
                     break
                 if other in held:
                     continue
                 shutil.rmtree(self.folder / other, ignore_errors=True)
-                used -= bytes_
-                LOGGER.info("Deleted the copy of adapter %r (%.2f GB), the least recently used, to make room for "
-                            "%r within lora_adapter_disk_gb", other, bytes_ / 1e9, name)
+                used -= sizes.pop(other, 0)
+                LOGGER.info("Deleted the copy of adapter %r, the least recently used, to make room for %r within "
+                            "lora_adapter_disk_gb", other, name)
             if used + size > budget:
-                raise AdapterTooLarge(f"adapter {name!r} ({size / 1e9:.2f} GB) does not fit beside the adapters "
-                                      f"loaded now ({used / 1e9:.2f} GB of {budget / 1e9:.2f} GB, "
-                                      "lora_adapter_disk_gb): it is refused rather than fill the disk")
+                raise AdapterNoRoom(f"adapter {name!r} ({size / 1e9:.2f} GB) does not fit now beside the adapters "
+                                    f"held ({used / 1e9:.2f} GB of {budget / 1e9:.2f} GB, lora_adapter_disk_gb)")
+            self._reserved[name] = size
 
     def used(self, name: str) -> None:
         """Adapter ``name``'s copy was used now."""
-        marker = self.folder / name / USED_MARKER
-        if marker.parent.is_dir():
-            marker.touch()
+        with contextlib.suppress(OSError):  # deleted meanwhile: its next use copies it again
+            (self.folder / name / USED_MARKER).touch()
 
     def copies(self) -> dict[str, tuple[int, float]]:
-        """Each copy under the folder: (its bytes, when it was last used)."""
+        """Each copy of the root's under the folder: (its bytes, when it was last used)."""
         found: dict[str, tuple[int, float]] = {}
         if not self.folder.is_dir():
             return found
         for copy in self.folder.iterdir():
-            if not copy.is_dir():
+            if not copy.is_dir() or copied_from(copy) != self._source_of(copy.name) or \
+                    str(copy.resolve()) in self._keep:
                 continue
-            size = sum(path.stat().st_size for path in copy.rglob("*") if path.is_file())
-            marker = copy / USED_MARKER
-            found[copy.name] = (size, marker.stat().st_mtime if marker.exists() else copy.stat().st_mtime)
+            try:
+                size = sum(path.stat().st_size for path in copy.rglob("*") if path.is_file())
+                marker = copy / USED_MARKER
+                found[copy.name] = (size, marker.stat().st_mtime if marker.exists() else copy.stat().st_mtime)
+            except OSError:  # deleted while it was read
+                continue
         return found
 
 

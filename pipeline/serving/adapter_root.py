@@ -12,6 +12,7 @@ safetensors header without loading a tensor. What fails is the reason of the req
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -25,7 +26,7 @@ from google.auth.exceptions import DefaultCredentialsError
 
 from pipeline.contract.parameter_checks import check_parameters
 from pipeline.contract.request_parsing import ADAPTER_NAME
-from pipeline.serving.adapter_disk import AdapterDisk, AdapterTooLarge, budget_bytes
+from pipeline.serving.adapter_disk import AdapterDisk, AdapterNoRoom, AdapterTooLarge, budget_bytes
 from pipeline.serving.lora_adapters import ADAPTER_CONFIG, Adapter, rank_problem
 from pipeline.serving.model_weights import (
     GCS,
@@ -73,11 +74,13 @@ class AdapterRoot:
 
 
 def root_fetch(root: AdapterRoot, *, model_folder: str | None, max_lora_rank: int, cache_dir: str | None,
-               base_model: str | None, disk_gb: float, in_use: Callable[[], set[str]]) -> Callable[[str], str]:
+               base_model: str | None, disk_gb: float, in_use: Callable[[], set[str]],
+               keep: frozenset[str] = frozenset()) -> Callable[[str], str]:
     """How a worker's engine fetches ``root``'s adapters by name (:func:`fetch_adapter`), a ``gs://`` root's copies
-    within ``disk_gb`` (:mod:`pipeline.serving.adapter_disk`; ``in_use``: the names its slots hold)."""
-    disk = AdapterDisk(gcs_copy_folder(root.location, cache_dir), budget_bytes(disk_gb), in_use) \
-        if location_kind(root.location) == GCS else None
+    within ``disk_gb`` (:mod:`pipeline.serving.adapter_disk`; ``in_use``: the names its slots hold; ``keep``: the
+    folders its server reads at every start)."""
+    disk = AdapterDisk(gcs_copy_folder(root.location, cache_dir), budget_bytes(disk_gb), in_use, root.location_of,
+                       keep) if location_kind(root.location) == GCS else None
     return functools.partial(fetch_adapter, root, model_folder=model_folder, max_lora_rank=max_lora_rank,
                              cache_dir=cache_dir, base_model=base_model, disk=disk)
 
@@ -90,12 +93,23 @@ def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lo
     :class:`AdapterUnavailable` with the reason."""
     if not ADAPTER_NAME.match(name):
         raise AdapterUnavailable(f"adapter {name[:80]!r}: not a folder name under lora_adapter_root")
+    with disk.fetching(name) if disk is not None else contextlib.nullcontext():
+        path = _fetched(root, name, model_folder, max_lora_rank, cache_dir, base_model, disk)
+    if disk is not None:
+        disk.used(name)
+    return path
+
+
+def _fetched(root: AdapterRoot, name: str, model_folder: str | None, max_lora_rank: int, cache_dir: str | None,
+             base_model: str | None, disk: AdapterDisk | None) -> str:
     location = root.location_of(name)
     try:
         path = local_weights(location, ADAPTER_CONFIG, cache_dir,
                              room_for=None if disk is None else functools.partial(disk.room_for, name))
     except AdapterTooLarge as exc:
         raise AdapterUnavailable(str(exc)) from None
+    except AdapterNoRoom as exc:
+        raise AdapterUnreadable(str(exc)) from None
     except (WeightsError, FileNotFoundError, NotFound) as exc:
         raise AdapterUnavailable(f"adapter {name!r}: no adapter at {location} ({exc}); an adapter is a folder "
                                  "saved by peft (save_pretrained)") from None
@@ -110,8 +124,6 @@ def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lo
         problem = base_problem(name, Path(path), base_model, model_folder)
     if problem:
         raise AdapterUnavailable(problem)
-    if disk is not None:
-        disk.used(name)
     return path
 
 

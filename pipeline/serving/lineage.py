@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.request_fields import ENGINE_VLLM, recorded_in_lineage
 from pipeline.serving.model_weights import GCS, HUB, downloaded_generations, location_kind
 
 DIGEST_CHARS = 16  # hex characters of sha256 kept: enough to tell versions apart, short enough for every row
@@ -91,24 +93,27 @@ class WeightsLineage:
         return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
 
 
-def _hub_snapshot(repo_id: str) -> Path | None:
-    """The cached snapshot folder a hub id resolved to (its name is the commit), or None when it is not cached."""
+def _hub_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The cached snapshot folder a hub id resolved to at ``revision`` (a commit, branch or tag; None: main), whose
+    name is the commit, or None when it is not cached."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        found = try_to_load_from_cache(repo_id, "config.json")
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
         if not isinstance(found, str):
-            found = try_to_load_from_cache(repo_id, "adapter_config.json")
+            found = try_to_load_from_cache(repo_id, "adapter_config.json", revision=revision)
     except ValueError:  # not a hub id at all (a server_url's served name, say)
         return None
     return Path(found).parent if isinstance(found, str) else None
 
 
-def weights_folder(location: str, loaded_from: str | None) -> tuple[Path | None, str | None]:
-    """The folder the weights were read from on this worker, and their revision (see :class:`WeightsLineage`)."""
+def weights_folder(location: str, loaded_from: str | None,
+                   revision: str | None = None) -> tuple[Path | None, str | None]:
+    """The folder the weights were read from on this worker, and their revision (see :class:`WeightsLineage`); a
+    hub id's at the ``revision`` its server loaded (None: main)."""
     kind = location_kind(location)
     if kind == HUB:
-        snapshot = _hub_snapshot(location)
+        snapshot = _hub_snapshot(location, revision)
         return snapshot, snapshot.name if snapshot is not None else None
     folder = Path(loaded_from or location).expanduser()
     if kind == GCS:
@@ -118,8 +123,8 @@ def weights_folder(location: str, loaded_from: str | None) -> tuple[Path | None,
     return folder, None
 
 
-def model_lineage(location: str, loaded_from: str | None) -> WeightsLineage:
-    folder, revision = weights_folder(location, loaded_from)
+def model_lineage(location: str, loaded_from: str | None, pinned: str | None = None) -> WeightsLineage:
+    folder, revision = weights_folder(location, loaded_from, pinned)
     if folder is None:
         return WeightsLineage(location, revision, None)
     return WeightsLineage(location, revision, file_digest(folder / "config.json"),
@@ -165,17 +170,21 @@ class ServingLineage:
     image: str | None  # the worker image the job runs (sdk_container_image); None on a local run
     settings: Mapping[str, Any]  # the server settings that change answers
     adapters: dict[str, WeightsLineage] = field(default_factory=dict)  # grows as a root's adapters are loaded
-    seeds: bool = True  # whether the engine applies a request's seed (the static engine does not)
+    kind: str = ENGINE_VLLM  # which engine: its lineage records only the request fields it applies
 
     def record(self, request: InferenceRequest) -> dict[str, Any]:
         """The completion's ``lineage``: this engine's part, the request's adapter and its sampling as applied
         (None: the model's default from generation_config.json)."""
-        sampling: dict[str, Any] = {name: getattr(request, name) for name in (
-            "max_tokens", "min_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty")}
-        sampling["stop"] = list(request.stop) if request.stop else None
-        sampling["seed"] = seed_for(request) if self.seeds else None
-        if request.response_format is not None:
-            sampling["response_format"] = digest(json.dumps(request.response_format, sort_keys=True).encode())
+        sampling: dict[str, Any] = {}
+        for name in recorded_in_lineage(self.kind):  # the table's, as this engine applies them
+            value = getattr(request, name)
+            if name == "stop":
+                value = list(value) if value else None
+            elif name == "seed":
+                value = seed_for(request)
+            elif name == "response_format" and value is not None:
+                value = digest(json.dumps(value, sort_keys=True).encode())
+            sampling[name] = value
         adapter = self.adapters.get(request.adapter) if request.adapter else None
         return {"model": self.model.to_dict(),
                 "adapter": None if request.adapter is None else
@@ -183,3 +192,58 @@ class ServingLineage:
                 "engine": self.engine, "image": self.image,
                 "settings": {name: value for name, value in self.settings.items() if value is not None},
                 "sampling": {name: value for name, value in sampling.items() if value is not None}}
+
+
+# Server arguments whose values are secrets, never recorded.
+_SECRET_FLAG = re.compile(r"api[-_]?key|secret|password|hf[-_]token|access[-_]token", re.IGNORECASE)
+
+
+def server_lineage(cards: Mapping[str, Mapping[str, Any]], model_name: str, version: Any, *, model: str | None,
+                   adapters: Mapping[str, str], prompt_format: str, image: str | None,
+                   server_args: Sequence[str] = (), loaded: Mapping[str, str] | None = None,
+                   command: Sequence[str] = ()) -> ServingLineage:
+    """An OpenAI-compatible server's lineage from what it says itself: ``cards`` (``/v1/models`` by id: the folder
+    or hub id each model and adapter was read from), ``version`` (``/version``), and for a managed vLLM what its
+    engine logged it loaded (``loaded``: the revision, the dtype it resolved, quantization, KV cache dtype:
+    :func:`~pipeline.serving.vllm_server.loaded_config`) and the arguments beyond the template's own that it was
+    started with (``server_args``: ``vllm_args``, and the structured-output defaults the template adds; secrets left
+    out). ``model`` and ``adapters`` (name -> location) are a managed server's configured sources; ``command``, the
+    server's command line, says the dtype and revision asked for where its engine's line was not seen."""
+    base = cards.get(model_name) or next(iter(cards.values()), {})
+    root = base.get("root") if isinstance(base.get("root"), str) else None
+    source = model or root or model_name
+    asked = {name: value for name in ("dtype", "revision") if (value := _flag(command, f"--{name}")) is not None}
+    found = {name: value for name, value in {**asked, **(loaded or {})}.items() if value not in ("None", "auto")}
+    served_adapters = {}
+    for name, card in cards.items():
+        path = card.get("root") if isinstance(card.get("root"), str) else None
+        if card.get("parent") and (name in adapters or path):
+            served_adapters[name] = adapter_lineage(adapters.get(name) or path or "", path)
+    settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"),
+                                "chat_template": chat_template_digest(source, root), "prompt_format": prompt_format}
+    settings.update({name: found[name] for name in ("dtype", "quantization", "kv_cache_dtype") if name in found})
+    if server_args:
+        settings["server_args"] = [_unsecret(before, arg) for before, arg in zip(["", *server_args], server_args,
+                                                                                 strict=False)]
+    engine = f"vllm {version}" if isinstance(version, str) else "an OpenAI-compatible server without /version"
+    return ServingLineage(model=model_lineage(source, root, found.get("revision")), engine=engine, image=image,
+                          settings=settings, adapters=served_adapters)
+
+
+def _unsecret(before: str, arg: str) -> str:
+    """``arg`` as lineage records it: the value of a secret's flag (``--api-key k``, ``--api-key=k``) left out."""
+    if before.startswith("-") and _SECRET_FLAG.search(before) and not arg.startswith("-"):
+        return "(secret)"
+    flag, equals, _ = arg.partition("=")
+    return f"{flag}=(secret)" if equals and flag.startswith("-") and _SECRET_FLAG.search(flag) else arg
+
+
+def _flag(args: Sequence[str], flag: str) -> str | None:
+    """The value the last ``flag`` in ``args`` gives (``--flag v`` or ``--flag=v``), or None."""
+    found = None
+    for before, arg in zip(["", *args], args, strict=False):
+        if before == flag:
+            found = arg
+        elif arg.startswith(flag + "="):
+            found = arg.split("=", 1)[1]
+    return found

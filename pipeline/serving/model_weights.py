@@ -179,6 +179,16 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
     return target
 
 
+def copied_from(folder: str | os.PathLike[str]) -> str | None:
+    """The ``gs://`` folder :func:`download_gcs_folder` copied into ``folder`` whole, or None."""
+    try:
+        found = json.loads((Path(folder) / _COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    uri = found.get("uri") if isinstance(found, dict) else None
+    return uri if isinstance(uri, str) else None
+
+
 def downloaded_generations(folder: str | os.PathLike[str]) -> dict[str, int] | None:
     """The object generation of each file :func:`download_gcs_folder` copied into ``folder``; None when it was not
     copied by it, or by a version that did not keep them."""

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -171,6 +172,21 @@ def server_metrics(base_url: str, names: tuple[str, ...] = (RUNNING_METRIC, WAIT
     return figures
 
 
+# vLLM's engine logs the configuration it runs with as it starts ("Initializing a V1 LLM engine (v0.x) with config:
+# model=..., revision=None, ..., dtype=torch.bfloat16, max_seq_len=2048, ..., quantization=None, ..."): what it
+# resolved, which the lineage records (an "auto" dtype as the one it chose).
+_ENGINE_CONFIG_LINE = "LLM engine"
+_LOADED = re.compile(r"\b(revision|dtype|max_seq_len|quantization|kv_cache_dtype)=([^,\s]+)")
+
+
+def loaded_config(line: str) -> dict[str, str] | None:
+    """What a vLLM engine's configuration line says it loaded (``dtype`` as ``bfloat16``), or None for another
+    line."""
+    if _ENGINE_CONFIG_LINE not in line or "with config:" not in line:
+        return None
+    return {name: value.removeprefix("torch.") for name, value in _LOADED.findall(line)}
+
+
 @dataclass
 class _ServerStats:
     starts: int = 0
@@ -198,6 +214,7 @@ class VLLMServer:
         self._model_path: str | None = None
         self._adapter_paths: tuple[str, ...] = ()
         self.command: list[str] = []  # the last command it started vLLM with
+        self.loaded: dict[str, str] = {}  # what the running engine says it loaded (loaded_config), per start
         # Every server, restarts included, starts on the cores this process had at first, even after the
         # pipeline's threads (the supervisor's among them) moved off the model's (local/core_placement.py).
         self._cores = frozenset(os.sched_getaffinity(0))
@@ -252,6 +269,11 @@ class VLLMServer:
         """What the server loads the model from on this worker (a folder, or a hub id); None before it started."""
         return self._model_path
 
+    @property
+    def local_paths(self) -> frozenset[str]:
+        """The folders on this worker the server reads at every start: the model's and lora_adapters'."""
+        return frozenset(path for path in (self._model_path, *self._adapter_paths) if path)
+
     def log_tail(self) -> str:
         return "\n".join(self._log_tail)
 
@@ -298,7 +320,7 @@ class VLLMServer:
         command = self.spec.command(self._model_path or self.spec.model, self.port, on_cpu=on_cpu,
                                     adapter_paths=self._adapter_paths, gpus=gpus)
         LOGGER.info("Starting vLLM: %s", " ".join(command))
-        self.command = command
+        self.command, self.loaded = command, {}
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, env=self.spec.environment(),
                                    preexec_fn=functools.partial(_prepare_server_child, self._cores))
@@ -319,6 +341,8 @@ class VLLMServer:
             if line:
                 self._log_tail.append(line)
                 self._log_sink(line)
+                if (loaded := loaded_config(line)) is not None:
+                    self.loaded = loaded
 
     def _await_first_health(self) -> None:
         started = time.monotonic()

@@ -1,0 +1,102 @@
+"""The fields a request may carry, declared once: what parsing allows, what each engine applies and sends, what
+lineage records, and what docs/contract.md's table of them says (``make metadata`` writes it from here).
+
+vLLM declares each of its request fields once, with its bounds, and maps all of them in one place
+(``to_sampling_params`` in vllm/entrypoints/openai/protocol.py). This table does the same for the template: a
+sampling field with ``bounds`` is validated from them (:mod:`pipeline.contract.request_parsing`), sent to vLLM
+under its name (:mod:`pipeline.engines.vllm_engine`) and recorded in a completion's lineage where its engine
+applied it (:mod:`pipeline.serving.lineage`); the rest have a check of their own in parsing, and the table
+states what they mean. Adding a sampling field is one entry here and one field of
+:class:`~pipeline.contract.messages.InferenceRequest` (docs/architecture.md, "A request field"); a new field
+leaves every stored fingerprint as it was, by construction (``messages.FINGERPRINTED_WHEN_UNSET``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINE_VLLM, ENGINE_TRANSFORMERS = "vllm", "transformers"
+BOTH = frozenset({ENGINE_VLLM, ENGINE_TRANSFORMERS})
+VLLM_ONLY = frozenset({ENGINE_VLLM})
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One field of a request's JSON object.
+
+    ``bounds``: a number's [low, high] (``low_open``: low itself refused), validated as such; None: the field has
+    its own check in parsing. ``engines``: those that apply it (another serves the request without it, or refuses
+    it where its answer could not be trusted: ``response_format``). ``to_server``: sent to vLLM's OpenAI server in
+    the body under its own name, as the request gave it. ``lineage``: recorded in the completion's
+    ``lineage.sampling`` where its engine applied it."""
+
+    name: str
+    type: str  # as docs/contract.md shows it
+    doc: str
+    engines: frozenset[str] = BOTH
+    bounds: tuple[float, float] | None = None
+    low_open: bool = False
+    to_server: bool = False
+    lineage: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bounds is not None and not self.bounds[0] < self.bounds[1]:
+            raise ValueError(f"{self.name}: bounds must be (low, high) with low < high, got {self.bounds}")
+        if not self.engines <= BOTH:
+            raise ValueError(f"{self.name}: unknown engines {sorted(self.engines - BOTH)}")
+
+    def bounds_text(self) -> str:
+        if self.bounds is None:
+            return ""
+        return f"{'(' if self.low_open else '['}{self.bounds[0]:g}, {self.bounds[1]:g}]"
+
+
+REQUEST_FIELDS: tuple[RequestField, ...] = (
+    RequestField("id", "string", "The request's id, up to 512 bytes: its answers carry it, and a request delivered "
+                 "again with the same id is served once. Default: the `id_attribute` attribute, else the message "
+                 "id."),
+    RequestField("prompt", "string", "The prompt, as text; exactly one of `prompt` and `messages`."),
+    RequestField("messages", "list", "Chat messages, each an object of a `role` (`system`, `user` or "
+                 "`assistant`) and its `content` (a string), sent through the model's chat template."),
+    RequestField("max_tokens", "integer", "The most tokens the answer may have, below the model's context. "
+                 "Default: `default_max_tokens`.", to_server=True, lineage=True),
+    RequestField("min_tokens", "integer", "No end token and no stop string before this many tokens (0 to "
+                 "`max_tokens`; not with `response_format`).", to_server=True, lineage=True),
+    RequestField("temperature", "number", "Sampling temperature; 0 is greedy.", bounds=(0.0, 2.0),
+                 to_server=True, lineage=True),
+    RequestField("top_p", "number", "Nucleus sampling: the smallest set of tokens whose probability reaches it.",
+                 bounds=(0.0, 1.0), low_open=True, to_server=True, lineage=True),
+    RequestField("presence_penalty", "number", "OpenAI's presence penalty: positive values favour tokens not yet "
+                 "in the answer.", engines=VLLM_ONLY, bounds=(-2.0, 2.0), to_server=True, lineage=True),
+    RequestField("frequency_penalty", "number", "OpenAI's frequency penalty: positive values penalise tokens by "
+                 "how often they appeared.", engines=VLLM_ONLY, bounds=(-2.0, 2.0), to_server=True, lineage=True),
+    RequestField("repetition_penalty", "number", "vLLM's repetition penalty: above 1 discourages tokens already "
+                 "in the prompt or the answer, below 1 encourages them.", engines=VLLM_ONLY, bounds=(0.0, 2.0),
+                 low_open=True, to_server=True, lineage=True),
+    RequestField("stop", "string or list", "Up to 8 strings, of up to 256 characters each, that end the answer "
+                 "(not included in it).", lineage=True),
+    RequestField("seed", "integer", "A 64-bit seed: the same request samples the same answer. Default: one drawn "
+                 "from the id, so a retried stream samples as the first did.", engines=VLLM_ONLY, lineage=True),
+    RequestField("response_format", "object", "OpenAI's `response_format` (`json_object` or `json_schema`): the "
+                 "answer is JSON of that shape. Refused by `engine=transformers`.", engines=VLLM_ONLY,
+                 to_server=True, lineage=True),
+    RequestField("adapter", "string", "A LoRA adapter the job serves (`lora_adapters`, or a folder of "
+                 "`lora_adapter_root`); unset, the model itself.", engines=VLLM_ONLY),
+    RequestField("deadline_ms", "integer", "The request must finish within this many milliseconds of its receipt "
+                 "(1 to a week), or become a dead letter."),
+    RequestField("metadata", "object", "Up to 64 KB of JSON, passed through to the completion as is."),
+)
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in REQUEST_FIELDS)
+# The numbers validated from their bounds alone, in the table's order.
+BOUNDED_FIELDS: tuple[RequestField, ...] = tuple(f for f in REQUEST_FIELDS if f.bounds is not None)
+
+
+# The fields vLLM's server is sent under their own names, as the request gave them.
+SENT_TO_SERVER: tuple[str, ...] = tuple(f.name for f in REQUEST_FIELDS if f.to_server)
+
+
+def recorded_in_lineage(engine: str) -> tuple[str, ...]:
+    """The fields a completion's lineage records as applied by ``engine`` (what it ignores, it does not record)."""
+    return tuple(f.name for f in REQUEST_FIELDS if f.lineage and engine in f.engines)
+
