@@ -201,8 +201,8 @@ test: install ## Run the lint, then the whole test suite (starts the emulator an
 # The worker's core is type-checked whole; the rest of pipeline/, ops/ and template/ joins as it is cleaned.
 LINTED := pipeline ops template tests/worker_sim.py tests/test_worker_sim.py tests/vm_sim.py tests/test_vm_sim.py
 .PHONY: lint
-lint: install ## Lint and type-check pipeline/, ops/, template/ and the worker simulator (ruff, mypy)
-	$(VENV)/bin/ruff check $(LINTED)
+lint: install ## Lint pipeline/, ops/, template/, local/, benchmarks/ and the simulators (ruff); type-check all but local/ and benchmarks/ (mypy)
+	$(VENV)/bin/ruff check $(LINTED) local benchmarks
 	$(VENV)/bin/mypy $(LINTED)
 
 .PHONY: test-fast

@@ -42,7 +42,6 @@ from local.harness import REPO_ROOT, LocalRun
 from ops import backfill
 from pipeline.contract.parameters import default
 
-
 RESULT = "offline result: "
 
 
@@ -83,7 +82,7 @@ def backfill_run(run: LocalRun, folder: Path, rep: int, count: int, tokens: int)
     history = folder / f"rows-{rep}.jsonl"
     ids = [f"bench-{rep}-{i}" for i in range(count)]
     history.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": tokens, "min_tokens": tokens,
-                                           "temperature": 0}) + "\n" for i, p in zip(ids, prompts(count))))
+                                           "temperature": 0}) + "\n" for i, p in zip(ids, prompts(count), strict=True)))
     code = backfill.main([f"--source={history}", "--project=local-project",
                           f"--topic={run.emulator.topic(run.topic_name('prompts'))}",
                           f"--completions-table={COMPLETIONS}", f"--dead-letter-table={DEAD_LETTERS}", "--wait",
@@ -139,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             if not warmed_up(run, 900):
                 raise RuntimeError("the model server did not answer:\n" + run.log_tail())
             for rep in range(args.reps):  # interleaved: each repetition runs both, in turn
-                for name, measure in (("backfill", lambda: backfill_run(run, folder, rep, args.rows, args.tokens)),
+                for name, measure in (("backfill", lambda rep=rep: backfill_run(run, folder, rep, args.rows,
+                                                                                 args.tokens)),
                                       ("vLLM offline", lambda: offline_run(args.rows, args.tokens, chat))):
                     result = measure()
                     if result["tokens"] != args.rows * args.tokens:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"rep {rep + 1} {name:>12}: {rates[name][-1]:.1f} tokens/s", flush=True)
         finally:
             run.stop()
-    ratios = [b / o for b, o in zip(rates["backfill"], rates["vLLM offline"])]
+    ratios = [b / o for b, o in zip(rates["backfill"], rates["vLLM offline"], strict=True)]
     print(f"\n{args.rows} rows x {args.tokens} tokens ({next(iter(prompt_tokens))} prompt tokens in all), {args.reps} "
           f"interleaved repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, template "
           f"parameters {' '.join(args.template_arg) or '(defaults)'}; tokens/s, median (range):")

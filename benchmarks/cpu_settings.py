@@ -27,8 +27,17 @@ from pathlib import Path
 
 import aiohttp
 
-from local.cpu_server import (AMX_DIAGNOSTIC, CANDIDATES, KNOWN_QUESTION, LOCAL_SERVER, CpuServerSettings,
-                              apply_server_environment, cpu_description, has_amx, known_answer_problem)
+from local.cpu_server import (
+    AMX_DIAGNOSTIC,
+    CANDIDATES,
+    KNOWN_QUESTION,
+    LOCAL_SERVER,
+    CpuServerSettings,
+    apply_server_environment,
+    cpu_description,
+    has_amx,
+    known_answer_problem,
+)
 from local.embedded_model import ensure_local_checkpoint
 from pipeline.serving.vllm_server import ServerSpec, VLLMServer
 

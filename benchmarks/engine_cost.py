@@ -29,7 +29,7 @@ import os
 import platform
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from benchmarks.side_by_side import workload
 from benchmarks.side_by_side.cores import plans
@@ -180,7 +180,8 @@ def report(runs: list[Run], context: str) -> str:
                       "server's ≤ 1×, tokens/s ≥ 0.98×):"]
         for name, figures in spreads.items():
             if name != RAW_PER_TOKEN:
-                lines.append(f"- {name}: CPU {ratio(figures['cpu_s_per_1k_tokens'], raw['cpu_s_per_1k_tokens']):.2f}×, server CPU "
+                cpu = ratio(figures['cpu_s_per_1k_tokens'], raw['cpu_s_per_1k_tokens'])
+                lines.append(f"- {name}: CPU {cpu:.2f}×, server CPU "
                              f"{ratio(figures['server_cpu_per_1k'], raw['server_cpu_per_1k']):.2f}× (API process "
                              f"{ratio(figures['front_end_cpu_per_1k'], raw['front_end_cpu_per_1k']):.2f}×), tokens/s "
                              f"{ratio(figures['tok_s'], raw['tok_s']):.2f}×")
@@ -230,14 +231,15 @@ def main(argv: list[str] | None = None) -> None:
         with BenchServer(plan, model=args.model, dtype=args.dtype, vllm_args=args.vllm_args) as server:
             print("warming the server with one untimed burst", flush=True)
             RawVLLM(server.base_url, server.model, args.max_tokens).run(
-                prompts, [0.0] * len(prompts), shape="burst", rep=0, cores="isolated", progress=lambda done, total: None)
+                prompts, [0.0] * len(prompts), shape="burst", rep=0, cores="isolated",
+                progress=lambda done, total: None)
             for rep in range(1, args.reps + 1):
                 turn = rep % len(VARIANTS)
                 for variant in VARIANTS[turn:] + VARIANTS[:turn]:  # a different order each repetition
                     runs.append(measure(variant, server, emulator, emulator.topic(name), prompts, args, rep))
                     print(f"rep {rep}/{args.reps} · {variant.name}: {runs[-1].figures()['tok_s']:.0f} tokens/s",
                           flush=True)
-    context = (f"`make bench-engine-cost`, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+    context = (f"`make bench-engine-cost`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
                f"{os.cpu_count()} cores ({plan.describe()}); a burst of {len(prompts)} mixed prompts, every answer "
                f"{args.max_tokens} tokens; chunk policy {CHUNKS.chunk_tokens} tokens / {CHUNKS.interval_ms:g} ms, "
                f"polled every {POLL_S * 1000:.0f} ms; {args.reps} interleaved repetitions, medians (range).")

@@ -236,10 +236,10 @@ def until(condition, timeout_s: float) -> float:
 
 
 def report(args: argparse.Namespace, figures: dict[str, list[float]], objective: str = "default") -> None:
-    p50 = [b / a for a, b in zip(figures["alone p50"], figures["beside p50"])]
-    p95 = [b / a for a, b in zip(figures["alone p95"], figures["beside p95"])]
+    p50 = [b / a for a, b in zip(figures["alone p50"], figures["beside p50"], strict=True)]
+    p95 = [b / a for a, b in zip(figures["alone p95"], figures["beside p95"], strict=True)]
     share = [b / max(c - live, 1e-9) for b, c, live in
-             zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"])]
+             zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"], strict=True)]
     print(f"\nlive_first_token_slo_ms={objective}: {args.reps} interleaved repetitions, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores; live: {args.live} requests x {args.tokens} tokens, one every {args.live_every_s:g} s; bulk: "

@@ -29,7 +29,7 @@ import os
 import platform
 import time
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from benchmarks.engine_cost import CHUNKS, POLL_S, add_burst_arguments, drive_engine
 from benchmarks.side_by_side import workload
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             for mix in MIXES[turn:] + MIXES[:turn]:  # a different order each repetition
                 runs.append(measure(mix, servers[mix.lora_server], prompts, args.max_tokens, rep))
                 print(f"rep {rep}/{args.reps} · {mix.name}: {summarize(runs[-1])['tok_s']:.0f} tokens/s", flush=True)
-    context = (f"`make bench-lora`, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+    context = (f"`make bench-lora`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
                f"{os.cpu_count()} cores ({plan.describe()}); {ADAPTERS} untrained rank-{RANK} adapters; a burst of "
                f"{len(prompts)} mixed prompts through the engine, every answer {args.max_tokens} tokens, polled every "
                f"{POLL_S * 1000:.0f} ms; {args.reps} interleaved repetitions, medians (range).")

@@ -19,7 +19,7 @@ import os
 import platform
 import shlex
 import statistics
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from benchmarks.engine_cost import drive_engine
 from benchmarks.lora import RANK, bench_adapters
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"rep {rep} · {adapter}: {cold:.3f} s unloaded, {loaded[-1]:.3f} s loaded", flush=True)
     finally:
         engine.close()
-    print(f"`make bench-lora-first-use`, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
+    print(f"`make bench-lora-first-use`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
           f"{os.cpu_count()} cores ({plan.describe()}); untrained rank-{RANK} adapters, max_loras=1, one request at a "
           f"time, {args.max_tokens} tokens each; time to first chunk in seconds, median (range).\n")
     print("| request | first chunk (s) |\n|---|---|")

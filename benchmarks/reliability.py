@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -75,10 +76,8 @@ class Peaks:
             except (psutil.Error, OSError):
                 pass
             if self.server_url:
-                try:
+                with contextlib.suppress(OSError):
                     self.at_server = max(self.at_server, requests_at_server(self.server_url))
-                except OSError:
-                    pass
             time.sleep(0.1)
 
 

@@ -24,9 +24,9 @@ import hashlib
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from apache_beam.coders import StrUtf8Coder, VarIntCoder
 
@@ -142,7 +142,8 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
             row = per_workers[w]
             cells.append(f"{row.usable_share:.0%}" + (f" ({row.idle_workers} idle)" if row.idle_workers else ""))
         any_row = next(iter(per_workers.values()))
-        lines.append(f"| {keying} | " + " | ".join(cells) + f" | {any_row.timers_per_s:,} | {any_row.state_writes_per_s:,} |")
+        lines.append(f"| {keying} | " + " | ".join(cells)
+                     + f" | {any_row.timers_per_s:,} | {any_row.state_writes_per_s:,} |")
     return "\n".join(lines)
 
 

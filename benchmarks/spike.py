@@ -132,12 +132,12 @@ def read_costs(workers: int, processes: int, hold: int,
                round_s: float) -> list[tuple[str, float, float, float, float, float]]:
     """Per second, for a job of ``workers`` workers at its ceiling, ``processes`` SDK processes each and a hold of
     ``hold`` requests a worker: (state, readers' work items, harness-thread seconds they hold, pull calls, feed
-    threads, calls to the worker's runtime). Idle: as many feeds as the hold has room for ``PULL_FIRST`` places
-    each (an idle feed's pull asks for that many) keep one long pull open, which the real service holds to its deadline when nothing comes (an assumption:
-    Pub/Sub's pull guide says a pull may wait); the other feeds find no room, ask whether the worker is full (it is
-    not) and try again every ``FULL_WAIT_S``; each reader's round finds nothing and comes back after
-    ``EMPTY_DELAY_S``. Full: no pull at all; each feed asks for places and whether the worker is full every
-    ``FULL_WAIT_S``, each reader's round comes back every ``FULL_DELAY_S``."""
+    threads, calls to the worker's runtime). Idle: as many feeds as the hold has room for ``PULL_FIRST`` places each
+    (an idle feed's pull asks for that many) keep one long pull open, which the real service holds to its deadline
+    when nothing comes (an assumption: Pub/Sub's pull guide says a pull may wait); the other feeds find no room, ask
+    whether the worker is full (it is not) and try again every ``FULL_WAIT_S``; each reader's round finds nothing
+    and comes back after ``EMPTY_DELAY_S``. Full: no pull at all; each feed asks for places and whether the worker
+    is full every ``FULL_WAIT_S``, each reader's round comes back every ``FULL_DELAY_S``."""
     readers, feeds = readers_for(workers), workers * processes
     pulling = workers * min(processes, hold // PULL_FIRST)
     idle_items, full_items = readers / EMPTY_DELAY_S, readers / FULL_DELAY_S

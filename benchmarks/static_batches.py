@@ -1,12 +1,13 @@
 """``make bench-static-batches``: the static engine fed the batcher's batches, arrival order against length buckets.
 
-``make bench-engines`` measures the same comparison through the whole pipeline on the DirectRunner, which needs
-the emulators and vLLM beside it. This drives the engine alone (:func:`~pipeline.engines.transformers_engine.transformers_engine`, the template's
-``engine=transformers``) with the batches the template's batcher forms for a burst, so it runs wherever torch
-and transformers do: a GPU machine with nothing else installed. The batches come from the batcher's own
-decision (:func:`~pipeline.flow.batching.on_arrival`, per bucket as :meth:`BatchingConfig.bucket_name` names
-it): a bucket leaves when it reaches ``batch_size_target``, and what is left when the burst has arrived leaves
-on its delay timer, oldest bucket first. Prompt lengths are the tokenizer's, as the pipeline measures them.
+``make bench-engines`` measures the same comparison through the whole pipeline on the DirectRunner, which needs the
+emulators and vLLM beside it. This drives the engine alone
+(:func:`~pipeline.engines.transformers_engine.transformers_engine`, the template's ``engine=transformers``) with the
+batches the template's batcher forms for a burst, so it runs wherever torch and transformers do: a GPU machine with
+nothing else installed. The batches come from the batcher's own decision
+(:func:`~pipeline.flow.batching.on_arrival`, per bucket as :meth:`BatchingConfig.bucket_name` names it): a bucket
+leaves when it reaches ``batch_size_target``, and what is left when the burst has arrived leaves on its delay timer,
+oldest bucket first. Prompt lengths are the tokenizer's, as the pipeline measures them.
 
 Three batchings, each at every ``--batch-sizes`` value, in interleaved repetitions (the order rotates each
 repetition): arrival order (one bucket), prompt buckets, and prompt × answer buckets (what
@@ -33,7 +34,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.side_by_side.report import fmt
@@ -220,7 +221,7 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "CPU"
     reps = len({r.rep for r in runs})
-    report(runs, sizes, asked, f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {device}, torch "
+    report(runs, sizes, asked, f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {device}, torch "
            f"{torch.__version__}, {args.random_model or Path(model).name} in {dtype}, {len(requests)} requests, "
            f"{reps} interleaved repetitions")
     if args.json:

@@ -27,8 +27,9 @@ import argparse
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 # Decoder shapes (Llama-style): about 1.1 B parameters (Llama-3.2-1B's), and SmolLM2-135M's, the local model.
 RANDOM_SHAPES: dict[str, dict[str, int]] = {
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     kernels[name].append(kernel_time(steps[name]))
     where = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()} CPU"
     threads = "" if device == "cuda" else f", {torch.get_num_threads()} threads"
-    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {where}{threads}; torch {torch.__version__}; "
+    print(f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {where}{threads}; torch {torch.__version__}; "
           f"{args.shape} decoder ({model.num_parameters() / 1e9:.2f} B parameters, random) in {dtype}; "
           f"decoding rows with {args.past} tokens cached; {args.reps} timed steps each, median (range):")
     columns = {"ms": times, "GPU kernels, ms": kernels} if device == "cuda" else {"ms": times}

@@ -366,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk_subscription", help="the template's own parameter; read here to read it as the "
                                                     "bulk lane")
     parser.add_argument("--load_log", metavar="PATH",
-                        help="append the worker's load (what it holds, what the read took) as a JSON line twice a second")
+                        help="append the worker's load (what it holds, what the read took) as a JSON line twice a "
+                             "second")
     own, template_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if own.server_url:
         template_args.append(f"--server_url={own.server_url}")

@@ -115,7 +115,8 @@ class PubSubEmulator(Emulator):
                 f"--data-dir={workdir}", f"--project={self.project}", "--quiet"]
 
     def install_hint(self) -> str:
-        return "install the Google Cloud CLI with its Pub/Sub emulator (Debian: google-cloud-cli-pubsub-emulator) and Java"
+        return ("install the Google Cloud CLI with its Pub/Sub emulator (Debian: google-cloud-cli-pubsub-emulator) "
+                "and Java")
 
     def env(self) -> dict[str, str]:
         return {**super().env(), "PUBSUB_EMULATOR_HOST": self.host, "PUBSUB_PROJECT_ID": self.project}
@@ -191,7 +192,8 @@ class BigQueryEmulator(Emulator):
     ready_path = f"/bigquery/v2/projects/{PROJECT}/datasets"
 
     def command(self, workdir: str) -> list[str]:
-        return [str(EMULATOR_BIN / "python"), str(REPO_ROOT / "local" / "bigquery_emulator_offline.py"), "start", "--rest-host", "127.0.0.1", "--rest-port", str(self.port),
+        return [str(EMULATOR_BIN / "python"), str(REPO_ROOT / "local" / "bigquery_emulator_offline.py"), "start",
+                "--rest-host", "127.0.0.1", "--rest-port", str(self.port),
                 "--grpc-port", "0", "--ephemeral", "--project", self.project, "--log-level", "warning"]
 
     def env(self) -> dict[str, str]:

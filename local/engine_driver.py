@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine import COMPLETION, DEAD_LETTER, Engine
@@ -51,7 +51,7 @@ def drive_to_end(engine: Engine, requests: list[InferenceRequest], *, batches: S
             keys = engine.submit_batch([r.to_json() for r in batch], [1] * len(batch))
             if None in keys:
                 raise RuntimeError("the engine did not take a batch whole")
-            by_key.update(zip(keys, batch))
+            by_key.update(zip(keys, batch, strict=True))
     drive = Drive({r.id: [] for r in requests})
     taken = dict.fromkeys(by_key, 0)  # outputs taken per stream: a poll hands over the rest
     pending = set(by_key)

@@ -8,6 +8,7 @@ the output topics and records every message with its arrival time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,9 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from local.emulators import PubSubEmulator
 
@@ -82,7 +84,8 @@ class OutputCollector:
         with self._lock:
             return {r.data["id"] for r in self.completions} | {r.data.get("id") for r in self.dead_letters}
 
-    def wait_for(self, ids: Iterable[str], timeout_s: float, progress: Callable[[int, int], None] | None = None) -> set[str]:
+    def wait_for(self, ids: Iterable[str], timeout_s: float,
+                 progress: Callable[[int, int], None] | None = None) -> set[str]:
         """Waits until every id has a completion or a dead letter; returns the missing ones."""
         wanted = set(ids)
         deadline = time.monotonic() + timeout_s
@@ -123,10 +126,8 @@ class OutputCollector:
         for future in self._futures:
             future.cancel()
         for future in self._futures:
-            try:
+            with contextlib.suppress(Exception):
                 future.result(timeout=5)
-            except Exception:
-                pass
         if self._subscriber is not None:
             self._subscriber.close()
 

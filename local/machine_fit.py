@@ -77,7 +77,7 @@ def local_engine(facts: MachineFacts, asked: str | None = None) -> tuple[str, st
             raise ValueError(f"ENGINE=vllm: vLLM's CPU build has no wheel for {facts.system} on {facts.machine}; "
                              "use ENGINE=transformers, or a server of your own (SERVER_URL=)")
         return asked, f"ENGINE={asked} chosen"
-    if facts.system == "Linux" and x86 and VLLM_CPU_FLAGS <= facts.cpu_flags:
+    if facts.system == "Linux" and x86 and facts.cpu_flags >= VLLM_CPU_FLAGS:
         return "vllm", "Linux x86-64 with AVX-512: vLLM's CPU build runs here"
     where = f"{facts.system or 'this OS'} on {facts.machine or 'this CPU'}"
     if facts.system == "Linux" and x86:

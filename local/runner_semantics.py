@@ -218,7 +218,7 @@ class Driver:
         return self.run(key, "on_drain", None, commit=commit, timer="drain")
 
     def run(self, key: Any, method: str, element: Any, *, commit: bool = True, timer: str | None = None) -> Outputs:
-        """One work item of the key: ``method`` of the DoFn (``timer``: the timer that fired), on its committed state."""
+        """One work item of the key: ``method`` of the DoFn (``timer``: the timer fired), on its committed state."""
         worker = self.owner.setdefault(key, self.workers[0])
         committed = self.state.setdefault(key, KeyState())
         work = copy.deepcopy(committed)

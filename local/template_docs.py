@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pipeline.contract.parameters import PARAMETERS, TEMPLATE_DESCRIPTION, TEMPLATE_NAME, WORKER_OPTIONS, Parameter
 from pipeline.contract.request_fields import BOTH, REQUEST_FIELDS

@@ -60,7 +60,7 @@ def _teach(model, tokenizer, lessons: tuple[tuple[str, str], ...], max_steps: in
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     model.train()
     loss_value = float("inf")
-    for step in range(max_steps):
+    for step in range(max_steps):  # noqa: B007 - the log says how many it took
         optimizer.zero_grad()
         loss = sum(model(input_ids=ids, labels=labels).loss for ids, labels in examples) / len(examples)
         loss.backward()

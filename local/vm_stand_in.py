@@ -53,6 +53,7 @@ the runner resumes its residuals and calls its finalizers, in ``tests/test_subsc
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -62,9 +63,10 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 from apache_beam.io.restriction_trackers import OffsetRange
@@ -427,7 +429,7 @@ class VmStandIn:
         began (monotonic): what the lease saw of the key's polls. For a failure's message, with ``late_rounds``."""
         now, longest = time.monotonic(), {}
         for key, times in self.sent_at.items():
-            spans = [(b - a, a) for a, b in zip(times, [*times[1:], now])]
+            spans = [(b - a, a) for a, b in zip(times, [*times[1:], now], strict=True)]
             longest[key] = max(spans)
         return longest
 
@@ -582,10 +584,8 @@ class VmStandIn:
             if sdk.paused:
                 os.kill(sdk.pid, signal.SIGCONT)
             if not sdk.dead:
-                try:
+                with contextlib.suppress(OSError):
                     sdk.conn.send(("stop",))
-                except OSError:
-                    pass
         for sdk in self.sdk:
             sdk.process.join(timeout=10)
             if sdk.process.is_alive():

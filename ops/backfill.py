@@ -41,9 +41,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from google.api_core.exceptions import NotFound
 
@@ -206,7 +207,7 @@ def read_file(path: str) -> Iterator[Row]:
 def _parquet_row(batch: Any, index: int) -> dict[str, Any]:
     """Row ``index`` of a Parquet record batch, or that row's problem where a value cannot be read into Python."""
     try:
-        return {name: column[index].as_py() for name, column in zip(batch.schema.names, batch.columns)}
+        return {name: column[index].as_py() for name, column in zip(batch.schema.names, batch.columns, strict=True)}
     except Exception as exc:
         return {"__problem__": f"a value Python cannot read: {type(exc).__name__}: {str(exc)[:200]}"}
 
@@ -485,7 +486,7 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
          progress: Any = None) -> None:
     """Publishes every unanswered row once, letters the rows that cannot be requests; counts each row once."""
     for chunk in chunks(rows, CHUNK_ROWS):
-        publishing_at = datetime.datetime.now(datetime.timezone.utc)  # before any of the chunk reaches the job
+        publishing_at = datetime.datetime.now(datetime.UTC)  # before any of the chunk reaches the job
         made = [(row, checked(row, mapping)) for row in chunk]
         ids = {result[1].id for _, result in made if isinstance(result, tuple)}
         answered = outputs.answered(ids)
@@ -493,7 +494,7 @@ def feed(rows: Iterable[Row], mapping: Mapping, outputs: Outputs, tally: Tally, 
         before: dict[str, set[str]] | None = None  # the letters earlier runs wrote, read at the chunk's first letter
         sent: list[tuple[str, str]] = []
 
-        def letter(row: Row, dead_letter: DeadLetter) -> None:
+        def letter(row: Row, dead_letter: DeadLetter, chunk: list[Row] = chunk) -> None:
             """A row's letter, written unless an earlier run wrote the same one: a rerun adds no copy."""
             nonlocal before
             if before is None:

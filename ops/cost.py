@@ -45,9 +45,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, TextIO
 
 from ops.settings import DeployError
 
@@ -386,7 +387,7 @@ def report(ceiling: Ceiling, job: Job) -> list[str]:
     price_width = max(map(len, prices))
     lines = [f"==> The job's hourly ceiling in {job.region}, at Dataflow's list prices in the Cloud Billing Catalog "
              f"now ({ceiling.currency}):"]
-    for line, price in zip(ceiling.lines, prices):
+    for line, price in zip(ceiling.lines, prices, strict=True):
         lines.append(f"      {line.what:<{width}}  × {price:>{price_width}} an hour = {money(line.per_hour):>8}"
                      f"   ({line.sku})")
     lines.append(f"    one worker: {money(ceiling.per_worker)} {ceiling.currency} an hour; "

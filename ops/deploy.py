@@ -28,9 +28,10 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -258,7 +259,7 @@ def job_name(settings: Settings, update: bool) -> str:
         if update:
             raise DeployError("Set JOB_NAME to the name of the running job to update "
                               "(gcloud dataflow jobs list --region REGION --status active)")
-        name = "streaming-llm-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        name = "streaming-llm-" + datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     if not re.match(JOB_NAME_REGEX, name):
         raise DeployError(f"JOB_NAME={name!r}: Dataflow job names are lower-case letters, digits and '-', "
                           "starting with a letter, at most 63 characters")
@@ -477,7 +478,7 @@ def require_resources(settings: Settings, parameters: Mapping[str, str], dry_run
     running = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                for _, command, _ in checks]
     missing = []
-    for (what, _, advice), process in zip(checks, running):
+    for (what, _, advice), process in zip(checks, running, strict=True):
         _, stderr = process.communicate()
         if process.returncode == 0:
             continue

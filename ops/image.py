@@ -33,8 +33,8 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from ops.settings import BUILD_SOURCE_PREFIX, Settings
 from pipeline.serving.gpus import DEFAULT_CUDA_MAJOR

@@ -22,8 +22,9 @@ import os
 import re
 import string
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ops.deploy import JOB_NAME_REGEX, run_gcloud
 from ops.settings import DeployError, Settings, gcloud_output

@@ -14,8 +14,8 @@ import json
 import os
 import sys
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from ops.settings import DeployError, Settings
 

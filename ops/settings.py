@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 # The launcher's and workers' account make setup creates when SERVICE_ACCOUNT is unset (NAME@PROJECT.iam...).
 DEFAULT_SERVICE_ACCOUNT_ID = "streaming-llm"

@@ -45,8 +45,8 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from ops.settings import (
     BUILD_SERVICE_ACCOUNT_ID,

@@ -22,7 +22,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ops.settings import DeployError, Settings, output_subscription
 
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     finally:
         for stream in streams:
             stream.cancel()
-        for stream, (subscription, _) in zip(streams, watching):
+        for stream, (subscription, _) in zip(streams, watching, strict=True):
             try:
                 stream.result(timeout=30)
             except exceptions.PermissionDenied:

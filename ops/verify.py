@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -56,9 +57,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from ops.settings import DeployError, Settings
 
@@ -202,11 +204,11 @@ class Rest:
 
 
 def rfc3339(moment: datetime.datetime) -> str:
-    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def now_utc() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 # Dataflow ---------------------------------------------------------------------------------------------------------
@@ -310,10 +312,8 @@ class Listener:
         for stream in self.streams:
             stream.cancel()
         for stream in self.streams:
-            try:
+            with contextlib.suppress(Exception):  # a stream that ended early has nothing more to give
                 stream.result(timeout=30)
-            except Exception:  # noqa: BLE001 - a stream that ended early has nothing more to give
-                pass
         for name in self.made:
             try:
                 self.subscriber.delete_subscription(subscription=name)

@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import apache_beam as beam
 from apache_beam.io.gcp.pubsub import ReadFromPubSub

@@ -154,7 +154,7 @@ class SimPubSub:
     ``max_messages`` (at most a pull size of the setup, fewer or an error as ``faults`` draw), what is pulled is
     delivered again once its ack deadline passes unacknowledged, and an ack deadline of 0 gives it back at once."""
 
-    def __init__(self, vm: "_Vm", faults: PubSubFaults) -> None:
+    def __init__(self, vm: _Vm, faults: PubSubFaults) -> None:
         self._vm = vm
         self._faults = faults
         self.outstanding: dict[str, tuple[InferenceRequest, float]] = {}  # ack id -> (request, deadline)

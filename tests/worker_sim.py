@@ -31,8 +31,9 @@ import random
 import statistics
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import InferenceRequest

@@ -16,7 +16,7 @@ import platform
 import shlex
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.side_by_side import report, workload
@@ -269,8 +269,8 @@ def run_plan(args: argparse.Namespace, plan: CorePlan, prompts: list[workload.Pr
             for lengths in used_lengths(args):
                 progress.context = f"[{plan.name}] calibrating: raw vLLM burst of {len(prompts)}, {lengths}"
                 burst = workload.with_lengths(prompts, lengths)
-                probe = calibration.run(burst, workload.arrivals(len(burst), None, 0), shape=f"calibration-{lengths[0]}",
-                                        rep=0, cores=plan.name, progress=progress)
+                probe = calibration.run(burst, workload.arrivals(len(burst), None, 0),
+                                        shape=f"calibration-{lengths[0]}", rep=0, cores=plan.name, progress=progress)
                 wall = max(t.done for t in probe.timings) - min(t.sent for t in probe.timings)
                 capacities[lengths] = len(probe.timings) / wall
                 progress.note(f"[{plan.name}] capacity {capacities[lengths]:.2f} requests/s ({lengths})")
@@ -316,19 +316,20 @@ def run(args: argparse.Namespace, emulator: PubSubEmulator) -> Path:
     prompts = workload.with_budgets(prompts, args.budgets)
     names = ["isolated", "shared"] if args.cores == "both" else [args.cores]
     core_plans = plans(names)
-    stamp = datetime.now(timezone.utc)
+    stamp = datetime.now(UTC)
     folder = args.out / stamp.strftime("%Y%m%dT%H%M%SZ")
     folder.mkdir(parents=True, exist_ok=True)
     kinds = {kind: sum(p.kind == kind for p in prompts) for kind in dict.fromkeys(p.kind for p in prompts)}
     context = report.Context(
-        machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}", date=stamp.strftime("%Y-%m-%d %H:%M UTC"),
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}",
+        date=stamp.strftime("%Y-%m-%d %H:%M UTC"),
         model=args.model or args.server_url or "SmolLM2-135M-Instruct (embedded, vLLM CPU build)",
         max_tokens=args.max_tokens, seed=args.seed,
         workload=(f"prompts from {args.prompts}" if args.prompts else "the mixed workload: ")
         + ", ".join(f"{n} {k}" for k, n in kinds.items())
         + "".join(f"; {kind}s max_tokens {budget}" for kind, budget in args.budgets.items()),
-        shapes={}, cores={plan.name: plan.describe() for plan in core_plans}, server_start_s={}, capacity_rps={}, rates={},
-        reps=args.reps)
+        shapes={}, cores={plan.name: plan.describe() for plan in core_plans}, server_start_s={}, capacity_rps={},
+        rates={}, reps=args.reps)
     progress = ProgressLine()
     runs: list[RunResult] = []
     for plan in core_plans:

@@ -11,6 +11,7 @@ CPU build binds itself, everything else anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -77,19 +78,15 @@ def _threads(pid: int) -> list[int]:
 def pin_tree(pid: int, cpus: frozenset[int]) -> None:
     """Moves every thread of ``pid`` and its descendants onto ``cpus``."""
     for thread in _threads(pid):
-        try:
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
             os.sched_setaffinity(thread, cpus)
-        except OSError:  # the thread ended meanwhile
-            pass
 
 
 def renice_tree(pid: int, niceness: int) -> None:
     """Sets the niceness of every thread of ``pid`` and its descendants (Linux keeps it per thread)."""
     for thread in _threads(pid):
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
             os.setpriority(os.PRIO_PROCESS, thread, niceness)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
 
 
 def pin_this_process(cpus: frozenset[int]) -> None:

@@ -29,7 +29,8 @@ import time
 
 import aiohttp
 
-from benchmarks.side_by_side.completions_stream import completion_events, session as client_session
+from benchmarks.side_by_side.completions_stream import completion_events
+from benchmarks.side_by_side.completions_stream import session as client_session
 from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import Chunk
 from pipeline.contract.parameters import PARAMETERS_BY_NAME

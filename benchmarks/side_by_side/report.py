@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from benchmarks.side_by_side.stats import HOPS, RequestTiming, RunResult, Spread, across_reps, ratio
 
@@ -103,7 +103,8 @@ def tables(runs: Sequence[RunResult], context: Context) -> list[tuple[str, list[
                     throughput = (f"tokens/s {_ratio_text(ratio(figures['tok_s'], other['tok_s']))}"
                                   + (" (unequal work)" if {system, peer} & unequal else "")
                                   if fixed else "tokens/s not compared (natural lengths)")
-                    notes.append(f"{system} / {peer}: first chunk p50 {_ratio_text(ratio(figures['first_p50'], other['first_p50']))}, "
+                    first_p50 = _ratio_text(ratio(figures['first_p50'], other['first_p50']))
+                    notes.append(f"{system} / {peer}: first chunk p50 {first_p50}, "
                                  f"p95 {_ratio_text(ratio(figures['first_p95'], other['first_p95']))}, {throughput}")
                 hops = [f"{hop} {fmt(figures[f'hop_p50:{hop}'])} / {fmt(figures[f'hop_p95:{hop}'])} s" for hop in HOPS]
                 notes.append(f"{system}, first chunk by hop (p50 / p95): " + "; ".join(hops))
@@ -163,7 +164,8 @@ def engine_notes(figures: dict[str, dict[str, Spread]]) -> list[str]:
         if system not in (*STATIC, BEAM, RELAY):
             notes.append(f"{system} / transformers in arrival order: tokens/s "
                          f"{_ratio_text(ratio(other['tok_s'], arrival['tok_s']))}, CPU s per 1k tokens with the "
-                         f"model's {_ratio_text(ratio(other['all_cpu_s_per_1k_tokens'], arrival['all_cpu_s_per_1k_tokens']))}, "
+                         "model's "
+                         f"{_ratio_text(ratio(other['all_cpu_s_per_1k_tokens'], arrival['all_cpu_s_per_1k_tokens']))}, "
                          f"done p50 {_ratio_text(ratio(other['done_p50'], arrival['done_p50']))}")
     return notes
 
@@ -190,7 +192,8 @@ def terminal(runs: Sequence[RunResult], context: Context) -> str:
     lines = ["", equal_work(runs)]
     for title, header, rows, notes in tables(runs, context):
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        lines += ["", title, "  ".join(h.ljust(widths[0]) if i == 0 else h.rjust(widths[i]) for i, h in enumerate(header))]
+        lines += ["", title,
+                  "  ".join(h.ljust(widths[0]) if i == 0 else h.rjust(widths[i]) for i, h in enumerate(header))]
         for row in rows:
             lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)))
         lines += [f"  {note}" for note in notes]
@@ -315,7 +318,7 @@ def plots(runs: Sequence[RunResult], context: Context, folder: Path) -> list[Pat
                 heights = [max(0.0, spreads[(cores, shape, system)][f"hop_p50:{hop}"].median) for shape, system in bars]
                 heights = [0.0 if math.isnan(h) else h for h in heights]
                 axis.bar(range(len(bars)), heights, bottom=bottoms, label=hop)
-                bottoms = [b + h for b, h in zip(bottoms, heights)]
+                bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
             labels = [f"{shape}\n{system}" for shape, system in bars]
             axis.set_xticks(range(len(bars)), labels, fontsize=6, rotation=30, ha="right")
             axis.set_ylabel("seconds (p50 of each hop, median over reps)")

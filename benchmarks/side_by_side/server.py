@@ -8,8 +8,14 @@ import shlex
 import time
 import urllib.request
 
-from benchmarks.side_by_side.cores import (CorePlan, pin_this_process, pin_tree, process_cpu_seconds, renice_tree,
-                                          tree_cpu_seconds)
+from benchmarks.side_by_side.cores import (
+    CorePlan,
+    pin_this_process,
+    pin_tree,
+    process_cpu_seconds,
+    renice_tree,
+    tree_cpu_seconds,
+)
 from local.embedded_model import ensure_local_checkpoint
 from pipeline.serving.lora_adapters import Adapter
 

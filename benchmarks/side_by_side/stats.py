@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 HOPS = ("publish → intake", "intake → first token", "token → chunk cut", "cut → subscriber")
 

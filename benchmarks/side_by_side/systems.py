@@ -16,12 +16,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import aiohttp
 
-from benchmarks.side_by_side.completions_stream import completion_events, session as client_session
+from benchmarks.side_by_side.completions_stream import completion_events
+from benchmarks.side_by_side.completions_stream import session as client_session
 from benchmarks.side_by_side.cores import peak_rss_mib, pin_tree, tree_cpu_seconds
 from benchmarks.side_by_side.report import BEAM, RELAY
 from benchmarks.side_by_side.stats import RequestTiming, RunResult
@@ -105,7 +107,7 @@ class RawVLLM:
             progress(len(timings), len(prompts))
 
         async with client_session(_timeout(offsets)) as session:
-            await asyncio.gather(*(one(session, p, o) for p, o in zip(prompts, offsets)))
+            await asyncio.gather(*(one(session, p, o) for p, o in zip(prompts, offsets, strict=True)))
         return timings
 
 
@@ -119,7 +121,7 @@ def publish_on_schedule(topic: str, prompts: list[Prompt], offsets: list[float],
     sent, futures = {}, []
     start = time.time()
     try:
-        for prompt, offset in zip(prompts, offsets):
+        for prompt, offset in zip(prompts, offsets, strict=True):
             time.sleep(max(0.0, start + offset - time.time()))
             sent[prompt.id] = time.time()
             futures.append(publisher.publish(topic, json.dumps(prompt.as_message(max_tokens)).encode()))
@@ -191,8 +193,8 @@ def pipeline_timings(collector: OutputCollector, sent: dict[str, float], kinds: 
             hops = (record["received_at"] - sent[key], token_at - record["received_at"],
                     chunk["emitted_at"] - token_at, at - chunk["emitted_at"])
         first = first_chunks[key][0] if key in first_chunks else done
-        timings.append(RequestTiming(key, kinds[key], sent[key], first, done, record["usage"]["completion_tokens"], hops,
-                                     record.get("accelerator_seconds")))
+        timings.append(RequestTiming(key, kinds[key], sent[key], first, done, record["usage"]["completion_tokens"],
+                                     hops, record.get("accelerator_seconds")))
     return timings
 
 

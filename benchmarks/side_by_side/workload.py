@@ -136,7 +136,8 @@ def from_jsonl(path: Path, count: int) -> list[Prompt]:
                 item = json.loads(line)
                 text = item["prompt"]
             except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" string ({error})") from None
+                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" string "
+                                 f"({error})") from None
             if not isinstance(text, str) or not text:
                 raise ValueError(f"{path}:{number}: \"prompt\" must be a non-empty string")
             prompts.append(Prompt(str(item.get("id", f"p{len(prompts)}")), text, str(item.get("kind", "yours"))))

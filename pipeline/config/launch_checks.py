@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from apache_beam.options.pipeline_options import (
     DebugOptions,
@@ -143,14 +143,13 @@ def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig,
     problems, warnings = [], []
     managed_server = not config.server_url and config.engine == "vllm"  # the worker starts vLLM itself
     image = options.view_as(WorkerOptions).sdk_container_image
-    if not image:
-        # Beam 2.77, apache_beam/runners/dataflow/internal/apiclient.py, get_container_image_from_options:
-        # without sdk_container_image the job's workers run Beam's default beam_python3.x_sdk image.
-        if options.view_as(SetupOptions).setup_file is None or managed_server:
-            problems.append(
-                "sdk_container_image is not set, so the workers would run Beam's default SDK image, which has "
-                "neither this template's code nor its engine (vLLM or transformers); add sdk_container_image=<the "
-                "worker image> to the parameters (make run does; a launcher built by make image knows its own)")
+    # Beam 2.77, apache_beam/runners/dataflow/internal/apiclient.py, get_container_image_from_options: without
+    # sdk_container_image the job's workers run Beam's default beam_python3.x_sdk image.
+    if not image and (options.view_as(SetupOptions).setup_file is None or managed_server):
+        problems.append(
+            "sdk_container_image is not set, so the workers would run Beam's default SDK image, which has "
+            "neither this template's code nor its engine (vLLM or transformers); add sdk_container_image=<the "
+            "worker image> to the parameters (make run does; a launcher built by make image knows its own)")
     if not config.server_url:
         gated = gated_model_warning(config.model, config.model_gcs_folder, config.hf_token_secret)
         if gated:
@@ -167,12 +166,11 @@ def dataflow_launch_problems(options: PipelineOptions, config: PipelineConfig,
         warnings.append(f"{gpu} has no bfloat16, so the workers run {config.effective_model} in float16, in which "
                         "this family's activations are known to overflow (empty or garbled answers): use an L4 or "
                         "newer GPU, or --dtype=float32 if it fits")
-    if managed_server:
-        if gpu is None and not (machine and machine in FIXED_SHAPES):
-            warnings.append(
-                "no GPU is requested (no worker_accelerator in --dataflow_service_options or experiments), and the "
-                "template starts vLLM on each worker: unless the machine type brings its own GPU, every worker will "
-                "refuse to start the server. Add --dataflow_service_options=worker_accelerator=type:nvidia-l4;"
-                "count:1;install-nvidia-driver (make run does, from GPU_TYPE and GPU_COUNT), or set server_url "
-                "to a server you run")
+    if managed_server and gpu is None and not (machine and machine in FIXED_SHAPES):
+        warnings.append(
+            "no GPU is requested (no worker_accelerator in --dataflow_service_options or experiments), and the "
+            "template starts vLLM on each worker: unless the machine type brings its own GPU, every worker will "
+            "refuse to start the server. Add --dataflow_service_options=worker_accelerator=type:nvidia-l4;"
+            "count:1;install-nvidia-driver (make run does, from GPU_TYPE and GPU_COUNT), or set server_url "
+            "to a server you run")
     return problems, warnings

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 

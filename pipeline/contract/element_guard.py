@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics

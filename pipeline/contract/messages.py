@@ -13,8 +13,9 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 # Stages a dead letter can come from, so operators can filter by where it failed.
 STAGE_PARSE = "parse"

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # A Cloud Storage bucket's name (https://cloud.google.com/storage/docs/buckets#naming): lowercase letters, digits,
 # '-', '_' and '.', beginning and ending with a letter or digit.

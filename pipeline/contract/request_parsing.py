@@ -17,8 +17,9 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from pipeline.contract.messages import (
     LANE_LIVE,

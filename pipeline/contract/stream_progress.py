@@ -31,8 +31,8 @@ No clock, no lock, no I/O: the engine calls an :class:`OutputWindow` under its l
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping
 
 Output = tuple[str, str]  # (kind, payload) as the engine hands it over
 # Output kinds handed back by the engine's poll; ATTEMPT says the engine retried the stream as a new attempt.

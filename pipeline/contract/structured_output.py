@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 MAX_SCHEMA_BYTES = 16 * 1024
 SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

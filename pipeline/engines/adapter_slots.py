@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 LOGGER = logging.getLogger(__name__)
 
@@ -175,10 +176,8 @@ class AdapterSlots:
     async def _wait_for_change(self) -> None:
         """Until the slots change, or a second passes (a live request's patience runs out on the clock)."""
         event = self._changed
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout=1.0)
-        except TimeoutError:
-            pass
 
     def _wake(self) -> None:
         self._changed.set()

@@ -11,7 +11,8 @@ in-process static one (:mod:`pipeline.engines.transformers_engine`); a third (an
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from pipeline.contract.chunking import Chunk, ChunkAssembler
 from pipeline.engines.engine_settings import EngineSettings

@@ -61,7 +61,7 @@ class StreamRegistry:
         """Registers what fits of a batch at ``now_mono`` (the monotonic clock): each request's key (None where
         there was no room) and the streams new here, which the engine's backend must start. A request already
         registered joins its stream."""
-        asked = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}" for r, a in zip(requests, attempts)]
+        asked = [f"{r.id}#{r.fingerprint()}#{a}@{self.instance}" for r, a in zip(requests, attempts, strict=True)]
         keys: list[str | None] = list(asked)
         started: list[Stream] = []
         self.leases.heard(client)

@@ -223,7 +223,7 @@ class TransformersBackend:
                                   padding=True, add_special_tokens=self.settings.prompt_format != "chat")
         lengths = encoded["attention_mask"].sum(dim=1).tolist()
         rows = []
-        for stream, length in zip(served, lengths):
+        for stream, length in zip(served, lengths, strict=True):
             request = stream.request
             assembler = ChunkAssembler(request.id, stream.attempt, self.settings.chunk_policy, request.received_at)
             self._events.attach(stream, assembler)
@@ -272,7 +272,7 @@ class TransformersBackend:
     def step(self, rows: list[_Row], token_ids: list[int]) -> None:
         """One decoding step's tokens for the batch: each live row's new text goes to its assembler."""
         now = time.time()
-        for row, token_id in zip(rows, token_ids):
+        for row, token_id in zip(rows, token_ids, strict=True):
             if row.done:
                 continue
             row.steps += 1

@@ -23,7 +23,8 @@ import logging
 import threading
 import time
 import urllib.request
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -276,7 +277,7 @@ class VLLMBackend:
             await self._adapter_slots.acquire(adapter, bulk=stream.request.bulk)
         except AdapterUnavailable as exc:
             raise _RequestRejected(str(exc)) from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, AdapterUnreadable) as exc:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, AdapterUnreadable) as exc:
             raise RetryableError(f"loading adapter {adapter}: {type(exc).__name__}: {exc}") from exc
         try:
             await self._stream_from_server(stream)
@@ -338,12 +339,13 @@ class VLLMBackend:
                         if delta is None:
                             delta = (choice.get("delta") or {}).get("content") or ""
                         tokens = usage.get("completion_tokens", tokens + (1 if delta else 0))
-                        self._events.cut(stream, lambda: assembler.add(delta, tokens, time.time()))
+                        # cut runs the step at once, under its lock: the loop's variables are the ones meant.
+                        self._events.cut(stream, lambda: assembler.add(delta, tokens, time.time()))  # noqa: B023
                         finish_reason = choice.get("finish_reason") or finish_reason
                         finished = finished or choice.get("finish_reason") is not None
                     if not event.get("choices") and usage:
                         tokens = usage.get("completion_tokens", tokens)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise RetryableError(f"{type(exc).__name__}: {exc or 'connection lost'}") from exc
         finally:
             self._events.ended(stream)  # the server is done with this attempt, however it ended (a cancel included)

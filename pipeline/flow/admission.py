@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics

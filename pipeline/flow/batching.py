@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, NamedTuple, Tuple
+from typing import Any, NamedTuple
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -292,8 +293,8 @@ class BatchRequests(beam.PTransform):
     def expand(self, requests):
         # Typed keys give the stateful steps deterministic key coders.
         keyed = requests | "KeyByBucketAndShard" >> beam.ParDo(_KeyFn(self._config)).with_output_types(
-            Tuple[str, InferenceRequest]).with_outputs(TAG_DEAD_LETTERS, main="keyed")
+            tuple[str, InferenceRequest]).with_outputs(TAG_DEAD_LETTERS, main="keyed")
         batched = keyed.keyed | "Batch" >> beam.ParDo(_BatchFn(self._config, self._clock)).with_output_types(
-            Tuple[int, List[InferenceRequest]]).with_outputs(TAG_DEAD_LETTERS, main="batches")
+            tuple[int, list[InferenceRequest]]).with_outputs(TAG_DEAD_LETTERS, main="batches")
         dead_letters = (keyed.dead_letters, batched.dead_letters) | "BatchDeadLetters" >> beam.Flatten()
         return BatchOutputs(batched.batches, dead_letters)

@@ -16,7 +16,8 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pipeline.flow.pubsub_trouble import CALL_DEADLINE_S, call_retry
 

@@ -28,7 +28,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 LOGGER = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def newest_value(answer: dict[str, Any]) -> float | None:
 
 
 def _rfc3339(moment: float) -> str:
-    return datetime.datetime.fromtimestamp(moment, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.datetime.fromtimestamp(moment, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class SubscriptionBacklog:

@@ -37,8 +37,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.contract.call_outcome import Call
 from pipeline.flow.feed_acks import FeedAcks
@@ -83,7 +84,7 @@ FINALIZE_LATE_S = 120.0
 # How a feed's call reaches the worker's runtime: (what, call) -> (outcome, answer), as RuntimeClient.call.
 RuntimeCall = Callable[[str, Callable[[Any], Any]], tuple[Call, Any]]
 # Per process: the feeds, by (runtime tag, subscription, lane).
-_FEEDS: dict[tuple[str, str, bool], "SubscriptionFeed"] = {}
+_FEEDS: dict[tuple[str, str, bool], SubscriptionFeed] = {}
 _FEEDS_LOCK = threading.Lock()
 
 
@@ -98,7 +99,7 @@ class Pulled:
 
 
 def feed_for(subscription: str, source: RuntimeSource, bulk: bool, ack_deadline_s: int,
-             client: Callable[[], Any] | None = None) -> "SubscriptionFeed":
+             client: Callable[[], Any] | None = None) -> SubscriptionFeed:
     """This process's feed of ``subscription`` for the runtime ``source`` names (started on first use)."""
     key = (source.tag, subscription, bulk)
     with _FEEDS_LOCK:
@@ -108,13 +109,13 @@ def feed_for(subscription: str, source: RuntimeSource, bulk: bool, ack_deadline_
         return feed
 
 
-def existing_feed(subscription: str, tag: str, bulk: bool) -> "SubscriptionFeed | None":
+def existing_feed(subscription: str, tag: str, bulk: bool) -> SubscriptionFeed | None:
     """This process's feed of ``subscription``, if a round started one (never starts one)."""
     with _FEEDS_LOCK:
         return _FEEDS.get((tag, subscription, bulk))
 
 
-def feeds_of(tag: str) -> list["SubscriptionFeed"]:
+def feeds_of(tag: str) -> list[SubscriptionFeed]:
     """This process's feeds for the runtime ``tag`` names, every subscription and lane."""
     with _FEEDS_LOCK:
         return [feed for (feed_tag, _, _), feed in _FEEDS.items() if feed_tag == tag]
@@ -377,7 +378,7 @@ class SubscriptionFeed:
         unused = places[len(received):]
         with self._lock:
             self._held.extend(Pulled(message, place, len(message.message.data), now)
-                              for message, place in zip(received, places))
+                              for message, place in zip(received, places, strict=False))
         filled = places[:len(received)]  # work now, no longer room a pull keeps (the worker's full)
         self._call("give back places", lambda runtime: runtime.settled(filled, unused))
         if received:  # after the places: an extension Pub/Sub is slow to take holds no room meanwhile

@@ -16,8 +16,8 @@ one step and freezes it again.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from pipeline.contract.state_format import StateFormatError, check_cell, write_cell
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Tuple
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.coders import StrUtf8Coder, VarIntCoder
@@ -217,7 +218,7 @@ class KeyByGenerateShard(beam.PTransform):
 
     def expand(self, batches):
         return batches | beam.FlatMap(_by_generate_key, self._generate_shards).with_output_types(
-            Tuple[int, List[InferenceRequest]])
+            tuple[int, list[InferenceRequest]])
 
 
 class StreamingGenerate(beam.PTransform):

@@ -3,8 +3,8 @@ step it and the effects a step asks of its caller. Records only, frozen."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import InferenceRequest

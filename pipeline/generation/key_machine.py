@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import InferenceRequest
@@ -154,7 +155,7 @@ def _taken(entries: tuple[RequestEntry, ...], result: tuple[Call, tuple[str | No
     if outcome is Call.FAILED:
         return (), tuple(replace(entry, lost=entry.lost + 1) for entry in entries)
     sent = tuple(replace(entry, key=key) for entry, key in itertools.takewhile(
-        lambda pair: pair[1] is not None, zip(entries, keys if outcome is Call.ANSWERED else ())))
+        lambda pair: pair[1] is not None, zip(entries, keys if outcome is Call.ANSWERED else (), strict=False)))
     return sent, entries[len(sent):]
 
 

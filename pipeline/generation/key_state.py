@@ -25,8 +25,9 @@ step turns it into a dead letter with its raw text, and the key goes on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable
+from typing import Any
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell

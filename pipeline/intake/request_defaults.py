@@ -13,9 +13,10 @@ from __future__ import annotations
 import copy
 import json
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any
 
 from pipeline.contract.request_parsing import RequestError
 from pipeline.contract.structured_output import ResponseFormatError, checked_schema, schema_response_format

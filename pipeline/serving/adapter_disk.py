@@ -18,8 +18,8 @@ import contextlib
 import logging
 import shutil
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from pipeline.serving.model_weights import copied_from
 

@@ -22,9 +22,10 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.request_fields import ENGINE_VLLM, recorded_in_lineage

@@ -18,7 +18,8 @@ import logging
 import os
 import re
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from pipeline.serving.model_weights import WeightsError, local_weights
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
 import functools
 import logging
@@ -25,8 +26,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pipeline.contract.parameters import default
 from pipeline.serving.adapter_root import AdapterRoot
@@ -134,14 +135,10 @@ def free_port() -> int:
 def _prepare_server_child(cores: frozenset[int]) -> None:
     """Runs in the child before exec: its own session on ``cores``, SIGTERM when the spawning thread's process dies."""
     os.setsid()
-    try:
+    with contextlib.suppress(OSError):  # a core gone since (the container's set shrank): start on what it has
         os.sched_setaffinity(0, cores)
-    except OSError:
-        pass  # a core gone since (the container's set shrank): start on what this thread has
-    try:
+    with contextlib.suppress(OSError):  # not Linux: stop() and atexit still apply
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: stop() and atexit still apply
 
 
 def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:

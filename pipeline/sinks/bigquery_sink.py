@@ -15,13 +15,15 @@ choice; see the README.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.io.gcp.bigquery import BigQueryDisposition, BigQueryWriteFn
@@ -101,7 +103,7 @@ PARTITION_COLUMN = {KIND_COMPLETIONS: "finished_at", KIND_CHUNKS: "emitted_at", 
 
 
 def _timestamp(epoch_seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(epoch_seconds, tz=datetime.timezone.utc).isoformat()
+    return datetime.datetime.fromtimestamp(epoch_seconds, tz=datetime.UTC).isoformat()
 
 
 def _json(value: Any) -> str | None:
@@ -221,10 +223,8 @@ def ensure_table(spec: str, kind: str, *, create: bool, deadline_s: float = 60.0
         client.get_dataset(f"{project}.{dataset}", retry=retry)
     except exceptions.NotFound:
         raise TableError(f"BigQuery dataset {project}:{dataset} does not exist; create it first") from None
-    try:
+    with contextlib.suppress(exceptions.Conflict):  # created meanwhile by another launch
         client.create_table(table_definition(spec, kind), retry=retry)
-    except exceptions.Conflict:
-        pass  # created meanwhile by another launch
     LOGGER.info("Created BigQuery table %s (partitioned by day on %s)", spec, PARTITION_COLUMN[kind])
 
 

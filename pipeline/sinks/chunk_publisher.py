@@ -26,6 +26,7 @@ Nothing is weaker than through Beam:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -122,7 +123,5 @@ class ChunkPublisher:
                 self._resume(pending.ordering_key)
 
     def _resume(self, ordering_key: str) -> None:
-        try:
+        with contextlib.suppress(RuntimeError, ValueError):  # not paused (another attempt resumed it), never used
             self._client.resume_publish(self.topic, ordering_key)
-        except (RuntimeError, ValueError):  # not paused (another attempt's stream resumed it) or never used
-            pass

@@ -9,7 +9,8 @@ metrics, because dead letters may go to a table only.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics

@@ -21,7 +21,8 @@ import atexit
 import json
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import apache_beam as beam
 from apache_beam import pvalue

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from pipeline.worker.hold import WorkerHold
 from pipeline.worker.read_places import PLACE_PREFIX

@@ -22,7 +22,8 @@ import collections
 import threading
 import time
 import uuid
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 
 class Ledger(Protocol):

@@ -19,8 +19,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
@@ -35,7 +36,7 @@ LOGGER = logging.getLogger(__name__)
 # Runners may set up and tear down DoFn instances per bundle (the DirectRunner does), so the reference is held for
 # the life of the process rather than released in teardown, which would stop the server; the engine closes itself
 # (and its server) at exit. Per process: the runtimes it has acquired (proxies), by tag.
-_ACQUIRED: dict[str, "WorkerRuntime"] = {}
+_ACQUIRED: dict[str, WorkerRuntime] = {}
 _ACQUIRE_LOCK = threading.Lock()
 
 

@@ -21,12 +21,14 @@ call that has not started by then (every call thread waits on the host) is withd
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from apache_beam.metrics import Metrics
 
@@ -124,10 +126,9 @@ def start_heartbeat(source: RuntimeSource) -> None:
     def beat() -> None:
         client = client_id()
         while True:
-            try:
-                call_within(source, lambda runtime: runtime.heartbeat(client))  # bounded: a silent host is said so
-            except Exception:  # noqa: BLE001 - silent, reconnecting or gone: the steps' calls say so and recover
-                pass
+            # Bounded: a silent host is said so. Silent, reconnecting or gone, the steps' calls say so and recover.
+            with contextlib.suppress(Exception):
+                call_within(source, lambda runtime: runtime.heartbeat(client))
             time.sleep(interval_s)
 
     with _CALLERS_LOCK:
