@@ -179,22 +179,23 @@ def download_gcs_folder(uri: str, cache_dir: str | os.PathLike[str] | None = Non
     return target
 
 
-def copied_from(folder: str | os.PathLike[str]) -> str | None:
-    """The ``gs://`` folder :func:`download_gcs_folder` copied into ``folder`` whole, or None."""
+def _marker(folder: str | os.PathLike[str]) -> dict:
+    """What download_gcs_folder wrote into ``folder``'s completion marker ({} for none, or an unreadable one)."""
     try:
         found = json.loads((Path(folder) / _COMPLETE_MARKER).read_text())
     except (OSError, ValueError):
-        return None
-    uri = found.get("uri") if isinstance(found, dict) else None
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def copied_from(folder: str | os.PathLike[str]) -> str | None:
+    """The ``gs://`` folder :func:`download_gcs_folder` copied into ``folder`` whole, or None."""
+    uri = _marker(folder).get("uri")
     return uri if isinstance(uri, str) else None
 
 
 def downloaded_generations(folder: str | os.PathLike[str]) -> dict[str, int] | None:
     """The object generation of each file :func:`download_gcs_folder` copied into ``folder``; None when it was not
     copied by it, or by a version that did not keep them."""
-    try:
-        found = json.loads((Path(folder) / _COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    generations = found.get("generations") if isinstance(found, dict) else None
+    generations = _marker(folder).get("generations")
     return dict(generations) if isinstance(generations, dict) else None
