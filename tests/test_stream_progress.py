@@ -12,8 +12,17 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.contract.stream_progress import (ATTEMPT, CHUNK, MAX_LOST_STREAMS, UNKNOWN, KeyProgress, OutputWindow,
-                                               RequestProgress, advance)
+from pipeline.contract.stream_progress import (
+    ATTEMPT,
+    CHUNK,
+    MAX_LOST_STREAMS,
+    UNKNOWN,
+    KeyProgress,
+    OutputWindow,
+    RequestProgress,
+    advance,
+    given_up,
+)
 
 END = "completion"
 
@@ -62,17 +71,21 @@ def test_a_poll_that_ends_a_stream_releases_it_on_the_next_and_a_drain_releases_
 
 
 def test_a_lost_stream_is_sent_again_past_every_attempt_seen_until_too_many_were_lost():
+    """Given up at its MAX_LOST_STREAMS-th loss, as a failing engine's request is at its MAX_LOST_STREAMS-th
+    failure (``given_up``, the one reading of the bound). Issue 80 found the bound read four ways: a lost stream
+    was sent again after its eighth loss and given up only at its ninth."""
     progress, step = advance(RequestProgress("s"), [(ATTEMPT, "3"), chunk(0, attempt=3)], 0)
     assert (progress.attempt, progress.lost) == (3, 0), "the engine retried at a failing server: not a lost stream"
     assert step.emit == (chunk(0, attempt=3),), "an attempt marker is not emitted"
     progress, step = advance(progress, [(UNKNOWN, "")], 1)
     assert progress.stream is None and step.resend == RequestProgress(None, 0, 4, 1), "sent again past attempt 3"
     assert not step.ended and not step.give_up
-    for _ in range(MAX_LOST_STREAMS - 1):
+    for _ in range(MAX_LOST_STREAMS - 2):
         progress, step = advance(replace(step.resend, stream="again"), None, 0)
-    assert step.resend.lost == MAX_LOST_STREAMS
+    assert step.resend.lost == MAX_LOST_STREAMS - 1 and not given_up(step.resend.lost)
     progress, step = advance(replace(step.resend, stream="again"), [(UNKNOWN, "")], 0)
     assert step.ended and step.give_up and step.resend is None, "moves have a bound of their own"
+    assert given_up(MAX_LOST_STREAMS) and not given_up(MAX_LOST_STREAMS - 1)
     _, step = advance(RequestProgress("s"), [(UNKNOWN, "")], 0, draining=True)
     assert step.ended and step.give_up, "a drain sends nothing again: the stream goes to the next job"
 
@@ -87,8 +100,10 @@ def test_a_request_waiting_to_be_sent_again_is_not_lost_again_at_every_poll():
         waiting, step = advance(waiting, None, 0)
         assert step.resend == waiting and not step.give_up
     assert (waiting.attempt, waiting.lost) == (3, 1), "the same attempt, one loss, however long it waits"
-    _, step = advance(replace(waiting, lost=MAX_LOST_STREAMS + 1), None, 0)
-    assert step.give_up, "failed resends are counted by the caller, and bounded"
+    _, step = advance(replace(waiting, lost=MAX_LOST_STREAMS - 1), None, 0)
+    assert not step.give_up
+    _, step = advance(replace(waiting, lost=MAX_LOST_STREAMS), None, 0)
+    assert step.give_up, "failed resends are counted by the caller, and bounded by the same reading"
 
 
 # A schedule: the stream produces outputs (the last one its end), and work items that commit or fail.

@@ -43,6 +43,12 @@ ENDS = (COMPLETION, DEAD_LETTER)
 MAX_LOST_STREAMS = 8
 
 
+def given_up(lost: int) -> bool:
+    """Whether a request whose streams were lost (or whose engine failed it) ``lost`` times is given up: the one
+    reading of :data:`MAX_LOST_STREAMS`, wherever a loss is counted."""
+    return lost >= MAX_LOST_STREAMS
+
+
 @dataclass
 class OutputWindow:
     """A stream's outputs not yet released by its caller: ``outputs[0]`` is the stream's output number
@@ -97,12 +103,12 @@ def advance(progress: RequestProgress, answer: list[Output] | None, asked_from: 
     if progress.stream is None and not draining:
         # Lost earlier and not sent again yet (the engine had no room): nothing was lost since, so it is only
         # still to send, at the same attempt. Its engine's failures count when a resend fails (the caller's).
-        if progress.lost > MAX_LOST_STREAMS:
+        if given_up(progress.lost):
             return progress, Step(ended=True, give_up=True)
         return progress, Step(resend=progress)
     if progress.stream is None or answer is None or (answer and answer[0][0] == UNKNOWN):
         lost = replace(progress, stream=None, position=0)
-        if draining or progress.lost >= MAX_LOST_STREAMS:
+        if draining or given_up(progress.lost + 1):
             return lost, Step(ended=True, give_up=True)
         return lost, Step(resend=RequestProgress(None, 0, progress.attempt + 1, progress.lost + 1))
     fresh = answer[progress.position - asked_from:]
