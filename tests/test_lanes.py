@@ -20,7 +20,8 @@ from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import LANE_ATTRIBUTE, DeadLetter, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.generation.key_events import Arrived, Effects, PollDue, Polled, Rules, Submitted, submit_in_order
+from pipeline.generation.key_driver import submit_in_order
+from pipeline.generation.key_events import Arrived, Effects, PollDue, Polled, Rules, SubmitResult, Submitted
 from pipeline.generation.key_machine import step
 from pipeline.generation.key_state import KeyState, RequestEntry
 from pipeline.serving.vllm_server import ServerSpec
@@ -111,7 +112,7 @@ def _carry(state: KeyState, effects: Effects, now: float, room: list[int], start
                         keys.append(f"{request.id}@engine")
                     else:
                         keys.append(None)
-                return Call.ANSWERED, tuple(keys)
+                return SubmitResult(submission, Call.ANSWERED, tuple(keys))
             state, effects = step(RULES, state, Submitted(now, submit_in_order(effects.submit, submit)))
         elif effects.poll is not None:
             state, effects = step(RULES, state, Polled(now, Call.ANSWERED, {key: [] for key in effects.poll}))

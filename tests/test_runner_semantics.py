@@ -33,12 +33,14 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import ABANDONED_LEASES
 from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.flow.admission import AdmitFn
+from pipeline.generation import key_driver
 from pipeline.generation.key_state import RequestEntry
 from pipeline.serving.vllm_server import server_metrics as read_server_metrics
 from pipeline.worker import read_places
 from pipeline.worker.runtime import WorkerRuntime, build_runtime
 from pipeline.worker.runtime_client import RuntimeClient
 from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
+from tests import worker_sim
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
@@ -253,6 +255,33 @@ def test_report_tokens_generated_per_token_delivered(capsys):
               f"median {ratios[len(ratios) // 2]:.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}; "
               f"{len(unmoved)} without a key move: at most {max(unmoved, default=float('nan')):.2f}")
     assert unmoved, "no schedule without a key move ran: the 1.05 bound was not tried"
+
+
+def test_the_dofn_and_the_simulator_carry_out_effects_with_one_driver(workers, vllm_server, monkeypatch):
+    """What the simulator proves is the effect code that ships: a change to the driver (here, its steps counted
+    by who ran them) is seen by the DoFn's work items and by the simulator's alike, so neither runs a copy."""
+    steps: dict[str, int] = defaultdict(int)
+    real = key_driver.step
+    runner = ["dofn"]
+
+    def counted(rules, state, event):
+        steps[runner[0]] += 1
+        return real(rules, state, event)
+
+    monkeypatch.setattr(key_driver, "step", counted)
+    driver = Driver(workers[:1])
+    request = parse_request(json.dumps({"id": "one-driver", "prompt": PROMPTS[0], "max_tokens": 4,
+                                        "temperature": 0}).encode())
+    driver.deliver(0, [request])
+    deadline = time.monotonic() + 60
+    while not driver.committed.completions and time.monotonic() < deadline:
+        driver.fire(0)
+    assert [c["id"] for c in driver.committed.completions] == ["one-driver"]
+    runner[0] = "simulator"
+    report = worker_sim.run(0, faults=False)
+    worker_sim.check(report)
+    assert steps["dofn"] >= 3, steps  # arrival, its submission's answer, and at least one poll
+    assert steps["simulator"] >= report.work_items, (steps, report.work_items)
 
 
 def test_drain_serves_what_is_in_flight_and_letters_what_waits(workers, vllm_server, chunk_subscription):

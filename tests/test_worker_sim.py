@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from pipeline.generation import key_machine, key_state, step_work
+from pipeline.generation import dedupe, key_machine, key_state, step_work
 from tests import worker_sim
 
 SCHEDULES = int(os.environ.get("WORKER_SIM_SCHEDULES", "10000"))
@@ -120,7 +120,7 @@ def test_it_bites_when_the_progress_commit_is_skipped(monkeypatch):
 
 def test_it_bites_when_the_dedupe_check_is_dropped(monkeypatch):
     """Every redelivered copy taken as a new request: a request ends twice."""
-    monkeypatch.setattr(key_machine.dedupe, "holder", lambda ids, request_id, now: None)
+    monkeypatch.setattr(dedupe, "holder", lambda ids, request_id, now: None)
     assert any("ended 2 times" in f for f in _caught()), "a dropped dedupe check went unseen"
 
 
@@ -128,8 +128,8 @@ def test_it_bites_when_a_drain_keeps_state(monkeypatch):
     """A drain that forgets to clear its key leaves state behind."""
     real = key_machine._drain_end
 
-    def keeping(work, pending, **effects):
-        state, effects_out = real(work, pending, **effects)
+    def keeping(work, pending):
+        state, effects_out = real(work, pending)
         return dataclasses.replace(state, wait_ms=7), effects_out
 
     monkeypatch.setattr(key_machine, "_drain_end", keeping)
@@ -140,8 +140,8 @@ def test_it_bites_when_a_finished_stream_is_never_released(monkeypatch):
     """A poll that keeps asking for ended streams: the key never goes idle, and the simulator says so."""
     real = key_machine._resent
 
-    def never_idle(work, pending, results, state=None, **kwargs):
-        out_state, effects = real(work, pending, results, state, **kwargs)
+    def never_idle(work, state, pending, results, **kwargs):
+        out_state, effects = real(work, state, pending, results, **kwargs)
         if not out_state.inflight and not out_state.waiting:
             effects = dataclasses.replace(effects, arm_at=work.now + 0.05)
             out_state = dataclasses.replace(out_state, poll_at_ms=int((work.now + 0.05) * 1000))

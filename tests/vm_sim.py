@@ -13,7 +13,7 @@ simulated clock), the places a read takes (:mod:`pipeline.worker.read_places`), 
 (:class:`~pipeline.flow.subscription_feed.SubscriptionFeed`, its turns run on the simulated clock instead of its
 thread) and its rounds (:func:`~pipeline.flow.subscription_reader.take_round`, what the DoFn runs), and the generate
 step's key machine with its state codec and the engine side of the poll contract (the world of
-:mod:`tests.worker_sim`, which runs :func:`~pipeline.generation.key_machine.converse`). What is simulated: the
+:mod:`tests.worker_sim`, which runs :func:`~pipeline.generation.key_driver.drive`). What is simulated: the
 threads and the clock, the model server (tokens at a rate, at most ``max_in_flight`` streams), the shuffle between
 admission and the keys (``transit_s``), the runner's resumption of a deferred reader (``FULL_DELAY_S`` or
 ``EMPTY_DELAY_S`` later), Pub/Sub (:class:`SimPubSub`: pulls of drawn sizes, redelivery after the ack deadline, and

@@ -1,6 +1,6 @@
 """A deterministic simulation of the generate step on Dataflow workers: the real key machine, simulated world.
 
-What runs for real: the key machine (:func:`pipeline.generation.key_machine.converse`, the same loop the DoFn
+What runs for real: the key machine and its driver (:func:`pipeline.generation.key_driver.drive`, the one the DoFn
 runs), each key's state loaded from and committed to its cells by the real codec
 (:mod:`pipeline.generation.key_state`), and the engine side of the poll contract (the real registry of streams,
 :class:`~pipeline.engines.stream_registry.StreamRegistry`: keys, output windows, the ``max_in_flight`` rule,
@@ -31,7 +31,7 @@ import random
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,21 +43,9 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.leases import IN_PROCESS
 from pipeline.engines.stream_registry import Stream, StreamRegistry
 from pipeline.generation import key_state
-from pipeline.generation.key_events import (
-    Arrived,
-    DrainDue,
-    Effects,
-    Event,
-    PollDue,
-    Polled,
-    Rules,
-    Submission,
-    SubmitResult,
-    Submitted,
-    submit_in_order,
-)
+from pipeline.generation.key_driver import drive
+from pipeline.generation.key_events import Arrived, DrainDue, Event, PollDue, Rules, Submission, SubmitResult
 from pipeline.generation.key_events import Report as WaitingReport
-from pipeline.generation.key_machine import converse
 from pipeline.generation.key_state import KeyState
 
 
@@ -221,6 +209,9 @@ class SimEngine:
         for stream in self.registry.stop(self.registry.take(list(keys)), 0.0):
             self.server.pop(stream.key, None)
 
+    def hold_leases(self, for_s: float) -> None:
+        self.registry.leases.hold(for_s)
+
     def advance(self, now: float) -> None:
         """The model server and the engine's janitor up to ``now``: streams generate, and the lease clocks tick as
         the engine's janitor ticks them, cancelling the streams whose lease ran out."""
@@ -289,6 +280,50 @@ class Report:
     idle_polls: Counter[int] = field(default_factory=Counter)  # per key, the most idle polls in a row (_held)
 
 
+@dataclass
+class _SimWorkItem:
+    """One work item's port for the key driver (:class:`~pipeline.generation.key_driver.KeyPort`), the DoFn's
+    counterpart: the key's worker's simulated engine through the world's faults, simulated time, the timer's
+    settings and the outputs, kept for the commit."""
+
+    world: World
+    key: int
+    outputs: list[Output] = field(default_factory=list)
+    timer: list[float | None] = field(default_factory=list)  # the poll timer's settings in order (None: cleared)
+
+    def now(self) -> float:
+        return self.world.now
+
+    def wait(self, seconds: float) -> None:
+        self.world.tick(self.world.now + seconds)
+
+    def hold_leases(self, seconds: float) -> None:
+        self.world.engine_of(self.key).hold_leases(seconds)
+
+    def count(self, counts: Mapping[str, int], logs: tuple[tuple[int, str], ...]) -> None:
+        pass  # the simulator checks what ends, not the counters
+
+    def emit(self, output: Output) -> None:
+        self.outputs.append(output)
+
+    def cancel(self, streams: tuple[str, ...]) -> None:
+        self.world.engine_of(self.key).cancel(streams)
+
+    def report(self, report: WaitingReport) -> None:
+        if self.world.on_report is not None:
+            self.world.on_report(self.key, report)
+
+    def set_timer(self, at: float | None) -> None:
+        self.timer.append(at)
+
+    def poll(self, asked: Mapping[str, int]) -> tuple[Call, Mapping[str, list[Output]]]:
+        outcome, answers = self.world.call(self.key, "poll", lambda engine: engine.poll(dict(asked)))
+        return outcome, answers or {}
+
+    def submit(self, submission: Submission) -> SubmitResult:
+        return self.world._submit(self.key, submission)
+
+
 class World:
     """One schedule's keys, engines and report; :func:`run` plays it (``tests/vm_sim.py`` drives its keys from
     simulated harness threads instead)."""
@@ -337,41 +372,23 @@ class World:
         self.report.work_items += 1
         record = self.keys[key]
         before = record.load()
-        outputs: list[Output] = []
-        timer: list[float | None] = []  # the poll timer's last setting in this work item (None: cleared)
 
-        def answer(effects: Effects) -> Event | None:
-            outputs.extend(effects.outputs)
-            if effects.report is not None and self.on_report is not None:
-                self.on_report(key, effects.report)
-            if effects.cancel:
-                self.engine_of(key).cancel(effects.cancel)
-            if effects.disarm:
-                timer.append(None)
-            elif effects.arm_at is not None:
-                timer.append(effects.arm_at)
-            if effects.poll is not None:
-                self.tick(self.now + effects.poll_after_s)
-                outcome, answers = self.call(key, "poll", lambda engine: engine.poll(dict(effects.poll or {})))
-                return Polled(self.now, outcome, answers or {})
-            if effects.submit:
-                return Submitted(self.now, submit_in_order(effects.submit, lambda s: self._submit(key, s)))
-            return None
-
-        after = converse(self.s.rules, before, event, answer)
+        port = _SimWorkItem(self, key)
+        after = drive(self.s.rules, before, event, port)
         if self.chance(self.s.faults.commit_fails):
             return False
         record.commit(before, after)
         if isinstance(event, PollDue):
             record.poll_at = None  # a timer that fires is cleared unless the callback sets it again
-        if timer:
-            record.poll_at = timer[-1]
-        self._deliver(outputs)
+        if port.timer:
+            record.poll_at = port.timer[-1]
+        self._deliver(port.outputs)
         return True
 
     def _submit(self, key: int, submission: Submission) -> SubmitResult:
-        return self.call(key, "submit", lambda engine: engine.submit(submission.requests, submission.attempts,
-                                                                     self.now))
+        outcome, streams = self.call(key, "submit", lambda engine: engine.submit(submission.requests,
+                                                                                 submission.attempts, self.now))
+        return SubmitResult(submission, outcome, tuple(streams) if outcome is Call.ANSWERED else ())
 
     def _deliver(self, outputs: list[Output]) -> None:
         r = self.report

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.contract.state_format import StateFormatError, check_cell, write_cell
 
@@ -27,7 +28,9 @@ MAX_ENDED_IDS = 10_000
 # Version 1: the ids object itself (no "v"); 2: {"ids": ..., "v": 2}, so that a request id can be anything.
 SEEN_VERSION = 2
 
-Ids = dict[str, list]  # id -> [fingerprint, forget-after time, or None while the request is open]
+# An id's entry as its cell's JSON holds it: [fingerprint, forget-after time, or None while the request is open].
+IdEntry = list[Any]
+Ids = dict[str, IdEntry]
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class IdRecord:
     differ from the text (``changed``)."""
 
     text: str | None = None
-    ids: Mapping[str, list] | None = None
+    ids: Mapping[str, IdEntry] | None = None
     changed: bool = False
 
     def opened(self) -> tuple[Ids, str | None]:
@@ -65,12 +68,13 @@ def read_ids(text: str | None) -> tuple[Ids, str | None]:
         return {}, f"the generate step's record of request ids cannot be read ({exc}); it starts afresh"
 
 
-def holder(ids: Mapping[str, list], request_id: str, now: float) -> str | None:
+def holder(ids: Mapping[str, IdEntry], request_id: str, now: float) -> str | None:
     """The fingerprint of the request that holds this id now, if any."""
     entry = ids.get(request_id)
     if entry is None or (entry[1] is not None and entry[1] <= now):
         return None
-    return entry[0]
+    fingerprint: str = entry[0]
+    return fingerprint
 
 
 def release(ids: Ids, request_id: str, fingerprint: str, until: float, now: float) -> None:
@@ -89,7 +93,7 @@ def release_orphans(ids: Ids, live: set[str], until: float, now: float) -> None:
             release(ids, request_id, fingerprint, until, now)
 
 
-def next_expiry(ids: Mapping[str, list], now: float) -> float | None:
+def next_expiry(ids: Mapping[str, IdEntry], now: float) -> float | None:
     """When the next id held past ``now`` is to be forgotten (those already past go when the ids are pruned)."""
     return min((until for _, until in ids.values() if until is not None and until > now), default=None)
 
@@ -105,6 +109,6 @@ def prune(ids: Ids, now: float) -> bool:
     return bool(expired)
 
 
-def encode_ids(ids: Mapping[str, list]) -> str | None:
+def encode_ids(ids: Mapping[str, IdEntry]) -> str | None:
     """The cell's text (None: cleared)."""
     return write_cell({"ids": dict(ids)}, SEEN_VERSION) if ids else None

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import apache_beam as beam
@@ -38,23 +38,15 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Timestamp
 
+from pipeline.contract.call_outcome import Call
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.stream_progress import Output
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.generation import key_state
 from pipeline.generation.generate_settings import GenerateSettings
-from pipeline.generation.key_events import (
-    Arrived,
-    DrainDue,
-    Effects,
-    Event,
-    PollDue,
-    Polled,
-    Rules,
-    Submitted,
-    submit_in_order,
-)
-from pipeline.generation.key_machine import converse
+from pipeline.generation.key_driver import drive
+from pipeline.generation.key_events import Arrived, DrainDue, Event, PollDue, Report, Rules, Submission, SubmitResult
 from pipeline.generation.key_state import KeyState
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS, StepOutputs
 from pipeline.worker.load import LoadGauges
@@ -97,11 +89,55 @@ class _Cells:
             cell = getattr(self, name)
             cell.clear() if value is None else cell.write(value)
 
-    def timer(self, effects: Effects) -> None:
-        if effects.disarm:
+    def timer(self, at: float | None) -> None:
+        if at is None:
             self.poll.clear()
-        elif effects.arm_at is not None:
-            self.poll.set(Timestamp(effects.arm_at))
+        else:
+            self.poll.set(Timestamp(at))
+
+
+@dataclass
+class _WorkItem:
+    """One callback's port for the key driver (:class:`~pipeline.generation.key_driver.KeyPort`): the worker's
+    runtime through its client, the key's poll timer, and the outputs the callback yields once the machine is
+    done (committed with its state)."""
+
+    client: RuntimeClient
+    outputs: StepOutputs
+    cells: _Cells
+    key: object
+    emitted: list[Any] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.time()
+
+    def wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def hold_leases(self, seconds: float) -> None:
+        self.client.hold_leases(seconds)
+
+    def count(self, counts: Mapping[str, int], logs: tuple[tuple[int, str], ...]) -> None:
+        self.outputs.count(counts, logs)
+
+    def emit(self, output: Output) -> None:
+        self.emitted.append(self.outputs.emit(output))
+
+    def cancel(self, streams: tuple[str, ...]) -> None:
+        self.client.cancel(streams)
+
+    def report(self, report: Report) -> None:
+        self.client.report_waiting(repr(self.key), report.waiting, report.arrived)
+
+    def set_timer(self, at: float | None) -> None:
+        self.cells.timer(at)
+
+    def poll(self, asked: Mapping[str, int]) -> tuple[Call, Mapping[str, list[Output]]]:
+        return self.client.poll(dict(asked))
+
+    def submit(self, submission: Submission) -> SubmitResult:
+        outcome, streams = self.client.submit(submission.requests, submission.attempts)
+        return SubmitResult(submission, outcome, tuple(streams) if outcome is Call.ANSWERED else ())
 
 
 class StreamingGenerateFn(beam.DoFn):
@@ -130,11 +166,12 @@ class StreamingGenerateFn(beam.DoFn):
         self._client = RuntimeClient(self._source, "streaming_generate")
         start_heartbeat(self._source)
 
-    def process(self, element: tuple[object, list[InferenceRequest]], window=beam.DoFn.WindowParam,
-                waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
-                progress_state=beam.DoFn.StateParam(PROGRESS), seen_state=beam.DoFn.StateParam(SEEN),
-                poll=beam.DoFn.TimerParam(POLL), poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS),
-                wait_ms=beam.DoFn.StateParam(WAIT_MS), drain=beam.DoFn.TimerParam(DRAIN)) -> Iterator[Any]:
+    def process(self, element: tuple[object, list[InferenceRequest]], window: Any = beam.DoFn.WindowParam,
+                waiting: Any = beam.DoFn.StateParam(WAITING), inflight: Any = beam.DoFn.StateParam(INFLIGHT),
+                progress_state: Any = beam.DoFn.StateParam(PROGRESS), seen_state: Any = beam.DoFn.StateParam(SEEN),
+                poll: Any = beam.DoFn.TimerParam(POLL), poll_at_ms: Any = beam.DoFn.StateParam(POLL_AT_MS),
+                wait_ms: Any = beam.DoFn.StateParam(WAIT_MS),
+                drain: Any = beam.DoFn.TimerParam(DRAIN)) -> Iterator[Any]:
         shard, requests = element
         cells = _Cells(waiting, inflight, progress_state, seen_state, poll_at_ms, wait_ms, poll)
         batch = uuid.uuid4().hex[:12]  # the batcher's batch stays one unit for an engine that generates it so
@@ -142,19 +179,19 @@ class StreamingGenerateFn(beam.DoFn):
         drain.set(window.max_timestamp())
 
     @on_timer(POLL)
-    def on_poll(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
-                progress_state=beam.DoFn.StateParam(PROGRESS), seen_state=beam.DoFn.StateParam(SEEN),
-                poll=beam.DoFn.TimerParam(POLL), poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS),
-                wait_ms=beam.DoFn.StateParam(WAIT_MS), key=beam.DoFn.KeyParam) -> Iterator[Any]:
+    def on_poll(self, waiting: Any = beam.DoFn.StateParam(WAITING), inflight: Any = beam.DoFn.StateParam(INFLIGHT),
+                progress_state: Any = beam.DoFn.StateParam(PROGRESS), seen_state: Any = beam.DoFn.StateParam(SEEN),
+                poll: Any = beam.DoFn.TimerParam(POLL), poll_at_ms: Any = beam.DoFn.StateParam(POLL_AT_MS),
+                wait_ms: Any = beam.DoFn.StateParam(WAIT_MS), key: Any = beam.DoFn.KeyParam) -> Iterator[Any]:
         cells = _Cells(waiting, inflight, progress_state, seen_state, poll_at_ms, wait_ms, poll)
         yield from self._run(cells, key, PollDue(time.time()))
         self._gauges.update(self._client, self._record)
 
     @on_timer(DRAIN)
-    def on_drain(self, waiting=beam.DoFn.StateParam(WAITING), inflight=beam.DoFn.StateParam(INFLIGHT),
-                 progress_state=beam.DoFn.StateParam(PROGRESS), seen_state=beam.DoFn.StateParam(SEEN),
-                 wait_ms=beam.DoFn.StateParam(WAIT_MS), poll=beam.DoFn.TimerParam(POLL),
-                 poll_at_ms=beam.DoFn.StateParam(POLL_AT_MS), key=beam.DoFn.KeyParam) -> Iterator[Any]:
+    def on_drain(self, waiting: Any = beam.DoFn.StateParam(WAITING), inflight: Any = beam.DoFn.StateParam(INFLIGHT),
+                 progress_state: Any = beam.DoFn.StateParam(PROGRESS), seen_state: Any = beam.DoFn.StateParam(SEEN),
+                 wait_ms: Any = beam.DoFn.StateParam(WAIT_MS), poll: Any = beam.DoFn.TimerParam(POLL),
+                 poll_at_ms: Any = beam.DoFn.StateParam(POLL_AT_MS), key: Any = beam.DoFn.KeyParam) -> Iterator[Any]:
         """The window is closing (on the global window: the job drains). Dataflow fires this watermark timer once
         the drain moves the watermark to infinity; processing-time timers set after it may not fire before the
         job stops, so the wait for requests in flight happens here (the key machine's drain)."""
@@ -163,35 +200,12 @@ class StreamingGenerateFn(beam.DoFn):
 
     def _run(self, cells: _Cells, key: object, event: Event) -> Iterator[Any]:
         """Steps the key's machine from its committed state until it asks the engine nothing more, carrying out
-        each step's effects; then commits what changed."""
+        each step's effects (:func:`~pipeline.generation.key_driver.drive`); then commits what changed."""
         before = cells.load()
-        outputs: list[Any] = []
-
-        def answer(effects: Effects) -> Event | None:
-            outputs.extend(self._carry_out(cells, key, effects))
-            if effects.poll is not None:
-                time.sleep(effects.poll_after_s)
-                return Polled(time.time(), *self._client.poll(dict(effects.poll)))
-            if effects.submit:
-                return Submitted(time.time(), submit_in_order(
-                    effects.submit, lambda s: self._client.submit(s.requests, s.attempts)))
-            return None
-
-        after = converse(self._rules, before, event, answer)
-        yield from outputs
+        work_item = _WorkItem(self._client, self._outputs, cells, key)
+        after = drive(self._rules, before, event, work_item)
+        yield from work_item.emitted
         cells.commit(before, after)
-
-    def _carry_out(self, cells: _Cells, key: object, effects: Effects) -> list[Any]:
-        if effects.hold_leases_s is not None:
-            self._client.hold_leases(effects.hold_leases_s)
-        self._outputs.count(effects.counts, effects.logs)
-        emitted = [self._outputs.emit(output) for output in effects.outputs]
-        if effects.cancel:
-            self._client.cancel(effects.cancel)
-        if effects.report is not None:
-            self._client.report_waiting(repr(key), effects.report.waiting, effects.report.arrived)
-        cells.timer(effects)
-        return emitted
 
 
 def waiting_cap(settings: RuntimeSettings) -> int:
@@ -208,7 +222,7 @@ def _by_generate_key(batch: tuple[object, list[InferenceRequest]],
     yield from groups.items()
 
 
-class KeyByGenerateShard(beam.PTransform):
+class KeyByGenerateShard(beam.PTransform[Any, Any]):
     """Batches in, re-keyed by each request's generate shard (:func:`~pipeline.contract.keying.generate_key`):
     the keys that decide which worker's engine serves a request. Every copy of an id lands on one key."""
 
@@ -216,12 +230,12 @@ class KeyByGenerateShard(beam.PTransform):
         super().__init__()
         self._generate_shards = generate_shards  # checked by the GenerateSettings it comes from
 
-    def expand(self, batches):
+    def expand(self, batches: Any) -> Any:
         return batches | beam.FlatMap(_by_generate_key, self._generate_shards).with_output_types(
             tuple[int, list[InferenceRequest]])
 
 
-class StreamingGenerate(beam.PTransform):
+class StreamingGenerate(beam.PTransform[Any, Any]):
     """Batches of requests in, streamed chunks out.
 
     Input: ``(shard_key, [InferenceRequest, ...])``; with ``generate.generate_shards``
@@ -257,7 +271,7 @@ class StreamingGenerate(beam.PTransform):
         # One runtime per worker for this pipeline (its admission step shares it).
         self._runtime = runtime or SharedRuntime(settings, new_runtime_tag(settings))
 
-    def expand(self, batches):
+    def expand(self, batches: Any) -> Any:
         if self._generate.generate_shards is not None:
             # Re-keyed by the id's generate shard: these keys decide which worker's GPU serves a request.
             batches = batches | "KeyByGenerateShard" >> KeyByGenerateShard(self._generate.generate_shards)

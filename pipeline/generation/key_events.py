@@ -3,7 +3,7 @@ step it and the effects a step asks of its caller. Records only, frozen."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pipeline.contract.call_outcome import Call
@@ -12,8 +12,6 @@ from pipeline.contract.stream_progress import Output
 
 # A key whose requests only wait for room doubles its poll interval up to this.
 WAITING_POLL_CAP_S = 2.0
-# One submission's outcome and, when answered, a stream key or None (no room) per request.
-SubmitResult = tuple[Call, tuple[str | None, ...]]
 
 
 @dataclass(frozen=True)
@@ -58,8 +56,8 @@ class Polled:
 
 @dataclass(frozen=True)
 class Submitted:
-    """The engine's answers to ``Effects.submit``, one per submission made (the rest were not made): the
-    outcome and, when answered, a stream key or None (no room) per request."""
+    """The engine's answers to ``Effects.submit``, one per submission made (the rest were not made), each
+    naming the submission it answers."""
 
     now: float
     results: tuple[SubmitResult, ...]
@@ -80,17 +78,19 @@ class Submission:
     stop_if_short: bool
 
 
-def submit_in_order(submissions: Sequence[Submission], submit: Callable[[Submission], SubmitResult]
-                    ) -> tuple[SubmitResult, ...]:
-    """Carries out a step's submissions in order with ``submit``, stopping after one that was not taken whole
-    when it says so: one result each made (the :class:`Submitted` event's)."""
-    results: list[SubmitResult] = []
-    for submission in submissions:
-        outcome, keys = submit(submission)
-        results.append((outcome, tuple(keys) if outcome is Call.ANSWERED else ()))
-        if submission.stop_if_short and (outcome is not Call.ANSWERED or None in keys):
-            break
-    return tuple(results)
+@dataclass(frozen=True)
+class SubmitResult:
+    """The engine's answer to one submission: the call's outcome and, when answered, a stream key or None (no
+    room) per request, in the submission's order."""
+
+    submission: Submission
+    outcome: Call
+    streams: tuple[str | None, ...] = ()
+
+    @property
+    def taken_whole(self) -> bool:
+        return (self.outcome is Call.ANSWERED and len(self.streams) == len(self.submission.requests)
+                and None not in self.streams)
 
 
 @dataclass(frozen=True)

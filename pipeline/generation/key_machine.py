@@ -5,8 +5,8 @@ of requests waiting for room (the live lane's before the bulk lane's) and its ca
 streams, resends, the poll backoff and the drain. No Beam, engine, runtime, clock or network: time comes in
 each event, and every call to the engine goes out as an effect whose answer comes back as the next event. The DoFn
 (:mod:`pipeline.generation.generate`) loads a key's cells, steps the machine until it asks nothing more, carries
-out the effects and commits; the worker simulator (``tests/worker_sim``) steps the same machine under millions of
-schedules.
+out the effects through :func:`pipeline.generation.key_driver.drive` and commits; the worker simulator
+(``tests/worker_sim``) runs the same driver under millions of schedules.
 
 A callback is a short conversation::
 
@@ -14,26 +14,22 @@ A callback is a short conversation::
     PollDue   -> poll?   -> Polled -> submit? -> Submitted (the poll timer fired)
     DrainDue  -> poll    -> Polled -> poll ... -> Polled   (the job drains; one work item)
 
-:class:`KeyState` carries what the conversation is in the middle of (``pending``); a committed state never
-does. Each request ends exactly once: with its completion from the engine, or a dead letter from here.
+:class:`KeyState` carries what the conversation is in the middle of (``pending``: one of the frozen phases of
+:data:`~pipeline.generation.key_state.Phase`); a committed state never does. Each handler is called only with
+the event that happened, and an answer to a submission is found by the submission it names. Each request ends
+exactly once: with its completion from the engine, or a dead letter from here.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import replace
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.stream_progress import (
-    MAX_LOST_STREAMS,
-    KeyProgress,
-    RequestProgress,
-    advance,
-)
+from pipeline.contract.stream_progress import KeyProgress, Output, RequestProgress, advance, given_up
 from pipeline.generation import dedupe
 from pipeline.generation.key_events import (
     WAITING_POLL_CAP_S,
@@ -46,81 +42,46 @@ from pipeline.generation.key_events import (
     Report,
     Rules,
     Submission,
+    SubmitResult,
     Submitted,
 )
-from pipeline.generation.key_state import KeyState, RequestEntry
+from pipeline.generation.key_state import Arriving, Draining, KeyState, Polling, RequestEntry, Resending
 from pipeline.generation.step_work import StepWork
-
-# What a conversation is in the middle of ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Arriving:
-    accepted: tuple[RequestEntry, ...]
-    already: int  # requests waiting before these came
-    arrived: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Polling:
-    entries: tuple[RequestEntry, ...]
-    waiting: tuple[RequestEntry, ...]
-    asked: Mapping[str, int]
-
-
-@dataclass(frozen=True)
-class _Resending:
-    remaining: tuple[RequestEntry, ...]  # in flight after the poll; resends among them, streamless
-    resends: tuple[int, ...]  # indexes into remaining, one submission each, in order
-    groups: tuple[tuple[RequestEntry, ...], ...]  # waiting batches, one submission each, after the resends
-    progress: KeyProgress
-
-
-@dataclass(frozen=True)
-class _Draining:
-    entries: tuple[RequestEntry, ...]
-    progress: KeyProgress
-    committed: Mapping[str, int]
-    deadline: float
-    asked: Mapping[str, int]
-    abandoned: tuple[str, ...] = ()  # streams given up on a failed poll: cancelled with the rest at the end
 
 
 def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects]:
     """The key after ``event``, and what the caller must do (see :class:`Effects`)."""
     pending = state.pending
-    work = StepWork(rules, state if pending is None else replace(state, pending=None), event.now)
-    if isinstance(event, Arrived) and pending is None:
-        return _arrive(work, event)
-    if isinstance(event, PollDue) and pending is None:
-        return _poll_due(work)
-    if isinstance(event, DrainDue) and pending is None:
-        return _drain_due(work)
-    if isinstance(event, Submitted) and isinstance(pending, _Arriving):
-        return _arrived(work, pending, event.results[0] if event.results else (Call.UNREACHABLE, ()))
-    if isinstance(event, Polled) and isinstance(pending, _Polling):
-        return _polled(work, pending, event)
-    if isinstance(event, Submitted) and isinstance(pending, _Resending):
-        return _resent(work, pending, event.results)
-    if isinstance(event, Polled) and isinstance(pending, _Draining):
-        return _drain_polled(work, pending, event)
+    if pending is not None:
+        state = replace(state, pending=None)
+    work = StepWork(rules, state.seen, event.now)
+    match pending, event:
+        case None, Arrived():
+            return _arrive(work, state, event)
+        case None, PollDue():
+            return _poll_due(work, state)
+        case None, DrainDue():
+            return _drain_due(work, state)
+        case Arriving(), Submitted():
+            return _arrived(work, state, pending, _answer(event.results, pending.submission))
+        case Polling(), Polled():
+            return _polled(work, state, pending, event)
+        case Resending(), Submitted():
+            return _resent(work, state, pending, event.results)
+        case Draining(), Polled():
+            return _drain_polled(work, state, pending, event)
     raise ValueError(f"{type(event).__name__} does not answer what the key is doing ({type(pending).__name__})")
 
 
-def converse(rules: Rules, state: KeyState, event: Event, answer: Callable[[Effects], Event | None]) -> KeyState:
-    """Steps the key from ``event`` until it asks nothing more: ``answer`` carries out each step's effects and
-    returns the engine's answer to what it asked (None: nothing asked). The state to commit."""
-    while True:
-        state, effects = step(rules, state, event)
-        following = answer(effects)
-        if following is None:
-            return state
-        event = following
+def _answer(results: tuple[SubmitResult, ...], submission: Submission | None) -> SubmitResult | None:
+    """The engine's answer to ``submission``; None: it was not made (an earlier one was not taken whole)."""
+    return next((result for result in results if result.submission == submission), None)
 
 
 # A bundle of requests ---------------------------------------------------------------------------------------
 
-def _arrive(work: StepWork, event: Arrived) -> tuple[KeyState, Effects]:
-    work.settle_damage()
+def _arrive(work: StepWork, state: KeyState, event: Arrived) -> tuple[KeyState, Effects]:
+    state = work.settle_damage(state)
     accepted = []
     for request in event.requests:
         fingerprint = request.fingerprint()
@@ -137,30 +98,31 @@ def _arrive(work: StepWork, event: Arrived) -> tuple[KeyState, Effects]:
             deadline_at = None if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
             accepted.append(RequestEntry(request.to_json(), fingerprint, deadline_at=deadline_at, batch=event.batch,
                                          bulk=request.bulk))
-    pending = _Arriving(tuple(accepted), len(work.state.waiting), tuple(r.id for r in event.requests))
+    arrived = tuple(r.id for r in event.requests)
     # Once one waits, the rest of its lane queue behind it; a live request goes ahead of bulk ones.
-    if accepted and not any(_ahead(entry, accepted[0]) for entry in work.state.waiting):
-        submit = (Submission(tuple(e.request for e in accepted), tuple(e.attempt for e in accepted), True),)
-        return work.done(replace(work.state, pending=pending), submit=submit)
-    return _arrived(work, pending, None)
+    if accepted and not any(_ahead(entry, accepted[0]) for entry in state.waiting):
+        submission = Submission(tuple(e.request for e in accepted), tuple(e.attempt for e in accepted), True)
+        pending = Arriving(tuple(accepted), len(state.waiting), arrived, submission)
+        return work.done(replace(state, pending=pending), submit=(submission,))
+    return _arrived(work, state, Arriving(tuple(accepted), len(state.waiting), arrived, None), None)
 
 
-def _taken(entries: tuple[RequestEntry, ...], result: tuple[Call, tuple[str | None, ...]] | None
+def _taken(entries: tuple[RequestEntry, ...], result: SubmitResult | None
            ) -> tuple[tuple[RequestEntry, ...], tuple[RequestEntry, ...]]:
     """(the entries the engine took, a prefix, with their streams; those left to wait). A failed engine counts as
     a lost stream for each left (so failures are bounded as moves are)."""
     if result is None:
         return (), entries
-    outcome, keys = result
-    if outcome is Call.FAILED:
+    if result.outcome is Call.FAILED:
         return (), tuple(replace(entry, lost=entry.lost + 1) for entry in entries)
+    streams = result.streams if result.outcome is Call.ANSWERED else ()
     sent = tuple(replace(entry, key=key) for entry, key in itertools.takewhile(
-        lambda pair: pair[1] is not None, zip(entries, keys if outcome is Call.ANSWERED else (), strict=False)))
+        lambda pair: pair[1] is not None, zip(entries, streams, strict=False)))
     return sent, entries[len(sent):]
 
 
-def _arrived(work: StepWork, pending: _Arriving,
-             result: tuple[Call, tuple[str | None, ...]] | None) -> tuple[KeyState, Effects]:
+def _arrived(work: StepWork, state: KeyState, pending: Arriving,
+             result: SubmitResult | None) -> tuple[KeyState, Effects]:
     sent, left = _taken(pending.accepted, result)
     room = max(work.rules.waiting_cap - pending.already, 0)
     for entry in left[room:]:  # admission holds a worker far below this; a key past it sheds, never grows unbounded
@@ -170,7 +132,7 @@ def _arrived(work: StepWork, pending: _Arriving,
     left = left[:room]
     work.counts["requests_sent"] += len(sent)
     work.counts["requests_queued"] += len(left)
-    state = replace(work.state, inflight=work.state.inflight + sent, waiting=_live_first(work.state.waiting + left))
+    state = replace(state, inflight=state.inflight + sent, waiting=_live_first(state.waiting + left))
     if pending.accepted and state.wait_ms is not None:
         state = replace(state, wait_ms=None)  # new work: poll at the chunk cadence again
     arm_at = None
@@ -191,22 +153,19 @@ def _live_first(entries: tuple[RequestEntry, ...]) -> tuple[RequestEntry, ...]:
 
 # The poll timer ---------------------------------------------------------------------------------------------
 
-def _poll_due(work: StepWork) -> tuple[KeyState, Effects]:
-    work.settle_damage()
-    state = replace(work.state, poll_at_ms=None)
+def _poll_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
+    state = replace(work.settle_damage(state), poll_at_ms=None)
     entries = work.unique(state.inflight)
     waiting = work.unique(_live_first(state.waiting), besides=entries)
-    if not entries and not state.progress.release:  # timers can fire twice for one setting
-        pending = _Polling(entries, waiting, {})
-        return _polled(work, pending, Polled(work.now, Call.ANSWERED), state)
+    # Nothing to ask (timers can fire twice for one setting, and a lost stream has none): no poll is made.
     asked = state.progress.asks([e.key for e in entries if e.key is not None])
-    pending = _Polling(entries, waiting, asked)
+    pending = Polling(entries, waiting, asked)
     if not asked:
-        return _polled(work, pending, Polled(work.now, Call.ANSWERED), state)
+        return _polled(work, state, pending, None)
     return work.done(replace(state, pending=pending), poll=asked)
 
 
-def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: KeyProgress, event: Polled,
+def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: KeyProgress, event: Polled | None,
                  asked: Mapping[str, int], *, draining: bool
                  ) -> tuple[list[RequestEntry], list[int], list[tuple[RequestProgress, bool]], list[str]]:
     """Each request advanced by its stream's answer (:func:`~pipeline.contract.stream_progress.advance`): the
@@ -216,10 +175,11 @@ def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: Ke
     While the runtime is unreachable nothing is known, so nothing changes: the streams are asked for again once it
     is back (a new host no longer knows them, and they are sent again then, once). When the engine failed, the
     streams stay where they are too, and the failure counts against each as a lost stream would, so a failing
-    engine is bounded as moves are; sending them again would regenerate what they had made.
+    engine is bounded as moves are; sending them again would regenerate what they had made. ``event`` None: no
+    poll was made (nothing to ask), so no stream has news.
     """
-    failed = event.outcome is Call.FAILED
-    answers = event.answers if event.outcome is Call.ANSWERED else {}
+    failed = event is not None and event.outcome is Call.FAILED
+    answers: Mapping[str, list[Output]] = event.answers if event is not None and event.outcome is Call.ANSWERED else {}
     remaining: list[RequestEntry] = []
     resends: list[int] = []
     settled: list[tuple[RequestProgress, bool]] = []
@@ -227,7 +187,7 @@ def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: Ke
     for entry in entries:
         current = replace(entry.progress, position=progress.position(entry.key))
         if failed and entry.key is not None and not draining:
-            if entry.lost + 1 >= MAX_LOST_STREAMS:
+            if given_up(entry.lost + 1):
                 abandoned.append(entry.key)
                 work.end(entry)
                 work.letter(entry, f"the engine failed each of the {entry.lost + 1} times it was asked")
@@ -243,8 +203,8 @@ def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: Ke
             if draining:
                 work.letter(entry, "its stream was lost while the job drained", drain=True)
             else:
-                work.letter(entry, f"its stream was lost {entry.lost} times (its key moved away, or its worker "
-                                   "was lost, each time)")
+                work.letter(entry, f"its stream was lost {entry.lost + 1} times (its key moved away, or its "
+                                   "worker was lost, each time)")
         elif moved.ended:
             work.end(entry)
         elif moved.resend is not None:
@@ -257,13 +217,11 @@ def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: Ke
     return remaining, resends, settled, abandoned
 
 
-def _polled(work: StepWork, pending: _Polling, event: Polled,
-            state: KeyState | None = None) -> tuple[KeyState, Effects]:
-    state = state or work.state
+def _polled(work: StepWork, state: KeyState, pending: Polling, event: Polled | None) -> tuple[KeyState, Effects]:
     remaining, resends, settled, abandoned = _advance_all(work, pending.entries, state.progress, event,
                                                           pending.asked, draining=False)
     progress = state.progress.settled(settled) if (pending.entries or state.progress.release) else state.progress
-    if event.outcome is not Call.ANSWERED:
+    if event is not None and event.outcome is not Call.ANSWERED:
         # The engine did not see this poll. What it was to release is cancelled instead (a cancel forgets a finished
         # stream as a release does; if it fails too, the engine forgets it after request_timeout_s): kept, it would
         # keep a key whose engine keeps failing polling for ever with nothing to do.
@@ -278,47 +236,48 @@ def _polled(work: StepWork, pending: _Polling, event: Polled,
                                  "server (backlog)")
         else:
             live.append(entry)
-    groups = tuple(tuple(group) for _, group in itertools.groupby(live, key=lambda e: e.batch))
-    resending = _Resending(tuple(remaining), tuple(resends), groups, progress)
-    submit = tuple(Submission((remaining[i].request,), (remaining[i].attempt,), False) for i in resends)
+    resent = tuple((i, Submission((remaining[i].request,), (remaining[i].attempt,), False)) for i in resends)
     # Offered even when the engine is full: a retried firing whose first try sent some of them finds the engine
     # full of exactly those, and submitting again is what joins them (their keys come back, not None).
-    submit += tuple(Submission(tuple(e.request for e in g), tuple(e.attempt for e in g), True) for g in groups)
+    groups = tuple((group, Submission(tuple(e.request for e in group), tuple(e.attempt for e in group), True))
+                   for group in (tuple(g) for _, g in itertools.groupby(live, key=lambda e: e.batch)))
+    resending = Resending(tuple(remaining), resent, groups, progress)
+    submit = tuple(submission for _, submission in resent) + tuple(submission for _, submission in groups)
     if submit:
         return work.done(replace(state, pending=resending), submit=submit, cancel=tuple(abandoned))
-    return _resent(work, resending, (), state, cancel=tuple(abandoned))
+    return _resent(work, state, resending, (), cancel=tuple(abandoned))
 
 
-def _resent(work: StepWork, pending: _Resending, results: tuple[tuple[Call, tuple[str | None, ...]], ...],
-            state: KeyState | None = None, cancel: tuple[str, ...] = ()) -> tuple[KeyState, Effects]:
-    state = state or work.state
+def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[SubmitResult, ...],
+            cancel: tuple[str, ...] = ()) -> tuple[KeyState, Effects]:
     remaining = list(pending.remaining)
-    for n, index in enumerate(pending.resends):
-        outcome, keys = results[n] if n < len(results) else (Call.UNREACHABLE, ())
+    for index, submission in pending.resends:
+        result = _answer(results, submission)
         entry = remaining[index]
-        if outcome is Call.FAILED:  # counts as a lost stream too, so failures are bounded
+        if result is None:  # not made: it stays streamless, to send at the next poll
+            continue
+        if result.outcome is Call.FAILED:  # counts as a lost stream too, so failures are bounded
             remaining[index] = replace(entry, lost=entry.lost + 1)
             continue
-        if outcome is Call.ANSWERED and keys and keys[0] is not None:
+        if result.outcome is Call.ANSWERED and result.streams and result.streams[0] is not None:
             work.counts["lost_streams_resubmitted"] += 1
             work.logs.append((logging.WARNING, f"A lost stream of request {entry.request_id} was sent again as "
-                                               f"{keys[0]}"))
-            remaining[index] = replace(entry, key=keys[0])
+                                               f"{result.streams[0]}"))
+            remaining[index] = replace(entry, key=result.streams[0])
     sent: list[RequestEntry] = []
     left: list[RequestEntry] = []
-    for n, group in enumerate(pending.groups):
-        result_index = len(pending.resends) + n
-        taken, rest = _taken(group, results[result_index] if result_index < len(results) else None)
+    for n, (group, submission) in enumerate(pending.groups):
+        taken, rest = _taken(group, _answer(results, submission))
         sent += taken
         work.counts["requests_admitted_from_queue"] += len(taken)
         if rest:
             for entry in rest:
-                if entry.lost < MAX_LOST_STREAMS:
+                if not given_up(entry.lost):
                     left.append(entry)
                 else:
                     work.end(entry)
                     work.letter(entry, f"the engine failed each of the {entry.lost} times it was sent")
-            left += [e for later in pending.groups[n + 1:] for e in later]
+            left += [e for later, _ in pending.groups[n + 1:] for e in later]
             break
     state = replace(state, inflight=tuple(remaining) + tuple(sent), waiting=tuple(left), progress=pending.progress)
     busy = bool(remaining or sent or pending.progress.release)
@@ -337,45 +296,46 @@ def _resent(work: StepWork, pending: _Resending, results: tuple[tuple[Call, tupl
 
 # The drain ----------------------------------------------------------------------------------------------------
 
-def _drain_due(work: StepWork) -> tuple[KeyState, Effects]:
+def _drain_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
     """The window is closing (on the global window: the job drains). Requests in flight get ``drain_timeout_s``
     to finish, in this one work item; what waits is not started: a ``drain`` dead letter at once, for a redrive.
     Polled from the committed positions, pass after pass, and nothing released: if this work item's commit
     fails, its retry finds every stream where the last commit left it and collects it again."""
-    work.settle_damage()
-    entries = work.unique(work.state.inflight)
-    for entry in work.unique(work.state.waiting, besides=entries):
+    state = work.settle_damage(state)
+    entries = work.unique(state.inflight)
+    for entry in work.unique(state.waiting, besides=entries):
         work.end(entry)
         work.letter(entry, "the job drained before the request was sent to the model server", drain=True)
-    progress = work.state.progress
-    pending = _Draining(entries, progress, dict(progress.taken), work.now + work.rules.drain_timeout_s, {})
-    # Keys drain one work item at a time, each polling only its own streams: the others' must not lapse.
-    effects = {"hold_leases_s": work.rules.drain_timeout_s, "report": Report(0)}
+    progress = state.progress
+    pending = Draining(entries, progress, dict(progress.taken), work.now + work.rules.drain_timeout_s, {})
     if not entries:
-        return _drain_end(work, pending, **effects)
-    return _drain_ask(work, pending, 0.0, **effects)
+        return _drain_end(work, pending)
+    return _drain_ask(work, state, pending, 0.0)
 
 
-def _drain_ask(work: StepWork, pending: _Draining, delay: float, **effects: Any) -> tuple[KeyState, Effects]:
+def _drain_ask(work: StepWork, state: KeyState, pending: Draining, delay: float) -> tuple[KeyState, Effects]:
     """One pass: the key's streams asked from the positions committed before the drain."""
     asked = pending.progress.asks([e.key for e in pending.entries if e.key is not None], pending.committed)
     pending = replace(pending, asked=asked)
     if not asked:
-        return _drain_polled(work, pending, Polled(work.now, Call.ANSWERED), **effects)
-    return work.done(replace(work.state, pending=pending), poll=asked, poll_after_s=delay, **effects)
+        return _drain_polled(work, state, pending, None)
+    # Keys drain one work item at a time, each polling only its own streams: the others' must not lapse.
+    return work.done(replace(state, pending=pending), poll=asked, poll_after_s=delay,
+                     hold_leases_s=work.rules.drain_timeout_s, report=Report(0))
 
 
-def _drain_polled(work: StepWork, pending: _Draining, event: Polled, **effects: Any) -> tuple[KeyState, Effects]:
+def _drain_polled(work: StepWork, state: KeyState, pending: Draining,
+                  event: Polled | None) -> tuple[KeyState, Effects]:
     remaining, _, settled, abandoned = _advance_all(work, pending.entries, pending.progress, event,
                                                     pending.asked, draining=True)
     pending = replace(pending, entries=tuple(remaining), progress=pending.progress.settled(settled, draining=True),
                       abandoned=pending.abandoned + tuple(abandoned))
     if pending.entries and work.now < pending.deadline:
-        return _drain_ask(work, pending, min(work.rules.poll_interval_s, pending.deadline - work.now), **effects)
-    return _drain_end(work, pending, **effects)
+        return _drain_ask(work, state, pending, min(work.rules.poll_interval_s, pending.deadline - work.now))
+    return _drain_end(work, pending)
 
 
-def _drain_end(work: StepWork, pending: _Draining, **effects: Any) -> tuple[KeyState, Effects]:
+def _drain_end(work: StepWork, pending: Draining) -> tuple[KeyState, Effects]:
     """Unfinished within the timeout: stopped at the server now, and a drain dead letter each. Finished ones stay
     until the engine's own expiry (request_timeout_s), for a retry of this work item to collect."""
     for entry in pending.entries:
@@ -383,4 +343,5 @@ def _drain_end(work: StepWork, pending: _Draining, **effects: Any) -> tuple[KeyS
                            f"drain_timeout_s={work.rules.drain_timeout_s:g}", drain=True)
     work.forget_ids()
     cancel = pending.abandoned + tuple(e.key for e in pending.entries if e.key is not None)
-    return work.done(KeyState(), cancel=cancel, disarm=True, **effects)
+    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=work.rules.drain_timeout_s,
+                     report=Report(0))

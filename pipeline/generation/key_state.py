@@ -25,14 +25,14 @@ step turns it into a dead letter with its raw text, and the key goes on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
 from pipeline.contract.stream_progress import KeyProgress, RequestProgress
 from pipeline.generation.dedupe import IdRecord, encode_ids
+from pipeline.generation.key_events import Submission
 
 LOGGER = logging.getLogger(__name__)
 # Version 1: entries without "v" (commit 41b0859); 2 adds "v" and moves progress to its own cell.
@@ -98,6 +98,52 @@ class Damaged:
     reason: str
 
 
+# What a step waits for the engine to answer (pipeline.generation.key_machine): one of these phases -----------
+
+@dataclass(frozen=True)
+class Arriving:
+    """A bundle's accepted requests, offered to the engine as ``submission`` (None: they queue behind others)."""
+
+    accepted: tuple[RequestEntry, ...]
+    already: int  # requests waiting before these came
+    arrived: tuple[str, ...]
+    submission: Submission | None
+
+
+@dataclass(frozen=True)
+class Polling:
+    """The key's streams asked for from these positions (``asked``; empty: nothing to ask), and what waits."""
+
+    entries: tuple[RequestEntry, ...]
+    waiting: tuple[RequestEntry, ...]
+    asked: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Resending:
+    """After a poll: lost streams sent again and waiting batches offered, one submission each, in that order."""
+
+    remaining: tuple[RequestEntry, ...]  # in flight after the poll; resends among them, streamless
+    resends: tuple[tuple[int, Submission], ...]  # (index into remaining, its submission)
+    groups: tuple[tuple[tuple[RequestEntry, ...], Submission], ...]  # waiting batches, each with its submission
+    progress: KeyProgress
+
+
+@dataclass(frozen=True)
+class Draining:
+    """A drain's passes over the key's streams, from the positions committed before it, until ``deadline``."""
+
+    entries: tuple[RequestEntry, ...]
+    progress: KeyProgress
+    committed: Mapping[str, int]
+    deadline: float
+    asked: Mapping[str, int]
+    abandoned: tuple[str, ...] = ()  # streams given up on a failed poll: cancelled with the rest at the end
+
+
+Phase = Arriving | Polling | Resending | Draining
+
+
 @dataclass(frozen=True)
 class KeyState:
     """Everything the generate step keeps for one key (see the module docstring)."""
@@ -109,8 +155,8 @@ class KeyState:
     poll_at_ms: int | None = None
     wait_ms: int | None = None
     damaged: tuple[Damaged, ...] = ()
-    # What a step is waiting for the engine to answer (pipeline.generation.key_machine); never committed.
-    pending: Any = None
+    # What a step is waiting for the engine to answer; never committed.
+    pending: Phase | None = None
 
     @property
     def holds_work(self) -> bool:
@@ -118,10 +164,13 @@ class KeyState:
         return bool(self.waiting or self.inflight or self.progress.release)
 
 
-def _positions(value: dict) -> dict[str, int]:
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value.values()):
-        raise StateFormatError("a position is not a whole number")
-    return {str(key): n for key, n in value.items()}
+def _positions(value: dict[str, object]) -> dict[str, int]:
+    positions = {}
+    for key, n in value.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise StateFormatError("a position is not a whole number")
+        positions[str(key)] = n
+    return positions
 
 
 def read_progress(text: str | None) -> KeyProgress:

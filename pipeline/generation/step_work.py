@@ -1,41 +1,44 @@
-"""One step of a key machine's scratch: what the step emits and counts, and the key's ids while it changes them.
+"""What one step of a key machine gathers: what it emits and counts, and the key's ids while it changes them.
 
-Every transition of :mod:`pipeline.generation.key_machine` works through one :class:`StepWork`: the outputs,
-counts and log lines it gathers become the step's :class:`~pipeline.generation.key_events.Effects`, and the key's
-record of ids (:mod:`pipeline.generation.dedupe`) is opened only when a transition reads it, and frozen back into
-the state at the step's end. Pure, as the machine is: time comes in with the event.
+Every transition of :mod:`pipeline.generation.key_machine` writes through one :class:`StepWork`, made for that
+step alone and dropped at its end: the outputs, counts and log lines it gathers become the step's
+:class:`~pipeline.generation.key_events.Effects`, and the key's record of ids (:mod:`pipeline.generation.dedupe`)
+is opened only when a transition reads it, and frozen back into the state the step returns. It never holds the
+key's state: each transition takes the state and returns the next, so the step is a function of (rules, state,
+event) alone; time comes in with the event.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 from pipeline.contract.stream_progress import DEAD_LETTER, Output
 from pipeline.generation import dedupe
 from pipeline.generation.dedupe import IdRecord
-from pipeline.generation.key_events import Effects, Rules
+from pipeline.generation.key_events import Effects, Report, Rules, Submission
 from pipeline.generation.key_state import KeyState, RequestEntry
 
 
 class StepWork:
     """One step's scratch: what it emits and counts, and the key's ids while it changes them."""
 
-    def __init__(self, rules: Rules, state: KeyState, now: float) -> None:
-        self.rules, self.state, self.now = rules, state, now
+    def __init__(self, rules: Rules, seen: IdRecord, now: float) -> None:
+        self.rules, self.now = rules, now
         self.outputs: list[Output] = []
         self.counts: Counter[str] = Counter()
         self.logs: list[tuple[int, str]] = []
+        self._seen = seen
         self._ids: dedupe.Ids | None = None
-        self._ids_changed = state.seen.changed
+        self._ids_changed = seen.changed
 
     @property
     def ids(self) -> dedupe.Ids:
         if self._ids is None:
-            self._ids, problem = self.state.seen.opened()
+            self._ids, problem = self._seen.opened()
             if problem is not None:
                 self.counts["undecodable_state_entries"] += 1
                 self.logs.append((logging.ERROR, problem))
@@ -88,21 +91,22 @@ class StepWork:
         self.ids.clear()
         self._ids_changed = True
 
-    def settle_damage(self) -> None:
-        """Entries that could not be decoded become dead letters with their raw text; ids they held open end."""
-        if not self.state.damaged:
-            return
-        for damaged in self.state.damaged:
+    def settle_damage(self, state: KeyState) -> KeyState:
+        """Entries that could not be decoded become dead letters with their raw text; ids they held open end. The
+        state without them."""
+        if not state.damaged:
+            return state
+        for damaged in state.damaged:
             self.counts["undecodable_state_entries"] += 1
             self.logs.append((logging.ERROR, f"A state entry of this key cannot be decoded ({damaged.reason}); "
                                              "it goes to the dead letters"))
             self.outputs.append((DEAD_LETTER, DeadLetter(
                 STAGE_INFERENCE, f"state entry could not be decoded after an update: {damaged.reason}",
                 damaged.text, at=self.now).to_json()))
-        live = {e.fp for e in self.state.waiting + self.state.inflight}
+        live = {e.fp for e in state.waiting + state.inflight}
         dedupe.release_orphans(self.ids, live, self.now + self.rules.dedupe_window_s, self.now)
         self._ids_changed = True
-        self.state = replace(self.state, damaged=())
+        return replace(state, damaged=())
 
     def arm(self, state: KeyState, at: float) -> tuple[KeyState, float | None]:
         """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
@@ -110,13 +114,18 @@ class StepWork:
             return state, None
         return replace(state, poll_at_ms=int(at * 1000)), at
 
-    def done(self, state: KeyState, *, prune: bool = False, **effects: Any) -> tuple[KeyState, Effects]:
+    def done(self, state: KeyState, *, prune: bool = False, hold_leases_s: float | None = None,
+             cancel: tuple[str, ...] = (), report: Report | None = None, arm_at: float | None = None,
+             disarm: bool = False, poll: Mapping[str, int] | None = None, poll_after_s: float = 0.0,
+             submit: tuple[Submission, ...] = ()) -> tuple[KeyState, Effects]:
         """The step's end: the ids frozen back into the state (forgetting expired ones when they were read, or
-        ``prune``), and the effects."""
+        ``prune``), and the effects (:class:`~pipeline.generation.key_events.Effects`' fields)."""
         seen = state.seen
         if self._ids is not None or prune:
             ids = self.ids
             changed = dedupe.prune(ids, self.now) or self._ids_changed
             seen = IdRecord(state.seen.text, ids, changed)
         return (state if seen is state.seen else replace(state, seen=seen)), Effects(
-            outputs=tuple(self.outputs), counts=dict(self.counts), logs=tuple(self.logs), **effects)
+            outputs=tuple(self.outputs), hold_leases_s=hold_leases_s, cancel=cancel, report=report, arm_at=arm_at,
+            disarm=disarm, poll=poll, poll_after_s=poll_after_s, submit=submit, counts=dict(self.counts),
+            logs=tuple(self.logs))

@@ -64,7 +64,7 @@ _CALLERS: dict[str, ThreadPoolExecutor] = {}
 # While a call to a runtime is unanswered past the bound, its host is silent: a further call fails at once instead
 # of waiting out the bound again, so a work item that makes several calls waits for the bound once.
 # Per process: those calls, by tag, until they end.
-_UNANSWERED: dict[str, set[Future]] = {}
+_UNANSWERED: dict[str, set[Future[Any]]] = {}
 # Per process: when it last logged that a runtime did not answer, by tag.
 _SILENT_LOGGED: dict[str, float] = {}
 _CALLERS_LOCK = threading.Lock()
@@ -109,7 +109,7 @@ def call_threads(calls: CallSettings) -> int:
     return calls.harness_threads + 2
 
 
-def _answered(tag: str, future: Future) -> None:
+def _answered(tag: str, future: Future[Any]) -> None:
     with _CALLERS_LOCK:
         _UNANSWERED.get(tag, set()).discard(future)
 
