@@ -1,5 +1,7 @@
 """The key machine under the worker simulator (tests/worker_sim.py): thousands of drawn schedules of failed
-commits, redeliveries, key moves, host deaths, unreachable and failing engines, late timers and drains.
+commits, redeliveries, key moves, host deaths, unreachable and failing engines, late timers and drains, and what a
+worker VM adds: several SDK processes on one engine, one paused past a stream lease, an update mid-stream,
+model-server restarts of drawn length and drains while streams run.
 
 ``WORKER_SIM_SCHEDULES`` sets how many (default 10,000; a million for the long run). A failing schedule names
 its seed, and ``tests.worker_sim.run(seed)`` replays it exactly. The last tests break, one at a time, the line
@@ -9,11 +11,14 @@ that protects each invariant, and show the simulator catches it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from pipeline.contract.stream_progress import CHUNK
+from pipeline.engines import leases, stream_registry
 from pipeline.generation import dedupe, key_machine, key_state, step_work
 from tests import worker_sim
 
@@ -55,7 +60,7 @@ def test_leases_cancel_the_streams_keys_moved_away_from_and_every_invariant_stil
 
 
 def test_a_schedule_replays_exactly_from_its_seed():
-    first, again = worker_sim.run(187), worker_sim.run(187)
+    first, again = worker_sim.run(187, vm=False), worker_sim.run(187, vm=False)
     assert (first.chunks, first.ended, first.generated, first.work_items) == \
            (again.chunks, again.ended, again.generated, again.work_items)
     assert first.work_items > 20 and first.schedule.faults.commit_fails, "a schedule with faults in it"
@@ -72,7 +77,7 @@ def test_without_faults_every_request_is_answered_and_nothing_is_generated_twice
 
 def test_a_request_waiting_for_room_to_be_resent_is_not_lost_again_at_each_poll():
     """Seed 325: engine failures only, max_in_flight 1; a request was dead-lettered as moved eight times."""
-    report = worker_sim.run(325, spells=False)
+    report = worker_sim.run(325, spells=False, vm=False)
     assert report.ended_before_drain == {f"r{i}" for i in range(report.schedule.requests)}
     assert not report.letters, {i: letters[0]["reason"] for i, letters in report.letters.items()}
 
@@ -81,7 +86,7 @@ def test_a_failed_poll_regenerates_nothing():
     """Seeds 34 and 187: a poll that raised lost every stream, so each was generated again (and the old one ran on);
     twice the tokens delivered with no key moved."""
     for seed in (34, 187):
-        report = worker_sim.run(seed, spells=False)
+        report = worker_sim.run(seed, spells=False, vm=False)
         worker_sim.check(report)
         assert report.schedule.faults.engine_fails and not report.schedule.faults.loses_streams
 
@@ -90,7 +95,7 @@ def test_a_key_whose_engine_fails_every_poll_goes_quiet_once_its_requests_end():
     """Seed 4: every poll fails for 10 s. What a failed poll was to release was kept for the next one, so a key
     with nothing left polled every 50 ms for as long as the engine failed (225 times in a row); with the real vLLM,
     test_runner_semantics' poll that always raises never let the key go idle."""
-    report = worker_sim.run(4)
+    report = worker_sim.run(4, vm=False)
     assert report.schedule.faults.broken == "poll" and report.schedule.faults.broken_s == 10.0
     worker_sim.check(report)  # which counts the polls in a row that hold nothing and change nothing
 
@@ -121,7 +126,7 @@ def test_it_bites_when_the_progress_commit_is_skipped(monkeypatch):
 def test_it_bites_when_the_dedupe_check_is_dropped(monkeypatch):
     """Every redelivered copy taken as a new request: a request ends twice."""
     monkeypatch.setattr(dedupe, "holder", lambda ids, request_id, now: None)
-    assert any("ended 2 times" in f for f in _caught()), "a dropped dedupe check went unseen"
+    assert any("ended twice" in f for f in _caught()), "a dropped dedupe check went unseen"
 
 
 def test_it_bites_when_a_drain_keeps_state(monkeypatch):
@@ -150,3 +155,119 @@ def test_it_bites_when_a_finished_stream_is_never_released(monkeypatch):
     monkeypatch.setattr(key_machine, "_resent", never_idle)
     with pytest.raises(worker_sim.Violation, match="polls without end"):
         worker_sim.run(1, faults=False, max_items=3000)
+
+
+def test_the_drawn_worlds_cover_a_worker_vm():
+    """Of the drawn worlds, some run several SDK processes on one engine, pause one past a stream lease, update
+    the job mid-stream, restart the model server, or kill a host under running streams: the events the VM adds
+    are exercised, not only declared."""
+    reports = [worker_sim.run(seed) for seed in range(300)]
+    for report in reports:
+        worker_sim.check(report)
+    vm = [r.schedule.vm for r in reports]
+    assert sum(v.processes > 1 for v in vm) > 100
+    assert sum(v.pause is not None and v.pause[2] > r.schedule.stream_lease_s for v, r in zip(vm, reports, strict=True)) > 30
+    assert sum(r.updates for r in reports) > 10 and sum(bool(r.restarted) for r in reports) > 10
+    assert sum(bool(r.hits) for r in reports) > 10, "host deaths and updates under running streams"
+
+
+def _any_caught(seeds: range, pattern: str) -> bool:
+    return any(pattern in failure for failure in _caught(seeds))
+
+
+def test_it_bites_when_a_drain_forgets_to_cancel(monkeypatch):
+    """A drain that stops waiting and cancels nothing leaves its streams running at the engine, KV cache held for
+    answers nobody will collect."""
+    real = key_machine._drain_end
+
+    def no_cancel(work, pending):
+        state, effects = real(work, pending)
+        return state, dataclasses.replace(effects, cancel=())
+
+    monkeypatch.setattr(key_machine, "_drain_end", no_cancel)
+    assert _any_caught(range(300), "still runs"), "a lost cancel went unseen"
+
+
+def test_it_bites_when_a_poll_skips_a_chunk(monkeypatch):
+    """A poll that hands over a stream's outputs less one chunk: the stream has a gap, seen at the work item that
+    commits it."""
+    real = key_machine.advance
+
+    def skipping(progress, answer, asked_from, **kwargs):
+        after, moved = real(progress, answer, asked_from, **kwargs)
+        chunks = [n for n, (kind, _) in enumerate(moved.emit) if kind == CHUNK]
+        if len(chunks) >= 2:
+            moved = dataclasses.replace(moved, emit=moved.emit[:chunks[0]] + moved.emit[chunks[0] + 1:])
+        return after, moved
+
+    monkeypatch.setattr(key_machine, "advance", skipping)
+    assert _any_caught(range(100), "was next"), "a gap in a chunk stream went unseen"
+
+
+def test_it_bites_when_a_retried_submission_starts_a_second_stream(monkeypatch):
+    """A retried work item's submission no longer joins the stream its failed try started: the engine generates
+    the answer twice though no stream was lost, past 1.05 tokens generated per token delivered."""
+    real = stream_registry.StreamRegistry.submit
+    calls = itertools.count()
+
+    def never_joins(self, requests, attempts, client, now_mono):
+        before = dict(self.streams)
+        keys, started = real(self, requests, attempts, client, now_mono)
+        joined = [key for key in keys if key is not None and key in before]
+        for key in joined:  # the try's stream runs on under another name; the retry starts one of its own
+            self.streams[f"{key}~{next(calls)}"] = self.streams.pop(key)
+        if not joined:
+            return keys, started
+        again = [(r, a) for r, a, key in zip(requests, attempts, keys, strict=True) if key in joined]
+        _, fresh = real(self, [r for r, _ in again], [a for _, a in again], client, now_mono)
+        return keys, started + fresh
+
+    monkeypatch.setattr(stream_registry.StreamRegistry, "submit", never_joins)
+    assert _any_caught(range(300), "tokens generated for"), "a second stream for a retried submission went unseen"
+
+
+def test_it_bites_when_the_engine_takes_past_max_in_flight(monkeypatch):
+    """The registry's room ignoring max_in_flight: the engine's bound, checked after every work item."""
+    monkeypatch.setattr(stream_registry.StreamRegistry, "room", lambda self, new, now, bulk=False: new)
+    assert _any_caught(range(100), "past max_in_flight"), "an engine past its bound went unseen"
+
+
+def _paused_worlds(seeds: range) -> list[worker_sim.Schedule]:
+    """Worlds without faults whose answers take up to 36 s, on two SDK processes of one worker, the first paused
+    for one and a half stream leases half a second in: its streams run through the pause unpolled."""
+    worlds = []
+    for seed in seeds:
+        drawn = worker_sim.Schedule.draw(seed, faults=False)
+        pause = (0, 0.5, 1.5 * drawn.stream_lease_s)
+        worlds.append(dataclasses.replace(drawn, workers=1, keys=max(drawn.keys, 2), rate_tps=drawn.rate_tps / 30,
+                                          vm=worker_sim.VmEvents(processes=2, pause=pause)))
+    return worlds
+
+
+def test_a_process_paused_past_a_lease_while_another_polls_keeps_its_streams():
+    """The pause is not a move: the paused process's streams are kept by their leases (its clocks stop while it
+    is not heard), so every request ends once and nothing is generated twice."""
+    for schedule in _paused_worlds(range(20)):
+        report = worker_sim.play(schedule, max_items=200_000)
+        worker_sim.check(report)
+        assert report.expired == 0 and report.generated <= 1.05 * report.delivered + 1, schedule.seed
+
+
+def test_it_bites_when_a_lease_runs_on_the_wall_clock(monkeypatch):
+    """A lease read on the host's clock alone cannot tell a paused SDK process from a key that moved away: the
+    paused process's streams are cancelled and generated again."""
+
+    def wall_clock(self, stamp, done):
+        host_awake_at = stamp[0]
+        return self.awake_s - host_awake_at >= (max(self.lease_s, self.finished_s) if done else self.lease_s)
+
+    monkeypatch.setattr(leases.LeaseClocks, "expired", wall_clock)
+    failures = []
+    for schedule in _paused_worlds(range(20)):
+        try:
+            worker_sim.check(worker_sim.play(schedule, max_items=200_000))
+        except worker_sim.Violation as violation:
+            failures.append(str(violation))
+    # Seen as a stream sent again with no host death under it, or as tokens generated twice.
+    assert any("ended at attempt" in f or "tokens generated for" in f for f in failures), \
+        "streams lost to a pause went unseen"
