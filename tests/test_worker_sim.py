@@ -17,6 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from pipeline.contract import stream_progress
 from pipeline.contract.stream_progress import CHUNK
 from pipeline.engines import leases, stream_registry
 from pipeline.generation import dedupe, key_machine, key_state, step_work
@@ -133,8 +134,8 @@ def test_it_bites_when_a_drain_keeps_state(monkeypatch):
     """A drain that forgets to clear its key leaves state behind."""
     real = key_machine._drain_end
 
-    def keeping(work, pending):
-        state, effects_out = real(work, pending)
+    def keeping(work, pending, **kwargs):
+        state, effects_out = real(work, pending, **kwargs)
         return dataclasses.replace(state, wait_ms=7), effects_out
 
     monkeypatch.setattr(key_machine, "_drain_end", keeping)
@@ -166,7 +167,9 @@ def test_the_drawn_worlds_cover_a_worker_vm():
         worker_sim.check(report)
     vm = [r.schedule.vm for r in reports]
     assert sum(v.processes > 1 for v in vm) > 100
-    assert sum(v.pause is not None and v.pause[2] > r.schedule.stream_lease_s for v, r in zip(vm, reports, strict=True)) > 30
+    lease_s = worker_sim.Schedule.stream_lease_s
+    assert lease_s is not None
+    assert sum(v.pause is not None and v.pause[2] > lease_s for v in vm) > 30
     assert sum(r.updates for r in reports) > 10 and sum(bool(r.restarted) for r in reports) > 10
     assert sum(bool(r.hits) for r in reports) > 10, "host deaths and updates under running streams"
 
@@ -180,8 +183,8 @@ def test_it_bites_when_a_drain_forgets_to_cancel(monkeypatch):
     answers nobody will collect."""
     real = key_machine._drain_end
 
-    def no_cancel(work, pending):
-        state, effects = real(work, pending)
+    def no_cancel(work, pending, **kwargs):
+        state, effects = real(work, pending, **kwargs)
         return state, dataclasses.replace(effects, cancel=())
 
     monkeypatch.setattr(key_machine, "_drain_end", no_cancel)
@@ -191,7 +194,7 @@ def test_it_bites_when_a_drain_forgets_to_cancel(monkeypatch):
 def test_it_bites_when_a_poll_skips_a_chunk(monkeypatch):
     """A poll that hands over a stream's outputs less one chunk: the stream has a gap, seen at the work item that
     commits it."""
-    real = key_machine.advance
+    real = stream_progress.advance
 
     def skipping(progress, answer, asked_from, **kwargs):
         after, moved = real(progress, answer, asked_from, **kwargs)
@@ -232,13 +235,14 @@ def test_it_bites_when_the_engine_takes_past_max_in_flight(monkeypatch):
     assert _any_caught(range(100), "past max_in_flight"), "an engine past its bound went unseen"
 
 
-def _paused_worlds(seeds: range) -> list[worker_sim.Schedule]:
+def _paused_worlds(seeds: range, leases_paused: float = 1.5) -> list[worker_sim.Schedule]:
     """Worlds without faults whose answers take up to 36 s, on two SDK processes of one worker, the first paused
-    for one and a half stream leases half a second in: its streams run through the pause unpolled."""
+    for ``leases_paused`` stream leases half a second in: its streams run through the pause unpolled."""
     worlds = []
     for seed in seeds:
         drawn = worker_sim.Schedule.draw(seed, faults=False)
-        pause = (0, 0.5, 1.5 * drawn.stream_lease_s)
+        assert drawn.stream_lease_s is not None
+        pause = (0, 0.5, leases_paused * drawn.stream_lease_s)
         worlds.append(dataclasses.replace(drawn, workers=1, keys=max(drawn.keys, 2), rate_tps=drawn.rate_tps / 30,
                                           vm=worker_sim.VmEvents(processes=2, pause=pause)))
     return worlds
@@ -247,10 +251,31 @@ def _paused_worlds(seeds: range) -> list[worker_sim.Schedule]:
 def test_a_process_paused_past_a_lease_while_another_polls_keeps_its_streams():
     """The pause is not a move: the paused process's streams are kept by their leases (its clocks stop while it
     is not heard), so every request ends once and nothing is generated twice."""
-    for schedule in _paused_worlds(range(20)):
-        report = worker_sim.play(schedule, max_items=200_000)
-        worker_sim.check(report)
-        assert report.expired == 0 and report.generated <= 1.05 * report.delivered + 1, schedule.seed
+    for leases_paused in (1.5, 3.5):  # past one lease; past the three after which a client heard but silent lapses
+        for schedule in _paused_worlds(range(12), leases_paused):
+            report = worker_sim.play(schedule, max_items=200_000)
+            worker_sim.check(report)
+            assert report.expired == 0 and report.generated <= 1.05 * report.delivered + 1, schedule.seed
+
+
+def test_it_bites_when_a_paused_process_is_still_heard(monkeypatch):
+    """A heartbeat that went on through the pause (the engine hears a process that polls nothing): three leases of
+    its awake time pass without a poll, and its streams are taken for abandoned, cancelled and generated again."""
+    real = worker_sim.SimEngine.advance
+
+    def always_heard(self, now):
+        self.awake = {f"p{n}" for n in range(self.schedule.vm.processes)}
+        real(self, now)
+
+    monkeypatch.setattr(worker_sim.SimEngine, "advance", always_heard)
+    failures = []
+    for schedule in _paused_worlds(range(20), 3.5):
+        try:
+            worker_sim.check(worker_sim.play(schedule, max_items=200_000))
+        except worker_sim.Violation as violation:
+            failures.append(str(violation))
+    assert any("ended at attempt" in f or "tokens generated for" in f for f in failures), \
+        "streams lost to a heartbeat heard through a pause went unseen"
 
 
 def test_it_bites_when_a_lease_runs_on_the_wall_clock(monkeypatch):

@@ -102,11 +102,13 @@ class VmEvents:
     def draw(cls, rng: random.Random, lease_s: float | None) -> VmEvents:
         processes = rng.randint(1, 3)
         pause = None
+        # Past one lease or two; well within the least dedupe window drawn (30 s), past which a copy that
+        # arrives is a new request by the contract, and a paused process's redelivered bundle arrives late.
         if lease_s is not None and rng.random() < 0.3:
-            pause = (rng.randrange(processes), rng.uniform(0, 2.0), rng.uniform(1.1, 2.0) * lease_s)
+            pause = (rng.randrange(processes), rng.uniform(0, 2.0), rng.choice([1.5, 2.0]) * lease_s)
         update_at = rng.uniform(0, 3.0) if rng.random() < 0.15 else None
-        restarts = tuple((rng.uniform(0, 3.0), rng.choice([0.5, 5.0, 40.0]))
-                         for _ in range(rng.choice([0, 0, 0, 1, 2])))
+        restarts = tuple(sorted((rng.uniform(0, 3.0), rng.choice([0.5, 5.0, 40.0]))
+                                for _ in range(rng.choice([0, 0, 0, 1, 2]))))
         drain_at = rng.uniform(0.2, 2.0) if rng.random() < 0.2 else None
         return cls(processes, pause, update_at, restarts, drain_at)
 
@@ -370,7 +372,7 @@ class _SimWorkItem:
         self.world.tick(self.world.now + seconds)
 
     def hold_leases(self, seconds: float) -> None:
-        self.world.engine_of(self.key).hold_leases(seconds)
+        self.world.call(self.key, "hold", lambda engine: engine.hold_leases(seconds))
 
     def count(self, counts: Mapping[str, int], logs: tuple[tuple[int, str], ...]) -> None:
         pass  # the simulator checks what ends, not the counters
@@ -379,11 +381,14 @@ class _SimWorkItem:
         self.outputs.append(output)
 
     def cancel(self, streams: tuple[str, ...]) -> None:
-        self.world.engine_of(self.key).cancel(streams)
+        outcome, _ = self.world.call(self.key, "cancel", lambda engine: engine.cancel(streams))
+        if outcome is not Call.ANSWERED:  # not cancelled: its lease ends it (the contract's word for it)
+            self.world.uncancelled.update((self.world.owner[self.key], stream) for stream in streams)
 
     def report(self, report: WaitingReport) -> None:
         if self.world.on_report is not None:
-            self.world.on_report(self.key, report)
+            self.world.call(self.key, "report", lambda engine: self.world.on_report(self.key, report)
+                            if self.world.on_report is not None else None)
 
     def set_timer(self, at: float | None) -> None:
         self.timer.append(at)
@@ -412,6 +417,7 @@ class World:
         self._restarts = list(schedule.vm.restarts)
         self.read: set[str] = set()  # requests whose bundle a committed work item took
         self.shed_pending: set[str] = set()  # shed requests whose republish no committed work item took yet
+        self.uncancelled: set[tuple[str, str]] = set()  # (worker, stream) whose cancel failed
         self._updated = schedule.vm.update_at is None
         self._next_seq: Counter[tuple[str, int]] = Counter()  # (id, attempt) -> the next chunk to be delivered
         self.report = Report(schedule)
@@ -439,14 +445,18 @@ class World:
         """Whether the key's SDK process is paused now (its work items wait for it: one key at a time)."""
         pause = self.s.vm.pause
         return (pause is not None and self.owner[key] == "w0" and self.process[key] == pause[0]
-                and pause[1] <= self.now < pause[1] + pause[2])
+                and pause[1] <= self.now < pause[1] + pause[2] and not self._replaced_by_update())
+
+    def _replaced_by_update(self) -> bool:
+        """Whether an update replaced every process (a paused one is gone with the rest)."""
+        return self.s.vm.update_at is not None and self._updated
 
     def _vm_events(self) -> None:
         """The VM's drawn events that are due: the pause's heartbeat, an update, model-server restarts."""
         pause = self.s.vm.pause
         if pause is not None:
             w0, client = self.engines["w0"], f"p{pause[0]}"
-            if pause[1] <= self.now < pause[1] + pause[2]:
+            if pause[1] <= self.now < pause[1] + pause[2] and not self._replaced_by_update():
                 w0.awake.discard(client)
             else:
                 w0.awake.add(client)
@@ -470,6 +480,15 @@ class World:
         self.engines[name] = SimEngine(f"{name}'", self.s)  # a new host: new stream keys, none of the old
 
     def tick(self, to: float) -> None:
+        """Moves the clock to ``to``, stopping at the pause's start and end on the way, so the engine's janitor
+        hears the paused process's heartbeat only while it runs."""
+        pause = self.s.vm.pause
+        for boundary in (() if pause is None else (pause[1], pause[1] + pause[2])):
+            if self.now < boundary < to:
+                self._tick_to(boundary)
+        self._tick_to(to)
+
+    def _tick_to(self, to: float) -> None:
         self.now = max(self.now, to)
         self._vm_events()
         for engine in self.engines.values():
@@ -543,7 +562,8 @@ class World:
                     r.shed[record["id"]] += 1
                     self.shed_pending.add(record["id"])
                     _, key, requests = self.published[record["id"]]
-                    self.bundles.append((self.now + self.rng.uniform(0.05, 1.0), key, requests))
+                    backoff = min(2.0 ** (r.shed[record["id"]] - 1), 30.0)  # a publisher that backs off
+                    self.bundles.append((self.now + self.rng.uniform(0.05, 1.0) * backoff, key, requests))
                 else:
                     if r.ended[record["id"]]:
                         raise Violation(seed, f"request {record['id']} ended twice (at {self.now:.2f} s)")
@@ -610,6 +630,8 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
     """Plays ``schedule`` as :func:`run` does (for a schedule changed from the drawn one)."""
     world = World(schedule)
     drain_at = schedule.vm.drain_at
+    # While a restarted server is away its keys' streams still run: each key polls them at its interval.
+    max_items += int(sum(length for _, length in schedule.vm.restarts) * schedule.keys / schedule.rules.poll_interval_s)
     while world.step():
         if drain_at is not None and world.now >= drain_at:
             break  # the job drains now: it reads no more (what is unread stays in Pub/Sub for the next job)
@@ -639,7 +661,8 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
             pass  # a failed commit: the runner fires the drain timer again
         world.report.left_state[key] = {k: v for k, v in record.cells.items() if v}
     world.report.left_running = {name: sum(1 for stream in engine.registry.streams.values()
-                                           if not stream.done and (name, stream.key) in known)
+                                           if not stream.done and (name, stream.key) in known
+                                           and (name, stream.key) not in world.uncancelled)
                                  for name, engine in world.engines.items()}
     return world.report
 
@@ -680,6 +703,10 @@ def check(report: Report) -> None:
             if completion["attempt"] > 1 + report.hits[request_id]:
                 raise Violation(seed, f"request {request_id} ended at attempt {completion['attempt']} after "
                                       f"{report.hits[request_id]} host deaths or updates under it")
+            if report.generated_for[request_id] > completion["tokens"] * (1 + report.hits[request_id]):
+                raise Violation(seed, f"request {request_id}: {report.generated_for[request_id]} tokens generated "
+                                      f"for {completion['tokens']}, after {report.hits[request_id]} host deaths or "
+                                      "updates under it")
     # For the requests read (an early drain can leave a stream that a try whose commit failed started for one the
     # job never read: Pub/Sub delivers it to the next job), and none a drain cut short.
     cut_by_drain = any(letter["stage"] == "drain" for letters in report.letters.values() for letter in letters)

@@ -4,8 +4,8 @@ The machine (:mod:`pipeline.generation.key_machine`) only says what to do; :func
 :class:`~pipeline.generation.key_events.Effects` states, through a :class:`KeyPort`: the generate DoFn's port
 reaches the worker's runtime, Beam's state and timers and the bundle's outputs; the worker simulator's
 (``tests/worker_sim.py``) reaches simulated engines and time. Both call this function unchanged, so what the
-simulator proves under its schedules is the effect code that ships (``tests/test_worker_sim.py`` checks that a
-change here is seen by both).
+simulator proves under its schedules is the effect code that ships (``tests/test_runner_semantics.py`` checks that
+a change here is seen by both).
 """
 
 from __future__ import annotations
@@ -84,11 +84,13 @@ def drive(rules: Rules, state: KeyState, event: Event, port: KeyPort) -> KeyStat
             port.set_timer(None)
         elif effects.arm_at is not None:
             port.set_timer(effects.arm_at)
-        if effects.poll is not None:
+        if effects.poll is not None:  # an answer is stamped with when it was asked for
             port.wait(effects.poll_after_s)
+            asked_at = port.now()
             outcome, answers = port.poll(effects.poll)
-            event = Polled(port.now(), outcome, answers)
+            event = Polled(asked_at, outcome, answers)
         elif effects.submit:
-            event = Submitted(port.now(), submit_in_order(effects.submit, port.submit))
+            asked_at = port.now()
+            event = Submitted(asked_at, submit_in_order(effects.submit, port.submit))
         else:
             return state

@@ -74,8 +74,9 @@ def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects
 
 
 def _answer(results: tuple[SubmitResult, ...], submission: Submission | None) -> SubmitResult | None:
-    """The engine's answer to ``submission``; None: it was not made (an earlier one was not taken whole)."""
-    return next((result for result in results if result.submission == submission), None)
+    """The engine's answer to ``submission`` (the very record the step asked with); None: it was not made (an
+    earlier one was not taken whole)."""
+    return next((result for result in results if result.submission is submission), None)
 
 
 # A bundle of requests ---------------------------------------------------------------------------------------
@@ -203,7 +204,8 @@ def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: Ke
             if draining:
                 work.letter(entry, "its stream was lost while the job drained", drain=True)
             else:
-                work.letter(entry, f"its stream was lost {entry.lost + 1} times (its key moved away, or its "
+                lost = entry.lost if entry.key is None else entry.lost + 1  # a streamless one was counted already
+                work.letter(entry, f"its stream was lost {lost} times (its key moved away, or its "
                                    "worker was lost, each time)")
         elif moved.ended:
             work.end(entry)
@@ -309,33 +311,42 @@ def _drain_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
     progress = state.progress
     pending = Draining(entries, progress, dict(progress.taken), work.now + work.rules.drain_timeout_s, {})
     if not entries:
-        return _drain_end(work, pending)
-    return _drain_ask(work, state, pending, 0.0)
+        return _drain_end(work, pending, opening=True)
+    return _drain_ask(work, state, pending, 0.0, opening=True)
 
 
-def _drain_ask(work: StepWork, state: KeyState, pending: Draining, delay: float) -> tuple[KeyState, Effects]:
+def _opening(work: StepWork, opening: bool) -> tuple[float | None, Report | None]:
+    """What the drain's first step asks besides (``hold_leases_s``, ``report``): keys drain one work item at a
+    time, each polling only its own streams, so the others' leases are held for ``drain_timeout_s``; and nothing of
+    this key waits any more."""
+    return (work.rules.drain_timeout_s, Report(0)) if opening else (None, None)
+
+
+def _drain_ask(work: StepWork, state: KeyState, pending: Draining, delay: float, *,
+               opening: bool = False) -> tuple[KeyState, Effects]:
     """One pass: the key's streams asked from the positions committed before the drain."""
     asked = pending.progress.asks([e.key for e in pending.entries if e.key is not None], pending.committed)
     pending = replace(pending, asked=asked)
     if not asked:
-        return _drain_polled(work, state, pending, None)
-    # Keys drain one work item at a time, each polling only its own streams: the others' must not lapse.
-    return work.done(replace(state, pending=pending), poll=asked, poll_after_s=delay,
-                     hold_leases_s=work.rules.drain_timeout_s, report=Report(0))
+        return _drain_polled(work, state, pending, None, opening=opening)
+    hold_leases_s, report = _opening(work, opening)
+    return work.done(replace(state, pending=pending), poll=asked, poll_after_s=delay, hold_leases_s=hold_leases_s,
+                     report=report)
 
 
-def _drain_polled(work: StepWork, state: KeyState, pending: Draining,
-                  event: Polled | None) -> tuple[KeyState, Effects]:
+def _drain_polled(work: StepWork, state: KeyState, pending: Draining, event: Polled | None, *,
+                  opening: bool = False) -> tuple[KeyState, Effects]:
     remaining, _, settled, abandoned = _advance_all(work, pending.entries, pending.progress, event,
                                                     pending.asked, draining=True)
     pending = replace(pending, entries=tuple(remaining), progress=pending.progress.settled(settled, draining=True),
                       abandoned=pending.abandoned + tuple(abandoned))
     if pending.entries and work.now < pending.deadline:
-        return _drain_ask(work, state, pending, min(work.rules.poll_interval_s, pending.deadline - work.now))
-    return _drain_end(work, pending)
+        return _drain_ask(work, state, pending, min(work.rules.poll_interval_s, pending.deadline - work.now),
+                          opening=opening)
+    return _drain_end(work, pending, opening=opening)
 
 
-def _drain_end(work: StepWork, pending: Draining) -> tuple[KeyState, Effects]:
+def _drain_end(work: StepWork, pending: Draining, *, opening: bool = False) -> tuple[KeyState, Effects]:
     """Unfinished within the timeout: stopped at the server now, and a drain dead letter each. Finished ones stay
     until the engine's own expiry (request_timeout_s), for a retry of this work item to collect."""
     for entry in pending.entries:
@@ -343,5 +354,5 @@ def _drain_end(work: StepWork, pending: Draining) -> tuple[KeyState, Effects]:
                            f"drain_timeout_s={work.rules.drain_timeout_s:g}", drain=True)
     work.forget_ids()
     cancel = pending.abandoned + tuple(e.key for e in pending.entries if e.key is not None)
-    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=work.rules.drain_timeout_s,
-                     report=Report(0))
+    hold_leases_s, report = _opening(work, opening)
+    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=hold_leases_s, report=report)
