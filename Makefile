@@ -271,7 +271,7 @@ bench-spike: install ## Simulate a tenfold traffic spike: backlog in Pub/Sub (th
 	$(PY) -m benchmarks.spike $(BENCH_ARGS)
 
 .PHONY: bench-pubsub-faults
-bench-pubsub-faults: install ## The reader's feed through a Pub/Sub that shortens, refuses and delays calls, against a clean one
+bench-pubsub-faults: model ## The reader's feed, then the whole VM on vLLM, through a Pub/Sub that shortens, refuses and delays calls, against a clean one
 	$(PY) -m benchmarks.pubsub_faults $(BENCH_ARGS)
 
 .PHONY: bench-state-cost

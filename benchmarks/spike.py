@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.contract.parameters import PARAMETERS
-from pipeline.flow.subscription_feed import FULL_WAIT_S, PULL_DEADLINE_S, PULL_FIRST
+from pipeline.flow.subscription_feed import FULL_WAIT_S, PULL_DEADLINE_S, PULL_EVERY_S, PULL_FIRST
 from pipeline.flow.subscription_reader import EMPTY_DELAY_S, FULL_DELAY_S, readers_for
 
 DEFAULTS = {p.name: p.default for p in PARAMETERS}
@@ -128,6 +128,11 @@ def simulate(design: str, args: argparse.Namespace) -> Outcome:
                    deferred * args.round_s)
 
 
+# The threads a process's feed of a subscription runs: its own (the long pulls), its acknowledgements'
+# (pipeline/flow/feed_acks.py) and its calls to the worker's runtime (feed-dispatch); its backlog's refresh from
+# Cloud Monitoring adds a short-lived one once a minute.
+FEED_THREADS = 3
+
 def read_costs(workers: int, processes: int, hold: int,
                round_s: float) -> list[tuple[str, float, float, float, float, float]]:
     """Per second, for a job of ``workers`` workers at its ceiling, ``processes`` SDK processes each and a hold of
@@ -137,13 +142,20 @@ def read_costs(workers: int, processes: int, hold: int,
     when nothing comes (an assumption: Pub/Sub's pull guide says a pull may wait); the other feeds find no room, ask
     whether the worker is full (it is not) and try again every ``FULL_WAIT_S``; each reader's round finds nothing
     and comes back after ``EMPTY_DELAY_S``. Full: no pull at all; each feed asks for places and whether the worker
-    is full every ``FULL_WAIT_S``, each reader's round comes back every ``FULL_DELAY_S``."""
-    readers, feeds = readers_for(workers), workers * processes
-    pulling = workers * min(processes, hold // PULL_FIRST)
+    is full every ``FULL_WAIT_S``, each reader's round comes back every ``FULL_DELAY_S``.
+
+    A process has a feed once a reader's round ran in it, so there are at most as many feeds as readers; each
+    feed runs ``FEED_THREADS`` threads (its pulls, its acknowledgements, its calls to the runtime). A feed that
+    finds no room waits ``FULL_WAIT_S``, and at least ``PULL_EVERY_S`` from its last pull's start."""
+    readers = readers_for(workers)
+    feeds = min(workers * processes, readers)
+    pulling = min(workers * min(processes, hold // PULL_FIRST), feeds)
+    asking_every_s = max(FULL_WAIT_S, PULL_EVERY_S)
     idle_items, full_items = readers / EMPTY_DELAY_S, readers / FULL_DELAY_S
-    idle_calls = pulling * 2 / PULL_DEADLINE_S + (feeds - pulling) * 2 / FULL_WAIT_S  # take + give back; take + ask
-    return [("idle", idle_items, idle_items * round_s, pulling / PULL_DEADLINE_S, feeds, idle_calls),
-            ("full", full_items, full_items * round_s, 0.0, feeds, feeds * 2 / FULL_WAIT_S)]
+    idle_calls = pulling * 2 / PULL_DEADLINE_S + (feeds - pulling) * 2 / asking_every_s  # take + give back; + ask
+    threads = feeds * FEED_THREADS
+    return [("idle", idle_items, idle_items * round_s, pulling / PULL_DEADLINE_S, threads, idle_calls),
+            ("full", full_items, full_items * round_s, 0.0, threads, feeds * 2 / asking_every_s)]
 
 
 def main(argv: list[str] | None = None) -> None:

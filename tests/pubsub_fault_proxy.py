@@ -15,8 +15,8 @@ except that, drawn from one seeded generator, it:
   delivered to no one, as a late answer's are;
 * answers a call with UNAVAILABLE after the emulator carried it out (``lost``): a pull's messages are then leased
   to no one, as when an answer is lost on its way back;
-* refuses an acknowledgement or a deadline change (``ack_error``), which then never reaches the emulator; either
-  may also be slow or lost, as any call.
+* refuses an acknowledgement or a deadline change (``ack_error``, with one of ``ack_codes``), which then never
+  reaches the emulator; either may also be slow or lost, as any call.
 
 Clients reach it as they reach the emulator, through ``PUBSUB_EMULATOR_HOST`` (:meth:`FaultProxy.env`). What it
 did is counted in ``done``, so a test can say how much went wrong; and what was acknowledged in time is kept by
@@ -57,6 +57,9 @@ class Faults:
     codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                                           grpc.StatusCode.DEADLINE_EXCEEDED)
     only: frozenset[str] = frozenset()  # methods the faults apply to ("Pull", ...); all when empty
+    # What a refused acknowledgement or deadline change answers: the service's transient refusal by default (the
+    # client tries again); PERMISSION_DENIED where a test takes the job's role away.
+    ack_codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
 
 
 @dataclass
@@ -111,7 +114,7 @@ class FaultProxy:
             drawn: dict[str, Any] = {}
             if method in ACKS:
                 if self._rng.random() < self.faults.ack_error:
-                    drawn["code"] = grpc.StatusCode.UNAVAILABLE
+                    drawn["code"] = self._rng.choice(self.faults.ack_codes)
             elif self._rng.random() < self.faults.error:
                 drawn["code"] = self._rng.choice(self.faults.codes)
             elif name == "Pull" and self._rng.random() < self.faults.short:

@@ -277,3 +277,47 @@ def test_a_place_a_long_pull_fills_counts_from_its_fill_and_one_never_filled_lap
     assert sum(ledger_.counts()) == 1
     now[0] = 7.0
     assert sum(ledger_.counts()) == 0, "a request whose bundle never ends lapses place_open_s after its admission"
+
+
+def test_a_request_admitted_for_a_place_that_lapsed_lapses_as_the_place_would_have():
+    """Found by review: a round's place lapsed (its bundle paused past place_open_s, or the admission's call was
+    answered after its bound) before the admission step took it over. The request then takes room of its own;
+    it was counted for the request's own timeout, 600 s, if its bundle never ended. It lapses as a place does."""
+    now = [0.0]
+    settings_ = RuntimeSettings(EngineSettings(server=None, server_url="http://unused", max_in_flight=3),
+                                AdmissionSettings(worker_queue=1, place_open_s=3.0))
+    ledger_ = AdmissionLedger(settings_, lambda: 0, clock=lambda: now[0])
+    place = read_places.reserve(ledger_, 1, name="feed-b-1")
+    ledger_.settled(place, [])
+    now[0] = 3.5
+    assert sum(ledger_.counts()) == 0, "the place lapsed"
+    assert ledger_.admit(["req-1"], in_place_of=place) == 1, "the request takes room of its own"
+    now[0] = 6.0
+    assert sum(ledger_.counts()) == 1
+    now[0] = 7.0
+    assert sum(ledger_.counts()) == 0, "its bundle never ended: it lapsed place_open_s after its admission"
+
+
+def test_concurrent_read_bundles_take_only_their_own_places():
+    """Found by review: the SDK harness runs several read bundles at once, one a thread, and each bundle's end
+    discards the places it queued that nothing took over. Taken from one pool, a bundle's admission could take
+    another's place, whose end then left that bundle's requests without theirs. Each bundle takes its own; a
+    place queued without an owner (the local runner's read, whose admission runs on another thread) any may."""
+    import threading
+
+    tag = f"bundles-{uuid.uuid4().hex}"
+    ready, done = threading.Barrier(2), {}
+
+    def bundle(name: str) -> None:
+        read_places.queue(tag, [f"{name}-1", f"{name}-2"], read_places.this_bundle())
+        ready.wait()
+        done[name] = read_places.take(tag, 5)
+
+    threads = [threading.Thread(target=bundle, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert done == {"a": ["a-1", "a-2"], "b": ["b-1", "b-2"]}
+    read_places.queue(tag, ["local-1"])
+    assert read_places.take(tag, 5) == ["local-1"], "an unowned place is for any admission of the process"

@@ -93,15 +93,16 @@ def test_a_pull_that_fails_gives_back_its_places(subscription, proxy, code, capl
         feed = a_feed(path, source, proxy)
         try:
             time.sleep(1.5)
-            counts = feed.counts()
+            counts, empty = feed.counts(), feed.empty
         finally:
             feed.stop()
     assert held(source) == 0
     assert not counts.get("read_messages")
+    assert not empty, "a pull answered at once with an error says nothing of the subscription's backlog"
     kind = pubsub_trouble.classify(_error(code))
     if kind == "refused":
         assert counts.get("pull_refused") and "refuses to let this worker pull" in caplog.text
-    elif kind == "retry":
+    else:  # retried: DEADLINE_EXCEEDED too, answered long before the pull's deadline (cut off, not an empty pull)
         assert counts.get("pull_retried", 0) >= 2, counts  # tried again, with backoff
 
 
@@ -347,3 +348,36 @@ def test_acknowledgements_that_wait_on_a_slow_pubsub_go_together_and_late_ones_a
     assert proxy.counts()["Acknowledge slow"] == 2, proxy.counts()
     assert counts["acked"] == 6 and counts["ack_late"] == 5, counts
     assert {json.loads(data)["id"] for data in proxy.acknowledged()} == {f"req-{i}" for i in range(6)}
+
+
+def test_a_monitoring_endpoint_override_keeps_the_workers_credentials_unless_it_is_a_loopback_stand_in():
+    """Found by review: gcloud's override variable also names private endpoints; every override was called with
+    anonymous credentials, so a job pointed at one would be refused. Only a loopback http:// stand-in goes
+    without."""
+    assert subscription_backlog._loopback("http://127.0.0.1:8123")
+    assert subscription_backlog._loopback("http://localhost:9000/")
+    assert not subscription_backlog._loopback("https://monitoring.p.googleapis.com/")
+    assert not subscription_backlog._loopback("https://127.0.0.1:8443")
+    assert not subscription_backlog._loopback("http://monitoring.internal.example:80")
+
+
+def test_deadline_changes_that_always_fail_cost_redeliveries_not_room(subscription, proxy):
+    """Every ModifyAckDeadline refused (PERMISSION_DENIED: the job's account lost pubsub.subscriber mid-job, say):
+    the feed counts it and says so, every request still ends, nothing is admitted past the bound, and once the
+    lost places' time is up the ledger is at zero: a failed extension touches no place."""
+    topic, path = subscription
+    expected = set(publish(topic, 3 * BOUND))
+    proxy.faults = Faults(ack_error=1.0, ack_codes=(grpc.StatusCode.PERMISSION_DENIED,),
+                          only=frozenset({"ModifyAckDeadline"}))
+    source = a_worker(place_open_s=3.0)
+    feed = a_feed(path, source, proxy)
+    try:
+        served = serve_rounds(feed, source, expected, timeout_s=120)
+        counts = feed.counts()
+    finally:
+        feed.stop()
+    assert set(served.ended) == expected
+    assert served.uncounted == 0 and served.most <= BOUND, (served.uncounted, served.most)
+    assert counts.get("modify_failed", 0) >= 1, counts
+    time.sleep(source.settings.admission.place_open_s + 0.5)
+    assert held(source) == 0

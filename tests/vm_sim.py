@@ -47,7 +47,7 @@ from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.flow.subscription_backlog import SubscriptionBacklog
 from pipeline.flow.subscription_feed import SubscriptionFeed
-from pipeline.flow.subscription_reader import ACK_DEADLINE_S, EMPTY_DELAY_S, PULL_MOST, take_round
+from pipeline.flow.subscription_reader import ACK_DEADLINE_S, EMPTY_DELAY_S, PULL_MOST, end_read_bundle, take_round
 from pipeline.generation.key_events import Arrived, PollDue, Rules
 from pipeline.generation.key_events import Report as WaitingReport
 from pipeline.serving.vllm_server import ServerSpec
@@ -370,7 +370,10 @@ class _Vm:
                 admitted.append(request.id)
             else:
                 self.out.uncounted += 1
-        read_places.discard(self.tag, places)
+        if self.s.design == "reader":
+            end_read_bundle(self.feed, self.tag, places)  # PullWithinRoomFn.finish_bundle's own
+        else:
+            read_places.discard(self.tag, places)
         if self.down_until is None:
             self.ledger.dispatched(admitted + places[:len(pulled)])  # the bundle ends
         by_key: dict[int, list[InferenceRequest]] = {}

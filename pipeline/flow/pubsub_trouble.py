@@ -1,13 +1,14 @@
 """What a feed's Pub/Sub calls say of the service: which errors are tried again, which are told, and when it cannot be
 reached at all.
 
-Pub/Sub's errors are told apart (https://cloud.google.com/pubsub/docs/reference/error-codes): an empty long pull
-(``DeadlineExceeded``) is an empty subscription, unless no call has reached Pub/Sub for ``UNREACHABLE_S``, when a
-cheap ``GetSubscription`` asks whether the service can be reached at all; ``Unavailable``, ``Internal``,
-``Unknown``, ``Aborted`` and ``ResourceExhausted`` are tried again with backoff and counted; ``PermissionDenied``,
-``NotFound`` and a service that cannot be reached (a worker without Private Google Access) are logged at WARNING at
-most once a minute with their cause and counted, and the feed asks again ``REFUSED_WAIT_S`` later. None looks like
-an empty subscription.
+Pub/Sub's errors are told apart (https://cloud.google.com/pubsub/docs/reference/error-codes): a long pull that ran
+out its deadline (``DeadlineExceeded`` after most of it) is an empty subscription, unless no call has reached Pub/Sub
+for ``UNREACHABLE_S``, when a cheap ``GetSubscription`` asks whether the service can be reached at all; one cut off
+well before its deadline (a proxy's, a network's) is tried again like the errors that follow; ``Unavailable``,
+``Internal``, ``Unknown``, ``Aborted`` and ``ResourceExhausted`` are tried again with backoff and counted;
+``PermissionDenied``, ``NotFound`` and a service that cannot be reached (a worker without Private Google Access) are
+logged at WARNING at most once a minute with their cause and counted, and the feed asks again ``REFUSED_WAIT_S``
+later. None looks like an empty subscription.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ LOGGER = logging.getLogger("pipeline.flow.subscription_feed")
 CALL_DEADLINE_S = 10.0
 # With no call answered by Pub/Sub for this long, an empty pull is checked against GetSubscription.
 UNREACHABLE_S = 60.0
+# A pull's DeadlineExceeded before this share of its deadline passed was cut off, not an empty long pull.
+CUT_SHORT = 0.5
 # How often one cause of trouble is logged.
 WARN_INTERVAL_S = 60.0
 
@@ -83,9 +86,12 @@ class PubSubTrouble:
             self._warned[cause] = now
         LOGGER.warning(message, *args)
 
-    def after(self, exc: BaseException) -> str:
-        """What follows a failed pull: ``empty``, ``retry`` or ``refused`` (said in the log, counted)."""
+    def after(self, exc: BaseException, ran_s: float | None = None, deadline_s: float | None = None) -> str:
+        """What follows a failed pull that ran ``ran_s`` of its ``deadline_s``: ``empty``, ``retry`` or ``refused``
+        (said in the log, counted)."""
         kind = classify(exc)
+        if kind == "empty" and ran_s is not None and deadline_s is not None and ran_s < CUT_SHORT * deadline_s:
+            kind = "retry"  # no long pull that ran its course: nothing says the subscription is empty
         if kind == "empty":
             if self._clock() - self._reached_at < UNREACHABLE_S:
                 return "empty"

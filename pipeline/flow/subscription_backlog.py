@@ -18,7 +18,9 @@ figure the reader reports what it knows itself (the bytes its feed holds pulled 
 The job's account needs ``monitoring.timeSeries.list`` on the project (Monitoring Viewer, which ``make setup``
 grants). Where it cannot be reached or refuses (a local run has no Monitoring), the figure goes stale and the
 refusal is logged once every ``REFUSED_LOG_INTERVAL_S``. The API's address can be overridden with
-``CLOUDSDK_API_ENDPOINT_OVERRIDES_MONITORING``, the variable gcloud reads, as the tests point it at a stand-in.
+``CLOUDSDK_API_ENDPOINT_OVERRIDES_MONITORING``, the variable gcloud reads (a private endpoint, say), which is then
+called with the worker's credentials as the default one is; only a loopback ``http://`` address (the tests'
+stand-in) is called without any.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -129,7 +132,7 @@ def rest_fetch() -> Callable[[str, str], dict[str, Any]]:
     """A ``timeSeries.list`` call through the worker's credentials."""
     endpoint = os.environ.get(ENDPOINT_VARIABLE)
     base = (endpoint or DEFAULT_ENDPOINT).rstrip("/") + "/"
-    session = _session(anonymous=bool(endpoint))
+    session = _session(anonymous=endpoint is not None and _loopback(endpoint))
 
     def fetch(project: str, query: str) -> dict[str, Any]:
         now = time.time()
@@ -141,6 +144,12 @@ def rest_fetch() -> Callable[[str, str], dict[str, Any]]:
         return response.json()
 
     return fetch
+
+
+def _loopback(url: str) -> bool:
+    """Whether ``url`` is a plain-HTTP address on this machine's loopback interface (a stand-in's)."""
+    parsed = urllib.parse.urlparse(url)
+    return parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "localhost", "::1")
 
 
 def _session(anonymous: bool) -> Any:

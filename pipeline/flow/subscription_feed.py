@@ -349,14 +349,16 @@ class SubscriptionFeed:
             return "full"
         self.full = False
         received: list[Any] = []
+        began = self._clock()
         try:
             received = self._pull(len(places))
-            # Slow start: twice as many after a pull that filled all its places, what came after one that did not.
+            # Slow start: twice as many after a pull that filled all its places; after one that did not, half (the
+            # real service often answers a unary pull with fewer messages than it holds), never below what came.
             self._want = min(PULL_MOST, 2 * self._want) if len(received) == len(places) else \
-                max(PULL_FIRST, len(received))
+                max(PULL_FIRST, len(received), self._want // 2)
             return "pulled" if received else "empty"
         except Exception as exc:  # noqa: BLE001 - classified below
-            after = self.trouble.after(exc)
+            after = self.trouble.after(exc, ran_s=self._clock() - began, deadline_s=self._pull_deadline())
             if after == "empty":  # the real service ends an empty long pull with DeadlineExceeded
                 self._want = PULL_FIRST
             return after
@@ -365,12 +367,15 @@ class SubscriptionFeed:
 
     def _pull(self, most: int) -> list[Any]:
         """One long pull; while the feed holds messages, it waits no longer than they may stay (``HELD_MOST_S``)."""
-        with self._lock:
-            holding = bool(self._held)
         response = self._client().pull(subscription=self.subscription, max_messages=most,
-                                       timeout=HELD_MOST_S if holding else PULL_DEADLINE_S, retry=None)
+                                       timeout=self._pull_deadline(), retry=None)
         self.trouble.reached()
         return list(response.received_messages)
+
+    def _pull_deadline(self) -> float:
+        with self._lock:
+            holding = bool(self._held)
+        return HELD_MOST_S if holding else PULL_DEADLINE_S
 
     def _keep(self, received: list[Any], places: list[str]) -> None:
         """What a pull got joins what the feed holds, each with a place; the places it did not fill go back."""

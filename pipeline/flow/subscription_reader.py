@@ -80,8 +80,9 @@ LOGGER = logging.getLogger(__name__)
 # like keys. A round costs a lock and a work item, not a pull: a worker needs one reader to be read, and more only
 # to be read by several threads at once.
 READERS = 16
-# How many workers a job may grow to when its launch names none: Dataflow's default max_num_workers for a
-# streaming job on Streaming Engine (https://cloud.google.com/dataflow/docs/reference/pipeline-options).
+# How many workers a job may grow to when its launch names none: taken as 100, what Dataflow's service has
+# allowed a streaming job on Streaming Engine (its pipeline options reference says only that the service
+# chooses: https://cloud.google.com/dataflow/docs/reference/pipeline-options), so name MAX_WORKERS to be sure.
 DEFAULT_MAX_WORKERS = 100
 # The most messages one round takes.
 PULL_MOST = subscription_feed.PULL_MOST
@@ -143,8 +144,7 @@ class PullWithinRoomFn(beam.DoFn, RestrictionProvider):
         message was a dead letter of parsing or measuring) is no longer for taking, and goes back to the worker."""
         places, self._bundle_places = self._bundle_places, []
         if places and self._bundle_feed is not None:
-            read_places.discard(self._source.tag, places)
-            self._bundle_feed.left_over(places)  # on the feed's thread: the bundle's end waits on nothing
+            end_read_bundle(self._bundle_feed, self._source.tag, places)
 
     def initial_restriction(self, element: tuple[str, int]) -> OffsetRange:
         return OffsetRange(0, self._rounds)
@@ -233,7 +233,7 @@ class Round:
 
 def take_round(feed: subscription_feed.SubscriptionFeed, tag: str, most: int = PULL_MOST) -> Round:
     """One round's take, as :class:`PullWithinRoomFn` and the worker's simulator (``tests/vm_sim.py``) both run it:
-    up to ``most`` of what the feed pulled, their places queued for the admission step in this process; with
+    up to ``most`` of what the feed pulled, their places queued for this bundle's admission step; with
     nothing, the reader asks again ``EMPTY_DELAY_S`` later if the subscription was empty (or cannot be pulled),
     else ``FULL_DELAY_S`` (the worker is full, or a pull is under way). Never waits. The caller acknowledges
     :attr:`Round.ack_ids` once its bundle committed."""
@@ -241,8 +241,16 @@ def take_round(feed: subscription_feed.SubscriptionFeed, tag: str, most: int = P
     if not messages:
         return Round((), EMPTY_DELAY_S if (feed.empty or feed.refused) and not feed.full else FULL_DELAY_S)
     taken = Round(messages, 0.0)
-    read_places.queue(tag, taken.places)
+    read_places.queue(tag, taken.places, read_places.this_bundle())
     return taken
+
+
+def end_read_bundle(feed: subscription_feed.SubscriptionFeed, tag: str, places: list[str]) -> None:
+    """A read bundle's end, as :class:`PullWithinRoomFn` and the worker's simulator both run it: the places its
+    rounds queued and no admission took over (their messages were dead letters) are no longer for taking, and go
+    back to the worker's room on the feed's thread (the bundle's end waits on nothing)."""
+    read_places.discard(tag, places, read_places.this_bundle())
+    feed.left_over(places)
 
 
 def marked_bulk(message: PubsubMessage) -> PubsubMessage:

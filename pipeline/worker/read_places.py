@@ -12,8 +12,11 @@ admits each request in place of one of them, in one step under the ledger's lock
 and no other admission takes the place in between. A place that no request takes over (its message was a dead
 letter) lapses, once its bundle ended, like any request on its way (:mod:`pipeline.worker.hold`).
 
-One queue per runtime tag and process: a fused stage runs the reader and the admission step in one process, and
-a worker's SDK processes each have their own.
+One queue per runtime tag, process and bundle: a fused stage runs the reader and the admission step in one
+process, and the SDK harness runs each bundle on one thread of its own, so a read's places are queued under its
+thread (``owner``) and only that bundle's admission step takes them; several bundles at once never take each
+other's, which their own ends discard. A read whose admission runs on another thread (the local runner's,
+``local/direct_runner.py``) queues without an owner, and any admission step of the process takes those.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ class Ledger(Protocol):
 PLACE_PREFIX = "read-place:"
 
 # Each entry: a place and when it was queued (the monotonic clock).
-# Per process: the places this process's reads took and its admission step has not yet taken over, by runtime tag.
-_QUEUES: dict[str, collections.deque[tuple[str, float]]] = {}
+# Per process: the places this process's reads took and its admission step has not yet taken over, by runtime tag
+# and owner (the bundle's thread; None: any).
+_QUEUES: dict[tuple[str, int | None], collections.deque[tuple[str, float]]] = {}
 _LOCK = threading.Lock()
 
 
@@ -70,41 +74,53 @@ def renew(runtime: Ledger, places: list[str]) -> list[str]:
     return runtime.renew(places) if places else []
 
 
-def settle(runtime: Ledger, tag: str, places: list[str], used: int) -> None:
+def settle(runtime: Ledger, tag: str, places: list[str], used: int, owner: int | None = None) -> None:
     """The pull filled ``used`` of ``places``: those are queued for the admission step to take over, and the rest
     are given back to the worker's room. The used places count, open, until they are taken over or the read's
     bundle ends (the reader then :func:`discard` s what is left, dead letters' places, and gives them back)."""
     runtime.settled(places[:used], places[used:])
-    queue(tag, places[:used])
+    queue(tag, places[:used], owner)
 
 
-def queue(tag: str, places: list[str]) -> None:
-    """Places whose messages go down this process's stage now: the admission step takes them over."""
+def this_bundle() -> int:
+    """The owner a read's places are queued under: the thread its bundle runs on."""
+    return threading.get_ident()
+
+
+def queue(tag: str, places: list[str], owner: int | None = None) -> None:
+    """Places whose messages go down this process's stage now: the admission step of ``owner``'s bundle (None:
+    any) takes them over."""
     if places:
         now = time.monotonic()
         with _LOCK:
-            _QUEUES.setdefault(tag, collections.deque()).extend((place, now) for place in places)
+            _QUEUES.setdefault((tag, owner), collections.deque()).extend((place, now) for place in places)
 
 
 def take(tag: str, count: int, fresher_than_s: float = float("inf")) -> list[str]:
-    """Up to ``count`` of this process's queued places, oldest first, for requests to be admitted in place of.
-    Places queued longer ago than ``fresher_than_s`` are dropped, not taken: their messages were dead letters
-    (nothing took them over), and in the ledger they have lapsed, or will once their bundle ends."""
+    """Up to ``count`` of the places queued for this bundle (this thread's, then those any may take), oldest first,
+    for requests to be admitted in place of. Places queued longer ago than ``fresher_than_s`` are dropped, not
+    taken: their messages were dead letters (nothing took them over), and in the ledger they have lapsed, or will
+    once their bundle ends."""
     horizon = time.monotonic() - fresher_than_s
     taken: list[str] = []
     with _LOCK:
-        queue = _QUEUES.get(tag)
-        while queue and len(taken) < count:
-            place, queued_at = queue.popleft()
-            if queued_at >= horizon:
-                taken.append(place)
+        for owner in (this_bundle(), None):
+            queue = _QUEUES.get((tag, owner))
+            while queue and len(taken) < count:
+                place, queued_at = queue.popleft()
+                if queued_at >= horizon:
+                    taken.append(place)
     return taken
 
 
-def discard(tag: str, places: list[str]) -> None:
+def discard(tag: str, places: list[str], owner: int | None = None) -> None:
     """The read's bundle ended: what it queued and nothing took over (dead letters) is no longer for taking."""
     left = set(places)
     with _LOCK:
-        queue = _QUEUES.get(tag)
+        queue = _QUEUES.get((tag, owner))
         if queue and left:
-            _QUEUES[tag] = collections.deque(entry for entry in queue if entry[0] not in left)
+            kept = collections.deque(entry for entry in queue if entry[0] not in left)
+            if kept:
+                _QUEUES[(tag, owner)] = kept
+            else:
+                del _QUEUES[(tag, owner)]
