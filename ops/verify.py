@@ -88,6 +88,9 @@ DRIVER_LINE = re.compile(r"GPU driver (?P<driver>not found|[^,\s]+), torch built
 DRIVER_TEXT = "torch built for CUDA"
 # The readers' flow-control counters (pipeline/flow/subscription_reader.py, pipeline/flow/admission.py).
 FLOW_COUNTERS = ("read_messages", "read_deferred", "admitted_uncounted")
+# The reader's feed's counters of Pub/Sub refusing it (pipeline/flow/pubsub_trouble.py) and of acknowledgements that
+# failed for good (pipeline/flow/feed_acks.py): any of them fails the check with its cause.
+TROUBLE_COUNTERS = ("pull_refused", "pubsub_unreachable", "ack_failed")
 # More of what was read passing on uncounted than this share is flow control not holding: a runtime rebuild passes
 # on what the readers had pulled before, a small share; a runtime never reachable passes on everything.
 UNCOUNTED_SHARE = 0.05
@@ -689,6 +692,22 @@ def flow_control_check(rest: Rest, job: Job) -> Check:
                      "without a place in the worker's hold (the runtime could not be asked), so nothing bounded what "
                      "each worker took", "the job's log says why the runtime was unreachable (its engine host or "
                      "model server failing to start: docs/operations.md#first-job-checklist)")
+    try:
+        trouble = {name: newest(rest, job.project, counter_query(job, name), COUNTER_WINDOW_S) or 0
+                   for name in TROUBLE_COUNTERS}
+    except ApiError as exc:
+        return refused("flow_control", exc, job.project)
+    if trouble["pull_refused"] or trouble["pubsub_unreachable"]:
+        return Check("flow_control", FAIL, f"{shown}; pull_refused {trouble['pull_refused']:.0f}, "
+                     f"pubsub_unreachable {trouble['pubsub_unreachable']:.0f}: the workers cannot pull the "
+                     "subscription", "the job's log says why, once a minute ('Pub/Sub refuses to let this worker "
+                     "pull', 'Pub/Sub cannot be reached'): the job's account needs Pub/Sub Subscriber and Viewer on "
+                     "the subscription (make setup), and a worker without an external IP needs Private Google Access "
+                     "(docs/operations.md#network)")
+    if trouble["ack_failed"]:
+        return Check("flow_control", FAIL, f"{shown}; ack_failed {trouble['ack_failed']:.0f}: acknowledgements failed, "
+                     "so Pub/Sub delivers those messages again", "the job's log says why ('Acknowledging ... failed'); "
+                     "a copy that comes back after dedupe_window_s is answered again (docs/architecture.md)")
     deferred = values["read_deferred"] or 0
     reading = ("the readers found the workers full in some rounds and pulled nothing then, as designed"
                if deferred else "no reader round found a worker full")

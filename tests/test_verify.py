@@ -148,7 +148,8 @@ def constant(value: float) -> Any:
 
 
 def a_running_job(stand_in: ObservabilityStandIn, world: dict[str, str], *, driver: tuple[str, str, str],
-                  workers: Any, targets: Any, undelivered: Any, uncounted: float = 0) -> dict[str, Any]:
+                  workers: Any, targets: Any, undelivered: Any, uncounted: float = 0,
+                  trouble: dict[str, float] | None = None) -> dict[str, Any]:
     """A job in the stand-in with its logs and metrics, beside another job's, which verify must not read."""
     run = next(RUNS)
     name, job_id, other = f"streaming-llm-vf{run}", f"2026-11-25_00_00_{run:02d}-111", f"2026-11-24_00_00_{run:02d}-222"
@@ -164,7 +165,8 @@ def a_running_job(stand_in: ObservabilityStandIn, world: dict[str, str], *, driv
     stand_in.log(harness, other, name, REGION, message=driver_line("525.60.13", "13.0", "does not fit"))
     counter = "dataflow.googleapis.com/job/user_counter"
     counters: tuple[tuple[str, dict[str, Any]], ...] = (
-        (job_id, {"read_messages": 120, "read_deferred": lambda s: 7 + 10 * s, "admitted_uncounted": uncounted}),
+        (job_id, {"read_messages": 120, "read_deferred": lambda s: 7 + 10 * s, "admitted_uncounted": uncounted,
+                  **{name: constant(value) for name, value in (trouble or {}).items()}}),
         (other, {"read_messages": 999}))
     for job_of, values in counters:
         for metric_name, value in values.items():
@@ -295,6 +297,25 @@ def test_flow_control_fails_when_what_is_read_passes_on_without_a_place(emulator
     assert found.status == status, found
     if status == "FAIL":
         assert "50% of what was read" in found.detail and "runtime" in found.advice
+
+
+@pytest.mark.parametrize("trouble, said", [({"pull_refused": 3}, "cannot pull"), ({"pubsub_unreachable": 1},
+                                                                                  "cannot pull"),
+                                            ({"ack_failed": 2}, "acknowledgements failed")])
+def test_flow_control_fails_when_pubsub_refuses_the_reader_or_its_acknowledgements(emulator, stand_in, trouble,
+                                                                                    said):
+    """The feed's counters of Pub/Sub refusing its pulls, being out of reach, or failing acknowledgements for good
+    fail the check with the cause to look for, where they would otherwise look like a quiet subscription."""
+    world = job_world(emulator)
+    job = a_running_job(stand_in, world, driver=("580.95.05", "13.0", "fits"), workers=constant(1),
+                        targets=constant(1), undelivered=constant(0), trouble=trouble)
+    rest = verify.Rest(settings_env(world, stand_in, job["name"]))
+    try:
+        found = verify.flow_control_check(rest, verify.find_job(rest, PROJECT, REGION, job["name"], None))
+    finally:
+        rest.close()
+    assert found.status == "FAIL" and said in found.detail, found
+    assert "log" in found.advice
 
 
 @pytest.mark.parametrize("num_workers, status", [(4, "UNKNOWN"), (1, "FAIL")])

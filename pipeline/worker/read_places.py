@@ -46,9 +46,8 @@ class Ledger(Protocol):
 # How a place-holder's name starts in the ledger; its random rest keeps it apart from any request id.
 PLACE_PREFIX = "read-place:"
 
-# Each entry: a place and when it was queued (the monotonic clock).
-# Per process: the places this process's reads took and its admission step has not yet taken over, by runtime tag
-# and owner (the bundle's thread; None: any).
+# Each entry: a place and when it was queued (the monotonic clock). By runtime tag and owner (the bundle's thread;
+# None: any), per process: the places this process's reads took and its admission step has not yet taken over.
 _QUEUES: dict[tuple[str, int | None], collections.deque[tuple[str, float]]] = {}
 _LOCK = threading.Lock()
 
