@@ -349,30 +349,31 @@ class SubscriptionFeed:
             return "full"
         self.full = False
         received: list[Any] = []
-        began = self._clock()
+        began, deadline_s = self._clock(), self._pull_deadline()
         try:
-            received = self._pull(len(places))
+            received = self._pull(len(places), deadline_s)
             # Slow start: twice as many after a pull that filled all its places; after one that did not, half (the
             # real service often answers a unary pull with fewer messages than it holds), never below what came.
             self._want = min(PULL_MOST, 2 * self._want) if len(received) == len(places) else \
                 max(PULL_FIRST, len(received), self._want // 2)
             return "pulled" if received else "empty"
         except Exception as exc:  # noqa: BLE001 - classified below
-            after = self.trouble.after(exc, ran_s=self._clock() - began, deadline_s=self._pull_deadline())
+            after = self.trouble.after(exc, ran_s=self._clock() - began, deadline_s=deadline_s)
             if after == "empty":  # the real service ends an empty long pull with DeadlineExceeded
                 self._want = PULL_FIRST
             return after
         finally:
             self._keep(received, places)
 
-    def _pull(self, most: int) -> list[Any]:
-        """One long pull; while the feed holds messages, it waits no longer than they may stay (``HELD_MOST_S``)."""
-        response = self._client().pull(subscription=self.subscription, max_messages=most,
-                                       timeout=self._pull_deadline(), retry=None)
+    def _pull(self, most: int, deadline_s: float) -> list[Any]:
+        """One long pull of at most ``deadline_s`` (:meth:`_pull_deadline`)."""
+        response = self._client().pull(subscription=self.subscription, max_messages=most, timeout=deadline_s,
+                                       retry=None)
         self.trouble.reached()
         return list(response.received_messages)
 
     def _pull_deadline(self) -> float:
+        """How long a pull may wait: while the feed holds messages, no longer than they may stay (``HELD_MOST_S``)."""
         with self._lock:
             holding = bool(self._held)
         return HELD_MOST_S if holding else PULL_DEADLINE_S
