@@ -644,10 +644,6 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
     world.report.ended_before_drain = set(world.report.ended)
     world.report.read = world.read - world.shed_pending  # a shed request's republish stays in Pub/Sub
     world.report.seconds = world.now
-    world.report.generated += sum(e.generated for e in world.engines.values())
-    for engine in world.engines.values():
-        world.report.generated_for.update(engine.generated_for)
-    world.report.expired += sum(e.expired for e in world.engines.values())
     world.faulty = True
     # The streams the keys' committed state knows on the engine each key is on: the drain must end each (a try
     # whose commit failed may have left one nobody knows, and a key that moved left its old worker's: their
@@ -660,6 +656,11 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
         while not world.work_item(key, DrainDue(world.now)):
             pass  # a failed commit: the runner fires the drain timer again
         world.report.left_state[key] = {k: v for k, v in record.cells.items() if v}
+    # What the engines alive at the end generated and expired: a host that died (in the drain too) added its own.
+    world.report.generated += sum(e.generated for e in world.engines.values())
+    world.report.expired += sum(e.expired for e in world.engines.values())
+    for engine in world.engines.values():
+        world.report.generated_for.update(engine.generated_for)
     world.report.left_running = {name: sum(1 for stream in engine.registry.streams.values()
                                            if not stream.done and (name, stream.key) in known
                                            and (name, stream.key) not in world.uncancelled)
