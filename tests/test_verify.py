@@ -282,18 +282,23 @@ def test_a_job_whose_autoscaler_never_adds_a_worker_fails_the_autoscaling_line(e
     assert len(left) == backlog and all("-backlog-" in request_id for request_id in left)
 
 
+def flow_control_of(emulator, stand_in: ObservabilityStandIn, **counters: Any) -> verify.Check:
+    """The flow_control check of a running job of one idle worker with these counters (``a_running_job``'s)."""
+    world = job_world(emulator)
+    job = a_running_job(stand_in, world, driver=("580.95.05", "13.0", "fits"), workers=constant(1),
+                        targets=constant(1), undelivered=constant(0), **counters)
+    rest = verify.Rest(settings_env(world, stand_in, job["name"]))
+    try:
+        return verify.flow_control_check(rest, verify.find_job(rest, PROJECT, REGION, job["name"], None))
+    finally:
+        rest.close()
+
+
 @pytest.mark.parametrize("uncounted, status", [(0, "PASS"), (5, "PASS"), (60, "FAIL")])
 def test_flow_control_fails_when_what_is_read_passes_on_without_a_place(emulator, stand_in, uncounted, status):
     """A runtime the admission step cannot ask passes everything on uncounted: nothing bounds what a worker takes.
     A rebuild's few (here 5 of 120) are flow control working."""
-    world = job_world(emulator)
-    job = a_running_job(stand_in, world, driver=("580.95.05", "13.0", "fits"), workers=constant(1),
-                        targets=constant(1), undelivered=constant(0), uncounted=uncounted)
-    rest = verify.Rest(settings_env(world, stand_in, job["name"]))
-    try:
-        found = verify.flow_control_check(rest, verify.find_job(rest, PROJECT, REGION, job["name"], None))
-    finally:
-        rest.close()
+    found = flow_control_of(emulator, stand_in, uncounted=uncounted)
     assert found.status == status, found
     if status == "FAIL":
         assert "50% of what was read" in found.detail and "runtime" in found.advice
@@ -306,14 +311,7 @@ def test_flow_control_fails_when_pubsub_refuses_the_reader_or_its_acknowledgemen
                                                                                     said):
     """The feed's counters of Pub/Sub refusing its pulls, being out of reach, or failing acknowledgements for good
     fail the check with the cause to look for, where they would otherwise look like a quiet subscription."""
-    world = job_world(emulator)
-    job = a_running_job(stand_in, world, driver=("580.95.05", "13.0", "fits"), workers=constant(1),
-                        targets=constant(1), undelivered=constant(0), trouble=trouble)
-    rest = verify.Rest(settings_env(world, stand_in, job["name"]))
-    try:
-        found = verify.flow_control_check(rest, verify.find_job(rest, PROJECT, REGION, job["name"], None))
-    finally:
-        rest.close()
+    found = flow_control_of(emulator, stand_in, trouble=trouble)
     assert found.status == "FAIL" and said in found.detail, found
     assert "log" in found.advice
 

@@ -248,6 +248,17 @@ def _paused_worlds(seeds: range, leases_paused: float = 1.5) -> list[worker_sim.
     return worlds
 
 
+def _paused_failures(leases_paused: float) -> list[str]:
+    """What the simulator catches in twenty of those worlds."""
+    failures = []
+    for schedule in _paused_worlds(range(20), leases_paused):
+        try:
+            worker_sim.check(worker_sim.play(schedule, max_items=200_000))
+        except worker_sim.Violation as violation:
+            failures.append(str(violation))
+    return failures
+
+
 def test_a_process_paused_past_a_lease_while_another_polls_keeps_its_streams():
     """The pause is not a move: the paused process's streams are kept by their leases (its clocks stop while it
     is not heard), so every request ends once and nothing is generated twice."""
@@ -268,12 +279,7 @@ def test_it_bites_when_a_paused_process_is_still_heard(monkeypatch):
         real(self, now)
 
     monkeypatch.setattr(worker_sim.SimEngine, "advance", always_heard)
-    failures = []
-    for schedule in _paused_worlds(range(20), 3.5):
-        try:
-            worker_sim.check(worker_sim.play(schedule, max_items=200_000))
-        except worker_sim.Violation as violation:
-            failures.append(str(violation))
+    failures = _paused_failures(3.5)
     assert any("ended at attempt" in f or "tokens generated for" in f for f in failures), \
         "streams lost to a heartbeat heard through a pause went unseen"
 
@@ -287,12 +293,7 @@ def test_it_bites_when_a_lease_runs_on_the_wall_clock(monkeypatch):
         return self.awake_s - host_awake_at >= (max(self.lease_s, self.finished_s) if done else self.lease_s)
 
     monkeypatch.setattr(leases.LeaseClocks, "expired", wall_clock)
-    failures = []
-    for schedule in _paused_worlds(range(20)):
-        try:
-            worker_sim.check(worker_sim.play(schedule, max_items=200_000))
-        except worker_sim.Violation as violation:
-            failures.append(str(violation))
+    failures = _paused_failures(1.5)
     # Seen as a stream sent again with no host death under it, or as tokens generated twice.
     assert any("ended at attempt" in f or "tokens generated for" in f for f in failures), \
         "streams lost to a pause went unseen"
