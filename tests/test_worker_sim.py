@@ -1,7 +1,7 @@
 """The key machine under the worker simulator (tests/worker_sim.py): thousands of drawn schedules of failed
 commits, redeliveries, key moves, host deaths, unreachable and failing engines, late timers and drains, and what a
 worker VM adds: several SDK processes on one engine, one paused past a stream lease, an update mid-stream,
-model-server restarts of drawn length and drains while streams run.
+model-server restarts of drawn length, a dead host's rebuild of drawn length and drains while streams run.
 
 ``WORKER_SIM_SCHEDULES`` sets how many (default 10,000; a million for the long run). A failing schedule names
 its seed, and ``tests.worker_sim.run(seed)`` replays it exactly. The last tests break, one at a time, the line
@@ -160,8 +160,8 @@ def test_it_bites_when_a_finished_stream_is_never_released(monkeypatch):
 
 def test_the_drawn_worlds_cover_a_worker_vm():
     """Of the drawn worlds, some run several SDK processes on one engine, pause one past a stream lease, update
-    the job mid-stream, restart the model server, or kill a host under running streams: the events the VM adds
-    are exercised, not only declared."""
+    the job mid-stream, restart the model server, or kill a host under running streams and take seconds to
+    rebuild it: the events the VM adds are exercised, not only declared."""
     reports = [worker_sim.run(seed) for seed in range(300)]
     for report in reports:
         worker_sim.check(report)
@@ -172,6 +172,8 @@ def test_the_drawn_worlds_cover_a_worker_vm():
     assert sum(v.pause is not None and v.pause[2] > lease_s for v in vm) > 30
     assert sum(r.updates for r in reports) > 10 and sum(bool(r.restarted) for r in reports) > 10
     assert sum(bool(r.hits) for r in reports) > 10, "host deaths and updates under running streams"
+    assert sum(r.host_deaths > 0 and r.schedule.vm.rebuild_s >= 5.0 for r in reports) > 10, \
+        "host deaths whose runtime takes seconds to rebuild"
 
 
 def _any_caught(seeds: range, pattern: str) -> bool:
@@ -188,7 +190,20 @@ def test_it_bites_when_a_drain_forgets_to_cancel(monkeypatch):
         return state, dataclasses.replace(effects, cancel=())
 
     monkeypatch.setattr(key_machine, "_drain_end", no_cancel)
-    assert _any_caught(range(300), "still runs"), "a lost cancel went unseen"
+    assert _any_caught(range(300), "still run"), "a lost cancel went unseen"
+
+
+def test_it_bites_when_a_poll_forgets_to_cancel(monkeypatch):
+    """A poll that gives streams up (the engine failed them past the bound), or could not release finished ones,
+    and cancels nothing: the request ends while the engine still generates for it, seen at that commit."""
+    real = key_machine._polled
+
+    def no_cancel(work, state, pending, event):
+        state, effects = real(work, state, pending, event)
+        return state, dataclasses.replace(effects, cancel=())
+
+    monkeypatch.setattr(key_machine, "_polled", no_cancel)
+    assert _any_caught(range(400), "still running"), "a lost cancel went unseen"
 
 
 def test_it_bites_when_a_poll_skips_a_chunk(monkeypatch):

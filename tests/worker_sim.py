@@ -24,10 +24,13 @@ documented semantics (the same rules ``local/runner_semantics.py`` follows, with
   one process paused for more than a stream lease (its keys' work items wait, its heartbeat stops: "Troubleshoot
   Dataflow out of memory errors" and the leases' docstring); a job update mid-stream (every host and process
   replaced, the keys' committed state kept: "Update an existing pipeline"); model-server restarts of drawn
-  length (the engine sends each running stream again as its next attempt); and a drain while streams run.
+  length (the engine sends each running stream again as its next attempt); a dead host's runtime that takes a
+  drawn time to rebuild (its first rebuilds fail: every call to that worker is unreachable meanwhile); and a
+  drain while streams run.
 
 Invariants are checked as each work item commits (each attempt's chunks in order, no gap and no copy; no
-request ends twice; no engine past ``max_in_flight``) and at the end (each request ended once, whole, nothing
+request ends twice, nor with a stream its key knew still running uncancelled; no engine past
+``max_in_flight``) and at the end (each request ended once, whole, nothing
 wedged or left in state, every stream a drained key knew ended, a host death or update costing each stream
 under it one resend, and no more than 1.05 tokens generated per token delivered where no stream was lost).
 
@@ -86,13 +89,16 @@ class Faults:
 class VmEvents:
     """What a worker VM adds (drawn apart from the rest, so earlier seeds keep their worlds): SDK processes per
     worker sharing its engine (each a lease client), one process paused past a stream lease, a job update, and
-    model-server restarts of drawn length."""
+    model-server restarts of drawn length, and how long a dead host's runtime takes to be rebuilt."""
 
     processes: int = 1
     pause: tuple[int, float, float] | None = None  # (process of w0, at, for_s): no work item, no heartbeat
     update_at: float | None = None  # every engine host and process replaced; committed state kept
     restarts: tuple[tuple[float, float], ...] = ()  # (at, length): the model server of w0 restarts
     drain_at: float | None = None  # the job drains then, streams running (else once every key is idle)
+    # After a host dies its runtime is acquired anew, and the first rebuilds may fail (a model folder not there
+    # yet): for this long every call to its worker is unreachable.
+    rebuild_s: float = 0.0
 
     @property
     def loses_streams(self) -> bool:
@@ -110,7 +116,8 @@ class VmEvents:
         restarts = tuple(sorted((rng.uniform(0, 3.0), rng.choice([0.5, 5.0, 40.0]))
                                 for _ in range(rng.choice([0, 0, 0, 1, 2]))))
         drain_at = rng.uniform(0.2, 2.0) if rng.random() < 0.2 else None
-        return cls(processes, pause, update_at, restarts, drain_at)
+        rebuild_s = rng.choice([0.0, 0.5, 5.0, 40.0])  # drawn last: earlier draws keep their worlds
+        return cls(processes, pause, update_at, restarts, drain_at, rebuild_s)
 
 
 @dataclass(frozen=True)
@@ -415,6 +422,7 @@ class World:
         self.process = {key: key % schedule.vm.processes for key in range(schedule.keys)}  # its SDK process
         self.keys = {key: _Key() for key in range(schedule.keys)}
         self._restarts = list(schedule.vm.restarts)
+        self.rebuilt_at: dict[str, float] = {}  # worker -> when its dead host's runtime answers again
         self.read: set[str] = set()  # requests whose bundle a committed work item took
         self.shed_pending: set[str] = set()  # shed requests whose republish no committed work item took yet
         self.uncancelled: set[tuple[str, str]] = set()  # (worker, stream) whose cancel failed
@@ -496,7 +504,7 @@ class World:
 
     def call(self, key: int, kind: str, what: Callable[[SimEngine], Any]) -> tuple[Call, Any]:
         f = self.s.faults
-        if self.chance(f.unreachable):
+        if self.now < self.rebuilt_at.get(self.owner[key], 0.0) or self.chance(f.unreachable):
             return Call.UNREACHABLE, None
         if self.chance(f.engine_fails) or (self.faulty and kind == f.broken
                                            and f.broken_at <= self.now < f.broken_at + f.broken_s):
@@ -525,7 +533,15 @@ class World:
             record.poll_at = None  # a timer that fires is cleared unless the callback sets it again
         if port.timer:
             record.poll_at = port.timer[-1]
-        self._deliver(port.outputs)
+        ended = self._deliver(port.outputs)
+        # A request that ended leaves no stream running that its key knew: finished, or cancelled (unless that
+        # cancel failed, and the stream's lease ends it).
+        engine, knew = self.engine_of(key), {entry.request_id: entry.key for entry in before.inflight if entry.key}
+        for request_id in ended:
+            stream = engine.registry.streams.get(knew.get(request_id) or "")
+            if stream is not None and not stream.done and (self.owner[key], stream.key) not in self.uncancelled:
+                raise Violation(self.s.seed, f"request {request_id} ended with its stream {stream.key} still "
+                                             f"running (at {self.now:.2f} s)")
         return True
 
     def _submit(self, key: int, submission: Submission) -> SubmitResult:
@@ -534,10 +550,12 @@ class World:
                                                                                  submission.attempts, self.now, client))
         return SubmitResult(submission, outcome, tuple(streams) if outcome is Call.ANSWERED else ())
 
-    def _deliver(self, outputs: list[Output]) -> None:
+    def _deliver(self, outputs: list[Output]) -> list[str]:
         """Records a committed work item's outputs, checking at once what must hold after every step: each
-        attempt's chunks arrive in order, without a gap or a copy, and no request ends twice."""
+        attempt's chunks arrive in order, without a gap or a copy, and no request ends twice. Returns the ids of
+        the requests that ended."""
         r, seed = self.report, self.s.seed
+        ended: list[str] = []
         for kind, payload in outputs:
             record = json.loads(payload)
             if kind == CHUNK:
@@ -553,6 +571,7 @@ class World:
                 if r.ended[record["id"]]:
                     raise Violation(seed, f"request {record['id']} ended twice (at {self.now:.2f} s)")
                 r.ended[record["id"]] += 1
+                ended.append(record["id"])
                 r.completions[record["id"]] = record
                 r.delivered += record["tokens"]
             else:
@@ -568,6 +587,8 @@ class World:
                     if r.ended[record["id"]]:
                         raise Violation(seed, f"request {record['id']} ended twice (at {self.now:.2f} s)")
                     r.ended[record["id"]] += 1
+                    ended.append(record["id"])
+        return ended
 
     def due(self) -> list[tuple[str, int, Any]]:
         items: list[tuple[str, int, Any]] = [("bundle", key, b) for b in self.bundles if b[0] <= self.now
@@ -614,7 +635,9 @@ class World:
             self.process[moved] = self.rng.randrange(self.s.vm.processes)
             self.report.moves += 1
         if self.chance(self.s.faults.host_dies):
-            self._host_died(self.rng.choice(sorted(self.engines)))
+            dead = self.rng.choice(sorted(self.engines))
+            self._host_died(dead)
+            self.rebuilt_at[dead] = self.now + self.s.vm.rebuild_s
             self.report.host_deaths += 1
         return True
 
@@ -635,7 +658,9 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
     while world.step():
         if drain_at is not None and world.now >= drain_at:
             break  # the job drains now: it reads no more (what is unread stays in Pub/Sub for the next job)
-        if world.report.work_items > max_items:
+        # Likewise while a dead host's runtime is rebuilt.
+        rebuilding = world.report.host_deaths * schedule.vm.rebuild_s * schedule.keys / schedule.rules.poll_interval_s
+        if world.report.work_items > max_items + rebuilding:
             raise Violation(schedule.seed, f"more than {max_items} work items: a key polls without end")
         if world.now > 60 and world.faulty:
             world.faulty = False  # the calm spell: whatever the faults left must now finish
