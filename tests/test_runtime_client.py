@@ -11,7 +11,7 @@ import time
 
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.worker.runtime import runtime_generation
-from pipeline.worker.runtime_client import RuntimeClient
+from pipeline.worker.runtime_client import RuntimeClient, start_heartbeat
 from pipeline.worker.runtime_settings import AdmissionSettings, CallSettings, RuntimeSettings
 from tests.conftest import wait_until
 
@@ -25,6 +25,7 @@ class StagedHost:
                                         CallSettings(bound_s=10.0))
         self.tag = f"staged-{time.monotonic_ns()}"
         self.builds, self.alive = 0, True
+        self.beats: list[tuple[int, str]] = []  # (build, client) of each heartbeat the host heard
 
     def acquire(self, *, fresh: bool = False) -> "Handle":
         if fresh:
@@ -40,6 +41,10 @@ class Handle:
         if not self.host.alive or self.build != self.host.builds:
             raise ConnectionError("the runtime's host is gone")  # as a MultiProcessShared proxy's call does
         return "pong"
+
+    def heartbeat(self, client: str) -> None:
+        self.ping()
+        self.host.beats.append((self.build, client))
 
 
 def test_a_call_on_the_dead_hosts_handle_that_fails_after_the_reconnect_starts_no_second_rebuild():
@@ -65,3 +70,17 @@ def test_a_call_on_the_dead_hosts_handle_that_fails_after_the_reconnect_starts_n
     assert outcomes and outcomes[0][1] is None, "the late call failed on the dead host's handle"
     time.sleep(1.0)  # a second reconnect, were one started, builds at once
     assert host.builds == 1, "one rebuild for the host's death, not one per call that saw it"
+
+
+def test_the_heartbeat_is_under_the_one_policy_a_dead_host_it_finds_is_rebuilt_once_and_then_hears_it():
+    """The heartbeat is a runtime call like the steps': the first process whose beat finds the host gone starts
+    the one reconnect, a further beat on the old handle starts no other, and the new host hears the beats."""
+    host = StagedHost()
+    host.alive = False
+    start_heartbeat(host)
+    start_heartbeat(host)  # once per process and runtime, however many steps start it
+    assert wait_until(lambda: runtime_generation(host.tag) == 1, 10), "a beat that finds the host gone reconnects"
+    assert wait_until(lambda: len({build for build, _ in host.beats}) == 1 and len(host.beats) >= 3, 10), host.beats
+    time.sleep(1.0)
+    assert host.builds == 1, "one rebuild, however many beats saw the dead host"
+    assert {build for build, _ in host.beats} == {1} and len({client for _, client in host.beats}) == 1

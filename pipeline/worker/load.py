@@ -73,7 +73,7 @@ class LoadGauges:
                 return
             record.gauges_at[self._step] = now
         outcome, answer = client.call("read the load", lambda runtime: runtime.load_and_counts())
-        if outcome is not Call.ANSWERED:
+        if outcome is not Call.ANSWERED or answer is None:
             return
         load, grown = answer
         for name, more in grown.items():

@@ -21,7 +21,6 @@ call that has not started by then (every call thread waits on the host) is withd
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -114,6 +113,9 @@ def _answered(tag: str, future: Future[Any]) -> None:
         _UNANSWERED.get(tag, set()).discard(future)
 
 
+# The heartbeat's counters: its thread runs outside every bundle, where Beam keeps no metric; the log says what
+# failed, and the steps' own calls count the same host.
+HEARTBEAT_NAMESPACE = "worker_heartbeat"
 # Per process: the runtimes it sends its heartbeat to, by tag.
 _HEARTBEATS: dict[str, threading.Thread] = {}
 
@@ -124,11 +126,11 @@ def start_heartbeat(source: RuntimeSource) -> None:
     interval_s = min(max(source.settings.engine.stream_lease_s / 8, 0.025), 0.5)
 
     def beat() -> None:
-        client = client_id()
+        client = RuntimeClient(source, HEARTBEAT_NAMESPACE)
         while True:
-            # Bounded: a silent host is said so. Silent, reconnecting or gone, the steps' calls say so and recover.
-            with contextlib.suppress(Exception):
-                call_within(source, lambda runtime: runtime.heartbeat(client))
+            # The one policy: bounded by the call bound, a host found gone reconnected once (never a second
+            # rebuild for a handle from before it), an engine that raised logged and counted.
+            client.heartbeat()
             time.sleep(interval_s)
 
     with _CALLERS_LOCK:
@@ -148,7 +150,7 @@ class RuntimeClient:
         self._unreachable = Metrics.counter(namespace, "runtime_unreachable")
         self._silent = Metrics.counter(namespace, "runtime_silent")
 
-    def call(self, what: str, call: Callable[[WorkerRuntime], Any]) -> tuple[Call, Any]:
+    def call(self, what: str, call: Callable[[WorkerRuntime], _T]) -> tuple[Call, _T | None]:
         """``(ANSWERED, call(runtime))``, ``(UNREACHABLE, None)`` or ``(FAILED, None)``, within the call bound."""
         generation = runtime_generation(self._source.tag)  # before the call takes its handle
         try:
@@ -173,7 +175,11 @@ class RuntimeClient:
         """One batch submitted: the outcome and, when answered, a stream key or None (no room) per request."""
         outcome, keys = self.call("submit", lambda runtime: runtime.submit_batch(
             list(requests), list(attempts), self._client))
-        return outcome, tuple(keys) if outcome is Call.ANSWERED else ()
+        return outcome, tuple(keys) if keys is not None else ()
+
+    def heartbeat(self) -> None:
+        """Says this process is alive, to keep its streams' leases (:func:`start_heartbeat`)."""
+        self.call("hear the heartbeat", lambda runtime: runtime.heartbeat(self._client))
 
     def cancel(self, streams: Sequence[str]) -> None:
         self.call("cancel", lambda runtime: runtime.cancel(list(streams)))
