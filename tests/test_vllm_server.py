@@ -1,21 +1,18 @@
-"""The model manager with a real vLLM server: health, restarts, clean stop.
+"""The model manager with a real vLLM server: health, a start that fails, clean stop. A stalled server's restart
+is tests/test_managed_engine.py's, under the engine that manages it.
 
 A clean stop is checked on every server a test starts of its own (``tests.conftest.started``: here, and in
 ``test_model_weights``), not by a start of its own."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
-import psutil
 import pytest
 
-from local.cpu_server import LOCAL_SERVER
 from pipeline.serving.server_platform import ServerStartError, check_platform, installed_vllm_build
 from pipeline.serving.vllm_server import ServerSpec, VLLMServer
-from tests.conftest import chat, local_server_spec, wait_until
+from tests.conftest import chat, local_server_spec
 
 pytestmark = pytest.mark.engine
 
@@ -23,26 +20,6 @@ pytestmark = pytest.mark.engine
 def test_server_serves_the_real_model(vllm_server):
     answer = chat(vllm_server.base_url, "What is the capital of France?", temperature=0, max_tokens=20)
     assert "Paris" in answer["choices"][0]["message"]["content"]
-
-
-def test_a_stalled_server_is_restarted(vllm_server):
-    """...and what its engine says it loaded is read again from the new one (the lineage's source after a
-    restart: pipeline.serving.lineage.server_lineage)."""
-    old_pid, restarts = vllm_server.pid, vllm_server.stats.restarts
-    loaded = vllm_server.loaded
-    assert loaded["dtype"] == LOCAL_SERVER.dtype and loaded["max_seq_len"] == str(vllm_server.spec.max_model_len), \
-        loaded
-    os.kill(old_pid, signal.SIGSTOP)  # alive but unresponsive
-    try:
-        assert wait_until(lambda: vllm_server.stats.restarts == restarts + 1, 60)
-    finally:
-        if psutil.pid_exists(old_pid):
-            os.kill(old_pid, signal.SIGCONT)
-    vllm_server.wait_until_healthy(600)
-    assert vllm_server.pid != old_pid
-    assert wait_until(lambda: vllm_server.loaded is not loaded and vllm_server.loaded == loaded, 30), \
-        "the new server's engine said it again"
-    assert wait_until(lambda: not psutil.pid_exists(old_pid), 30)
 
 
 def test_a_missing_model_directory_is_reported_before_anything_starts(tmp_path):
