@@ -18,6 +18,7 @@ from pipeline.engines.transformers_engine import transformers_engine
 from pipeline.flow.batching import BatchingConfig
 from pipeline.intake.prompt_length import TokenizerMeter
 from pipeline.serving.vllm_server import ServerSpec
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -100,6 +101,29 @@ def test_a_batch_shares_its_time_among_its_rows_until_each_ends(engine):
     assert sum(shares.values()) == pytest.approx(busy, rel=0.01)
     assert 0 < shares["n4"] < shares["n12"] < shares["n24"]  # the longer answer ran longer, most of it alone
     assert shares["n24"] > busy / 3
+
+
+def test_a_live_batch_queued_behind_bulk_ones_is_generated_before_them(engine):
+    """A bulk batch runs; another bulk batch, then a live one, wait for it. The live batch goes next: its answer's
+    first chunk comes before the waiting bulk batch's (in arrival order it would come after)."""
+    count = "Count from 1 to 100, separated by commas."
+    running = [request(f"bulk-running-{n}", count, temperature=0, max_tokens=32, min_tokens=32, lane="bulk")
+               for n in range(2)]
+    keys = engine.submit_batch([r.to_json() for r in running], [1] * len(running))
+    assert None not in keys
+    assert wait_until(lambda: any(engine.poll(dict.fromkeys(keys, 0)).values()), 120), "the bulk batch runs"
+    waiting = [request(f"bulk-waiting-{n}", count, temperature=0, max_tokens=8, lane="bulk") for n in range(2)]
+    live = request("live", "Say hi.", temperature=0, max_tokens=4)
+    drive = drive_to_end(engine, [*waiting, live], batches=[2, 1], poll_s=0.02, timeout_s=300)
+    assert drive.first_at["live"] < min(drive.first_at[r.id] for r in waiting), drive.first_at
+    assert {c["lane"] for c in drive.completions()} == {"bulk", "live"}
+
+    def ended() -> bool:
+        outputs = engine.poll(dict.fromkeys(keys, 0))
+        return all(any(kind == COMPLETION for kind, _ in outputs.get(key, [])) for key in keys)
+
+    assert wait_until(ended, 120)
+    engine.poll({key: len(items) for key, items in engine.poll(dict.fromkeys(keys, 0)).items()})  # released
 
 
 def test_text_streams_per_decoding_step_not_when_the_batch_ends(engine):

@@ -26,12 +26,16 @@ more than one, so a small streamer of ours receives each step's tokens for the
 whole batch, decodes each row's new text and hands it to that request's chunk
 assembler: the first chunk leaves after the batch's first step, not when the
 batch ends. Batches run one at a time on one thread: a batch waits for the one
-before it, which is the head-of-line blocking continuous batching removes.
+before it, which is the head-of-line blocking continuous batching removes. Of
+the batches waiting, one that holds a live request goes before every bulk-lane
+batch (then in arrival order): a bulk backlog queued here delays a live request
+by the batch in progress, never by the backlog.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import queue
@@ -157,7 +161,9 @@ class TransformersBackend:
         self.padding = BatchPadding()
         LOGGER.info("Static engine: %s loaded on %s (%s) in %.1f s", path, self.device,
                     self._model.dtype, time.monotonic() - started)
-        self._batches: queue.Queue[list[Stream] | None] = queue.Queue()
+        # (lane, arrival, batch): live batches (0) before bulk ones (1), each lane in arrival order; None (2) ends.
+        self._batches: queue.PriorityQueue[tuple[int, int, list[Stream] | None]] = queue.PriorityQueue()
+        self._arrivals = itertools.count()
         self._finished: queue.Queue[tuple[_Row, float] | None] = queue.Queue()
         for target, name in ((self._serve, "static-engine"), (self._complete_finished, "static-engine-completions")):
             threading.Thread(target=target, name=name, daemon=True).start()
@@ -172,13 +178,14 @@ class TransformersBackend:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._batches.put(None)
+            self._batches.put((2, next(self._arrivals), None))
             self._finished.put(None)
 
     # Backend ---------------------------------------------------------------------------
 
     def start(self, streams: list[Stream]) -> None:
-        self._batches.put(streams)
+        bulk = all(stream.request.bulk for stream in streams)
+        self._batches.put((int(bulk), next(self._arrivals), streams))
 
     def cancel(self, streams: list[Stream]) -> None:
         """Nothing to stop: a batch runs to its end, and a cancelled stream's outputs are not kept."""
@@ -192,7 +199,7 @@ class TransformersBackend:
     # Generation ------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        while (batch := self._batches.get()) is not None:
+        while (batch := self._batches.get()[2]) is not None:
             try:
                 self._generate(batch)
             except Exception as exc:  # a bug or a broken batch must not leave requests without an outcome
