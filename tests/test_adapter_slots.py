@@ -112,6 +112,29 @@ def test_a_restarted_server_has_forgotten_them_and_each_is_loaded_again_on_its_n
     assert asyncio.run(run()) == [("load", "a"), ("load", "a")]
 
 
+def test_the_streams_of_a_forgotten_load_neither_free_nor_forget_the_load_that_replaced_it():
+    """A restart forgets the adapter while a stream of it runs; a new stream loads it again. The old stream's end
+    must not count as the new one's (the one slot would then look free, and the adapter in use be unloaded for
+    another), nor may the 404 an old stream met drop the new load."""
+    async def run() -> list[tuple[str, str]]:
+        server = Server()
+        held = slots(server)
+        old = await held.acquire("a")
+        held.forget()  # the server restarted under the old stream
+        new = await held.acquire("a")  # loaded again, in use by the new stream
+        assert new != old
+        held.release("a", old)  # the old stream ends
+        held.forget_one("a", old)  # and reports the 404 it met from the restarted server
+        assert held.loaded() == ["a"]
+        with pytest.raises(TimeoutError):  # "a" is still in use: "b" waits, nothing is unloaded
+            await asyncio.wait_for(held.acquire("b"), 0.3)
+        held.release("a", new)
+        assert await asyncio.wait_for(held.acquire("b"), 5) > new
+        return server.calls
+
+    assert asyncio.run(run()) == [("load", "a"), ("load", "a"), ("unload", "a"), ("load", "b")]
+
+
 def test_a_backfill_on_one_adapter_lets_a_live_request_for_another_through():
     """One slot, adapter a busy with a backfill's streams that keep coming: a live request for b waits only for
     a's streams in progress, since no bulk stream joins a while b waits; the backfill's next stream of a waits

@@ -8,7 +8,9 @@ CPU build that keeps the last of vLLM's adapter slots empty (vllm-project/vllm#4
 and on a GPU it bounds the memory adapters take. Past it, the least recently used adapter that no stream is
 using is unloaded (``/v1/unload_lora_adapter``): its next request pays the load again, the copy on disk kept. When
 every loaded adapter is in use, a request for another waits until a stream ends. A server that restarted has
-forgotten them all (:meth:`AdapterSlots.forget`).
+forgotten them all (:meth:`AdapterSlots.forget`). Each load is a generation of its adapter: a stream's use, and a
+404 it met, count against the load it was sent under, so that the streams of a load forgotten since never take a
+use from, or forget, the load that replaced it.
 
 Live first, and no request waits without bound: while a live request waits for a slot, no bulk stream joins
 another adapter that is loaded (a backfill on adapter A would otherwise keep A in use for ever), a bulk request
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -46,6 +49,8 @@ class AdapterSlots:
         self.capacity = capacity
         self._fetch, self._load, self._unload = fetch, load, unload
         self._loaded: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> streams using it
+        self._generation: dict[str, int] = {}  # name -> its latest load
+        self._loads = itertools.count(1)
         self._loading: dict[str, asyncio.Future[None]] = {}
         self._unloading: dict[str, asyncio.Future[None]] = {}  # still holding its slot at the server
         self._placing: set[str] = set()  # fetched and checked, a slot taken for it, being loaded
@@ -66,9 +71,9 @@ class AdapterSlots:
             except RuntimeError:  # changed size during the read
                 continue
 
-    async def acquire(self, name: str, bulk: bool = False) -> None:
-        """Returns once ``name`` is loaded, counted as used by one more stream until :meth:`release`; a ``bulk``
-        request's stream goes after live ones (module docstring)."""
+    async def acquire(self, name: str, bulk: bool = False) -> int:
+        """Returns the load of ``name`` the stream is sent under, once loaded, counted as used by one more stream
+        until :meth:`release`; a ``bulk`` request's stream goes after live ones (module docstring)."""
         while True:
             if name in self._loaded:
                 if self._holds_back(name, bulk):
@@ -76,7 +81,7 @@ class AdapterSlots:
                     continue
                 self._loaded[name] += 1
                 self._loaded.move_to_end(name)
-                return
+                return self._generation[name]
             if name in self._loading:
                 if not bulk and name in self._waiting and self._waiting[name][0] is False:
                     self._waiting[name] = (True, self._now())  # a live request waits for it now
@@ -86,10 +91,12 @@ class AdapterSlots:
                 await asyncio.shield(self._unloading[name])
                 continue
             await self._load_once(name, bulk)  # loaded with this stream's use counted
-            return
+            return self._generation[name]
 
-    def release(self, name: str) -> None:
-        """One stream no longer uses ``name``."""
+    def release(self, name: str, load: int | None = None) -> None:
+        """One stream no longer uses ``name``: of its ``load`` (:meth:`acquire`'s; None: the latest)."""
+        if load is not None and load != self._generation.get(name):
+            return  # that load was forgotten, its uses with it: the one loaded since is not this stream's
         if self._loaded.get(name, 0) > 0:
             self._loaded[name] -= 1
             self._wake()
@@ -102,8 +109,11 @@ class AdapterSlots:
         self._loaded.clear()
         self._wake()
 
-    def forget_one(self, name: str) -> None:
-        """The server no longer knows ``name`` (it answered that it does not): loaded again on its next use."""
+    def forget_one(self, name: str, load: int | None = None) -> None:
+        """The server no longer knows ``name`` as ``load`` had it (it answered that it does not; None: the
+        latest): loaded again on its next use. A load made since is left: the server answered of an older one."""
+        if load is not None and load != self._generation.get(name):
+            return
         self._loaded.pop(name, None)
         self._wake()
 
@@ -130,6 +140,7 @@ class AdapterSlots:
             raise
         else:
             self._loaded[name] = 1  # the loader's own use, taken with the load: nothing unloads it unused
+            self._generation[name] = next(self._loads)
             self._first_wait.pop(name, None)
             future.set_result(None)
         finally:
