@@ -26,7 +26,10 @@ from pipeline.serving.lineage import (
     DIGEST_BLOCK_BYTES,
     DIGEST_CHARS,
     SEED_BITS,
+    ServingLineage,
+    WeightsLineage,
     adapter_lineage,
+    after_restart,
     chat_template_digest,
     folder_digest,
     model_lineage,
@@ -149,6 +152,23 @@ def test_an_adapter_larger_than_a_block_is_digested_whole_a_block_at_a_time(tmp_
     whole = hashlib.sha256(b"adapter_model.safetensors\0" + weights).hexdigest()[:DIGEST_CHARS]
     assert folder_digest(adapter) == f"sha256:{whole}"
     assert folder_digest(adapter) == f"sha256:{whole}", "the copy's digest again, from what this process computed"
+
+
+def test_after_a_restart_the_roots_adapters_keep_their_source_and_the_listed_ones_are_read_again():
+    """A restarted server lists a root adapter by the copy it loaded (a folder on the worker): the lineage keeps
+    the gs:// source the engine recorded when it loaded it; a lora_adapters one is read again from the server, and
+    one the new server no longer lists is gone."""
+    recorded = WeightsLineage("gs://bucket/root/support", "sha256:gen1", "sha256:files1")
+    before = ServingLineage(model=WeightsLineage("m", None, "sha256:c0"), engine="vllm 0", image=None, settings={},
+                            adapters={"support": recorded, "pirate": WeightsLineage("/a/pirate", None, "sha256:p0"),
+                                      "gone": WeightsLineage("/a/gone", None, "sha256:g0")})
+    fresh = ServingLineage(model=WeightsLineage("m", None, "sha256:c1"), engine="vllm 1", image=None, settings={},
+                           adapters={"support": WeightsLineage("/cache/copies/support", None, "sha256:files1"),
+                                     "pirate": WeightsLineage("/a/pirate", None, "sha256:p1")})
+    after = after_restart(fresh, before, frozenset({"pirate", "gone"}))
+    assert after.model == fresh.model and after.engine == "vllm 1"
+    assert after.adapters == {"support": recorded, "pirate": fresh.adapters["pirate"]}
+    assert before.adapters["pirate"].config == "sha256:p0", "the lineage read before is left as it was"
 
 
 @pytest.mark.engine

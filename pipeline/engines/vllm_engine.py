@@ -37,7 +37,7 @@ from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream
 from pipeline.serving.adapter_root import AdapterUnavailable, AdapterUnreadable, root_fetch
-from pipeline.serving.lineage import ServingLineage, adapter_lineage, seed_for, server_lineage
+from pipeline.serving.lineage import ServingLineage, adapter_lineage, after_restart, seed_for, server_lineage
 from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
 
 LOGGER = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class VLLMBackend:
         spec = settings.server
         self._static_adapters = frozenset(adapter.name for adapter in spec.adapters) if spec else frozenset()
         self._server_starts = self._server.stats.starts if self._server else 0
+        self._lineage_read: asyncio.Future[None] | None = None  # a restarted server's lineage, being read
         if spec is not None and spec.adapter_root is not None and self._server is not None:
             fetch = root_fetch(spec.adapter_root, model_folder=self._server.model_path, cache_dir=spec.model_cache_dir,
                                max_lora_rank=spec.max_lora_rank, disk_gb=spec.adapter_disk_gb,
@@ -146,16 +147,14 @@ class VLLMBackend:
             prompt_format=settings.prompt_format, image=settings.image, server_args=spec.extra_args if spec else (),
             loaded=server.loaded if server else None, command=server.command if server else ())
 
-    def _refresh_lineage(self) -> None:
-        """What a restarted server loaded; the root adapters loaded into it meanwhile are kept."""
+    async def _refresh_lineage(self) -> None:
+        """What a restarted server loaded, read off the loop and adopted on it, where root adapters are recorded."""
         try:
-            fresh = self._read_lineage(self.settings)
+            fresh = await asyncio.get_running_loop().run_in_executor(None, self._read_lineage, self.settings)
         except Exception:  # noqa: BLE001 - the answers keep the lineage read before
             LOGGER.exception("Reading the restarted server's lineage failed; answers keep the one read before")
             return
-        fresh.adapters.update({name: found for name, found in self.lineage.adapters.items()
-                               if name not in fresh.adapters})
-        self.lineage = fresh  # one assignment: a completion reads the old record or the new one
+        self.lineage = after_restart(fresh, self.lineage, self._static_adapters)  # one assignment
 
     def restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
@@ -187,11 +186,10 @@ class VLLMBackend:
         return self._server_load_cache
 
     def _read_server_load(self) -> None:
-        """vLLM's own running and waiting gauges, read once every :data:`SERVER_LOAD_INTERVAL_S` (None while it
-        does not answer) by a thread of the engine's: a step asking for the worker's load never waits on the
-        server. A key's next timer waits for its work item, so a work item kept a second or more by a busy
-        server's ``/metrics`` polls none of its streams meanwhile, and their leases run out while its process
-        polls other keys' (:mod:`pipeline.engines.leases`)."""
+        """vLLM's running and waiting gauges, read every :data:`SERVER_LOAD_INTERVAL_S` (None while it does not
+        answer) by a thread of the engine's: a step asking for the worker's load never waits on the server (a work
+        item kept a second by a busy server's ``/metrics`` would poll none of its streams meanwhile, and their
+        leases run out while its process polls other keys': :mod:`pipeline.engines.leases`)."""
         while not self._closed:
             try:
                 figures = server_metrics(self.base_url, timeout_s=SERVER_LOAD_INTERVAL_S)
@@ -268,13 +266,15 @@ class VLLMBackend:
             self._server_starts = self._server.stats.starts  # a new server, which holds no root adapter yet
             if self._adapter_slots is not None:
                 self._adapter_slots.forget()
-            asyncio.get_running_loop().run_in_executor(None, self._refresh_lineage)  # read again, not waited on
+            self._lineage_read = asyncio.ensure_future(self._refresh_lineage())
+        if self._lineage_read is not None and not self._lineage_read.done():
+            await asyncio.shield(self._lineage_read)  # what this stream's answer records comes from the new server
         adapter = stream.request.adapter
         if self._adapter_slots is None or adapter is None or adapter in self._static_adapters:
             await self._stream_from_server(stream)
             return
         try:
-            await self._adapter_slots.acquire(adapter, bulk=stream.request.bulk)
+            load = await self._adapter_slots.acquire(adapter, bulk=stream.request.bulk)
         except AdapterUnavailable as exc:
             raise _RequestRejected(str(exc)) from None
         except (TimeoutError, aiohttp.ClientError, ConnectionError, AdapterUnreadable) as exc:
@@ -284,10 +284,10 @@ class VLLMBackend:
         except _RequestRejected as exc:
             if not str(exc).startswith("HTTP 404"):
                 raise
-            self._adapter_slots.forget_one(adapter)  # the server lost it (a restart in between): loaded again
+            self._adapter_slots.forget_one(adapter, load)  # the server lost it (a restart in between): loaded again
             raise RetryableError(f"the server no longer had adapter {adapter}: {exc}") from exc
         finally:
-            self._adapter_slots.release(adapter)
+            self._adapter_slots.release(adapter, load)
 
     async def _load_adapter(self, name: str, path: str) -> None:
         """Loads a root's adapter into the server; one the server refuses is a dead letter with its reason."""
@@ -375,6 +375,8 @@ class VLLMBackend:
         priority = self.settings.priority_of(request)
         if priority is not None:
             payload["priority"] = priority
+        if (salt := self.lineage.cache_salt(request.adapter)) is not None:
+            payload["cache_salt"] = salt
         if request.messages is not None or self.settings.prompt_format == "chat":
             payload["messages"] = list(request.messages or [{"role": "user", "content": request.prompt}])
             return "/v1/chat/completions", payload

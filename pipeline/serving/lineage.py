@@ -173,6 +173,13 @@ class ServingLineage:
     adapters: dict[str, WeightsLineage] = field(default_factory=dict)  # grows as a root's adapters are loaded
     kind: str = ENGINE_VLLM  # which engine: its lineage records only the request fields it applies
 
+    def cache_salt(self, adapter: str | None) -> str | None:
+        """What a request of ``adapter`` salts its cached prefix blocks with: the digest of its files. vLLM keys the
+        blocks by an adapter's name and path, not its weights, and a root's adapter copied again after it changed
+        loads under the same name and path (vllm/v1/core/kv_cache_utils.py)."""
+        found = self.adapters.get(adapter) if adapter else None
+        return found.config if found is not None else None
+
     def record(self, request: InferenceRequest) -> dict[str, Any]:
         """The completion's ``lineage``: this engine's part, the request's adapter and its sampling as applied
         (None: the model's default from generation_config.json)."""
@@ -229,6 +236,15 @@ def server_lineage(cards: Mapping[str, Mapping[str, Any]], model_name: str, vers
     engine = f"vllm {version}" if isinstance(version, str) else "an OpenAI-compatible server without /version"
     return ServingLineage(model=model_lineage(source, root, found.get("revision")), engine=engine, image=image,
                           settings=settings, adapters=served_adapters)
+
+
+def after_restart(fresh: ServingLineage, before: ServingLineage, static: frozenset[str]) -> ServingLineage:
+    """``fresh`` (read from a restarted server) with the root's adapters as the engine recorded them when it
+    loaded each: the server lists a root adapter by the folder it was loaded from (a copy on the worker), not the
+    root's source it was copied from, so only the ``static`` ones (``lora_adapters``) are taken from ``fresh``."""
+    adapters = {name: found for name, found in fresh.adapters.items() if name in static}
+    adapters.update({name: found for name, found in before.adapters.items() if name not in static})
+    return dataclasses.replace(fresh, adapters=adapters)
 
 
 def _unsecret(before: str, arg: str) -> str:
