@@ -252,6 +252,8 @@ def test_any_weights_file_is_read_or_refused_with_a_reason(tmp_path, header, dec
      "HuggingFaceTB/SmolLM2-135M-Instruct", True),  # peft records the hub cache's folder
     ("gs://my-bucket/models/smollm2-135m-instruct", "gs://my-bucket/models/SmolLM2-135M-Instruct", True),
     ("Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", False),
+    ("someone-else/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", False),  # another org's model
+    ("someone-else/SmolLM2-135M-Instruct", "/models/SmolLM2-135M-Instruct", True),  # a copy named by its folder
     ("/data/model", "/models/model", False),  # a folder called 'model' says nothing of which
     ("/runs/7/checkpoint-500", "/models/checkpoint-500", False),
     ("/cache/snapshots/0a1b2c3d4e5f60718293", "/other/snapshots/0a1b2c3d4e5f60718293", False),

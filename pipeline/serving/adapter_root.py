@@ -155,7 +155,11 @@ def base_problem(name: str, folder: Path, base_model: str, model_folder: str | N
     if not isinstance(base, str) or not base.strip():
         return None
     known, named = model_names(base_model, model_folder), _identity(base)
-    if named in known or (_last_part(named) or named) in known:
+    if named in known:
+        return None
+    # Two hub ids are compared whole: someone-else/NAME is another model than the served org/NAME.
+    if not (_HUB_ID.match(named) and any(_HUB_ID.match(name) for name in known)) \
+            and (_last_part(named) or named) in known:
         return None
     return (f"adapter {name!r} was trained for {base[:200]!r} (its {ADAPTER_CONFIG}'s base_model_name_or_path), "
             f"not for the served model {base_model!r}: an adapter for another model answers nonsense; set "
@@ -164,6 +168,8 @@ def base_problem(name: str, folder: Path, base_model: str, model_folder: str | N
 
 # Folder names that say nothing of which model a folder holds (and a cache snapshot's commit hash): never matched.
 _GENERIC_PARTS = frozenset({"model", "models", "base", "final", "checkpoint", "weights", "main", "latest", "hf"})
+# A Hugging Face hub id: ORG/NAME, neither a path nor a URI.
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # A Hugging Face cache folder: .../models--ORG--NAME/snapshots/COMMIT.
 _HUB_CACHE = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]+$")
 
