@@ -371,6 +371,7 @@ class _SimWorkItem:
     key: int
     outputs: list[Output] = field(default_factory=list)
     timer: list[float | None] = field(default_factory=list)  # the poll timer's settings in order (None: cleared)
+    uncancelled: set[str] = field(default_factory=set)  # streams whose cancel this work item made failed
 
     def now(self) -> float:
         return self.world.now
@@ -391,6 +392,7 @@ class _SimWorkItem:
         outcome, _ = self.world.call(self.key, "cancel", lambda engine: engine.cancel(streams))
         if outcome is not Call.ANSWERED:  # not cancelled: its lease ends it (the contract's word for it)
             self.world.uncancelled.update((self.world.owner[self.key], stream) for stream in streams)
+            self.uncancelled.update(streams)
 
     def report(self, report: WaitingReport) -> None:
         if self.world.on_report is not None:
@@ -504,7 +506,8 @@ class World:
 
     def call(self, key: int, kind: str, what: Callable[[SimEngine], Any]) -> tuple[Call, Any]:
         f = self.s.faults
-        if self.now < self.rebuilt_at.get(self.owner[key], 0.0) or self.chance(f.unreachable):
+        # The chance is drawn first: a world with a rebuild outage draws what it drew without one.
+        if self.chance(f.unreachable) | (self.now < self.rebuilt_at.get(self.owner[key], 0.0)):
             return Call.UNREACHABLE, None
         if self.chance(f.engine_fails) or (self.faulty and kind == f.broken
                                            and f.broken_at <= self.now < f.broken_at + f.broken_s):
@@ -534,12 +537,12 @@ class World:
         if port.timer:
             record.poll_at = port.timer[-1]
         ended = self._deliver(port.outputs)
-        # A request that ended leaves no stream running that its key knew: finished, or cancelled (unless that
-        # cancel failed, and the stream's lease ends it).
+        # A request that ended leaves no stream running that its key knew: finished, or cancelled by this work
+        # item (unless that cancel failed, and the stream's lease ends it).
         engine, knew = self.engine_of(key), {entry.request_id: entry.key for entry in before.inflight if entry.key}
         for request_id in ended:
             stream = engine.registry.streams.get(knew.get(request_id) or "")
-            if stream is not None and not stream.done and (self.owner[key], stream.key) not in self.uncancelled:
+            if stream is not None and not stream.done and stream.key not in port.uncancelled:
                 raise Violation(self.s.seed, f"request {request_id} ended with its stream {stream.key} still "
                                              f"running (at {self.now:.2f} s)")
         return True

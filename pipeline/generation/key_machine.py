@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from pipeline.contract.call_outcome import Call
@@ -45,7 +45,7 @@ from pipeline.generation.key_events import (
     SubmitResult,
     Submitted,
 )
-from pipeline.generation.key_state import Arriving, Draining, KeyState, Polling, RequestEntry, Resending
+from pipeline.generation.key_state import Arriving, Draining, KeyState, Phase, Polling, RequestEntry, Resending
 from pipeline.generation.step_work import StepWork
 
 
@@ -55,6 +55,8 @@ def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects
     if pending is not None:
         state = replace(state, pending=None)
     work = StepWork(rules, state.seen, event.now)
+    if isinstance(event, Submitted) and (stray := _unasked(pending, event.results)):
+        raise ValueError(f"{len(stray)} submit results answer no submission the key made ({type(pending).__name__})")
     match pending, event:
         case None, Arrived():
             return _arrive(work, state, event)
@@ -71,6 +73,18 @@ def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects
         case Draining(), Polled():
             return _drain_polled(work, state, pending, event)
     raise ValueError(f"{type(event).__name__} does not answer what the key is doing ({type(pending).__name__})")
+
+
+def _unasked(pending: Phase | None, results: tuple[SubmitResult, ...]) -> list[SubmitResult]:
+    """The results that answer none of the submissions ``pending`` made (each is matched by identity)."""
+    asked: Sequence[Submission | None]
+    if isinstance(pending, Arriving):
+        asked = [pending.submission]
+    elif isinstance(pending, Resending):
+        asked = [submission for _, submission in pending.resends] + [submission for _, submission in pending.groups]
+    else:
+        asked = []
+    return [result for result in results if not any(result.submission is made for made in asked)]
 
 
 def _answer(results: tuple[SubmitResult, ...], submission: Submission | None) -> SubmitResult | None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from apache_beam import pvalue
-from apache_beam.metrics import Metrics
+from apache_beam.metrics.metric import Metrics
 
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, Output
 

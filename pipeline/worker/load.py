@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 
-from apache_beam.metrics import Metrics
+from apache_beam.metrics.metric import Metrics
 
 from pipeline.contract.call_outcome import Call
 from pipeline.worker.runtime import ProcessRecord

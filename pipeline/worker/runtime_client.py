@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from apache_beam.metrics import Metrics
+from apache_beam.metrics.metric import Metrics
 
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.stream_progress import Output
@@ -126,10 +126,11 @@ def start_heartbeat(source: RuntimeSource) -> None:
     interval_s = min(max(source.settings.engine.stream_lease_s / 8, 0.025), 0.5)
 
     def beat() -> None:
-        client = RuntimeClient(source, HEARTBEAT_NAMESPACE)
+        # The one policy, bounded by the call bound; an engine that raised is logged once a minute. A host found
+        # gone is left to the steps' next call to rebuild: the beat outlives the pipeline that started it, and an
+        # ended pipeline's beat must not start a runtime (a model server) that nothing will use.
+        client = RuntimeClient(source, HEARTBEAT_NAMESPACE, reconnects=False, failures_logged_every_s=60.0)
         while True:
-            # The one policy: bounded by the call bound, a host found gone reconnected once (never a second
-            # rebuild for a handle from before it), an engine that raised logged and counted.
             client.heartbeat()
             time.sleep(interval_s)
 
@@ -140,10 +141,14 @@ def start_heartbeat(source: RuntimeSource) -> None:
 
 
 class RuntimeClient:
-    """A step's calls to its worker's runtime (``namespace``: the step's metrics namespace)."""
+    """A step's calls to its worker's runtime (``namespace``: the step's metrics namespace); ``reconnects``: a host
+    found gone is acquired anew; a call the engine failed is logged at most once per ``failures_logged_every_s``."""
 
-    def __init__(self, source: RuntimeSource, namespace: str) -> None:
+    def __init__(self, source: RuntimeSource, namespace: str, *, reconnects: bool = True,
+                 failures_logged_every_s: float = 0.0) -> None:
         self._source = source
+        self._reconnects, self._log_every_s = reconnects, failures_logged_every_s
+        self._failure_logged_at = float("-inf")
         self._record = process_record(source.tag)
         self._client = client_id()  # the streams it polls run on this process's lease clocks
         self._failures = Metrics.counter(namespace, "engine_call_failures")
@@ -160,10 +165,14 @@ class RuntimeClient:
             return Call.UNREACHABLE, None
         except (ConnectionError, EOFError) as exc:
             self._unreachable.inc()
-            reconnect(self._source, exc, seen=generation)
+            if self._reconnects:
+                reconnect(self._source, exc, seen=generation)
             return Call.UNREACHABLE, None
         except Exception:
-            LOGGER.exception("The worker's engine failed to %s", what)
+            now = time.monotonic()
+            if now - self._failure_logged_at >= self._log_every_s:
+                self._failure_logged_at = now
+                LOGGER.exception("The worker's engine failed to %s", what)
             self._failures.inc()
             return Call.FAILED, None
 
