@@ -126,9 +126,11 @@ def test_what_a_vllm_engine_logs_it_loaded_is_read_from_its_configuration_line()
             "with config: model='/m', speculative_config=None, tokenizer='/m', skip_tokenizer_init=False, "
             "tokenizer_mode=auto, revision=v2, tokenizer_revision=None, trust_remote_code=False, "
             "dtype=torch.float16, max_seq_len=2048, download_dir=None, load_format=auto, quantization=awq, "
-            "kv_cache_dtype=fp8, device_config=cuda")
+            "tensor_parallel_size=2, pipeline_parallel_size=1, quantization=awq, enforce_eager=False, "
+            "kv_cache_dtype=fp8, device_config=cuda, seed=0, served_model_name=m, enable_prefix_caching=True")
     assert loaded_config(line) == {"revision": "v2", "dtype": "float16", "max_seq_len": "2048",
-                                   "quantization": "awq", "kv_cache_dtype": "fp8"}
+                                   "tensor_parallel_size": "2", "quantization": "awq", "enforce_eager": "False",
+                                   "kv_cache_dtype": "fp8", "device_config": "cuda", "enable_prefix_caching": "True"}
     assert loaded_config("INFO Starting vLLM API server on http://127.0.0.1:8000") is None
 
 

@@ -202,6 +202,11 @@ class ServingLineage:
                 "sampling": {name: value for name, value in sampling.items() if value is not None}}
 
 
+# What a managed vLLM's engine says it runs with that changes answers (its configuration line): the numeric path
+# (dtype, quantization, KV cache dtype, eager or compiled, the device: cpu or cuda, the build that runs), how the
+# model is split (tensor_parallel_size) and whether prefixes are computed once and reused.
+LOADED_SETTINGS = ("dtype", "quantization", "kv_cache_dtype", "enforce_eager", "device_config", "tensor_parallel_size",
+                   "enable_prefix_caching")
 # Server arguments whose values are secrets, never recorded.
 _SECRET_FLAG = re.compile(r"api[-_]?key|secret|password|hf[-_]token|access[-_]token", re.IGNORECASE)
 
@@ -229,7 +234,7 @@ def server_lineage(cards: Mapping[str, Mapping[str, Any]], model_name: str, vers
             served_adapters[name] = adapter_lineage(adapters.get(name) or path or "", path)
     settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"),
                                 "chat_template": chat_template_digest(source, root), "prompt_format": prompt_format}
-    settings.update({name: found[name] for name in ("dtype", "quantization", "kv_cache_dtype") if name in found})
+    settings.update({name: found[name] for name in LOADED_SETTINGS if name in found})
     if server_args:
         settings["server_args"] = [_unsecret(before, arg) for before, arg in zip(["", *server_args], server_args,
                                                                                  strict=False)]

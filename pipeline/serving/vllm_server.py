@@ -173,7 +173,8 @@ def server_metrics(base_url: str, names: tuple[str, ...] = (RUNNING_METRIC, WAIT
 # model=..., revision=None, ..., dtype=torch.bfloat16, max_seq_len=2048, ..., quantization=None, ..."): what it
 # resolved, which the lineage records (an "auto" dtype as the one it chose).
 _ENGINE_CONFIG_LINE = "LLM engine"
-_LOADED = re.compile(r"\b(revision|dtype|max_seq_len|quantization|kv_cache_dtype)=([^,\s]+)")
+_LOADED = re.compile(r"\b(revision|dtype|max_seq_len|tensor_parallel_size|quantization|enforce_eager|kv_cache_dtype|"
+                     r"device_config|enable_prefix_caching)=([^,\s]+)")
 
 
 def loaded_config(line: str) -> dict[str, str] | None:
