@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -23,9 +24,7 @@ from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import DeadLetter
 from pipeline.contract.request_parsing import RequestLimits, parse_request
-from pipeline.serving.adapter_disk import DEFAULT_DISK_SHARE, AdapterDisk, budget_bytes
-from pipeline.serving.lineage import folder_digest
-from pipeline.serving.model_weights import local_weights
+from pipeline.serving.adapter_disk import DEFAULT_DISK_SHARE, FREE_KEPT_SHARE, AdapterDisk, budget_bytes
 from pipeline.serving.adapter_root import (
     AdapterRoot,
     AdapterUnavailable,
@@ -36,6 +35,8 @@ from pipeline.serving.adapter_root import (
     root_problem,
     safetensors_shapes,
 )
+from pipeline.serving.lineage import folder_digest
+from pipeline.serving.model_weights import local_weights
 from tests.conftest import activated
 from tests.test_lora_adapters import BASE_CONFIG, saved_adapter
 
@@ -219,10 +220,27 @@ def test_a_cloud_storage_roots_copies_stay_within_their_disk_budget_least_recent
         assert not Path(tmp_path, "small", "adapters", "team", "a", "adapter_model.safetensors").exists()
 
 
-def test_without_a_budget_a_quarter_of_the_disk_is_kept_for_adapter_copies(tmp_path):
-    disk = AdapterDisk(tmp_path, budget_bytes(0), in_use=set, source_of=str)
-    assert disk.budget_bytes == int(shutil.disk_usage(tmp_path).total * DEFAULT_DISK_SHARE)
-    assert AdapterDisk(tmp_path, budget_bytes(3), in_use=set, source_of=str).budget_bytes == 3 * 10**9
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB file system of its own (tmpfs), so that what is free on it is what the test writes."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("this machine lets no test mount a file system of its own (tmpfs)")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_without_a_budget_a_quarter_of_the_disk_is_kept_for_adapter_copies_within_what_it_has_free(small_disk):
+    disk = AdapterDisk(small_disk / "copies", budget_bytes(0), in_use=set, source_of=str)
+    total = shutil.disk_usage(small_disk).total
+    assert disk.budget_bytes == int(total * DEFAULT_DISK_SHARE), "an empty disk: a quarter of it"
+    (small_disk / "model.safetensors").write_bytes(bytes(50 * 2**20))  # the model's weights take most of it
+    free = shutil.disk_usage(small_disk).free
+    assert disk.budget_bytes == free - int(total * FREE_KEPT_SHARE) < int(total * DEFAULT_DISK_SHARE)
+    (small_disk / "more.safetensors").write_bytes(bytes(free - 2**20))
+    assert disk.budget_bytes == 0, "a disk with nothing to spare keeps nothing for copies"
+    assert AdapterDisk(small_disk, budget_bytes(3), in_use=set, source_of=str).budget_bytes == 3 * 10**9
     assert JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "gs://my-bucket/adapters/",
                                      "lora_adapter_disk_gb": "40"}).engine.server.adapter_disk_gb == 40.0
 

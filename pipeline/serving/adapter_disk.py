@@ -27,6 +27,9 @@ LOGGER = logging.getLogger(__name__)
 # The default budget: this share of the disk the copies are on (the model's weights, the image and the logs share
 # it; docs/operations.md#disk).
 DEFAULT_DISK_SHARE = 0.25
+# ... and never more than the disk has free beside the copies held, less this share of it: a disk the model's
+# weights already fill leaves the copies what is left, not a quarter it does not have.
+FREE_KEPT_SHARE = 0.05
 # Touched each time a copy is used, so the least recently used is known after a restart of the host. Its name
 # starts as the copy's own markers do, which an adapter's digest leaves out (pipeline.serving.lineage).
 USED_MARKER = ".download-used"
@@ -43,8 +46,9 @@ class AdapterNoRoom(Exception):
 class AdapterDisk:
     """The budget of one root's copies under ``folder`` (where the root's adapters are copied, one sub-folder
     each; ``source_of(name)`` is where each is copied from). ``budget_bytes`` None: :data:`DEFAULT_DISK_SHARE` of
-    the disk ``folder`` is on. ``in_use``: the names the adapter slots hold now. ``keep``: folders the model server
-    reads at every start (the model's, ``lora_adapters``'), never counted or deleted even under the root."""
+    the disk ``folder`` is on, within what it has free (:data:`FREE_KEPT_SHARE`). ``in_use``: the names the
+    adapter slots hold now. ``keep``: folders the model server reads at every start (the model's,
+    ``lora_adapters``'), never counted or deleted even under the root."""
 
     def __init__(self, folder: Path, budget_bytes: int | None, in_use: Callable[[], set[str]],
                  source_of: Callable[[str], str], keep: frozenset[str] = frozenset()) -> None:
@@ -62,7 +66,9 @@ class AdapterDisk:
         if self._budget is not None:
             return self._budget
         self.folder.mkdir(parents=True, exist_ok=True)
-        return int(shutil.disk_usage(self.folder).total * DEFAULT_DISK_SHARE)
+        total, _, free = shutil.disk_usage(self.folder)
+        held = sum(size for size, _ in self.copies().values())
+        return max(0, min(int(total * DEFAULT_DISK_SHARE), free + held - int(total * FREE_KEPT_SHARE)))
 
     @contextlib.contextmanager
     def fetching(self, name: str) -> Iterator[None]:
