@@ -12,6 +12,7 @@ dead letters and BigQuery rows come out. Every answer is compared with what
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,8 @@ BASE = None  # a request without 'adapter': the model itself
 ROBOT_URI = "gs://adapters/lora/robot"
 ROOT_URI = "gs://adapters/root"
 # The root's adapters: copies of the listed two under other names (the same answers), one built for a smaller
-# Llama than the model, one whose config is not JSON. max_loras=3 leaves one slot for the root: every switch
+# Llama than the model, one whose config is not JSON, one shaped for the model but whose config names another
+# base model. max_loras=3 leaves one slot for the root: every switch
 # between its two good adapters unloads the other.
 ROOT_COPIES = {"pirate-v2": "pirate", "robot-v2": "robot"}
 
@@ -58,7 +60,12 @@ def root_folders(adapters: dict[str, Path], folder: Path) -> dict[str, Path]:
     get_peft_model(small, LoraConfig(r=8, target_modules=list(TARGET_MODULES))).save_pretrained(folder / "small")
     (folder / "garbled").mkdir()
     (folder / "garbled" / "adapter_config.json").write_text("{not json")
-    return {**folders, "other-model": folder / "small", "garbled": folder / "garbled"}
+    # Shaped for this model, but trained (its config says) for another: only the base-model check can refuse it.
+    shutil.copytree(adapters["pirate"], folder / "for-qwen")
+    config = json.loads((folder / "for-qwen" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "Qwen/Qwen2.5-0.5B-Instruct"
+    (folder / "for-qwen" / "adapter_config.json").write_text(json.dumps(config))
+    return {**folders, "other-model": folder / "small", "garbled": folder / "garbled", "for-qwen": folder / "for-qwen"}
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +224,7 @@ def test_a_root_adapter_is_loaded_once_on_first_use_evicted_past_the_bound_and_a
 @pytest.mark.parametrize("adapter, reason", [
     ("other-model", "adapter 'other-model' does not fit the model"),
     ("garbled", "adapter 'garbled': its adapter_config.json cannot be read"),
+    ("for-qwen", "adapter 'for-qwen' was trained for 'Qwen/Qwen2.5-0.5B-Instruct'"),
     ("nobody", f"adapter 'nobody': no adapter at {ROOT_URI}/nobody"),
 ])
 def test_a_root_adapter_that_cannot_serve_is_a_dead_letter_with_the_reason_and_the_key_goes_on(
