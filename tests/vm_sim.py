@@ -408,7 +408,7 @@ class _Vm:
         if self.host_dies_at is not None and now >= self.host_dies_at:
             self.host_dies_at, self.down_until = None, now + self.rebuild_s
             self.out.host_deaths += 1
-            self.world.report.generated += self.engine.generated
+            self.world.host_died("w0")  # what it generated counted, each stream on it hit (the contract's cost)
             self.world.s = replace(self.world.s, faults=Faults(unreachable=1.0))
             self.world.faulty = True
         elif self.down_until is not None and now >= self.down_until:

@@ -473,14 +473,14 @@ class World:
         if not self._updated and self.now >= (self.s.vm.update_at or 0.0):
             self._updated = True  # every process and engine host replaced; the keys' committed state carries over
             for name in sorted(self.engines):
-                self._host_died(name)
+                self.host_died(name)
             self.report.updates += 1
         while self._restarts and self._restarts[0][0] <= self.now:
             _, length = self._restarts.pop(0)
             self.report.restarted |= self.engines["w0"].running()
             self.engines["w0"].restart(self.now, length)
 
-    def _host_died(self, name: str) -> None:
+    def host_died(self, name: str) -> None:
         dead = self.engines[name]
         for request_id in {stream.request.id for stream in dead.registry.streams.values()}:  # finished ones too
             self.report.hits[request_id] += 1
@@ -573,6 +573,7 @@ class World:
             elif kind == COMPLETION:
                 if r.ended[record["id"]]:
                     raise Violation(seed, f"request {record['id']} ended twice (at {self.now:.2f} s)")
+                self._check_completion(record)
                 r.ended[record["id"]] += 1
                 ended.append(record["id"])
                 r.completions[record["id"]] = record
@@ -592,6 +593,20 @@ class World:
                     r.ended[record["id"]] += 1
                     ended.append(record["id"])
         return ended
+
+    def _check_completion(self, record: dict[str, Any]) -> None:
+        """What must hold as a completion commits: every chunk of its attempt delivered before it, adding up to
+        its text; and where nothing but host deaths and updates lost streams, the contract's cost of each: one
+        resend of each stream that ran through it."""
+        r, s, request_id, attempt = self.report, self.s, record["id"], record["attempt"]
+        if self._next_seq[(request_id, attempt)] != record["chunks"]:
+            raise Violation(s.seed, f"request {request_id} completed after {self._next_seq[(request_id, attempt)]} "
+                                    f"of its {record['chunks']} chunks (at {self.now:.2f} s)")
+        if "".join(r.chunk_text[(request_id, attempt, q)] for q in range(record["chunks"])) != record["text"]:
+            raise Violation(s.seed, f"request {request_id}: its chunks do not add up to its completion")
+        if not (s.faults.key_moves or s.faults.broken or s.vm.restarts) and attempt > 1 + r.hits[request_id]:
+            raise Violation(s.seed, f"request {request_id} ended at attempt {attempt} after {r.hits[request_id]} "
+                                    "host deaths or updates under it")
 
     def due(self) -> list[tuple[str, int, Any]]:
         items: list[tuple[str, int, Any]] = [("bundle", key, b) for b in self.bundles if b[0] <= self.now
@@ -631,6 +646,9 @@ class World:
                 idle = not before["inflight"] and not before["waiting"] and _held(self.keys[key].cells) == before
                 self._idle_run[key] = self._idle_run[key] + 1 if idle else 0
                 self.report.idle_polls[key] = max(self.report.idle_polls[key], self._idle_run[key])
+                if self._idle_run[key] > IDLE_POLLS_MAX:
+                    raise Violation(self.s.seed, f"key {key} polled {self._idle_run[key]} times in a row holding no "
+                                                 f"request and changing nothing (at {self.now:.2f} s)")
         self.tick(self.now + self.rng.uniform(0.0005, 0.005))
         if self.chance(self.s.faults.key_moves) and self.s.workers > 1:
             moved = self.rng.randrange(self.s.keys)
@@ -639,7 +657,7 @@ class World:
             self.report.moves += 1
         if self.chance(self.s.faults.host_dies):
             dead = self.rng.choice(sorted(self.engines))
-            self._host_died(dead)
+            self.host_died(dead)
             self.rebuilt_at[dead] = self.now + self.s.vm.rebuild_s
             self.report.host_deaths += 1
         return True
@@ -683,7 +701,9 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
             continue
         while not world.work_item(key, DrainDue(world.now)):
             pass  # a failed commit: the runner fires the drain timer again
-        world.report.left_state[key] = {k: v for k, v in record.cells.items() if v}
+        left = world.report.left_state[key] = {k: v for k, v in record.cells.items() if v}
+        if left:
+            raise Violation(schedule.seed, f"key {key} holds state after its drain: {sorted(left)}")
     # What the engines alive at the end generated and expired: a host that died (in the drain too) added its own.
     world.report.generated += sum(e.generated for e in world.engines.values())
     world.report.expired += sum(e.expired for e in world.engines.values())
@@ -704,34 +724,17 @@ def check(report: Report) -> None:
     for request_id in sorted(ids | set(report.ended)):
         if report.ended[request_id] != (request_id in ids):
             raise Violation(seed, f"request {request_id} ended {report.ended[request_id]} times")
-    for request_id, completion in report.completions.items():
-        attempt, n = completion["attempt"], completion["chunks"]
-        seqs = [report.chunks[(request_id, attempt, q)] for q in range(n)]
-        if seqs != [1] * n:
-            raise Violation(seed, f"request {request_id} attempt {attempt}: chunks delivered {seqs}, not once each")
-        text = "".join(report.chunk_text[(request_id, attempt, q)] for q in range(n))
-        if text != completion["text"]:
-            raise Violation(seed, f"request {request_id}: its chunks do not add up to its completion")
-    for index, times in report.chunks.items():
-        if times != 1:
-            raise Violation(seed, f"chunk {index} delivered {times} times")
-    for key, polls in report.idle_polls.items():
-        if polls > IDLE_POLLS_MAX:
-            raise Violation(seed, f"key {key} polled {polls} times in a row holding no request and changing nothing")
+    # Checked as each work item committed: chunks in order and adding up to each completion, each request ended
+    # at most once at the cost its faults allow, no key polling idle, none holding state after its drain.
     if s.vm.drain_at is None and report.ended_before_drain != ids:
         raise Violation(seed, f"requests wedged until the drain: {sorted(ids - report.ended_before_drain)}")
-    for key, cells in report.left_state.items():
-        if cells:
-            raise Violation(seed, f"key {key} holds state after its drain: {sorted(cells)}")
     for name, running in report.left_running.items():
         if running:
             raise Violation(seed, f"engine {name} still runs {running} streams after every key drained")
     if not (s.faults.key_moves or s.faults.broken or s.vm.restarts):
-        # The contract's cost of a host's death (or an update's): each stream that ran on it sent again once.
+        # The contract's cost of a host's death (or an update's) in tokens: each stream on it generated again once
+        # at most (what each engine generated is known once it died or the run ended).
         for request_id, completion in report.completions.items():
-            if completion["attempt"] > 1 + report.hits[request_id]:
-                raise Violation(seed, f"request {request_id} ended at attempt {completion['attempt']} after "
-                                      f"{report.hits[request_id]} host deaths or updates under it")
             if report.generated_for[request_id] > completion["tokens"] * (1 + report.hits[request_id]):
                 raise Violation(seed, f"request {request_id}: {report.generated_for[request_id]} tokens generated "
                                       f"for {completion['tokens']}, after {report.hits[request_id]} host deaths or "
