@@ -312,3 +312,16 @@ def test_it_bites_when_a_lease_runs_on_the_wall_clock(monkeypatch):
     # Seen as a stream sent again with no host death under it, or as tokens generated twice.
     assert any("ended at attempt" in f or "tokens generated for" in f for f in failures), \
         "streams lost to a pause went unseen"
+
+
+def test_it_bites_when_the_machine_counts_what_the_generate_step_has_no_counter_for(monkeypatch):
+    """A count the generate step has no counter for raises there (a KeyError), and Dataflow retries that work item
+    for ever: the simulator refuses the count as the DoFn would."""
+    real = step_work.StepWork.__init__
+
+    def counting(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.counts["a_count_of_its_own"] += 1
+
+    monkeypatch.setattr(step_work.StepWork, "__init__", counting)
+    assert _any_caught(range(5), "have no counter in the generate step")

@@ -60,6 +60,7 @@ from pipeline.generation.key_driver import drive
 from pipeline.generation.key_events import Arrived, DrainDue, Event, PollDue, Rules, Submission, SubmitResult
 from pipeline.generation.key_events import Report as WaitingReport
 from pipeline.generation.key_state import KeyState
+from pipeline.generation.step_work import MACHINE_COUNTS
 
 
 @dataclass(frozen=True)
@@ -383,7 +384,10 @@ class _SimWorkItem:
         self.world.call(self.key, "hold", lambda engine: engine.hold_leases(seconds))
 
     def count(self, counts: Mapping[str, int], logs: tuple[tuple[int, str], ...]) -> None:
-        pass  # the simulator checks what ends, not the counters
+        """The simulator checks what ends, not the counters; but a count the generate step has no counter for
+        would raise there, and Dataflow retry the work item for ever."""
+        if unknown := set(counts) - set(MACHINE_COUNTS):
+            raise Violation(self.world.s.seed, f"counts {sorted(unknown)} have no counter in the generate step")
 
     def emit(self, output: Output) -> None:
         self.outputs.append(output)

@@ -16,6 +16,7 @@ from apache_beam import pvalue
 from apache_beam.metrics.metric import Metrics
 
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER, Output
+from pipeline.generation.step_work import MACHINE_COUNTS
 
 LOGGER = logging.getLogger(__name__)
 NAMESPACE = "streaming_generate"
@@ -48,11 +49,7 @@ class StepOutputs:
         self.structured_invalid = Metrics.counter(NAMESPACE, "structured_output_invalid")
         self.structured_cut = Metrics.counter(NAMESPACE, "structured_output_cut_at_max_tokens")
         # The key machine's own counts, by the names it gives them (pipeline.generation.key_machine).
-        self.machine_counts = {counter.metric_name.name: counter for counter in (
-            Metrics.counter(NAMESPACE, "requests_sent"), Metrics.counter(NAMESPACE, "requests_queued"),
-            Metrics.counter(NAMESPACE, "requests_admitted_from_queue"),
-            Metrics.counter(NAMESPACE, "duplicates_dropped"), Metrics.counter(NAMESPACE, "lost_streams_resubmitted"),
-            Metrics.counter(NAMESPACE, "undecodable_state_entries"), Metrics.counter(NAMESPACE, "drain_dead_letters"))}
+        self.machine_counts = {name: Metrics.counter(NAMESPACE, name) for name in MACHINE_COUNTS}
 
     def emit(self, output: Output) -> Any:
         """One output as the step emits it, counted."""

@@ -22,6 +22,10 @@ from pipeline.generation.dedupe import IdRecord
 from pipeline.generation.key_events import Effects, Report, Rules, Submission
 from pipeline.generation.key_state import KeyState, RequestEntry
 
+# Every count a step may make, by the name the generate step's counter has (pipeline.generation.step_outputs).
+MACHINE_COUNTS = ("requests_sent", "requests_queued", "requests_admitted_from_queue", "duplicates_dropped",
+                  "lost_streams_resubmitted", "undecodable_state_entries", "drain_dead_letters")
+
 
 class StepWork:
     """One step's scratch: what it emits and counts, and the key's ids while it changes them."""
