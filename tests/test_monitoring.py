@@ -70,10 +70,19 @@ def queries(document: dict) -> list[str]:
 
 def published_counters() -> list[re.Pattern]:
     """The names of the Beam counters the pipeline's code makes: ``Metrics.counter(namespace, NAME)`` where NAME is a
-    literal, an f-string (its fields match anything) or a call of a function of the same module returning one."""
+    literal, an f-string (its fields match anything), a call of a function of the same module returning one, or
+    the variable of a comprehension over a module-level tuple of literals (of any module of pipeline/)."""
     names = []
-    for path in (REPO / "pipeline").rglob("*.py"):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+    trees = [ast.parse(path.read_text(encoding="utf-8")) for path in (REPO / "pipeline").rglob("*.py")]
+    tuples = {target.id: [item.value for item in node.value.elts] for tree in trees for node in tree.body
+              if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple)
+              and all(isinstance(item, ast.Constant) and isinstance(item.value, str) for item in node.value.elts)
+              for target in node.targets if isinstance(target, ast.Name)}
+    for tree in trees:
+        over = {generator.target.id: tuples[generator.iter.id] for node in ast.walk(tree)
+                if isinstance(node, ast.comprehension) for generator in (node,)
+                if isinstance(generator.target, ast.Name) and isinstance(generator.iter, ast.Name)
+                and generator.iter.id in tuples}
         returned = {node.name: node.body[-1].value for node in tree.body if isinstance(node, ast.FunctionDef)
                     and isinstance(node.body[-1], ast.Return) and isinstance(node.body[-1].value, ast.JoinedStr)}
         for node in ast.walk(tree):
@@ -82,7 +91,9 @@ def published_counters() -> list[re.Pattern]:
                 name = node.args[1]
                 if isinstance(name, ast.Call) and isinstance(name.func, ast.Name) and name.func.id in returned:
                     name = returned[name.func.id]
-                if isinstance(name, ast.Constant):
+                if isinstance(name, ast.Name) and name.id in over:
+                    names.extend(re.compile(re.escape(value)) for value in over[name.id])
+                elif isinstance(name, ast.Constant):
                     names.append(re.compile(re.escape(name.value)))
                 elif isinstance(name, ast.JoinedStr):
                     names.append(re.compile("".join(re.escape(part.value) if isinstance(part, ast.Constant) else ".+"
