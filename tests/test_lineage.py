@@ -98,6 +98,7 @@ def test_a_pinned_revision_is_named_by_its_own_commit_not_mains(checkpoint, tmp_
         snapshot = tmp_path / "models--org--tiny" / "snapshots" / commit
         snapshot.mkdir(parents=True)
         shutil.copy(checkpoint / "config.json", snapshot / "config.json")
+        (snapshot / "chat_template.jinja").write_text(f"{{{{ messages }}}} {commit}")
     (tmp_path / "models--org--tiny" / "refs").mkdir()
     (tmp_path / "models--org--tiny" / "refs" / "main").write_text(main)
     (tmp_path / "models--org--tiny" / "refs" / "v2").write_text(pinned)
@@ -111,6 +112,7 @@ def test_a_pinned_revision_is_named_by_its_own_commit_not_mains(checkpoint, tmp_
                              server_args=("--revision", "v2", "--api-key", "k-1", "--hf-token=t-2",
                                           "--tokenizer", "org/tok", "--seed", "3"), loaded=loaded)
     assert lineage.model.revision == pinned and lineage.engine == "vllm 0.32.0"
+    assert lineage.settings["chat_template"] == sha(f"{{{{ messages }}}} {pinned}".encode()), "the pinned one's"
     assert lineage.settings["dtype"] == "bfloat16", "the dtype the engine resolved, not auto"
     assert "quantization" not in lineage.settings and "kv_cache_dtype" not in lineage.settings, "None and auto"
     assert lineage.settings["server_args"] == ["--revision", "v2", "--api-key", "(secret)", "--hf-token=(secret)",
@@ -119,6 +121,12 @@ def test_a_pinned_revision_is_named_by_its_own_commit_not_mains(checkpoint, tmp_
     unseen = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
                             command=("vllm", "--dtype", "float16", "--revision=v2"))
     assert (unseen.model.revision, unseen.settings["dtype"]) == (pinned, "float16")
+    # A --chat-template of vllm_args replaces the model's: a file, or the template itself.
+    (tmp_path / "mine.jinja").write_text("{{ mine }}")
+    for given, made in ((str(tmp_path / "mine.jinja"), b"{{ mine }}"), ("{{ inline }}", b"{{ inline }}")):
+        own = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
+                             server_args=("--chat-template", given), loaded=loaded)
+        assert own.settings["chat_template"] == sha(made), given
 
 
 def test_what_a_vllm_engine_logs_it_loaded_is_read_from_its_configuration_line():

@@ -17,6 +17,7 @@ not change what the model computes (docs/contract.md#lineage). A greedy request 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -137,10 +138,17 @@ def adapter_lineage(location: str, loaded_from: str | None) -> WeightsLineage:
     return WeightsLineage(location, revision, None if folder is None else folder_digest(folder))
 
 
-def chat_template_digest(model_location: str, loaded_from: str | None) -> str | None:
-    """The digest of the chat template the server formats chat requests with: ``chat_template.jinja``, else the
-    ``chat_template`` of ``tokenizer_config.json``."""
-    folder, _ = weights_folder(model_location, loaded_from)
+def chat_template_digest(model_location: str, loaded_from: str | None, revision: str | None = None,
+                         template_file: str | None = None) -> str | None:
+    """The digest of the chat template the server formats chat requests with: the file its ``--chat-template``
+    names (``template_file``), else the model's (at ``revision``) ``chat_template.jinja``, else the
+    ``chat_template`` of its ``tokenizer_config.json``."""
+    if template_file is not None:  # a file's path, or (as vLLM takes it too) the template itself
+        with contextlib.suppress(OSError):
+            if Path(template_file).is_file():
+                return file_digest(Path(template_file))
+        return digest(template_file.encode())
+    folder, _ = weights_folder(model_location, loaded_from, revision)
     if folder is None:
         return None
     found = file_digest(folder / CHAT_TEMPLATE_FILE)
@@ -232,8 +240,9 @@ def server_lineage(cards: Mapping[str, Mapping[str, Any]], model_name: str, vers
         path = card.get("root") if isinstance(card.get("root"), str) else None
         if card.get("parent") and (name in adapters or path):
             served_adapters[name] = adapter_lineage(adapters.get(name) or path or "", path)
-    settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"),
-                                "chat_template": chat_template_digest(source, root), "prompt_format": prompt_format}
+    template = chat_template_digest(source, root, found.get("revision"), _flag(server_args, "--chat-template"))
+    settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"), "chat_template": template,
+                                "prompt_format": prompt_format}
     settings.update({name: found[name] for name in LOADED_SETTINGS if name in found})
     if server_args:
         settings["server_args"] = [_unsecret(before, arg) for before, arg in zip(["", *server_args], server_args,
