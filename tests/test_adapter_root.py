@@ -24,7 +24,14 @@ from pipeline.config.options import ConfigError
 from pipeline.config.settings import JobSettings
 from pipeline.contract.messages import DeadLetter
 from pipeline.contract.request_parsing import RequestLimits, parse_request
-from pipeline.serving.adapter_disk import DEFAULT_DISK_SHARE, FREE_KEPT_SHARE, AdapterDisk, budget_bytes
+from pipeline.serving.adapter_disk import (
+    DEFAULT_DISK_SHARE,
+    FREE_KEPT_SHARE,
+    AdapterDisk,
+    AdapterNoRoom,
+    AdapterTooLarge,
+    budget_bytes,
+)
 from pipeline.serving.adapter_root import (
     AdapterRoot,
     AdapterUnavailable,
@@ -238,8 +245,12 @@ def test_without_a_budget_a_quarter_of_the_disk_is_kept_for_adapter_copies_withi
     (small_disk / "model.safetensors").write_bytes(bytes(50 * 2**20))  # the model's weights take most of it
     free = shutil.disk_usage(small_disk).free
     assert disk.budget_bytes == free - int(total * FREE_KEPT_SHARE) < int(total * DEFAULT_DISK_SHARE)
+    with pytest.raises(AdapterNoRoom, match="does not fit now"):  # waits for room: not a dead letter
+        disk.room_for("big", int(total * DEFAULT_DISK_SHARE) - 1)
     (small_disk / "more.safetensors").write_bytes(bytes(free - 2**20))
     assert disk.budget_bytes == 0, "a disk with nothing to spare keeps nothing for copies"
+    with pytest.raises(AdapterTooLarge):  # more than a quarter of the disk: never
+        disk.room_for("bigger", int(total * DEFAULT_DISK_SHARE) + 1)
     assert AdapterDisk(small_disk, budget_bytes(3), in_use=set, source_of=str).budget_bytes == 3 * 10**9
     assert JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "gs://my-bucket/adapters/",
                                      "lora_adapter_disk_gb": "40"}).engine.server.adapter_disk_gb == 40.0

@@ -63,12 +63,22 @@ class AdapterDisk:
 
     @property
     def budget_bytes(self) -> int:
+        """What the copies may take now: the budget, or by default the least of a quarter of the disk and what it
+        has free beside them."""
         if self._budget is not None:
             return self._budget
         self.folder.mkdir(parents=True, exist_ok=True)
         total, _, free = shutil.disk_usage(self.folder)
         held = sum(size for size, _ in self.copies().values())
-        return max(0, min(int(total * DEFAULT_DISK_SHARE), free + held - int(total * FREE_KEPT_SHARE)))
+        return max(0, min(self._largest_bytes(), free + held - int(total * FREE_KEPT_SHARE)))
+
+    def _largest_bytes(self) -> int:
+        """The most the copies could ever take: what decides whether an adapter can fit at all (a disk short of
+        room now makes it wait, not a dead letter)."""
+        if self._budget is not None:
+            return self._budget
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return int(shutil.disk_usage(self.folder).total * DEFAULT_DISK_SHARE)
 
     @contextlib.contextmanager
     def fetching(self, name: str) -> Iterator[None]:
@@ -89,10 +99,10 @@ class AdapterDisk:
         """Makes room for adapter ``name`` of ``size`` bytes (its copy, if there is one, already counts), deleting
         the least recently used copies no slot or fetch holds; raises :class:`AdapterTooLarge` when it can never
         fit, :class:`AdapterNoRoom` when it cannot now."""
-        budget = self.budget_bytes
-        if size > budget:
-            raise AdapterTooLarge(f"adapter {name!r} is {size / 1e9:.2f} GB, more than the {budget / 1e9:.2f} GB "
+        if size > (largest := self._largest_bytes()):
+            raise AdapterTooLarge(f"adapter {name!r} is {size / 1e9:.2f} GB, more than the {largest / 1e9:.2f} GB "
                                   "this worker keeps for adapter copies (lora_adapter_disk_gb)")
+        budget = self.budget_bytes
         with self._lock:
             copies = self.copies()
             held = self._in_use() | set(self._fetching) | {name}
