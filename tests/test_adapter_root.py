@@ -28,7 +28,6 @@ from pipeline.serving.adapter_disk import (
     DEFAULT_DISK_SHARE,
     FREE_KEPT_SHARE,
     AdapterDisk,
-    AdapterNoRoom,
     AdapterTooLarge,
     budget_bytes,
 )
@@ -245,11 +244,13 @@ def test_without_a_budget_a_quarter_of_the_disk_is_kept_for_adapter_copies_withi
     (small_disk / "model.safetensors").write_bytes(bytes(50 * 2**20))  # the model's weights take most of it
     free = shutil.disk_usage(small_disk).free
     assert disk.budget_bytes == free - int(total * FREE_KEPT_SHARE) < int(total * DEFAULT_DISK_SHARE)
-    with pytest.raises(AdapterNoRoom, match="does not fit now"):  # waits for room: not a dead letter
+    # No copy to wait for: what the disk has free decides at once (a dead letter, never a wait to time out).
+    with pytest.raises(AdapterTooLarge, match="this worker's disk has free for adapter copies now"):
         disk.room_for("big", int(total * DEFAULT_DISK_SHARE) - 1)
+    disk.room_for("small", 2**20)  # what fits is taken
     (small_disk / "more.safetensors").write_bytes(bytes(free - 2**20))
     assert disk.budget_bytes == 0, "a disk with nothing to spare keeps nothing for copies"
-    with pytest.raises(AdapterTooLarge):  # more than a quarter of the disk: never
+    with pytest.raises(AdapterTooLarge, match="keeps for adapter copies"):  # more than a quarter of the disk: never
         disk.room_for("bigger", int(total * DEFAULT_DISK_SHARE) + 1)
     assert AdapterDisk(small_disk, budget_bytes(3), in_use=set, source_of=str).budget_bytes == 3 * 10**9
     assert JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "gs://my-bucket/adapters/",
@@ -283,6 +284,8 @@ def test_any_weights_file_is_read_or_refused_with_a_reason(tmp_path, header, dec
     ("Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", False),
     ("someone-else/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", False),  # another org's model
     ("someone-else/SmolLM2-135M-Instruct", "/models/SmolLM2-135M-Instruct", True),  # a copy named by its folder
+    ("./SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", True),  # relative paths peft records
+    ("../SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", True),
     ("/data/model", "/models/model", False),  # a folder called 'model' says nothing of which
     ("/runs/7/checkpoint-500", "/models/checkpoint-500", False),
     ("/cache/snapshots/0a1b2c3d4e5f60718293", "/other/snapshots/0a1b2c3d4e5f60718293", False),

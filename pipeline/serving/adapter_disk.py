@@ -65,11 +65,14 @@ class AdapterDisk:
     def budget_bytes(self) -> int:
         """What the copies may take now: the budget, or by default the least of a quarter of the disk and what it
         has free beside them."""
+        return self._budget_beside(sum(size for size, _ in self.copies().values()))
+
+    def _budget_beside(self, held: int) -> int:
+        """:attr:`budget_bytes` with the copies taking ``held`` bytes."""
         if self._budget is not None:
             return self._budget
         self.folder.mkdir(parents=True, exist_ok=True)
         total, _, free = shutil.disk_usage(self.folder)
-        held = sum(size for size, _ in self.copies().values())
         return max(0, min(self._largest_bytes(), free + held - int(total * FREE_KEPT_SHARE)))
 
     def _largest_bytes(self) -> int:
@@ -102,9 +105,9 @@ class AdapterDisk:
         if size > (largest := self._largest_bytes()):
             raise AdapterTooLarge(f"adapter {name!r} is {size / 1e9:.2f} GB, more than the {largest / 1e9:.2f} GB "
                                   "this worker keeps for adapter copies (lora_adapter_disk_gb)")
-        budget = self.budget_bytes
         with self._lock:
             copies = self.copies()
+            budget = self._budget_beside(sum(size for size, _ in copies.values()))
             held = self._in_use() | set(self._fetching) | {name}
             sizes = {other: bytes_ for other, (bytes_, _) in copies.items()}
             sizes.update({other: max(sizes.get(other, 0), bytes_) for other, bytes_ in self._reserved.items()})
@@ -119,6 +122,9 @@ class AdapterDisk:
                 used -= sizes.pop(other, 0)
                 LOGGER.info("Deleted the copy of adapter %r, the least recently used, to make room for %r within "
                             "lora_adapter_disk_gb", other, name)
+            if size > budget:  # not even with every other copy gone: nothing to wait for
+                raise AdapterTooLarge(f"adapter {name!r} is {size / 1e9:.2f} GB, more than the {budget / 1e9:.2f} "
+                                      "GB this worker's disk has free for adapter copies now (docs/operations.md#disk)")
             if used + size > budget:
                 raise AdapterNoRoom(f"adapter {name!r} ({size / 1e9:.2f} GB) does not fit now beside the adapters "
                                     f"held ({used / 1e9:.2f} GB of {budget / 1e9:.2f} GB, lora_adapter_disk_gb)")
