@@ -168,8 +168,8 @@ def base_problem(name: str, folder: Path, base_model: str, model_folder: str | N
 
 # Folder names that say nothing of which model a folder holds (and a cache snapshot's commit hash): never matched.
 _GENERIC_PARTS = frozenset({"model", "models", "base", "final", "checkpoint", "weights", "main", "latest", "hf"})
-# A Hugging Face hub id: ORG/NAME, neither a path nor a URI.
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# A Hugging Face hub id: ORG/NAME, neither a URI nor a path (./NAME and ../NAME are; a bare dir/NAME reads as an id).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w-]*(?:\.[\w-]+)*/[\w.-]+$")
 # A Hugging Face cache folder: .../models--ORG--NAME/snapshots/COMMIT.
 _HUB_CACHE = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]+$")
 
