@@ -117,6 +117,7 @@ class VLLMBackend:
         self._static_adapters = frozenset(adapter.name for adapter in spec.adapters) if spec else frozenset()
         self._server_starts = self._server.stats.starts if self._server else 0
         self._lineage_read: asyncio.Future[None] | None = None  # a restarted server's lineage, being read
+        self._lineage_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-lineage")
         if spec is not None and spec.adapter_root is not None and self._server is not None:
             fetch = root_fetch(spec.adapter_root, model_folder=self._server.model_path, cache_dir=spec.model_cache_dir,
                                max_lora_rank=spec.max_lora_rank, disk_gb=spec.adapter_disk_gb,
@@ -134,27 +135,31 @@ class VLLMBackend:
             raise RuntimeError(f"{self.base_url} serves no models")
         return models[0]["id"]
 
-    def _read_lineage(self, settings: EngineSettings) -> ServingLineage:
+    def _read_lineage(self, settings: EngineSettings, strict: bool = False) -> ServingLineage:
         """What the server loaded, as it says itself (``/version``, ``/v1/models``) and, managed, as its engine
-        logged it (:func:`~pipeline.serving.lineage.server_lineage`); read again after each restart of the server."""
-        listed = _optional_json(f"{self.base_url}/v1/models").get("data")
+        logged it (:func:`~pipeline.serving.lineage.server_lineage`); ``strict``: raises where it does not say."""
+        read = _get_json if strict else _optional_json
+        listed = read(f"{self.base_url}/v1/models").get("data")
         cards = {card["id"]: card for card in (listed if isinstance(listed, list) else [])
                  if isinstance(card, dict) and isinstance(card.get("id"), str)}
         spec, server = settings.server, self._server
         return server_lineage(
-            cards, self.model_name, _optional_json(f"{self.base_url}/version").get("version"),
+            cards, self.model_name, read(f"{self.base_url}/version").get("version"),
             model=spec.model if spec else None, adapters={a.name: a.location for a in spec.adapters} if spec else {},
             prompt_format=settings.prompt_format, image=settings.image, server_args=spec.extra_args if spec else (),
             loaded=server.loaded if server else None, command=server.command if server else ())
 
     async def _refresh_lineage(self) -> None:
-        """What a restarted server loaded, read off the loop and adopted on it, where root adapters are recorded."""
+        """A restarted server's lineage: read on a thread of its own, adopted on the loop unless a newer one started."""
+        starts = self._server.stats.starts if self._server else 0
         try:
-            fresh = await asyncio.get_running_loop().run_in_executor(None, self._read_lineage, self.settings)
+            fresh = await asyncio.get_running_loop().run_in_executor(self._lineage_reader, self._read_lineage,
+                                                                     self.settings, True)
         except Exception:  # noqa: BLE001 - the answers keep the lineage read before
             LOGGER.exception("Reading the restarted server's lineage failed; answers keep the one read before")
             return
-        self.lineage = after_restart(fresh, self.lineage, self._static_adapters)  # one assignment
+        if (self._server.stats.starts if self._server else 0) == starts:
+            self.lineage = after_restart(fresh, self.lineage, self._static_adapters)  # one assignment
 
     def restarts(self) -> int:
         return self._server.stats.restarts if self._server else 0
@@ -375,7 +380,8 @@ class VLLMBackend:
         priority = self.settings.priority_of(request)
         if priority is not None:
             payload["priority"] = priority
-        if (salt := self.lineage.cache_salt(request.adapter)) is not None:
+        if self._adapter_slots and request.adapter not in self._static_adapters and \
+                (salt := self.lineage.cache_salt(request.adapter)) is not None:  # a root's: copied again when changed
             payload["cache_salt"] = salt
         if request.messages is not None or self.settings.prompt_format == "chat":
             payload["messages"] = list(request.messages or [{"role": "user", "content": request.prompt}])
@@ -410,23 +416,17 @@ class _StreamIntervalRefused(Exception):
 
 def _error_message(body: str) -> str:
     try:
-        data = json.loads(body)
+        error = json.loads(body)
     except json.JSONDecodeError:
         return body
-    error = data.get("error", data)
-    if isinstance(error, dict):
-        return str(error.get("message", error))
-    return str(error)
+    error = error.get("error", error) if isinstance(error, dict) else error
+    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
 
 
 async def _sse_events(content: aiohttp.StreamReader,
                       response: aiohttp.ClientResponse | None = None) -> AsyncIterator[dict[str, Any]]:
-    """Server-sent events of an OpenAI-style stream, until ``[DONE]``.
-
-    Cancelled while reading (the stream was abandoned), it closes the connection
-    rather than return it to the pool: the closed connection is what makes vLLM
-    abort the request.
-    """
+    """Server-sent events of an OpenAI-style stream, until ``[DONE]``. Cancelled while reading (the stream was
+    abandoned), it closes the connection, not returns it to the pool: a closed connection makes vLLM abort it."""
     try:
         async for event in _events(content):
             yield event
