@@ -112,7 +112,13 @@ def test_a_pinned_revision_is_named_by_its_own_commit_not_mains(checkpoint, tmp_
                              server_args=("--revision", "v2", "--api-key", "k-1", "--hf-token=t-2",
                                           "--tokenizer", "org/tok", "--seed", "3"), loaded=loaded)
     assert lineage.model.revision == pinned and lineage.engine == "vllm 0.32.0"
-    assert lineage.settings["chat_template"] == sha(f"{{{{ messages }}}} {pinned}".encode()), "the pinned one's"
+    assert lineage.settings["chat_template"] is None, "another tokenizer's template (org/tok, not cached here)"
+    own_tokenizer = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat",
+                                   image=None, server_args=("--revision", "v2"), loaded=loaded)
+    assert own_tokenizer.settings["chat_template"] == sha(f"{{{{ messages }}}} {pinned}".encode()), "the pinned one's"
+    other = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
+                           server_args=("--tokenizer", "org/tiny", "--tokenizer-revision", main), loaded=loaded)
+    assert other.settings["chat_template"] == sha(f"{{{{ messages }}}} {main}".encode()), "the tokenizer's revision"
     assert lineage.settings["dtype"] == "bfloat16", "the dtype the engine resolved, not auto"
     assert "quantization" not in lineage.settings and "kv_cache_dtype" not in lineage.settings, "None and auto"
     assert lineage.settings["server_args"] == ["--revision", "v2", "--api-key", "(secret)", "--hf-token=(secret)",
@@ -123,10 +129,10 @@ def test_a_pinned_revision_is_named_by_its_own_commit_not_mains(checkpoint, tmp_
     assert (unseen.model.revision, unseen.settings["dtype"]) == (pinned, "float16")
     # A --chat-template of vllm_args replaces the model's: a file, or the template itself.
     (tmp_path / "mine.jinja").write_text("{{ mine }}")
-    for given, made in ((str(tmp_path / "mine.jinja"), b"{{ mine }}"), ("{{ inline }}", b"{{ inline }}")):
+    for template, made in ((str(tmp_path / "mine.jinja"), b"{{ mine }}"), ("{{ inline }}", b"{{ inline }}")):
         own = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
-                             server_args=("--chat-template", given), loaded=loaded)
-        assert own.settings["chat_template"] == sha(made), given
+                             server_args=("--chat-template", template), loaded=loaded)
+        assert own.settings["chat_template"] == sha(made), template
 
 
 def test_what_a_vllm_engine_logs_it_loaded_is_read_from_its_configuration_line():
@@ -135,7 +141,8 @@ def test_what_a_vllm_engine_logs_it_loaded_is_read_from_its_configuration_line()
             "tokenizer_mode=auto, revision=v2, tokenizer_revision=None, trust_remote_code=False, "
             "dtype=torch.float16, max_seq_len=2048, download_dir=None, load_format=auto, quantization=awq, "
             "tensor_parallel_size=2, pipeline_parallel_size=1, quantization=awq, enforce_eager=False, "
-            "kv_cache_dtype=fp8, device_config=cuda, seed=0, served_model_name=m, enable_prefix_caching=True")
+            "kv_cache_dtype=fp8, device_config=cuda, seed=0, served_model_name=m, enable_prefix_caching=True, "
+            "speculative_config=SpeculativeConfig(method=draft, dtype=torch.bfloat16, tensor_parallel_size=1)")
     assert loaded_config(line) == {"revision": "v2", "dtype": "float16", "max_seq_len": "2048",
                                    "tensor_parallel_size": "2", "quantization": "awq", "enforce_eager": "False",
                                    "kv_cache_dtype": "fp8", "device_config": "cuda", "enable_prefix_caching": "True"}

@@ -240,7 +240,11 @@ def server_lineage(cards: Mapping[str, Mapping[str, Any]], model_name: str, vers
         path = card.get("root") if isinstance(card.get("root"), str) else None
         if card.get("parent") and (name in adapters or path):
             served_adapters[name] = adapter_lineage(adapters.get(name) or path or "", path)
-    template = chat_template_digest(source, root, found.get("revision"), _flag(server_args, "--chat-template"))
+    # vLLM formats chats with its tokenizer's template: the model's, unless --tokenizer names another.
+    tokenizer = _flag(server_args, "--tokenizer")
+    template = chat_template_digest(tokenizer, None, _flag(server_args, "--tokenizer-revision"),
+                                    _flag(server_args, "--chat-template")) if tokenizer else \
+        chat_template_digest(source, root, found.get("revision"), _flag(server_args, "--chat-template"))
     settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"), "chat_template": template,
                                 "prompt_format": prompt_format}
     settings.update({name: found[name] for name in LOADED_SETTINGS if name in found})

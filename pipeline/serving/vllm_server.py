@@ -182,7 +182,10 @@ def loaded_config(line: str) -> dict[str, str] | None:
     line."""
     if _ENGINE_CONFIG_LINE not in line or "with config:" not in line:
         return None
-    return {name: value.removeprefix("torch.") for name, value in _LOADED.findall(line)}
+    found: dict[str, str] = {}
+    for name, value in _LOADED.findall(line):  # the first: the engine's own, before any nested config's repr
+        found.setdefault(name, value.removeprefix("torch."))
+    return found
 
 
 @dataclass
