@@ -112,6 +112,35 @@ def test_a_restarted_server_has_forgotten_them_and_each_is_loaded_again_on_its_n
     assert asyncio.run(run()) == [("load", "a"), ("load", "a")]
 
 
+def test_a_stream_cancelled_while_the_server_loads_its_adapter_leaves_it_counted_and_let_go_in_turn():
+    """The server takes an adapter whose stream was cancelled mid-load: the slots count it (unused), so a load of
+    another first lets it go, and the server never holds more than the slots."""
+    class SlowServer(Server):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loading = asyncio.Event()
+
+        async def load(self, name: str, path: str) -> None:
+            self.loading.set()
+            await asyncio.sleep(0.2)
+            self.calls.append(("load", name))
+
+    async def run() -> list[tuple[str, str]]:
+        server = SlowServer()
+        held = slots(server)
+        first = asyncio.ensure_future(held.acquire("a"))
+        await server.loading.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(0.4)  # the server finishes loading it
+        assert held.loaded() == ["a"] and held.held() == {"a"}
+        await asyncio.wait_for(held.acquire("b"), 5)
+        return server.calls
+
+    assert asyncio.run(run()) == [("load", "a"), ("unload", "a"), ("load", "b")]
+
+
 def test_the_streams_of_a_forgotten_load_neither_free_nor_forget_the_load_that_replaced_it():
     """A restart forgets the adapter while a stream of it runs; a new stream loads it again. The old stream's end
     must not count as the new one's (the one slot would then look free, and the adapter in use be unloaded for

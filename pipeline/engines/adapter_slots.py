@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -120,6 +121,7 @@ class AdapterSlots:
     async def _load_once(self, name: str, bulk: bool) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._loading[name] = future
+        handed_over = False  # the stream was cancelled while the server loaded it: the load settles on its own
         try:
             # Fetched and checked first: a name that cannot be served never unloads one that can.
             path = await asyncio.get_running_loop().run_in_executor(None, self._fetch, name)
@@ -130,9 +132,17 @@ class AdapterSlots:
                     await self._wait_for_change()
             self._waiting.pop(name, None)
             self._placing.add(name)
-            await self._load(name, path)
+            load = asyncio.ensure_future(self._load(name, path))
+            try:
+                await asyncio.shield(load)  # begun, the server may take it whatever becomes of this stream
+            except asyncio.CancelledError:
+                if not load.done():
+                    handed_over = True
+                    load.add_done_callback(functools.partial(self._settle, name, future))
+                raise
         except asyncio.CancelledError:
-            future.set_result(None)  # its stream was cancelled, not theirs: a waiter loads it in its place
+            if not handed_over:
+                future.set_result(None)  # its stream was cancelled, not theirs: a waiter loads it in its place
             raise
         except BaseException as exc:
             future.set_exception(exc)
@@ -145,9 +155,22 @@ class AdapterSlots:
             future.set_result(None)
         finally:
             self._waiting.pop(name, None)
-            self._placing.discard(name)
-            del self._loading[name]
+            if not handed_over:
+                self._placing.discard(name)
+                del self._loading[name]
             self._wake()
+
+    def _settle(self, name: str, future: asyncio.Future[None], load: asyncio.Future[None]) -> None:
+        """A load whose stream was cancelled has ended: loaded, it counts with no use (let go as any idle one is),
+        so the server never holds an adapter the slots do not count; failed, the next asker loads it."""
+        if not load.cancelled() and load.exception() is None:
+            self._loaded[name] = 0
+            self._generation[name] = next(self._loads)
+            self._first_wait.pop(name, None)
+        self._placing.discard(name)
+        del self._loading[name]
+        future.set_result(None)  # the waiters go on: they join it, or load it themselves
+        self._wake()
 
     async def _make_room(self) -> bool:
         """Unloads the least recently used adapter no stream uses; False when every one is in use."""
