@@ -380,7 +380,7 @@ class VLLMBackend:
         priority = self.settings.priority_of(request)
         if priority is not None:
             payload["priority"] = priority
-        if self._adapter_slots and request.adapter not in self._static_adapters and \
+        if self._adapter_slots is not None and request.adapter not in self._static_adapters and \
                 (salt := self.lineage.cache_salt(request.adapter)) is not None:  # a root's: copied again when changed
             payload["cache_salt"] = salt
         if request.messages is not None or self.settings.prompt_format == "chat":

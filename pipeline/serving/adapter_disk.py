@@ -73,11 +73,11 @@ class AdapterDisk:
             return self._budget
         self.folder.mkdir(parents=True, exist_ok=True)
         total, _, free = shutil.disk_usage(self.folder)
-        return max(0, min(self._largest_bytes(), free + held - int(total * FREE_KEPT_SHARE)))
+        return max(0, min(int(total * DEFAULT_DISK_SHARE), free + held - int(total * FREE_KEPT_SHARE)))
 
     def _largest_bytes(self) -> int:
-        """The most the copies could ever take: what decides whether an adapter can fit at all (a disk short of
-        room now makes it wait, not a dead letter)."""
+        """The most the copies could ever take, whatever the disk has free now: an adapter larger is a dead letter
+        however the disk empties."""
         if self._budget is not None:
             return self._budget
         self.folder.mkdir(parents=True, exist_ok=True)
