@@ -45,6 +45,9 @@ def gcloud_env(tmp_path, catalog, monkeypatch):
            **catalog.env()}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    # What these tests price must not hang on how busy the machine is: a fresh gcloud took over 15 s a call on a
+    # loaded 2-core CI runner. The deadline itself is tested with its own, shorter value.
+    monkeypatch.setattr(cost, "DEADLINE_S", 180.0)
     return env
 
 
