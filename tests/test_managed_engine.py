@@ -190,15 +190,19 @@ def test_in_a_concurrent_burst_a_recorded_seed_gives_its_text_again_and_another_
 
 
 def test_a_live_request_sent_while_bulk_ones_wait_at_the_server_has_its_first_chunk_before_any_of_them(engine):
-    """Six bulk requests fill the server's two sequences and queue four at vLLM. A live request sent then, and a
-    bulk one after it, go by vLLM's priority scheduling (the template sets it for a bulk lane: live 0, bulk 1): the
-    live request's first chunk comes before that of every bulk request that had none when it was sent. First come,
-    first served, it would wait for the four."""
+    """Two long bulk requests fill the server's two sequences, and four more queue at vLLM. A live request sent
+    then, and a bulk one after it, go by vLLM's priority scheduling (the template sets it for a bulk lane: live 0,
+    bulk 1): the live request's first chunk comes before that of every bulk request that had none when it was
+    sent. First come, first served, it would wait for the four.
+
+    The two running streams are long (and cancelled once the live one has started), so neither can end between
+    the moment the queue is read and the live request's arrival and hand its sequence to a queued bulk request
+    first: CI on a loaded 2-core runner met exactly that race when every bulk request was 48 tokens long."""
     base_url = engine.backend.base_url
     now = time.time()
 
-    def bulk(request_id: str) -> InferenceRequest:
-        return InferenceRequest(id=request_id, prompt=POEM, max_tokens=48, min_tokens=48, temperature=0,
+    def bulk(request_id: str, tokens: int = 48) -> InferenceRequest:
+        return InferenceRequest(id=request_id, prompt=POEM, max_tokens=tokens, min_tokens=tokens, temperature=0,
                                 lane="bulk", received_at=now)
 
     ids: dict[str, str] = {}
@@ -224,17 +228,27 @@ def test_a_live_request_sent_while_bulk_ones_wait_at_the_server_has_its_first_ch
         poll()
         return server_metrics(base_url, ("vllm:num_requests_waiting",))["vllm:num_requests_waiting"]
 
-    send([bulk(f"bulk-{n}") for n in range(6)])
-    # Four wait at the server, and the two it runs have said so (their first chunks polled): the four have none.
-    assert wait_until(lambda: waiting_at_server() >= 3 and len(first) >= 2, 120), "bulk requests queue at the server"
-    not_started = {f"bulk-{n}" for n in range(6)} - set(first)
+    def started(*request_ids: str) -> bool:
+        poll()
+        return set(request_ids) <= set(first)
+
+    long_ones = ["long-0", "long-1"]
+    send([bulk(request_id, tokens=400) for request_id in long_ones])
+    assert wait_until(lambda: started(*long_ones), 120), "both long ones run"
+    queued = [f"bulk-{n}" for n in range(4)]
+    send([bulk(request_id) for request_id in queued])
+    assert wait_until(lambda: waiting_at_server() >= 4, 120), "four bulk requests queue at the server"
+    not_started = set(queued) - set(first)
     send([InferenceRequest(id="live", prompt=QUESTION, max_tokens=8, temperature=0, received_at=time.time())])
     send([bulk("bulk-after")])
+    assert wait_until(lambda: started("live"), 120), "the live request starts"
+    engine.cancel([key for key, request_id in ids.items() if request_id in long_ones])
+    done.update(long_ones)
     deadline = time.monotonic() + 300
     while len(done) < len(ids) and time.monotonic() < deadline:
         poll()
         time.sleep(0.02)
-    engine.poll(dict(taken))  # releases the finished streams
+    engine.poll({key: n for key, n in taken.items() if ids[key] not in long_ones})  # releases the finished streams
     assert done == set(ids.values()), f"every request answered: {sorted(set(ids.values()) - done)}"
     later = {request_id: first[request_id] - first["live"] for request_id in not_started | {"bulk-after"}}
-    assert len(not_started) >= 3 and min(later.values()) > 0, f"first chunks after the live one's (s): {later}"
+    assert len(not_started) == 4 and min(later.values()) > 0, f"first chunks after the live one's (s): {later}"
