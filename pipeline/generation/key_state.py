@@ -24,6 +24,7 @@ step turns it into a dead letter with its raw text, and the key goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -57,7 +58,7 @@ class RequestEntry:
 
     @property
     def request_id(self) -> str:
-        return InferenceRequest.from_json(self.request).id
+        return _request_id(self.request)
 
     @property
     def progress(self) -> RequestProgress:
@@ -68,7 +69,14 @@ class RequestEntry:
 
     @classmethod
     def decode(cls, text: str) -> RequestEntry:
-        """An entry, upgraded from any version this code knows; raises StateFormatError."""
+        """An entry, upgraded from any version this code knows; raises StateFormatError.
+
+        A key's bags are read back at every work item, mostly unchanged: an entry (all plain values, so one
+        instance can be shared) is decoded once per text, not once per read."""
+        return _decoded(text)
+
+    @classmethod
+    def _decode(cls, text: str) -> RequestEntry:
         data = read_cell(text, (1, STATE_VERSION), _ENTRY_FIELDS)
         try:
             InferenceRequest.from_json(data["request"])
@@ -84,6 +92,16 @@ class RequestEntry:
         if not isinstance(bulk, bool):
             raise StateFormatError("field 'bulk' of the wrong type")
         return cls(data["request"], data["fp"], data["attempt"], data["key"], data["deadline_at"], batch, lost, bulk)
+
+
+@functools.lru_cache(maxsize=8192)
+def _decoded(text: str) -> RequestEntry:
+    return RequestEntry._decode(text)
+
+
+@functools.lru_cache(maxsize=8192)
+def _request_id(request: str) -> str:
+    return InferenceRequest.from_json(request).id
 
 
 # The entry's fields in order (all plain values): its cell, as ``dataclasses.asdict`` wrote it without the copy.
