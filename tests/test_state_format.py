@@ -18,7 +18,7 @@ from pipeline.contract.messages import STAGE_BATCH, InferenceRequest
 from pipeline.contract.state_format import StateFormatError, read_cell
 from pipeline.flow.batching import BatchingConfig, BucketCounters, _BatchFn
 from pipeline.contract.stream_progress import KeyProgress
-from pipeline.generation.dedupe import encode_ids, holder, read_ids
+from pipeline.generation.dedupe import IdEntry, encode_ids, holder, read_ids
 from pipeline.generation.key_state import RequestEntry, encode_progress, read_progress
 from tests.state_stand_in import Cell, Timer
 
@@ -76,7 +76,7 @@ def test_the_record_of_ids_reads_the_previous_version_and_writes_a_versioned_one
     old = json.dumps({"v": ["fp-v", None], "a": ["fp-a", 9e9]})  # version 1, with a request named "v"
     ids, problem = read_ids(old)
     assert problem is None and holder(ids, "v", 0.0) == "fp-v" and holder(ids, "a", 0.0) == "fp-a"
-    ids["b"] = ["fp-b", None]
+    ids["b"] = IdEntry("fp-b", None)
     written = encode_ids(ids)
     assert json.loads(written)["v"] == 2
     again, _ = read_ids(written)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 from pipeline.contract.state_format import StateFormatError, check_cell, write_cell
 
@@ -28,8 +28,15 @@ MAX_ENDED_IDS = 10_000
 # Version 1: the ids object itself (no "v"); 2: {"ids": ..., "v": 2}, so that a request id can be anything.
 SEEN_VERSION = 2
 
-# An id's entry as its cell's JSON holds it: [fingerprint, forget-after time, or None while the request is open].
-IdEntry = list[Any]
+
+
+class IdEntry(NamedTuple):
+    """An id's entry; its cell's JSON holds it as the list ``[fingerprint, until]`` (a tuple encodes as one)."""
+
+    fingerprint: str  # the request that holds the id
+    until: float | None  # when the id is forgotten; None while the request waits or streams
+
+
 Ids = dict[str, IdEntry]
 
 
@@ -45,7 +52,7 @@ class IdRecord:
     def opened(self) -> tuple[Ids, str | None]:
         """A copy of the ids to change, and why the cell could not be read (it then starts afresh)."""
         if self.ids is not None:
-            return {i: list(entry) for i, entry in self.ids.items()}, None
+            return dict(self.ids), None
         return read_ids(self.text)
 
 
@@ -63,7 +70,7 @@ def read_ids(text: str | None) -> tuple[Ids, str | None]:
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
                     and (entry[1] is None or isinstance(entry[1], (int, float)))):
                 raise StateFormatError(f"an entry is not [fingerprint, until]: {str(entry)[:80]}")
-        return ids, None
+        return {request_id: IdEntry(*entry) for request_id, entry in ids.items()}, None
     except (ValueError, TypeError, RecursionError, StateFormatError) as exc:
         return {}, f"the generate step's record of request ids cannot be read ({exc}); it starts afresh"
 
@@ -71,16 +78,15 @@ def read_ids(text: str | None) -> tuple[Ids, str | None]:
 def holder(ids: Mapping[str, IdEntry], request_id: str, now: float) -> str | None:
     """The fingerprint of the request that holds this id now, if any."""
     entry = ids.get(request_id)
-    if entry is None or (entry[1] is not None and entry[1] <= now):
+    if entry is None or (entry.until is not None and entry.until <= now):
         return None
-    fingerprint: str = entry[0]
-    return fingerprint
+    return entry.fingerprint
 
 
 def release(ids: Ids, request_id: str, fingerprint: str, until: float, now: float) -> None:
     """The request ended: its id stays held until ``until`` (forgotten at once when that has passed)."""
     if until > now:
-        ids[request_id] = [fingerprint, until]
+        ids[request_id] = IdEntry(fingerprint, until)
     else:
         ids.pop(request_id, None)
 
@@ -88,21 +94,21 @@ def release(ids: Ids, request_id: str, fingerprint: str, until: float, now: floa
 def release_orphans(ids: Ids, live: set[str], until: float, now: float) -> None:
     """Ids held open whose request is in neither bag any more (its entry could not be decoded and went to the
     dead letters) end now, as an ended request's do; ``live``: the fingerprints of the requests the key holds."""
-    for request_id, (fingerprint, held_until) in list(ids.items()):
-        if held_until is None and fingerprint not in live:
-            release(ids, request_id, fingerprint, until, now)
+    for request_id, entry in list(ids.items()):
+        if entry.until is None and entry.fingerprint not in live:
+            release(ids, request_id, entry.fingerprint, until, now)
 
 
 def next_expiry(ids: Mapping[str, IdEntry], now: float) -> float | None:
     """When the next id held past ``now`` is to be forgotten (those already past go when the ids are pruned)."""
-    return min((until for _, until in ids.values() if until is not None and until > now), default=None)
+    return min((e.until for e in ids.values() if e.until is not None and e.until > now), default=None)
 
 
 def prune(ids: Ids, now: float) -> bool:
     """Forgets the ids past their window, and the soonest-ending past :data:`MAX_ENDED_IDS`; whether any went."""
-    expired = [i for i, (_, until) in ids.items() if until is not None and until <= now]
+    expired = [i for i, e in ids.items() if e.until is not None and e.until <= now]
     if len(ids) > MAX_ENDED_IDS:
-        ended = sorted((until, i) for i, (_, until) in ids.items() if until is not None and until > now)
+        ended = sorted((e.until, i) for i, e in ids.items() if e.until is not None and e.until > now)
         expired += [i for _, i in ended[:max(len(ended) - MAX_ENDED_IDS, 0)]]
     for request_id in expired:
         del ids[request_id]

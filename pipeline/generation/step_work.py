@@ -50,7 +50,7 @@ class StepWork:
         return self._ids
 
     def hold(self, request: InferenceRequest, fingerprint: str) -> None:
-        self.ids[request.id] = [fingerprint, None]
+        self.ids[request.id] = dedupe.IdEntry(fingerprint, None)
         self._ids_changed = True
 
     def end(self, entry: RequestEntry) -> None:
