@@ -12,6 +12,8 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.contract.call_outcome import Call
+from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import (
     ATTEMPT,
     CHUNK,
@@ -23,6 +25,10 @@ from pipeline.contract.stream_progress import (
     advance,
     given_up,
 )
+from pipeline.generation import key_machine
+from pipeline.generation.key_driver import submit_in_order
+from pipeline.generation.key_events import Arrived, PollDue, Polled, Rules, SubmitResult, Submitted
+from pipeline.generation.key_state import KeyState
 
 END = "completion"
 
@@ -168,3 +174,36 @@ def test_every_schedule_delivers_each_output_once_in_order_and_releases_only_wha
         committed = poll(committed, None, emitted)
         delivered = delivered + emitted
     assert delivered == produced and forgotten and committed.taken == {} and committed.release == {}
+
+
+def test_a_request_given_up_after_a_move_and_failed_resends_names_the_engine_not_the_moves():
+    """The bound counts lost streams and failed engine calls alike, and the entry does not record which each was;
+    the dead letter names the count and only the last. Here the stream is lost once (its key moved: the engine
+    no longer knows it) and every resend then fails: the letter blames the engine, not moves (before, a request
+    given up while streamless was lettered as lost to key moves every time)."""
+    rules = Rules(poll_interval_s=0.05, dedupe_window_s=600.0, drain_timeout_s=30.0, waiting_cap=100)
+    request = InferenceRequest(id="moved-then-failing", prompt="hi", max_tokens=4, received_at=0.0)
+    now, submits = 0.0, 0
+    state, effects = key_machine.step(rules, KeyState(), Arrived(now, (request,), "b1"))
+    letters: list[dict] = []
+    while not letters and now < 100:
+        if effects.submit:
+            submits += 1
+
+            def answer(submission, first=submits == 1):
+                if first:
+                    return SubmitResult(submission, Call.ANSWERED, ("stream-1",))
+                return SubmitResult(submission, Call.FAILED)
+
+            state, effects = key_machine.step(rules, state, Submitted(now, submit_in_order(effects.submit, answer)))
+        elif effects.poll is not None:
+            lost = {key: [(UNKNOWN, "")] for key in effects.poll}  # the engine no longer knows the stream
+            state, effects = key_machine.step(rules, state, Polled(now, Call.ANSWERED, lost))
+        else:
+            now += 1.0
+            state, effects = key_machine.step(rules, state, PollDue(now))
+        letters += [json.loads(payload) for kind, payload in effects.outputs if kind == "dead_letter"]
+    (letter,) = letters
+    assert submits == MAX_LOST_STREAMS, "one stream, then a resend per loss left within the bound"
+    assert letter["reason"] == (f"its stream was lost or its engine failed {MAX_LOST_STREAMS} times in all, the "
+                                "bound (the last time: the engine failed when it was sent again)")

@@ -122,6 +122,21 @@ def _arrive(work: StepWork, state: KeyState, event: Arrived) -> tuple[KeyState, 
     return _arrived(work, state, Arriving(tuple(accepted), len(state.waiting), arrived, None), None)
 
 
+def _lose(entry: RequestEntry) -> RequestEntry:
+    """The entry with one more loss: a stream lost (its key moved, its worker was lost) or an engine call that
+    failed for it. Both count against the one bound (:func:`~pipeline.contract.stream_progress.given_up`), so
+    neither a failing engine nor keys that keep moving hold a request for ever."""
+    return replace(entry, lost=entry.lost + 1)
+
+
+def _give_up(work: StepWork, entry: RequestEntry, losses: int, last: str) -> None:
+    """The request ends as a dead letter at the bound of losses. The letter names the count and the last loss
+    only: the losses before it may have been of either kind, and the entry does not record which."""
+    work.end(entry)
+    work.letter(entry, f"its stream was lost or its engine failed {losses} times in all, the bound (the last "
+                       f"time: {last})")
+
+
 def _taken(entries: tuple[RequestEntry, ...], result: SubmitResult | None
            ) -> tuple[tuple[RequestEntry, ...], tuple[RequestEntry, ...]]:
     """(the entries the engine took, a prefix, with their streams; those left to wait). A failed engine counts as
@@ -129,7 +144,7 @@ def _taken(entries: tuple[RequestEntry, ...], result: SubmitResult | None
     if result is None:
         return (), entries
     if result.outcome is Call.FAILED:
-        return (), tuple(replace(entry, lost=entry.lost + 1) for entry in entries)
+        return (), tuple(_lose(entry) for entry in entries)
     streams = result.streams if result.outcome is Call.ANSWERED else ()
     sent = tuple(replace(entry, key=key) for entry, key in itertools.takewhile(
         lambda pair: pair[1] is not None, zip(entries, streams, strict=False)))
@@ -204,10 +219,9 @@ def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: Ke
         if failed and entry.key is not None and not draining:
             if given_up(entry.lost + 1):
                 abandoned.append(entry.key)
-                work.end(entry)
-                work.letter(entry, f"the engine failed each of the {entry.lost + 1} times it was asked")
+                _give_up(work, entry, entry.lost + 1, "the engine failed when asked for its stream")
             else:
-                remaining.append(replace(entry, lost=entry.lost + 1))
+                remaining.append(_lose(entry))
                 settled.append((current, False))
             continue
         answer = answers.get(entry.key, []) if entry.key is not None else None
@@ -217,10 +231,11 @@ def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: Ke
             work.end(entry)
             if draining:
                 work.letter(entry, "its stream was lost while the job drained", drain=True)
+            elif entry.key is None:  # streamless at the bound: its last resend failed, and was counted then
+                _give_up(work, entry, entry.lost, "the engine failed when it was sent again")
             else:
-                lost = entry.lost if entry.key is None else entry.lost + 1  # a streamless one was counted already
-                work.letter(entry, f"its stream was lost {lost} times (its key moved away, or its "
-                                   "worker was lost, each time)")
+                _give_up(work, entry, entry.lost + 1,
+                         "its stream was lost (its key moved away, or its worker was lost)")
         elif moved.ended:
             work.end(entry)
         elif moved.resend is not None:
@@ -272,8 +287,8 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
         entry = remaining[index]
         if result is None:  # not made: it stays streamless, to send at the next poll
             continue
-        if result.outcome is Call.FAILED:  # counts as a lost stream too, so failures are bounded
-            remaining[index] = replace(entry, lost=entry.lost + 1)
+        if result.outcome is Call.FAILED:
+            remaining[index] = _lose(entry)
             continue
         if result.outcome is Call.ANSWERED and result.streams and result.streams[0] is not None:
             work.counts["lost_streams_resubmitted"] += 1
@@ -291,8 +306,7 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
                 if not given_up(entry.lost):
                     left.append(entry)
                 else:
-                    work.end(entry)
-                    work.letter(entry, f"the engine failed each of the {entry.lost} times it was sent")
+                    _give_up(work, entry, entry.lost, "the engine failed when it was sent")
             left += [e for later, _ in pending.groups[n + 1:] for e in later]
             break
     state = replace(state, inflight=tuple(remaining) + tuple(sent), waiting=tuple(left), progress=pending.progress)
