@@ -59,7 +59,6 @@ from pipeline.generation import key_state
 from pipeline.generation.key_driver import drive
 from pipeline.generation.key_events import Arrived, DrainDue, Event, PollDue, Rules, Submission, SubmitResult
 from pipeline.generation.key_events import Report as WaitingReport
-from pipeline.generation.key_state import KeyState
 from pipeline.generation.step_work import MACHINE_COUNTS
 
 
@@ -314,25 +313,48 @@ class SimEngine:
             del self.server[generation.stream.key]
 
 
+# The names of a key's cells, as the DoFn's state declares them.
+CELL_NAMES = tuple(name for name, member in vars(key_state.KeyCells).items() if isinstance(member, property))
+
+
+class _Cell:
+    """A state cell as the runner keeps it between work items: a bag's list or a value (None: cleared)."""
+
+    def __init__(self, bag: bool = False) -> None:
+        self.bag = bag
+        self.value: Any = [] if bag else None
+
+    def read(self) -> Any:
+        return self.value
+
+    def add(self, value: str) -> None:
+        self.value = [*self.value, value]  # a new list: a snapshot read before stays as it was
+
+    def write(self, value: Any) -> None:
+        self.value = value
+
+    def clear(self) -> None:
+        self.value = [] if self.bag else None
+
+
 @dataclass
 class _Key:
-    """What the runner keeps for one key: its committed cells and timers."""
+    """What the runner keeps for one key: its committed cells (loaded and written by the DoFn's own
+    :func:`~pipeline.generation.key_state.read_cells` and ``write_cells``) and timers."""
 
-    cells: dict[str, Any] = field(default_factory=lambda: {"waiting": [], "inflight": []})
+    waiting: _Cell = field(default_factory=lambda: _Cell(bag=True))
+    inflight: _Cell = field(default_factory=lambda: _Cell(bag=True))
+    progress: _Cell = field(default_factory=_Cell)
+    seen: _Cell = field(default_factory=_Cell)
+    poll_at_ms: _Cell = field(default_factory=_Cell)
+    wait_ms: _Cell = field(default_factory=_Cell)
     poll_at: float | None = None
     drain_set: bool = False
 
-    def load(self) -> KeyState:
-        c = self.cells
-        return key_state.load(waiting=c["waiting"], inflight=c["inflight"], progress=c.get("progress"),
-                              seen=c.get("seen"), poll_at_ms=c.get("poll_at_ms"), wait_ms=c.get("wait_ms"))
-
-    def commit(self, before: KeyState, after: KeyState) -> None:
-        changed = key_state.changes(before, after)
-        for name, change in changed.bags.items():
-            self.cells[name] = list(change.entries) if change.rewrite else self.cells[name] + list(change.entries)
-        for name, value in changed.values.items():
-            self.cells[name] = value
+    @property
+    def cells(self) -> dict[str, Any]:
+        """Each cell's committed value, by name."""
+        return {name: getattr(self, name).read() for name in CELL_NAMES}
 
 
 @dataclass
@@ -522,7 +544,7 @@ class World:
         """One work item of ``key``; whether it committed."""
         self.report.work_items += 1
         record = self.keys[key]
-        before = record.load()
+        before = key_state.read_cells(record)
 
         port = _SimWorkItem(self, key)
         after = drive(self.s.rules, before, event, port)
@@ -532,7 +554,7 @@ class World:
                                              f"max_in_flight={self.s.max_in_flight}")
         if self.chance(self.s.faults.commit_fails):
             return False
-        record.commit(before, after)
+        key_state.write_cells(record, before, after)
         if isinstance(event, Arrived):  # read: before its outputs, which may shed it again
             self.read.update(request.id for request in event.requests)
             self.shed_pending.difference_update(request.id for request in event.requests)
@@ -699,7 +721,7 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
     # whose commit failed may have left one nobody knows, and a key that moved left its old worker's: their
     # leases end those, or the job's end).
     known = {(world.owner[key], entry.key) for key, record in world.keys.items()
-             for entry in record.load().inflight if entry.key}
+             for entry in key_state.read_cells(record).inflight if entry.key}
     for key, record in world.keys.items():
         if not record.drain_set:
             continue

@@ -73,21 +73,10 @@ class _Cells:
     poll: Any
 
     def load(self) -> KeyState:
-        return key_state.load(waiting=self.waiting.read(), inflight=self.inflight.read(), progress=self.progress.read(),
-                              seen=self.seen.read(), poll_at_ms=self.poll_at_ms.read(), wait_ms=self.wait_ms.read())
+        return key_state.read_cells(self)
 
     def commit(self, before: KeyState, after: KeyState) -> None:
-        """Writes the cells the step changed (a failed commit discards them with the outputs)."""
-        changed = key_state.changes(before, after)
-        for name, bag_change in changed.bags.items():
-            bag = getattr(self, name)
-            if bag_change.rewrite:
-                bag.clear()
-            for text in bag_change.entries:
-                bag.add(text)
-        for name, value in changed.values.items():
-            cell = getattr(self, name)
-            cell.clear() if value is None else cell.write(value)
+        key_state.write_cells(self, before, after)
 
     def timer(self, at: float | None) -> None:
         if at is None:

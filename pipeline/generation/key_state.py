@@ -28,6 +28,7 @@ import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
 
 from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.state_format import StateFormatError, read_cell, write_cell
@@ -273,3 +274,59 @@ def changes(before: KeyState, after: KeyState) -> CellChanges:
         if getattr(after, name) != getattr(before, name):
             values[name] = getattr(after, name)
     return CellChanges(bags, values)
+
+
+class BagCell(Protocol):
+    """A bag state cell, as Beam's user state gives one to a callback."""
+
+    def read(self) -> Iterable[str]: ...
+    def add(self, value: str) -> None: ...
+    def clear(self) -> None: ...
+
+
+class ValueCell(Protocol):
+    """A value state cell, as Beam's user state gives one to a callback."""
+
+    def read(self) -> Any: ...
+    def write(self, value: Any) -> None: ...
+    def clear(self) -> None: ...
+
+
+class KeyCells(Protocol):
+    """One key's state cells, by the names :func:`changes` writes: what the DoFn and the simulators both keep."""
+
+    @property
+    def waiting(self) -> BagCell: ...
+    @property
+    def inflight(self) -> BagCell: ...
+    @property
+    def progress(self) -> ValueCell: ...
+    @property
+    def seen(self) -> ValueCell: ...
+    @property
+    def poll_at_ms(self) -> ValueCell: ...
+    @property
+    def wait_ms(self) -> ValueCell: ...
+
+
+def read_cells(cells: KeyCells) -> KeyState:
+    """The key's state from its cells as committed."""
+    return load(waiting=cells.waiting.read(), inflight=cells.inflight.read(), progress=cells.progress.read(),
+                seen=cells.seen.read(), poll_at_ms=cells.poll_at_ms.read(), wait_ms=cells.wait_ms.read())
+
+
+def write_cells(cells: KeyCells, before: KeyState, after: KeyState) -> None:
+    """Writes the cells the step changed; a runner's failed commit discards them with the outputs."""
+    changed = changes(before, after)
+    for name, bag_change in changed.bags.items():
+        bag: BagCell = getattr(cells, name)
+        if bag_change.rewrite:
+            bag.clear()
+        for text in bag_change.entries:
+            bag.add(text)
+    for name, value in changed.values.items():
+        cell: ValueCell = getattr(cells, name)
+        if value is None:
+            cell.clear()
+        else:
+            cell.write(value)
