@@ -577,7 +577,7 @@ class World:
         client = self.client_of(key)
         outcome, streams = self.call(key, "submit", lambda engine: engine.submit(submission.requests,
                                                                                  submission.attempts, self.now, client))
-        return SubmitResult(submission, outcome, tuple(streams) if outcome is Call.ANSWERED else ())
+        return SubmitResult.of(submission, outcome, streams)
 
     def _deliver(self, outputs: list[Output]) -> list[str]:
         """Records a committed work item's outputs, checking at once what must hold after every step: each

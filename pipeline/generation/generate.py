@@ -126,7 +126,7 @@ class _WorkItem:
 
     def submit(self, submission: Submission) -> SubmitResult:
         outcome, streams = self.client.submit(submission.requests, submission.attempts)
-        return SubmitResult(submission, outcome, tuple(streams) if outcome is Call.ANSWERED else ())
+        return SubmitResult.of(submission, outcome, streams)
 
 
 class StreamingGenerateFn(beam.DoFn):

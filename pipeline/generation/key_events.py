@@ -3,7 +3,7 @@ step it and the effects a step asks of its caller. Records only, frozen."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.contract.call_outcome import Call
@@ -86,6 +86,11 @@ class SubmitResult:
     submission: Submission
     outcome: Call
     streams: tuple[str | None, ...] = ()
+
+    @classmethod
+    def of(cls, submission: Submission, outcome: Call, streams: Sequence[str | None]) -> SubmitResult:
+        """The result of a runtime's submit call: its streams count only when it answered."""
+        return cls(submission, outcome, tuple(streams) if outcome is Call.ANSWERED else ())
 
     @property
     def taken_whole(self) -> bool:
