@@ -325,3 +325,30 @@ def test_it_bites_when_the_machine_counts_what_the_generate_step_has_no_counter_
 
     monkeypatch.setattr(step_work.StepWork, "__init__", counting)
     assert _any_caught(range(5), "have no counter in the generate step")
+
+
+def _slow_drains(seeds: range) -> list[str]:
+    """Worlds 30 times slower than drawn that drain 3 s in, streams running, each key's drain waiting up to 30 s:
+    keys drain one at a time, so the last waits past a lease (10 s) for its turn."""
+    failures = []
+    for seed in seeds:
+        drawn = worker_sim.Schedule.draw(seed)
+        schedule = dataclasses.replace(drawn, rate_tps=drawn.rate_tps / 30,
+                                       rules=dataclasses.replace(drawn.rules, drain_timeout_s=30.0),
+                                       vm=dataclasses.replace(drawn.vm, drain_at=3.0))
+        try:
+            worker_sim.check(worker_sim.play(schedule, max_items=200_000))
+        except worker_sim.Violation as violation:
+            failures.append(str(violation))
+    return failures
+
+
+def test_a_slow_drain_holds_every_streams_lease_until_its_key_drains():
+    assert not _slow_drains(range(40))
+
+
+def test_it_bites_when_a_drain_holds_no_lease(monkeypatch):
+    """Without the drain's hold, a key drained late finds its streams cut by their lease while the keys before it
+    drained (the contract: "a key drained late finds its stream, finished or running")."""
+    monkeypatch.setattr(key_machine, "_hold", lambda work, pending: None)
+    assert any("should have held were cut by their lease" in failure for failure in _slow_drains(range(40)))

@@ -245,6 +245,7 @@ class SimEngine:
         self.generated = 0
         self.generated_for: Counter[str] = Counter()  # by request id
         self.expired = 0  # running streams cancelled because their lease ran out
+        self.expired_at: dict[str, float] = {}  # when each of those was, by stream key
         self.awake: set[str] = {f"p{n}" for n in range(schedule.vm.processes)}
         self._leases_at = 0.0  # when the janitor last ticked
 
@@ -300,6 +301,7 @@ class SimEngine:
             for stream in self.registry.stop(self.registry.expire(tick_s), self._leases_at):
                 self.server.pop(stream.key, None)
                 self.expired += 1
+                self.expired_at[stream.key] = self._leases_at
         for generation in list(self.server.values()):
             self._advance(generation, now)
 
@@ -378,6 +380,8 @@ class Report:
     hits: Counter[str] = field(default_factory=Counter)  # request id -> host deaths and updates its stream ran through
     restarted: set[str] = field(default_factory=set)  # request ids whose streams ran through a server restart
     left_running: dict[str, int] = field(default_factory=dict)  # per engine, streams still running after the drain
+    # Streams a key's committed state knew when the drain began, cut by their lease before every key drained.
+    expired_in_drain: list[str] = field(default_factory=list)
     read: set[str] = field(default_factory=set)  # requests read before the drain (all, unless it came early)
     work_items: int = 0
     left_state: dict[int, dict] = field(default_factory=dict)
@@ -722,6 +726,7 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
     # leases end those, or the job's end).
     known = {(world.owner[key], entry.key) for key, record in world.keys.items()
              for entry in key_state.read_cells(record).inflight if entry.key}
+    drain_began, engines_then = world.now, dict(world.engines)
     for key, record in world.keys.items():
         if not record.drain_set:
             continue
@@ -735,6 +740,13 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
     world.report.expired += sum(e.expired for e in world.engines.values())
     for engine in world.engines.values():
         world.report.generated_for.update(engine.generated_for)
+    # Keys drain one at a time, and each drain holds every stream's lease while it runs: a key drained late finds
+    # its streams (pipeline.generation.key_machine._hold). A host that died in the drain took its streams with it:
+    # only the engines alive throughout are asked.
+    world.report.expired_in_drain = sorted(
+        f"{name}/{stream}" for name, stream in known
+        if world.engines.get(name) is engines_then.get(name) is not None
+        and drain_began <= world.engines[name].expired_at.get(stream, -1.0) < world.now)
     world.report.left_running = {name: sum(1 for stream in engine.registry.streams.values()
                                            if not stream.done and (name, stream.key) in known
                                            and (name, stream.key) not in world.uncancelled)
@@ -754,6 +766,9 @@ def check(report: Report) -> None:
     # at most once at the cost its faults allow, no key polling idle, none holding state after its drain.
     if s.vm.drain_at is None and report.ended_before_drain != ids:
         raise Violation(seed, f"requests wedged until the drain: {sorted(ids - report.ended_before_drain)}")
+    if report.expired_in_drain:
+        raise Violation(seed, "streams the drain should have held were cut by their lease: "
+                              f"{report.expired_in_drain[:5]}")
     for name, running in report.left_running.items():
         if running:
             raise Violation(seed, f"engine {name} still runs {running} streams after every key drained")

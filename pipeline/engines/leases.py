@@ -24,7 +24,8 @@ longest-kept forgotten first (:func:`overflowing`).
 
 A drain holds every running stream (:meth:`LeaseClocks.hold`): its keys are drained one work item at a time,
 each polling only its own streams for up to ``drain_timeout_s``, which would read to the lease as every other
-key having moved away. Keys do not move while a job drains, and the job ends after it.
+key having moved away; each drain asks again while it runs, so the hold lasts until ``drain_timeout_s`` after
+the last. Keys do not move while a job drains, and the job ends after it.
 """
 
 from __future__ import annotations

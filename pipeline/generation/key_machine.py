@@ -343,23 +343,30 @@ def _drain_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
     return _drain_ask(work, state, pending, 0.0, opening=True)
 
 
-def _opening(work: StepWork, opening: bool) -> tuple[float | None, Report | None]:
-    """What the drain's first step asks besides (``hold_leases_s``, ``report``): keys drain one work item at a
-    time, each polling only its own streams, so the others' leases are held for ``drain_timeout_s``; and nothing of
-    this key waits any more."""
-    return (work.rules.drain_timeout_s, Report(0)) if opening else (None, None)
+def _hold(work: StepWork, pending: Draining) -> float | None:
+    """How long to hold every stream's lease from now, if this pass should ask (``hold_leases_s``). Keys drain one
+    work item at a time, each polling only its own streams, so a key drained late would find its streams cut by
+    their lease while the keys before it waited theirs out: each drain holds them for ``drain_timeout_s``, asked
+    again every half of it while it runs. Once the last key drained, the hold ends ``drain_timeout_s`` later, and
+    the leases of streams nobody drained (their key moved away) run again."""
+    if pending.held_at is not None and work.now - pending.held_at < work.rules.drain_timeout_s / 2:
+        return None
+    return work.rules.drain_timeout_s
 
 
 def _drain_ask(work: StepWork, state: KeyState, pending: Draining, delay: float, *,
                opening: bool = False) -> tuple[KeyState, Effects]:
-    """One pass: the key's streams asked from the positions committed before the drain."""
+    """One pass: the key's streams asked from the positions committed before the drain. Its first also reports
+    that nothing of this key waits any more."""
     asked = pending.progress.asks([e.key for e in pending.entries if e.key is not None], pending.committed)
     pending = replace(pending, asked=asked)
     if not asked:
         return _drain_polled(work, state, pending, None, opening=opening)
-    hold_leases_s, report = _opening(work, opening)
+    hold_leases_s = _hold(work, pending)
+    if hold_leases_s is not None:
+        pending = replace(pending, held_at=work.now)
     return work.done(replace(state, pending=pending), poll=asked, poll_after_s=delay, hold_leases_s=hold_leases_s,
-                     report=report)
+                     report=Report(0) if opening else None)
 
 
 def _drain_polled(work: StepWork, state: KeyState, pending: Draining, event: Polled | None, *,
@@ -382,5 +389,5 @@ def _drain_end(work: StepWork, pending: Draining, *, opening: bool = False) -> t
                            f"drain_timeout_s={work.rules.drain_timeout_s:g}", drain=True)
     work.forget_ids()
     cancel = pending.abandoned + tuple(e.key for e in pending.entries if e.key is not None)
-    hold_leases_s, report = _opening(work, opening)
-    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=hold_leases_s, report=report)
+    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=_hold(work, pending),
+                     report=Report(0) if opening else None)
