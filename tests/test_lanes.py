@@ -92,24 +92,6 @@ def test_bulk_reads_stop_where_the_live_reserve_begins_and_live_reads_take_it():
     assert ledger.admit(["l-more"]) == 0
 
 
-def test_bulk_reads_hold_as_many_fewer_as_the_lane_governor_withholds_streams_and_never_none():
-    """The engine's lane governor runs fewer bulk streams than the lane's share while live first tokens near the
-    objective; the worker then holds as many fewer bulk requests (they would only wait in state), at least one,
-    and live reads keep their whole bound."""
-    settings_ = _settings()  # holds 16; bulk up to 12, in 6 bulk streams
-    withheld = [0]
-    ledger = AdmissionLedger(settings_, lambda: 0, clock=lambda: 0.0, withheld=lambda: withheld[0])
-    withheld[0] = settings_.engine.bulk_streams - 1  # the cap halved down to one stream
-    assert ledger.admit([f"b{i}" for i in range(20)], (), True) == 12 - withheld[0]
-    assert ledger.full(bulk=True) and not ledger.full()
-    withheld[0] = 0  # the cap grew back: the lane's whole bound again
-    assert ledger.admit([f"b{i}" for i in range(20, 40)], (), True) == settings_.engine.bulk_streams - 1
-    withheld[0] = 100  # whatever it withholds, a backlog keeps a place
-    fresh = AdmissionLedger(settings_, lambda: 0, clock=lambda: 0.0, withheld=lambda: withheld[0])
-    assert fresh.admit(["b0", "b1"], (), True) == 1
-    assert fresh.admit([f"l{i}" for i in range(20)]) == 15, "live reads take the rest of the bound"
-
-
 def _request(n: int, bulk: bool) -> InferenceRequest:
     return InferenceRequest(id=f"{'bulk' if bulk else 'live'}-{n}", prompt="hi", max_tokens=4,
                             lane="bulk" if bulk else None)

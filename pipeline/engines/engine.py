@@ -152,13 +152,6 @@ class Engine:
         with self._lock:
             return self._registry.unfinished
 
-    def bulk_withheld(self) -> int:
-        """How many of the bulk lane's streams its governor withholds now (its share less its cap): the worker's
-        admission ledger holds that many fewer bulk requests, so a lane kept small does not fill the worker with
-        bulk requests that could only wait (they stay in Pub/Sub for a worker with room)."""
-        with self._lock:
-            return max(self.settings.bulk_streams - self._registry.bulk_cap(time.monotonic()), 0)
-
     def stats(self) -> dict[str, int | None]:
         """What the engine holds and has done, for the worker's load gauges: requests running and waiting at the
         model server (None where it cannot tell), the model's busy time so far (ms: what every request's

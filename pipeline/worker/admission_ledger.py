@@ -5,9 +5,8 @@ holds fewer than ``max_in_flight + worker_queue`` requests: its engine's unfinis
 reports waiting in state, and what was read and has not yet arrived there (the pure count:
 :mod:`pipeline.worker.hold`); the admission step (:mod:`pipeline.flow.admission`) counts each parsed request in
 the place its read took. This object is that count behind a lock, with the clock read and the bound applied; the
-engine is asked only how many streams it has unfinished, and how many bulk streams its lane governor withholds
-(the bulk bound shrinks by as many: :meth:`~pipeline.engines.engine.Engine.bulk_withheld`). It lives beside the
-engine in the worker's runtime (:mod:`pipeline.worker.runtime`), so the count and the streams are one VM's.
+engine is asked only how many streams it has unfinished. It lives beside the engine in the worker's runtime
+(:mod:`pipeline.worker.runtime`), so the count and the streams are one VM's.
 """
 
 from __future__ import annotations
@@ -23,16 +22,14 @@ from pipeline.worker.runtime_settings import RuntimeSettings
 
 class AdmissionLedger:
     """Thread-safe: every call takes the ledger's lock, and reads the engine's count (``unfinished``) inside it.
-    ``clock`` is the wall clock (a simulation of the worker passes its own); ``withheld``, the bulk streams the
-    engine's lane governor withholds now."""
+    ``clock`` is the wall clock (a simulation of the worker passes its own)."""
 
     def __init__(self, settings: RuntimeSettings, unfinished: Callable[[], int],
-                 clock: Callable[[], float] = time.time, withheld: Callable[[], int] = lambda: 0) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._bound = settings.max_held
         self._bulk_bound = settings.bulk_held
         self._unfinished = unfinished
-        self._withheld = withheld
         admission = settings.admission
         self._hold = WorkerHold(transit_s=admission.transit_s, unclaimed_s=settings.engine.request_timeout_s,
                                 report_lapse_s=admission.report_lapse_s, cap_s=admission.transit_cap_s,
@@ -51,12 +48,11 @@ class AdmissionLedger:
         lapsed, or the ledger is a new one) gives none, so the count never passes the bound. Admitted in a read's
         stead (``in_place_of`` named), the ids lapse as places do while their bundle stays open, even where the
         places had lapsed already (a call answered late): never for the request's own timeout. A ``bulk`` read's
-        places count against the bulk lane's lower bound (``bulk_held``, less the streams the lane's governor
-        withholds): the rest is kept for live reads.
+        places count against the bulk lane's lower bound (``bulk_held``): the rest is kept for live reads.
         """
         now = self._clock()
         with self._lock:
-            room = max((self._bulk_now() if bulk else self._bound) - self._held(now), 0)
+            room = max((self._bulk_bound if bulk else self._bound) - self._held(now), 0)
             released = self._hold.release(in_place_of)
             return len(self._hold.admit(now, ids, room + released, keys, in_places=bool(in_place_of)))
 
@@ -106,15 +102,11 @@ class AdmissionLedger:
         subscription is empty is not full."""
         now = self._clock()
         with self._lock:
-            return self._held(now) - self._hold.open_places(now) >= (self._bulk_now() if bulk else self._bound)
+            return self._held(now) - self._hold.open_places(now) >= (self._bulk_bound if bulk else self._bound)
 
     @property
     def bound(self) -> int:
         return self._bound
-
-    def _bulk_now(self) -> int:
-        """The bulk lane's bound as its governor leaves it (at least one: a backlog always moves); under the lock."""
-        return max(self._bulk_bound - self._withheld(), 1)
 
     def _held(self, now: float) -> int:
         """Unfinished streams + waiting reports + admissions on their way; under the lock."""
