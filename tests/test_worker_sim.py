@@ -350,5 +350,15 @@ def test_a_slow_drain_holds_every_streams_lease_until_its_key_drains():
 def test_it_bites_when_a_drain_holds_no_lease(monkeypatch):
     """Without the drain's hold, a key drained late finds its streams cut by their lease while the keys before it
     drained (the contract: "a key drained late finds its stream, finished or running")."""
-    monkeypatch.setattr(key_machine, "_hold", lambda work, pending: None)
+    monkeypatch.setattr(key_machine, "_hold", lambda work: None)
     assert any("should have held were cut by their lease" in failure for failure in _slow_drains(range(40)))
+
+
+def test_it_bites_when_only_the_drains_first_pass_holds_the_leases(monkeypatch):
+    """Seed 187 drains while a 40 s server restart holds its first key's streams: that key waits its whole
+    drain_timeout_s (30 s), and a hold asked only at the drain's start ends as it does, so the next key's stream
+    is cut by its lease before its turn. Each pass asks for the hold again (key_machine._hold)."""
+    real, calls = key_machine._hold, itertools.count()
+    monkeypatch.setattr(key_machine, "_hold", lambda work: real(work) if next(calls) == 0 else None)
+    with pytest.raises(worker_sim.Violation, match="should have held were cut by their lease"):
+        worker_sim.check(worker_sim.run(187))

@@ -38,8 +38,9 @@ Output = tuple[str, str]  # (kind, payload) as the engine hands it over
 # Output kinds handed back by the engine's poll; ATTEMPT says the engine retried the stream as a new attempt.
 CHUNK, COMPLETION, DEAD_LETTER, UNKNOWN, ATTEMPT = "chunk", "completion", "dead_letter", "unknown", "attempt"
 ENDS = (COMPLETION, DEAD_LETTER)
-# A request whose stream is lost this many times (its key moved away, or its bundle was retried elsewhere, each
-# time) is given up. Counted apart from the engine's attempts (model server restarts), which have their own bound.
+# A request that loses this many streams or engine calls in all (its key moved away, its bundle was retried
+# elsewhere, its engine failed a poll or a submission, each time) is given up. Counted apart from the engine's
+# attempts (model server restarts), which have their own bound.
 MAX_LOST_STREAMS = 8
 
 

@@ -24,8 +24,9 @@ longest-kept forgotten first (:func:`overflowing`).
 
 A drain holds every running stream (:meth:`LeaseClocks.hold`): its keys are drained one work item at a time,
 each polling only its own streams for up to ``drain_timeout_s``, which would read to the lease as every other
-key having moved away; each drain asks again while it runs, so the hold lasts until ``drain_timeout_s`` after
-the last. Keys do not move while a job drains, and the job ends after it.
+key having moved away; each pass of a drain asks again, so the hold lasts until ``drain_timeout_s`` after
+the last (a finished stream is kept for ``finished_s`` all the same). Keys do not move while a job drains, and
+the job ends after it.
 """
 
 from __future__ import annotations

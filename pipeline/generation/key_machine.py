@@ -343,14 +343,12 @@ def _drain_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
     return _drain_ask(work, state, pending, 0.0, opening=True)
 
 
-def _hold(work: StepWork, pending: Draining) -> float | None:
-    """How long to hold every stream's lease from now, if this pass should ask (``hold_leases_s``). Keys drain one
-    work item at a time, each polling only its own streams, so a key drained late would find its streams cut by
-    their lease while the keys before it waited theirs out: each drain holds them for ``drain_timeout_s``, asked
-    again every half of it while it runs. Once the last key drained, the hold ends ``drain_timeout_s`` later, and
-    the leases of streams nobody drained (their key moved away) run again."""
-    if pending.held_at is not None and work.now - pending.held_at < work.rules.drain_timeout_s / 2:
-        return None
+def _hold(work: StepWork) -> float:
+    """How long every stream's lease is held from now (``hold_leases_s``), asked at each of a drain's passes. Keys
+    drain one work item at a time, each polling only its own streams, so a key drained late would find its
+    streams cut by their lease while the keys before it waited theirs out: each pass holds them for
+    ``drain_timeout_s`` more, so the hold lasts while any key drains and ends ``drain_timeout_s`` after the last
+    pass; then the leases of streams nobody drained (their key moved away) run again."""
     return work.rules.drain_timeout_s
 
 
@@ -362,10 +360,7 @@ def _drain_ask(work: StepWork, state: KeyState, pending: Draining, delay: float,
     pending = replace(pending, asked=asked)
     if not asked:
         return _drain_polled(work, state, pending, None, opening=opening)
-    hold_leases_s = _hold(work, pending)
-    if hold_leases_s is not None:
-        pending = replace(pending, held_at=work.now)
-    return work.done(replace(state, pending=pending), poll=asked, poll_after_s=delay, hold_leases_s=hold_leases_s,
+    return work.done(replace(state, pending=pending), poll=asked, poll_after_s=delay, hold_leases_s=_hold(work),
                      report=Report(0) if opening else None)
 
 
@@ -389,5 +384,5 @@ def _drain_end(work: StepWork, pending: Draining, *, opening: bool = False) -> t
                            f"drain_timeout_s={work.rules.drain_timeout_s:g}", drain=True)
     work.forget_ids()
     cancel = pending.abandoned + tuple(e.key for e in pending.entries if e.key is not None)
-    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=_hold(work, pending),
+    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=_hold(work),
                      report=Report(0) if opening else None)

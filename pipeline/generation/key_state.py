@@ -158,7 +158,6 @@ class Draining:
     deadline: float
     asked: Mapping[str, int]
     abandoned: tuple[str, ...] = ()  # streams given up on a failed poll: cancelled with the rest at the end
-    held_at: float | None = None  # when this drain last asked the worker to hold every stream's lease
 
 
 Phase = Arriving | Polling | Resending | Draining
