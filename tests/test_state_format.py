@@ -112,3 +112,21 @@ def test_the_timer_cells_keep_beams_standard_integer_coder_and_read_what_it_wrot
         assert type(spec.coder) is VarIntCoder, spec.name
         written_before = VarIntCoder().encode(1_764_000_000_000)  # what the previous version wrote: epoch ms
         assert spec.coder.decode(written_before) == 1_764_000_000_000
+
+
+def test_an_entry_decodes_the_same_from_the_cache_and_a_long_one_is_not_kept():
+    """Entries are decoded once per text (a key's bags are read back at every work item), up to a size: a long
+    prompt's entry is decoded afresh each time, so the cache stays small however long prompts are."""
+    from pipeline.generation import key_state
+
+    short = RequestEntry(InferenceRequest(id="s", prompt="hi").to_json(), "fp-s", attempt=2, key="k", lost=1)
+    long = RequestEntry(InferenceRequest(id="l", prompt="x" * key_state.CACHED_TEXT_MAX).to_json(), "fp-l")
+    for entry in (short, long):
+        assert RequestEntry.decode(entry.encode()) == entry == RequestEntry.decode(entry.encode())
+        assert entry.request_id == InferenceRequest.from_json(entry.request).id
+    before = key_state._decoded.cache_info()
+    RequestEntry.decode(long.encode())
+    after = key_state._decoded.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses), "a long entry does not go through the cache"
+    RequestEntry.decode(short.encode())
+    assert key_state._decoded.cache_info().hits == after.hits + 1, "a short one is decoded once"

@@ -59,6 +59,8 @@ class RequestEntry:
 
     @property
     def request_id(self) -> str:
+        if len(self.request) > CACHED_TEXT_MAX:
+            return InferenceRequest.from_json(self.request).id
         return _request_id(self.request)
 
     @property
@@ -74,7 +76,7 @@ class RequestEntry:
 
         A key's bags are read back at every work item, mostly unchanged: an entry (all plain values, so one
         instance can be shared) is decoded once per text, not once per read."""
-        return _decoded(text)
+        return _decoded(text) if len(text) <= CACHED_TEXT_MAX else cls._decode(text)
 
     @classmethod
     def _decode(cls, text: str) -> RequestEntry:
@@ -95,12 +97,19 @@ class RequestEntry:
         return cls(data["request"], data["fp"], data["attempt"], data["key"], data["deadline_at"], batch, lost, bulk)
 
 
-@functools.lru_cache(maxsize=8192)
+# Entries decoded once are kept by their text, in each SDK process: this many, of texts up to this many characters
+# (a request of a classification stream is far shorter; a long prompt is decoded at each read instead), so the
+# two caches hold at most about 32 MB of text.
+CACHED_ENTRIES = 2048
+CACHED_TEXT_MAX = 8192
+
+
+@functools.lru_cache(maxsize=CACHED_ENTRIES)
 def _decoded(text: str) -> RequestEntry:
     return RequestEntry._decode(text)
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=CACHED_ENTRIES)
 def _request_id(request: str) -> str:
     return InferenceRequest.from_json(request).id
 
