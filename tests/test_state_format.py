@@ -130,3 +130,12 @@ def test_an_entry_decodes_the_same_from_the_cache_and_a_long_one_is_not_kept():
     assert (after.hits, after.misses) == (before.hits, before.misses), "a long entry does not go through the cache"
     RequestEntry.decode(short.encode())
     assert key_state._decoded.cache_info().hits == after.hits + 1, "a short one is decoded once"
+
+
+def test_the_record_of_ids_writes_the_bytes_versions_before_typed_entries_wrote():
+    """Typed entries (IdEntry) write each id as the list ``[fingerprint, until]``, as the lists before them did:
+    a cell written by either version reads the same, and is written back byte for byte."""
+    written_before = '{"ids":{"a":["fp-a",null],"b":["fp-b",12.5]},"v":2}'
+    assert encode_ids({"a": IdEntry("fp-a", None), "b": IdEntry("fp-b", 12.5)}) == written_before
+    ids, problem = read_ids(written_before)
+    assert problem is None and encode_ids(ids) == written_before
