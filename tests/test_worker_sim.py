@@ -263,15 +263,20 @@ def _paused_worlds(seeds: range, leases_paused: float = 1.5) -> list[worker_sim.
     return worlds
 
 
-def _paused_failures(leases_paused: float) -> list[str]:
-    """What the simulator catches in twenty of those worlds."""
+def _failures(schedules: list[worker_sim.Schedule]) -> list[str]:
+    """What the simulator catches in these changed worlds, each played whole."""
     failures = []
-    for schedule in _paused_worlds(range(20), leases_paused):
+    for schedule in schedules:
         try:
             worker_sim.check(worker_sim.play(schedule, max_items=200_000))
         except worker_sim.Violation as violation:
             failures.append(str(violation))
     return failures
+
+
+def _paused_failures(leases_paused: float) -> list[str]:
+    """What the simulator catches in twenty of those worlds."""
+    return _failures(_paused_worlds(range(20), leases_paused))
 
 
 def test_a_process_paused_past_a_lease_while_another_polls_keeps_its_streams():
@@ -330,17 +335,10 @@ def test_it_bites_when_the_machine_counts_what_the_generate_step_has_no_counter_
 def _slow_drains(seeds: range) -> list[str]:
     """Worlds 30 times slower than drawn that drain 3 s in, streams running, each key's drain waiting up to 30 s:
     keys drain one at a time, so the last waits past a lease (10 s) for its turn."""
-    failures = []
-    for seed in seeds:
-        drawn = worker_sim.Schedule.draw(seed)
-        schedule = dataclasses.replace(drawn, rate_tps=drawn.rate_tps / 30,
-                                       rules=dataclasses.replace(drawn.rules, drain_timeout_s=30.0),
-                                       vm=dataclasses.replace(drawn.vm, drain_at=3.0))
-        try:
-            worker_sim.check(worker_sim.play(schedule, max_items=200_000))
-        except worker_sim.Violation as violation:
-            failures.append(str(violation))
-    return failures
+    drawn = [worker_sim.Schedule.draw(seed) for seed in seeds]
+    return _failures([dataclasses.replace(d, rate_tps=d.rate_tps / 30,
+                                          rules=dataclasses.replace(d.rules, drain_timeout_s=30.0),
+                                          vm=dataclasses.replace(d.vm, drain_at=3.0)) for d in drawn])
 
 
 def test_a_slow_drain_holds_every_streams_lease_until_its_key_drains():
