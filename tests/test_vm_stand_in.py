@@ -228,26 +228,37 @@ def test_one_sdk_process_paused_longer_than_the_lease_while_another_polls_keeps_
                                                                                               emulator, proxy):
     """Process 1 stops (SIGSTOP) for three leases while process 0 polls its own streams the whole time. Each
     stream's lease runs on the clocks of the process that polls it: process 1's are kept, and collected when it
-    resumes, not generated again (attempt 1)."""
-    new_schedule(vm, emulator, proxy, next(RUNS), Schedule())
-    tokens = int(80 * LEASE_S)  # all still running after a pause of three leases
-    busy, paused = requests("busy", 2, tokens), requests("paused", 2, tokens)
-    for n, request in enumerate(busy):
-        vm.assign(f"a{n}", 0)
-        vm.deliver(f"a{n}", [request])
-    for n, request in enumerate(paused):
-        vm.assign(f"b{n}", 1)
-        vm.deliver(f"b{n}", [request])
-    vm.run_for(0.5)
-    vm.pause(1)
-    paused_at = time.monotonic()
-    vm.run_for(3 * LEASE_S)  # process 0 polls throughout: to a VM-wide lease, process 1's keys moved away
-    assert vm.busy(), "process 0's streams still run: it polled for the whole pause"
-    vm.resume(1)
-    resumed_at = time.monotonic()
-    vm.run_until_idle()
-    completions = assert_each_ends_once_and_whole(vm, busy + paused)
-    attempts = {r.id: completions[r.id]["attempt"] for r in busy + paused}
+    resumes, not generated again (attempt 1).
+
+    The premise is the runner's: it hands process 0 a work item within a lease throughout. A round of the runner
+    itself later than half a lease (the test process starved: CI saw one stall 48 s) lets process 0's streams
+    lapse as a worker that polls nothing should, and proves nothing; such a try is played again, up to three."""
+    tries = []
+    for _ in range(3):
+        new_schedule(vm, emulator, proxy, next(RUNS), Schedule())
+        tokens = int(80 * LEASE_S)  # all still running after a pause of three leases
+        busy, paused = requests(f"busy{len(tries)}", 2, tokens), requests(f"paused{len(tries)}", 2, tokens)
+        for n, request in enumerate(busy):
+            vm.assign(f"a{n}", 0)
+            vm.deliver(f"a{n}", [request])
+        for n, request in enumerate(paused):
+            vm.assign(f"b{n}", 1)
+            vm.deliver(f"b{n}", [request])
+        vm.run_for(0.5)
+        vm.pause(1)
+        paused_at = time.monotonic()
+        vm.run_for(3 * LEASE_S)  # process 0 polls throughout: to a VM-wide lease, process 1's keys moved away
+        assert vm.busy(), "process 0's streams still run: it polled for the whole pause"
+        vm.resume(1)
+        resumed_at = time.monotonic()
+        vm.run_until_idle()
+        stalls = [late for _, late in vm.late_rounds if late > LEASE_S / 2]
+        completions = assert_each_ends_once_and_whole(vm, busy + paused)
+        attempts = {r.id: completions[r.id]["attempt"] for r in busy + paused}
+        tries.append((attempts, stalls))
+        if not stalls:
+            break
+    assert not stalls, f"the runner itself stalled past half a lease in every try: {tries}"
     assert attempts == {r.id: 1 for r in busy + paused}, (
         f"attempts {attempts}; paused at {paused_at:.1f}, resumed at {resumed_at:.1f}; each key's longest time "
         f"unpolled (s, from): {vm.unpolled()}; the runner's late rounds (at, s late): {vm.late_rounds}")
