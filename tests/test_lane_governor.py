@@ -5,6 +5,7 @@ What it does to live latency beside a saturating lane on the real vLLM is make b
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.lane_governor import ADJUST_S, HEADROOM, IDLE_S, LaneGovernor
 from pipeline.engines.stream_registry import StreamRegistry
 from pipeline.engines.vllm_engine import vllm_engine
-from pipeline.worker.runtime import COUNTED_TOTALS, WorkerRuntime
+from pipeline.worker.runtime import WorkerRuntime
 
 
 def governed(objective_ms: float = 1000.0, most: int = 16) -> tuple[LaneGovernor, list[float]]:
@@ -93,16 +94,29 @@ def test_with_no_live_request_the_lane_takes_its_whole_share_and_off_it_always_d
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 5000.0), st.booleans()), max_size=200),
-       st.integers(1, 64))
-def test_fuzz_the_cap_stays_between_one_stream_and_the_lanes_share(events, most):
-    lane, now = LaneGovernor(800.0, most), 0.0
-    for gap, ms, live in events:
+@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 5000.0), st.sampled_from(["first", "inter", "bulk"]),
+                          st.lists(st.integers(0, 10_000), max_size=8)), max_size=200),
+       st.integers(1, 64), st.sampled_from([0.0, 150.0]))
+def test_fuzz_the_cap_stays_between_one_stream_and_the_lanes_share_and_the_budget_always_lets_one_start(
+        events, most, inter_objective):
+    lane, now = LaneGovernor(800.0, most, inter_token_objective_ms=inter_objective), 0.0
+    for gap, ms, kind, prompts in events:
         now += gap
-        if live:
+        if kind == "first":
             lane.live_sent(now)
             lane.first_token(now, ms)
-        assert 1 <= lane.bulk_cap(now) <= most
+        elif kind == "inter":
+            lane.inter_tokens(now, ms, len(prompts))
+        assert 1 <= lane.bulk_cap(now, live_running=kind != "bulk", bulk_running=len(prompts)) <= most
+        assert lane.prompt_budget is None or lane.prompt_budget >= 1.0
+        quiet = not any(0 <= now - at < ADJUST_S for at, _ in lane._bulk_prompts)
+        fitting = lane.prompts_fitting(now, prompts)
+        assert 0 <= fitting <= len(prompts), (prompts, fitting)
+        assert fitting >= 1 or not prompts or not quiet, ("none started within the second", lane.prompt_budget)
+        if kind == "bulk":
+            for tokens in prompts[:fitting]:
+                lane.bulk_started(now, tokens)
+    assert set(lane.totals) == set(lane_governor.TOTALS)
 
 
 def request(i: int, bulk: bool) -> InferenceRequest:
@@ -155,10 +169,175 @@ def test_the_lanes_counts_are_taken_once_for_the_whole_vm_however_many_processes
     engine = vllm_engine(EngineSettings(server=None, server_url="http://127.0.0.1:9", served_model_name="m"))
     try:
         runtime = WorkerRuntime(engine)
-        assert set(runtime.load_and_counts()[1]) == {"server_restarts", *COUNTED_TOTALS}
+        assert set(runtime.load_and_counts()[1]) == {"server_restarts", *lane_governor.TOTALS}
         engine._registry.lane.first_token(time.monotonic(), 50.0)
         engine._registry.lane.first_token(time.monotonic(), 50.0)
         taken = [runtime.load_and_counts()[1] for _ in range(3)]  # three processes' steps, one after another
         assert [counts["live_first_tokens"] for counts in taken] == [2, 0, 0]
     finally:
         engine.close()
+
+
+def test_live_inter_token_times_past_their_objective_halve_the_lane_as_first_tokens_do():
+    lane = LaneGovernor(0.0, 16, inter_token_objective_ms=100.0)
+    caps = []
+    for second in range(6):
+        lane.live_sent(float(second))
+        lane.inter_tokens(float(second), 450.0, 3)  # 150 ms a token
+        caps.append(lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap))
+    assert caps == [8, 4, 2, 1, 1, 1]
+    assert lane.totals["live_inter_tokens"] == 18 and lane.totals["live_inter_tokens_over_objective"] == 18
+    calm = LaneGovernor(0.0, 4, inter_token_objective_ms=100.0)
+    calm.cap = 1
+    for second in range(5):
+        calm.live_sent(float(second))
+        calm.inter_tokens(float(second), 120.0, 3)  # 40 ms a token: below HEADROOM of the objective
+    assert calm.bulk_cap(5.0, live_running=1, bulk_running=1) == 2
+    assert calm.inter_token_percentile_ms(5.0) == pytest.approx(40.0)
+
+
+def test_either_objective_passed_halves_the_lane_and_both_must_have_room_for_it_to_grow():
+    lane = LaneGovernor(1000.0, 8, inter_token_objective_ms=100.0)
+    lane.cap = 4
+    lane.live_sent(0.0)
+    lane.first_token(0.0, 100.0)  # first tokens well within theirs
+    lane.inter_tokens(0.0, 95.0, 1)  # inter-token near its own: between HEADROOM and the objective
+    assert lane.bulk_cap(0.0, live_running=1, bulk_running=4) == 4, "one percentile without headroom: it stays"
+    lane.inter_tokens(1.0, 300.0, 1)
+    lane.inter_tokens(1.0, 300.0, 1)
+    assert lane.bulk_cap(1.0, live_running=1, bulk_running=4) == 2, "one objective passed: it halves"
+
+
+def test_the_prompt_budget_halves_from_what_the_lane_started_and_lets_one_start_each_second():
+    lane = LaneGovernor(1000.0, 16)
+    assert lane.prompts_fitting(0.0, [5000, 5000, 5000]) == 3, "unbounded until the first breach"
+    for at in range(10):
+        lane.bulk_started(at * 0.5, 400)  # 800 prompt tokens a second over the window
+    lane.live_sent(5.0)
+    lane.first_token(5.0, 3000.0)
+    lane.bulk_cap(5.0, live_running=1)
+    assert lane.prompt_budget == pytest.approx(400 * 10 / lane_governor.WINDOW_S / 2)
+    assert lane.cap == 8
+    # 200 tokens a second now: a 150 started within the second leaves room for 50, and no more.
+    lane.bulk_started(5.5, 150)
+    assert lane.prompts_fitting(5.6, [40, 20, 5]) == 1
+    assert lane.prompts_fitting(5.6, [60]) == 0, "waits for the budget"
+    assert lane.prompts_fitting(7.0, [5000, 10]) == 1, "none started within the second: one starts, whatever its size"
+    assert lane.prompts_fitting(7.0, []) == 0
+
+
+def test_the_prompt_budget_grows_by_a_mean_bulk_prompt_only_while_a_request_waited_for_it_and_idle_lifts_it():
+    lane = LaneGovernor(1000.0, 16)
+    lane.prompt_budget = 100.0
+    lane.bulk_started(0.8, 80)
+    lane.bulk_started(0.9, 40)
+    lane.live_sent(0.5)
+    lane.first_token(0.5, 100.0)  # well within the objective
+    lane.bulk_cap(1.0, live_running=1, bulk_running=0)
+    assert lane.prompt_budget == 100.0, "no bulk request waited for it: a budget the lane does not meet stays"
+    assert lane.prompts_fitting(1.5, [50]) == 0  # 120 started within the second, over the budget: it waits
+    lane.bulk_cap(2.0, live_running=1, bulk_running=0)
+    assert lane.prompt_budget == pytest.approx(160.0), "one mean bulk prompt (80 + 40) / 2 more"
+    lane.bulk_cap(2.0 + IDLE_S + 1.0, live_running=0)
+    assert lane.prompt_budget is None and lane.cap == 16, "no live request: the lane takes everything"
+
+
+def test_the_registry_measures_live_inter_token_times_from_each_attempts_first_token_and_never_a_bulk_streams():
+    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=4,
+                                             live_inter_token_slo_ms=100.0), "engine")
+    start = time.monotonic()
+    (_,), (live,) = registry.submit([request(0, False)], [1], "client", start)
+    registry.began(live, time.time(), start)
+    registry.tokens(live, start + 0.5, 1)  # its first token: a first-token time, not an inter-token one
+    registry.tokens(live, start + 0.8, 4)  # three tokens in 300 ms
+    registry.tokens(live, start + 0.9, 4)  # nothing new
+    assert registry.lane.inter_token_percentile_ms(start + 1.0) == pytest.approx(100.0)
+    assert registry.lane.totals["live_inter_tokens"] == 3
+    registry.began(live, time.time(), start + 2.0)  # a new attempt counts from its own first token
+    registry.tokens(live, start + 5.0, 1)
+    assert registry.lane.totals["live_inter_tokens"] == 3
+    (_,), (bulk,) = registry.submit([request(1, True)], [1], "client", start)
+    registry.began(bulk, time.time(), start)
+    registry.tokens(bulk, start + 0.1, 1)
+    registry.tokens(bulk, start + 9.0, 2)
+    assert registry.lane.totals["live_inter_tokens"] == 3, "a bulk stream's tokens say nothing"
+
+
+def test_the_engine_starts_bulk_streams_within_the_prompt_budget_and_counts_their_prompt_tokens():
+    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                             live_first_token_slo_ms=1000.0), "engine")
+    registry.lane._adjusted_at = time.monotonic() + 3600  # held where it is: what the engine does with a budget
+    registry.lane.prompt_budget = 500.0
+    now = time.monotonic()
+    sized = [dataclasses.replace(request(i, True), prompt_tokens=200) for i in range(5)]
+    keys, started = registry.submit(sized, [1] * 5, "client", now)
+    assert [key is not None for key in keys] == [True, True, False, False, False], "500 tokens: two of 200"
+    assert registry.lane.totals["bulk_prompt_tokens_started"] == 400
+    keys, _ = registry.submit([request(9, False)], [1], "client", now)
+    assert keys[0] is not None, "a live request is never held by the budget"
+    assert registry.submit(sized[2:3], [1], "client", now + lane_governor.ADJUST_S + 0.01)[0][0] is not None
+
+
+class SteppedServer:
+    """A model server whose steps grow with their rows and the prompt tokens they read (as on a CPU: the step-cost
+    bench): a live token takes ``row_ms`` per running row, a live first token also ``prompt_ms`` per bulk prompt
+    token started within the second. The governor sees only what live streams meet."""
+
+    def __init__(self, row_ms: float, prompt_ms: float) -> None:
+        self.row_ms, self.prompt_ms = row_ms, prompt_ms
+
+    def run(self, lane: LaneGovernor, seconds: int, bulk_prompt: int) -> list[tuple[float, float]]:
+        """Each 0.1 s: bulk streams start up to the cap and budget (each runs 2 s), one live stream is measured;
+        returns (live first token ms, live inter-token ms) of every tenth of the last half."""
+        running: list[float] = []  # when each bulk stream ends
+        started: list[tuple[float, int]] = []
+        seen = []
+        for tick in range(seconds * 10):
+            now = tick / 10
+            running = [end for end in running if end > now]
+            lane.live_sent(now)
+            cap = lane.bulk_cap(now, live_running=1, bulk_running=len(running))
+            want = max(cap - len(running), 0)
+            for _ in range(lane.prompts_fitting(now, [bulk_prompt] * want)):
+                running.append(now + 2.0)
+                started.append((now, bulk_prompt))
+                lane.bulk_started(now, bulk_prompt)
+            prompts = sum(tokens for at, tokens in started if now - at < 1.0)
+            inter = 10.0 + self.row_ms * (len(running) + 1)
+            first = 50.0 + self.prompt_ms * prompts + inter
+            lane.first_token(now, first)
+            lane.inter_tokens(now, inter, 1)
+            if tick >= seconds * 5:
+                seen.append((first, inter))
+        return seen
+
+
+@pytest.mark.parametrize("row_ms, prompt_ms", [(8.0, 0.05), (2.0, 0.5), (20.0, 0.0)])
+def test_a_lane_beside_a_server_whose_steps_grow_with_its_rows_settles_within_both_objectives(row_ms, prompt_ms):
+    """Whether the rows (inter-token) or the prompts (first token) cost more, the lane settles where live
+    latency keeps both objectives at the 90th percentile, and still runs (at least one stream)."""
+    lane = LaneGovernor(600.0, 64, inter_token_objective_ms=150.0)
+    seen = SteppedServer(row_ms, prompt_ms).run(lane, seconds=120, bulk_prompt=400)
+    firsts, inters = sorted(first for first, _ in seen), sorted(inter for _, inter in seen)
+    p90 = int(0.9 * len(seen))
+    assert firsts[p90] <= 600.0 and inters[p90] <= 150.0, (firsts[p90], inters[p90], lane.cap, lane.prompt_budget)
+    assert lane.cap >= 1 and lane.totals["bulk_prompt_tokens_started"] > 0
+    ungoverned = LaneGovernor(0.0, 64)
+    worst = SteppedServer(row_ms, prompt_ms).run(ungoverned, seconds=20, bulk_prompt=400)
+    assert max(first for first, _ in worst) > 600.0 or max(inter for _, inter in worst) > 150.0, \
+        "the premise: the lane's whole share passes an objective"
+
+
+def test_the_cap_over_time_is_counted_so_a_rate_of_it_is_the_streams_the_lane_may_run():
+    lane = LaneGovernor(1000.0, 8)
+    lane.bulk_cap(0.0)
+    lane.bulk_cap(2.0)  # idle: the whole share, 8 streams for 2 s
+    lane.live_sent(2.0)
+    lane.first_token(2.0, 5000.0)
+    lane.bulk_cap(3.0, live_running=1)  # 8 for 1 s more, then halved to 4
+    lane.bulk_cap(3.5, live_running=1)
+    assert lane.totals["bulk_cap_ms"] == 8 * 3000 + 4 * 500
+    off = LaneGovernor(0.0, 6)
+    off.bulk_cap(0.0)
+    off.bulk_cap(1.5)
+    assert off.totals["bulk_cap_ms"] == 9000, "counted with the governor off too: the fixed share"

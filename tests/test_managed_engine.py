@@ -61,9 +61,9 @@ def engine(checkpoint, root):
         "served_model_name": SERVED_NAME, "vllm_args": " ".join((*LOCAL_SERVER.vllm_args, "--max-num-seqs", "2")),
         "server_start_timeout_s": "900", "lora_adapter_root": f"{root}/", "max_loras": "1", "max_lora_rank": "8",
         "chunk_tokens": "4", "bulk_subscription": f"{project}/subscriptions/bulk", "max_in_flight": "16",
-        # The lane at its fixed share: under a loaded suite, live first tokens past the objective would halve its
+        # The lane at its fixed share: under a loaded suite, live latencies past the objectives would halve its
         # cap and refuse the live-first test's bulk requests (tests/test_lane_governor.py tests the governor).
-        "live_first_token_slo_ms": "0"}).engine
+        "live_first_token_slo_ms": "0", "live_inter_token_slo_ms": "0"}).engine
     assert settings.server is not None and settings.server.adapter_root is not None and settings.priority_scheduling
     # Restarts found within seconds: the server's health is asked every second.
     server = dataclasses.replace(settings.server, stall_timeout_s=10.0, health_interval_s=1.0)

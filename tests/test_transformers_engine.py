@@ -109,9 +109,9 @@ def test_a_batch_shares_its_time_among_its_rows_until_each_ends(engine):
 
 @pytest.fixture
 def engine_of_its_own(checkpoint):
-    """An engine whose bulk share no live first token has halved (the lane's governor off): the module's, after
+    """An engine whose bulk share no live latency has halved (the lane's governor off): the module's, after
     the other tests' live requests on a loaded machine, may take fewer bulk streams than this test queues."""
-    engine = transformers_engine(static_settings(checkpoint, live_first_token_slo_ms=0))
+    engine = transformers_engine(static_settings(checkpoint, live_first_token_slo_ms=0, live_inter_token_slo_ms=0))
     yield engine
     engine.close()
 

@@ -60,6 +60,7 @@ class PipelineConfig:
     bulk_subscription: str | None
     live_reserve: float
     live_first_token_slo_ms: int
+    live_inter_token_slo_ms: int
     id_attribute: str
     dedupe_window_s: int
     output_chunks_topic: str | None

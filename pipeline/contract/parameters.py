@@ -168,6 +168,12 @@ PARAMETERS: tuple[Parameter, ...] = (
               "always moves). 0 runs the lane's whole share (max_in_flight less live_reserve) whatever it costs "
               "live requests.",
               "1000", GROUP_INPUT, "NUMBER", default=1000, minimum=0, maximum=600_000),
+    Parameter("live_inter_token_slo_ms", "Live inter-token objective (ms)",
+              "With a bulk_subscription: how long a live stream may wait between two of its tokens at its worker's "
+              "model server, where every running bulk stream adds a row to each step. Followed as "
+              "live_first_token_slo_ms is, by the same bulk stream cap and bulk prompt budget: whichever objective "
+              "is passed halves them. 0 follows first tokens only (both 0: the lane's whole share).",
+              "200", GROUP_INPUT, "NUMBER", default=200, minimum=0, maximum=600_000),
     Parameter("id_attribute", "Request id attribute",
               "Message attribute that holds the request id when the payload has no 'id'. "
               "Without either, the Pub/Sub message id is used.",

@@ -155,19 +155,22 @@ class Engine:
     def stats(self) -> dict[str, int | None]:
         """What the engine holds and has done, for the worker's load gauges: requests running and waiting at the
         model server (None where it cannot tell), the model's busy time so far (ms: what every request's
-        ``accelerator_seconds`` adds up to), and chunks published to the chunk topic, and of them not yet confirmed."""
+        ``accelerator_seconds`` adds up to), the bulk lane's governor (its cap, budget, percentiles and totals), and
+        chunks published to the chunk topic, and of them not yet confirmed."""
         running, queued = self.backend.load()
         with self._lock:
             busy_ms = round(self._registry.busy.busy_s * 1000)
             lane = self._registry.lane
             now = time.monotonic()
-            bulk_cap, live_p90 = self._registry.bulk_cap(now), lane.percentile_ms(now)
-            lane_totals = {"live_first_tokens": lane.live_first_tokens,
-                           "live_first_tokens_over_objective": lane.live_over_objective,
-                           "bulk_lane_halvings": lane.halvings}
+            bulk_cap = self._registry.bulk_cap(now) if self.settings.bulk_lane else None
+            lane_gauges = {"live_first_token_p90_ms": lane.percentile_ms(now),
+                           "live_inter_token_p90_ms": lane.inter_token_percentile_ms(now),
+                           "bulk_prompt_budget": lane.prompt_budget}
+            lane_totals = dict(lane.totals)
         publisher = self._chunk_publisher
         return {"server_running": running, "server_waiting": queued, "busy_ms": busy_ms, "bulk_cap": bulk_cap,
-                "live_first_token_p90_ms": None if live_p90 is None else round(live_p90), **lane_totals,
+                **{name: None if value is None else round(value) for name, value in lane_gauges.items()},
+                **lane_totals,
                 "chunks_published": publisher.published if publisher else 0,
                 "chunks_unconfirmed": publisher.unconfirmed() if publisher else 0, **self.backend.stats()}
 
@@ -247,6 +250,8 @@ class Engine:
         """
         with self._lock:
             self._queue_chunks(stream, step())
+            if stream.assembler is not None:
+                self._registry.tokens(stream, time.monotonic(), stream.assembler.tokens)
 
     def new_attempt(self, stream: Stream) -> None:
         with self._lock:

@@ -43,8 +43,9 @@ class EngineSettings:
     # Whether the job reads a bulk lane (its bulk_subscription), and the share of the worker that lane never takes.
     bulk_lane: bool = False
     live_reserve: float = default("live_reserve")
-    # The live first-token objective the bulk lane's stream cap follows (pipeline.engines.lane_governor); 0: off.
+    # The live objectives the bulk lane's cap and prompt budget follow (pipeline.engines.lane_governor); 0: not this.
     live_first_token_slo_ms: float = default("live_first_token_slo_ms")
+    live_inter_token_slo_ms: float = default("live_inter_token_slo_ms")
     # Publish chunks to this Pub/Sub topic from the engine the moment they are cut ...
     chunk_topic: str | None = None
     # ... and hand them to the pipeline through poll() as well (always, without a chunk_topic).

@@ -1,30 +1,42 @@
-"""How many bulk streams the engine runs beside live traffic: as many as keep live first tokens within the objective.
+"""How much of the model server the bulk lane may use beside live traffic: what keeps live latency within objectives.
 
 A bulk lane's streams share every step of the model server with live ones, so a live request beside a saturated
 lane waits for the step in progress and then decodes in steps made longer by the lane's rows and the prompt chunks
 of each new bulk request. vLLM's priority scheduling orders its queue; it does not bound what running bulk rows
 cost each step (docs/operations.md#the-bulk-lane). So the engine bounds them itself, from what live requests see:
-each live stream's time from the server taking it to its first token (:meth:`LaneGovernor.first_token`), the
-interference the lane causes and nothing else (not the queue in front of the engine, which admission bounds).
 
-The rule is additive increase, multiplicative decrease on the bulk lane's stream cap, adjusted once a second from
-the 90th percentile of the live first tokens of the last ``WINDOW_S``:
+* each live stream's time from the server taking it to its first token (:meth:`LaneGovernor.first_token`),
+  against ``live_first_token_slo_ms``: what the steps in progress and the bulk prompts read beside it cost;
+* each live stream's time between tokens (:meth:`LaneGovernor.inter_tokens`), against
+  ``live_inter_token_slo_ms``: what every bulk row adds to each of its steps.
 
-* above ``live_first_token_slo_ms``, the cap halves (it shrinks within seconds), and halves again only on first
-  tokens that came after (a halving stops new bulk streams; what came before it cannot show its effect);
-* below ``HEADROOM`` of it, the cap grows by one, while the lane runs as many streams as its cap (a cap it does
-  not use tells nothing of what more would cost);
-* between, it stays;
-* with no live stream running and none sent for ``IDLE_S``, the cap is the lane's whole share (``bulk_streams``):
-  the lane takes everything while no live request is there to slow.
+Both are the interference the lane causes and nothing else (not the queue in front of the engine, which admission
+bounds). The governor sets two things, by additive increase and multiplicative decrease once a second, from the
+90th percentile of each of the last ``WINDOW_S``:
 
-It never goes below one stream, and a lane that live traffic alone keeps from running for ``BULK_STARVED_S``
-starts one where the engine has any room (the live reserve included), so a backlog always moves (no starvation:
-the lane's rate is at worst one stream's).
-An objective of 0 turns the governor off: the cap is ``bulk_streams``, the fixed share ``live_reserve`` leaves.
-The cap and the percentile it acts on are the worker's load gauges ``bulk_cap`` and ``live_first_token_p90_ms``;
-its counters (what the dashboard charts) ``live_first_tokens``, ``live_first_tokens_over_objective`` and
-``bulk_lane_halvings``.
+* **the bulk stream cap**, how many bulk streams may run: the rows each step carries;
+* **the bulk prompt budget**, how many bulk prompt tokens may start within a second: the prompt chunks each wave
+  of new bulk streams puts into the steps live first tokens wait for. Unbounded until the first breach, which
+  halves the lower of the budget and the rate the lane started prompts at over the window.
+
+The rule, either objective counting (0 follows none of that kind):
+
+* above an objective, the cap and the budget halve (the lane shrinks within seconds), and halve again only on
+  latencies measured after (a halving stops new bulk streams; what came before it cannot show its effect);
+* below ``HEADROOM`` of every objective, the cap grows by one while the lane runs as many streams as its cap, and
+  the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
+  the lane does not meet tells nothing of what more would cost);
+* between, both stay;
+* with no live stream running and none sent for ``IDLE_S``, the cap is the lane's whole share (``bulk_streams``)
+  and the budget unbounded: the lane takes everything while no live request is there to slow.
+
+It never goes below one stream, and one bulk request starts whatever its prompt when none started within the
+second; a lane that live traffic alone keeps from running for ``BULK_STARVED_S`` starts one where the engine has any
+room (the live reserve included), so a backlog always moves (no starvation: the lane's rate is at worst one stream's).
+Both objectives 0 turns the governor off: the cap is ``bulk_streams``, the fixed share ``live_reserve`` leaves, and
+no budget. The cap, the budget and the percentiles are the worker's load gauges; its counters (:data:`TOTALS`, what
+the dashboard charts) count the live latencies, those past their objective, the halvings, the cap over time and
+the bulk prompt tokens started.
 """
 
 from __future__ import annotations
@@ -32,11 +44,13 @@ from __future__ import annotations
 import collections
 import math
 
-# Live first tokens older than this are not counted.
+# Live latencies older than this are not counted.
 WINDOW_S = 10.0
-# How often the cap is adjusted.
+# The most latencies of one kind a window keeps (inter-token times come one per token of every live stream).
+WINDOW_SAMPLES = 4096
+# How often the cap and the budget are adjusted, and the span the budget counts bulk prompt tokens over.
 ADJUST_S = 1.0
-# The cap grows only while the percentile is below this share of the objective.
+# The cap and the budget grow only while every percentile is below this share of its objective.
 HEADROOM = 0.7
 # With no live stream sent for this long, the lane takes its whole share.
 IDLE_S = 5.0
@@ -45,20 +59,51 @@ PERCENTILE = 0.9
 # A bulk lane with no stream running and a request refused for this long starts one wherever the engine has room,
 # the live reserve included (pipeline.engines.stream_registry.StreamRegistry.room).
 BULK_STARVED_S = 30.0
+# The governor's running totals, by the names the worker counts them under (pipeline.worker.load).
+TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "live_inter_tokens",
+          "live_inter_tokens_over_objective", "bulk_lane_halvings", "bulk_cap_ms", "bulk_prompt_tokens_started")
+
+
+class LatencyWindow:
+    """One kind of live latency, as (when measured, ms), for the last ``WINDOW_S``."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW_SAMPLES)
+
+    def add(self, now: float, ms: float) -> None:
+        self._samples.append((now, ms))
+
+    def percentile_ms(self, now: float, since: float = float("-inf")) -> float | None:
+        """The window's percentile (of those measured after ``since``), or None with none."""
+        while self._samples and now - self._samples[0][0] > WINDOW_S:
+            self._samples.popleft()
+        ordered = sorted(ms for at, ms in self._samples if at > since)
+        if not ordered:
+            return None
+        return ordered[min(len(ordered) - 1, math.ceil(PERCENTILE * len(ordered)) - 1)]
 
 
 class LaneGovernor:
-    """The bulk lane's stream cap (module docstring); not thread-safe (the engine calls it under its lock)."""
+    """The bulk lane's stream cap and prompt budget (module docstring); not thread-safe (the engine calls it under
+    its lock). ``most`` is the lane's whole share of streams."""
 
-    def __init__(self, objective_ms: float, most: int) -> None:
-        self.objective_ms, self.most = objective_ms, most
+    def __init__(self, objective_ms: float, most: int, inter_token_objective_ms: float = 0.0) -> None:
+        self.objective_ms, self.inter_token_objective_ms, self.most = objective_ms, inter_token_objective_ms, most
         self.cap = most
-        self._first_tokens: collections.deque[tuple[float, float]] = collections.deque()  # (at, ms)
+        self.prompt_budget: float | None = None  # bulk prompt tokens a second; None: unbounded
+        self._first_tokens, self._inter_tokens = LatencyWindow(), LatencyWindow()
+        self._bulk_prompts: collections.deque[tuple[float, int]] = collections.deque()  # (started at, tokens)
         self._live_sent_at = float("-inf")
         self._adjusted_at = float("-inf")
-        self._halved_at = float("-inf")  # first tokens before this cannot show the last halving's effect
+        self._halved_at = float("-inf")  # latencies before this cannot show the last halving's effect
+        self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
-        self.live_first_tokens = self.live_over_objective = self.halvings = 0
+        self.totals = dict.fromkeys(TOTALS, 0)
+        self._cap_ms, self._counted_at = 0.0, float("-inf")  # the cap integrated over time, and up to when
+
+    @property
+    def governed(self) -> bool:
+        return self.objective_ms > 0 or self.inter_token_objective_ms > 0
 
     def live_sent(self, now: float) -> None:
         """A live stream was sent to the server."""
@@ -66,37 +111,101 @@ class LaneGovernor:
 
     def first_token(self, now: float, ms: float) -> None:
         """A live stream's first token came ``ms`` after the server took it."""
-        self._first_tokens.append((now, ms))
-        self.live_first_tokens += 1
-        self.live_over_objective += 0 < self.objective_ms < ms
+        self._first_tokens.add(now, ms)
+        self.totals["live_first_tokens"] += 1
+        self.totals["live_first_tokens_over_objective"] += 0 < self.objective_ms < ms
+
+    def inter_tokens(self, now: float, ms: float, tokens: int) -> None:
+        """A live stream's next ``tokens`` came ``ms`` after its last (one time per token: ``ms / tokens``)."""
+        if tokens < 1:
+            return
+        each = ms / tokens
+        self._inter_tokens.add(now, each)
+        self.totals["live_inter_tokens"] += tokens
+        self.totals["live_inter_tokens_over_objective"] += tokens * (0 < self.inter_token_objective_ms < each)
 
     def percentile_ms(self, now: float, since: float = float("-inf")) -> float | None:
         """The window's live first-token percentile (of those after ``since``), or None with none."""
-        while self._first_tokens and now - self._first_tokens[0][0] > WINDOW_S:
-            self._first_tokens.popleft()
-        ordered = sorted(ms for at, ms in self._first_tokens if at > since)
-        if not ordered:
-            return None
-        return ordered[min(len(ordered) - 1, math.ceil(PERCENTILE * len(ordered)) - 1)]
+        return self._first_tokens.percentile_ms(now, since)
+
+    def inter_token_percentile_ms(self, now: float) -> float | None:
+        """The window's live inter-token percentile, or None with none."""
+        return self._inter_tokens.percentile_ms(now)
 
     def bulk_cap(self, now: float, live_running: int = 0, bulk_running: int = 0) -> int:
         """How many bulk streams may run now (at least one), beside ``live_running`` live and ``bulk_running`` bulk
         streams."""
-        if self.objective_ms <= 0:
-            return self.most
-        if now - self._adjusted_at >= ADJUST_S:
-            self._adjusted_at = now
-            self.cap = self._adjusted(now, live_running, bulk_running)
+        if self._counted_at > float("-inf"):
+            self._cap_ms += self.cap * max(now - self._counted_at, 0.0) * 1000.0
+            self.totals["bulk_cap_ms"] = int(self._cap_ms)
+        self._counted_at = now
+        if not self.governed:
+            self.cap = self.most
+        elif now - self._adjusted_at >= ADJUST_S:
+            self._adjust(now, live_running, bulk_running)
         return self.cap
 
-    def _adjusted(self, now: float, live_running: int, bulk_running: int) -> int:
+    def prompts_fitting(self, now: float, prompts: list[int]) -> int:
+        """How many of these bulk prompts (their tokens, in order) may start now within the budget: those whose
+        tokens, with what started within ``ADJUST_S``, fit it; and the first whatever its size when none started
+        within it. A bulk request left out is one that waited for the budget (it may grow)."""
+        if self.prompt_budget is None or not prompts:
+            return len(prompts)
+        recent = self._started(now, ADJUST_S)
+        room, taken = self.prompt_budget - recent, 0
+        for tokens in prompts:
+            if tokens > room and (taken or recent):
+                self._budget_waited_at = now
+                break
+            room, taken = room - tokens, taken + 1
+        return taken
+
+    def bulk_started(self, now: float, prompt_tokens: int) -> None:
+        """A bulk stream of ``prompt_tokens`` prompt tokens started."""
+        self._bulk_prompts.append((now, prompt_tokens))
+        self.totals["bulk_prompt_tokens_started"] += prompt_tokens
+
+    def _started(self, now: float, span_s: float) -> int:
+        """Bulk prompt tokens started within ``span_s`` (at most ``WINDOW_S``) before ``now``."""
+        while self._bulk_prompts and now - self._bulk_prompts[0][0] > WINDOW_S:
+            self._bulk_prompts.popleft()
+        return sum(tokens for at, tokens in self._bulk_prompts if now - at < span_s)
+
+    def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
+        self._adjusted_at = now
         if not live_running and now - self._live_sent_at > IDLE_S:
-            return self.most
-        if (fresh := self.percentile_ms(now, since=self._halved_at)) is not None and fresh > self.objective_ms:
-            self.halvings += self.cap > 1
+            self.cap, self.prompt_budget = self.most, None
+            return
+        fresh = self._pressure(now, since=self._halved_at)
+        if fresh is not None and fresh > 1.0:
             self._halved_at = now
-            return max(1, self.cap // 2)
-        seen = self.percentile_ms(now)
-        if seen is not None and seen < HEADROOM * self.objective_ms and bulk_running >= self.cap:
-            return min(self.most, self.cap + 1)
-        return self.cap
+            before = (self.cap, self.prompt_budget)
+            self.cap = max(1, self.cap // 2)
+            # From the lower of the budget and the rate the lane started prompts at: a budget above what the lane
+            # used would halve to no effect.
+            rate = self._started(now, WINDOW_S) * ADJUST_S / WINDOW_S
+            limits = [limit for limit in (self.prompt_budget, rate) if limit]
+            if limits:
+                self.prompt_budget = max(1.0, min(limits) / 2)
+            self.totals["bulk_lane_halvings"] += (self.cap, self.prompt_budget) != before
+            return
+        seen = self._pressure(now)
+        if seen is None or seen >= HEADROOM:
+            return
+        if bulk_running >= self.cap:
+            self.cap = min(self.most, self.cap + 1)
+        if self.prompt_budget is not None and now - self._budget_waited_at <= ADJUST_S:
+            self.prompt_budget += self._mean_prompt()
+
+    def _pressure(self, now: float, since: float = float("-inf")) -> float | None:
+        """The highest of each followed percentile over its objective (those after ``since``); None with none."""
+        shares = [p / objective for window, objective in ((self._first_tokens, self.objective_ms),
+                                                         (self._inter_tokens, self.inter_token_objective_ms))
+                  if objective > 0 and (p := window.percentile_ms(now, since)) is not None]
+        return max(shares, default=None)
+
+    def _mean_prompt(self) -> float:
+        """The mean bulk prompt of the window (at least one token)."""
+        if not self._bulk_prompts:
+            return 1.0
+        return max(1.0, sum(tokens for _, tokens in self._bulk_prompts) / len(self._bulk_prompts))

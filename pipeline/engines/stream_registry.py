@@ -33,6 +33,7 @@ class Stream:
     lease: Stamp = (0.0, "", 0.0, 0.0)  # the lease clocks when this stream was last polled, submitted or joined
     sent_at: float | None = None  # when the model first took it (wall clock): what it waited before is its queue
     taken_mono: float | None = None  # when the model took its first attempt (monotonic), until its first token
+    last_token: tuple[float, int] | None = None  # (when, tokens so far) of its last text, from its first token on
     accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
 
 
@@ -52,7 +53,8 @@ class StreamRegistry:
         self.busy = BusyShares()
         self.leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
         self.finished_kept = finished_kept(settings.max_in_flight)
-        self.lane = LaneGovernor(settings.live_first_token_slo_ms, settings.bulk_streams)
+        self.lane = LaneGovernor(settings.live_first_token_slo_ms, settings.bulk_streams,
+                                 settings.live_inter_token_slo_ms)
         # How often the lease clocks tick (:meth:`expire`): several times a lease, at most once a second.
         self.tick_s = min(max(settings.stream_lease_s / 4, 0.05), 1.0)
 
@@ -69,7 +71,8 @@ class StreamRegistry:
             if key in self.streams:  # joined again: a retried submission renews the lease
                 self._renew(self.streams[key], client)
         new = [i for i, key in enumerate(asked) if key not in self.streams]
-        room = self.room(len(new), now_mono, bulk=any(requests[i].bulk for i in new))
+        bulk = any(requests[i].bulk for i in new)
+        room = self.room(len(new), now_mono, bulk=bulk, prompts=[requests[i].prompt_tokens or 0 for i in new])
         for n, i in enumerate(new):
             if n >= room:
                 keys[i] = None
@@ -79,16 +82,18 @@ class StreamRegistry:
             self.streams[stream.key] = stream
             started.append(stream)
         self.unfinished += len(started)
-        bulk = sum(stream.request.bulk for stream in started)
-        if bulk:
-            self.bulk_unfinished += bulk
-            self._bulk_refused_since = None
+        for stream in started:
+            if stream.request.bulk:
+                self.bulk_unfinished += 1
+                self._bulk_refused_since = None
+                self.lane.bulk_started(now_mono, stream.request.prompt_tokens or 0)
         return keys, started
 
-    def room(self, new: int, now: float, bulk: bool = False) -> int:
+    def room(self, new: int, now: float, bulk: bool = False, prompts: list[int] | None = None) -> int:
         """How many of ``new`` requests to take now, under ``max_in_flight``; a bulk lane's only beside fewer than
-        ``bulk_streams`` unfinished streams (so live requests always find room) and fewer bulk ones than the lane's
-        cap (:mod:`.lane_governor`), except that one starts, where any room is left, once the lane has had none
+        ``bulk_streams`` unfinished streams (so live requests always find room), fewer bulk ones than the lane's
+        cap, and as many of their ``prompts`` (tokens each, in order) as its prompt budget lets start
+        (:mod:`.lane_governor`), except that one starts, where any room is left, once the lane has had none
         running for ``BULK_STARVED_S``: a backlog always moves.
 
         With whole batches none of a batch that does not fit is taken, except when idle, so no batch waits
@@ -97,6 +102,8 @@ class StreamRegistry:
             free = max(self.settings.max_in_flight - self.unfinished, 0)
         else:
             free = min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished)
+            if free > 0 and prompts:
+                free = min(free, self.lane.prompts_fitting(now, prompts[:free]))
             if free > 0 or self.bulk_unfinished:
                 self._bulk_refused_since = None  # the lane moves
             elif self.unfinished < self.settings.max_in_flight:
@@ -176,6 +183,7 @@ class StreamRegistry:
         if stream.sent_at is None:
             stream.sent_at = now
         stream.taken_mono = now_mono  # each attempt's first token is measured from its own start
+        stream.last_token = None
         if not stream.request.bulk:
             self.lane.live_sent(now_mono)
         self.busy.begin(stream.key, now_mono)
@@ -187,6 +195,17 @@ class StreamRegistry:
             if not stream.request.bulk:
                 self.lane.first_token(now_mono, (now_mono - stream.taken_mono) * 1000.0)
             stream.taken_mono = None
+
+    def tokens(self, stream: Stream, now_mono: float, tokens: int) -> None:
+        """The stream's text has ``tokens`` tokens now: a live stream's tokens after its first tell the lane how
+        long live tokens take beside it (:mod:`.lane_governor`). Each attempt counts from its own first token."""
+        if stream.request.bulk or not tokens:
+            return
+        last = stream.last_token
+        if last is not None and tokens > last[1]:
+            self.lane.inter_tokens(now_mono, (now_mono - last[0]) * 1000.0, tokens - last[1])
+        if last is None or tokens != last[1]:
+            stream.last_token = (now_mono, tokens)
 
     def ended(self, stream: Stream, now_mono: float) -> None:
         """The model no longer works on the stream (finished, failed or cancelled); idempotent."""

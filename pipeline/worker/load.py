@@ -4,8 +4,9 @@ Namespace :data:`LOAD_NAMESPACE`, set at most once a second per process and
 step: ``held_requests`` and ``max_held_requests`` (the worker's hold and its
 bound, :mod:`pipeline.worker.hold`), ``in_flight_requests``,
 ``waiting_requests``, ``server_running_requests`` and
-``server_waiting_requests`` (vLLM's own ``/metrics``), ``bulk_cap`` and ``live_first_token_p90_ms`` (how many
-bulk streams the lane may run, and the live first tokens it follows: :mod:`pipeline.engines.lane_governor`),
+``server_waiting_requests`` (vLLM's own ``/metrics``), ``bulk_cap``, ``bulk_prompt_budget``,
+``live_first_token_p90_ms`` and ``live_inter_token_p90_ms`` (how many bulk streams the lane may run and bulk
+prompt tokens start a second, and the live latencies it follows: :mod:`pipeline.engines.lane_governor`),
 ``model_busy_ms`` (how
 long the model has had a request running, so far: its busy share of the
 worker's time), ``chunks_published`` and ``chunks_unconfirmed`` (by the engine,
@@ -15,9 +16,8 @@ batches computed and how many were padding (``batch_requests``,
 ``decode_padding``). The admission step and the generate step both report them.
 
 Beside them, the counters ``server_restarts`` (how many times the worker's
-model server was restarted), ``live_first_tokens``,
-``live_first_tokens_over_objective`` and ``bulk_lane_halvings`` (the bulk
-lane's governor): totals the runtime keeps, which has no Beam context to count
+model server was restarted) and the bulk lane's governor's
+(:data:`pipeline.engines.lane_governor.TOTALS`): totals the runtime keeps, which has no Beam context to count
 in, counted once per VM whichever step of whichever SDK process takes them
 (``WorkerRuntime.load_and_counts``). Cloud Monitoring charts counters, not gauges
 (docs/operations.md).
@@ -30,6 +30,7 @@ import time
 from apache_beam.metrics.metric import Metrics
 
 from pipeline.contract.call_outcome import Call
+from pipeline.engines.lane_governor import TOTALS
 from pipeline.worker.runtime import ProcessRecord
 from pipeline.worker.runtime_client import RuntimeClient
 
@@ -38,7 +39,8 @@ _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight"
            "waiting": "waiting_requests", "server_running": "server_running_requests",
            "server_waiting": "server_waiting_requests", "busy_ms": "model_busy_ms",
            "chunks_published": "chunks_published", "chunks_unconfirmed": "chunks_unconfirmed",
-           "bulk_cap": "bulk_cap", "live_first_token_p90_ms": "live_first_token_p90_ms",
+           **{name: name for name in ("bulk_cap", "bulk_prompt_budget", "live_first_token_p90_ms",
+                                      "live_inter_token_p90_ms")},
            **{name: name for name in ("batch_requests", "prompt_positions", "prompt_padding", "decode_positions",
                                       "decode_padding")}}
 # Totals the engine keeps (its runtime has no Beam context) are counted here as Beam counters of the same name,
@@ -59,10 +61,7 @@ class LoadGauges:
         self._gauges = {key: Metrics.gauge(LOAD_NAMESPACE, name) for key, name in _GAUGES.items()}
         self._counters = {  # each by its name, as the dashboard queries them
             "server_restarts": Metrics.counter(LOAD_NAMESPACE, "server_restarts"),
-            "live_first_tokens": Metrics.counter(LOAD_NAMESPACE, "live_first_tokens"),
-            "live_first_tokens_over_objective": Metrics.counter(LOAD_NAMESPACE, "live_first_tokens_over_objective"),
-            "bulk_lane_halvings": Metrics.counter(LOAD_NAMESPACE, "bulk_lane_halvings"),
-        }
+            **{name: Metrics.counter(LOAD_NAMESPACE, name) for name in TOTALS}}
 
     def update(self, client: RuntimeClient, record: ProcessRecord) -> None:
         """Through the step's own client, the one call policy: bounded, a lost host reconnected, an engine that

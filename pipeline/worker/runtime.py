@@ -25,6 +25,7 @@ from typing import Protocol
 
 from apache_beam.utils.multi_process_shared import MultiProcessShared
 
+from pipeline.engines import lane_governor
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
@@ -72,10 +73,6 @@ def client_id() -> str:
     return _CLIENT.setdefault(pid, f"{pid}-{uuid.uuid4().hex[:8]}")
 
 
-# The engine's running totals that the steps count as Beam counters (WorkerRuntime.load_and_counts).
-COUNTED_TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "bulk_lane_halvings")
-
-
 class WorkerRuntime:
     """One VM's engine and admission ledger; every public method is a call a step may make through the proxy."""
 
@@ -119,7 +116,7 @@ class WorkerRuntime:
 
     def _take_counts(self, stats: dict[str, int | None]) -> dict[str, int]:
         totals = {"server_restarts": self.engine.server_restarts(),
-                  **{name: int(stats.get(name) or 0) for name in COUNTED_TOTALS}}
+                  **{name: int(stats.get(name) or 0) for name in lane_governor.TOTALS}}
         with self._counted_lock:
             grown = {name: max(total - self._counted.get(name, 0), 0) for name, total in totals.items()}
             self._counted.update(totals)
