@@ -1,7 +1,11 @@
-"""``make bench-lanes``: live traffic alone, and the same live traffic while a backfill fills the bulk lane.
+"""``make bench-lanes``: live traffic alone, and the same live traffic while a backfill fills the bulk lane, for
+each way of sharing the server compared: the frontier of live latency against the lane's throughput.
 
-One pipeline (the template on the DirectRunner, its model manager's vLLM server, a ``bulk_subscription``:
-docs/operations.md#the-bulk-lane) serves three phases in each of ``--reps`` interleaved repetitions:
+One pipeline per lane in ``--lanes`` (the template on the DirectRunner, its model manager's vLLM server, a
+``bulk_subscription``: docs/operations.md#the-bulk-lane): ``adaptive`` (the live objectives' governor,
+pipeline/engines/lane_governor.py), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk
+streams (no objective, ``max_bulk_streams`` N). Each serves three phases in each of ``--reps`` repetitions,
+interleaved across the pipelines (one works at a time):
 
 - **live alone**: ``--live`` requests published one every ``--live-every-s`` seconds to the input topic;
 - **live + bulk**: ``--bulk`` requests published at once to the bulk topic, and once the first of them has
@@ -10,19 +14,22 @@ docs/operations.md#the-bulk-lane) serves three phases in each of ``--reps`` inte
 
 Every request answers exactly ``--tokens`` (live) or ``--bulk-tokens`` (bulk) tokens (``min_tokens`` equal to
 ``max_tokens``), so the phases do equal work. Measured from the outputs as a user sees them (the chunks and
-completions topics): each live request's first chunk after its publication, and the bulk lane's tokens/s while
-the live traffic runs (its chunks' tokens in that span), against the bulk-alone rate over a span as long. Printed:
-medians and ranges of live first chunk p50 and p95 with the backfill against without it, and of the bulk lane's
-rate against what the engine delivers less what live traffic takes; every published request must end with one
-completion (nothing lost). The launcher keeps the pipeline's threads off the cores vLLM computes on
-(:mod:`local.core_placement`), as ``make bench`` places them. Figures and ratios; nothing is asserted.
+completions topics): each live request's first chunk after its publication and its time per token after it (from
+the engine cutting its first chunk to its last), and the bulk lane's tokens/s while the live traffic runs (its
+chunks' tokens in that span), against the bulk-alone rate over a span as long. Printed per lane: medians and
+ranges of live first chunk p50 and p95 and time per token p95 with the backfill against without it, and of the
+bulk lane's rate against what the engine delivers less what live traffic takes; then the frontier (each lane's
+live p95 ratio against its bulk tokens/s), the best fixed share that keeps ``--goal``, and the adaptive lane
+against it; ``--plot`` draws it. Every published request must end with one completion (nothing lost). The
+launcher keeps the pipeline's threads off the cores vLLM computes on (:mod:`local.core_placement`), as ``make
+bench`` places them. Figures and ratios; nothing is asserted.
 
 A live request beside the lane waits at vLLM for the step in progress and shares every later step with the bulk
 streams' rows. On this machine's CPU a step that reads vLLM's default 2,048 tokens of prompt takes seconds, so
 the local server reads at most ``--step-tokens`` (256) a step, as a user sets ``--max-num-batched-tokens`` in
 ``vllm_args`` (docs/operations.md#the-bulk-lane); ``--step-tokens 0`` measures vLLM's default.
 
-    python -m benchmarks.lanes [--reps 3] [--live 12] [--bulk 160]
+    python -m benchmarks.lanes [--reps 3] [--live 12] [--bulk 160] [--lanes 1,2,4,8,16,64,adaptive --plot f.png]
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from local.cpu_server import LOCAL_SERVER
 from local.embedded_model import ensure_local_checkpoint
@@ -71,6 +79,24 @@ def first_chunks(collector: OutputCollector, published: dict[str, float]) -> lis
         if request_id in published:
             first[request_id] = min(first.get(request_id, chunk.at), chunk.at)
     return [first[i] - published[i] for i in published if i in first]
+
+
+def inter_token_ms(collector: OutputCollector, published: dict[str, float]) -> list[float]:
+    """Per live request, its time per token after its first chunk (ms): from the engine cutting its first chunk
+    to cutting its last, over the tokens between (each stream once; its last attempt's chunks)."""
+    spans: dict[str, dict[int, tuple[float, int]]] = {}
+    ids: dict[str, str] = {}
+    for chunk in list(collector.chunks):
+        data = chunk.data
+        if data["id"] in published:
+            spans.setdefault(data["stream"], {})[data["seq"]] = (data["emitted_at"], data["tokens"])
+            ids[data["stream"]] = data["id"]
+    per_request: dict[str, float] = {}
+    for stream, chunks in spans.items():
+        first, last = chunks[min(chunks)], chunks[max(chunks)]
+        if last[1] > first[1]:
+            per_request[ids[stream]] = (last[0] - first[0]) * 1000.0 / (last[1] - first[1])
+    return list(per_request.values()) or [float("nan")]
 
 
 def tokens_between(collector: OutputCollector, prefix: str, start: float, end: float) -> int:
@@ -128,7 +154,22 @@ def spread(values: list[float], unit: str = "") -> str:
     return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
 
 
-FIGURES = ("alone p50", "alone p95", "beside p50", "beside p95", "bulk beside", "bulk alone", "live tokens/s")
+FIGURES = ("alone p50", "alone p95", "beside p50", "beside p95", "alone inter p95", "beside inter p95",
+           "bulk beside", "bulk alone", "live tokens/s")
+OBJECTIVES_OFF = ("--live_first_token_slo_ms=0", "--live_inter_token_slo_ms=0")
+
+
+def lane_args(lane: str) -> list[str]:
+    """The template parameters of one lane compared: ``adaptive`` (the governor, at the objectives the template
+    arguments give or its defaults), ``whole`` (no objective: the lane's whole share), or a number N (no objective,
+    ``max_bulk_streams`` N: a fixed share)."""
+    if lane == "adaptive":
+        return []
+    if lane == "whole":
+        return list(OBJECTIVES_OFF)
+    if lane.isdigit() and int(lane) >= 1:
+        return [*OBJECTIVES_OFF, f"--max_bulk_streams={int(lane)}"]
+    raise SystemExit(f"--lanes: {lane!r} is not adaptive, whole or a number of bulk streams of at least 1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,54 +182,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-tokens", type=int, default=32)
     parser.add_argument("--step-tokens", type=int, default=256,
                         help="vLLM's --max-num-batched-tokens, the most prompt a step reads (0: vLLM's default)")
-    parser.add_argument("--objectives", default="default",
-                        help="comma-separated live_first_token_slo_ms values, one pipeline each, their repetitions "
-                             "interleaved ('default': the template's; 0: the lane's whole share, no objective)")
+    parser.add_argument("--lanes", default="adaptive,whole",
+                        help="comma-separated lanes, one pipeline each, their repetitions interleaved: 'adaptive' "
+                             "(the live objectives' governor), 'whole' (no objective, the lane's whole share), or N "
+                             "(no objective, a fixed share of N bulk streams: max_bulk_streams), e.g. "
+                             "1,2,4,8,16,64,adaptive for the frontier")
+    parser.add_argument("--goal", type=float, default=1.2,
+                        help="the live first chunk p95 ratio (beside / alone) the frontier's best fixed share keeps")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the frontier to this PNG")
     parser.add_argument("--template-arg", action="append", default=[], metavar="--NAME=VALUE",
-                        help="a template parameter for the pipelines (repeat), e.g. --live_reserve=0.5")
+                        help="a template parameter for every pipeline (repeat), e.g. --live_first_token_slo_ms=600")
     args = parser.parse_args(argv)
+    lanes = [value.strip() for value in args.lanes.split(",") if value.strip()]
+    extra_of = {lane: lane_args(lane) for lane in lanes}
     logging.basicConfig(level=logging.WARNING)
     folder = REPO_ROOT / ".cache" / "bench-lanes"
     folder.mkdir(parents=True, exist_ok=True)
     server = (replace(LOCAL_SERVER, extra_args=("--max-num-batched-tokens", str(args.step_tokens)))
               if args.step_tokens else LOCAL_SERVER)
-    objectives = [value.strip() for value in args.objectives.split(",") if value.strip()]
     runs: dict[str, tuple[LocalRun, OutputCollector]] = {}
-    figures: dict[str, dict[str, list[float]]] = {o: {name: [] for name in FIGURES} for o in objectives}
+    figures: dict[str, dict[str, list[float]]] = {lane: {name: [] for name in FIGURES} for lane in lanes}
     try:
-        for objective in objectives:
-            extra = [] if objective == "default" else [f"--live_first_token_slo_ms={objective}"]
+        for lane in lanes:
             run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
-                            *server.template_args(), "--chunk_tokens=4", *args.template_arg, *extra],
-                           log_path=folder / f"pipeline-{objective}.log", bulk_lane=True)
+                            *server.template_args(), "--chunk_tokens=4", *args.template_arg, *extra_of[lane]],
+                           log_path=folder / f"pipeline-{lane}.log", bulk_lane=True)
             run.start()
-            runs[objective] = (run, run.collector())
-            warm = live_requests(-1, f"warm{objective}", 1, 1)
+            runs[lane] = (run, run.collector())
+            warm = live_requests(-1, f"warm{lane}", 1, 1)
             run.publish(warm)
-            ended(runs[objective][1], [warm[0]["id"]], 900)
+            ended(runs[lane][1], [warm[0]["id"]], 900)
         for rep in range(args.reps):
-            for objective, (run, collector) in runs.items():  # interleaved: one pipeline works at a time
-                one_repetition(run, collector, rep, f"{objective}-", args, figures[objective], objective)
+            for lane, (run, collector) in runs.items():  # interleaved: one pipeline works at a time
+                one_repetition(run, collector, rep, f"{lane}-", args, figures[lane], lane)
     finally:
         for run, collector in runs.values():
             collector.stop()
             run.stop()
-    for objective in objectives:
-        report(args, figures[objective], objective)
+    for lane in lanes:
+        report(args, figures[lane], lane)
+    points = frontier(figures)
+    print(frontier_table(points, args.goal))
+    if args.plot is not None:
+        plot(points, args.goal, args.plot)
+        print(f"\nThe frontier: {args.plot}")
     return 0
 
 
 def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str, args: argparse.Namespace,
-                   figures: dict[str, list[float]], objective: str) -> None:
+                   figures: dict[str, list[float]], lane: str) -> None:
     """Live alone, live beside a backlog on the bulk lane, the backlog alone: one repetition of the three phases."""
     live = live_requests(rep, f"{tag}alone", args.live, args.tokens)
     published = publish_paced(run, live, args.live_every_s)
     ended(collector, list(published), 600)
     ttft = first_chunks(collector, published)
-    print(f"[{objective}] rep {rep + 1}: each live request alone, s (read to the engine / read to its first token / "
+    print(f"[{lane}] rep {rep + 1}: each live request alone, s (read to the engine / read to its first token / "
           f"first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
     figures["alone p50"].append(statistics.median(ttft))
     figures["alone p95"].append(percentile(ttft, 0.95))
+    figures["alone inter p95"].append(percentile(inter_token_ms(collector, published), 0.95))
 
     bulk = bulk_requests(rep, f"{tag}beside", args.bulk, args.bulk_tokens)
     run.publish(bulk, kind="bulk")
@@ -200,14 +252,15 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     ended(collector, list(published), 600)
     end = time.time()
     ttft = first_chunks(collector, published)
-    print(f"[{objective}] rep {rep + 1}: each live request beside the backfill, s (read to the engine / read to its "
+    print(f"[{lane}] rep {rep + 1}: each live request beside the backfill, s (read to the engine / read to its "
           f"first token / first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
     figures["beside p50"].append(statistics.median(ttft))
     figures["beside p95"].append(percentile(ttft, 0.95))
+    figures["beside inter p95"].append(percentile(inter_token_ms(collector, published), 0.95))
     figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
     figures["live tokens/s"].append(args.live * args.tokens / (end - start))
     if all(b["id"] in collector.finished_ids() for b in bulk):
-        print(f"[{objective}] rep {rep + 1}: the backlog ended before the live traffic did ({end - start:.1f} s): the "
+        print(f"[{lane}] rep {rep + 1}: the backlog ended before the live traffic did ({end - start:.1f} s): the "
               "bulk rate beside live is low by the span it ran without a backlog (raise --bulk)", flush=True)
     ended(collector, [b["id"] for b in bulk], 1800)
 
@@ -220,7 +273,7 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     end = until(lambda: sum(i in collector.finished_ids() for i in ids) >= 0.8 * len(ids), 1800)
     figures["bulk alone"].append(tokens_between(collector, prefix, start, end) / (end - start))
     ended(collector, [b["id"] for b in bulk], 1800)
-    print(f"[{objective}] rep {rep + 1}: live first chunk p50 {figures['alone p50'][-1]:.2f} s alone, "
+    print(f"[{lane}] rep {rep + 1}: live first chunk p50 {figures['alone p50'][-1]:.2f} s alone, "
           f"{figures['beside p50'][-1]:.2f} s beside the backfill; bulk {figures['bulk beside'][-1]:.0f} "
           f"tokens/s beside live, {figures['bulk alone'][-1]:.0f} alone", flush=True)
 
@@ -235,13 +288,14 @@ def until(condition, timeout_s: float) -> float:
     return time.time()
 
 
-def report(args: argparse.Namespace, figures: dict[str, list[float]], objective: str = "default") -> None:
+def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str = "adaptive") -> None:
     p50 = [b / a for a, b in zip(figures["alone p50"], figures["beside p50"], strict=True)]
     p95 = [b / a for a, b in zip(figures["alone p95"], figures["beside p95"], strict=True)]
+    inter = [b / a for a, b in zip(figures["alone inter p95"], figures["beside inter p95"], strict=True)]
     share = [b / max(c - live, 1e-9) for b, c, live in
              zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"], strict=True)]
-    print(f"\nlive_first_token_slo_ms={objective}: {args.reps} interleaved repetitions, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} "
+    print(f"\nlane {lane} ({' '.join(lane_args(lane)) or 'the template objectives'}): {args.reps} interleaved "
+          f"repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores; live: {args.live} requests x {args.tokens} tokens, one every {args.live_every_s:g} s; bulk: "
           f"{args.bulk} x {args.bulk_tokens} tokens; vLLM reads at most "
           f"{args.step_tokens or 'its default'} prompt tokens a step; template parameters "
@@ -251,12 +305,84 @@ def report(args: argparse.Namespace, figures: dict[str, list[float]], objective:
           f"| {spread(p50)} |")
     print(f"| live first chunk p95 | {spread(figures['alone p95'], ' s')} | {spread(figures['beside p95'], ' s')} "
           f"| {spread(p95)} |")
+    print(f"| live time per token p95 (ms) | {spread(figures['alone inter p95'])} | "
+          f"{spread(figures['beside inter p95'])} | {spread(inter)} |")
     print("\n| bulk lane | tokens/s |\n|---|---|")
     print(f"| alone (what the engine delivers) | {spread(figures['bulk alone'])} |")
     print(f"| live traffic's own | {spread(figures['live tokens/s'])} |")
     print(f"| beside live | {spread(figures['bulk beside'])} |")
     print(f"| beside live / (alone - live's) | {spread(share)} |")
     print("Nothing lost: every published request of both lanes ended with one completion.")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One lane on the frontier: medians over the repetitions."""
+
+    lane: str
+    first_chunk_p95_ratio: float  # live first chunk p95 beside the lane / alone
+    inter_token_p95_ratio: float  # live time per token p95 beside the lane / alone
+    bulk_tokens_per_s: float  # the lane's rate beside live
+
+
+def frontier(figures: dict[str, dict[str, list[float]]]) -> list[Point]:
+    points = []
+    for lane, mine in figures.items():
+        ratio = [b / a for a, b in zip(mine["alone p95"], mine["beside p95"], strict=True)]
+        inter = [b / a for a, b in zip(mine["alone inter p95"], mine["beside inter p95"], strict=True)]
+        points.append(Point(lane, statistics.median(ratio), statistics.median(inter),
+                            statistics.median(mine["bulk beside"])))
+    return points
+
+
+def frontier_table(points: list[Point], goal: float) -> str:
+    """Each lane's live p95 ratios and bulk rate; the best fixed share whose live first chunk p95 ratio keeps the
+    goal (or, where none does, the one with the lowest ratio), and the adaptive lane's rate against it."""
+    lines = [f"\nThe frontier (medians): live first chunk p95 beside / alone against the lane's bulk tokens/s "
+             f"(goal {goal:g}):", "| lane | first chunk p95 ratio | time per token p95 ratio | bulk tokens/s |",
+             "|---|---|---|---|"]
+    lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.inter_token_p95_ratio:.2f} | "
+              f"{p.bulk_tokens_per_s:.1f} |" for p in points]
+    fixed = [p for p in points if p.lane.isdigit()]
+    adaptive = next((p for p in points if p.lane == "adaptive"), None)
+    if fixed:
+        keeping = [p for p in fixed if p.first_chunk_p95_ratio <= goal]
+        best = max(keeping, key=lambda p: p.bulk_tokens_per_s) if keeping else \
+            min(fixed, key=lambda p: p.first_chunk_p95_ratio)
+        lines.append(f"Best fixed share {'keeping the goal' if keeping else '(none keeps the goal: the tightest)'}: "
+                     f"{best.lane} streams, ratio {best.first_chunk_p95_ratio:.2f}, {best.bulk_tokens_per_s:.1f} "
+                     "bulk tokens/s.")
+        if adaptive is not None:
+            lines.append(f"Adaptive: ratio {adaptive.first_chunk_p95_ratio:.2f}, bulk "
+                         f"{adaptive.bulk_tokens_per_s / max(best.bulk_tokens_per_s, 1e-9):.2f}x that share's "
+                         "tokens/s (goal: within the ratio, at least 0.9x).")
+    return "\n".join(lines)
+
+
+def plot(points: list[Point], goal: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    fixed = sorted((p for p in points if p.lane != "adaptive"), key=lambda p: p.bulk_tokens_per_s)
+    axis.plot([p.bulk_tokens_per_s for p in fixed], [p.first_chunk_p95_ratio for p in fixed], marker="o",
+              color="tab:blue", label="fixed share (bulk streams)")
+    for p in fixed:
+        axis.annotate(p.lane, (p.bulk_tokens_per_s, p.first_chunk_p95_ratio), textcoords="offset points",
+                      xytext=(4, 4), fontsize=8)
+    for p in points:
+        if p.lane == "adaptive":
+            axis.scatter([p.bulk_tokens_per_s], [p.first_chunk_p95_ratio], marker="*", s=180, color="tab:red",
+                         zorder=3, label="adaptive (the live objectives)")
+    axis.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}x")
+    axis.set_xlabel("bulk tokens/s beside live traffic")
+    axis.set_ylabel("live first chunk p95, beside / alone")
+    axis.set_title("The bulk lane's frontier")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -341,3 +341,21 @@ def test_the_cap_over_time_is_counted_so_a_rate_of_it_is_the_streams_the_lane_ma
     off.bulk_cap(0.0)
     off.bulk_cap(1.5)
     assert off.totals["bulk_cap_ms"] == 9000, "counted with the governor off too: the fixed share"
+
+
+def test_max_bulk_streams_is_the_lanes_fixed_share_with_no_objective_and_the_ceiling_the_governor_grows_to():
+    fixed = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                          live_first_token_slo_ms=0, live_inter_token_slo_ms=0, max_bulk_streams=3),
+                           "engine")
+    keys, _ = fixed.submit([request(i, True) for i in range(8)], [1] * 8, "client", time.monotonic())
+    assert sum(key is not None for key in keys) == 3 and fixed.settings.bulk_streams == 12
+    governed = LaneGovernor(1000.0, EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                                   max_bulk_streams=5).bulk_stream_ceiling)
+    governed.cap = 1
+    for second in range(10):
+        governed.live_sent(float(second))
+        governed.first_token(float(second), 100.0)
+        governed.bulk_cap(float(second), live_running=1, bulk_running=governed.cap)
+    assert governed.cap == 5, "grown to the ceiling, not the share live_reserve leaves (12)"
+    wide = EngineSettings(server=None, server_url="http://unused", max_in_flight=16, max_bulk_streams=100)
+    assert wide.bulk_stream_ceiling == wide.bulk_streams == 12, "never past what live_reserve leaves"

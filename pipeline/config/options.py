@@ -59,6 +59,7 @@ class PipelineConfig:
     input_subscription: str
     bulk_subscription: str | None
     live_reserve: float
+    max_bulk_streams: int
     live_first_token_slo_ms: int
     live_inter_token_slo_ms: int
     id_attribute: str

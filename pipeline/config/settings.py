@@ -227,7 +227,8 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
                   stream_lease_s=float(config.stream_lease_s),
                   chunk_policy=ChunkPolicy(config.chunk_tokens, float(config.chunk_interval_ms)),
                   priority_boundaries=priority_boundaries, bulk_lane=bool(config.bulk_subscription),
-                  live_reserve=config.live_reserve, live_first_token_slo_ms=float(config.live_first_token_slo_ms),
+                  live_reserve=config.live_reserve, max_bulk_streams=config.max_bulk_streams,
+                  live_first_token_slo_ms=float(config.live_first_token_slo_ms),
                   live_inter_token_slo_ms=float(config.live_inter_token_slo_ms),
                   chunk_topic=config.output_chunks_topic,
                   chunks_to_pipeline=not config.output_chunks_topic or bool(config.output_chunks_table))

@@ -160,6 +160,11 @@ PARAMETERS: tuple[Parameter, ...] = (
               "arrives while the bulk lane fills the worker is read and started at once. 0 keeps none: live "
               "requests still go first in every queue.",
               "0.25", GROUP_INPUT, "NUMBER", default=0.25, minimum=0, maximum=0.9),
+    Parameter("max_bulk_streams", "Most bulk streams a worker runs",
+              "With a bulk_subscription: the most bulk streams each worker's engine runs at once, whatever room "
+              "live traffic leaves: the ceiling the live objectives' governor grows the lane's stream cap to, and "
+              "with both objectives 0 a fixed share. 0: the share live_reserve leaves of max_in_flight.",
+              "8", GROUP_INPUT, "NUMBER", default=0, minimum=0, maximum=4096),
     Parameter("live_first_token_slo_ms", "Live first-token objective (ms)",
               "With a bulk_subscription: how long a live request may wait at its worker's model server for its "
               "first token. Each worker measures it as it runs and runs as many bulk streams as keep it there: "

@@ -43,6 +43,7 @@ class EngineSettings:
     # Whether the job reads a bulk lane (its bulk_subscription), and the share of the worker that lane never takes.
     bulk_lane: bool = False
     live_reserve: float = default("live_reserve")
+    max_bulk_streams: int = default("max_bulk_streams")  # the lane's stream cap at most; 0: what live_reserve leaves
     # The live objectives the bulk lane's cap and prompt budget follow (pipeline.engines.lane_governor); 0: not this.
     live_first_token_slo_ms: float = default("live_first_token_slo_ms")
     live_inter_token_slo_ms: float = default("live_inter_token_slo_ms")
@@ -73,6 +74,11 @@ class EngineSettings:
         """The most unfinished streams the engine starts a bulk request beside: what ``live_reserve`` leaves of
         ``max_in_flight``."""
         return left_by(self.live_reserve, self.max_in_flight)
+
+    @property
+    def bulk_stream_ceiling(self) -> int:
+        """The most bulk streams the engine runs at once: ``max_bulk_streams``, within ``bulk_streams``."""
+        return min(self.bulk_streams, self.max_bulk_streams) if self.max_bulk_streams else self.bulk_streams
 
     @property
     def priority_scheduling(self) -> bool:

@@ -53,7 +53,7 @@ class StreamRegistry:
         self.busy = BusyShares()
         self.leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
         self.finished_kept = finished_kept(settings.max_in_flight)
-        self.lane = LaneGovernor(settings.live_first_token_slo_ms, settings.bulk_streams,
+        self.lane = LaneGovernor(settings.live_first_token_slo_ms, settings.bulk_stream_ceiling,
                                  settings.live_inter_token_slo_ms)
         # How often the lease clocks tick (:meth:`expire`): several times a lease, at most once a second.
         self.tick_s = min(max(settings.stream_lease_s / 4, 0.05), 1.0)
