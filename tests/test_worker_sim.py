@@ -246,7 +246,7 @@ def test_it_bites_when_a_retried_submission_starts_a_second_stream(monkeypatch):
 
 def test_it_bites_when_the_engine_takes_past_max_in_flight(monkeypatch):
     """The registry's room ignoring max_in_flight: the engine's bound, checked after every work item."""
-    monkeypatch.setattr(stream_registry.StreamRegistry, "room", lambda self, new, now, bulk=False: new)
+    monkeypatch.setattr(stream_registry.StreamRegistry, "room", lambda self, new, now, bulk=False, prompts=None: new)
     assert _any_caught(range(100), "past max_in_flight"), "an engine past its bound went unseen"
 
 

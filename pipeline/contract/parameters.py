@@ -170,12 +170,13 @@ PARAMETERS: tuple[Parameter, ...] = (
               "first token. Each worker measures it as it runs and runs as many bulk streams as keep it there: "
               "half as many within a second when live first tokens pass it, one more each second while they stay "
               "well below it, all the lane's share while no live request comes, never fewer than one (a backlog "
-              "always moves). 0 runs the lane's whole share (max_in_flight less live_reserve) whatever it costs "
-              "live requests.",
+              "always moves). 0 follows live_inter_token_slo_ms only; both 0 run the lane's whole share "
+              "(max_in_flight less live_reserve, or max_bulk_streams) whatever it costs live requests.",
               "1000", GROUP_INPUT, "NUMBER", default=1000, minimum=0, maximum=600_000),
     Parameter("live_inter_token_slo_ms", "Live inter-token objective (ms)",
-              "With a bulk_subscription: how long a live stream may wait between two of its tokens at its worker's "
-              "model server, where every running bulk stream adds a row to each step. Followed as "
+              "With a bulk_subscription: how long a live stream's tokens may take each at its worker's model "
+              "server after its first (the mean over each streamed event of chunk_tokens tokens), where every "
+              "running bulk stream adds a row to each step. Followed as "
               "live_first_token_slo_ms is, by the same bulk stream cap and bulk prompt budget: whichever objective "
               "is passed halves them. 0 follows first tokens only (both 0: the lane's whole share).",
               "200", GROUP_INPUT, "NUMBER", default=200, minimum=0, maximum=600_000),

@@ -165,7 +165,7 @@ class Engine:
             bulk_cap = self._registry.bulk_cap(now) if self.settings.bulk_lane else None
             lane_gauges = {"live_first_token_p90_ms": lane.percentile_ms(now),
                            "live_inter_token_p90_ms": lane.inter_token_percentile_ms(now),
-                           "bulk_prompt_budget": lane.prompt_budget}
+                           "bulk_prompt_budget": -1 if lane.prompt_budget is None else lane.prompt_budget}
             lane_totals = dict(lane.totals)
         publisher = self._chunk_publisher
         return {"server_running": running, "server_waiting": queued, "busy_ms": busy_ms, "bulk_cap": bulk_cap,
@@ -248,10 +248,11 @@ class Engine:
         under: the backend cuts a stream's chunks as its text arrives and the clock cuts text that waited, so one lock
         keeps their sequence numbers one gapless sequence, published in that order.
         """
+        arrived = time.monotonic()  # before the lock: a wait for the chunk clock or a poll is not the server's
         with self._lock:
             self._queue_chunks(stream, step())
             if stream.assembler is not None:
-                self._registry.tokens(stream, time.monotonic(), stream.assembler.tokens)
+                self._registry.tokens(stream, arrived, stream.assembler.tokens)
 
     def new_attempt(self, stream: Stream) -> None:
         with self._lock:

@@ -22,7 +22,9 @@ bounds). The governor sets two things, by additive increase and multiplicative d
 The rule, either objective counting (0 follows none of that kind):
 
 * above an objective, the cap and the budget halve (the lane shrinks within seconds), and halve again only on
-  latencies measured after (a halving stops new bulk streams; what came before it cannot show its effect);
+  latencies measured after, and after the bulk streams running came within the cap (a halving stops new bulk
+  streams, it does not end running ones: what came before cannot show its effect, and halving on it again and
+  again would take a lane of long answers down to one stream while their rows still run);
 * below ``HEADROOM`` of every objective, the cap grows by one while the lane runs as many streams as its cap, and
   the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
   the lane does not meet tells nothing of what more would cost);
@@ -34,9 +36,15 @@ It never goes below one stream, and one bulk request starts whatever its prompt 
 second; a lane that live traffic alone keeps from running for ``BULK_STARVED_S`` starts one where the engine has any
 room (the live reserve included), so a backlog always moves (no starvation: the lane's rate is at worst one stream's).
 Both objectives 0 turns the governor off: the cap is ``bulk_streams``, the fixed share ``live_reserve`` leaves, and
-no budget. The cap, the budget and the percentiles are the worker's load gauges; its counters (:data:`TOTALS`, what
-the dashboard charts) count the live latencies, those past their objective, the halvings, the cap over time and
-the bulk prompt tokens started.
+no budget. The cap, the budget (-1: unbounded) and the percentiles are the worker's load gauges; its counters
+(:data:`TOTALS`, what the dashboard charts, as Cloud Monitoring charts no gauges) count the live latencies, those
+past their objective and their sum in ms (a rate of one over a rate of the other is a mean), the halvings, the cap
+over time (its rate is the cap) and the bulk prompt tokens started.
+
+The inter-token time is what the engine can see: the server streams an event every ``chunk_tokens`` tokens
+(vLLM's ``stream_interval``), so each is the mean time per token over one event. A single long step (a bulk
+prompt read beside a live stream) shows diluted by the event's other tokens; the first-token objective is what
+bounds those.
 """
 
 from __future__ import annotations
@@ -60,8 +68,9 @@ PERCENTILE = 0.9
 # the live reserve included (pipeline.engines.stream_registry.StreamRegistry.room).
 BULK_STARVED_S = 30.0
 # The governor's running totals, by the names the worker counts them under (pipeline.worker.load).
-TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "live_inter_tokens",
-          "live_inter_tokens_over_objective", "bulk_lane_halvings", "bulk_cap_ms", "bulk_prompt_tokens_started")
+TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "live_first_token_ms", "live_inter_tokens",
+          "live_inter_tokens_over_objective", "live_inter_token_ms", "bulk_lane_halvings", "bulk_cap_ms",
+          "bulk_prompt_tokens_started")
 
 
 class LatencyWindow:
@@ -96,10 +105,12 @@ class LaneGovernor:
         self._live_sent_at = float("-inf")
         self._adjusted_at = float("-inf")
         self._halved_at = float("-inf")  # latencies before this cannot show the last halving's effect
+        self._over_cap_at = float("-inf")  # nor those before this, when more bulk streams ran than the cap
         self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
         self._cap_ms, self._counted_at = 0.0, float("-inf")  # the cap integrated over time, and up to when
+        self._sums = {"live_first_token_ms": 0.0, "live_inter_token_ms": 0.0}  # whose totals count whole ms
 
     @property
     def governed(self) -> bool:
@@ -113,6 +124,7 @@ class LaneGovernor:
         """A live stream's first token came ``ms`` after the server took it."""
         self._first_tokens.add(now, ms)
         self.totals["live_first_tokens"] += 1
+        self._add("live_first_token_ms", ms)
         self.totals["live_first_tokens_over_objective"] += 0 < self.objective_ms < ms
 
     def inter_tokens(self, now: float, ms: float, tokens: int) -> None:
@@ -122,7 +134,12 @@ class LaneGovernor:
         each = ms / tokens
         self._inter_tokens.add(now, each)
         self.totals["live_inter_tokens"] += tokens
+        self._add("live_inter_token_ms", ms)
         self.totals["live_inter_tokens_over_objective"] += tokens * (0 < self.inter_token_objective_ms < each)
+
+    def _add(self, total: str, ms: float) -> None:
+        self._sums[total] += ms
+        self.totals[total] = int(self._sums[total])
 
     def percentile_ms(self, now: float, since: float = float("-inf")) -> float | None:
         """The window's live first-token percentile (of those after ``since``), or None with none."""
@@ -145,14 +162,20 @@ class LaneGovernor:
             self._adjust(now, live_running, bulk_running)
         return self.cap
 
-    def prompts_fitting(self, now: float, prompts: list[int]) -> int:
+    def prompts_fitting(self, now: float, prompts: list[int], whole: bool = False) -> int:
         """How many of these bulk prompts (their tokens, in order) may start now within the budget: those whose
         tokens, with what started within ``ADJUST_S``, fit it; and the first whatever its size when none started
-        within it. A bulk request left out is one that waited for the budget (it may grow)."""
+        within it. ``whole``: all of them or none (a static batch), all when none started within it. A bulk
+        request left out is one that waited for the budget (it may grow)."""
         if self.prompt_budget is None or not prompts:
             return len(prompts)
         recent = self._started(now, ADJUST_S)
         room, taken = self.prompt_budget - recent, 0
+        if whole:
+            if recent and sum(prompts) > room:
+                self._budget_waited_at = now
+                return 0
+            return len(prompts)
         for tokens in prompts:
             if tokens > room and (taken or recent):
                 self._budget_waited_at = now
@@ -176,7 +199,9 @@ class LaneGovernor:
         if not live_running and now - self._live_sent_at > IDLE_S:
             self.cap, self.prompt_budget = self.most, None
             return
-        fresh = self._pressure(now, since=self._halved_at)
+        if bulk_running > self.cap:  # rows started before a halving still run: what live meets now is theirs
+            self._over_cap_at = now
+        fresh = self._pressure(now, since=max(self._halved_at, self._over_cap_at))
         if fresh is not None and fresh > 1.0:
             self._halved_at = now
             before = (self.cap, self.prompt_budget)
@@ -195,7 +220,7 @@ class LaneGovernor:
         if bulk_running >= self.cap:
             self.cap = min(self.most, self.cap + 1)
         if self.prompt_budget is not None and now - self._budget_waited_at <= ADJUST_S:
-            self.prompt_budget += self._mean_prompt()
+            self.prompt_budget += self._mean_prompt(now)
 
     def _pressure(self, now: float, since: float = float("-inf")) -> float | None:
         """The highest of each followed percentile over its objective (those after ``since``); None with none."""
@@ -204,8 +229,9 @@ class LaneGovernor:
                   if objective > 0 and (p := window.percentile_ms(now, since)) is not None]
         return max(shares, default=None)
 
-    def _mean_prompt(self) -> float:
+    def _mean_prompt(self, now: float) -> float:
         """The mean bulk prompt of the window (at least one token)."""
+        self._started(now, WINDOW_S)  # forgets those past the window
         if not self._bulk_prompts:
             return 1.0
         return max(1.0, sum(tokens for _, tokens in self._bulk_prompts) / len(self._bulk_prompts))

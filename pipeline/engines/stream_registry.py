@@ -20,6 +20,7 @@ from pipeline.engines.accelerator_time import BusyShares
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.lane_governor import BULK_STARVED_S, LaneGovernor
 from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
+from pipeline.intake.prompt_length import estimate_tokens
 
 
 @dataclass
@@ -72,7 +73,7 @@ class StreamRegistry:
                 self._renew(self.streams[key], client)
         new = [i for i, key in enumerate(asked) if key not in self.streams]
         bulk = any(requests[i].bulk for i in new)
-        room = self.room(len(new), now_mono, bulk=bulk, prompts=[requests[i].prompt_tokens or 0 for i in new])
+        room = self.room(len(new), now_mono, bulk=bulk, prompts=[prompt_tokens(requests[i]) for i in new])
         for n, i in enumerate(new):
             if n >= room:
                 keys[i] = None
@@ -86,7 +87,7 @@ class StreamRegistry:
             if stream.request.bulk:
                 self.bulk_unfinished += 1
                 self._bulk_refused_since = None
-                self.lane.bulk_started(now_mono, stream.request.prompt_tokens or 0)
+                self.lane.bulk_started(now_mono, prompt_tokens(stream.request))
         return keys, started
 
     def room(self, new: int, now: float, bulk: bool = False, prompts: list[int] | None = None) -> int:
@@ -96,25 +97,26 @@ class StreamRegistry:
         (:mod:`.lane_governor`), except that one starts, where any room is left, once the lane has had none
         running for ``BULK_STARVED_S``: a backlog always moves.
 
-        With whole batches none of a batch that does not fit is taken, except when idle, so no batch waits
-        forever (the launch refuses batches larger than ``max_in_flight`` for that engine)."""
+        With whole batches none of a batch that does not fit is taken, except when idle or, for a bulk batch,
+        starved as above, so no batch waits forever (the launch refuses batches larger than ``max_in_flight`` for
+        that engine)."""
         if not bulk:
             free = max(self.settings.max_in_flight - self.unfinished, 0)
-        else:
-            free = min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished)
-            if free > 0 and prompts:
-                free = min(free, self.lane.prompts_fitting(now, prompts[:free]))
-            if free > 0 or self.bulk_unfinished:
-                self._bulk_refused_since = None  # the lane moves
-            elif self.unfinished < self.settings.max_in_flight:
-                if self._bulk_refused_since is None:
-                    self._bulk_refused_since = now
-                elif now - self._bulk_refused_since >= BULK_STARVED_S:
-                    free = 1
-            free = max(free, 0)
-        if not self.whole_batches:
-            return min(new, free)
-        return new if new <= free or self.unfinished == 0 else 0
+            return min(new, free) if not self.whole_batches or new <= free or self.unfinished == 0 else 0
+        free = max(min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished), 0)
+        if free and prompts:
+            free = min(free, self.lane.prompts_fitting(now, prompts[:new if self.whole_batches else free],
+                                                       whole=self.whole_batches))
+        taken = min(new, free) if not self.whole_batches or new <= free or self.unfinished == 0 else 0
+        if self.bulk_unfinished or taken:
+            self._bulk_refused_since = None  # the lane moves
+        elif new and self.unfinished < self.settings.max_in_flight:
+            if self._bulk_refused_since is None:
+                self._bulk_refused_since = now
+            elif now - self._bulk_refused_since >= BULK_STARVED_S:
+                room = self.settings.max_in_flight - self.unfinished
+                taken = 1 if not self.whole_batches else new if new <= room else 0
+        return taken
 
     def bulk_cap(self, now: float) -> int:
         """How many bulk streams the lane may run now, beside the live and bulk streams running
@@ -214,3 +216,9 @@ class StreamRegistry:
     def _renew(self, stream: Stream, client: str) -> None:
         """The stream's lease starts again now, on the clocks of the client that called."""
         stream.lease = self.leases.stamp(client)
+
+
+def prompt_tokens(request: InferenceRequest) -> int:
+    """The request's prompt tokens as measured at intake, or estimated where it was not (a request restored from
+    state written before the count, or built outside the pipeline's measure step)."""
+    return request.prompt_tokens if request.prompt_tokens is not None else estimate_tokens(request.prompt_text())
