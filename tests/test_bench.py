@@ -410,6 +410,22 @@ def test_the_lanes_frontier_names_the_best_fixed_share_that_keeps_the_goal_and_w
     assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_lanes_report_prints_first_chunk_and_time_per_token_at_p50_and_p95_against_alone(capsys):
+    import argparse
+
+    from benchmarks import lanes
+    figures = {name: [2.0, 4.0] for name in lanes.FIGURES} | {"alone p50": [1.0, 1.0], "alone inter p50": [50.0, 50.0],
+                                                              "beside inter p50": [75.0, 100.0]}
+    args = argparse.Namespace(reps=2, live=6, tokens=16, live_every_s=1.0, bulk=300, bulk_tokens=32, step_tokens=256,
+                              template_arg=[])
+    lanes.report(args, figures, "4")
+    out = capsys.readouterr().out
+    assert "lane 4 (--live_first_token_slo_ms=0 --live_inter_token_slo_ms=0 --max_bulk_streams=4)" in out
+    assert "| live first chunk p50 | 1.00 s (1.00-1.00) | 3.00 s (2.00-4.00) | 3.00 (2.00-4.00) |" in out, out
+    assert "| live time per token p50 (ms) | 50.00 (50.00-50.00) | 87.50 (75.00-100.00) | 1.75 (1.50-2.00) |" in out
+    assert "| live time per token p95 (ms) |" in out
+
+
 def test_each_lane_the_bench_compares_is_template_parameters_the_template_takes():
     from benchmarks import lanes
     from pipeline.config.settings import JobSettings
