@@ -101,13 +101,12 @@ class StreamRegistry:
         starved as above, so no batch waits forever (the launch refuses batches larger than ``max_in_flight`` for
         that engine)."""
         if not bulk:
-            free = max(self.settings.max_in_flight - self.unfinished, 0)
-            return min(new, free) if not self.whole_batches or new <= free or self.unfinished == 0 else 0
+            return self._fitting(new, max(self.settings.max_in_flight - self.unfinished, 0))
         free = max(min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished), 0)
         if free and prompts:
             free = min(free, self.lane.prompts_fitting(now, prompts[:new if self.whole_batches else free],
                                                        whole=self.whole_batches))
-        taken = min(new, free) if not self.whole_batches or new <= free or self.unfinished == 0 else 0
+        taken = self._fitting(new, free)
         if self.bulk_unfinished or taken:
             self._bulk_refused_since = None  # the lane moves
         elif new and self.unfinished < self.settings.max_in_flight:
@@ -115,8 +114,15 @@ class StreamRegistry:
                 self._bulk_refused_since = now
             elif now - self._bulk_refused_since >= BULK_STARVED_S:
                 room = self.settings.max_in_flight - self.unfinished
-                taken = 1 if not self.whole_batches else new if new <= room else 0
+                taken = 1 if not self.whole_batches else self._fitting(new, room)
         return taken
+
+    def _fitting(self, new: int, free: int) -> int:
+        """How many of ``new`` requests ``free`` places take: as many as fit, or with whole batches all or none,
+        and all where any place is free on an idle engine (a batch larger than the room would wait for ever)."""
+        if not self.whole_batches:
+            return min(new, free)
+        return new if free > 0 and (new <= free or self.unfinished == 0) else 0
 
     def bulk_cap(self, now: float) -> int:
         """How many bulk streams the lane may run now, beside the live and bulk streams running
