@@ -93,10 +93,34 @@ def _answer(results: tuple[SubmitResult, ...], submission: Submission | None) ->
     return next((result for result in results if result.submission is submission), None)
 
 
+def _end(work: StepWork, state: KeyState, effects: Effects, *, prune: bool = False) -> tuple[KeyState, Effects]:
+    """The step's end: the state with the record of ids as the step leaves it (:meth:`StepWork.ids_after`), and
+    its effects."""
+    seen = work.ids_after(state.seen, prune=prune)
+    return (state if seen is state.seen else replace(state, seen=seen)), effects
+
+
+def _settled(work: StepWork, state: KeyState) -> KeyState:
+    """The state less the entries that could not be decoded: each becomes a dead letter with its raw text, and the
+    ids they held open end (:meth:`StepWork.letter_damaged`)."""
+    if not state.damaged:
+        return state
+    work.letter_damaged(state.damaged, {e.fp for e in state.waiting + state.inflight})
+    return replace(state, damaged=())
+
+
+def _armed(state: KeyState, at: float) -> tuple[KeyState, float | None]:
+    """The state with its poll timer set for ``at``, and ``at`` as the timer to set; unchanged, and None, when it
+    is already set to fire sooner."""
+    if state.poll_at_ms is not None and state.poll_at_ms / 1000.0 <= at:
+        return state, None
+    return replace(state, poll_at_ms=int(at * 1000)), at
+
+
 # A bundle of requests ---------------------------------------------------------------------------------------
 
 def _arrive(work: StepWork, state: KeyState, event: Arrived) -> tuple[KeyState, Effects]:
-    state = work.settle_damage(state)
+    state = _settled(work, state)
     accepted = []
     for request in event.requests:
         fingerprint = request.fingerprint()
@@ -118,7 +142,7 @@ def _arrive(work: StepWork, state: KeyState, event: Arrived) -> tuple[KeyState, 
     if accepted and not any(_ahead(entry, accepted[0]) for entry in state.waiting):
         submission = Submission(tuple(e.request for e in accepted), tuple(e.attempt for e in accepted), True)
         pending = Arriving(tuple(accepted), len(state.waiting), arrived, submission)
-        return work.done(replace(state, pending=pending), submit=(submission,))
+        return _end(work, replace(state, pending=pending), work.done(submit=(submission,)))
     return _arrived(work, state, Arriving(tuple(accepted), len(state.waiting), arrived, None), None)
 
 
@@ -167,8 +191,8 @@ def _arrived(work: StepWork, state: KeyState, pending: Arriving,
         state = replace(state, wait_ms=None)  # new work: poll at the chunk cadence again
     arm_at = None
     if state.inflight or state.waiting:  # a bundle of copies only leaves the timer as it was
-        state, arm_at = work.arm(state, work.now + work.rules.poll_interval_s)
-    return work.done(state, report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at)
+        state, arm_at = _armed(state, work.now + work.rules.poll_interval_s)
+    return _end(work, state, work.done(report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at))
 
 
 def _ahead(waiting: RequestEntry, arriving: RequestEntry) -> bool:
@@ -184,7 +208,7 @@ def _live_first(entries: tuple[RequestEntry, ...]) -> tuple[RequestEntry, ...]:
 # The poll timer ---------------------------------------------------------------------------------------------
 
 def _poll_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
-    state = replace(work.settle_damage(state), poll_at_ms=None)
+    state = replace(_settled(work, state), poll_at_ms=None)
     entries = work.unique(state.inflight)
     waiting = work.unique(_live_first(state.waiting), besides=entries)
     # Nothing to ask (timers can fire twice for one setting, and a lost stream has none): no poll is made.
@@ -192,7 +216,7 @@ def _poll_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
     pending = Polling(entries, waiting, asked)
     if not asked:
         return _polled(work, state, pending, None)
-    return work.done(replace(state, pending=pending), poll=asked)
+    return _end(work, replace(state, pending=pending), work.done(poll=asked))
 
 
 def _advance_all(work: StepWork, entries: tuple[RequestEntry, ...], progress: KeyProgress, event: Polled | None,
@@ -275,7 +299,7 @@ def _polled(work: StepWork, state: KeyState, pending: Polling, event: Polled | N
     resending = Resending(tuple(remaining), resent, groups, progress)
     submit = tuple(submission for _, submission in resent) + tuple(submission for _, submission in groups)
     if submit:
-        return work.done(replace(state, pending=resending), submit=submit, cancel=tuple(abandoned))
+        return _end(work, replace(state, pending=resending), work.done(submit=submit, cancel=tuple(abandoned)))
     return _resent(work, state, resending, (), cancel=tuple(abandoned))
 
 
@@ -313,15 +337,15 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
     busy = bool(remaining or sent or pending.progress.release)
     arm_at = None
     if busy:
-        state, arm_at = work.arm(replace(state, wait_ms=None), work.now + work.rules.poll_interval_s)
+        state, arm_at = _armed(replace(state, wait_ms=None), work.now + work.rules.poll_interval_s)
     elif left:  # nothing here can change until another key's stream ends: back off
         floor_ms = int(work.rules.poll_interval_s * 1000)
         backoff = min(max(2 * (state.wait_ms or 0), floor_ms), int(WAITING_POLL_CAP_S * 1000))
-        state, arm_at = work.arm(replace(state, wait_ms=backoff), work.now + backoff / 1000)
+        state, arm_at = _armed(replace(state, wait_ms=backoff), work.now + backoff / 1000)
     elif (expiry := dedupe.next_expiry(work.ids, work.now)) is not None:  # to forget ids once nothing else is left
-        state, arm_at = work.arm(state, expiry + 1.0)
-    return work.done(state, prune=not (remaining or sent or left), report=Report(len(left)), arm_at=arm_at,
-                     cancel=cancel)
+        state, arm_at = _armed(state, expiry + 1.0)
+    effects = work.done(report=Report(len(left)), arm_at=arm_at, cancel=cancel)
+    return _end(work, state, effects, prune=not (remaining or sent or left))
 
 
 # The drain ----------------------------------------------------------------------------------------------------
@@ -331,7 +355,7 @@ def _drain_due(work: StepWork, state: KeyState) -> tuple[KeyState, Effects]:
     to finish, in this one work item; what waits is not started: a ``drain`` dead letter at once, for a redrive.
     Polled from the committed positions, pass after pass, and nothing released: if this work item's commit
     fails, its retry finds every stream where the last commit left it and collects it again."""
-    state = work.settle_damage(state)
+    state = _settled(work, state)
     entries = work.unique(state.inflight)
     for entry in work.unique(state.waiting, besides=entries):
         work.end(entry)
@@ -360,8 +384,9 @@ def _drain_ask(work: StepWork, state: KeyState, pending: Draining, delay: float,
     pending = replace(pending, asked=asked)
     if not asked:
         return _drain_polled(work, state, pending, None, opening=opening)
-    return work.done(replace(state, pending=pending), poll=asked, poll_after_s=delay, hold_leases_s=_hold(work),
-                     report=Report(0) if opening else None)
+    effects = work.done(poll=asked, poll_after_s=delay, hold_leases_s=_hold(work),
+                        report=Report(0) if opening else None)
+    return _end(work, replace(state, pending=pending), effects)
 
 
 def _drain_polled(work: StepWork, state: KeyState, pending: Draining, event: Polled | None, *,
@@ -384,5 +409,5 @@ def _drain_end(work: StepWork, pending: Draining, *, opening: bool = False) -> t
                            f"drain_timeout_s={work.rules.drain_timeout_s:g}", drain=True)
     work.forget_ids()
     cancel = pending.abandoned + tuple(e.key for e in pending.entries if e.key is not None)
-    return work.done(KeyState(), cancel=cancel, disarm=True, hold_leases_s=_hold(work),
-                     report=Report(0) if opening else None)
+    effects = work.done(cancel=cancel, disarm=True, hold_leases_s=_hold(work), report=Report(0) if opening else None)
+    return _end(work, KeyState(), effects)

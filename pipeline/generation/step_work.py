@@ -1,11 +1,12 @@
-"""What one step of a key machine gathers: what it emits and counts, and the key's ids while it changes them.
+"""What one step of a key machine gathers: what it emits, counts and logs, and the key's ids while it changes them.
 
 Every transition of :mod:`pipeline.generation.key_machine` writes through one :class:`StepWork`, made for that
-step alone and dropped at its end: the outputs, counts and log lines it gathers become the step's
-:class:`~pipeline.generation.key_events.Effects`, and the key's record of ids (:mod:`pipeline.generation.dedupe`)
-is opened only when a transition reads it, and frozen back into the state the step returns. It never holds the
-key's state: each transition takes the state and returns the next, so the step is a function of (rules, state,
-event) alone; time comes in with the event.
+step alone and dropped at its end: an accumulator, as a logger is, and nothing more. It never sees the key's
+state: each transition takes a :class:`~pipeline.generation.key_state.KeyState` and returns the next, so the step
+is a function of (rules, state, event) alone, time coming in with the event. At the end the transition asks it for
+the step's :class:`~pipeline.generation.key_events.Effects` (:meth:`StepWork.done`) and for the record of ids as
+the step leaves it (:meth:`StepWork.ids_after`), opened only if a transition read it
+(:mod:`pipeline.generation.dedupe`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import replace
 
 from pipeline.contract.messages import PREPARED_ATTRIBUTE, STAGE_DRAIN, STAGE_INFERENCE, DeadLetter, InferenceRequest
 from pipeline.contract.stream_progress import DEAD_LETTER, Output
 from pipeline.generation import dedupe
 from pipeline.generation.dedupe import IdRecord
 from pipeline.generation.key_events import Effects, Report, Rules, Submission
-from pipeline.generation.key_state import KeyState, RequestEntry
+from pipeline.generation.key_state import Damaged, RequestEntry
 
 # Every count a step may make, by the name the generate step's counter has (pipeline.generation.step_outputs).
 MACHINE_COUNTS = ("requests_sent", "requests_queued", "requests_admitted_from_queue", "duplicates_dropped",
@@ -95,41 +95,32 @@ class StepWork:
         self.ids.clear()
         self._ids_changed = True
 
-    def settle_damage(self, state: KeyState) -> KeyState:
-        """Entries that could not be decoded become dead letters with their raw text; ids they held open end. The
-        state without them."""
-        if not state.damaged:
-            return state
-        for damaged in state.damaged:
+    def letter_damaged(self, damaged: tuple[Damaged, ...], live: set[str]) -> None:
+        """Entries that could not be decoded become dead letters with their raw text; the ids held open by no
+        ``live`` fingerprint end."""
+        for entry in damaged:
             self.counts["undecodable_state_entries"] += 1
-            self.logs.append((logging.ERROR, f"A state entry of this key cannot be decoded ({damaged.reason}); "
+            self.logs.append((logging.ERROR, f"A state entry of this key cannot be decoded ({entry.reason}); "
                                              "it goes to the dead letters"))
             self.outputs.append((DEAD_LETTER, DeadLetter(
-                STAGE_INFERENCE, f"state entry could not be decoded after an update: {damaged.reason}",
-                damaged.text, at=self.now).to_json()))
-        live = {e.fp for e in state.waiting + state.inflight}
+                STAGE_INFERENCE, f"state entry could not be decoded after an update: {entry.reason}",
+                entry.text, at=self.now).to_json()))
         dedupe.release_orphans(self.ids, live, self.now + self.rules.dedupe_window_s, self.now)
         self._ids_changed = True
-        return replace(state, damaged=())
 
-    def arm(self, state: KeyState, at: float) -> tuple[KeyState, float | None]:
-        """Sets the poll timer for ``at`` unless it is already set to fire sooner."""
-        if state.poll_at_ms is not None and state.poll_at_ms / 1000.0 <= at:
-            return state, None
-        return replace(state, poll_at_ms=int(at * 1000)), at
+    def ids_after(self, seen: IdRecord, *, prune: bool = False) -> IdRecord:
+        """The record of ids ``seen`` as the step leaves it: unchanged unless the step read it, or ``prune`` (then
+        with expired ids forgotten)."""
+        if self._ids is None and not prune:
+            return seen
+        ids = self.ids
+        return IdRecord(seen.text, ids, dedupe.prune(ids, self.now) or self._ids_changed)
 
-    def done(self, state: KeyState, *, prune: bool = False, hold_leases_s: float | None = None,
-             cancel: tuple[str, ...] = (), report: Report | None = None, arm_at: float | None = None,
-             disarm: bool = False, poll: Mapping[str, int] | None = None, poll_after_s: float = 0.0,
-             submit: tuple[Submission, ...] = ()) -> tuple[KeyState, Effects]:
-        """The step's end: the ids frozen back into the state (forgetting expired ones when they were read, or
-        ``prune``), and the effects (:class:`~pipeline.generation.key_events.Effects`' fields)."""
-        seen = state.seen
-        if self._ids is not None or prune:
-            ids = self.ids
-            changed = dedupe.prune(ids, self.now) or self._ids_changed
-            seen = IdRecord(state.seen.text, ids, changed)
-        return (state if seen is state.seen else replace(state, seen=seen)), Effects(
-            outputs=tuple(self.outputs), hold_leases_s=hold_leases_s, cancel=cancel, report=report, arm_at=arm_at,
-            disarm=disarm, poll=poll, poll_after_s=poll_after_s, submit=submit, counts=dict(self.counts),
-            logs=tuple(self.logs))
+    def done(self, *, hold_leases_s: float | None = None, cancel: tuple[str, ...] = (), report: Report | None = None,
+             arm_at: float | None = None, disarm: bool = False, poll: Mapping[str, int] | None = None,
+             poll_after_s: float = 0.0, submit: tuple[Submission, ...] = ()) -> Effects:
+        """What the step asks the caller to do (:class:`~pipeline.generation.key_events.Effects`' fields), with
+        what it emitted, counted and logged."""
+        return Effects(outputs=tuple(self.outputs), hold_leases_s=hold_leases_s, cancel=cancel, report=report,
+                       arm_at=arm_at, disarm=disarm, poll=poll, poll_after_s=poll_after_s, submit=submit,
+                       counts=dict(self.counts), logs=tuple(self.logs))
