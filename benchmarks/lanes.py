@@ -3,9 +3,12 @@ each way of sharing the server compared: the frontier of live latency against th
 
 One pipeline per lane in ``--lanes`` (the template on the DirectRunner, its model manager's vLLM server, a
 ``bulk_subscription``: docs/operations.md#the-bulk-lane): ``adaptive`` (the live objectives' governor,
-pipeline/engines/lane_governor.py), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk
+pipeline/engines/lane_governor.py, at the template's objectives), ``adaptive:MS`` (the same with
+``live_first_token_slo_ms`` MS), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk
 streams (no objective, ``max_bulk_streams`` N). Each serves three phases in each of ``--reps`` repetitions,
-interleaved across the pipelines (one works at a time):
+interleaved across the lanes: each repetition starts each lane's pipeline afresh, on one Pub/Sub emulator, and
+stops it before the next lane's starts, so that one pipeline and one server are up at a time (seven servers do not
+fit in 24 GiB, and an idle local pipeline takes about a quarter of a core):
 
 - **live alone**: ``--live`` requests published one every ``--live-every-s`` seconds to the input topic;
 - **live + bulk**: ``--bulk`` requests published at once to the bulk topic, and once the first of them has
@@ -46,6 +49,7 @@ from pathlib import Path
 
 from local.cpu_server import LOCAL_SERVER
 from local.embedded_model import ensure_local_checkpoint
+from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT, LocalRun, OutputCollector
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 7 times 8?", "What do bees make?",
@@ -161,15 +165,22 @@ OBJECTIVES_OFF = ("--live_first_token_slo_ms=0", "--live_inter_token_slo_ms=0")
 
 def lane_args(lane: str) -> list[str]:
     """The template parameters of one lane compared: ``adaptive`` (the governor, at the objectives the template
-    arguments give or its defaults), ``whole`` (no objective: the lane's whole share), or a number N (no objective,
-    ``max_bulk_streams`` N: a fixed share)."""
+    arguments give or its defaults), ``adaptive:MS`` (the governor with ``live_first_token_slo_ms`` MS), ``whole``
+    (no objective: the lane's whole share), or a number N (no objective, ``max_bulk_streams`` N: a fixed share)."""
     if lane == "adaptive":
         return []
+    if lane.startswith("adaptive:") and lane.removeprefix("adaptive:").isdigit():
+        return [f"--live_first_token_slo_ms={int(lane.removeprefix('adaptive:'))}"]
     if lane == "whole":
         return list(OBJECTIVES_OFF)
     if lane.isdigit() and int(lane) >= 1:
         return [*OBJECTIVES_OFF, f"--max_bulk_streams={int(lane)}"]
-    raise SystemExit(f"--lanes: {lane!r} is not adaptive, whole or a number of bulk streams of at least 1")
+    raise SystemExit(f"--lanes: {lane!r} is not adaptive, adaptive:MS, whole or a number of bulk streams of at "
+                     "least 1")
+
+
+def adaptive(lane: str) -> bool:
+    return lane == "adaptive" or lane.startswith("adaptive:")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's --max-num-batched-tokens, the most prompt a step reads (0: vLLM's default)")
     parser.add_argument("--lanes", default="adaptive,whole",
                         help="comma-separated lanes, one pipeline each, their repetitions interleaved: 'adaptive' "
-                             "(the live objectives' governor), 'whole' (no objective, the lane's whole share), or N "
+                             "(the live objectives' governor), 'adaptive:MS' (the governor with "
+                             "live_first_token_slo_ms MS), 'whole' (no objective, the lane's whole share), or N "
                              "(no objective, a fixed share of N bulk streams: max_bulk_streams), e.g. "
                              "1,2,4,8,16,64,adaptive for the frontier")
     parser.add_argument("--goal", type=float, default=1.2,
@@ -200,25 +212,27 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     server = (replace(LOCAL_SERVER, extra_args=("--max-num-batched-tokens", str(args.step_tokens)))
               if args.step_tokens else LOCAL_SERVER)
-    runs: dict[str, tuple[LocalRun, OutputCollector]] = {}
     figures: dict[str, dict[str, list[float]]] = {lane: {name: [] for name in FIGURES} for lane in lanes}
+    emulator = PubSubEmulator()
+    emulator.start()
     try:
-        for lane in lanes:
-            run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
-                            *server.template_args(), "--chunk_tokens=4", *args.template_arg, *extra_of[lane]],
-                           log_path=folder / f"pipeline-{lane}.log", bulk_lane=True)
-            run.start()
-            runs[lane] = (run, run.collector())
-            warm = live_requests(-1, f"warm{lane}", 1, 1)
-            run.publish(warm)
-            ended(runs[lane][1], [warm[0]["id"]], 900)
         for rep in range(args.reps):
-            for lane, (run, collector) in runs.items():  # interleaved: one pipeline works at a time
-                one_repetition(run, collector, rep, f"{lane}-", args, figures[lane], lane)
+            for lane in lanes:  # interleaved: one pipeline, started afresh, works at a time
+                run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
+                                *server.template_args(), "--chunk_tokens=4", *args.template_arg, *extra_of[lane]],
+                               log_path=folder / f"pipeline-{lane}-{rep}.log", emulator=emulator, bulk_lane=True)
+                run.start()
+                collector = run.collector()
+                try:
+                    warm = live_requests(-1, f"warm{lane}-{rep}", 1, 1)
+                    run.publish(warm)
+                    ended(collector, [warm[0]["id"]], 900)
+                    one_repetition(run, collector, rep, f"{lane}-", args, figures[lane], lane)
+                finally:
+                    collector.stop()
+                    run.stop()
     finally:
-        for run, collector in runs.values():
-            collector.stop()
-            run.stop()
+        emulator.stop()
     for lane in lanes:
         report(args, figures[lane], lane)
     points = frontier(figures)
@@ -351,7 +365,6 @@ def frontier_table(points: list[Point], goal: float) -> str:
     lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.inter_token_p95_ratio:.2f} | "
               f"{p.bulk_tokens_per_s:.1f} |" for p in points]
     fixed = [p for p in points if p.lane.isdigit()]
-    adaptive = next((p for p in points if p.lane == "adaptive"), None)
     if fixed:
         keeping = [p for p in fixed if p.first_chunk_p95_ratio <= goal]
         best = max(keeping, key=lambda p: p.bulk_tokens_per_s) if keeping else \
@@ -359,9 +372,9 @@ def frontier_table(points: list[Point], goal: float) -> str:
         lines.append(f"Best fixed share {'keeping the goal' if keeping else '(none keeps the goal: the tightest)'}: "
                      f"{best.lane} streams, ratio {best.first_chunk_p95_ratio:.2f}, {best.bulk_tokens_per_s:.1f} "
                      "bulk tokens/s.")
-        if adaptive is not None:
-            lines.append(f"Adaptive: ratio {adaptive.first_chunk_p95_ratio:.2f}, bulk "
-                         f"{adaptive.bulk_tokens_per_s / max(best.bulk_tokens_per_s, 1e-9):.2f}x that share's "
+        for point in (p for p in points if adaptive(p.lane)):
+            lines.append(f"{point.lane}: ratio {point.first_chunk_p95_ratio:.2f}, bulk "
+                         f"{point.bulk_tokens_per_s / max(best.bulk_tokens_per_s, 1e-9):.2f}x that share's "
                          "tokens/s (goal: within the ratio, at least 0.9x).")
     return "\n".join(lines)
 
@@ -373,16 +386,18 @@ def plot(points: list[Point], goal: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    fixed = sorted((p for p in points if p.lane != "adaptive"), key=lambda p: p.bulk_tokens_per_s)
+    fixed = sorted((p for p in points if p.lane.isdigit()), key=lambda p: p.bulk_tokens_per_s)
     axis.plot([p.bulk_tokens_per_s for p in fixed], [p.first_chunk_p95_ratio for p in fixed], marker="o",
               color="tab:blue", label="fixed share (bulk streams)")
     for p in fixed:
         axis.annotate(p.lane, (p.bulk_tokens_per_s, p.first_chunk_p95_ratio), textcoords="offset points",
                       xytext=(4, 4), fontsize=8)
-    for p in points:
-        if p.lane == "adaptive":
-            axis.scatter([p.bulk_tokens_per_s], [p.first_chunk_p95_ratio], marker="*", s=180, color="tab:red",
-                         zorder=3, label="adaptive (the live objectives)")
+    for n, p in enumerate(p for p in points if not p.lane.isdigit()):
+        axis.scatter([p.bulk_tokens_per_s], [p.first_chunk_p95_ratio], marker="*" if adaptive(p.lane) else "s",
+                     s=180 if adaptive(p.lane) else 70, color="tab:red" if adaptive(p.lane) else "tab:grey",
+                     zorder=3, label=p.lane if n < 4 else None)
+        axis.annotate(p.lane, (p.bulk_tokens_per_s, p.first_chunk_p95_ratio), textcoords="offset points",
+                      xytext=(4, -10), fontsize=8)
     axis.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}x")
     axis.set_xlabel("bulk tokens/s beside live traffic")
     axis.set_ylabel("live first chunk p95, beside / alone")

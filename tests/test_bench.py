@@ -397,13 +397,16 @@ def test_the_lanes_frontier_names_the_best_fixed_share_that_keeps_the_goal_and_w
         return {"alone p95": [p95_alone, p95_alone], "beside p95": [p95_beside, p95_beside],
                 "alone inter p95": [50.0, 50.0], "beside inter p95": [60.0, 80.0], "bulk beside": [bulk, bulk]}
     figures = {"1": measured(0.5, 0.55, 40.0), "4": measured(0.5, 0.59, 90.0), "16": measured(0.5, 1.5, 150.0),
-               "adaptive": measured(0.5, 0.58, 85.0)}
+               "adaptive": measured(0.5, 0.58, 85.0), "adaptive:400": measured(0.5, 0.52, 45.0),
+               "whole": measured(0.5, 2.0, 160.0)}
     points = lanes.frontier(figures)
-    assert [p.lane for p in points] == ["1", "4", "16", "adaptive"]
+    assert [p.lane for p in points] == ["1", "4", "16", "adaptive", "adaptive:400", "whole"]
     assert points[1].first_chunk_p95_ratio == pytest.approx(1.18) and points[0].inter_token_p95_ratio == 1.4
     table = lanes.frontier_table(points, 1.2)
     assert "Best fixed share keeping the goal: 4 streams" in table, table
-    assert f"bulk {85.0 / 90.0:.2f}x that share's" in table
+    assert f"adaptive: ratio 1.16, bulk {85.0 / 90.0:.2f}x that share's" in table
+    assert f"adaptive:400: ratio 1.04, bulk {45.0 / 90.0:.2f}x that share's" in table
+    assert "whole: ratio" not in table, "the whole share is no adaptive lane"
     tight = lanes.frontier_table(lanes.frontier({"8": measured(0.5, 1.0, 99.0), "2": measured(0.5, 0.8, 20.0)}), 1.2)
     assert "none keeps the goal: the tightest): 2 streams" in tight, tight
     lanes.plot(points, 1.2, tmp_path / "frontier.png")
@@ -433,11 +436,15 @@ def test_each_lane_the_bench_compares_is_template_parameters_the_template_takes(
     project = "projects/my-project"
     base = {"input_subscription": f"{project}/subscriptions/live", "bulk_subscription": f"{project}/subscriptions/bulk",
             "output_chunks_topic": f"{project}/topics/chunks", "dead_letter_topic": f"{project}/topics/dead"}
-    for lane, ceiling, governed in (("adaptive", 48, True), ("whole", 48, False), ("4", 4, False)):
+    default_slo = JobSettings.from_mapping(base).engine.live_first_token_slo_ms
+    for lane, ceiling, governed, slo in (("adaptive", 48, True, default_slo), ("adaptive:600", 48, True, 600),
+                                         ("whole", 48, False, 0), ("4", 4, False, 0)):
         values = dict(arg.removeprefix("--").split("=", 1) for arg in lanes.lane_args(lane))
         engine = JobSettings.from_mapping({**base, **values}).engine
         governor = LaneGovernor(engine.live_first_token_slo_ms, engine.bulk_stream_ceiling,
                                 engine.live_inter_token_slo_ms)
-        assert (engine.bulk_stream_ceiling, governor.governed) == (ceiling, governed), lane
-    with pytest.raises(SystemExit, match="not adaptive, whole or a number"):
-        lanes.lane_args("0")
+        assert (engine.bulk_stream_ceiling, governor.governed, engine.live_first_token_slo_ms) == \
+            (ceiling, governed, slo), lane
+    for bad in ("0", "adaptive:", "adaptive:fast"):
+        with pytest.raises(SystemExit, match="not adaptive, adaptive:MS, whole or a number"):
+            lanes.lane_args(bad)
