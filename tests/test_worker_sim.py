@@ -224,7 +224,9 @@ def test_it_bites_when_a_poll_skips_a_chunk(monkeypatch):
 
 def test_it_bites_when_a_retried_submission_starts_a_second_stream(monkeypatch):
     """A retried work item's submission no longer joins the stream its failed try started: the engine generates
-    the answer twice though no stream was lost, past 1.05 tokens generated per token delivered."""
+    the answer twice though no stream was lost, past 1.05 tokens generated per token delivered. Where both apply,
+    the per-request cost (each answer generated once per host death under it) is the stricter and names it first;
+    the 1.05 bound over all requests also counts what was generated for requests that ended as dead letters."""
     real = stream_registry.StreamRegistry.submit
     calls = itertools.count()
 

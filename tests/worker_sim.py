@@ -785,8 +785,8 @@ def check(report: Report) -> None:
     cut_by_drain = any(letter["stage"] == "drain" for letters in report.letters.values() for letter in letters)
     generated = sum(report.generated_for[request_id] for request_id in ids)
     if not s.loses_streams and not cut_by_drain and generated > 1.05 * report.delivered + 1:
-        raise Violation(seed, f"{generated} tokens generated for {report.delivered} delivered, no stream "
-                              "lost to a move or a host death")
+        raise Violation(seed, f"{generated} tokens generated for {report.delivered} delivered: past 1.05 per "
+                              "token delivered, with no stream lost to a move or a host death")
 
 
 def leases(seeds: range, slow: float) -> str:
