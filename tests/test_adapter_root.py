@@ -297,3 +297,13 @@ def test_the_base_an_adapter_names_is_matched_by_hub_id_cache_folder_or_a_models
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
     problem = base_problem("a", adapter, served, None)
     assert (problem is None) is matches, problem
+
+
+@pytest.mark.parametrize("config", [{}, {"base_model_name_or_path": None}, {"base_model_name_or_path": " "},
+                                    {"base_model_name_or_path": 7}])
+def test_an_adapter_that_names_no_base_model_is_refused_saying_how_to_serve_it(tmp_path, config):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, **config}))
+    problem = base_problem("a", adapter, "HuggingFaceTB/SmolLM2-135M-Instruct", None)
+    assert problem is not None and "names no base model" in problem and "lora_base_model_check=false" in problem

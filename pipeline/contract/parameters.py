@@ -284,7 +284,8 @@ PARAMETERS: tuple[Parameter, ...] = (
               "(peft's base_model_name_or_path) is the served model: its hub id or Cloud Storage folder, the model "
               "its config.json names, or a folder of the same name (an adapter trained on a copy of the model). "
               "Another is a dead letter naming both, since an adapter for another model of the same shape answers "
-              "nonsense. false skips this check (the rank, module and shape checks stay).",
+              "nonsense, and so is one that names no base model. false skips this check (the rank, module and "
+              "shape checks stay).",
               "true", GROUP_MODEL, "BOOLEAN", default=True),
     Parameter("lora_adapter_disk_gb", "Disk for adapter copies (GB)",
               "How much of each worker's disk the copies of a gs:// lora_adapter_root's adapters may take: before "

@@ -147,13 +147,16 @@ def model_names(base_model: str, model_folder: str | None) -> set[str]:
 def base_problem(name: str, folder: Path, base_model: str, model_folder: str | None) -> str | None:
     """Why the adapter in ``folder`` was not trained for the served model (``lora_base_model_check``), or None: the
     base model its adapter_config.json names (peft's ``base_model_name_or_path``) must be one of
-    :func:`model_names`. An adapter that names none is left to the shape checks."""
+    :func:`model_names`. An adapter that names none cannot show it was trained for this model, and is refused
+    too: peft records the name whenever its base model had one."""
     try:
         base = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         return None  # fit_problem has said what is wrong with its config
     if not isinstance(base, str) or not base.strip():
-        return None
+        return (f"adapter {name!r} names no base model (its {ADAPTER_CONFIG} has no base_model_name_or_path), so "
+                f"nothing shows it was trained for the served model {base_model!r}: set it to the model's hub id, "
+                "or lora_base_model_check=false to serve adapters that do not say")
     known, named = model_names(base_model, model_folder), _identity(base)
     if named in known:
         return None
