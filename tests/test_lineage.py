@@ -12,6 +12,7 @@ import importlib.metadata
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -169,6 +170,31 @@ def test_an_adapter_larger_than_a_block_is_digested_whole_a_block_at_a_time(tmp_
     whole = hashlib.sha256(b"adapter_model.safetensors\0" + weights).hexdigest()[:DIGEST_CHARS]
     assert folder_digest(adapter) == f"sha256:{whole}"
     assert folder_digest(adapter) == f"sha256:{whole}", "the copy's digest again, from what this process computed"
+
+
+def test_a_copys_digest_reads_its_files_once_and_again_only_when_they_change(tmp_path, monkeypatch):
+    """Hashing reads every byte of an adapter, which may be gigabytes: each copy is read once, and again only when a
+    file's name, size or time changes (a new copy in its place)."""
+    adapter = tmp_path / "copy"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(os.urandom(2 * DIGEST_BLOCK_BYTES))
+    opened: list[str] = []
+    real_open = Path.open
+
+    def counted(self, *args, **kwargs):
+        opened.append(self.name)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", counted)
+    first = folder_digest(adapter)
+    assert sorted(opened) == ["adapter_config.json", "adapter_model.safetensors"]
+    for _ in range(3):
+        assert folder_digest(adapter) == first
+    assert len(opened) == 2, "the same copy is hashed once"
+    (adapter / "adapter_model.safetensors").write_bytes(os.urandom(2 * DIGEST_BLOCK_BYTES))
+    opened.clear()
+    assert folder_digest(adapter) != first and len(opened) == 2, "a new copy in its place is hashed again"
 
 
 def test_after_a_restart_the_roots_adapters_keep_their_source_and_the_listed_ones_are_read_again():
