@@ -218,6 +218,13 @@ def test_a_cloud_storage_roots_copies_stay_within_their_disk_budget_least_recent
         held.discard("a")
         assert Path(fetch("b"), "adapter_model.safetensors").is_file() and on_disk() == {"b", "c"}, "copied again"
         assert Path(static, "adapter_model.safetensors").is_file() and (foreign / "big.bin").is_file()
+        big = tmp_path / "big"
+        shutil.copytree(root / "good", big)
+        (big / "padding.bin").write_bytes(b"\0" * int(0.7 * size))
+        gcs.upload_folder(big, "adapters", "team/big")
+        with pytest.raises(AdapterUnreadable, match="does not fit now beside the adapters held"):
+            fetch("big")  # 1.7 copies beside c (held): deleting b, the one idle copy, would not make room
+        assert on_disk() == {"b", "c"}, "no copy is deleted for an adapter that waits all the same"
         small = root_fetch(AdapterRoot("gs://adapters/team/"), model_folder=str(checkpoint), max_lora_rank=16,
                            cache_dir=str(tmp_path / "small"), base_model=None, disk_gb=size / 2e9,
                            in_use=lambda: set())

@@ -113,21 +113,21 @@ class AdapterDisk:
             sizes.update({other: max(sizes.get(other, 0), bytes_) for other, bytes_ in self._reserved.items()})
             sizes.pop(name, None)
             used = sum(sizes.values())
-            for other, _ in sorted(copies.items(), key=lambda item: item[1][1]):
-                if used + size <= budget:
-                    break
-                if other in held:
-                    continue
-                shutil.rmtree(self.folder / other, ignore_errors=True)
-                used -= sizes.pop(other, 0)
-                LOGGER.info("Deleted the copy of adapter %r, the least recently used, to make room for %r within "
-                            "lora_adapter_disk_gb", other, name)
             if size > budget:  # not even with every other copy gone: nothing to wait for
                 raise AdapterTooLarge(f"adapter {name!r} is {size / 1e9:.2f} GB, more than the {budget / 1e9:.2f} "
                                       "GB this worker's disk has free for adapter copies now (docs/operations.md#disk)")
-            if used + size > budget:
+            evictable = [other for other, _ in sorted(copies.items(), key=lambda item: item[1][1])
+                         if other not in held and other in sizes]
+            if used - sum(sizes[other] for other in evictable) + size > budget:  # deleting would not make room
                 raise AdapterNoRoom(f"adapter {name!r} ({size / 1e9:.2f} GB) does not fit now beside the adapters "
                                     f"held ({used / 1e9:.2f} GB of {budget / 1e9:.2f} GB, lora_adapter_disk_gb)")
+            for other in evictable:
+                if used + size <= budget:
+                    break
+                shutil.rmtree(self.folder / other, ignore_errors=True)
+                used -= sizes.pop(other)
+                LOGGER.info("Deleted the copy of adapter %r, the least recently used, to make room for %r within "
+                            "lora_adapter_disk_gb", other, name)
             self._reserved[name] = size
 
     def used(self, name: str) -> None:
