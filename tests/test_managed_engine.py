@@ -166,7 +166,8 @@ def test_a_stalled_server_restarted_and_one_that_lost_the_adapter_load_it_again_
 def test_in_a_concurrent_burst_a_recorded_seed_gives_its_text_again_and_another_seed_another(engine):
     """A burst of ten at once, two running at a time: requests of the model and of the adapter, sampled and
     greedy. The seed one request drew from its id (its lineage records it) gives another request the same text in
-    the same burst, though the two ran beside other requests; the next seed gives a different text. Greedy
+    the same burst, though the two ran beside other requests, and again in a later burst of other requests; the
+    next seed gives a different text. Greedy
     answers are not compared here: a greedy token tips on the numeric noise of the company it is computed in
     (two greedy copies of one question in such a burst were seen to part at their third token), which is why
     docs/contract.md#lineage promises a greedy answer again only alone or in the same company (the test above
@@ -191,6 +192,15 @@ def test_in_a_concurrent_burst_a_recorded_seed_gives_its_text_again_and_another_
     assert answers["next-seed"]["text"] != answers["drawn"]["text"], "another seed samples another text"
     assert answers["tuned"]["lineage"]["adapter"]["name"] == ADAPTER
     assert answers["greedy-a"]["lineage"]["adapter"] is None
+    # Later, in other company (more requests, in another order, none of the first burst's): the seed the
+    # completion recorded regenerates its text.
+    recorded = answers["drawn"]["lineage"]["sampling"]["seed"]
+    later = [*[request(f"later-{n}", f"Name {n + 2} colors.", temperature=0.9) for n in range(4)],
+             request("regenerated", temperature=1.0, seed=recorded),
+             *[request(f"later-tuned-{n}", POEM, temperature=0.5, adapter=ADAPTER) for n in range(2)]]
+    again = {c["id"]: c for c in drive_to_end(engine, later, poll_s=0.02, timeout_s=300).completions()}
+    assert again["regenerated"]["text"] == answers["drawn"]["text"], "the recorded seed regenerates the text later"
+    assert again["regenerated"]["lineage"]["sampling"]["seed"] == recorded
 
 
 def test_a_live_request_sent_while_bulk_ones_wait_at_the_server_has_its_first_chunk_before_any_of_them(engine):
