@@ -252,3 +252,41 @@ def test_bulk_requests_for_several_adapters_at_once_are_each_served_and_none_is_
 
     calls = asyncio.run(run())
     assert [call for call, _ in calls].count("load") == 3, calls
+
+
+def test_a_bulk_request_waits_for_a_slot_no_longer_than_its_bound_beside_steady_live_traffic(monkeypatch):
+    """One slot, live streams of adapter a that keep coming, and live requests for b now and then: a bulk request
+    for c lets them go first, but once it has waited BULK_PATIENCE_S no new stream joins a, it goes before a live
+    request for b that waits, and it gets the slot when a's streams in progress end."""
+    monkeypatch.setattr("pipeline.engines.adapter_slots.PATIENCE_S", 10.0)
+    monkeypatch.setattr("pipeline.engines.adapter_slots.BULK_PATIENCE_S", 0.4)
+
+    async def run() -> list[str]:
+        server = Server()
+        held = slots(server)
+        await held.acquire("a")
+        bulk = asyncio.ensure_future(held.acquire("c", bulk=True))
+        await asyncio.sleep(0.05)
+        for _ in range(3):  # within the bulk bound: live streams keep joining a, one ending as the next starts
+            await asyncio.wait_for(held.acquire("a"), 0.5)
+            held.release("a")
+            await asyncio.sleep(0.05)
+        assert not bulk.done()
+        await asyncio.sleep(0.3)  # past it
+        late = asyncio.ensure_future(held.acquire("a"))
+        live_b = asyncio.ensure_future(held.acquire("b"))
+        await asyncio.sleep(0.05)
+        assert not late.done(), "past a bulk request's bound, no live stream joins another adapter"
+        held.release("a")  # the stream in progress ends
+        await asyncio.wait_for(bulk, 1.0)
+        assert held.loaded() == ["c"] and not live_b.done(), "the bulk request that waited its bound goes first"
+        held.release("c")
+        for _ in range(2):  # then the two live requests, one slot after the other
+            done, _ = await asyncio.wait([f for f in (live_b, late) if not f.done()], timeout=2.0,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            assert done, "a live request waited on after the bulk one was served"
+            held.release("b" if live_b in done else "a")
+        return [name for call, name in server.calls if call == "load"]
+
+    loads = asyncio.run(run())
+    assert loads[:2] == ["a", "c"] and sorted(loads[2:]) == ["a", "b"], loads

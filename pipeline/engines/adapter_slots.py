@@ -16,7 +16,10 @@ Live first, and no request waits without bound: while a live request waits for a
 another adapter that is loaded (a backfill on adapter A would otherwise keep A in use for ever), a bulk request
 waiting for a slot lets a live one waiting go first, and once any request has waited ``PATIENCE_S`` (its first
 wait, kept however often it loses a slot), no new bulk stream joins the adapters in use, nor, for a live one, a
-live stream: their streams end and one of them gives its slot up. The request that loads an adapter takes its
+live stream: their streams end and one of them gives its slot up. A bulk request's own bound is
+``BULK_PATIENCE_S``: waited that long, it goes before live requests waiting for other adapters and no new stream
+of either lane joins the adapters in use, so steady live traffic on adapter A delays a backfill on adapter B by
+that bound and the streams in progress, not for ever. The request that loads an adapter takes its
 use of it in the same step, so no other waiter's room-making unloads it before it is used.
 
 Everything here runs on the engine's event loop, so its bookkeeping needs no lock; fetching (a copy from Cloud
@@ -37,6 +40,8 @@ LOGGER = logging.getLogger(__name__)
 
 # How long a live request waits for a slot before the streams of the loaded adapters stop taking new ones.
 PATIENCE_S = 30.0
+# ... and a bulk request, before it goes ahead of live requests for other adapters (live first, but not for ever).
+BULK_PATIENCE_S = 4 * PATIENCE_S
 
 
 class AdapterSlots:
@@ -192,17 +197,25 @@ class AdapterSlots:
 
     def _holds_back(self, name: str, bulk: bool) -> bool:
         """Whether a new stream of loaded adapter ``name`` waits: a bulk one while a live request waits for another
-        adapter's slot, or any request has waited for one ``PATIENCE_S``; a live one while a live request has."""
+        adapter's slot, or any request has waited for one ``PATIENCE_S``; a live one while a live request has, or
+        a bulk one ``BULK_PATIENCE_S``."""
         now = self._now()
         others = [(live, now - since) for waiting, (live, since) in self._waiting.items() if waiting != name]
         if bulk:
             return any(live or waited >= PATIENCE_S for live, waited in others)
-        return any(live and waited >= PATIENCE_S for live, waited in others)
+        return any(waited >= (PATIENCE_S if live else BULK_PATIENCE_S) for live, waited in others)
 
     def _behind(self, name: str) -> bool:
-        """Whether ``name``, waiting for a slot for bulk requests only, lets a live request's adapter go first."""
-        live, _ = self._waiting.get(name, (True, 0.0))
-        return not live and any(other_live for waiting, (other_live, _) in self._waiting.items() if waiting != name)
+        """Whether ``name``, waiting for a slot, lets another adapter go first: for bulk requests only, a live
+        request's, until it has waited ``BULK_PATIENCE_S``; for a live one, a bulk request's that has waited that
+        long."""
+        now = self._now()
+        live, since = self._waiting.get(name, (True, now))
+        others = [(other_live, now - other_since) for waiting, (other_live, other_since) in self._waiting.items()
+                  if waiting != name]
+        if live:  # behind only a bulk request that has waited past its bound
+            return any(not other_live and waited >= BULK_PATIENCE_S for other_live, waited in others)
+        return now - since < BULK_PATIENCE_S and any(other_live for other_live, _ in others)
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
