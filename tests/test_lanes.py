@@ -201,3 +201,30 @@ def test_the_same_request_on_both_lanes_is_served_once():
     assert effects.counts.get("duplicates_dropped") == 1 and not effects.outputs
     state = _carry(state, effects, 0.1, room, started)
     assert started == ["row-7"] and not state.waiting and len(state.inflight) == 1
+
+
+def test_admission_takes_a_bulk_requests_flag_to_the_ledger_so_a_lapsed_place_takes_no_live_room():
+    """AdmitFn admits each request with its lane: a bulk request whose read's place lapsed passes uncounted once the
+    bulk lane's share is used, where a live one at the same load is counted in the room live_reserve keeps. The
+    engine is the template's vLLM engine on a server that is never asked (admission sends nothing)."""
+    from local.runner_semantics import in_process
+    from pipeline.engines.vllm_engine import vllm_engine
+    from pipeline.flow.admission import AdmitFn
+
+    engine = vllm_engine(EngineSettings(server=None, server_url="http://127.0.0.1:9", served_model_name="m",
+                                        max_in_flight=2, request_timeout_s=60))
+    source = in_process(engine, "admission-lanes", AdmissionSettings(worker_queue=2, transit_s=0.5))
+    admit = AdmitFn(source)
+    admit.setup()
+    try:
+        held = source.settings
+        assert held.bulk_held < held.max_held, "the premise: live_reserve keeps room"
+        source.runtime.report_waiting("other-key", held.bulk_held)  # the bulk lane's share is used
+        admit.start_bundle()
+        assert [r.id for r in admit.process(_request(1, bulk=True))] == ["bulk-1"]
+        assert source.runtime.load()["on_the_way"] == 0, "a bulk request takes no live room"
+        assert [r.id for r in admit.process(_request(2, bulk=False))] == ["live-2"]
+        assert source.runtime.load()["on_the_way"] == 1, "a live one does"
+        admit.finish_bundle()
+    finally:
+        engine.close()
