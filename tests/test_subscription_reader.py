@@ -5,7 +5,8 @@ rounds, takes the residual of ``defer_remainder`` and runs it again, and calls t
 succeeded (the capability matrix: https://beam.apache.org/documentation/runners/capability-matrix/). It is not a
 streaming runner, so each reader runs a bounded number of rounds, and it resumes a deferred residual at once
 rather than after its delay. Around it: the Pub/Sub emulator, the real parse and admission steps, and a worker
-runtime with a real engine on the real vLLM, whose admission ledger the reader asks for room.
+runtime with the template's vLLM engine, whose admission ledger the reader asks for room. Reading asks the model
+server nothing, so the engine's server is an address nobody answers, and these tests run where vLLM does not.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 from tests.conftest import SERVED_NAME
 from tests.feed_harness import short_deadline_subscription, through
 from tests.pubsub_fault_proxy import FaultProxy, Faults
-
-pytestmark = pytest.mark.engine
 
 # The runtimes the runner's DoFns reach, by tag: the runner pickles its DoFns, and these are found by reference.
 _RUNTIMES: dict[str, WorkerRuntime] = {}
@@ -69,10 +68,10 @@ class Gone:
 
 
 @pytest.fixture()
-def worker(vllm_server):
+def worker():
     """A worker runtime of bound 5 (2 in flight, 3 waiting) whose admissions, once their bundle ended, stay counted
     for the whole test; a bundle that never ends frees its room after Pub/Sub's least ack deadline."""
-    settings = EngineSettings(server=None, server_url=vllm_server.base_url, served_model_name=SERVED_NAME,
+    settings = EngineSettings(server=None, server_url="http://127.0.0.1:9", served_model_name=SERVED_NAME,
                               max_in_flight=2, chunk_policy=ChunkPolicy(chunk_tokens=4, interval_ms=100))
     tag = f"reader-test-{time.monotonic_ns()}"
     _RUNTIMES[tag] = WorkerRuntime(vllm_engine(settings), AdmissionSettings(worker_queue=3, transit_s=600.0,
@@ -101,33 +100,37 @@ def feeds_hold_through_a_runner_start(monkeypatch):
 
 
 def read(subscription: str, source, out: Path, *, readers: int = 3, rounds: int = 6, fail: bool = False,
-         client=None) -> None:
+         client=None, bulk: bool = False) -> None:
     """Reads ``rounds`` rounds of ``readers`` readers into parse and admission, as the job's first stage does,
-    writing each admitted request's id to ``out``; ``fail``: a step after admission raises, failing the bundle;
-    ``client``: how the process's feed makes its Pub/Sub client (through the fault proxy)."""
+    writing each admitted request's id to ``out`` (and its lane to ``out``.lanes); ``fail``: a step after admission
+    raises, failing the bundle; ``client``: how the process's feed makes its Pub/Sub client (through the fault
+    proxy); ``bulk``: the bulk lane's readers (a ``bulk_subscription``)."""
 
     def record(request, path=str(out), fail=fail):
         if fail:
             raise RuntimeError("the bundle fails after admission")
         with open(path, "a") as ids:
             ids.write(request.id + "\n")
+        with open(path + ".lanes", "a") as lanes:
+            lanes.write(request.lane_name() + "\n")
 
-    feed = warmed_feed(subscription, source, client=client)
+    feed = warmed_feed(subscription, source, client=client, bulk=bulk)
     try:
         with beam.Pipeline(runner=FnApiRunner()) as pipeline:
             messages = pipeline | ReadWithinRoom(subscription, source, readers=readers, rounds=rounds,
-                                                 ack_deadline_s=ACK_DEADLINE_S)
+                                                 ack_deadline_s=ACK_DEADLINE_S, bulk=bulk)
             parsed = messages | ParseRequests(RequestLimits(default_max_tokens=16), "id")
             _ = parsed.requests | AdmitRequests(source) | beam.Map(record)
     finally:
         feed.stop()
 
 
-def warmed_feed(subscription: str, source, settle_s: float = 1.0, client=None) -> subscription_feed.SubscriptionFeed:
+def warmed_feed(subscription: str, source, settle_s: float = 1.0, client=None,
+                bulk: bool = False) -> subscription_feed.SubscriptionFeed:
     """The process's feed of ``subscription``, started before the readers' rounds and given ``settle_s`` to pull
     what the worker has room for: the portable runner resumes a deferred round at once, where Dataflow resumes it
     after its delay, by which time the feed has pulled."""
-    feed = subscription_feed.feed_for(subscription, source, False, ACK_DEADLINE_S, client)
+    feed = subscription_feed.feed_for(subscription, source, bulk, ACK_DEADLINE_S, client)
     time.sleep(settle_s)
     return feed
 
@@ -155,6 +158,35 @@ def test_a_backlog_ten_times_the_bound_is_read_no_faster_than_the_worker_has_roo
     time.sleep(ACK_DEADLINE_S + 1)
     assert len(PubSubEmulator.take(backlog)) == 40, \
         "the ten read were acknowledged once their bundles committed, and only they"
+
+
+def test_the_bulk_lanes_readers_stop_where_the_live_reserve_begins_and_mark_what_they_read(worker, emulator,
+                                                                                              tmp_path):
+    """A job with a bulk_subscription runs a second set of readers on it. Over a backlog of 50 on each lane, the
+    bulk readers take places only while the worker holds fewer than bulk_held, so they read exactly that many and
+    mark each the bulk lane's (whatever its publisher set); the live readers then take the room live_reserve kept,
+    and no more."""
+    settings_ = worker.settings
+    assert 0 < settings_.bulk_held < settings_.max_held, "the premise: live_reserve keeps room"
+    subscriptions = {}
+    publisher = pubsub_v1.PublisherClient()
+    for lane in ("bulk", "live"):
+        name = f"reader-{lane}-{time.monotonic_ns()}"
+        emulator.create_topic(name, subscription=f"{name}-sub")
+        for i in range(50):  # a live mark on a bulk message changes nothing: the bulk read marks it its own
+            publisher.publish(emulator.topic(name), json.dumps({"prompt": f"question {i}"}).encode(),
+                              id=f"{lane}-{i}", llm_template_lane="live").result()
+        subscriptions[lane] = emulator.subscription(f"{name}-sub")
+    bulk_out, live_out = tmp_path / "bulk", tmp_path / "live"
+    read(subscriptions["bulk"], worker, bulk_out, bulk=True)
+    assert len(set(ids_in(bulk_out))) == settings_.bulk_held, ids_in(bulk_out)
+    assert set(ids_in(Path(f"{bulk_out}.lanes"))) == {"bulk"}
+    read(subscriptions["bulk"], worker, bulk_out, bulk=True)
+    assert len(set(ids_in(bulk_out))) == settings_.bulk_held, "at bulk_held, the bulk readers read nothing more"
+    read(subscriptions["live"], worker, live_out)
+    assert len(set(ids_in(live_out))) == settings_.max_held - settings_.bulk_held, ids_in(live_out)
+    assert set(ids_in(Path(f"{live_out}.lanes"))) == {"live"}
+    assert sum(worker.acquire().admission.counts()) == settings_.max_held
 
 
 def test_a_bundle_that_fails_leaves_its_messages_in_the_subscription(worker, backlog, tmp_path):
