@@ -34,6 +34,7 @@ def test_live_first_tokens_past_the_objective_halve_the_lane_each_second_down_to
         lane.first_token(now[0], 1500.0)
         caps.append(lane.bulk_cap(now[0]))
     assert caps == [8, 4, 2, 1, 1, 1, 1, 1]
+    assert lane.totals["bulk_lane_halvings"] == 4 and lane.totals["bulk_lane_growths"] == 0, lane.totals
 
 
 def test_well_below_the_objective_the_lane_grows_one_stream_a_second_and_between_it_stays():
@@ -45,6 +46,7 @@ def test_well_below_the_objective_the_lane_grows_one_stream_a_second_and_between
         lane.first_token(second, (HEADROOM - 0.1) * 1000.0)
         caps.append(lane.bulk_cap(second, live_running=1, bulk_running=lane.cap))
     assert caps == [2, 3, 4, 5, 6, 6, 6, 6]
+    assert lane.totals["bulk_lane_growths"] == 5, "each decision is counted, and only those that changed the cap"
     unused = LaneGovernor(1000.0, 6)
     unused.cap = 2
     for second in range(4):
@@ -87,6 +89,7 @@ def test_with_no_live_request_the_lane_takes_its_whole_share_and_off_it_always_d
     lane.first_token(0.0, 5000.0)
     assert lane.bulk_cap(0.0) == 8
     assert lane.bulk_cap(IDLE_S + 1.0) == 16, "no live stream sent for IDLE_S"
+    assert lane.bulk_cap(IDLE_S + 3.0) == 16 and lane.totals["bulk_lane_idle_openings"] == 1
     off = LaneGovernor(0.0, 12)
     off.live_sent(0.0)
     off.first_token(0.0, 10**6)
@@ -142,6 +145,7 @@ def test_the_engine_starts_no_more_bulk_streams_than_the_cap_and_one_after_starv
     assert registry.submit([request(10, True)], [1], "client", time.monotonic())[0] != [None], \
         "refused for BULK_STARVED_S with none running: one starts in the reserve"
     assert registry.submit([request(11, True)], [1], "client", time.monotonic())[0] == [None], "one, not more"
+    assert registry.lane.totals["bulk_lane_starved_starts"] == 1
     assert registry.unfinished == 7 and registry.bulk_unfinished == 1
 
 

@@ -38,7 +38,8 @@ room (the live reserve included), so a backlog always moves (no starvation: the 
 Both objectives 0 turns the governor off: the cap is ``bulk_streams``, the fixed share ``live_reserve`` leaves, and
 no budget. The cap, the budget (-1: unbounded) and the percentiles are the worker's load gauges; its counters
 (:data:`TOTALS`, what the dashboard charts, as Cloud Monitoring charts no gauges) count the live latencies, those
-past their objective and their sum in ms (a rate of one over a rate of the other is a mean), the halvings, the cap
+past their objective and their sum in ms (a rate of one over a rate of the other is a mean), each decision (the
+halvings, the growths, the openings to the whole share while live is idle, and the starved lane's starts), the cap
 over time (its rate is the cap) and the bulk prompt tokens started.
 
 The inter-token time is what the engine can see: the server streams an event every ``chunk_tokens`` tokens
@@ -69,8 +70,8 @@ PERCENTILE = 0.9
 BULK_STARVED_S = 30.0
 # The governor's running totals, by the names the worker counts them under (pipeline.worker.load).
 TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "live_first_token_ms", "live_inter_tokens",
-          "live_inter_tokens_over_objective", "live_inter_token_ms", "bulk_lane_halvings", "bulk_cap_ms",
-          "bulk_prompt_tokens_started")
+          "live_inter_tokens_over_objective", "live_inter_token_ms", "bulk_lane_halvings", "bulk_lane_growths",
+          "bulk_lane_idle_openings", "bulk_lane_starved_starts", "bulk_cap_ms", "bulk_prompt_tokens_started")
 
 
 class LatencyWindow:
@@ -197,6 +198,7 @@ class LaneGovernor:
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
         self._adjusted_at = now
         if not live_running and now - self._live_sent_at > IDLE_S:
+            self.totals["bulk_lane_idle_openings"] += (self.cap, self.prompt_budget) != (self.most, None)
             self.cap, self.prompt_budget = self.most, None
             return
         if bulk_running > self.cap:  # rows started before a halving still run: what live meets now is theirs
@@ -217,10 +219,16 @@ class LaneGovernor:
         seen = self._pressure(now)
         if seen is None or seen >= HEADROOM:
             return
+        before = (self.cap, self.prompt_budget)
         if bulk_running >= self.cap:
             self.cap = min(self.most, self.cap + 1)
         if self.prompt_budget is not None and now - self._budget_waited_at <= ADJUST_S:
             self.prompt_budget += self._mean_prompt(now)
+        self.totals["bulk_lane_growths"] += (self.cap, self.prompt_budget) != before
+
+    def starved_start(self) -> None:
+        """A lane that live traffic kept from running for ``BULK_STARVED_S`` started a request where it could."""
+        self.totals["bulk_lane_starved_starts"] += 1
 
     def _pressure(self, now: float, since: float = float("-inf")) -> float | None:
         """The highest of each followed percentile over its objective (those after ``since``); None with none."""

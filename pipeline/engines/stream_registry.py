@@ -115,6 +115,8 @@ class StreamRegistry:
             elif now - self._bulk_refused_since >= BULK_STARVED_S:
                 room = self.settings.max_in_flight - self.unfinished
                 taken = 1 if not self.whole_batches else self._fitting(new, room)
+                if taken:
+                    self.lane.starved_start()
         return taken
 
     def _fitting(self, new: int, free: int) -> int:
