@@ -133,10 +133,12 @@ FIELDS_END = "<!-- request-fields:end -->"
 
 def fields_markdown() -> str:
     """docs/contract.md's table of request fields, from :data:`~pipeline.contract.request_fields.REQUEST_FIELDS`."""
-    rows = ["| Field | Type | Bounds | Engines that apply it | Meaning |", "|---|---|---|---|---|"]
+    rows = ["| Field | Type | Bounds | Unset | Engines that apply it | How | Meaning |",
+            "|---|---|---|---|---|---|---|"]
     for f in REQUEST_FIELDS:
         engines = "both" if f.engines == BOTH else ", ".join(sorted(f.engines))
-        rows.append(f"| `{f.name}` | {f.type} | {f.bounds_text()} | {engines} | {f.doc} |")
+        rows.append(f"| `{f.name}` | {f.type} | {f.bounds_text()} | {f.default or '—'} | {engines} | {f.applied} "
+                    f"| {f.doc} |")
     return "\n".join(rows)
 
 

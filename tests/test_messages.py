@@ -337,3 +337,12 @@ def test_every_field_of_the_table_is_a_field_of_the_request_whose_unset_value_is
     internal = {"received_at", "prompt_tokens", "lane"}  # set by the pipeline, never by a message
     assert set(defaults) - internal == set(FIELD_NAMES)
     assert all(defaults[name] is None for name in FIELD_NAMES if name not in ("id", "metadata"))
+
+
+def test_the_fields_fingerprinted_when_unset_are_the_first_stored_states_and_no_field_added_since():
+    """Derived from the table of request fields, the set is exactly the first stored state's: a field marked
+    first_stored after it came would change every fingerprint stored before (an update would dead-letter each
+    redelivered request as another with its id)."""
+    assert FINGERPRINTED_WHEN_UNSET == {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop",
+                                        "metadata", "deadline_ms", "response_format", "seed", "presence_penalty",
+                                        "frequency_penalty"}

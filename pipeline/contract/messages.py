@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.contract.request_fields import FINGERPRINTED_WHEN_UNSET
+
 # Stages a dead letter can come from, so operators can filter by where it failed.
 STAGE_PARSE = "parse"
 STAGE_VALIDATE = "validate"
@@ -30,12 +32,6 @@ STAGE_SINK = "sink"
 # gets the same answer (ops/backfill.py does not resend it).
 REFUSED_BY_SERVER = "the server rejected the request"
 
-# The request fields of the first stored state, which its fingerprints hashed even when unset. Never add to it: a
-# field added since is left out of the fingerprint while unset, so every fingerprint stored before it came stays
-# the one its request computes (an update reads that state, and a redelivered request still matches its own).
-FINGERPRINTED_WHEN_UNSET = frozenset({
-    "id", "prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "metadata", "deadline_ms",
-    "response_format", "seed", "presence_penalty", "frequency_penalty"})
 # Pub/Sub refuses messages over 10 MB; a dead letter keeps its payload whole up to this size.
 MAX_DEAD_LETTER_BYTES = 8 * 1024 * 1024
 # Set by the redrive command on a request the template had already prepared (defaults applied): parsing
