@@ -259,7 +259,13 @@ def test_without_a_budget_a_quarter_of_the_disk_is_kept_for_adapter_copies_withi
     assert disk.budget_bytes == 0, "a disk with nothing to spare keeps nothing for copies"
     with pytest.raises(AdapterTooLarge, match="keeps for adapter copies"):  # more than a quarter of the disk: never
         disk.room_for("bigger", int(total * DEFAULT_DISK_SHARE) + 1)
-    assert AdapterDisk(small_disk, budget_bytes(3), in_use=set, source_of=str).budget_bytes == 3 * 10**9
+    assert AdapterDisk(small_disk, budget_bytes(3), in_use=set, source_of=str).budget_bytes == 0, \
+        "a budget stated larger than the disk has free is kept within what it has free"
+    (small_disk / "more.safetensors").unlink()
+    stated = AdapterDisk(small_disk / "stated", budget_bytes(0.01), in_use=set, source_of=str)
+    assert stated.budget_bytes == 10**7, "a stated budget the disk has room for"
+    assert AdapterDisk(small_disk / "stated", budget_bytes(3), in_use=set, source_of=str).budget_bytes == \
+        shutil.disk_usage(small_disk).free - int(total * FREE_KEPT_SHARE)
     assert JobSettings.from_mapping({**BASE_CONFIG, "lora_adapter_root": "gs://my-bucket/adapters/",
                                      "lora_adapter_disk_gb": "40"}).engine.server.adapter_disk_gb == 40.0
 

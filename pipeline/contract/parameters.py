@@ -289,11 +289,11 @@ PARAMETERS: tuple[Parameter, ...] = (
               "true", GROUP_MODEL, "BOOLEAN", default=True),
     Parameter("lora_adapter_disk_gb", "Disk for adapter copies (GB)",
               "How much of each worker's disk the copies of a gs:// lora_adapter_root's adapters may take: before "
-              "an adapter is copied, the least recently used copies no adapter slot holds are deleted to make room "
-              "(a deleted one is copied again on its next use). An adapter larger than the budget becomes a dead "
-              "letter instead of filling the disk; one that fits only once a slot lets an adapter go waits, its "
-              "request tried again. 0: a quarter of the disk the copies are on, and never more than it has free "
-              "less 5 %. Adapters of a folder on the worker are read where they are.",
+              "an adapter is copied, the least recently loaded copies that no stream or load needs are deleted to "
+              "make room (a deleted one is copied again when it is next loaded). An adapter larger than the budget "
+              "becomes a dead letter instead of filling the disk; one that fits only once a stream of another ends "
+              "waits, its request tried again. 0: a quarter of the disk the copies are on. Either way never more "
+              "than the disk has free, less 5 % of it. Adapters of a folder on the worker are read where they are.",
               "20", GROUP_MODEL, "NUMBER", default=0, minimum=0, maximum=65536),
     Parameter("max_lora_rank", "Max LoRA rank",
               "The largest rank among lora_adapters (vLLM's --max-lora-rank: 8, 16, 32, 64, 128, 256, 320 or 512). "

@@ -68,12 +68,16 @@ class AdapterSlots:
         """The adapters loaded now, least recently used first."""
         return list(self._loaded)
 
-    def held(self) -> set[str]:
-        """The adapters a slot holds or is being filled with, whose copies on disk stay (read on the fetch's thread
-        while the loop may change them: tried again until a read is whole)."""
+    def needing_copies(self) -> set[str]:
+        """The adapters whose copies on disk stay: being fetched or loaded (vLLM reads the files as it loads), or
+        loaded and used by a stream. A loaded adapter no stream uses gives its copy up to make room: vLLM holds its
+        weights in memory (it keeps as many adapters in CPU memory as it has slots, ``--max-cpu-loras``), and the
+        copy is made again if the adapter is ever loaded again. Read on the fetch's thread while the loop may change
+        them: tried again until a read is whole."""
         while True:
             try:
-                return set(self._loaded) | set(self._loading) | set(self._placing) | set(self._unloading)
+                used = {name for name, users in self._loaded.items() if users}
+                return used | set(self._loading) | set(self._placing)
             except RuntimeError:  # changed size during the read
                 continue
 

@@ -1,14 +1,15 @@
 """The copies of a root's adapters on one worker, kept within a disk budget (``lora_adapter_disk_gb``).
 
-A root with one adapter per customer would otherwise fill the worker's boot disk one first use at a time, and a
-full disk fails the model's own files too. Before an adapter of a ``gs://`` root is copied, its size (from the
-bucket's listing) is made room for: copies are deleted least recently used first, never one that an adapter slot
-holds or a fetch is using (vLLM reads an adapter's files when it loads it; a deleted copy is copied again on its
-next use). Only the root's own copies count and go: a folder of the copy cache whose marker says another source
-(the model's weights, a ``lora_adapters`` adapter from the same bucket) is never touched. An adapter larger than the
-whole budget is refused, as its request's dead letter; one that does not fit beside those held now waits (its
-request is tried again). Adapters of a root on the worker's own disk are read where they are and take no budget.
-Only the runtime's host copies adapters (one process a VM), so the budget is kept by this object alone; what
+A root with one adapter per customer would otherwise fill the worker's boot disk one first use at a time, and a full
+disk fails the model's own files too. Before an adapter of a ``gs://`` root is copied, its size (from the bucket's
+listing) is made room for: copies are deleted least recently loaded first, never one that a stream or a load of the
+adapter slots, or a fetch, is using (vLLM reads an adapter's files when it loads it, and holds its weights in memory
+from then on; a deleted copy is copied again when it is next loaded). Only the root's own copies count and go: a
+folder of the copy cache whose marker says another source (the model's weights, a ``lora_adapters`` adapter from the
+same bucket) is never touched. An adapter larger than the whole budget, or than the disk has free for copies even
+with every other copy gone, is refused, as its request's dead letter; one that does not fit beside those in use now
+waits (its request is tried again). Adapters of a root on the worker's own disk are read where they are and take no
+budget. Only the runtime's host copies adapters (one process a VM), so the budget is kept by this object alone; what
 earlier hosts copied is found on disk.
 """
 
@@ -30,8 +31,8 @@ DEFAULT_DISK_SHARE = 0.25
 # ... and never more than the disk has free beside the copies held, less this share of it: a disk the model's
 # weights already fill leaves the copies what is left, not a quarter it does not have.
 FREE_KEPT_SHARE = 0.05
-# Touched each time a copy is used, so the least recently used is known after a restart of the host. Its name
-# starts as the copy's own markers do, which an adapter's digest leaves out (pipeline.serving.lineage).
+# Touched each time a copy is fetched for a load, so the least recently loaded is known after a restart of the
+# host. Its name starts as the copy's own markers do, which an adapter's digest leaves out (pipeline.serving.lineage).
 USED_MARKER = ".download-used"
 
 
@@ -44,11 +45,12 @@ class AdapterNoRoom(Exception):
 
 
 class AdapterDisk:
-    """The budget of one root's copies under ``folder`` (where the root's adapters are copied, one sub-folder
-    each; ``source_of(name)`` is where each is copied from). ``budget_bytes`` None: :data:`DEFAULT_DISK_SHARE` of
-    the disk ``folder`` is on, within what it has free (:data:`FREE_KEPT_SHARE`). ``in_use``: the names the
-    adapter slots hold now. ``keep``: folders the model server reads at every start (the model's,
-    ``lora_adapters``'), never counted or deleted even under the root."""
+    """The budget of one root's copies under ``folder`` (where the root's adapters are copied, one sub-folder each;
+    ``source_of(name)`` is where each is copied from). ``budget_bytes`` None: :data:`DEFAULT_DISK_SHARE` of the disk
+    ``folder`` is on; either way within what it has free (:data:`FREE_KEPT_SHARE`). ``in_use``: the names whose
+    copies the adapter slots need now (:meth:`~pipeline.engines.adapter_slots.AdapterSlots.needing_copies`).
+    ``keep``: folders the model server reads at every start (the model's, ``lora_adapters``'), never counted or
+    deleted even under the root."""
 
     def __init__(self, folder: Path, budget_bytes: int | None, in_use: Callable[[], set[str]],
                  source_of: Callable[[str], str], keep: frozenset[str] = frozenset()) -> None:
@@ -68,12 +70,13 @@ class AdapterDisk:
         return self._budget_beside(sum(size for size, _ in self.copies().values()))
 
     def _budget_beside(self, held: int) -> int:
-        """:attr:`budget_bytes` with the copies taking ``held`` bytes."""
-        if self._budget is not None:
-            return self._budget
+        """:attr:`budget_bytes` with the copies taking ``held`` bytes: the budget (by default a quarter of the disk),
+        and never more than the disk has free beside them, less :data:`FREE_KEPT_SHARE` of it, so that no budget
+        fills the disk the model's own files and logs need."""
         self.folder.mkdir(parents=True, exist_ok=True)
         total, _, free = shutil.disk_usage(self.folder)
-        return max(0, min(int(total * DEFAULT_DISK_SHARE), free + held - int(total * FREE_KEPT_SHARE)))
+        budget = int(total * DEFAULT_DISK_SHARE) if self._budget is None else self._budget
+        return max(0, min(budget, free + held - int(total * FREE_KEPT_SHARE)))
 
     def _largest_bytes(self) -> int:
         """The most the copies could ever take, whatever the disk has free now: an adapter larger is a dead letter
@@ -100,8 +103,8 @@ class AdapterDisk:
 
     def room_for(self, name: str, size: int) -> None:
         """Makes room for adapter ``name`` of ``size`` bytes (its copy, if there is one, already counts), deleting
-        the least recently used copies no slot or fetch holds; raises :class:`AdapterTooLarge` when it can never
-        fit, :class:`AdapterNoRoom` when it cannot now."""
+        the least recently loaded copies no stream, load or fetch needs; raises :class:`AdapterTooLarge` when it
+        cannot fit even with every other copy gone, :class:`AdapterNoRoom` when it cannot now."""
         if size > (largest := self._largest_bytes()):
             raise AdapterTooLarge(f"adapter {name!r} is {size / 1e9:.2f} GB, more than the {largest / 1e9:.2f} GB "
                                   "this worker keeps for adapter copies (lora_adapter_disk_gb)")
@@ -126,7 +129,7 @@ class AdapterDisk:
                     break
                 shutil.rmtree(self.folder / other, ignore_errors=True)
                 used -= sizes.pop(other)
-                LOGGER.info("Deleted the copy of adapter %r, the least recently used, to make room for %r within "
+                LOGGER.info("Deleted the copy of adapter %r, the least recently loaded, to make room for %r within "
                             "lora_adapter_disk_gb", other, name)
             self._reserved[name] = size
 
