@@ -118,11 +118,12 @@ def test_streams_keep_delivering_while_an_adapters_digest_is_computed(engine, ro
 
 
 def test_a_stalled_server_restarted_and_one_that_lost_the_adapter_load_it_again_and_the_lineage_stays_right(
-        engine, root, caplog):
+        engine, root, caplog, monkeypatch):
     """The server stalls (alive, answering nothing): the engine's manager kills it and starts a new one, which holds
     no root adapter; the next request for it loads it again and answers as before, and what the new server's engine
-    says it loaded is read again into the lineage. Then the server is made to forget the adapter without a restart:
-    its 404 reloads it, and the answer is still the adapter's. Greedy, each alone: the same answer every time."""
+    says it loaded is read again into the lineage (the first reading fails here, and the next request reads it
+    again). Then the server is made to forget the adapter without a restart: its 404 reloads it, and the answer is
+    still the adapter's. Greedy, each alone: the same answer every time."""
     caplog.set_level(logging.INFO, logger=vllm_engine_module.__name__)
     first, plain = ask(engine, "tuned-0", adapter=ADAPTER, temperature=0), ask(engine, "plain-0", temperature=0)
     assert first["text"] != plain["text"], "the adapter changes the answer"
@@ -133,6 +134,15 @@ def test_a_stalled_server_restarted_and_one_that_lost_the_adapter_load_it_again_
     assert loaded["dtype"] == LOCAL_SERVER.dtype and loaded["max_seq_len"] == str(server.spec.max_model_len), loaded
 
     since = len(caplog.records)
+    real_read, failed = engine.backend._read_lineage, []
+
+    def read_failing_once(settings, strict=False):
+        if strict and not failed:
+            failed.append(True)
+            raise ConnectionError("the restarted server's /v1/models did not answer")
+        return real_read(settings, strict)
+
+    monkeypatch.setattr(engine.backend, "_read_lineage", read_failing_once)
     os.kill(old_pid, signal.SIGSTOP)  # alive but unresponsive
     try:
         assert wait_until(lambda: server.stats.restarts == restarts + 1, 60), "the manager restarts it"
@@ -145,7 +155,9 @@ def test_a_stalled_server_restarted_and_one_that_lost_the_adapter_load_it_again_
         "the new server's engine said again what it loaded"
     again = ask(engine, "tuned-1", adapter=ADAPTER, temperature=0)
     assert again["text"] == first["text"] and again["lineage"]["adapter"]["config"] == digest
-    assert engine.lineage is not read_before, "the first answer after the restart waited for the lineage's reading"
+    assert failed and engine.lineage is read_before, "the reading failed: the answers kept the lineage read before"
+    ask(engine, "plain-after", temperature=0)
+    assert engine.lineage is not read_before, "the next answer read the restarted server's lineage again"
     assert ask(engine, "plain-1", temperature=0)["text"] == plain["text"], "greedy, alone: the same answer"
     lineage = json.loads(json.dumps(engine.lineage.record(InferenceRequest(id="x", prompt="x", adapter=ADAPTER))))
     expected = {**first["lineage"], "sampling": lineage["sampling"]}

@@ -117,6 +117,7 @@ class VLLMBackend:
         self._static_adapters = frozenset(adapter.name for adapter in spec.adapters) if spec else frozenset()
         self._server_starts = self._server.stats.starts if self._server else 0
         self._lineage_read: asyncio.Future[None] | None = None  # a restarted server's lineage, being read
+        self._lineage_stale = False  # the last read of a restarted server's lineage failed: read again
         self._lineage_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-lineage")
         if spec is not None and spec.adapter_root is not None and self._server is not None:
             fetch = root_fetch(spec.adapter_root, model_folder=self._server.model_path, cache_dir=spec.model_cache_dir,
@@ -155,10 +156,13 @@ class VLLMBackend:
         try:
             fresh = await asyncio.get_running_loop().run_in_executor(self._lineage_reader, self._read_lineage,
                                                                      self.settings, True)
-        except Exception:  # noqa: BLE001 - the answers keep the lineage read before
-            LOGGER.exception("Reading the restarted server's lineage failed; answers keep the one read before")
+        except Exception:  # noqa: BLE001 - the answers keep the lineage read before, until a read succeeds
+            LOGGER.exception("Reading the restarted server's lineage failed; answers keep the one read before, and "
+                             "the next stream reads it again")
+            self._lineage_stale = True
             return
         if (self._server.stats.starts if self._server else 0) == starts:
+            self._lineage_stale = False
             self.lineage = after_restart(fresh, self.lineage, self._static_adapters)  # one assignment
 
     def restarts(self) -> int:
@@ -272,6 +276,8 @@ class VLLMBackend:
             if self._adapter_slots is not None:
                 self._adapter_slots.forget()
             self._lineage_read = asyncio.ensure_future(self._refresh_lineage())
+        elif self._lineage_stale and self._lineage_read is not None and self._lineage_read.done():
+            self._lineage_read = asyncio.ensure_future(self._refresh_lineage())  # the last read failed: again
         if self._lineage_read is not None and not self._lineage_read.done():
             await asyncio.shield(self._lineage_read)  # what this stream's answer records comes from the new server
         adapter = stream.request.adapter
