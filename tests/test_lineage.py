@@ -37,7 +37,8 @@ from pipeline.serving.lineage import (
     seed_for,
     server_lineage,
 )
-from pipeline.serving.vllm_server import loaded_config
+from pipeline.serving.adapter_root import AdapterRoot
+from pipeline.serving.vllm_server import ServerSpec, loaded_config
 from tests.conftest import SERVED_NAME
 
 
@@ -128,6 +129,17 @@ def test_a_pinned_revision_is_named_by_its_own_commit_not_mains(checkpoint, tmp_
     unseen = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
                             command=("vllm", "--dtype", "float16", "--revision=v2"))
     assert (unseen.model.revision, unseen.settings["dtype"]) == (pinned, "float16")
+    assert "template_args" not in unseen.settings
+    # The template's own arguments that change answers, from the command it started the server with.
+    spec = ServerSpec(model="org/tiny", adapter_root=AdapterRoot("gs://my-bucket/adapters/"), max_loras=2, max_lora_rank=16,
+                      gpu_memory_utilization=0.85)
+    with_lora = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
+                               command=spec.command("/models/tiny", 8000))
+    assert with_lora.settings["template_args"] == {"--gpu-memory-utilization": "0.85", "--enable-lora": True,
+                                                   "--max-lora-rank": "16", "--max-loras": "2"}
+    on_cpu = server_lineage(cards, "m", "0.32.0", model="org/tiny", adapters={}, prompt_format="chat", image=None,
+                            command=spec.command("/models/tiny", 8000, on_cpu=True))
+    assert on_cpu.settings["template_args"]["--max-loras"] == "3", "the CPU build's extra slot, which changes answers"
     # A --chat-template of vllm_args replaces the model's: a file, or the template itself.
     (tmp_path / "mine.jinja").write_text("{{ mine }}")
     for template, made in ((str(tmp_path / "mine.jinja"), b"{{ mine }}"), ("{{ inline }}", b"{{ inline }}")):

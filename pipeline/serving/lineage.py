@@ -215,6 +215,10 @@ class ServingLineage:
 # model is split (tensor_parallel_size) and whether prefixes are computed once and reused.
 LOADED_SETTINGS = ("dtype", "quantization", "kv_cache_dtype", "enforce_eager", "device_config", "tensor_parallel_size",
                    "enable_prefix_caching")
+# The template's own server arguments that change answers and are not read from the engine's configuration line:
+# the KV cache's share of GPU memory (how many requests share a step, and vLLM's answers depend on their company),
+# and the LoRA slots (on the CPU build a request's answer depends on the last slot: pipeline.serving.vllm_server).
+TEMPLATE_ANSWER_FLAGS = ("--gpu-memory-utilization", "--enable-lora", "--max-lora-rank", "--max-loras")
 # Server arguments whose values are secrets, never recorded.
 _SECRET_FLAG = re.compile(r"api[-_]?key|secret|password|hf[-_]token|access[-_]token", re.IGNORECASE)
 
@@ -229,7 +233,8 @@ def server_lineage(cards: Mapping[str, Mapping[str, Any]], model_name: str, vers
     :func:`~pipeline.serving.vllm_server.loaded_config`) and the arguments beyond the template's own that it was
     started with (``server_args``: ``vllm_args``, and the structured-output defaults the template adds; secrets left
     out). ``model`` and ``adapters`` (name -> location) are a managed server's configured sources; ``command``, the
-    server's command line, says the dtype and revision asked for where its engine's line was not seen."""
+    server's command line, says the dtype and revision asked for where its engine's line was not seen, and the
+    template's own arguments that change answers (:data:`TEMPLATE_ANSWER_FLAGS`)."""
     base = cards.get(model_name) or next(iter(cards.values()), {})
     root = base.get("root") if isinstance(base.get("root"), str) else None
     source = model or root or model_name
@@ -248,6 +253,10 @@ def server_lineage(cards: Mapping[str, Mapping[str, Any]], model_name: str, vers
     settings: dict[str, Any] = {"max_model_len": base.get("max_model_len"), "chat_template": template,
                                 "prompt_format": prompt_format}
     settings.update({name: found[name] for name in LOADED_SETTINGS if name in found})
+    own = {flag: True if flag == "--enable-lora" else _flag(command, flag)
+           for flag in TEMPLATE_ANSWER_FLAGS if flag in command or _flag(command, flag) is not None}
+    if own:
+        settings["template_args"] = own
     if server_args:
         settings["server_args"] = [_unsecret(before, arg) for before, arg in zip(["", *server_args], server_args,
                                                                                  strict=False)]
