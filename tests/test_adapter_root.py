@@ -320,3 +320,26 @@ def test_an_adapter_that_names_no_base_model_is_refused_saying_how_to_serve_it(t
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, **config}))
     problem = base_problem("a", adapter, "HuggingFaceTB/SmolLM2-135M-Instruct", None)
     assert problem is not None and "names no base model" in problem and "lora_base_model_check=false" in problem
+
+
+def test_a_copy_of_a_hub_model_in_cloud_storage_serves_adapters_trained_on_the_hub_id_once_lora_base_model_says_so(
+        tmp_path):
+    """Adapters trained on meta-llama/Llama-3.1-8B-Instruct, the job serving the bucket's copy of it: refused while
+    nothing says the copy is that model (a config.json naming it, as older transformers wrote, is no proof: a
+    fine-tune's names the model it was loaded from), served once lora_base_model names the hub id, whose org
+    stays part of the name."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path":
+                                                             "meta-llama/Llama-3.1-8B-Instruct"}))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps({"_name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}))
+    served = "gs://my-bucket/models/llama8b"
+    refused = base_problem("a", adapter, served, str(copy))
+    assert refused is not None and "set lora_base_model" in refused
+    assert base_problem("a", adapter, served, str(copy), "meta-llama/Llama-3.1-8B-Instruct") is None
+    assert base_problem("a", adapter, served, str(copy), "someone-else/Llama-3.1-8B-Instruct") is not None
+    spec = JobSettings.from_mapping({**BASE_CONFIG, "model_gcs_folder": served, "lora_adapter_root": str(tmp_path),
+                                     "lora_base_model": "meta-llama/Llama-3.1-8B-Instruct"}).engine.server
+    assert (spec.model, spec.lora_base_model) == (served, "meta-llama/Llama-3.1-8B-Instruct")

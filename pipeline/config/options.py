@@ -85,6 +85,7 @@ class PipelineConfig:
     lora_adapters: str | None
     lora_adapter_root: str | None
     lora_base_model_check: bool
+    lora_base_model: str
     lora_adapter_disk_gb: int
     max_lora_rank: int
     max_loras: int

@@ -244,6 +244,7 @@ def _engine(config: PipelineConfig, batching: BatchingConfig, adapters: tuple[Ad
         gpu_memory_utilization=config.gpu_memory_utilization, extra_args=extra_args,
         served_model_name=config.served_model_name, start_timeout_s=float(config.server_start_timeout_s),
         adapters=adapters, adapter_root=adapter_root, lora_base_model_check=config.lora_base_model_check,
+        lora_base_model=config.lora_base_model or None,
         adapter_disk_gb=float(config.lora_adapter_disk_gb),
         max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
         hf_token_secret=config.hf_token_secret)

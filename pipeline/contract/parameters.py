@@ -281,12 +281,19 @@ PARAMETERS: tuple[Parameter, ...] = (
               regex=r"^(gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/\S*)?|(/|\./|\.\./|~)\S*)$"),
     Parameter("lora_base_model_check", "Check adapters' base model",
               "Serve an adapter of lora_adapter_root only if the base model its adapter_config.json names "
-              "(peft's base_model_name_or_path) is the served model: its hub id or Cloud Storage folder, the model "
-              "its config.json names, or a folder of the same name (an adapter trained on a copy of the model). "
-              "Another is a dead letter naming both, since an adapter for another model of the same shape answers "
+              "(peft's base_model_name_or_path) is the served model: its hub id or Cloud Storage folder, "
+              "lora_base_model, or a folder of the same name (an adapter trained on a copy of the model). Another "
+              "is a dead letter naming both, since an adapter for another model of the same shape answers "
               "nonsense, and so is one that names no base model. false skips this check (the rank, module and "
               "shape checks stay).",
               "true", GROUP_MODEL, "BOOLEAN", default=True),
+    Parameter("lora_base_model", "Base model the adapters name",
+              "The model lora_adapter_root's adapters may name as their base besides the served one, for "
+              "lora_base_model_check: the hub id a model_gcs_folder (or a local folder) was copied from, e.g. "
+              "meta-llama/Llama-3.1-8B-Instruct for adapters trained on the hub's model and served from your "
+              "bucket's copy. Empty: only the served model's own names.",
+              "meta-llama/Llama-3.1-8B-Instruct", GROUP_MODEL, default="",
+              regex=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$|^gs://\S+$|^/\S+$"),
     Parameter("lora_adapter_disk_gb", "Disk for adapter copies (GB)",
               "How much of each worker's disk the copies of a gs:// lora_adapter_root's adapters may take: before "
               "an adapter is copied, the least recently loaded copies that no stream or load needs are deleted to "

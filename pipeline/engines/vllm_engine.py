@@ -123,6 +123,7 @@ class VLLMBackend:
             fetch = root_fetch(spec.adapter_root, model_folder=self._server.model_path, cache_dir=spec.model_cache_dir,
                                max_lora_rank=spec.max_lora_rank, disk_gb=spec.adapter_disk_gb,
                                base_model=spec.model if spec.lora_base_model_check else None,
+                               also_base=spec.lora_base_model,
                                in_use=lambda: slots.needing_copies(), keep=self._server.local_paths)
             self._adapter_slots = slots = AdapterSlots(spec.root_adapters, fetch, self._load_adapter,
                                                        self._unload_adapter)

@@ -75,33 +75,34 @@ class AdapterRoot:
 
 def root_fetch(root: AdapterRoot, *, model_folder: str | None, max_lora_rank: int, cache_dir: str | None,
                base_model: str | None, disk_gb: float, in_use: Callable[[], set[str]],
-               keep: frozenset[str] = frozenset()) -> Callable[[str], str]:
+               keep: frozenset[str] = frozenset(), also_base: str | None = None) -> Callable[[str], str]:
     """How a worker's engine fetches ``root``'s adapters by name (:func:`fetch_adapter`), a ``gs://`` root's copies
     within ``disk_gb`` (:mod:`pipeline.serving.adapter_disk`; ``in_use``: the names its slots hold; ``keep``: the
     folders its server reads at every start)."""
     disk = AdapterDisk(gcs_copy_folder(root.location, cache_dir), budget_bytes(disk_gb), in_use, root.location_of,
                        keep) if location_kind(root.location) == GCS else None
     return functools.partial(fetch_adapter, root, model_folder=model_folder, max_lora_rank=max_lora_rank,
-                             cache_dir=cache_dir, base_model=base_model, disk=disk)
+                             cache_dir=cache_dir, base_model=base_model, disk=disk, also_base=also_base)
 
 
 def fetch_adapter(root: AdapterRoot, name: str, model_folder: str | None, max_lora_rank: int,
-                  cache_dir: str | None = None, base_model: str | None = None, disk: AdapterDisk | None = None) -> str:
+                  cache_dir: str | None = None, base_model: str | None = None, disk: AdapterDisk | None = None,
+                  also_base: str | None = None) -> str:
     """Where adapter ``name`` of ``root`` lies on this worker, copied (within ``disk``'s budget) and checked against
     the model in ``model_folder`` (None: a model whose files are not on disk here, whose shapes go unchecked) and,
-    with ``base_model`` (the served model as configured), that it was trained for it (:func:`base_problem`). Raises
-    :class:`AdapterUnavailable` with the reason."""
+    with ``base_model`` (the served model as configured; ``also_base``: ``lora_base_model``), that it was trained
+    for it (:func:`base_problem`). Raises :class:`AdapterUnavailable` with the reason."""
     if not ADAPTER_NAME.match(name):
         raise AdapterUnavailable(f"adapter {name[:80]!r}: not a folder name under lora_adapter_root")
     with disk.fetching(name) if disk is not None else contextlib.nullcontext():
-        path = _fetched(root, name, model_folder, max_lora_rank, cache_dir, base_model, disk)
+        path = _fetched(root, name, model_folder, max_lora_rank, cache_dir, base_model, disk, also_base)
     if disk is not None:
         disk.used(name)
     return path
 
 
 def _fetched(root: AdapterRoot, name: str, model_folder: str | None, max_lora_rank: int, cache_dir: str | None,
-             base_model: str | None, disk: AdapterDisk | None) -> str:
+             base_model: str | None, disk: AdapterDisk | None, also_base: str | None = None) -> str:
     location = root.location_of(name)
     try:
         path = local_weights(location, ADAPTER_CONFIG, cache_dir,
@@ -121,30 +122,26 @@ def _fetched(root: AdapterRoot, name: str, model_folder: str | None, max_lora_ra
                                 f"{str(exc)[:300]})") from exc
     problem = fit_problem(name, Path(path), model_folder, max_lora_rank)
     if problem is None and base_model is not None:
-        problem = base_problem(name, Path(path), base_model, model_folder)
+        problem = base_problem(name, Path(path), base_model, model_folder, also_base)
     if problem:
         raise AdapterUnavailable(problem)
     return path
 
 
-def model_names(base_model: str, model_folder: str | None) -> set[str]:
+def model_names(base_model: str, model_folder: str | None, also_base: str | None = None) -> set[str]:
     """What an adapter may name the served model by: as configured (a hub id, a gs:// or local folder), the folder
-    it was loaded from, the model its config.json names (``_name_or_path``), each as its hub id where it is a
-    Hugging Face cache folder, and each of their last path parts that is a model's name (an adapter trained on a
-    copy of the model names the copy's folder), lowercased."""
-    names = {base_model, *([model_folder] if model_folder else [])}
-    try:
-        recorded = json.loads((Path(model_folder) / "config.json").read_text()).get("_name_or_path") \
-            if model_folder else None
-    except (OSError, ValueError, AttributeError):
-        recorded = None
-    if isinstance(recorded, str) and recorded:
-        names.add(recorded)
+    it was loaded from, ``also_base`` (``lora_base_model``: the hub id a copy came from), each as its hub id where
+    it is a Hugging Face cache folder, and each of their last path parts that is a model's name (an adapter trained
+    on a copy of the model names the copy's folder), lowercased. Not the model a checkpoint's config.json names
+    (``_name_or_path``): transformers no longer writes it, and where it does it names the model a fine-tune was
+    loaded from, whose adapters do not fit the fine-tune."""
+    names = {base_model, *([model_folder] if model_folder else []), *([also_base] if also_base else [])}
     identities = {_identity(name) for name in names}
     return identities | {part for name in identities if (part := _last_part(name))}
 
 
-def base_problem(name: str, folder: Path, base_model: str, model_folder: str | None) -> str | None:
+def base_problem(name: str, folder: Path, base_model: str, model_folder: str | None,
+                 also_base: str | None = None) -> str | None:
     """Why the adapter in ``folder`` was not trained for the served model (``lora_base_model_check``), or None: the
     base model its adapter_config.json names (peft's ``base_model_name_or_path``) must be one of
     :func:`model_names`. An adapter that names none cannot show it was trained for this model, and is refused
@@ -157,7 +154,7 @@ def base_problem(name: str, folder: Path, base_model: str, model_folder: str | N
         return (f"adapter {name!r} names no base model (its {ADAPTER_CONFIG} has no base_model_name_or_path), so "
                 f"nothing shows it was trained for the served model {base_model!r}: set it to the model's hub id, "
                 "or lora_base_model_check=false to serve adapters that do not say")
-    known, named = model_names(base_model, model_folder), _identity(base)
+    known, named = model_names(base_model, model_folder, also_base), _identity(base)
     if named in known:
         return None
     # Two hub ids are compared whole: someone-else/NAME is another model than the served org/NAME.
@@ -165,8 +162,10 @@ def base_problem(name: str, folder: Path, base_model: str, model_folder: str | N
             and (_last_part(named) or named) in known:
         return None
     return (f"adapter {name!r} was trained for {base[:200]!r} (its {ADAPTER_CONFIG}'s base_model_name_or_path), "
-            f"not for the served model {base_model!r}: an adapter for another model answers nonsense; set "
-            "lora_base_model_check=false if it was trained on a copy of this model under another name")
+            f"not for the served model {base_model!r}"
+            f"{f' (lora_base_model {also_base!r})' if also_base else ''}: an adapter for another model answers "
+            "nonsense; set lora_base_model to the name the served copy's adapters give it, or "
+            "lora_base_model_check=false")
 
 
 # Folder names that say nothing of which model a folder holds (and a cache snapshot's commit hash): never matched.

@@ -69,6 +69,8 @@ class ServerSpec:
     adapter_root: AdapterRoot | None = None
     # Whether a root's adapter must name this model as its base (pipeline.serving.adapter_root.base_problem).
     lora_base_model_check: bool = default("lora_base_model_check")
+    # Another name a root's adapter may give the served model as its base (a hub id the served copy came from).
+    lora_base_model: str | None = None
     # How much disk the copies of a gs:// root's adapters may take (0: a quarter of it; pipeline.serving.adapter_disk).
     adapter_disk_gb: float = default("lora_adapter_disk_gb")
     max_lora_rank: int = default("max_lora_rank")
