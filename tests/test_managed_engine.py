@@ -174,6 +174,14 @@ def test_a_stalled_server_restarted_and_one_that_lost_the_adapter_load_it_again_
     assert sum(line.startswith(f"Loaded adapter {ADAPTER} ") for line in said) == 2, \
         "loaded again after the restart and after the 404"
 
+    engine.backend._adapter_slots.forget_one(ADAPTER)  # as an unload that failed leaves it: the server still has it
+    held = ask(engine, "tuned-3", adapter=ADAPTER, temperature=0)
+    assert held["text"] == first["text"] and held["lineage"]["adapter"]["config"] == digest
+    said = [record.getMessage() for record in caplog.records[since:]]
+    assert any(line.startswith(f"The server still held adapter {ADAPTER}") for line in said), said
+    assert sum(line.startswith(f"Loaded adapter {ADAPTER} ") for line in said) == 3, \
+        "unloaded and loaded again from the copy its lineage records"
+
 
 def test_in_a_concurrent_burst_a_recorded_seed_gives_its_text_again_and_another_seed_another(engine):
     """A burst of ten at once, two running at a time: requests of the model and of the adapter, sampled and

@@ -302,15 +302,26 @@ class VLLMBackend:
             self._adapter_slots.release(adapter, load)
 
     async def _load_adapter(self, name: str, path: str) -> None:
-        """Loads a root's adapter into the server; one the server refuses is a dead letter with its reason."""
+        """Loads a root's adapter into the server from ``path``; one the server refuses is a dead letter with its
+        reason. One the server still holds (an unload that failed) is unloaded and loaded again from ``path``, so
+        that what it serves is the copy the lineage records, not an older one."""
         session = await self._get_session()
-        async with session.post(f"{self.base_url}/v1/load_lora_adapter",
-                                json={"lora_name": name, "lora_path": path}) as response:
-            body = (await response.text())[:2000]
-            if response.status >= 500 or response.status in (408, 429):
-                raise RetryableError(f"loading adapter {name}: HTTP {response.status}: {body}")
-            if response.status >= 400 and "already been loaded" not in body:
-                raise AdapterUnavailable(f"adapter {name!r}: the server refused it: {_error_message(body)}")
+        for attempt in range(2):
+            async with session.post(f"{self.base_url}/v1/load_lora_adapter",
+                                    json={"lora_name": name, "lora_path": path}) as response:
+                body = (await response.text())[:2000]
+                if response.status >= 500 or response.status in (408, 429):
+                    raise RetryableError(f"loading adapter {name}: HTTP {response.status}: {body}")
+                if response.status < 400:
+                    break
+                if "already been loaded" not in body or attempt:
+                    raise AdapterUnavailable(f"adapter {name!r}: the server refused it: {_error_message(body)}")
+            LOGGER.warning("The server still held adapter %s (an unload that failed): unloading it to load %s", name,
+                           path)
+            try:
+                await self._unload_adapter(name)
+            except RuntimeError as exc:
+                raise RetryableError(f"unloading adapter {name} to load it again: {exc}") from exc
         spec = self.settings.server
         assert spec is not None and spec.adapter_root is not None
         self.lineage.adapters[name] = await asyncio.get_running_loop().run_in_executor(  # a digest of every file
