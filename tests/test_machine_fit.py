@@ -19,7 +19,8 @@ AVX2 = frozenset({"sse4_2", "avx2", "fma"})
 
 @pytest.mark.parametrize("facts, engine, said", [
     (MachineFacts("Linux", "x86_64", AVX512), "vllm", "Linux x86-64 with AVX-512"),
-    (MachineFacts("Linux", "x86_64", AVX2), "transformers", "this x86-64 CPU, which has no AVX-512"),
+    (MachineFacts("Linux", "x86_64", AVX2), "transformers", "this x86-64 CPU has AVX2 only"),
+    (MachineFacts("Linux", "x86_64", frozenset({"sse4_2"})), "transformers", "this x86-64 CPU, which has no AVX-512"),
     (MachineFacts("Darwin", "arm64", frozenset({"neon"})), "transformers", "Darwin on arm64"),
     (MachineFacts("Linux", "aarch64", frozenset({"fp", "asimd", "sve"})), "transformers", "Linux on aarch64"),
 ])
