@@ -45,6 +45,7 @@ from pipeline.contract.call_outcome import Call
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.flow.admission import admit_in_place
 from pipeline.flow.subscription_backlog import SubscriptionBacklog
 from pipeline.flow.subscription_feed import SubscriptionFeed
 from pipeline.flow.subscription_reader import ACK_DEADLINE_S, EMPTY_DELAY_S, PULL_MOST, end_read_bundle, take_round
@@ -363,10 +364,9 @@ class _Vm:
         """AdmitFn, in the round's bundle: each request in place of a place, then the bundle ends."""
         now = self.world.now
         admitted = []
-        for request in pulled:
-            if self.down_until is None and self.ledger.admit(
-                    [request.id], in_place_of=read_places.take(self.tag, 1),
-                    keys={request.id: repr(self._key_of(request))} if self.s.keys_told else None):
+        for request in pulled:  # AdmitFn's own step; its places' age on the wall clock, which sim time leaves be
+            if admit_in_place(self.tag, request, repr(self._key_of(request)) if self.s.keys_told else None,
+                              float("inf"), lambda admit: self._runtime_call("admit", admit)):
                 admitted.append(request.id)
             else:
                 self.out.uncounted += 1

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
+from pipeline.contract.call_outcome import Call
 from pipeline.contract.keying import generate_key
 from pipeline.contract.messages import InferenceRequest
 from pipeline.flow.batching import BatchingConfig, batch_key
@@ -66,6 +68,19 @@ class GenerateKeys:
             return None
 
 
+def admit_in_place(tag: str, request: InferenceRequest, key: str | None, place_open_s: float,
+                   call: Callable[[Callable[[Any], Any]], tuple[Call, Any]]) -> bool:
+    """Admits ``request`` in place of one of the places its read took (``tag``'s; one queued longer ago than
+    ``place_open_s`` is a dead letter's, left by an earlier bundle), with its lane and the generate step's ``key``
+    it goes to (None: untold), through ``call`` (the one call policy's, or a simulated worker's); whether the
+    worker counted it. One step of the reader's round, shared by :class:`AdmitFn` and the VM simulator
+    (``tests/vm_sim.py``), so that the simulator runs the admission that ships."""
+    places = read_places.take(tag, 1, fresher_than_s=place_open_s)
+    told = {request.id: key} if key is not None else None
+    _, taken = call(lambda runtime: runtime.admit([request.id], in_place_of=places, bulk=request.bulk, keys=told))
+    return bool(taken)
+
+
 class AdmitFn(beam.DoFn):
     """The admission step's DoFn (see the module docstring); ``runtime`` says how it reaches its worker's runtime,
     ``keys`` which of the generate step's keys each request goes to (None: the ledger is not told)."""
@@ -85,14 +100,10 @@ class AdmitFn(beam.DoFn):
         self._bundle_ids: list[str] = []
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
-        # A place queued longer ago than a place stays open is a dead letter's, left by an earlier bundle; one
-        # queued by this bundle's round is taken however long parsing the round's messages took.
-        places = read_places.take(self._source.tag, 1, fresher_than_s=self._source.settings.admission.place_open_s)
+        # One queued by this bundle's round is taken however long parsing the round's messages took.
         key = self._keys.of(request) if self._keys else None
-        told = {request.id: key} if key is not None else None
-        _, taken = self._runtime.call("admit", lambda runtime: runtime.admit([request.id], in_place_of=places,
-                                                                              bulk=request.bulk, keys=told))
-        if taken:
+        if admit_in_place(self._source.tag, request, key, self._source.settings.admission.place_open_s,
+                          lambda admit: self._runtime.call("admit", admit)):
             self._bundle_ids.append(request.id)
             self._gauges.update(self._runtime, self._record)
         else:
