@@ -254,3 +254,26 @@ def test_the_build_context_is_exactly_what_the_dockerfile_copies():
               or path in ("pyproject.toml", "README.md", "metadata.json")}
     assert sent == copied
     assert docker_context([".dockerignore.bak", "pipelines/x.py", "template-old/x"]) == []
+
+
+def test_cloud_build_is_sent_the_build_context_and_the_dockerfile_and_no_virtualenv(tmp_path):
+    """BUILDER=cloudbuild (make image's default) uploads the checkout with gcloud builds submit, which leaves out
+    what .gcloudignore names (without one, what .gitignore does not name: a virtualenv beside the checkout of
+    another name, tens of thousands of files, went up with it). The real gcloud lists what it would upload from a
+    copy of the checkout beside a virtualenv, a .env and caches."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    checkout = tmp_path / "checkout"
+    for path in [*tracked, ".venv-other/bin/python", ".venv/lib/x.py", ".env", ".hf_token", ".cache/models/m.bin",
+                 "pipeline/__pycache__/assembly.cpython-311.pyc", "notes/scratch.txt"]:
+        (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / path).is_file() and path in tracked:
+            shutil.copy(REPO / path, checkout / path)
+        else:
+            (checkout / path).write_text("local only")
+    listed = subprocess.run(["gcloud", "meta", "list-files-for-upload", str(checkout)], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+                                                         "CLOUDSDK_CORE_DISABLE_PROMPTS": "1"})
+    assert listed.returncode == 0, listed.stderr
+    uploaded = set(listed.stdout.split())
+    expected = set(docker_context(tracked)) | {".dockerignore", "container/Dockerfile", "container/cloudbuild.yaml"}
+    assert uploaded == expected, (sorted(uploaded - expected)[:10], sorted(expected - uploaded)[:10])
