@@ -103,15 +103,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``make test`` runs in two processes (pytest-xdist): the modules that start the model, one at a time as
-    they always ran (they share one vLLM and must not compete for its cores), and the rest beside them. Split
-    by module, as two scopes of xdist's scope scheduler: its ``loadgroup`` marks do not reach pytest 9's node
-    ids."""
+    """``make test`` runs in two processes (pytest-xdist): the modules that start the model in one of them, one
+    after another as they always ran (they share one vLLM and must not compete for its cores), and every other
+    module on whichever process is free, a module at a time. The model's modules are one scope of xdist's scope
+    scheduler, the largest, so it goes first to one process; the others are a scope each, shared out as the
+    processes empty (its ``loadgroup`` marks do not reach pytest 9's node ids). One process taking every other
+    module left the first idle once the model's were done: on a machine without vLLM, for most of the run."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModelAndRest(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "model" if uses_the_model(nodeid.split("::")[0]) else "rest"
+            module = nodeid.split("::")[0]
+            return "model" if uses_the_model(module) else module
 
     return ModelAndRest(config, log)
 
