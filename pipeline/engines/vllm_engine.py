@@ -464,5 +464,20 @@ async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]
             return
         event = json.loads(data)
         if "error" in event and "choices" not in event:
-            raise _RequestRejected(_error_message(data))
+            if _refused(event["error"]):
+                raise _RequestRejected(_error_message(data))
+            # The server failed while it streamed (vLLM turns any exception in its generator into this event):
+            # the request was not refused for what it is, and is sent again.
+            raise RetryableError(f"the server failed mid-stream: {_error_message(data)}")
         yield event
+
+
+def _refused(error: Any) -> bool:
+    """Whether an error event the server streamed refuses the request for what it is: a 4xx code (vLLM's
+    ``ErrorResponse`` carries the HTTP status it would have answered), or a bad request by its type."""
+    if not isinstance(error, dict):
+        return False
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool):
+        return 400 <= code < 500 and code not in (408, 429)
+    return str(error.get("type", "")).lower() in ("badrequesterror", "bad_request", "invalid_request_error")
