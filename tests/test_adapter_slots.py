@@ -290,3 +290,69 @@ def test_a_bulk_request_waits_for_a_slot_no_longer_than_its_bound_beside_steady_
 
     loads = asyncio.run(run())
     assert loads[:2] == ["a", "c"] and sorted(loads[2:]) == ["a", "b"], loads
+
+
+def test_a_bulk_request_whose_earlier_load_failed_waits_afresh_behind_live_ones(monkeypatch):
+    """A bulk request's wait counts from when it asked: one whose adapter failed to load long ago does not come
+    back past BULK_PATIENCE_S and go ahead of a live request waiting for another adapter."""
+    monkeypatch.setattr("pipeline.engines.adapter_slots.BULK_PATIENCE_S", 0.3)
+
+    class FailingOnce(Server):
+        failed = False
+
+        async def load(self, name: str, path: str) -> None:
+            if name == "flaky" and not self.failed:
+                self.failed = True
+                raise RuntimeError("the server could not load it")
+            await super().load(name, path)
+
+    async def run() -> list[str]:
+        server = FailingOnce()
+        held = slots(server)
+        with pytest.raises(RuntimeError):
+            await held.acquire("flaky", bulk=True)
+        await asyncio.sleep(0.4)  # past the bulk bound since that first ask
+        await held.acquire("a")
+        live = asyncio.ensure_future(held.acquire("b"))
+        await asyncio.sleep(0.05)
+        bulk = asyncio.ensure_future(held.acquire("flaky", bulk=True))
+        await asyncio.sleep(0.05)
+        held.release("a")
+        await asyncio.wait_for(live, 1.0)
+        assert not bulk.done(), "the bulk request waits behind the live one"
+        held.release("b")
+        await asyncio.wait_for(bulk, 2.0)
+        return [name for call, name in server.calls if call == "load"]
+
+    assert asyncio.run(run()) == ["a", "b", "flaky"]
+
+
+def test_a_live_request_that_joins_a_bulk_requests_load_is_waited_for_as_live():
+    """A bulk request fetches adapter c (its copy takes a while) when a live request for c arrives: c then waits
+    for a slot as a live request's, so no new bulk stream joins adapter a, which holds the slot, meanwhile."""
+    import time as clock
+
+    class SlowCopies(Server):
+        def fetch(self, name: str) -> str:
+            clock.sleep(0.2)
+            return super().fetch(name)
+
+    async def run() -> list[str]:
+        server = SlowCopies()
+        held = slots(server)
+        await held.acquire("a", bulk=True)
+        fetching = asyncio.ensure_future(held.acquire("c", bulk=True))
+        await asyncio.sleep(0.05)
+        live = asyncio.ensure_future(held.acquire("c"))  # joins c's load while c is still being copied
+        await asyncio.sleep(0.4)  # copied: c waits for the slot a holds
+        joining = asyncio.ensure_future(held.acquire("a", bulk=True))
+        await asyncio.sleep(0.1)
+        assert not joining.done(), "a bulk stream joined a while a live request waited for c"
+        held.release("a")
+        await asyncio.wait_for(asyncio.gather(fetching, live), 2.0)
+        held.release("c")
+        held.release("c")
+        await asyncio.wait_for(joining, 2.0)
+        return [name for call, name in server.calls if call == "load"]
+
+    assert asyncio.run(run()) == ["a", "c", "a"]

@@ -62,6 +62,8 @@ class AdapterSlots:
         self._placing: set[str] = set()  # fetched and checked, a slot taken for it, being loaded
         self._waiting: dict[str, tuple[bool, float]] = {}  # waiting for a slot: name -> (for a live one, since)
         self._first_wait: dict[str, float] = {}  # when each name not yet loaded first waited for a slot
+        self._live_asks: collections.Counter[str] = collections.Counter()  # live requests asking for each now
+        self._asks: collections.Counter[str] = collections.Counter()  # requests of either lane asking for each now
         self._changed = asyncio.Event()
 
     def loaded(self) -> list[str]:
@@ -84,6 +86,20 @@ class AdapterSlots:
     async def acquire(self, name: str, bulk: bool = False) -> int:
         """Returns the load of ``name`` the stream is sent under, once loaded, counted as used by one more stream
         until :meth:`release`; a ``bulk`` request's stream goes after live ones (module docstring)."""
+        self._asks[name] += 1
+        self._live_asks[name] += not bulk
+        try:
+            return await self._acquire(name, bulk)
+        finally:
+            self._asks[name] -= 1
+            self._live_asks[name] -= not bulk
+            if not self._asks[name]:
+                del self._asks[name]
+                self._first_wait.pop(name, None)  # nobody waits for it any more: a later ask waits afresh
+            if not self._live_asks[name]:
+                del self._live_asks[name]
+
+    async def _acquire(self, name: str, bulk: bool) -> int:
         while True:
             if name in self._loaded:
                 if self._holds_back(name, bulk):
@@ -134,7 +150,8 @@ class AdapterSlots:
         try:
             # Fetched and checked first: a name that cannot be served never unloads one that can.
             path = await asyncio.get_running_loop().run_in_executor(None, self._fetch, name)
-            self._waiting[name] = (not bulk, self._first_wait.setdefault(name, self._now()))
+            # Live if any live request asks for it now, though the request loading it be bulk.
+            self._waiting[name] = (self._live_asks[name] > 0, self._first_wait.setdefault(name, self._now()))
             self._wake()  # the streams that would join a loaded adapter now ask whether to hold back
             while len(self._loaded) + len(self._unloading) + len(self._placing) >= self.capacity:
                 if self._behind(name) or not await self._make_room():
