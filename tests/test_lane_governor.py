@@ -90,6 +90,8 @@ def test_with_no_live_request_the_lane_takes_its_whole_share_and_off_it_always_d
     assert lane.bulk_cap(0.0) == 8
     assert lane.bulk_cap(IDLE_S + 1.0) == 16, "no live stream sent for IDLE_S"
     assert lane.bulk_cap(IDLE_S + 3.0) == 16 and lane.totals["bulk_lane_idle_openings"] == 1
+    lane.live_sent(IDLE_S + 4.0)
+    assert lane.bulk_cap(IDLE_S + 4.0) == 8, "the next live request puts back what live traffic last left"
     off = LaneGovernor(0.0, 12)
     off.live_sent(0.0)
     off.first_token(0.0, 10**6)
@@ -320,9 +322,9 @@ class SteppedServer:
 
 
 def within(seen: list[tuple[float, float]], first_ms: float, inter_ms: float) -> bool:
-    """Whether the 90th percentiles of live first tokens and of live times per token keep both objectives."""
-    p90 = int(0.9 * len(seen))
-    return sorted(f for f, _ in seen)[p90] <= first_ms and sorted(i for _, i in seen)[p90] <= inter_ms
+    """Whether the 95th percentiles of live first tokens and of live times per token keep both objectives."""
+    p95 = int(0.95 * len(seen))
+    return sorted(f for f, _ in seen)[p95] <= first_ms and sorted(i for _, i in seen)[p95] <= inter_ms
 
 
 # (row_ms, prompt_ms, answer_s): rows cost most; prompts cost most; rows alone; long answers (a halving takes

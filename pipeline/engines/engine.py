@@ -163,8 +163,8 @@ class Engine:
             lane = self._registry.lane
             now = time.monotonic()
             bulk_cap = self._registry.bulk_cap(now) if self.settings.bulk_lane else None
-            lane_gauges = {"live_first_token_p90_ms": lane.percentile_ms(now),
-                           "live_inter_token_p90_ms": lane.inter_token_percentile_ms(now),
+            lane_gauges = {"live_first_token_p95_ms": lane.percentile_ms(now),
+                           "live_inter_token_p95_ms": lane.inter_token_percentile_ms(now),
                            "bulk_prompt_budget": -1 if lane.prompt_budget is None else lane.prompt_budget}
             lane_totals = dict(lane.totals)
         publisher = self._chunk_publisher

@@ -12,7 +12,8 @@ cost each step (docs/operations.md#the-bulk-lane). So the engine bounds them its
 
 Both are the interference the lane causes and nothing else (not the queue in front of the engine, which admission
 bounds). The governor sets two things, by additive increase and multiplicative decrease once a second, from the
-90th percentile of each of the last ``WINDOW_S``:
+95th percentile of each of the last ``WINDOW_S`` (of the latencies begun since the last change: one begun before
+it cannot show its effect):
 
 * **the bulk stream cap**, how many bulk streams may run: the rows each step carries;
 * **the bulk prompt budget**, how many bulk prompt tokens may start within a second: the prompt chunks each wave
@@ -21,16 +22,18 @@ bounds). The governor sets two things, by additive increase and multiplicative d
 
 The rule, either objective counting (0 follows none of that kind):
 
-* above an objective, the cap and the budget halve (the lane shrinks within seconds), and halve again only on
-  latencies measured after, and after the bulk streams running came within the cap (a halving stops new bulk
-  streams, it does not end running ones: what came before cannot show its effect, and halving on it again and
-  again would take a lane of long answers down to one stream while their rows still run);
+* at ``NEAR`` (90 %) of an objective, before it is passed, the cap and the budget halve (the lane shrinks within
+  seconds), and halve again only on latencies begun after, and after the bulk streams running came within the
+  cap (a halving stops new bulk streams, it does not end running ones: what came before cannot show its effect,
+  and halving on it again and again would take a lane of long answers down to one stream while their rows still
+  run);
 * below ``HEADROOM`` of every objective, the cap grows by one while the lane runs as many streams as its cap, and
   the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
   the lane does not meet tells nothing of what more would cost);
 * between, both stay;
 * with no live stream running and none sent for ``IDLE_S``, the cap is the lane's whole share (``bulk_streams``)
-  and the budget unbounded: the lane takes everything while no live request is there to slow.
+  and the budget unbounded: the lane takes everything while no live request is there to slow; the next live
+  request sent puts back the limits live traffic last left.
 
 It never goes below one stream, and one bulk request starts whatever its prompt when none started within the
 second; a lane that live traffic alone keeps from running for ``BULK_STARVED_S`` starts one where the engine has any
@@ -63,8 +66,10 @@ ADJUST_S = 1.0
 HEADROOM = 0.7
 # With no live stream sent for this long, the lane takes its whole share.
 IDLE_S = 5.0
-# What the rule acts on: a high percentile of a short window (a few live requests a second are enough).
-PERCENTILE = 0.9
+# What the rule acts on: a high percentile of a short window, the one the objective is stated for.
+PERCENTILE = 0.95
+# The lane halves once that percentile nears its objective: at this share of it, before it is passed.
+NEAR = 0.9
 # A bulk lane with no stream running and a request refused for this long starts one wherever the engine has room,
 # the live reserve included (pipeline.engines.stream_registry.StreamRegistry.room).
 BULK_STARVED_S = 30.0
@@ -84,10 +89,11 @@ class LatencyWindow:
         self._samples.append((now, ms))
 
     def percentile_ms(self, now: float, since: float = float("-inf")) -> float | None:
-        """The window's percentile (of those measured after ``since``), or None with none."""
+        """The window's percentile (of those whose span began after ``since``: a latency measured after a change
+        but begun before it says nothing of it), or None with none."""
         while self._samples and now - self._samples[0][0] > WINDOW_S:
             self._samples.popleft()
-        ordered = sorted(ms for at, ms in self._samples if at > since)
+        ordered = sorted(ms for at, ms in self._samples if at - ms / 1000.0 > since)
         if not ordered:
             return None
         return ordered[min(len(ordered) - 1, math.ceil(PERCENTILE * len(ordered)) - 1)]
@@ -108,6 +114,7 @@ class LaneGovernor:
         self._halved_at = float("-inf")  # latencies before this cannot show the last halving's effect
         self._over_cap_at = float("-inf")  # nor those before this, when more bulk streams ran than the cap
         self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
+        self._before_idle: tuple[int, float | None] | None = None  # the limits live traffic last left, while idle
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
         self._cap_ms, self._counted_at = 0.0, float("-inf")  # the cap integrated over time, and up to when
@@ -118,8 +125,13 @@ class LaneGovernor:
         return self.objective_ms > 0 or self.inter_token_objective_ms > 0
 
     def live_sent(self, now: float) -> None:
-        """A live stream was sent to the server."""
+        """A live stream was sent to the server: a lane opened while live was idle goes back at once to the limits
+        live traffic last left it (what it learned is kept, not learned again from a burst at the whole share)."""
         self._live_sent_at = now
+        if self._before_idle is not None:
+            if self.governed:
+                self.cap, self.prompt_budget = self._before_idle
+            self._before_idle = None
 
     def first_token(self, now: float, ms: float) -> None:
         """A live stream's first token came ``ms`` after the server took it."""
@@ -198,13 +210,15 @@ class LaneGovernor:
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
         self._adjusted_at = now
         if not live_running and now - self._live_sent_at > IDLE_S:
-            self.totals["bulk_lane_idle_openings"] += (self.cap, self.prompt_budget) != (self.most, None)
+            if (self.cap, self.prompt_budget) != (self.most, None):
+                self.totals["bulk_lane_idle_openings"] += 1
+                self._before_idle = (self.cap, self.prompt_budget)
             self.cap, self.prompt_budget = self.most, None
             return
         if bulk_running > self.cap:  # rows started before a halving still run: what live meets now is theirs
             self._over_cap_at = now
         fresh = self._pressure(now, since=max(self._halved_at, self._over_cap_at))
-        if fresh is not None and fresh > 1.0:
+        if fresh is not None and fresh > NEAR:
             self._halved_at = now
             before = (self.cap, self.prompt_budget)
             self.cap = max(1, self.cap // 2)

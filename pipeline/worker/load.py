@@ -5,7 +5,7 @@ step: ``held_requests`` and ``max_held_requests`` (the worker's hold and its
 bound, :mod:`pipeline.worker.hold`), ``in_flight_requests``,
 ``waiting_requests``, ``server_running_requests`` and
 ``server_waiting_requests`` (vLLM's own ``/metrics``), ``bulk_cap``, ``bulk_prompt_budget``,
-``live_first_token_p90_ms`` and ``live_inter_token_p90_ms`` (how many bulk streams the lane may run and bulk
+``live_first_token_p95_ms`` and ``live_inter_token_p95_ms`` (how many bulk streams the lane may run and bulk
 prompt tokens start a second, and the live latencies it follows: :mod:`pipeline.engines.lane_governor`),
 ``model_busy_ms`` (how
 long the model has had a request running, so far: its busy share of the
@@ -39,8 +39,8 @@ _GAUGES = {"held": "held_requests", "max_held": "max_held_requests", "in_flight"
            "waiting": "waiting_requests", "server_running": "server_running_requests",
            "server_waiting": "server_waiting_requests", "busy_ms": "model_busy_ms",
            "chunks_published": "chunks_published", "chunks_unconfirmed": "chunks_unconfirmed",
-           **{name: name for name in ("bulk_cap", "bulk_prompt_budget", "live_first_token_p90_ms",
-                                      "live_inter_token_p90_ms")},
+           **{name: name for name in ("bulk_cap", "bulk_prompt_budget", "live_first_token_p95_ms",
+                                      "live_inter_token_p95_ms")},
            **{name: name for name in ("batch_requests", "prompt_positions", "prompt_padding", "decode_positions",
                                       "decode_padding")}}
 # Totals the engine keeps (its runtime has no Beam context) are counted here as Beam counters of the same name,
