@@ -423,3 +423,21 @@ def test_a_request_without_a_measured_prompt_counts_its_estimate_against_the_bud
     long = InferenceRequest(id="bulk-long", prompt="x" * 4000, lane=LANE_BULK)  # no prompt_tokens: about 1,000
     registry.submit([long], [1], "client", time.monotonic())
     assert registry.lane.totals["bulk_prompt_tokens_started"] == stream_registry.prompt_tokens(long) == 1000
+
+
+def test_the_percentiles_the_lane_acts_on_are_counted_over_the_time_it_is_governed():
+    """Cloud Monitoring charts counters: the time governed and the percentiles acted on, integrated over it, give
+    their mean as a rate over a rate (ops/dashboard.json)."""
+    lane, _ = governed()
+    for second in range(6):
+        lane.live_sent(float(second))
+        lane.first_token(float(second), 400.0)
+        lane.inter_tokens(float(second), 50.0, 1)
+        lane.bulk_cap(float(second), live_running=1)
+    assert lane.totals["lane_governed_ms"] == 5000
+    assert lane.totals["live_first_token_p95_ms_ms"] / lane.totals["lane_governed_ms"] == pytest.approx(400.0)
+    assert lane.totals["live_inter_token_p95_ms_ms"] / lane.totals["lane_governed_ms"] == pytest.approx(50.0)
+    off = LaneGovernor(0.0, 8)
+    off.bulk_cap(0.0)
+    off.bulk_cap(3.0)
+    assert off.totals["lane_governed_ms"] == 0, "a lane no objective governs acts on no latency"

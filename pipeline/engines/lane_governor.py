@@ -43,7 +43,8 @@ no budget. The cap, the budget (-1: unbounded) and the percentiles are the worke
 (:data:`TOTALS`, what the dashboard charts, as Cloud Monitoring charts no gauges) count the live latencies, those
 past their objective and their sum in ms (a rate of one over a rate of the other is a mean), each decision (the
 halvings, the growths, the openings to the whole share while live is idle, and the starved lane's starts), the cap
-over time (its rate is the cap) and the bulk prompt tokens started.
+over time (its rate is the cap), the bulk prompt tokens started, and the time governed with the percentiles it
+acted on integrated over it (the rate of one over the rate of the time governed is their mean).
 
 The inter-token time is what the engine can see: the server streams an event every ``chunk_tokens`` tokens
 (vLLM's ``stream_interval``), so each is the mean time per token over one event. A single long step (a bulk
@@ -76,7 +77,8 @@ BULK_STARVED_S = 30.0
 # The governor's running totals, by the names the worker counts them under (pipeline.worker.load).
 TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "live_first_token_ms", "live_inter_tokens",
           "live_inter_tokens_over_objective", "live_inter_token_ms", "bulk_lane_halvings", "bulk_lane_growths",
-          "bulk_lane_idle_openings", "bulk_lane_starved_starts", "bulk_cap_ms", "bulk_prompt_tokens_started")
+          "bulk_lane_idle_openings", "bulk_lane_starved_starts", "bulk_cap_ms", "bulk_prompt_tokens_started",
+          "lane_governed_ms", "live_first_token_p95_ms_ms", "live_inter_token_p95_ms_ms")
 
 
 class LatencyWindow:
@@ -118,6 +120,10 @@ class LaneGovernor:
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
         self._cap_ms, self._counted_at = 0.0, float("-inf")  # the cap integrated over time, and up to when
+        # The percentiles the last adjustment acted on (ms; None: none measured), integrated over the time governed.
+        self._acted_on: tuple[float | None, float | None] = (None, None)
+        self._integrals = {"lane_governed_ms": 0.0, "live_first_token_p95_ms_ms": 0.0,
+                           "live_inter_token_p95_ms_ms": 0.0}
         self._sums = {"live_first_token_ms": 0.0, "live_inter_token_ms": 0.0}  # whose totals count whole ms
 
     @property
@@ -166,8 +172,11 @@ class LaneGovernor:
         """How many bulk streams may run now (at least one), beside ``live_running`` live and ``bulk_running`` bulk
         streams."""
         if self._counted_at > float("-inf"):
-            self._cap_ms += self.cap * max(now - self._counted_at, 0.0) * 1000.0
+            elapsed_ms = max(now - self._counted_at, 0.0) * 1000.0
+            self._cap_ms += self.cap * elapsed_ms
             self.totals["bulk_cap_ms"] = int(self._cap_ms)
+            if self.governed:
+                self._integrate(elapsed_ms)
         self._counted_at = now
         if not self.governed:
             self.cap = self.most
@@ -207,8 +216,19 @@ class LaneGovernor:
             self._bulk_prompts.popleft()
         return sum(tokens for at, tokens in self._bulk_prompts if now - at < span_s)
 
+    def _integrate(self, elapsed_ms: float) -> None:
+        """The time governed, and the percentiles acted on over it (their rate over its rate is their mean: what the
+        dashboard charts, as Cloud Monitoring charts counters, not gauges); a percentile with none measured counts
+        as 0."""
+        first, inter = self._acted_on
+        for total, value in (("lane_governed_ms", 1.0), ("live_first_token_p95_ms_ms", first or 0.0),
+                             ("live_inter_token_p95_ms_ms", inter or 0.0)):
+            self._integrals[total] += value * elapsed_ms
+            self.totals[total] = int(self._integrals[total])
+
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
         self._adjusted_at = now
+        self._acted_on = (self._first_tokens.percentile_ms(now), self._inter_tokens.percentile_ms(now))
         if not live_running and now - self._live_sent_at > IDLE_S:
             if (self.cap, self.prompt_budget) != (self.most, None):
                 self.totals["bulk_lane_idle_openings"] += 1
