@@ -100,7 +100,8 @@ class AdmitFn(beam.DoFn):
         self._bundle_ids: list[str] = []
 
     def process(self, request: InferenceRequest) -> Iterator[InferenceRequest]:
-        # One queued by this bundle's round is taken however long parsing the round's messages took.
+        # A place this bundle's round queued is taken however long parsing the round took; an older one is a dead
+        # letter's (admit_in_place).
         key = self._keys.of(request) if self._keys else None
         if admit_in_place(self._source.tag, request, key, self._source.settings.admission.place_open_s,
                           lambda admit: self._runtime.call("admit", admit)):
