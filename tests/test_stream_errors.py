@@ -1,4 +1,4 @@
-"""What the vLLM engine makes of an error the server streams mid-answer (pipeline/engines/vllm_engine.py): vLLM
+"""What the vLLM engine makes of an error the server streams mid-answer (pipeline/engines/server_events.py): vLLM
 0.32 turns any exception in its stream generator into an ``{"error": ...}`` event whose ``code`` is the HTTP status
 it would have answered (``vllm/entrypoints/serve/exception_handling/error_response.py``). A 4xx refuses the request
 for what it is (a dead letter the backfill does not publish again); anything else is the server failing, and the
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from pipeline.engines.vllm_engine import RetryableError, _events, _RequestRejected
+from pipeline.engines.server_events import RequestRejected, RetryableError, events
 
 
 def stream(*events: dict) -> object:
@@ -24,17 +24,17 @@ def stream(*events: dict) -> object:
 
 
 async def read(content) -> list[dict]:
-    return [event async for event in _events(content)]
+    return [event async for event in events(content)]
 
 
 @pytest.mark.parametrize("error, raised", [
-    ({"message": "prompt too long", "type": "BadRequestError", "code": 400}, _RequestRejected),
-    ({"message": "no such adapter", "type": "NotFoundError", "code": 404}, _RequestRejected),
-    ({"message": "bad schema", "type": "UnprocessableEntityError", "code": 422}, _RequestRejected),
+    ({"message": "prompt too long", "type": "BadRequestError", "code": 400}, RequestRejected),
+    ({"message": "no such adapter", "type": "NotFoundError", "code": 404}, RequestRejected),
+    ({"message": "bad schema", "type": "UnprocessableEntityError", "code": 422}, RequestRejected),
     ({"message": "EngineCore died", "type": "InternalServerError", "code": 500}, RetryableError),
     ({"message": "busy", "type": "ServiceUnavailableError", "code": 503}, RetryableError),
     ({"message": "slow down", "type": "TooManyRequests", "code": 429}, RetryableError),
-    ({"message": "old server", "type": "BadRequestError"}, _RequestRejected),
+    ({"message": "old server", "type": "BadRequestError"}, RequestRejected),
     ({"message": "old server", "type": "InternalServerError"}, RetryableError),
     ("a bare string", RetryableError),
 ])

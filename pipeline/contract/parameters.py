@@ -265,9 +265,8 @@ PARAMETERS: tuple[Parameter, ...] = (
               "folder (each worker copies it to local disk once, as it does the model), a folder on the worker, or "
               "a Hugging Face hub id. A request names one in its 'adapter' field; a request without one gets the "
               "model itself, one naming an adapter neither listed here nor in lora_adapter_root becomes a dead letter. "
-              "Fixed for the life of the "
-              "job; engine=vllm with the model manager's own server only (a server_url server loads its own, and "
-              "gets each request's adapter name as the model).",
+              "Fixed for the life of the job; engine=vllm with the model manager's own server only (a server_url "
+              "server loads its own, and gets each request's adapter name as the model).",
               "support=gs://my-bucket/adapters/support,extract=my-org/smollm2-extract-lora", GROUP_MODEL,
               regex=r"^[^\s,=]+=[^\s,]+(\s*,\s*[^\s,=]+=[^\s,]+)*$"),
     Parameter("lora_adapter_root", "LoRA adapter folder",
@@ -280,27 +279,21 @@ PARAMETERS: tuple[Parameter, ...] = (
               "gs://my-bucket/adapters/", GROUP_MODEL,
               regex=r"^(gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/\S*)?|(/|\./|\.\./|~)\S*)$"),
     Parameter("lora_base_model_check", "Check adapters' base model",
-              "Serve an adapter of lora_adapter_root only if the base model its adapter_config.json names "
-              "(peft's base_model_name_or_path) is the served model: its hub id or Cloud Storage folder, "
-              "lora_base_model, or a folder of the same name (an adapter trained on a copy of the model). Another "
-              "is a dead letter naming both, since an adapter for another model of the same shape answers "
-              "nonsense, and so is one that names no base model. false skips this check (the rank, module and "
-              "shape checks stay).",
+              "Serve an adapter of lora_adapter_root only if the base model its adapter_config.json names (peft's "
+              "base_model_name_or_path) is the served model (its hub id or folder, lora_base_model, or a folder of "
+              "that name); another, or none, is a dead letter naming both, since an adapter for another model of "
+              "the same shape answers nonsense. false skips this check (the rank, module and shape checks stay).",
               "true", GROUP_MODEL, "BOOLEAN", default=True),
     Parameter("lora_base_model", "Base model the adapters name",
-              "The model lora_adapter_root's adapters may name as their base besides the served one, for "
-              "lora_base_model_check: the hub id a model_gcs_folder (or a local folder) was copied from, e.g. "
-              "meta-llama/Llama-3.1-8B-Instruct for adapters trained on the hub's model and served from your "
-              "bucket's copy. Empty: only the served model's own names.",
+              "Another name lora_adapter_root's adapters may give the served model as their base: the hub id a "
+              "model_gcs_folder was copied from, for adapters trained on the hub's model. Empty: none.",
               "meta-llama/Llama-3.1-8B-Instruct", GROUP_MODEL, default="",
               regex=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$|^gs://\S+$|^/\S+$"),
     Parameter("lora_adapter_disk_gb", "Disk for adapter copies (GB)",
-              "How much of each worker's disk the copies of a gs:// lora_adapter_root's adapters may take: before "
-              "an adapter is copied, the least recently loaded copies that no stream or load needs are deleted to "
-              "make room (a deleted one is copied again when it is next loaded). An adapter larger than the budget "
-              "becomes a dead letter instead of filling the disk; one that fits only once a stream of another ends "
-              "waits, its request tried again. 0: a quarter of the disk the copies are on. Either way never more "
-              "than the disk has free, less 5 % of it. Adapters of a folder on the worker are read where they are.",
+              "How much of each worker's disk the copies of a gs:// lora_adapter_root's adapters may take, within "
+              "what it has free less 5 % (0: a quarter of the disk). The least recently loaded copies no stream or "
+              "load needs are deleted to make room; an adapter larger than the budget is a dead letter, one that "
+              "fits once another's stream ends waits. Adapters of a folder on the worker take none.",
               "20", GROUP_MODEL, "NUMBER", default=0, minimum=0, maximum=65536),
     Parameter("max_lora_rank", "Max LoRA rank",
               "The largest rank among lora_adapters (vLLM's --max-lora-rank: 8, 16, 32, 64, 128, 256, 320 or 512). "

@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -35,6 +34,13 @@ from pipeline.engines.adapter_slots import AdapterSlots
 from pipeline.engines.backend import ServerLoad, StreamEvents
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.server_events import (
+    RequestRejected,
+    RetryableError,
+    StreamIntervalRefused,
+    error_message,
+    sse_events,
+)
 from pipeline.engines.stream_registry import Stream
 from pipeline.serving.adapter_root import AdapterUnavailable, AdapterUnreadable, root_fetch
 from pipeline.serving.lineage import ServingLineage, adapter_lineage, after_restart, seed_for, server_lineage
@@ -61,10 +67,6 @@ def _optional_json(url: str) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         LOGGER.warning("%s did not answer (%s): the answers' lineage goes without it", url, exc)
         return {}
-
-
-class RetryableError(Exception):
-    """The server was unreachable or broke off; the request can be sent again."""
 
 
 def vllm_engine(settings: EngineSettings) -> Engine:
@@ -250,13 +252,13 @@ class VLLMBackend:
                 break
             except RetryableError as exc:
                 last_error = str(exc)
-            except _StreamIntervalRefused as exc:
+            except StreamIntervalRefused as exc:
                 if self._stream_interval is not None:
                     self._stream_interval = None
                     LOGGER.warning("The model server refused stream_interval (%s); streaming every token from "
                                    "now on, which costs more CPU per token on both sides", exc)
                 continue  # at once: nothing was generated
-            except _RequestRejected as exc:
+            except RequestRejected as exc:
                 self._events.dead_letter(stream, f"{REFUSED_BY_SERVER}: {exc}")
                 return
             except Exception as exc:  # a bug must not leave a request without an outcome
@@ -288,12 +290,12 @@ class VLLMBackend:
         try:
             load = await self._adapter_slots.acquire(adapter, bulk=stream.request.bulk)
         except AdapterUnavailable as exc:
-            raise _RequestRejected(str(exc)) from None
+            raise RequestRejected(str(exc)) from None
         except (TimeoutError, aiohttp.ClientError, ConnectionError, AdapterUnreadable) as exc:
             raise RetryableError(f"loading adapter {adapter}: {type(exc).__name__}: {exc}") from exc
         try:
             await self._stream_from_server(stream)
-        except _RequestRejected as exc:
+        except RequestRejected as exc:
             if not str(exc).startswith("HTTP 404"):
                 raise
             self._adapter_slots.forget_one(adapter, load)  # the server lost it (a restart in between): loaded again
@@ -315,7 +317,7 @@ class VLLMBackend:
                 if response.status < 400:
                     break
                 if "already been loaded" not in body or attempt:
-                    raise AdapterUnavailable(f"adapter {name!r}: the server refused it: {_error_message(body)}")
+                    raise AdapterUnavailable(f"adapter {name!r}: the server refused it: {error_message(body)}")
             LOGGER.warning("The server still held adapter %s (an unload that failed): unloading it to load %s", name,
                            path)
             try:
@@ -352,9 +354,9 @@ class VLLMBackend:
                     if response.status in (401, 403, 408, 429) or response.status >= 500:  # 401/403: a proxy's
                         raise RetryableError(f"HTTP {response.status}: {body}")
                     if "stream_interval" in payload and "stream_interval" in body:
-                        raise _StreamIntervalRefused(f"HTTP {response.status}: {_error_message(body)}")
-                    raise _RequestRejected(f"HTTP {response.status}: {_error_message(body)}")
-                async for event in _sse_events(response.content, response):
+                        raise StreamIntervalRefused(f"HTTP {response.status}: {error_message(body)}")
+                    raise RequestRejected(f"HTTP {response.status}: {error_message(body)}")
+                async for event in sse_events(response.content, response):
                     usage = event.get("usage") or {}
                     prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
                     for choice in event.get("choices") or ():
@@ -422,62 +424,3 @@ class VLLMBackend:
             if time.time() > deadline:
                 raise RetryableError("the model server is not healthy (restarting or failed to start)")
             await asyncio.sleep(0.5)
-
-
-class _RequestRejected(Exception):
-    """The server refused the request itself (HTTP 4xx); sending it again will not help."""
-
-
-class _StreamIntervalRefused(Exception):
-    """The server refused ``stream_interval`` itself (a server without it that checks fields): ask per token."""
-
-
-def _error_message(body: str) -> str:
-    try:
-        error = json.loads(body)
-    except json.JSONDecodeError:
-        return body
-    error = error.get("error", error) if isinstance(error, dict) else error
-    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
-
-
-async def _sse_events(content: aiohttp.StreamReader,
-                      response: aiohttp.ClientResponse | None = None) -> AsyncIterator[dict[str, Any]]:
-    """Server-sent events of an OpenAI-style stream, until ``[DONE]``. Cancelled while reading (the stream was
-    abandoned), it closes the connection, not returns it to the pool: a closed connection makes vLLM abort it."""
-    try:
-        async for event in _events(content):
-            yield event
-    except asyncio.CancelledError:
-        if response is not None:
-            response.close()
-        raise
-
-
-async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
-    async for raw in content:
-        line = raw.decode("utf-8").strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        event = json.loads(data)
-        if "error" in event and "choices" not in event:
-            if _refused(event["error"]):
-                raise _RequestRejected(_error_message(data))
-            # The server failed while it streamed (vLLM turns any exception in its generator into this event):
-            # the request was not refused for what it is, and is sent again.
-            raise RetryableError(f"the server failed mid-stream: {_error_message(data)}")
-        yield event
-
-
-def _refused(error: Any) -> bool:
-    """Whether an error event the server streamed refuses the request for what it is: a 4xx code (vLLM's
-    ``ErrorResponse`` carries the HTTP status it would have answered), or a bad request by its type."""
-    if not isinstance(error, dict):
-        return False
-    code = error.get("code")
-    if isinstance(code, int) and not isinstance(code, bool):
-        return 400 <= code < 500 and code not in (408, 429)
-    return str(error.get("type", "")).lower() in ("badrequesterror", "bad_request", "invalid_request_error")
