@@ -134,7 +134,7 @@ def test_a_stream_cancelled_while_the_server_loads_its_adapter_leaves_it_counted
         with pytest.raises(asyncio.CancelledError):
             await first
         await asyncio.sleep(0.4)  # the server finishes loading it
-        assert held.loaded() == ["a"] and held.needing_copies() == set(), "loaded, used by no stream: its copy may go"
+        assert held.loaded() == ["a"] and held.needing_copies() == {"a"}, "loaded: vLLM may read its copy again"
         await asyncio.wait_for(held.acquire("b"), 5)
         return server.calls
 
@@ -356,3 +356,34 @@ def test_a_live_request_that_joins_a_bulk_requests_load_is_waited_for_as_live():
         return [name for call, name in server.calls if call == "load"]
 
     assert asyncio.run(run()) == ["a", "c", "a"]
+
+
+def test_a_copy_that_does_not_fit_beside_the_loaded_adapters_unloads_an_idle_one_first():
+    """Two slots, a disk budget of two copies: a and b loaded, a idle. c's copy does not fit beside theirs, so the
+    slots unload a (its copy may then go) and c is copied and loaded; with both in use, c waits instead."""
+    from pipeline.serving.adapter_root import AdapterWaitsForRoom
+
+    class Disk(Server):
+        def __init__(self, held: AdapterSlots | None = None) -> None:
+            super().__init__()
+            self.slots = held
+
+        def fetch(self, name: str) -> str:
+            if self.slots is not None and len(self.slots.needing_copies() - {name}) >= 2:
+                raise AdapterWaitsForRoom(f"adapter {name!r} does not fit now beside the adapters held")
+            return super().fetch(name)
+
+    async def run() -> list[tuple[str, str]]:
+        server = Disk()
+        held = AdapterSlots(2, server.fetch, server.load, server.unload)
+        server.slots = held
+        await held.acquire("a")
+        await held.acquire("b")
+        held.release("a")
+        await asyncio.wait_for(held.acquire("c"), 2.0)
+        assert held.loaded() == ["b", "c"]
+        with pytest.raises(AdapterWaitsForRoom):  # b and c in use: nothing to unload, the request is tried again
+            await asyncio.wait_for(held.acquire("d"), 2.0)
+        return server.calls
+
+    assert asyncio.run(run()) == [("load", "a"), ("load", "b"), ("unload", "a"), ("load", "c")]

@@ -288,7 +288,7 @@ PARAMETERS: tuple[Parameter, ...] = (
               "Another name lora_adapter_root's adapters may give the served model as their base: the hub id a "
               "model_gcs_folder was copied from, for adapters trained on the hub's model. Empty: none.",
               "meta-llama/Llama-3.1-8B-Instruct", GROUP_MODEL, default="",
-              regex=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$|^gs://\S+$|^/\S+$"),
+              regex=r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$|^gs://\S+$|^(/|\./|\.\./|~)\S*$"),
     Parameter("lora_adapter_disk_gb", "Disk for adapter copies (GB)",
               "How much of each worker's disk the copies of a gs:// lora_adapter_root's adapters may take, within "
               "what it has free less 5 % (0: a quarter of the disk). The least recently loaded copies no stream or "

@@ -36,6 +36,8 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 
+from pipeline.serving.adapter_root import AdapterWaitsForRoom
+
 LOGGER = logging.getLogger(__name__)
 
 # How long a live request waits for a slot before the streams of the loaded adapters stop taking new ones.
@@ -71,15 +73,14 @@ class AdapterSlots:
         return list(self._loaded)
 
     def needing_copies(self) -> set[str]:
-        """The adapters whose copies on disk stay: being fetched or loaded (vLLM reads the files as it loads), or
-        loaded and used by a stream. A loaded adapter no stream uses gives its copy up to make room: vLLM holds its
-        weights in memory (it keeps as many adapters in CPU memory as it has slots, ``--max-cpu-loras``), and the
-        copy is made again if the adapter is ever loaded again. Read on the fetch's thread while the loop may change
-        them: tried again until a read is whole."""
+        """The adapters whose copies on disk stay: loaded, or being fetched or loaded. vLLM reads an adapter's files
+        as it loads it, and may read them again while it holds it (an adapter its CPU cache let go of); one it is
+        unloading needs them no more. A copy that does not fit beside these makes the slots unload an idle adapter
+        first (:meth:`_fetched_with_room`). Read on the fetch's thread while the loop may change them: tried again
+        until a read is whole."""
         while True:
             try:
-                used = {name for name, users in self._loaded.items() if users}
-                return used | set(self._loading) | set(self._placing)
+                return set(self._loaded) | set(self._loading) | set(self._placing)
             except RuntimeError:  # changed size during the read
                 continue
 
@@ -149,7 +150,7 @@ class AdapterSlots:
         handed_over = False  # the stream was cancelled while the server loaded it: the load settles on its own
         try:
             # Fetched and checked first: a name that cannot be served never unloads one that can.
-            path = await asyncio.get_running_loop().run_in_executor(None, self._fetch, name)
+            path = await self._fetched_with_room(name)
             # Live if any live request asks for it now, though the request loading it be bulk.
             self._waiting[name] = (self._live_asks[name] > 0, self._first_wait.setdefault(name, self._now()))
             self._wake()  # the streams that would join a loaded adapter now ask whether to hold back
@@ -185,6 +186,17 @@ class AdapterSlots:
                 self._placing.discard(name)
                 del self._loading[name]
             self._wake()
+
+    async def _fetched_with_room(self, name: str) -> str:
+        """Where ``name`` lies on this worker (the fetch), unloading the least recently used idle adapter, one at a
+        time, while its copy does not fit beside the copies of those loaded: otherwise idle adapters would hold the
+        disk budget, and the request would wait for room nothing frees."""
+        while True:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(None, self._fetch, name)
+            except AdapterWaitsForRoom:
+                if not await self._make_room():
+                    raise
 
     def _settle(self, name: str, future: asyncio.Future[None], load: asyncio.Future[None]) -> None:
         """A load whose stream was cancelled has ended: loaded, it counts with no use (let go as any idle one is),

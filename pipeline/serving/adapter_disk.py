@@ -110,7 +110,9 @@ class AdapterDisk:
                                   "this worker keeps for adapter copies (lora_adapter_disk_gb)")
         with self._lock:
             copies = self.copies()
-            budget = self._budget_beside(sum(size for size, _ in copies.values()))
+            # Copies under way have taken some of the free space already: their reservations count as held.
+            under_way = sum(bytes_ for other, bytes_ in self._reserved.items() if other not in copies and other != name)
+            budget = self._budget_beside(sum(size for size, _ in copies.values()) + under_way)
             held = self._in_use() | set(self._fetching) | {name}
             sizes = {other: bytes_ for other, (bytes_, _) in copies.items()}
             sizes.update({other: max(sizes.get(other, 0), bytes_) for other, bytes_ in self._reserved.items()})

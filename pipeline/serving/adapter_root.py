@@ -57,6 +57,11 @@ class AdapterUnreadable(Exception):
     """An adapter that could not be read just now (Cloud Storage or the disk failed): its request is tried again."""
 
 
+class AdapterWaitsForRoom(AdapterUnreadable):
+    """An adapter whose copy does not fit now beside the copies the adapter slots hold: unloading an idle adapter
+    frees its copy (:class:`~pipeline.engines.adapter_slots.AdapterSlots`), else its request is tried again."""
+
+
 @dataclass(frozen=True)
 class AdapterRoot:
     """A folder whose sub-folders are adapters, each named by its folder: ``gs://bucket/adapters/`` or a folder on
@@ -110,7 +115,7 @@ def _fetched(root: AdapterRoot, name: str, model_folder: str | None, max_lora_ra
     except AdapterTooLarge as exc:
         raise AdapterUnavailable(str(exc)) from None
     except AdapterNoRoom as exc:
-        raise AdapterUnreadable(str(exc)) from None
+        raise AdapterWaitsForRoom(str(exc)) from None
     except (WeightsError, FileNotFoundError, NotFound) as exc:
         raise AdapterUnavailable(f"adapter {name!r}: no adapter at {location} ({exc}); an adapter is a folder "
                                  "saved by peft (save_pretrained)") from None
