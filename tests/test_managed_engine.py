@@ -143,6 +143,7 @@ def test_a_stalled_server_restarted_and_one_that_lost_the_adapter_load_it_again_
         return real_read(settings, strict)
 
     monkeypatch.setattr(engine.backend, "_read_lineage", read_failing_once)
+    monkeypatch.setattr(vllm_engine_module, "LINEAGE_RETRY_S", 0.0)
     os.kill(old_pid, signal.SIGSTOP)  # alive but unresponsive
     try:
         assert wait_until(lambda: server.stats.restarts == restarts + 1, 60), "the manager restarts it"

@@ -52,6 +52,7 @@ LOGGER = logging.getLogger(__name__)
 # at that moment gets "Server disconnected" (seen at 0.25 requests/s). Dropping idle connections sooner avoids it.
 IDLE_CONNECTION_REUSE_S = 2.0
 SERVER_LOAD_INTERVAL_S = 1.0  # how often the engine reads the server's own load gauges
+LINEAGE_RETRY_S = 10.0  # a restarted server's lineage that failed to read is read again no sooner than this
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -120,6 +121,7 @@ class VLLMBackend:
         self._server_starts = self._server.stats.starts if self._server else 0
         self._lineage_read: asyncio.Future[None] | None = None  # a restarted server's lineage, being read
         self._lineage_stale = False  # the last read of a restarted server's lineage failed: read again
+        self._lineage_failed_at = float("-inf")  # when it failed (monotonic): read again no sooner than a while
         self._lineage_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-lineage")
         if spec is not None and spec.adapter_root is not None and self._server is not None:
             fetch = root_fetch(spec.adapter_root, model_folder=self._server.model_path, cache_dir=spec.model_cache_dir,
@@ -162,7 +164,7 @@ class VLLMBackend:
         except Exception:  # noqa: BLE001 - the answers keep the lineage read before, until a read succeeds
             LOGGER.exception("Reading the restarted server's lineage failed; answers keep the one read before, and "
                              "the next stream reads it again")
-            self._lineage_stale = True
+            self._lineage_stale, self._lineage_failed_at = True, time.monotonic()
             return
         if (self._server.stats.starts if self._server else 0) == starts:
             self._lineage_stale = False
@@ -279,7 +281,8 @@ class VLLMBackend:
             if self._adapter_slots is not None:
                 self._adapter_slots.forget()
             self._lineage_read = asyncio.ensure_future(self._refresh_lineage())
-        elif self._lineage_stale and self._lineage_read is not None and self._lineage_read.done():
+        elif self._lineage_stale and self._lineage_read is not None and self._lineage_read.done() \
+                and time.monotonic() - self._lineage_failed_at >= LINEAGE_RETRY_S:
             self._lineage_read = asyncio.ensure_future(self._refresh_lineage())  # the last read failed: again
         if self._lineage_read is not None and not self._lineage_read.done():
             await asyncio.shield(self._lineage_read)  # what this stream's answer records comes from the new server
