@@ -119,12 +119,12 @@ class LaneGovernor:
         self._before_idle: tuple[int, float | None] | None = None  # the limits live traffic last left, while idle
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
-        self._cap_ms, self._counted_at = 0.0, float("-inf")  # the cap integrated over time, and up to when
+        self._counted_at = float("-inf")  # up to when the totals integrated over time count
         # The percentiles the last adjustment acted on (ms; None: none measured), integrated over the time governed.
         self._acted_on: tuple[float | None, float | None] = (None, None)
-        self._integrals = {"lane_governed_ms": 0.0, "live_first_token_p95_ms_ms": 0.0,
-                           "live_inter_token_p95_ms_ms": 0.0}
-        self._sums = {"live_first_token_ms": 0.0, "live_inter_token_ms": 0.0}  # whose totals count whole ms
+        # The totals that add fractions (ms, and values integrated over time), each counting its whole part.
+        self._sums = dict.fromkeys(("live_first_token_ms", "live_inter_token_ms", "bulk_cap_ms", "lane_governed_ms",
+                                    "live_first_token_p95_ms_ms", "live_inter_token_p95_ms_ms"), 0.0)
 
     @property
     def governed(self) -> bool:
@@ -173,8 +173,7 @@ class LaneGovernor:
         streams."""
         if self._counted_at > float("-inf"):
             elapsed_ms = max(now - self._counted_at, 0.0) * 1000.0
-            self._cap_ms += self.cap * elapsed_ms
-            self.totals["bulk_cap_ms"] = int(self._cap_ms)
+            self._add("bulk_cap_ms", self.cap * elapsed_ms)
             if self.governed:
                 self._integrate(elapsed_ms)
         self._counted_at = now
@@ -223,8 +222,7 @@ class LaneGovernor:
         first, inter = self._acted_on
         for total, value in (("lane_governed_ms", 1.0), ("live_first_token_p95_ms_ms", first or 0.0),
                              ("live_inter_token_p95_ms_ms", inter or 0.0)):
-            self._integrals[total] += value * elapsed_ms
-            self.totals[total] = int(self._integrals[total])
+            self._add(total, value * elapsed_ms)
 
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
         self._adjusted_at = now
