@@ -27,6 +27,7 @@ class _SlowTypist:
     """A backend whose stream says "a", then "b" 10 ms later, then nothing for a second."""
 
     whole_batches = False
+    preempts = False
     model_name = "typist"
     lineage = ServingLineage(model=WeightsLineage("typist", None, None), engine="a typist", image=None, settings={})
 
@@ -45,6 +46,9 @@ class _SlowTypist:
         self.events.cut(stream, lambda: assembler.add("b", 2, time.time()))
 
     def cancel(self, streams: list[Stream]) -> None:
+        pass
+
+    def preempt(self, streams: list[Stream]) -> None:
         pass
 
     def load(self) -> ServerLoad:

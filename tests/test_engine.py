@@ -17,7 +17,7 @@ import pytest
 from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
+from pipeline.contract.stream_progress import ATTEMPT, CHUNK, COMPLETION, DEAD_LETTER
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
@@ -291,6 +291,58 @@ def test_a_bulk_lane_that_fills_its_streams_leaves_the_live_reserve_to_live_requ
         assert {completions[r.id]["lane"] for r in live} == {"live"}
     finally:
         engine.close()
+
+
+def test_a_halving_sheds_running_bulk_streams_at_the_server_and_each_starts_over_and_ends_once(vllm_server):
+    """Six bulk streams run; a live request's first token passes a 1 ms objective, so the lane halves to three and
+    the engine sheds the three youngest at once: vLLM aborts them (it runs at most three bulk beside the live one
+    while they wait), and each starts over when the lane has room again (live idle: its whole share). Every bulk
+    request still ends with one completion, the same greedy text as the others, and a shed stream whose chunks
+    had gone out starts a new stream of chunks that alone spells its answer."""
+    engine = engine_for(vllm_server.base_url, max_in_flight=8, bulk_lane=True, live_reserve=0.25,
+                        live_first_token_slo_ms=1.0, live_inter_token_slo_ms=0.0)
+    samples: list[tuple[float, int]] = []  # (server running, streams shed so far)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((server_metrics(vllm_server.base_url)[RUNNING_METRIC],
+                            engine.stats()["bulk_streams_shed"] or 0))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    try:
+        bulk = [InferenceRequest(id=f"bulk{i}", prompt="Tell me a story.", max_tokens=48, min_tokens=48,
+                                 temperature=0.0, received_at=time.time(), lane="bulk") for i in range(6)]
+        assert all(engine.submit_batch([r.to_json() for r in bulk], [1] * 6))
+        assert wait_until(lambda: server_metrics(vllm_server.base_url)[RUNNING_METRIC] == 6, 120)
+        sampler.start()
+        live = InferenceRequest(id="live", prompt="Say hi.", max_tokens=4, received_at=time.time())
+        drive = drive_to_end(engine, [*bulk, live], timeout_s=300)  # the bulk ones join their running streams
+    finally:
+        stop.set()
+        if sampler.is_alive():
+            sampler.join()
+        engine.close()
+    assert not drive.dead_letters()
+    assert engine.stats()["bulk_streams_shed"] >= 3
+    assert any(shed >= 3 and running <= 4 for running, shed in samples), \
+        "vLLM aborted the shed streams: at most three bulk beside the live one ran while they waited"
+    completions = {record["id"]: record for record in drive.completions()}
+    assert sorted(completions) == sorted([*(r.id for r in bulk), "live"])
+    texts = {completions[r.id]["text"] for r in bulk}
+    assert len(texts) == 1 and all(completions[r.id]["usage"]["completion_tokens"] == 48 for r in bulk), \
+        "started over, each shed stream answered what the others did"
+    restarted = 0
+    for request in bulk:
+        outputs = drive.outputs[request.id]
+        marks = [n for n, (kind, _) in enumerate(outputs) if kind == ATTEMPT]
+        after = outputs[marks[-1] + 1:] if marks else outputs
+        chunks = [record for kind, record in after if kind == CHUNK]
+        assert "".join(c["text"] for c in sorted(chunks, key=lambda c: c["seq"])) == completions[request.id]["text"]
+        assert len({c["stream"] for c in chunks}) == 1 and [c["seq"] for c in chunks] == list(range(len(chunks)))
+        restarted += bool(marks)
+    assert restarted <= 3
 
 
 TICKET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["category", "urgency", "summary"],

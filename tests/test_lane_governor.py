@@ -294,22 +294,31 @@ class SteppedServer:
     def __init__(self, row_ms: float, prompt_ms: float) -> None:
         self.row_ms, self.prompt_ms = row_ms, prompt_ms
         self.row_s = 0.0  # bulk rows run over the measured half, in stream-seconds: the lane's tokens
+        self.shed_s = 0.0  # of them, the rows of streams shed later, which start over: tokens thrown away
+        self.timeline: list[tuple[float, float, float]] = []  # (when, live first token ms, inter-token ms), all
 
-    def run(self, lane: LaneGovernor, seconds: int, bulk_prompt: int, answer_s: float = 2.0) -> list[tuple[float, float]]:
+    def run(self, lane: LaneGovernor, seconds: int, bulk_prompt: int, answer_s: float = 2.0,
+            shed: bool = False) -> list[tuple[float, float]]:
         """Each 0.1 s: bulk streams start up to the cap and budget (each runs ``answer_s``), one live stream is
         measured; returns (live first token ms, live inter-token ms) of every tenth of the last half, and adds the
-        bulk rows run in it to ``row_s``."""
-        running: list[float] = []  # when each bulk stream ends
+        bulk rows run in it to ``row_s``. With ``shed``, the youngest streams past the cap stop at once (as the
+        engine sheds them, :meth:`StreamRegistry.shed`) and what they ran within the measured half goes to
+        ``shed_s``."""
+        running: list[tuple[float, float]] = []  # (when it started, when it ends) of each bulk stream
         started: list[tuple[float, int]] = []
         seen = []
         for tick in range(seconds * 10):
             now = tick / 10
-            running = [end for end in running if end > now]
+            running = [(began, end) for began, end in running if end > now]
             lane.live_sent(now)
             cap = lane.bulk_cap(now, live_running=1, bulk_running=len(running))
+            if shed and len(running) > cap:
+                running.sort()
+                self.shed_s += sum(now - max(began, seconds / 2) for began, _ in running[cap:] if now > seconds / 2)
+                running = running[:cap]
             want = max(cap - len(running), 0)
             for _ in range(lane.prompts_fitting(now, [bulk_prompt] * want)):
-                running.append(now + answer_s)
+                running.append((now, now + answer_s))
                 started.append((now, bulk_prompt))
                 lane.bulk_started(now, bulk_prompt)
             prompts = sum(tokens for at, tokens in started if now - at < 1.0)
@@ -317,6 +326,7 @@ class SteppedServer:
             first = 50.0 + self.prompt_ms * prompts + inter
             lane.first_token(now, first)
             lane.inter_tokens(now, inter, 1)
+            self.timeline.append((now, first, inter))
             if tick >= seconds * 5:
                 seen.append((first, inter))
                 self.row_s += len(running) / 10
@@ -353,6 +363,25 @@ def test_a_lane_beside_a_server_whose_steps_grow_with_its_rows_keeps_both_object
     assert within(seen, 600.0, 150.0), (lane.cap, lane.prompt_budget)
     best = max(fixed.values())
     assert server.row_s >= 0.6 * best, (server.row_s, fixed, lane.cap, lane.prompt_budget)
+    shedding = SteppedServer(row_ms, prompt_ms)
+    lane = LaneGovernor(600.0, 64, inter_token_objective_ms=150.0)
+    assert within(shedding.run(lane, 240, 400, answer_s, shed=True), 600.0, 150.0), (lane.cap, lane.prompt_budget)
+    assert shedding.row_s - shedding.shed_s >= 0.6 * best, "shedding, net of the rows it throws away"
+
+
+@pytest.mark.parametrize("answer_s", [2.0, 30.0])
+def test_shedding_brings_live_latency_within_the_objectives_within_seconds_of_meeting_a_whole_lane(answer_s):
+    """Live traffic that meets the lane at its whole share (the first live request after an idle spell, or a
+    job's start) is within both objectives a few seconds later when the engine sheds the streams past the cap;
+    without shedding, only once the running bulk answers end: with 30 s answers, half a minute."""
+    def settled_at(shed: bool) -> float:
+        server = SteppedServer(6.0, 0.05)
+        server.run(LaneGovernor(600.0, 64, inter_token_objective_ms=150.0), 60, 400, answer_s, shed=shed)
+        over = [now for now, first, inter in server.timeline if first > 600.0 or inter > 150.0]
+        return max(over, default=0.0)
+    assert settled_at(shed=True) <= 3.0
+    if answer_s > 8.0:
+        assert settled_at(shed=False) >= 0.9 * answer_s, "the premise: without shedding the answers' length"
 
 
 def test_without_the_inter_token_signal_or_the_wait_for_running_rows_the_worlds_fail(monkeypatch):
@@ -443,3 +472,49 @@ def test_the_percentiles_the_lane_acts_on_are_counted_over_the_time_it_is_govern
     off.bulk_cap(0.0)
     off.bulk_cap(3.0)
     assert off.totals["lane_governed_ms"] == 0, "a lane no objective governs acts on no latency"
+
+
+def test_a_halving_sheds_the_youngest_bulk_streams_past_the_cap_which_run_again_before_any_new_bulk_request():
+    """A halving stops the bulk streams past the cap at once, the youngest first (they generated least), not as
+    they end; each shed stream keeps its place and runs again, the first shed first, as the lane has room, before
+    any new bulk request; one that finishes or is cancelled meanwhile is no longer waited for."""
+    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                             live_first_token_slo_ms=1000.0), "engine", preempts=True)
+    start = time.monotonic()
+    for i in range(6):
+        registry.submit([request(i, True)], [1], "client", start + i)
+    (live_key,), (live,) = registry.submit([request(0, False)], [1], "client", start + 6)
+    registry.began(live, time.time(), start + 6)
+    registry.first_chunk(live, start + 7.5)  # 1,500 ms: past the objective
+    assert registry.shed(start + 8) == [] and registry.lane.cap == 6, "the whole share (12) halved: six fit it"
+    registry.lane._adjusted_at = -1e9
+    registry.began(live, time.time(), start + 9)
+    registry.first_chunk(live, start + 10.5)
+    shed = registry.shed(start + 11)
+    assert registry.lane.cap == 3 and [s.request.id for s in shed] == ["bulk-5", "bulk-4", "bulk-3"], \
+        "halved to 3: the three youngest are shed"
+    assert registry.lane.totals["bulk_streams_shed"] == 3 and registry.bulk_unfinished == 6
+    assert registry.shed(start + 11.1) == [], "within the cap now: nothing more"
+    assert registry.submit([request(9, True)], [1], "client", start + 11.2)[0] == [None], \
+        "the shed streams hold their places: a new bulk request waits behind them"
+    bulk = {s.request.id: s for s in registry.streams.values() if s.request.bulk}
+    assert registry.resume(bulk["bulk-0"], start + 11.3), "one never shed runs on"
+    assert not registry.resume(bulk["bulk-3"], start + 11.3), "three run, the cap is 3: the shed wait"
+    registry.emit(bulk["bulk-0"], ("completion", "{}"), final=True)
+    assert not registry.resume(bulk["bulk-3"], start + 11.4), "the first shed runs first"
+    assert registry.resume(bulk["bulk-5"], start + 11.4) and not registry.resume(bulk["bulk-4"], start + 11.4)
+    registry.stop(registry.take([bulk["bulk-4"].key]), start + 11.5)  # cancelled while shed
+    assert list(registry.shed_streams) == [bulk["bulk-3"].key]
+    assert registry.bulk_unfinished == 4 and registry.unfinished == 5
+    assert live_key is not None
+
+
+def test_no_stream_is_shed_where_the_backend_cannot_stop_one_or_no_objective_governs_the_lane():
+    for preempts, objective in ((False, 1000.0), (True, 0.0)):
+        registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                                 live_first_token_slo_ms=objective, live_inter_token_slo_ms=0),
+                                  "engine", preempts=preempts)
+        registry.submit([request(i, True) for i in range(6)], [1] * 6, "client", time.monotonic())
+        registry.lane.cap = 1
+        registry.lane._adjusted_at = time.monotonic() + 3600
+        assert registry.shed(time.monotonic()) == [] and not registry.shed_streams

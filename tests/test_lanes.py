@@ -20,6 +20,7 @@ from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import LANE_ATTRIBUTE, DeadLetter, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.engines.lane_governor import BULK_STARVED_S
 from pipeline.generation.key_driver import submit_in_order
 from pipeline.generation.key_events import Arrived, Effects, PollDue, Polled, Rules, SubmitResult, Submitted
 from pipeline.generation.key_machine import step
@@ -90,6 +91,27 @@ def test_bulk_reads_stop_where_the_live_reserve_begins_and_live_reads_take_it():
     assert ledger.admit(["b-more"], (), True) == 0, "the bulk lane is at its bound"
     assert ledger.admit([f"l{i}" for i in range(20)]) == 4, "live reads take the reserve"
     assert ledger.admit(["l-more"]) == 0
+
+
+def test_a_bulk_lane_that_live_traffic_kept_out_for_bulk_starved_s_takes_one_place_in_the_reserve():
+    """Live reads hold the whole bulk bound: bulk reads find no room, but after BULK_STARVED_S with no bulk read
+    or request admitted and no bulk stream at the engine, one place within the whole bound (the engine's own rule
+    then starts it); not while a bulk stream runs, not two at once, never past the whole bound."""
+    now, bulk_running = [0.0], [0]
+    ledger = AdmissionLedger(_settings(), lambda: 0, clock=lambda: now[0], bulk_unfinished=lambda: bulk_running[0])
+    assert ledger.admit([f"l{i}" for i in range(13)]) == 13, "live holds past the bulk bound (12)"
+    assert ledger.admit(["b0"], (), True) == 0, "the lane's wait begins"
+    now[0] = BULK_STARVED_S - 0.1
+    assert ledger.admit(["b1"], (), True) == 0
+    now[0] = BULK_STARVED_S
+    bulk_running[0] = 1
+    assert ledger.admit(["b2"], (), True) == 0, "a bulk stream runs at the engine: the lane moves"
+    bulk_running[0] = 0
+    assert ledger.admit(["b3", "b4"], (), True) == 1, "starved: one place in the reserve"
+    assert ledger.admit(["b5"], (), True) == 0, "and the wait begins again"
+    now[0] = 2 * BULK_STARVED_S
+    assert ledger.admit(["l13", "l14", "l15"]) == 2, "live takes what is left (16 in all)"
+    assert ledger.admit(["b6"], (), True) == 0, "the whole bound is held: nothing, starved or not"
 
 
 def _request(n: int, bulk: bool) -> InferenceRequest:

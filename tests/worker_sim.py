@@ -277,7 +277,7 @@ class SimEngine:
 
     def restart(self, now: float, length_s: float) -> None:
         """The model server restarts, back after ``length_s``: the engine sends each running stream again as its
-        next attempt, which says so in its window (as :meth:`pipeline.engines.engine.Engine.new_attempt` does)
+        next attempt, which says so in its window (as :meth:`pipeline.engines.engine.Engine.restart` does)
         and generates from its start."""
         for key, generation in list(self.server.items()):
             stream = generation.stream

@@ -38,8 +38,12 @@ class StreamEvents(Protocol):
     def cut(self, stream: Stream, step: Callable[[], list[Chunk]]) -> None:
         """Runs a step of the stream's assembler (text arrived, or the stream finished) and sends its chunks on."""
 
-    def new_attempt(self, stream: Stream) -> None:
-        """The stream starts over after some of its chunks went out: its next chunks are a new attempt's."""
+    def restart(self, stream: Stream) -> None:
+        """The stream's attempt ended without its answer; its next starts over (a new attempt where chunks went
+        out)."""
+
+    def may_run(self, stream: Stream) -> bool:
+        """Whether the stream may start an attempt now (False while the bulk lane keeps it shed)."""
 
     def chunks_pending(self, stream: Stream) -> bool:
         """Whether the outlet has yet to confirm a chunk of the stream (its completion waits until it has)."""
@@ -56,6 +60,7 @@ class Backend(Protocol):
     """Generates the engine's streams: built with the engine's settings and the :class:`StreamEvents` to tell."""
 
     whole_batches: bool  # a batch is started whole or not at all (static batching): StreamRegistry.room
+    preempts: bool  # it can stop a running stream's attempt to start it over later: StreamRegistry.shed
     model_name: str  # what completions name as their model
     lineage: ServingLineage  # what produced its answers (pipeline.serving.lineage)
 
@@ -64,6 +69,10 @@ class Backend(Protocol):
 
     def cancel(self, streams: list[Stream]) -> None:
         """Stops generating these streams, if it can; their outputs are discarded either way."""
+
+    def preempt(self, streams: list[Stream]) -> None:
+        """Stops these streams' attempts (with ``preempts``): each starts over once :meth:`StreamEvents.may_run`
+        lets it."""
 
     def load(self) -> ServerLoad:
         """Requests running and waiting at the model server, without waiting on it."""

@@ -93,7 +93,8 @@ class Engine:
         self._chunk_publisher = outlet(settings.chunk_topic) if settings.chunk_topic else None
         self.instance = uuid.uuid4().hex[:12]  # in every key: no other engine, here or on another worker, has it
         # The streams, behind the lock: every touch of the registry holds it.
-        self._registry = StreamRegistry(settings, self.instance, whole_batches=self.backend.whole_batches)
+        self._registry = StreamRegistry(settings, self.instance, whole_batches=self.backend.whole_batches,
+                                        preempts=self.backend.preempts)
         self._janitor = threading.Thread(target=self._expire_leases, name="engine-leases", daemon=True)
         self._janitor.start()
         threading.Thread(target=self._cut_waiting_text, name="engine-chunk-clock", daemon=True).start()
@@ -152,6 +153,11 @@ class Engine:
         with self._lock:
             return self._registry.unfinished
 
+    def bulk_in_flight(self) -> int:
+        """Of :meth:`in_flight`, the bulk lane's streams (those it shed included)."""
+        with self._lock:
+            return self._registry.bulk_unfinished
+
     def stats(self) -> dict[str, int | None]:
         """What the engine holds and has done, for the worker's load gauges: requests running and waiting at the
         model server (None where it cannot tell), the model's busy time so far (ms: what every request's
@@ -190,7 +196,8 @@ class Engine:
     # Leases ----------------------------------------------------------------------------
 
     def _expire_leases(self) -> None:
-        """Cancels and forgets the streams whose lease ran out (see the module docstring)."""
+        """Cancels and forgets the streams whose lease ran out (see the module docstring), and sheds the bulk
+        streams past the lane's cap (:meth:`StreamRegistry.shed`): the lane shrinks within a tick."""
         lease = self.settings.stream_lease_s
         last = time.monotonic()
         while not self._closed:
@@ -198,7 +205,12 @@ class Engine:
             now = time.monotonic()
             with self._lock:
                 streams = self._registry.expire(now - last)
+                shed = self._registry.shed(now) if self.settings.bulk_lane else []
             last = now
+            if shed:
+                LOGGER.info("The bulk lane shed %d stream(s) past its cap of %d: each starts over when it has room",
+                            len(shed), self._registry.lane.cap)
+                self.backend.preempt(shed)
             finished = sum(stream.done for stream in streams)
             if len(streams) > finished:
                 LOGGER.warning("%d stream(s) not polled for stream_lease_s=%g while this worker polled others, or "
@@ -254,10 +266,20 @@ class Engine:
             if stream.assembler is not None:
                 self._registry.tokens(stream, arrived, stream.assembler.tokens)
 
-    def new_attempt(self, stream: Stream) -> None:
+    def restart(self, stream: Stream) -> None:
+        """The stream's attempt ended without its answer and the next starts over: one whose chunks went out makes
+        a new attempt, and text its assembler still held is not cut (the chunk clock would cut it after the new
+        attempt's mark, as the old attempt's)."""
         with self._lock:
-            stream.attempt += 1
-            stream.window.add((ATTEMPT, str(stream.attempt)))
+            assembler, stream.assembler = stream.assembler, None
+            if assembler is not None and assembler.chunks_emitted > 0:
+                stream.attempt += 1
+                stream.window.add((ATTEMPT, str(stream.attempt)))
+
+    def may_run(self, stream: Stream) -> bool:
+        """Whether the stream may start (again) now: False while the lane keeps it shed."""
+        with self._lock:
+            return self._registry.resume(stream, time.monotonic())
 
     def _queue_chunks(self, stream: Stream, chunks: list[Chunk]) -> None:
         """Publishes and/or queues chunks for poll(); the caller holds the lock."""

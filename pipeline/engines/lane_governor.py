@@ -22,11 +22,12 @@ it cannot show its effect):
 
 The rule, either objective counting (0 follows none of that kind):
 
-* at ``NEAR`` (90 %) of an objective, before it is passed, the cap and the budget halve (the lane shrinks within
-  seconds), and halve again only on latencies begun after, and after the bulk streams running came within the
-  cap (a halving stops new bulk streams, it does not end running ones: what came before cannot show its effect,
-  and halving on it again and again would take a lane of long answers down to one stream while their rows still
-  run);
+* at ``NEAR`` (90 %) of an objective, before it is passed, the cap and the budget halve, and halve again only on
+  latencies begun after, and after the bulk streams running came within the cap (what came before cannot show
+  its effect). The lane shrinks within a second: the engine sheds the youngest bulk streams past the cap (vLLM's
+  backend stops their attempts; each starts over, before any new bulk request, once the lane has room:
+  :meth:`pipeline.engines.stream_registry.StreamRegistry.shed`), at the cost of the tokens they had generated.
+  Where the backend cannot stop an attempt (the in-process static batches), running streams end on their own;
 * below ``HEADROOM`` of every objective, the cap grows by one while the lane runs as many streams as its cap, and
   the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
   the lane does not meet tells nothing of what more would cost);
@@ -42,7 +43,8 @@ Both objectives 0 turns the governor off: the cap is ``bulk_streams``, the fixed
 no budget. The cap, the budget (-1: unbounded) and the percentiles are the worker's load gauges; its counters
 (:data:`TOTALS`, what the dashboard charts, as Cloud Monitoring charts no gauges) count the live latencies, those
 past their objective and their sum in ms (a rate of one over a rate of the other is a mean), each decision (the
-halvings, the growths, the openings to the whole share while live is idle, and the starved lane's starts), the cap
+halvings, the growths, the openings to the whole share while live is idle, the starved lane's starts, and the
+bulk streams shed), the cap
 over time (its rate is the cap), the bulk prompt tokens started, and the time governed with the percentiles it
 acted on integrated over it (the rate of one over the rate of the time governed is their mean).
 
@@ -77,8 +79,8 @@ BULK_STARVED_S = 30.0
 # The governor's running totals, by the names the worker counts them under (pipeline.worker.load).
 TOTALS = ("live_first_tokens", "live_first_tokens_over_objective", "live_first_token_ms", "live_inter_tokens",
           "live_inter_tokens_over_objective", "live_inter_token_ms", "bulk_lane_halvings", "bulk_lane_growths",
-          "bulk_lane_idle_openings", "bulk_lane_starved_starts", "bulk_cap_ms", "bulk_prompt_tokens_started",
-          "lane_governed_ms", "live_first_token_p95_ms_ms", "live_inter_token_p95_ms_ms")
+          "bulk_lane_idle_openings", "bulk_lane_starved_starts", "bulk_streams_shed", "bulk_cap_ms",
+          "bulk_prompt_tokens_started", "lane_governed_ms", "live_first_token_p95_ms_ms", "live_inter_token_p95_ms_ms")
 
 
 class LatencyWindow:
@@ -257,6 +259,10 @@ class LaneGovernor:
         if self.prompt_budget is not None and now - self._budget_waited_at <= ADJUST_S:
             self.prompt_budget += self._mean_prompt(now)
         self.totals["bulk_lane_growths"] += (self.cap, self.prompt_budget) != before
+
+    def shed(self, streams: int) -> None:
+        """The engine stopped ``streams`` bulk streams that ran past the cap, to start them over within it."""
+        self.totals["bulk_streams_shed"] += streams
 
     def starved_start(self) -> None:
         """A lane that live traffic kept from running for ``BULK_STARVED_S`` started a request where it could."""

@@ -36,20 +36,24 @@ class Stream:
     taken_mono: float | None = None  # when the model took its first attempt (monotonic), until its first token
     last_token: tuple[float, int] | None = None  # (when, tokens so far) of its last text, from its first token on
     accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
+    running_since: float = 0.0  # when it last started or resumed (monotonic): the lane sheds the youngest first
 
 
 class StreamRegistry:
     """One engine's streams; not thread-safe (the engine calls it under its lock).
 
     ``instance`` names the engine in every stream's key; ``whole_batches``: a batch is taken whole or not at all
-    (static batching), else any of it that fits.
+    (static batching), else any of it that fits; ``preempts``: the backend can stop a running stream's attempt and
+    start it over later (:meth:`shed`), else a lane shrinks only as its running streams end.
     """
 
-    def __init__(self, settings: EngineSettings, instance: str, *, whole_batches: bool = False) -> None:
-        self.settings, self.instance, self.whole_batches = settings, instance, whole_batches
+    def __init__(self, settings: EngineSettings, instance: str, *, whole_batches: bool = False,
+                 preempts: bool = False) -> None:
+        self.settings, self.instance, self.whole_batches, self.preempts = settings, instance, whole_batches, preempts
         self.streams: dict[str, Stream] = {}
         self.unfinished = 0  # streams not yet done: what max_in_flight bounds
-        self.bulk_unfinished = 0  # of them, the bulk lane's: what the lane's cap bounds
+        self.bulk_unfinished = 0  # of them, the bulk lane's: what the lane's cap bounds (the shed ones included)
+        self.shed_streams: dict[str, Stream] = {}  # bulk streams the lane shed, in the order shed: they run again first
         self._bulk_refused_since: float | None = None  # a bulk request found no room, none running, since then
         self.busy = BusyShares()
         self.leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
@@ -78,7 +82,7 @@ class StreamRegistry:
             if n >= room:
                 keys[i] = None
                 continue
-            stream = Stream(asked[i], requests[i], attempts[i])
+            stream = Stream(asked[i], requests[i], attempts[i], running_since=now_mono)
             self._renew(stream, client)
             self.streams[stream.key] = stream
             started.append(stream)
@@ -129,7 +133,38 @@ class StreamRegistry:
     def bulk_cap(self, now: float) -> int:
         """How many bulk streams the lane may run now, beside the live and bulk streams running
         (:class:`.lane_governor.LaneGovernor`)."""
-        return self.lane.bulk_cap(now, self.unfinished - self.bulk_unfinished, self.bulk_unfinished)
+        return self.lane.bulk_cap(now, self.unfinished - self.bulk_unfinished,
+                                  self.bulk_unfinished - len(self.shed_streams))
+
+    def shed(self, now: float) -> list[Stream]:
+        """The bulk streams running past the lane's cap, the youngest first (they have generated least), now
+        shed: the backend stops their attempts and each waits in :meth:`resume` to start over. A halving thus
+        shrinks the lane at once, not as its streams end; a shed stream keeps its place in ``max_in_flight`` and
+        runs again before any new bulk request. None where the backend cannot stop an attempt or the lane is not
+        governed."""
+        if not self.preempts or not self.lane.governed or not self.bulk_unfinished:
+            return []
+        running = [s for s in self.streams.values() if s.request.bulk and not s.done and s.key not in self.shed_streams]
+        excess = len(running) - self.bulk_cap(now)
+        if excess <= 0:
+            return []
+        youngest = sorted(running, key=lambda s: s.running_since, reverse=True)[:excess]
+        for stream in youngest:
+            self.shed_streams[stream.key] = stream
+        self.lane.shed(len(youngest))
+        return youngest
+
+    def resume(self, stream: Stream, now: float) -> bool:
+        """Whether the stream may run (again) now: one not shed, or the one shed first while the lane runs fewer
+        streams than its cap."""
+        if stream.key not in self.shed_streams:
+            return True
+        if next(iter(self.shed_streams)) != stream.key or \
+                self.bulk_unfinished - len(self.shed_streams) >= self.bulk_cap(now):
+            return False
+        del self.shed_streams[stream.key]
+        stream.running_since = now
+        return True
 
     def poll(self, positions: dict[str, int], client: str) -> dict[str, list[tuple[str, str]]]:
         """For each key, its outputs from ``positions[key]`` on (see :meth:`.engine.Engine.poll`)."""
@@ -170,9 +205,7 @@ class StreamRegistry:
         for stream in streams:
             stream.accelerator_s += self.busy.end(stream.key, now_mono)
             if not stream.done:
-                stream.done = True
-                self.unfinished -= 1
-                self.bulk_unfinished -= stream.request.bulk
+                self._finished(stream)
                 running.append(stream)
         return running
 
@@ -184,9 +217,13 @@ class StreamRegistry:
         """Adds an output to the stream's window; ``final`` ends the stream."""
         stream.window.add(output)
         if final and not stream.done:
-            stream.done = True
-            self.unfinished -= 1
-            self.bulk_unfinished -= stream.request.bulk
+            self._finished(stream)
+
+    def _finished(self, stream: Stream) -> None:
+        stream.done = True
+        self.unfinished -= 1
+        self.bulk_unfinished -= stream.request.bulk
+        self.shed_streams.pop(stream.key, None)
 
     def began(self, stream: Stream, now: float, now_mono: float) -> None:
         """The model took the stream (an attempt of it) at ``now``: it shares the model's time from here."""

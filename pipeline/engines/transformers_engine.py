@@ -118,6 +118,7 @@ class TransformersBackend:
     """Loads the model in-process and generates each submitted batch together, one batch at a time."""
 
     whole_batches = True  # a batch the batcher formed is generated as one
+    preempts = False  # a batch runs to its end: a bulk lane shrinks as its batches end
 
     def __init__(self, settings: EngineSettings, events: StreamEvents) -> None:
         self.settings = settings
@@ -189,6 +190,9 @@ class TransformersBackend:
 
     def cancel(self, streams: list[Stream]) -> None:
         """Nothing to stop: a batch runs to its end, and a cancelled stream's outputs are not kept."""
+
+    def preempt(self, streams: list[Stream]) -> None:
+        """Never asked (``preempts`` is False)."""
 
     def load(self) -> ServerLoad:
         return None, None

@@ -18,11 +18,9 @@ import asyncio
 import atexit
 import concurrent.futures
 import functools
-import json
 import logging
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import aiohttp
@@ -44,7 +42,14 @@ from pipeline.engines.server_events import (
 from pipeline.engines.stream_registry import Stream
 from pipeline.serving.adapter_root import AdapterUnavailable, AdapterUnreadable, root_fetch
 from pipeline.serving.lineage import ServingLineage, adapter_lineage, after_restart, seed_for, server_lineage
-from pipeline.serving.vllm_server import RUNNING_METRIC, WAITING_METRIC, VLLMServer, server_metrics
+from pipeline.serving.vllm_server import (
+    RUNNING_METRIC,
+    WAITING_METRIC,
+    VLLMServer,
+    optional_server_json,
+    server_json,
+    server_metrics,
+)
 
 LOGGER = logging.getLogger(__name__)
 
@@ -52,22 +57,8 @@ LOGGER = logging.getLogger(__name__)
 # at that moment gets "Server disconnected" (seen at 0.25 requests/s). Dropping idle connections sooner avoids it.
 IDLE_CONNECTION_REUSE_S = 2.0
 SERVER_LOAD_INTERVAL_S = 1.0  # how often the engine reads the server's own load gauges
+SHED_POLL_S = 0.05  # how often a stream the bulk lane shed asks whether it may run again
 LINEAGE_RETRY_S = 10.0  # a restarted server's lineage that failed to read is read again no sooner than this
-
-
-def _get_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        found = json.load(response)
-    return found if isinstance(found, dict) else {}
-
-
-def _optional_json(url: str) -> dict[str, Any]:
-    """:func:`_get_json`, or {} from a server that does not answer it (a ``server_url`` that is not vLLM)."""
-    try:
-        return _get_json(url)
-    except (OSError, ValueError) as exc:
-        LOGGER.warning("%s did not answer (%s): the answers' lineage goes without it", url, exc)
-        return {}
 
 
 def vllm_engine(settings: EngineSettings) -> Engine:
@@ -79,6 +70,7 @@ class VLLMBackend:
     """Hosts the vLLM server (if managed) and streams requests to it concurrently."""
 
     whole_batches = False  # any requests that fit are taken: the server batches continuously
+    preempts = True  # an attempt is a connection: closing it makes vLLM abort the request, and the next starts over
 
     def __init__(self, settings: EngineSettings, events: StreamEvents) -> None:
         # The server first: a backend whose server never answers (a rebuild that fails, again and again) must leave
@@ -107,6 +99,7 @@ class VLLMBackend:
         self._loop_thread.start()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, concurrent.futures.Future] = {}
+        self._attempts: dict[str, asyncio.Task[None]] = {}  # each running stream's attempt (on the loop)
         self._server_load_cache: ServerLoad = (None, None)
         self._load_reader = threading.Thread(target=self._read_server_load, name="engine-server-load", daemon=True)
         self._load_reader.start()
@@ -136,7 +129,7 @@ class VLLMBackend:
     def _discover_model_name(self, settings: EngineSettings) -> str:
         if settings.server is not None:
             return settings.server.model_name
-        models = _get_json(f"{self.base_url}/v1/models").get("data")
+        models = server_json(f"{self.base_url}/v1/models").get("data")
         if not models:
             raise RuntimeError(f"{self.base_url} serves no models")
         return models[0]["id"]
@@ -144,7 +137,7 @@ class VLLMBackend:
     def _read_lineage(self, settings: EngineSettings, strict: bool = False) -> ServingLineage:
         """What the server loaded, as it says itself (``/version``, ``/v1/models``) and, managed, as its engine
         logged it (:func:`~pipeline.serving.lineage.server_lineage`); ``strict``: raises where it does not say."""
-        read = _get_json if strict else _optional_json
+        read = server_json if strict else optional_server_json
         listed = read(f"{self.base_url}/v1/models").get("data")
         cards = {card["id"]: card for card in (listed if isinstance(listed, list) else [])
                  if isinstance(card, dict) and isinstance(card.get("id"), str)}
@@ -201,9 +194,8 @@ class VLLMBackend:
 
     def _read_server_load(self) -> None:
         """vLLM's running and waiting gauges, read every :data:`SERVER_LOAD_INTERVAL_S` (None while it does not
-        answer) by a thread of the engine's: a step asking for the worker's load never waits on the server (a work
-        item kept a second by a busy server's ``/metrics`` would poll none of its streams meanwhile, and their
-        leases run out while its process polls other keys': :mod:`pipeline.engines.leases`)."""
+        answer) on a thread of their own: a work item waiting on a busy server's ``/metrics`` would poll none of its
+        streams, whose leases then run out (:mod:`pipeline.engines.leases`)."""
         while not self._closed:
             try:
                 figures = server_metrics(self.base_url, timeout_s=SERVER_LOAD_INTERVAL_S)
@@ -229,6 +221,17 @@ class VLLMBackend:
             if task is not None:
                 task.cancel()
 
+    def preempt(self, streams: list[Stream]) -> None:
+        """Stops the streams' attempts (their connections close, so vLLM aborts them); each starts over when the
+        engine lets it (:meth:`_run`)."""
+        for stream in streams:
+            self._loop.call_soon_threadsafe(self._stop_attempt, stream.key)
+
+    def _stop_attempt(self, key: str) -> None:
+        attempt = self._attempts.get(key)
+        if attempt is not None:
+            attempt.cancel()
+
     # Streaming ---------------------------------------------------------------------
 
     async def _chunks_confirmed(self, stream: Stream) -> None:
@@ -239,16 +242,26 @@ class VLLMBackend:
         request = stream.request
         last_error = "no attempt was made"
         delay = 0.5
-        deadline = time.time() + self.settings.request_timeout_s  # from sending, not from queueing
-        limit = f"request_timeout_s={self.settings.request_timeout_s:g}"
-        if request.deadline_ms is not None:
-            own_deadline = request.received_at + request.deadline_ms / 1000
-            if own_deadline < deadline:
-                deadline, limit = own_deadline, f"its deadline_ms={request.deadline_ms}"
-        while time.time() < deadline:
+        timed_out_at = time.time() + self.settings.request_timeout_s  # from sending, not from queueing
+        own = float("inf") if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
+        while True:
+            timed_out_at += await self._while_shed(stream)  # time shed is not the server's (a request's own holds)
+            deadline = min(timed_out_at, own)
+            limit = f"request_timeout_s={self.settings.request_timeout_s:g}" if deadline < own else \
+                f"its deadline_ms={request.deadline_ms}"
+            if time.time() >= deadline:
+                break
+            attempt = asyncio.ensure_future(self._stream_once(stream, deadline))
+            self._attempts[stream.key] = attempt
             try:
-                await asyncio.wait_for(self._stream_once(stream, deadline), timeout=deadline - time.time())
+                await asyncio.wait_for(attempt, timeout=deadline - time.time())
                 return
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is None or current.cancelling() or not attempt.cancelled():
+                    raise  # the stream itself was cancelled, not the attempt
+                self._events.restart(stream)  # shed by the bulk lane: starts over when it has room
+                continue
             except TimeoutError:
                 last_error = "generation was still running"
                 break
@@ -267,12 +280,20 @@ class VLLMBackend:
                 LOGGER.exception("Unexpected error streaming request %s", request.id)
                 self._events.dead_letter(stream, f"internal error: {type(exc).__name__}: {exc}")
                 return
-            if stream.assembler is not None and stream.assembler.chunks_emitted > 0:
-                self._events.new_attempt(stream)  # chunks of this attempt are already out
+            finally:
+                if self._attempts.get(stream.key) is attempt:
+                    del self._attempts[stream.key]
+            self._events.restart(stream)
             LOGGER.warning("Request %s: %s; retrying in %.1f s", request.id, last_error, delay)
             await asyncio.sleep(min(delay, max(deadline - time.time(), 0)))
             delay = min(delay * 2, 10.0)
         self._events.dead_letter(stream, f"no answer within {limit}: {last_error}")
+
+    async def _while_shed(self, stream: Stream) -> float:
+        started = time.monotonic()  # returns how long the bulk lane kept the stream shed (s)
+        while not self._events.may_run(stream):
+            await asyncio.sleep(SHED_POLL_S)
+        return time.monotonic() - started
 
     async def _stream_once(self, stream: Stream, deadline: float) -> None:
         await self._wait_for_server(deadline)

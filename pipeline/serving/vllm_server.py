@@ -15,6 +15,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.contract.parameters import default
 from pipeline.serving.adapter_root import AdapterRoot
@@ -153,6 +155,22 @@ def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
 
 # vLLM's own Prometheus gauges of its load: requests it runs now, and requests queued for a batch slot.
 RUNNING_METRIC, WAITING_METRIC = "vllm:num_requests_running", "vllm:num_requests_waiting"
+
+
+def server_json(url: str) -> dict[str, Any]:
+    """A JSON object one of the server's endpoints answers ({} for anything else)."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        found = json.load(response)
+    return found if isinstance(found, dict) else {}
+
+
+def optional_server_json(url: str) -> dict[str, Any]:
+    """:func:`server_json`, or {} from a server that does not answer it (a ``server_url`` that is not vLLM)."""
+    try:
+        return server_json(url)
+    except (OSError, ValueError) as exc:
+        LOGGER.warning("%s did not answer (%s): the answers' lineage goes without it", url, exc)
+        return {}
 
 
 def server_metrics(base_url: str, names: tuple[str, ...] = (RUNNING_METRIC, WAITING_METRIC),

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from pipeline.engines.lane_governor import BULK_STARVED_S
 from pipeline.worker.hold import WorkerHold
 from pipeline.worker.read_places import PLACE_PREFIX
 from pipeline.worker.runtime_settings import RuntimeSettings
@@ -25,11 +26,12 @@ class AdmissionLedger:
     ``clock`` is the wall clock (a simulation of the worker passes its own)."""
 
     def __init__(self, settings: RuntimeSettings, unfinished: Callable[[], int],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, bulk_unfinished: Callable[[], int] = lambda: 0) -> None:
         self._clock = clock
         self._bound = settings.max_held
         self._bulk_bound = settings.bulk_held
-        self._unfinished = unfinished
+        self._unfinished, self._bulk_unfinished = unfinished, bulk_unfinished
+        self._bulk_moved_at: float | None = None  # when a bulk read or request was last admitted (None: not yet)
         admission = settings.admission
         self._hold = WorkerHold(transit_s=admission.transit_s, unclaimed_s=settings.engine.request_timeout_s,
                                 report_lapse_s=admission.report_lapse_s, cap_s=admission.transit_cap_s,
@@ -52,9 +54,27 @@ class AdmissionLedger:
         """
         now = self._clock()
         with self._lock:
-            room = max((self._bulk_bound if bulk else self._bound) - self._held(now), 0)
+            held = self._held(now)
+            room = self._bulk_room(now, held) if bulk else max(self._bound - held, 0)
             released = self._hold.release(in_place_of)
-            return len(self._hold.admit(now, ids, room + released, keys, in_places=bool(in_place_of)))
+            admitted = len(self._hold.admit(now, ids, room + released, keys, in_places=bool(in_place_of)))
+            if bulk and admitted:
+                self._bulk_moved_at = now
+            return admitted
+
+    def _bulk_room(self, now: float, held: int) -> int:
+        """A bulk read's room: what the bulk bound leaves; or, where live traffic holds it all, no bulk read or
+        request was admitted for ``BULK_STARVED_S`` and the engine runs no bulk stream, one place within the whole
+        bound (the live reserve included), so a backlog always moves (the engine then starts it:
+        :meth:`pipeline.engines.stream_registry.StreamRegistry.room`); under the lock."""
+        room = max(self._bulk_bound - held, 0)
+        if room or held >= self._bound:
+            return room
+        if self._bulk_moved_at is None:
+            self._bulk_moved_at = now  # the lane's wait starts at its first read
+        if now - self._bulk_moved_at < BULK_STARVED_S or self._bulk_unfinished():
+            return 0
+        return 1
 
     def renew(self, ids: Sequence[str]) -> list[str]:
         """Places a reader still holds count from now again; a place no longer held (taken over, lapsed) is not
