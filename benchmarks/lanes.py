@@ -4,35 +4,41 @@ each way of sharing the server compared: the frontier of live latency against th
 One pipeline per lane in ``--lanes`` (the template on the DirectRunner, its model manager's vLLM server, a
 ``bulk_subscription``: docs/operations.md#the-bulk-lane): ``adaptive`` (the live objectives' governor,
 pipeline/engines/lane_governor.py, at the template's objectives), ``adaptive:MS`` (the same with
-``live_first_token_slo_ms`` MS), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk
-streams (no objective, ``max_bulk_streams`` N). Each serves three phases in each of ``--reps`` repetitions,
-interleaved across the lanes: each repetition starts each lane's pipeline afresh, on one Pub/Sub emulator, and
-stops it before the next lane's starts, so that one pipeline and one server are up at a time (seven servers do not
-fit in 24 GiB, and an idle local pipeline takes about a quarter of a core):
+``live_first_token_slo_ms`` MS), ``adaptive:xR`` (with R times what live's first token takes at the server alone:
+the median of the p95s the lanes before it measured alone in this run, so the objective is the goal's ratio in the
+server's terms), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk streams (no
+objective, ``max_bulk_streams`` N). In each of ``--reps`` repetitions, interleaved across the lanes, each lane's
+pipeline starts afresh on one Pub/Sub emulator and stops before the next lane's starts, so that one pipeline and
+one server are up at a time (seven servers do not fit in 24 GiB, and an idle local pipeline takes about a quarter of
+a core), and serves:
 
-- **live alone**: ``--live`` requests published one every ``--live-every-s`` seconds to the input topic;
-- **live + bulk**: ``--bulk`` requests published at once to the bulk topic, and once the first of them has
-  answered (the lane fills the worker), the same paced live traffic;
-- **bulk alone**: the same backlog on the bulk lane with no live traffic: what the engine delivers.
+- **live alone**: ``--live`` requests published one every ``--live-every-s`` seconds to the input topic, after
+  ``--warm-live`` such requests not measured (a fresh pipeline's first requests are slower);
+- **beside the lane**: a feeder keeps a backlog on the bulk topic (twice the lane's streams and some, topped up as
+  they are answered, so the lane is full throughout, whatever its rate); once its first answer came,
+  ``--warm-live`` live requests let a governed lane learn (not measured: a governor starts at the whole share, as
+  after any idle spell), then the same paced live traffic, measured;
+- **the lane alone**: the same backlog with no live traffic, for ``--bulk-alone-s`` from ``IDLE_S`` and a second after
+  the last live answer (a governed lane takes its whole share once live has been idle that long).
 
 Every request answers exactly ``--tokens`` (live) or ``--bulk-tokens`` (bulk) tokens (``min_tokens`` equal to
 ``max_tokens``), so the phases do equal work. Measured from the outputs as a user sees them (the chunks and
-completions topics): each live request's first chunk after its publication and its time per token after it (from
-the engine cutting its first chunk to its last), and the bulk lane's tokens/s while the live traffic runs (its
-chunks' tokens in that span), against the bulk-alone rate over a span as long. Printed per lane: medians and
-ranges of live first chunk p50 and p95 and time per token p95 with the backfill against without it, and of the
-bulk lane's rate against what the engine delivers less what live traffic takes; then the frontier (each lane's
-live p95 ratio against its bulk tokens/s), the best fixed share that keeps ``--goal``, and the adaptive lane
-against it; ``--plot`` draws it. Every published request must end with one completion (nothing lost). The
-launcher keeps the pipeline's threads off the cores vLLM computes on (:mod:`local.core_placement`), as ``make
-bench`` places them. Figures and ratios; nothing is asserted.
+completions topics): each live request's first chunk after its publication, its first token at the server (its
+completion's ``time_to_first_token_ms`` less ``queue_ms``: what the governor's objective bounds) and its time per
+token after it (from the engine cutting its first chunk to its last), and the bulk lane's tokens/s while the
+measured live traffic runs and alone. Printed per lane: medians and ranges of those against alone, and of the bulk
+rate against what the engine delivers less what live traffic takes; then the frontier (each lane's live first
+chunk p95 ratio against its bulk tokens/s), the best fixed share that keeps ``--goal``, and each adaptive lane
+against it; ``--plot`` draws it. Every published request must end with one completion (nothing lost). The launcher
+keeps the pipeline's threads off the cores vLLM computes on (:mod:`local.core_placement`), as ``make bench`` places
+them. Figures and ratios; nothing is asserted.
 
 A live request beside the lane waits at vLLM for the step in progress and shares every later step with the bulk
 streams' rows. On this machine's CPU a step that reads vLLM's default 2,048 tokens of prompt takes seconds, so
 the local server reads at most ``--step-tokens`` (256) a step, as a user sets ``--max-num-batched-tokens`` in
 ``vllm_args`` (docs/operations.md#the-bulk-lane); ``--step-tokens 0`` measures vLLM's default.
 
-    python -m benchmarks.lanes [--reps 3] [--live 12] [--bulk 160] [--lanes 1,2,4,8,16,64,adaptive --plot f.png]
+    python -m benchmarks.lanes [--reps 2] [--live 40] [--lanes 1,2,4,16,adaptive:x1.2 --plot f.png]
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +58,7 @@ from local.cpu_server import LOCAL_SERVER
 from local.embedded_model import ensure_local_checkpoint
 from local.emulators import PubSubEmulator
 from local.harness import REPO_ROOT, LocalRun, OutputCollector
+from pipeline.engines.lane_governor import IDLE_S
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 7 times 8?", "What do bees make?",
              "Name a planet.", "What is ice made of?"]
@@ -61,9 +69,42 @@ def live_requests(rep: int, phase: str, count: int, tokens: int) -> list[dict]:
              "min_tokens": tokens, "temperature": 0} for i in range(count)]
 
 
-def bulk_requests(rep: int, phase: str, count: int, tokens: int) -> list[dict]:
+def bulk_requests(rep: int, phase: str, count: int, tokens: int, first: int = 0) -> list[dict]:
     return [{"id": f"bulk-{rep}-{phase}-{i}", "prompt": f"Write a short story about a lighthouse keeper, part {i}.",
-             "max_tokens": tokens, "min_tokens": tokens, "temperature": 0} for i in range(count)]
+             "max_tokens": tokens, "min_tokens": tokens, "temperature": 0} for i in range(first, first + count)]
+
+
+class BulkFeeder:
+    """Keeps ``depth`` bulk requests unanswered on the bulk topic (topping it up every 0.2 s as the lane answers
+    them), so the lane stays full through every phase whatever its rate, and what is left to drain after is small
+    for a small lane."""
+
+    def __init__(self, run: LocalRun, collector: OutputCollector, rep: int, phase: str, depth: int,
+                 tokens: int) -> None:
+        self.run, self.collector, self.rep, self.phase, self.depth, self.tokens = \
+            run, collector, rep, phase, depth, tokens
+        self.ids: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, name="bulk-feeder", daemon=True)
+
+    def start(self) -> BulkFeeder:
+        self._thread.start()
+        return self
+
+    def _feed(self) -> None:
+        while not self._stop.is_set():
+            unanswered = len(set(self.ids) - self.collector.finished_ids())
+            if unanswered < self.depth:
+                more = bulk_requests(self.rep, self.phase, self.depth - unanswered, self.tokens, len(self.ids))
+                self.run.publish(more, kind="bulk")
+                self.ids += [request["id"] for request in more]
+            self._stop.wait(0.2)
+
+    def stop(self) -> list[str]:
+        """Stops topping up; returns every bulk request published."""
+        self._stop.set()
+        self._thread.join()
+        return list(self.ids)
 
 
 def publish_paced(run: LocalRun, requests: list[dict], every_s: float) -> dict[str, float]:
@@ -159,24 +200,40 @@ def spread(values: list[float], unit: str = "") -> str:
 
 
 FIGURES = ("alone p50", "alone p95", "beside p50", "beside p95", "alone inter p50", "alone inter p95",
-           "beside inter p50", "beside inter p95", "bulk beside", "bulk alone", "live tokens/s")
+           "beside inter p50", "beside inter p95", "bulk beside", "bulk alone", "live tokens/s", "alone server p95",
+           "beside server p95")
+WHOLE_SHARE = 48  # the lane's whole share at the template's defaults: max_in_flight 64 less live_reserve 0.25
 OBJECTIVES_OFF = ("--live_first_token_slo_ms=0", "--live_inter_token_slo_ms=0")
 
 
-def lane_args(lane: str) -> list[str]:
+def lane_args(lane: str, alone_server_p95_ms: list[float] | None = None) -> list[str]:
     """The template parameters of one lane compared: ``adaptive`` (the governor, at the objectives the template
-    arguments give or its defaults), ``adaptive:MS`` (the governor with ``live_first_token_slo_ms`` MS), ``whole``
-    (no objective: the lane's whole share), or a number N (no objective, ``max_bulk_streams`` N: a fixed share)."""
+    arguments give or its defaults), ``adaptive:MS`` (the governor with ``live_first_token_slo_ms`` MS),
+    ``adaptive:xR`` (with R times live's own first token at the server, the median of the p95s measured alone so
+    far in this run: ``alone_server_p95_ms``), ``whole`` (no objective: the lane's whole share), or a number N (no
+    objective, ``max_bulk_streams`` N: a fixed share)."""
     if lane == "adaptive":
         return []
-    if lane.startswith("adaptive:") and lane.removeprefix("adaptive:").isdigit():
-        return [f"--live_first_token_slo_ms={int(lane.removeprefix('adaptive:'))}"]
+    kind, _, value = lane.partition(":")
+    if kind == "adaptive" and value.isdigit():
+        return [f"--live_first_token_slo_ms={int(value)}"]
+    if kind == "adaptive" and value.startswith("x") and calibrated(value):
+        if not alone_server_p95_ms:
+            return [f"--live_first_token_slo_ms=(R x live alone at the server, R={value[1:]})"]
+        return [f"--live_first_token_slo_ms={round(float(value[1:]) * statistics.median(alone_server_p95_ms))}"]
     if lane == "whole":
         return list(OBJECTIVES_OFF)
     if lane.isdigit() and int(lane) >= 1:
         return [*OBJECTIVES_OFF, f"--max_bulk_streams={int(lane)}"]
-    raise SystemExit(f"--lanes: {lane!r} is not adaptive, adaptive:MS, whole or a number of bulk streams of at "
-                     "least 1")
+    raise SystemExit(f"--lanes: {lane!r} is not adaptive, adaptive:MS, adaptive:xR, whole or a number of bulk "
+                     "streams of at least 1")
+
+
+def calibrated(value: str) -> bool:
+    try:
+        return float(value[1:]) > 0
+    except ValueError:
+        return False
 
 
 def adaptive(lane: str) -> bool:
@@ -185,20 +242,24 @@ def adaptive(lane: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--live", type=int, default=12, help="live requests a phase")
-    parser.add_argument("--live-every-s", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--live", type=int, default=40, help="live requests measured a phase")
+    parser.add_argument("--warm-live", type=int, default=10,
+                        help="live requests sent before those measured alone and beside the lane (not measured)")
+    parser.add_argument("--live-every-s", type=float, default=0.75)
     parser.add_argument("--tokens", type=int, default=16, help="each live answer's tokens")
-    parser.add_argument("--bulk", type=int, default=160, help="the backlog's requests")
     parser.add_argument("--bulk-tokens", type=int, default=32)
+    parser.add_argument("--bulk-alone-s", type=float, default=15.0,
+                        help="how long the lane's rate alone is measured after the live traffic")
     parser.add_argument("--step-tokens", type=int, default=256,
                         help="vLLM's --max-num-batched-tokens, the most prompt a step reads (0: vLLM's default)")
-    parser.add_argument("--lanes", default="adaptive,whole",
+    parser.add_argument("--lanes", default="4,adaptive:x1.2",
                         help="comma-separated lanes, one pipeline each, their repetitions interleaved: 'adaptive' "
                              "(the live objectives' governor), 'adaptive:MS' (the governor with "
-                             "live_first_token_slo_ms MS), 'whole' (no objective, the lane's whole share), or N "
-                             "(no objective, a fixed share of N bulk streams: max_bulk_streams), e.g. "
-                             "1,2,4,8,16,64,adaptive for the frontier")
+                             "live_first_token_slo_ms MS), 'adaptive:xR' (with R times live's first token at the "
+                             "server alone, measured by the lanes before it), 'whole' (no objective, the lane's "
+                             "whole share), or N (no objective, a fixed share of N bulk streams: max_bulk_streams), "
+                             "e.g. 1,2,4,16,adaptive:x1.2 for the frontier")
     parser.add_argument("--goal", type=float, default=1.2,
                         help="the live first chunk p95 ratio (beside / alone) the frontier's best fixed share keeps")
     parser.add_argument("--plot", type=Path, default=None, help="draw the frontier to this PNG")
@@ -206,27 +267,37 @@ def main(argv: list[str] | None = None) -> int:
                         help="a template parameter for every pipeline (repeat), e.g. --live_first_token_slo_ms=600")
     args = parser.parse_args(argv)
     lanes = [value.strip() for value in args.lanes.split(",") if value.strip()]
-    extra_of = {lane: lane_args(lane) for lane in lanes}
+    for lane in lanes:
+        lane_args(lane)  # a lane that is none of the kinds stops the run before anything starts
+    # The calibrated lanes go last in each repetition: they take their objective from the lanes' alone phases before.
+    lanes = [lane for lane in lanes if ":x" not in lane] + [lane for lane in lanes if ":x" in lane]
+    if lanes and ":x" in lanes[0]:
+        raise SystemExit("--lanes: an adaptive:xR lane takes its objective from another lane's alone phase: name one")
     logging.basicConfig(level=logging.WARNING)
     folder = REPO_ROOT / ".cache" / "bench-lanes"
     folder.mkdir(parents=True, exist_ok=True)
     server = (replace(LOCAL_SERVER, extra_args=("--max-num-batched-tokens", str(args.step_tokens)))
               if args.step_tokens else LOCAL_SERVER)
     figures: dict[str, dict[str, list[float]]] = {lane: {name: [] for name in FIGURES} for lane in lanes}
+    used: dict[str, list[str]] = {}
     emulator = PubSubEmulator()
     emulator.start()
     try:
         for rep in range(args.reps):
             for lane in lanes:  # interleaved: one pipeline, started afresh, works at a time
+                measured = [p for mine in figures.values() for p in mine["alone server p95"]]
+                used[lane] = lane_args(lane, measured)
                 run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
-                                *server.template_args(), "--chunk_tokens=4", *args.template_arg, *extra_of[lane]],
+                                *server.template_args(), "--chunk_tokens=4", *args.template_arg, *used[lane]],
                                log_path=folder / f"pipeline-{lane}-{rep}.log", emulator=emulator, bulk_lane=True)
                 run.start()
                 collector = run.collector()
                 try:
-                    warm = live_requests(-1, f"warm{lane}-{rep}", 1, 1)
-                    run.publish(warm)
-                    ended(collector, [warm[0]["id"]], 900)
+                    first = live_requests(-1, f"first{lane}-{rep}", 1, 1)  # the server up, the job reading
+                    run.publish(first)
+                    ended(collector, [first[0]["id"]], 900)
+                    warm = live_requests(-1, f"warm{lane}-{rep}", args.warm_live, args.tokens)  # not measured
+                    ended(collector, list(publish_paced(run, warm, args.live_every_s)), 600)
                     one_repetition(run, collector, rep, f"{lane}-", args, figures[lane], lane)
                 finally:
                     collector.stop()
@@ -234,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         emulator.stop()
     for lane in lanes:
-        report(args, figures[lane], lane)
+        report(args, figures[lane], lane, used.get(lane, []))
     points = frontier(figures)
     print(frontier_table(points, args.goal))
     if args.plot is not None:
@@ -243,57 +314,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def server_first_tokens(collector: OutputCollector, published: dict[str, float]) -> list[float]:
+    """Per live request, ms from the server taking it to its first token, as its completion tells it (its first
+    token after its receipt less its wait before the server took it): what the governor's objective bounds."""
+    return [c.data["time_to_first_token_ms"] - c.data["queue_ms"] for c in list(collector.completions)
+            if c.data["id"] in published and c.data.get("time_to_first_token_ms") is not None]
+
+
+def backlog_depth(lane: str) -> int:
+    """How many bulk requests the feeder keeps unanswered: twice the lane's streams and some (the whole share, 48
+    at the template's defaults, for the others), so the lane never runs dry and little is left to drain."""
+    streams = min(int(lane), WHOLE_SHARE) if lane.isdigit() else WHOLE_SHARE
+    return 2 * streams + 8
+
+
 def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str, args: argparse.Namespace,
                    figures: dict[str, list[float]], lane: str) -> None:
-    """Live alone, live beside a backlog on the bulk lane, the backlog alone: one repetition of the three phases."""
+    """Live alone; then, beside a bulk lane the feeder keeps full, live traffic to warm the lane in (not measured)
+    and the measured live traffic; then the lane alone for ``--bulk-alone-s`` (from ``IDLE_S`` and a second after
+    the last live answer: a governed lane takes its whole share once live is idle that long)."""
     live = live_requests(rep, f"{tag}alone", args.live, args.tokens)
     published = publish_paced(run, live, args.live_every_s)
     ended(collector, list(published), 600)
     ttft = first_chunks(collector, published)
-    print(f"[{lane}] rep {rep + 1}: each live request alone, s (read to the engine / read to its first token / "
-          f"first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
     figures["alone p50"].append(statistics.median(ttft))
     figures["alone p95"].append(percentile(ttft, 0.95))
+    figures["alone server p95"].append(percentile(server_first_tokens(collector, published), 0.95))
     inter = inter_token_ms(collector, published)
     figures["alone inter p50"].append(statistics.median(inter))
     figures["alone inter p95"].append(percentile(inter, 0.95))
 
-    bulk = bulk_requests(rep, f"{tag}beside", args.bulk, args.bulk_tokens)
-    run.publish(bulk, kind="bulk")
-    prefix = f"bulk-{rep}-{tag}beside-"
-    until(lambda: any(b["id"] in collector.finished_ids() for b in bulk), 600)
-    live = live_requests(rep, f"{tag}beside", args.live, args.tokens)
-    start = time.time()
-    published = publish_paced(run, live, args.live_every_s)
-    ended(collector, list(published), 600)
-    end = time.time()
+    feeder = BulkFeeder(run, collector, rep, f"{tag}lane", backlog_depth(lane), args.bulk_tokens).start()
+    prefix = f"bulk-{rep}-{tag}lane-"
+    try:
+        until(lambda: any(i in collector.finished_ids() for i in list(feeder.ids)), 600)
+        warm = live_requests(rep, f"{tag}warm", args.warm_live, args.tokens)
+        ended(collector, list(publish_paced(run, warm, args.live_every_s)), 600)
+        live = live_requests(rep, f"{tag}beside", args.live, args.tokens)
+        start = time.time()
+        published = publish_paced(run, live, args.live_every_s)
+        ended(collector, list(published), 600)
+        end = time.time()
+        time.sleep(IDLE_S + 1.0)
+        alone_from = time.time()
+        time.sleep(args.bulk_alone_s)
+        alone_to = time.time()
+    finally:
+        ids = feeder.stop()
     ttft = first_chunks(collector, published)
     print(f"[{lane}] rep {rep + 1}: each live request beside the backfill, s (read to the engine / read to its "
           f"first token / first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
     figures["beside p50"].append(statistics.median(ttft))
     figures["beside p95"].append(percentile(ttft, 0.95))
+    figures["beside server p95"].append(percentile(server_first_tokens(collector, published), 0.95))
     inter = inter_token_ms(collector, published)
     figures["beside inter p50"].append(statistics.median(inter))
     figures["beside inter p95"].append(percentile(inter, 0.95))
     figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
     figures["live tokens/s"].append(args.live * args.tokens / (end - start))
-    if all(b["id"] in collector.finished_ids() for b in bulk):
-        print(f"[{lane}] rep {rep + 1}: the backlog ended before the live traffic did ({end - start:.1f} s): the "
-              "bulk rate beside live is low by the span it ran without a backlog (raise --bulk)", flush=True)
-    ended(collector, [b["id"] for b in bulk], 1800)
-
-    bulk = bulk_requests(rep, f"{tag}alone", args.bulk, args.bulk_tokens)
-    run.publish(bulk, kind="bulk")
-    prefix = f"bulk-{rep}-{tag}alone-"
-    ids = [b["id"] for b in bulk]
-    start = until(lambda: any(i in collector.finished_ids() for i in ids), 600)
-    # While the backlog lasts: from its first answer to its 80th percentile.
-    end = until(lambda: sum(i in collector.finished_ids() for i in ids) >= 0.8 * len(ids), 1800)
-    figures["bulk alone"].append(tokens_between(collector, prefix, start, end) / (end - start))
-    ended(collector, [b["id"] for b in bulk], 1800)
-    print(f"[{lane}] rep {rep + 1}: live first chunk p50 {figures['alone p50'][-1]:.2f} s alone, "
-          f"{figures['beside p50'][-1]:.2f} s beside the backfill; bulk {figures['bulk beside'][-1]:.0f} "
-          f"tokens/s beside live, {figures['bulk alone'][-1]:.0f} alone", flush=True)
+    figures["bulk alone"].append(tokens_between(collector, prefix, alone_from, alone_to) / (alone_to - alone_from))
+    ended(collector, ids, 1800)
+    print(f"[{lane}] rep {rep + 1}: live first chunk p95 {figures['alone p95'][-1]:.2f} s alone, "
+          f"{figures['beside p95'][-1]:.2f} s beside the backfill (at the server {figures['alone server p95'][-1]:.0f}"
+          f" and {figures['beside server p95'][-1]:.0f} ms); bulk {figures['bulk beside'][-1]:.0f} tokens/s beside "
+          f"live, {figures['bulk alone'][-1]:.0f} alone; {len(ids)} bulk requests, all answered", flush=True)
 
 
 def until(condition, timeout_s: float) -> float:
@@ -306,17 +390,20 @@ def until(condition, timeout_s: float) -> float:
     return time.time()
 
 
-def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str = "adaptive") -> None:
+def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str = "adaptive",
+           used: list[str] | None = None) -> None:
+    """One lane's figures against live alone; ``used``: its template parameters as run (a calibrated lane's)."""
     p50 = [b / a for a, b in zip(figures["alone p50"], figures["beside p50"], strict=True)]
     p95 = [b / a for a, b in zip(figures["alone p95"], figures["beside p95"], strict=True)]
     inter50 = [b / a for a, b in zip(figures["alone inter p50"], figures["beside inter p50"], strict=True)]
     inter = [b / a for a, b in zip(figures["alone inter p95"], figures["beside inter p95"], strict=True)]
     share = [b / max(c - live, 1e-9) for b, c, live in
              zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"], strict=True)]
-    print(f"\nlane {lane} ({' '.join(lane_args(lane)) or 'the template objectives'}): {args.reps} interleaved "
-          f"repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} "
-          f"cores; live: {args.live} requests x {args.tokens} tokens, one every {args.live_every_s:g} s; bulk: "
-          f"{args.bulk} x {args.bulk_tokens} tokens; vLLM reads at most "
+    print(f"\nlane {lane} ({' '.join(used or lane_args(lane)) or 'the template objectives'}): {args.reps} "
+          f"interleaved repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} "
+          f"cores; live: {args.live} requests x {args.tokens} tokens measured (after {args.warm_live} beside the "
+          f"lane not measured), one every {args.live_every_s:g} s; bulk: a backlog of {backlog_depth(lane)} "
+          f"unanswered x {args.bulk_tokens} tokens, kept full; vLLM reads at most "
           f"{args.step_tokens or 'its default'} prompt tokens a step; template parameters "
           f"{' '.join(args.template_arg) or '(defaults)'}. Median (range):")
     print("| figure | live alone | live beside the backfill | ratio |\n|---|---|---|---|")
@@ -324,6 +411,9 @@ def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str 
           f"| {spread(p50)} |")
     print(f"| live first chunk p95 | {spread(figures['alone p95'], ' s')} | {spread(figures['beside p95'], ' s')} "
           f"| {spread(p95)} |")
+    server = [b / a for a, b in zip(figures["alone server p95"], figures["beside server p95"], strict=True)]
+    print(f"| live first token at the server p95 (ms) | {spread(figures['alone server p95'])} | "
+          f"{spread(figures['beside server p95'])} | {spread(server)} |")
     print(f"| live time per token p50 (ms) | {spread(figures['alone inter p50'])} | "
           f"{spread(figures['beside inter p50'])} | {spread(inter50)} |")
     print(f"| live time per token p95 (ms) | {spread(figures['alone inter p95'])} | "
@@ -344,6 +434,7 @@ class Point:
     first_chunk_p95_ratio: float  # live first chunk p95 beside the lane / alone
     inter_token_p95_ratio: float  # live time per token p95 beside the lane / alone
     bulk_tokens_per_s: float  # the lane's rate beside live
+    server_p95_ratio: float = float("nan")  # live first token at the server p95 beside / alone: the governor's
 
 
 def frontier(figures: dict[str, dict[str, list[float]]]) -> list[Point]:
@@ -351,8 +442,11 @@ def frontier(figures: dict[str, dict[str, list[float]]]) -> list[Point]:
     for lane, mine in figures.items():
         ratio = [b / a for a, b in zip(mine["alone p95"], mine["beside p95"], strict=True)]
         inter = [b / a for a, b in zip(mine["alone inter p95"], mine["beside inter p95"], strict=True)]
+        server = [b / a for a, b in zip(mine.get("alone server p95", []), mine.get("beside server p95", []),
+                                        strict=True)]
         points.append(Point(lane, statistics.median(ratio), statistics.median(inter),
-                            statistics.median(mine["bulk beside"])))
+                            statistics.median(mine["bulk beside"]),
+                            statistics.median(server) if server else float("nan")))
     return points
 
 
@@ -360,10 +454,10 @@ def frontier_table(points: list[Point], goal: float) -> str:
     """Each lane's live p95 ratios and bulk rate; the best fixed share whose live first chunk p95 ratio keeps the
     goal (or, where none does, the one with the lowest ratio), and the adaptive lane's rate against it."""
     lines = [f"\nThe frontier (medians): live first chunk p95 beside / alone against the lane's bulk tokens/s "
-             f"(goal {goal:g}):", "| lane | first chunk p95 ratio | time per token p95 ratio | bulk tokens/s |",
-             "|---|---|---|---|"]
-    lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.inter_token_p95_ratio:.2f} | "
-              f"{p.bulk_tokens_per_s:.1f} |" for p in points]
+             f"(goal {goal:g}):", "| lane | first chunk p95 ratio | first token at the server p95 ratio | time per "
+             "token p95 ratio | bulk tokens/s |", "|---|---|---|---|---|"]
+    lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.server_p95_ratio:.2f} | "
+              f"{p.inter_token_p95_ratio:.2f} | {p.bulk_tokens_per_s:.1f} |" for p in points]
     fixed = [p for p in points if p.lane.isdigit()]
     if fixed:
         keeping = [p for p in fixed if p.first_chunk_p95_ratio <= goal]

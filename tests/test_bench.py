@@ -419,11 +419,16 @@ def test_the_lanes_report_prints_first_chunk_and_time_per_token_at_p50_and_p95_a
     from benchmarks import lanes
     figures = {name: [2.0, 4.0] for name in lanes.FIGURES} | {"alone p50": [1.0, 1.0], "alone inter p50": [50.0, 50.0],
                                                               "beside inter p50": [75.0, 100.0]}
-    args = argparse.Namespace(reps=2, live=6, tokens=16, live_every_s=1.0, bulk=300, bulk_tokens=32, step_tokens=256,
-                              template_arg=[])
+    args = argparse.Namespace(reps=2, live=6, warm_live=2, tokens=16, live_every_s=1.0, bulk_tokens=32,
+                              step_tokens=256, template_arg=[])
     lanes.report(args, figures, "4")
     out = capsys.readouterr().out
     assert "lane 4 (--live_first_token_slo_ms=0 --live_inter_token_slo_ms=0 --max_bulk_streams=4)" in out
+    assert "a backlog of 16 unanswered" in out, "twice the lane's streams and some"
+    assert "| live first token at the server p95 (ms) | 3.00 (2.00-4.00) | 3.00 (2.00-4.00) | 1.00 (1.00-1.00) |" \
+        in out, out
+    lanes.report(args, figures, "adaptive:x1.2", ["--live_first_token_slo_ms=420"])
+    assert "lane adaptive:x1.2 (--live_first_token_slo_ms=420)" in capsys.readouterr().out, "as it ran"
     assert "| live first chunk p50 | 1.00 s (1.00-1.00) | 3.00 s (2.00-4.00) | 3.00 (2.00-4.00) |" in out, out
     assert "| live time per token p50 (ms) | 50.00 (50.00-50.00) | 87.50 (75.00-100.00) | 1.75 (1.50-2.00) |" in out
     assert "| live time per token p95 (ms) |" in out
@@ -445,6 +450,11 @@ def test_each_lane_the_bench_compares_is_template_parameters_the_template_takes(
                                 engine.live_inter_token_slo_ms)
         assert (engine.bulk_stream_ceiling, governor.governed, engine.live_first_token_slo_ms) == \
             (ceiling, governed, slo), lane
-    for bad in ("0", "adaptive:", "adaptive:fast"):
-        with pytest.raises(SystemExit, match="not adaptive, adaptive:MS, whole or a number"):
+    assert lanes.lane_args("adaptive:x1.5", [400.0, 600.0, 500.0]) == ["--live_first_token_slo_ms=750"], \
+        "1.5 times the median of live's first token p95s at the server measured alone"
+    assert JobSettings.from_mapping(base).engine.bulk_streams == lanes.WHOLE_SHARE
+    for bad in ("0", "adaptive:", "adaptive:fast", "adaptive:x", "adaptive:x0", "adaptive:x-1"):
+        with pytest.raises(SystemExit, match="not adaptive, adaptive:MS, adaptive:xR, whole or a number"):
             lanes.lane_args(bad)
+    with pytest.raises(SystemExit, match="takes its objective from another lane"):
+        lanes.main(["--lanes", "adaptive:x1.2"])
