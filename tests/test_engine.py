@@ -301,13 +301,14 @@ def test_a_halving_sheds_running_bulk_streams_at_the_server_and_each_starts_over
     had gone out starts a new stream of chunks that alone spells its answer."""
     engine = engine_for(vllm_server.base_url, max_in_flight=8, bulk_lane=True, live_reserve=0.25,
                         live_first_token_slo_ms=1.0, live_inter_token_slo_ms=0.0)
-    samples: list[tuple[float, int]] = []  # (server running, streams shed so far)
+    samples: list[tuple[float, int]] = []  # (server running, shed streams waiting to start over)
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            samples.append((server_metrics(vllm_server.base_url)[RUNNING_METRIC],
-                            engine.stats()["bulk_streams_shed"] or 0))
+            with engine._lock:
+                waiting = len(engine._registry.shed_streams)
+            samples.append((server_metrics(vllm_server.base_url)[RUNNING_METRIC], waiting))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -326,7 +327,7 @@ def test_a_halving_sheds_running_bulk_streams_at_the_server_and_each_starts_over
         engine.close()
     assert not drive.dead_letters()
     assert engine.stats()["bulk_streams_shed"] >= 3
-    assert any(shed >= 3 and running <= 4 for running, shed in samples), \
+    assert any(running <= 4 for running, waiting in samples if waiting == 3), \
         "vLLM aborted the shed streams: at most three bulk beside the live one ran while they waited"
     completions = {record["id"]: record for record in drive.completions()}
     assert sorted(completions) == sorted([*(r.id for r in bulk), "live"])
@@ -342,7 +343,7 @@ def test_a_halving_sheds_running_bulk_streams_at_the_server_and_each_starts_over
         assert "".join(c["text"] for c in sorted(chunks, key=lambda c: c["seq"])) == completions[request.id]["text"]
         assert len({c["stream"] for c in chunks}) == 1 and [c["seq"] for c in chunks] == list(range(len(chunks)))
         restarted += bool(marks)
-    assert restarted <= 3
+    assert 1 <= restarted <= 3, "a shed stream whose chunks went out starts a new attempt; the others do not"
 
 
 TICKET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["category", "urgency", "summary"],

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import LANE_BULK, InferenceRequest
 from pipeline.engines import lane_governor, stream_registry
 from pipeline.engines.engine_settings import EngineSettings
@@ -295,40 +296,51 @@ class SteppedServer:
         self.row_ms, self.prompt_ms = row_ms, prompt_ms
         self.row_s = 0.0  # bulk rows run over the measured half, in stream-seconds: the lane's tokens
         self.shed_s = 0.0  # of them, the rows of streams shed later, which start over: tokens thrown away
+        self.answered = 0  # bulk answers that ran to their end
         self.timeline: list[tuple[float, float, float]] = []  # (when, live first token ms, inter-token ms), all
 
     def run(self, lane: LaneGovernor, seconds: int, bulk_prompt: int, answer_s: float = 2.0,
-            shed: bool = False) -> list[tuple[float, float]]:
-        """Each 0.1 s: bulk streams start up to the cap and budget (each runs ``answer_s``), one live stream is
-        measured; returns (live first token ms, live inter-token ms) of every tenth of the last half, and adds the
-        bulk rows run in it to ``row_s``. With ``shed``, the youngest streams past the cap stop at once (as the
-        engine sheds them, :meth:`StreamRegistry.shed`) and what they ran within the measured half goes to
-        ``shed_s``."""
-        running: list[tuple[float, float]] = []  # (when it started, when it ends) of each bulk stream
+            shed: bool = False, live_every: int = 1) -> list[tuple[float, float]]:
+        """Each 0.1 s: bulk streams start up to the cap and budget (each runs ``answer_s``), and every
+        ``live_every``-th tick one live stream is sent and measured; returns (live first token ms, live inter-token
+        ms) of those in the last half, and adds the bulk rows run in it to ``row_s``. With ``shed``, the youngest
+        streams past the cap that were never shed stop at once and start over, before any new one, as the cap and
+        the budget let them (as the engine sheds them, :meth:`StreamRegistry.shed`); what they ran within the
+        measured half goes to ``shed_s``."""
+        running: list[tuple[float, float, bool]] = []  # (when it started, when it ends, shed before) of each
         started: list[tuple[float, int]] = []
+        shed_waiting = 0  # shed streams waiting to start over
         seen = []
         for tick in range(seconds * 10):
             now = tick / 10
-            running = [(began, end) for began, end in running if end > now]
-            lane.live_sent(now)
-            cap = lane.bulk_cap(now, live_running=1, bulk_running=len(running))
-            if shed and len(running) > cap:
-                running.sort()
-                self.shed_s += sum(now - max(began, seconds / 2) for began, _ in running[cap:] if now > seconds / 2)
-                running = running[:cap]
+            self.answered += sum(end <= now for _, end, _ in running)
+            running = [stream for stream in running if stream[1] > now]
+            live = tick % live_every == 0
+            if live:
+                lane.live_sent(now)
+            cap = lane.bulk_cap(now, live_running=int(live), bulk_running=len(running))
+            sheddable = sorted((stream for stream in running if not stream[2]), reverse=True)
+            if shed and len(running) > cap and sheddable:
+                gone = sheddable[:len(running) - cap]
+                self.shed_s += sum(now - max(began, seconds / 2) for began, _, _ in gone if now > seconds / 2)
+                running = [stream for stream in running if stream not in gone]
+                shed_waiting += len(gone)
             want = max(cap - len(running), 0)
             for _ in range(lane.prompts_fitting(now, [bulk_prompt] * want)):
-                running.append((now, now + answer_s))
+                running.append((now, now + answer_s, shed_waiting > 0))
+                shed_waiting = max(shed_waiting - 1, 0)
                 started.append((now, bulk_prompt))
                 lane.bulk_started(now, bulk_prompt)
             prompts = sum(tokens for at, tokens in started if now - at < 1.0)
             inter = 10.0 + self.row_ms * (len(running) + 1)
             first = 50.0 + self.prompt_ms * prompts + inter
-            lane.first_token(now, first)
-            lane.inter_tokens(now, inter, 1)
-            self.timeline.append((now, first, inter))
+            if live:
+                lane.first_token(now, first)
+                lane.inter_tokens(now, inter, 1)
+                self.timeline.append((now, first, inter))
+                if tick >= seconds * 5:
+                    seen.append((first, inter))
             if tick >= seconds * 5:
-                seen.append((first, inter))
                 self.row_s += len(running) / 10
         return seen
 
@@ -382,6 +394,20 @@ def test_shedding_brings_live_latency_within_the_objectives_within_seconds_of_me
     assert settled_at(shed=True) <= 3.0
     if answer_s > 8.0:
         assert settled_at(shed=False) >= 0.9 * answer_s, "the premise: without shedding the answers' length"
+
+
+def test_live_traffic_that_comes_back_after_each_idle_spell_never_keeps_a_long_bulk_answer_from_ending():
+    """Live requests every 8 s (IDLE_S is 5: the lane opens to its whole share between them) beside 30 s bulk
+    answers: each live request finds the streams the opening started and the engine sheds them, but a stream is
+    shed once at most, so answers still end, at a rate near the lane's without shedding (a lane that shed the
+    same streams at every return would end none of them)."""
+    assert lane_governor.IDLE_S < 8.0
+    answered = {}
+    for shed in (True, False):
+        server = SteppedServer(6.0, 0.05)
+        server.run(LaneGovernor(600.0, 64, inter_token_objective_ms=150.0), 240, 400, 30.0, shed=shed, live_every=80)
+        answered[shed] = server.answered
+    assert answered[False] > 0 and answered[True] >= 0.5 * answered[False], answered
 
 
 def test_without_the_inter_token_signal_or_the_wait_for_running_rows_the_worlds_fail(monkeypatch):
@@ -515,6 +541,37 @@ def test_no_stream_is_shed_where_the_backend_cannot_stop_one_or_no_objective_gov
                                                  live_first_token_slo_ms=objective, live_inter_token_slo_ms=0),
                                   "engine", preempts=preempts)
         registry.submit([request(i, True) for i in range(6)], [1] * 6, "client", time.monotonic())
-        registry.lane.cap = 1
-        registry.lane._adjusted_at = time.monotonic() + 3600
+        registry.lane.bulk_cap = lambda now, live_running=0, bulk_running=0: 1  # a cap of one, whatever else
         assert registry.shed(time.monotonic()) == [] and not registry.shed_streams
+
+
+def test_a_stream_is_shed_once_at_most_and_never_one_whose_answer_is_whole():
+    """A stream shed before runs to its end when the cap falls again (each bulk request costs one resend at most:
+    a lane shed at every live return would end no long answer), and one whose answer is whole (its last chunks wait
+    for Pub/Sub) holds no row at the server: shedding it would throw a finished answer away for nothing."""
+    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                             live_first_token_slo_ms=1000.0), "engine", preempts=True)
+    start = time.monotonic()
+    for i in range(4):
+        registry.submit([request(i, True)], [1], "client", start + i)
+    bulk = {s.request.id: s for s in registry.streams.values()}
+    cap = [2]
+    registry.lane.bulk_cap = lambda now, live_running=0, bulk_running=0: cap[0]
+    assert [s.request.id for s in registry.shed(start + 5)] == ["bulk-3", "bulk-2"]
+    assert registry.lane._over_cap_at == start + 5, "latencies begun before the shed say nothing of the cap"
+    registry.emit(bulk["bulk-0"], ("completion", "{}"), final=True)
+    registry.emit(bulk["bulk-1"], ("completion", "{}"), final=True)
+    before = registry.lane.totals["bulk_prompt_tokens_started"]
+    assert registry.resume(bulk["bulk-3"], start + 6) and registry.resume(bulk["bulk-2"], start + 6)
+    assert registry.lane.totals["bulk_prompt_tokens_started"] == \
+        before + 2 * stream_registry.prompt_tokens(request(2, True)), "a stream started over counts its prompt again"
+    cap[0] = 0
+    assert registry.shed(start + 7) == [], "both were shed once: they run to their end"
+    cap[0] = 5
+    registry.submit([request(4, True)], [1], "client", start + 8)
+    fresh = next(s for s in registry.streams.values() if s.request.id == "bulk-4")
+    fresh.assembler = ChunkAssembler("bulk-4", 1, ChunkPolicy(), time.time())
+    fresh.assembler.finish("length", 0, time.time())
+    cap[0] = 0
+    assert registry.shed(start + 9) == [], "its answer is whole: nothing to gain"
+

@@ -163,8 +163,10 @@ class AdapterSlots:
             try:
                 await asyncio.shield(load)  # begun, the server may take it whatever becomes of this stream
             except asyncio.CancelledError:
-                if not load.done():
-                    handed_over = True
+                handed_over = True
+                if load.done():  # it ended just as the stream was cancelled (a shed, a lease): settled now
+                    self._settle(name, future, load)
+                else:
                     load.add_done_callback(functools.partial(self._settle, name, future))
                 raise
         except asyncio.CancelledError:

@@ -26,8 +26,9 @@ The rule, either objective counting (0 follows none of that kind):
   latencies begun after, and after the bulk streams running came within the cap (what came before cannot show
   its effect). The lane shrinks within a second: the engine sheds the youngest bulk streams past the cap (vLLM's
   backend stops their attempts; each starts over, before any new bulk request, once the lane has room:
-  :meth:`pipeline.engines.stream_registry.StreamRegistry.shed`), at the cost of the tokens they had generated.
-  Where the backend cannot stop an attempt (the in-process static batches), running streams end on their own;
+  :meth:`pipeline.engines.stream_registry.StreamRegistry.shed`), at the cost of the tokens they had generated,
+  each stream once at most. Where the backend cannot stop an attempt (the in-process static batches), or the
+  streams were shed before, running streams end on their own;
 * below ``HEADROOM`` of every objective, the cap grows by one while the lane runs as many streams as its cap, and
   the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
   the lane does not meet tells nothing of what more would cost);
@@ -260,9 +261,11 @@ class LaneGovernor:
             self.prompt_budget += self._mean_prompt(now)
         self.totals["bulk_lane_growths"] += (self.cap, self.prompt_budget) != before
 
-    def shed(self, streams: int) -> None:
-        """The engine stopped ``streams`` bulk streams that ran past the cap, to start them over within it."""
+    def shed(self, streams: int, now: float) -> None:
+        """The engine stopped ``streams`` bulk streams that ran past the cap, to start them over within it: live
+        latencies begun before now met them, and say nothing of the cap."""
         self.totals["bulk_streams_shed"] += streams
+        self._over_cap_at = now
 
     def starved_start(self) -> None:
         """A lane that live traffic kept from running for ``BULK_STARVED_S`` started a request where it could."""

@@ -36,7 +36,8 @@ class Stream:
     taken_mono: float | None = None  # when the model took its first attempt (monotonic), until its first token
     last_token: tuple[float, int] | None = None  # (when, tokens so far) of its last text, from its first token on
     accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
-    running_since: float = 0.0  # when it last started or resumed (monotonic): the lane sheds the youngest first
+    running_since: float = 0.0  # when it started (monotonic): the lane sheds the youngest first
+    shed: bool = False  # the lane shed it once: it is not shed again (each bulk request costs one resend at most)
 
 
 class StreamRegistry:
@@ -138,32 +139,37 @@ class StreamRegistry:
 
     def shed(self, now: float) -> list[Stream]:
         """The bulk streams running past the lane's cap, the youngest first (they have generated least), now
-        shed: the backend stops their attempts and each waits in :meth:`resume` to start over. A halving thus
-        shrinks the lane at once, not as its streams end; a shed stream keeps its place in ``max_in_flight`` and
-        runs again before any new bulk request. None where the backend cannot stop an attempt or the lane is not
+        shed: the backend stops their attempts and each waits in :meth:`resume` to start over. A halving, or live
+        traffic back after an idle spell, thus shrinks the lane at once, not as its streams end; a shed stream keeps
+        its place in ``max_in_flight`` and runs again before any new bulk request. A stream is shed once at most
+        (one shed before runs to its end), and never one whose answer is whole (its last chunks wait for Pub/Sub:
+        it holds no row at the server). None where the backend cannot stop an attempt or the lane is not
         governed."""
         if not self.preempts or not self.lane.governed or not self.bulk_unfinished:
             return []
         running = [s for s in self.streams.values() if s.request.bulk and not s.done and s.key not in self.shed_streams]
         excess = len(running) - self.bulk_cap(now)
-        if excess <= 0:
+        sheddable = [s for s in running if not s.shed and not (s.assembler is not None and s.assembler.finished)]
+        if excess <= 0 or not sheddable:
             return []
-        youngest = sorted(running, key=lambda s: s.running_since, reverse=True)[:excess]
+        youngest = sorted(sheddable, key=lambda s: s.running_since, reverse=True)[:excess]
         for stream in youngest:
+            stream.shed = True
             self.shed_streams[stream.key] = stream
-        self.lane.shed(len(youngest))
+        self.lane.shed(len(youngest), now)
         return youngest
 
     def resume(self, stream: Stream, now: float) -> bool:
         """Whether the stream may run (again) now: one not shed, or the one shed first while the lane runs fewer
-        streams than its cap."""
+        streams than its cap and its prompt fits the lane's prompt budget (counted as a bulk prompt started)."""
         if stream.key not in self.shed_streams:
             return True
-        if next(iter(self.shed_streams)) != stream.key or \
-                self.bulk_unfinished - len(self.shed_streams) >= self.bulk_cap(now):
+        if not self.holds(stream) or next(iter(self.shed_streams)) != stream.key or \
+                self.bulk_unfinished - len(self.shed_streams) >= self.bulk_cap(now) or \
+                not self.lane.prompts_fitting(now, [prompt_tokens(stream.request)]):
             return False
         del self.shed_streams[stream.key]
-        stream.running_since = now
+        self.lane.bulk_started(now, prompt_tokens(stream.request))
         return True
 
     def poll(self, positions: dict[str, int], client: str) -> dict[str, list[tuple[str, str]]]:

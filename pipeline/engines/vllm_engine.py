@@ -245,7 +245,7 @@ class VLLMBackend:
         timed_out_at = time.time() + self.settings.request_timeout_s  # from sending, not from queueing
         own = float("inf") if request.deadline_ms is None else request.received_at + request.deadline_ms / 1000
         while True:
-            timed_out_at += await self._while_shed(stream)  # time shed is not the server's (a request's own holds)
+            timed_out_at += await self._while_shed(stream, own)  # time shed is not the server's (its own holds)
             deadline = min(timed_out_at, own)
             limit = f"request_timeout_s={self.settings.request_timeout_s:g}" if deadline < own else \
                 f"its deadline_ms={request.deadline_ms}"
@@ -289,9 +289,9 @@ class VLLMBackend:
             delay = min(delay * 2, 10.0)
         self._events.dead_letter(stream, f"no answer within {limit}: {last_error}")
 
-    async def _while_shed(self, stream: Stream) -> float:
-        started = time.monotonic()  # returns how long the bulk lane kept the stream shed (s)
-        while not self._events.may_run(stream):
+    async def _while_shed(self, stream: Stream, own_deadline: float) -> float:
+        started = time.monotonic()  # returns how long the bulk lane kept the stream shed (s), its deadline at most
+        while time.time() < own_deadline and not self._events.may_run(stream):
             await asyncio.sleep(SHED_POLL_S)
         return time.monotonic() - started
 
