@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,12 +28,13 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
-from pipeline.flow import subscription_feed
+from pipeline.flow import subscription_feed, subscription_reader
 from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.subscription_reader import ReadWithinRoom
 from pipeline.intake.parsing import ParseRequests
 from pipeline.worker.runtime import WorkerRuntime
 from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
+from tests import vm_sim
 from tests.conftest import SERVED_NAME
 from tests.feed_harness import short_deadline_subscription, through
 from tests.pubsub_fault_proxy import FaultProxy, Faults
@@ -187,6 +189,30 @@ def test_the_bulk_lanes_readers_stop_where_the_live_reserve_begins_and_mark_what
     assert len(set(ids_in(live_out))) == settings_.max_held - settings_.bulk_held, ids_in(live_out)
     assert set(ids_in(Path(f"{live_out}.lanes"))) == {"live"}
     assert sum(worker.acquire().admission.counts()) == settings_.max_held
+
+
+def test_the_reader_dofn_and_the_vm_simulator_run_the_one_round(worker, backlog, tmp_path, monkeypatch):
+    """The reader's round and its bundle's end are one pair of functions, looked up where they are defined, which
+    PullWithinRoomFn and the VM simulator both call (#80): a change to them is run by both, so what the simulator
+    proves under its schedules is the round that ships, not a copy."""
+    calls: Counter[tuple[str, str]] = Counter()
+    runner = ["dofn"]
+    real_take, real_end = subscription_reader.take_round, subscription_reader.end_read_bundle
+
+    def take(feed, tag, most=subscription_reader.PULL_MOST):
+        calls[runner[0], "round"] += 1
+        return real_take(feed, tag, most)
+
+    def end(feed, tag, places):
+        calls[runner[0], "bundle end"] += 1
+        return real_end(feed, tag, places)
+
+    monkeypatch.setattr(subscription_reader, "take_round", take)
+    monkeypatch.setattr(subscription_reader, "end_read_bundle", end)
+    read(backlog, worker, tmp_path / "out", rounds=2)
+    runner[0] = "simulator"
+    vm_sim.check(vm_sim.run(0, vm_sim.POLICIES[0]))
+    assert all(calls[who, what] for who in ("dofn", "simulator") for what in ("round", "bundle end")), calls
 
 
 def test_a_bundle_that_fails_leaves_its_messages_in_the_subscription(worker, backlog, tmp_path):

@@ -45,10 +45,11 @@ from pipeline.contract.call_outcome import Call
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
+from pipeline.flow import subscription_reader
 from pipeline.flow.admission import admit_in_place
 from pipeline.flow.subscription_backlog import SubscriptionBacklog
 from pipeline.flow.subscription_feed import SubscriptionFeed
-from pipeline.flow.subscription_reader import ACK_DEADLINE_S, EMPTY_DELAY_S, PULL_MOST, end_read_bundle, take_round
+from pipeline.flow.subscription_reader import ACK_DEADLINE_S, EMPTY_DELAY_S, PULL_MOST
 from pipeline.generation.key_events import Arrived, PollDue, Rules
 from pipeline.generation.key_events import Report as WaitingReport
 from pipeline.serving.vllm_server import ServerSpec
@@ -330,7 +331,7 @@ class _Vm:
         if self.s.design == "native":  # no places: the pull takes what the subscription gives
             self._native_round(reader)
             return
-        taken = take_round(self.feed, self.tag)  # the reader's own round (PullWithinRoomFn runs the same)
+        taken = subscription_reader.take_round(self.feed, self.tag)  # the round PullWithinRoomFn runs, looked up
         if not taken.messages:
             self.readers_due[reader] = now + taken.again_s
             return
@@ -371,7 +372,7 @@ class _Vm:
             else:
                 self.out.uncounted += 1
         if self.s.design == "reader":
-            end_read_bundle(self.feed, self.tag, places)  # PullWithinRoomFn.finish_bundle's own
+            subscription_reader.end_read_bundle(self.feed, self.tag, places)  # PullWithinRoomFn.finish_bundle's
         else:
             read_places.discard(self.tag, places)
         if self.down_until is None:

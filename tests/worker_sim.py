@@ -627,7 +627,7 @@ class World:
     def _check_completion(self, record: dict[str, Any]) -> None:
         """What must hold as a completion commits: every chunk of its attempt delivered before it, adding up to
         its text; and where nothing but host deaths and updates lost streams, the contract's cost of each: one
-        resend of each stream that ran through it."""
+        resend of each stream that ran through it, in attempts and in the tokens generated for it so far."""
         r, s, request_id, attempt = self.report, self.s, record["id"], record["attempt"]
         if self._next_seq[(request_id, attempt)] != record["chunks"]:
             raise Violation(s.seed, f"request {request_id} completed after {self._next_seq[(request_id, attempt)]} "
@@ -637,6 +637,13 @@ class World:
         if not (s.faults.key_moves or s.faults.broken or s.vm.restarts) and attempt > 1 + r.hits[request_id]:
             raise Violation(s.seed, f"request {request_id} ended at attempt {attempt} after {r.hits[request_id]} "
                                     "host deaths or updates under it")
+        if not (s.faults.key_moves or s.faults.broken or s.vm.restarts):
+            # The token cost so far (check() counts what generation goes on after, once every engine is done).
+            generated = r.generated_for[request_id] + sum(e.generated_for[request_id] for e in self.engines.values())
+            if generated > record["tokens"] * (1 + r.hits[request_id]):
+                raise Violation(s.seed, f"request {request_id}: {generated} tokens generated for {record['tokens']} "
+                                        f"by its completion, after {r.hits[request_id]} host deaths or updates "
+                                        "under it")
 
     def due(self) -> list[tuple[str, int, Any]]:
         items: list[tuple[str, int, Any]] = [("bundle", key, b) for b in self.bundles if b[0] <= self.now
