@@ -18,6 +18,7 @@ import pytest
 from local import backfill_smoke
 from local.emulators import emulator_bigquery_client
 from local.harness import REPO_ROOT, LocalRun
+from pipeline.serving.vllm_server import free_port
 from tests.conftest import SERVED_NAME, wait_until
 
 pytestmark = pytest.mark.engine
@@ -112,3 +113,39 @@ def test_a_row_the_model_server_refuses_ends_the_wait_and_is_not_published_again
     again = capsys.readouterr().out
     assert ": 0 published, 1 skipped as answered" in again and \
         "1 dead-lettered by the job at parse, validate or measure or refused by its model server" in again, again
+
+
+def test_a_row_the_job_could_not_answer_while_its_server_was_down_is_published_again_and_answered(
+        run, vllm_server, emulator, tmp_path, capsys):
+    """A job whose model server does not answer (nothing listens at its server_url) letters a row at the inference
+    stage once request_timeout_s passed, for a reason a resend can change: --wait ends on it. The same job started
+    again with its server up (a successor on the same subscription and tables) answers it when a rerun of the
+    feeder publishes it again, without --republish; a rerun after that publishes nothing. (``run``: the module's
+    job, which made the tables.)"""
+    history = tmp_path / "transient.jsonl"
+    history.write_text(json.dumps({"id": "transient-1", "prompt": "The parcel came late.", "max_tokens": 4}) + "\n")
+    tables = [f"--prompt_template={backfill_smoke.TEMPLATE}", f"--served_model_name={SERVED_NAME}",
+              f"--output_completions_table={backfill_smoke.COMPLETIONS}",
+              f"--dead_letter_table={backfill_smoke.DEAD_LETTERS}"]
+    folder = REPO_ROOT / ".cache" / "test-backfill"
+    down = LocalRun([f"--server_url=http://127.0.0.1:{free_port()}", "--request_timeout_s=3", *tables],
+                    log_path=folder / "pipeline-down.log", emulator=emulator).start()
+    try:
+        assert backfill_smoke.feed(down, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=300",
+                                   "--quiet") == 0, down.log_tail()
+    finally:
+        down.stop()
+    first = capsys.readouterr().out
+    assert "Answered 0 of 1" in first and "1 dead-lettered by the job: transient-1 (inference: no answer within " \
+        "request_timeout_s=3" in first, first
+    up = down.successor([f"--server_url={vllm_server.base_url}", *tables], log_path=folder / "pipeline-up.log").start()
+    try:
+        assert backfill_smoke.feed(up, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=300",
+                                   "--quiet") == 0, up.log_tail()
+        again = capsys.readouterr().out
+        assert ": 1 published, 0 skipped as answered" in again and "Answered 1 of 1" in again, again
+        assert backfill_smoke.feed(up, history, "--quiet") == 0
+        assert ": 0 published, 1 skipped as answered" in capsys.readouterr().out
+    finally:
+        up.stop()
+    assert [a["request_id"] for a in answered("transient-")] == ["transient-1"], "answered once"
