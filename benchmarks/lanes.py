@@ -337,6 +337,8 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     published = publish_paced(run, live, args.live_every_s)
     ended(collector, list(published), 600)
     ttft = first_chunks(collector, published)
+    print(f"[{lane}] rep {rep + 1}: each live request alone, s (read to the engine / read to its first token / "
+          f"first chunk cut to seen on the topic): {where_time_went(collector, published)}", flush=True)
     figures["alone p50"].append(statistics.median(ttft))
     figures["alone p95"].append(percentile(ttft, 0.95))
     figures["alone server p95"].append(percentile(server_first_tokens(collector, published), 0.95))
