@@ -23,14 +23,16 @@ a core), and serves:
 
 Every request answers exactly ``--tokens`` (live) or ``--bulk-tokens`` (bulk) tokens (``min_tokens`` equal to
 ``max_tokens``), so the phases do equal work. Measured from the outputs as a user sees them (the chunks and
-completions topics): each live request's first chunk after its publication, its first token at the server (its
-completion's ``time_to_first_token_ms`` less ``queue_ms``: what the governor's objective bounds) and its time per
-token after it (from the engine cutting its first chunk to its last), and the bulk lane's tokens/s while the
-measured live traffic runs and alone. Printed per lane: medians and ranges of those against alone, and of the bulk
-rate against what the engine delivers less what live traffic takes; then the frontier (each lane's live first
-chunk p95 ratio against its bulk tokens/s), the best fixed share that keeps ``--goal``, and each adaptive lane
-against it; ``--plot`` draws it. Every published request must end with one completion (nothing lost). The launcher
-keeps the pipeline's threads off the cores vLLM computes on (:mod:`local.core_placement`), as ``make bench`` places
+completions topics): each live request's first chunk after its publication, as seen on the chunks topic and as
+cut at the worker (the chunk's ``emitted_at``: the emulator delivers a sparse topic's messages up to half a second
+late, which the lane does not change), its first token at the server (its completion's ``time_to_first_token_ms``
+less ``queue_ms``: what the governor's objective bounds) and its time per token after it (from the engine cutting
+its first chunk to its last), and the bulk lane's tokens/s while the measured live traffic runs and alone.
+Printed per lane: medians and ranges of those against alone, and of the bulk rate beside live against alone; then
+the frontier (each lane's live p95 ratios against its bulk tokens/s) and, for each adaptive lane, the best fixed
+share that keeps its ratio (R, or ``--goal``) by each measure, and the adaptive lane against it; ``--plot`` draws
+it. Every published request must end with one completion (nothing lost). The launcher keeps the pipeline's threads
+off the cores vLLM computes on (:mod:`local.core_placement`), as ``make bench`` places
 them. Figures and ratios; nothing is asserted.
 
 A live request beside the lane waits at vLLM for the step in progress and shares every later step with the bulk
@@ -117,6 +119,19 @@ def publish_paced(run: LocalRun, requests: list[dict], every_s: float) -> dict[s
     return published
 
 
+def first_chunks_cut(collector: OutputCollector, published: dict[str, float]) -> list[float]:
+    """Per live request, s from its publication to the worker's engine cutting its first chunk (the chunk's
+    ``emitted_at``): its first chunk less the way out through Pub/Sub, which on the emulator delivers a sparse
+    topic's messages up to half a second late (seen alone, not beside a busy lane) and which the lane does not
+    change."""
+    cut: dict[str, float] = {}
+    for chunk in list(collector.chunks):
+        request_id = chunk.data["id"]
+        if request_id in published:
+            cut[request_id] = min(cut.get(request_id, chunk.data["emitted_at"]), chunk.data["emitted_at"])
+    return [cut[i] - published[i] for i in published if i in cut]
+
+
 def first_chunks(collector: OutputCollector, published: dict[str, float]) -> list[float]:
     first: dict[str, float] = {}
     for chunk in list(collector.chunks):
@@ -201,7 +216,7 @@ def spread(values: list[float], unit: str = "") -> str:
 
 FIGURES = ("alone p50", "alone p95", "beside p50", "beside p95", "alone inter p50", "alone inter p95",
            "beside inter p50", "beside inter p95", "bulk beside", "bulk alone", "live tokens/s", "alone server p95",
-           "beside server p95")
+           "beside server p95", "alone cut p95", "beside cut p95")
 WHOLE_SHARE = 48  # the lane's whole share at the template's defaults: max_in_flight 64 less live_reserve 0.25
 OBJECTIVES_OFF = ("--live_first_token_slo_ms=0", "--live_inter_token_slo_ms=0")
 
@@ -342,6 +357,7 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     figures["alone p50"].append(statistics.median(ttft))
     figures["alone p95"].append(percentile(ttft, 0.95))
     figures["alone server p95"].append(percentile(server_first_tokens(collector, published), 0.95))
+    figures["alone cut p95"].append(percentile(first_chunks_cut(collector, published), 0.95))
     inter = inter_token_ms(collector, published)
     figures["alone inter p50"].append(statistics.median(inter))
     figures["alone inter p95"].append(percentile(inter, 0.95))
@@ -369,6 +385,7 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     figures["beside p50"].append(statistics.median(ttft))
     figures["beside p95"].append(percentile(ttft, 0.95))
     figures["beside server p95"].append(percentile(server_first_tokens(collector, published), 0.95))
+    figures["beside cut p95"].append(percentile(first_chunks_cut(collector, published), 0.95))
     inter = inter_token_ms(collector, published)
     figures["beside inter p50"].append(statistics.median(inter))
     figures["beside inter p95"].append(percentile(inter, 0.95))
@@ -399,8 +416,7 @@ def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str 
     p95 = [b / a for a, b in zip(figures["alone p95"], figures["beside p95"], strict=True)]
     inter50 = [b / a for a, b in zip(figures["alone inter p50"], figures["beside inter p50"], strict=True)]
     inter = [b / a for a, b in zip(figures["alone inter p95"], figures["beside inter p95"], strict=True)]
-    share = [b / max(c - live, 1e-9) for b, c, live in
-             zip(figures["bulk beside"], figures["bulk alone"], figures["live tokens/s"], strict=True)]
+    share = [b / max(c, 1e-9) for b, c in zip(figures["bulk beside"], figures["bulk alone"], strict=True)]
     print(f"\nlane {lane} ({' '.join(used or lane_args(lane)) or 'the template objectives'}): {args.reps} "
           f"interleaved repetitions, {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores; live: {args.live} requests x {args.tokens} tokens measured (after {args.warm_live} beside the "
@@ -413,6 +429,9 @@ def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str 
           f"| {spread(p50)} |")
     print(f"| live first chunk p95 | {spread(figures['alone p95'], ' s')} | {spread(figures['beside p95'], ' s')} "
           f"| {spread(p95)} |")
+    cut = [b / a for a, b in zip(figures["alone cut p95"], figures["beside cut p95"], strict=True)]
+    print(f"| live first chunk cut at the worker p95 | {spread(figures['alone cut p95'], ' s')} | "
+          f"{spread(figures['beside cut p95'], ' s')} | {spread(cut)} |")
     server = [b / a for a, b in zip(figures["alone server p95"], figures["beside server p95"], strict=True)]
     print(f"| live first token at the server p95 (ms) | {spread(figures['alone server p95'])} | "
           f"{spread(figures['beside server p95'])} | {spread(server)} |")
@@ -424,7 +443,7 @@ def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str 
     print(f"| alone (what the engine delivers) | {spread(figures['bulk alone'])} |")
     print(f"| live traffic's own | {spread(figures['live tokens/s'])} |")
     print(f"| beside live | {spread(figures['bulk beside'])} |")
-    print(f"| beside live / (alone - live's) | {spread(share)} |")
+    print(f"| beside live / alone | {spread(share)} |")
     print("Nothing lost: every published request of both lanes ended with one completion.")
 
 
@@ -437,6 +456,7 @@ class Point:
     inter_token_p95_ratio: float  # live time per token p95 beside the lane / alone
     bulk_tokens_per_s: float  # the lane's rate beside live
     server_p95_ratio: float = float("nan")  # live first token at the server p95 beside / alone: the governor's
+    cut_p95_ratio: float = float("nan")  # live first chunk cut at the worker p95 beside / alone
 
 
 def frontier(figures: dict[str, dict[str, list[float]]]) -> list[Point]:
@@ -444,61 +464,76 @@ def frontier(figures: dict[str, dict[str, list[float]]]) -> list[Point]:
     for lane, mine in figures.items():
         ratio = [b / a for a, b in zip(mine["alone p95"], mine["beside p95"], strict=True)]
         inter = [b / a for a, b in zip(mine["alone inter p95"], mine["beside inter p95"], strict=True)]
-        server = [b / a for a, b in zip(mine.get("alone server p95", []), mine.get("beside server p95", []),
-                                        strict=True)]
+        server, cut = ([b / a for a, b in zip(mine.get(f"alone {kind} p95", []), mine.get(f"beside {kind} p95", []),
+                                              strict=True)] for kind in ("server", "cut"))
         points.append(Point(lane, statistics.median(ratio), statistics.median(inter),
                             statistics.median(mine["bulk beside"]),
-                            statistics.median(server) if server else float("nan")))
+                            statistics.median(server) if server else float("nan"),
+                            statistics.median(cut) if cut else float("nan")))
     return points
 
 
 def frontier_table(points: list[Point], goal: float) -> str:
-    """Each lane's live p95 ratios and bulk rate; the best fixed share whose live first chunk p95 ratio keeps the
-    goal (or, where none does, the one with the lowest ratio), and the adaptive lane's rate against it."""
+    """Each lane's live p95 ratios and bulk rate; for each adaptive lane, against the ratio it was given (its R for
+    ``adaptive:xR``, else ``goal``), the best fixed share whose ratio keeps it (or, where none does, the one with
+    the lowest ratio), by the first chunk a user sees and by the first token at the server (what the governor
+    bounds), and the adaptive lane's ratio and rate against that share's."""
     lines = [f"\nThe frontier (medians): live first chunk p95 beside / alone against the lane's bulk tokens/s "
-             f"(goal {goal:g}):", "| lane | first chunk p95 ratio | first token at the server p95 ratio | time per "
-             "token p95 ratio | bulk tokens/s |", "|---|---|---|---|---|"]
-    lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.server_p95_ratio:.2f} | "
+             f"(goal {goal:g}):", "| lane | first chunk p95 ratio | cut at the worker | first token at the server | "
+             "time per token p95 ratio | bulk tokens/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.cut_p95_ratio:.2f} | {p.server_p95_ratio:.2f} | "
               f"{p.inter_token_p95_ratio:.2f} | {p.bulk_tokens_per_s:.1f} |" for p in points]
     fixed = [p for p in points if p.lane.isdigit()]
-    if fixed:
-        keeping = [p for p in fixed if p.first_chunk_p95_ratio <= goal]
-        best = max(keeping, key=lambda p: p.bulk_tokens_per_s) if keeping else \
-            min(fixed, key=lambda p: p.first_chunk_p95_ratio)
-        lines.append(f"Best fixed share {'keeping the goal' if keeping else '(none keeps the goal: the tightest)'}: "
-                     f"{best.lane} streams, ratio {best.first_chunk_p95_ratio:.2f}, {best.bulk_tokens_per_s:.1f} "
-                     "bulk tokens/s.")
-        for point in (p for p in points if adaptive(p.lane)):
-            lines.append(f"{point.lane}: ratio {point.first_chunk_p95_ratio:.2f}, bulk "
-                         f"{point.bulk_tokens_per_s / max(best.bulk_tokens_per_s, 1e-9):.2f}x that share's "
-                         "tokens/s (goal: within the ratio, at least 0.9x).")
+    targets = sorted({goal} | {float(p.lane.partition(":x")[2]) for p in points if ":x" in p.lane})
+    for target in targets if fixed else []:
+        mine = [p for p in points if adaptive(p.lane) and
+                (float(p.lane.partition(":x")[2]) if ":x" in p.lane else goal) == target]
+        for measure, ratio_of in (("first chunk", lambda p: p.first_chunk_p95_ratio),
+                                  ("first chunk cut at the worker", lambda p: p.cut_p95_ratio),
+                                  ("first token at the server", lambda p: p.server_p95_ratio)):
+            keeping = [p for p in fixed if ratio_of(p) <= target]
+            best = max(keeping, key=lambda p: p.bulk_tokens_per_s) if keeping else min(fixed, key=ratio_of)
+            lines.append(f"Ratio {target:g} by {measure}: best fixed share "
+                         f"{'keeping it' if keeping else '(none keeps it: the tightest)'}: {best.lane} streams, "
+                         f"ratio {ratio_of(best):.2f}, {best.bulk_tokens_per_s:.1f} bulk tokens/s.")
+            for point in mine:
+                lines.append(f"  {point.lane}: ratio {ratio_of(point):.2f} "
+                             f"({'within' if ratio_of(point) <= target else 'past'} {target:g}), bulk "
+                             f"{point.bulk_tokens_per_s / max(best.bulk_tokens_per_s, 1e-9):.2f}x that share's "
+                             "tokens/s (goal: within, at least 0.9x).")
     return "\n".join(lines)
 
 
 def plot(points: list[Point], goal: float, path: Path) -> None:
+    """Two panels, live p95 beside the lane over alone against the lane's bulk tokens/s: the first chunk cut at
+    the worker (what a user waits for, less Pub/Sub's way out) and the first token at the server (what the
+    governor's objective bounds); fixed shares a line, adaptive lanes stars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
     fixed = sorted((p for p in points if p.lane.isdigit()), key=lambda p: p.bulk_tokens_per_s)
-    axis.plot([p.bulk_tokens_per_s for p in fixed], [p.first_chunk_p95_ratio for p in fixed], marker="o",
-              color="tab:blue", label="fixed share (bulk streams)")
-    for p in fixed:
-        axis.annotate(p.lane, (p.bulk_tokens_per_s, p.first_chunk_p95_ratio), textcoords="offset points",
-                      xytext=(4, 4), fontsize=8)
-    for n, p in enumerate(p for p in points if not p.lane.isdigit()):
-        axis.scatter([p.bulk_tokens_per_s], [p.first_chunk_p95_ratio], marker="*" if adaptive(p.lane) else "s",
-                     s=180 if adaptive(p.lane) else 70, color="tab:red" if adaptive(p.lane) else "tab:grey",
-                     zorder=3, label=p.lane if n < 4 else None)
-        axis.annotate(p.lane, (p.bulk_tokens_per_s, p.first_chunk_p95_ratio), textcoords="offset points",
-                      xytext=(4, -10), fontsize=8)
-    axis.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}x")
-    axis.set_xlabel("bulk tokens/s beside live traffic")
-    axis.set_ylabel("live first chunk p95, beside / alone")
-    axis.set_title("The bulk lane's frontier")
-    axis.legend(fontsize=8)
+    for axis, title, ratio_of in ((axes[0], "first chunk cut at the worker", lambda p: p.cut_p95_ratio),
+                                  (axes[1], "first token at the server", lambda p: p.server_p95_ratio)):
+        axis.plot([p.bulk_tokens_per_s for p in fixed], [ratio_of(p) for p in fixed], marker="o",
+                  color="tab:blue", label="fixed share (bulk streams)")
+        for p in fixed:
+            axis.annotate(p.lane, (p.bulk_tokens_per_s, ratio_of(p)), textcoords="offset points", xytext=(4, 4),
+                          fontsize=8)
+        for n, p in enumerate(p for p in points if not p.lane.isdigit()):
+            axis.scatter([p.bulk_tokens_per_s], [ratio_of(p)], marker="*" if adaptive(p.lane) else "s",
+                         s=180 if adaptive(p.lane) else 70, color="tab:red" if adaptive(p.lane) else "tab:grey",
+                         zorder=3, label=p.lane if n < 4 else None)
+            axis.annotate(p.lane, (p.bulk_tokens_per_s, ratio_of(p)), textcoords="offset points", xytext=(4, -10),
+                          fontsize=8)
+        axis.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}x")
+        axis.set_xlabel("bulk tokens/s beside live traffic")
+        axis.set_ylabel(f"live {title} p95, beside / alone")
+        axis.set_title(title)
+        axis.legend(fontsize=8)
+    figure.suptitle("The bulk lane's frontier")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 

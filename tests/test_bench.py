@@ -403,12 +403,21 @@ def test_the_lanes_frontier_names_the_best_fixed_share_that_keeps_the_goal_and_w
     assert [p.lane for p in points] == ["1", "4", "16", "adaptive", "adaptive:400", "whole"]
     assert points[1].first_chunk_p95_ratio == pytest.approx(1.18) and points[0].inter_token_p95_ratio == 1.4
     table = lanes.frontier_table(points, 1.2)
-    assert "Best fixed share keeping the goal: 4 streams" in table, table
-    assert f"adaptive: ratio 1.16, bulk {85.0 / 90.0:.2f}x that share's" in table
-    assert f"adaptive:400: ratio 1.04, bulk {45.0 / 90.0:.2f}x that share's" in table
+    assert "Ratio 1.2 by first chunk: best fixed share keeping it: 4 streams" in table, table
+    assert f"  adaptive: ratio 1.16 (within 1.2), bulk {85.0 / 90.0:.2f}x that share's" in table
+    assert f"  adaptive:400: ratio 1.04 (within 1.2), bulk {45.0 / 90.0:.2f}x that share's" in table
     assert "whole: ratio" not in table, "the whole share is no adaptive lane"
     tight = lanes.frontier_table(lanes.frontier({"8": measured(0.5, 1.0, 99.0), "2": measured(0.5, 0.8, 20.0)}), 1.2)
-    assert "none keeps the goal: the tightest): 2 streams" in tight, tight
+    assert "none keeps it: the tightest): 2 streams" in tight, tight
+    server = {"alone server p95": [100.0, 100.0]}
+    calibrated = lanes.frontier({"1": measured(0.5, 0.75, 12.0) | server | {"beside server p95": [150.0, 150.0]},
+                                 "2": measured(0.5, 1.1, 20.0) | server | {"beside server p95": [210.0, 210.0]},
+                                 "adaptive:x2": measured(0.5, 0.9, 19.0) | server |
+                                 {"beside server p95": [190.0, 190.0]}})
+    by_ratio = lanes.frontier_table(calibrated, 1.2)
+    assert "Ratio 2 by first chunk: best fixed share keeping it: 2 streams, ratio 2.20" not in by_ratio
+    assert "Ratio 2 by first token at the server: best fixed share keeping it: 1 streams, ratio 1.50" in by_ratio
+    assert f"  adaptive:x2: ratio 1.90 (within 2), bulk {19.0 / 12.0:.2f}x" in by_ratio, by_ratio
     lanes.plot(points, 1.2, tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
