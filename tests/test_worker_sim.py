@@ -10,6 +10,7 @@ that protects each invariant, and show the simulator catches it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import os
@@ -20,7 +21,7 @@ import pytest
 from pipeline.contract import stream_progress
 from pipeline.contract.stream_progress import CHUNK
 from pipeline.engines import leases, stream_registry
-from pipeline.generation import dedupe, key_machine, key_state, step_work
+from pipeline.generation import dedupe, key_driver, key_machine, key_state, step_work
 from tests import worker_sim
 
 SCHEDULES = int(os.environ.get("WORKER_SIM_SCHEDULES", "10000"))
@@ -43,6 +44,35 @@ def test_every_invariant_holds_on_every_drawn_schedule():
         failures = [f for found in pool.map(_play, [range(n, min(n + step, SCHEDULES))
                                                     for n in range(0, SCHEDULES, step)]) for f in found]
     assert not failures, f"{len(failures)} of {SCHEDULES} schedules failed:\n" + "\n".join(failures[:10])
+
+
+def test_a_step_changes_neither_the_state_nor_the_event_it_is_given(monkeypatch):
+    """The key machine's step is a function of (rules, state, event): over drawn schedules, each state and event
+    it is given equal, after the step, a deep copy taken before (the id record it changes is its own copy,
+    dedupe.IdRecord.opened; what it emits and counts gathers in a StepWork made for that step alone)."""
+    real, steps = key_driver.step, [0]
+
+    def checked(rules, state, event):
+        before = copy.deepcopy((state, event))
+        result = real(rules, state, event)
+        assert (state, event) == before, f"a step changed what it was given: {type(event).__name__}"
+        steps[0] += 1
+        return result
+
+    monkeypatch.setattr(key_driver, "step", checked)
+    for seed in range(60):
+        worker_sim.check(worker_sim.run(seed))
+    assert steps[0] > 1000, steps
+
+
+def test_it_bites_when_a_step_changes_the_id_record_it_was_given(monkeypatch):
+    """The id record opened without a copy: a step changes the state it was given, and the check above sees it."""
+    def shared(self: dedupe.IdRecord) -> tuple[dedupe.Ids, str | None]:
+        return (self.ids, None) if isinstance(self.ids, dict) else dedupe.read_ids(self.text)
+
+    monkeypatch.setattr(dedupe.IdRecord, "opened", shared)
+    with pytest.raises(AssertionError, match="a step changed what it was given"):
+        test_a_step_changes_neither_the_state_nor_the_event_it_is_given(monkeypatch)
 
 
 def test_leases_cancel_the_streams_keys_moved_away_from_and_every_invariant_still_holds():
