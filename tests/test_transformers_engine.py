@@ -14,7 +14,7 @@ from pipeline.contract.messages import InferenceRequest
 from pipeline.contract.stream_progress import CHUNK, COMPLETION, DEAD_LETTER
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.transformers_engine import transformers_engine
+from pipeline.engines.transformers_engine import REFUSED, transformers_engine
 from pipeline.flow.batching import BatchingConfig
 from pipeline.intake.prompt_length import TokenizerMeter
 from pipeline.serving.vllm_server import ServerSpec
@@ -230,7 +230,9 @@ def test_what_the_engine_cannot_serve_becomes_a_dead_letter_and_the_batch_goes_o
                                          response_format={"type": "json_object"}),
                                  late, request("plain", "Say hi.", max_tokens=4)])
     (letter,) = [data for kind, data in outputs["json"] if kind == DEAD_LETTER]
-    assert "engine=vllm" in letter["reason"] and letter["stage"] == "inference"
+    assert "cannot apply response_format" in letter["reason"] and "engine=vllm" in letter["reason"] and \
+        letter["stage"] == "inference"
+    assert REFUSED == ("response_format", "adapter"), "the table's refused_elsewhere fields"
     (letter,) = [data for kind, data in outputs["late"] if kind == DEAD_LETTER]
     assert "deadline_ms=500 passed" in letter["reason"]
     assert any(kind == COMPLETION for kind, _ in outputs["plain"])

@@ -50,7 +50,7 @@ def test_a_step_changes_neither_the_state_nor_the_event_it_is_given(monkeypatch)
     """The key machine's step is a function of (rules, state, event): over drawn schedules, each state and event
     it is given equal, after the step, a deep copy taken before (the id record it changes is its own copy,
     dedupe.IdRecord.opened; what it emits and counts gathers in a StepWork made for that step alone)."""
-    real, steps = key_driver.step, [0]
+    real, steps = key_machine.step, [0]  # what the driver calls (pipeline.generation.key_driver)
 
     def checked(rules, state, event):
         before = copy.deepcopy((state, event))

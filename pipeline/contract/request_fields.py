@@ -32,7 +32,9 @@ class RequestField:
     request gave it. ``lineage``: recorded in the completion's ``lineage.sampling`` where its engine applied it.
     ``first_stored``: a field of the first stored state, which fingerprints hash even when it is unset; never set
     it on a field added since (:meth:`~pipeline.contract.messages.InferenceRequest.fingerprint`: every fingerprint
-    stored before the field came must stay the one its request computes)."""
+    stored before the field came must stay the one its request computes). ``refused_elsewhere``: an engine not in
+    ``engines`` dead-letters a request that sets it (its answer could not be trusted), rather than serving it
+    without."""
 
     name: str
     type: str  # as docs/contract.md shows it
@@ -45,6 +47,7 @@ class RequestField:
     to_server: bool = False
     lineage: bool = False
     first_stored: bool = False
+    refused_elsewhere: bool = False
 
     def __post_init__(self) -> None:
         if self.bounds is not None and not self.bounds[0] < self.bounds[1]:
@@ -104,10 +107,11 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     RequestField("response_format", "object", "OpenAI's `response_format` (`json_object` or `json_schema`): the "
                  "answer is JSON of that shape.", engines=VLLM_ONLY, default="free text",
                  applied="vLLM: sent as is; transformers: refused (a dead letter)", to_server=True, lineage=True,
-                 first_stored=True),
+                 first_stored=True, refused_elsewhere=True),
     RequestField("adapter", "string", "A LoRA adapter the job serves (`lora_adapters`, or a folder of "
                  "`lora_adapter_root`).", engines=VLLM_ONLY, default="the model itself",
-                 applied="vLLM: the request's model name; transformers: refused (a dead letter)"),
+                 applied="vLLM: the request's model name; transformers: refused (a dead letter)",
+                 refused_elsewhere=True),
     RequestField("deadline_ms", "integer", "The request must finish within this many milliseconds of its receipt "
                  "(1 to a week), or become a dead letter.", default="none",
                  applied="the generate step and the engine end it", first_stored=True),
@@ -125,6 +129,11 @@ FINGERPRINTED_WHEN_UNSET: frozenset[str] = frozenset(f.name for f in REQUEST_FIE
 
 # The fields vLLM's server is sent under their own names, as the request gave them.
 SENT_TO_SERVER: tuple[str, ...] = tuple(f.name for f in REQUEST_FIELDS if f.to_server)
+
+
+def refused_by(engine: str) -> tuple[str, ...]:
+    """The fields ``engine`` dead-letters a request for setting (``RequestField.refused_elsewhere``)."""
+    return tuple(f.name for f in REQUEST_FIELDS if f.refused_elsewhere and engine not in f.engines)
 
 
 def recorded_in_lineage(engine: str) -> tuple[str, ...]:

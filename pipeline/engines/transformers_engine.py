@@ -46,7 +46,7 @@ from typing import Any
 
 from pipeline.contract.chunking import ChunkAssembler
 from pipeline.contract.messages import InferenceRequest
-from pipeline.contract.request_fields import ENGINE_TRANSFORMERS
+from pipeline.contract.request_fields import ENGINE_TRANSFORMERS, refused_by
 from pipeline.engines.backend import ServerLoad, StreamEvents
 from pipeline.engines.engine import Engine
 from pipeline.engines.engine_settings import EngineSettings
@@ -55,6 +55,7 @@ from pipeline.serving.lineage import ServingLineage, chat_template_digest, model
 from pipeline.serving.model_access import explained_fetch, resolve_model
 
 LOGGER = logging.getLogger(__name__)
+REFUSED = refused_by(ENGINE_TRANSFORMERS)  # a request that sets one is a dead letter here: the table's
 
 # What each batch cost in padding, one line per batch for the operator (and parseable: make bench reads it).
 BATCH_LOG = ("Static batch: %d requests, %d token positions computed, %d of them padding (%.1f %%): "
@@ -219,9 +220,9 @@ class TransformersBackend:
         served, now = [], time.time()
         for stream in batch:
             request = stream.request
-            if request.response_format is not None:
-                self._events.dead_letter(stream, "engine 'transformers' cannot constrain an answer to "
-                                                 "response_format; run this request with engine=vllm")
+            if refused := [name for name in REFUSED if getattr(request, name) is not None]:
+                self._events.dead_letter(stream, f"engine 'transformers' cannot apply {', '.join(refused)}; run "
+                                                 "this request with engine=vllm")
             elif request.deadline_ms is not None and now > request.received_at + request.deadline_ms / 1000:
                 self._events.dead_letter(stream, f"its deadline_ms={request.deadline_ms} passed while it waited "
                                                  "for the batches before it")
