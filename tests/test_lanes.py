@@ -95,38 +95,30 @@ def test_bulk_reads_stop_where_the_live_reserve_begins_and_live_reads_take_it():
 
 def test_a_bulk_lane_that_live_traffic_kept_out_for_bulk_starved_s_takes_one_place_in_the_reserve():
     """Live reads hold the whole bulk bound: bulk reads find no room, but after BULK_STARVED_S with no bulk read
-    or request admitted and no bulk stream at the engine, one place within the whole bound (the engine's own rule
-    then starts it); not while a bulk stream runs, not another until that one became a bulk stream or its place
-    went unfilled (no creeping into the live reserve a place each BULK_STARVED_S), never past the whole bound."""
-    now, bulk_running = [0.0], [0]
-    ledger = AdmissionLedger(_settings(), lambda: 0, clock=lambda: now[0], bulk_unfinished=lambda: bulk_running[0])
-    assert ledger.admit([f"l{i}" for i in range(13)]) == 13, "live holds past the bulk bound (12)"
+    or request admitted, no bulk stream at the engine and room there for one, one place within the whole bound
+    (the engine's own rule then starts its request within BULK_STARVED_S); not while a bulk stream runs, not while
+    the engine is full (it could not start it: places would creep into the live reserve for nothing), never two
+    within BULK_STARVED_S, never past the whole bound."""
+    now, running, bulk_running = [0.0], [8], [0]  # the engine runs max_in_flight (8) live streams
+    ledger = AdmissionLedger(_settings(), lambda: running[0], clock=lambda: now[0],
+                             bulk_unfinished=lambda: bulk_running[0])
+    assert ledger.admit([f"l{i}" for i in range(5)]) == 5, "live holds past the bulk bound (12): 13 of 16"
     assert ledger.admit(["b0"], (), True) == 0, "the lane's wait begins"
     now[0] = BULK_STARVED_S - 0.1
     assert ledger.admit(["b1"], (), True) == 0
     now[0] = BULK_STARVED_S
     bulk_running[0] = 1
     assert ledger.admit(["b2"], (), True) == 0, "a bulk stream runs at the engine: the lane moves"
-    bulk_running[0] = 0
+    bulk_running[0], running[0] = 0, 8
+    assert ledger.admit(["b2"], (), True) == 0, "the engine is full (max_in_flight 8): it could not start one"
+    running[0] = 7  # a live stream ended: 12 held, the bulk bound
     assert ledger.admit(["b3", "b4"], (), True) == 1, "starved: one place in the reserve"
     assert ledger.admit(["b5"], (), True) == 0, "and the wait begins again"
     now[0] = 2 * BULK_STARVED_S + 1
-    assert ledger.admit(["b6"], (), True) == 0, \
-        "one at a time: b3 has not become a bulk stream yet (the engine may be full), so no second place"
-    ledger.settled([], ["b3"])  # b3's pull came back empty: the place holds nothing
-    assert ledger.admit(["b7"], (), True) == 1, "an unfilled place is taken again"
-    ledger.settled(["b7"], [])
-    bulk_running[0] = 1  # b7's request runs at the engine: the lane moves
-    now[0] = 3 * BULK_STARVED_S + 2
-    assert ledger.admit(["b8"], (), True) == 0, "a bulk stream runs: not starved"
-    bulk_running[0] = 0
-    now[0] = 4 * BULK_STARVED_S + 3
-    assert ledger.admit(["b9"], (), True) == 1, "the stream ended and the lane starved again: one more"
-    assert ledger.admit(["l13", "l14", "l15"]) == 1, "live takes what is left (16 in all)"
+    assert ledger.admit(["b6"], (), True) == 1, "still no bulk stream a wait later: one more"
+    assert ledger.admit(["l13", "l14", "l15"]) == 2, "live takes what is left (16 in all)"
     now[0] = 10 * BULK_STARVED_S
-    ledger.settled([], ["b9"])
-    assert ledger.admit(["l16"]) == 1, "b9's place came back empty: live takes it"
-    assert ledger.admit(["b10"], (), True) == 0, "the whole bound is held: nothing, starved or not"
+    assert ledger.admit(["b7"], (), True) == 0, "the whole bound is held: nothing, starved or not"
 
 
 def _request(n: int, bulk: bool) -> InferenceRequest:

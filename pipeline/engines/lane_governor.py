@@ -27,8 +27,8 @@ The rule, either objective counting (0 follows none of that kind):
   its effect). The lane shrinks within a second: the engine sheds the youngest bulk streams past the cap (vLLM's
   backend stops their attempts; each starts over, before any new bulk request, once the lane has room:
   :meth:`pipeline.engines.stream_registry.StreamRegistry.shed`), at the cost of the tokens they had generated,
-  each stream once at most. Where the backend cannot stop an attempt (the in-process static batches), or the
-  streams were shed before, running streams end on their own;
+  each stream once at most beside live traffic. Where the backend cannot stop an attempt (the in-process static
+  batches), or the streams were spared, running streams end on their own;
 * below ``HEADROOM`` of every objective, the cap grows by one while the lane runs as many streams as its cap, and
   the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
   the lane does not meet tells nothing of what more would cost);
@@ -39,7 +39,8 @@ The rule, either objective counting (0 follows none of that kind):
 
 It never goes below one stream, and one bulk request starts whatever its prompt when none started within the
 second; a lane that live traffic alone keeps from running for ``BULK_STARVED_S`` starts one where the engine has any
-room (the live reserve included), so a backlog always moves (no starvation: the lane's rate is at worst one stream's).
+room (the live reserve included), so a backlog always moves where the engine has room (no starvation: the lane's
+rate is at worst one stream's).
 Both objectives 0 turns the governor off: the cap is ``bulk_streams``, the fixed share ``live_reserve`` leaves, and
 no budget. The cap, the budget (-1: unbounded) and the percentiles are the worker's load gauges; its counters
 (:data:`TOTALS`, what the dashboard charts, as Cloud Monitoring charts no gauges) count the live latencies, those
@@ -132,6 +133,11 @@ class LaneGovernor:
     @property
     def governed(self) -> bool:
         return self.objective_ms > 0 or self.inter_token_objective_ms > 0
+
+    @property
+    def idle_open(self) -> bool:
+        """Whether the lane runs its whole share because live is idle (the limits live left wait to come back)."""
+        return self._before_idle is not None and self.governed
 
     def live_sent(self, now: float) -> None:
         """A live stream was sent to the server: a lane opened while live was idle goes back at once to the limits

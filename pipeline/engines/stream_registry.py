@@ -22,6 +22,9 @@ from pipeline.engines.lane_governor import BULK_STARVED_S, LaneGovernor
 from pipeline.engines.leases import LeaseClocks, Stamp, finished_kept, overflowing
 from pipeline.intake.prompt_length import estimate_tokens
 
+# A stream the lane shed that has not asked to run again for this long (a retry's back-off) is passed over.
+SHED_ASKING_S = 1.0
+
 
 @dataclass
 class Stream:
@@ -37,7 +40,7 @@ class Stream:
     last_token: tuple[float, int] | None = None  # (when, tokens so far) of its last text, from its first token on
     accelerator_s: float = 0.0  # its share of the model's busy time, every attempt (pipeline.engines.accelerator_time)
     running_since: float = 0.0  # when it started (monotonic): the lane sheds the youngest first
-    shed: bool = False  # the lane shed it once: it is not shed again (each bulk request costs one resend at most)
+    spared: bool = False  # shed once and started over beside live traffic: never shed again, so it ends
 
 
 class StreamRegistry:
@@ -54,7 +57,8 @@ class StreamRegistry:
         self.streams: dict[str, Stream] = {}
         self.unfinished = 0  # streams not yet done: what max_in_flight bounds
         self.bulk_unfinished = 0  # of them, the bulk lane's: what the lane's cap bounds (the shed ones included)
-        self.shed_streams: dict[str, Stream] = {}  # bulk streams the lane shed, in the order shed: they run again first
+        self.shed_streams: dict[str, Stream] = {}  # bulk streams the lane shed, in order: they run again first
+        self._shed_asked: dict[str, float] = {}  # when each last asked to run again
         self._bulk_refused_since: float | None = None  # a bulk request found no room, none running, since then
         self.busy = BusyShares()
         self.leases = LeaseClocks(settings.stream_lease_s, finished_s=settings.request_timeout_s)
@@ -107,6 +111,8 @@ class StreamRegistry:
         that engine)."""
         if not bulk:
             return self._fitting(new, max(self.settings.max_in_flight - self.unfinished, 0))
+        if self.shed_streams:
+            return 0  # the streams the lane shed start over first (:meth:`resume`)
         free = max(min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished), 0)
         if free and prompts:
             free = min(free, self.lane.prompts_fitting(now, prompts[:new if self.whole_batches else free],
@@ -140,36 +146,44 @@ class StreamRegistry:
     def shed(self, now: float) -> list[Stream]:
         """The bulk streams running past the lane's cap, the youngest first (they have generated least), now
         shed: the backend stops their attempts and each waits in :meth:`resume` to start over. A halving, or live
-        traffic back after an idle spell, thus shrinks the lane at once, not as its streams end; a shed stream keeps
-        its place in ``max_in_flight`` and runs again before any new bulk request. A stream is shed once at most
-        (one shed before runs to its end), and never one whose answer is whole (its last chunks wait for Pub/Sub:
-        it holds no row at the server). None where the backend cannot stop an attempt or the lane is not
-        governed."""
+        traffic back after an idle spell to the cap it left, thus shrinks the lane at once, not as its streams end;
+        a shed stream keeps
+        its place in ``max_in_flight`` and runs again before any new bulk request. A stream shed once and started
+        over beside live traffic is spared (it runs to its end: each bulk request costs one resend at most beside
+        live, and a long answer always ends); one started over while live was idle may be shed again, as it ran on
+        what live left idle. Never one whose answer is whole (its last chunks wait for Pub/Sub: it holds no row at
+        the server). None where the backend cannot stop an attempt or the lane is not governed."""
         if not self.preempts or not self.lane.governed or not self.bulk_unfinished:
             return []
         running = [s for s in self.streams.values() if s.request.bulk and not s.done and s.key not in self.shed_streams]
         excess = len(running) - self.bulk_cap(now)
-        sheddable = [s for s in running if not s.shed and not (s.assembler is not None and s.assembler.finished)]
+        sheddable = [s for s in running if not s.spared and not (s.assembler is not None and s.assembler.finished)]
         if excess <= 0 or not sheddable:
             return []
         youngest = sorted(sheddable, key=lambda s: s.running_since, reverse=True)[:excess]
-        for stream in youngest:
-            stream.shed = True
+        for stream in reversed(youngest):  # queued oldest first: the one nearest its deadline starts over first
             self.shed_streams[stream.key] = stream
+            self._shed_asked[stream.key] = now
         self.lane.shed(len(youngest), now)
         return youngest
 
     def resume(self, stream: Stream, now: float) -> bool:
-        """Whether the stream may run (again) now: one not shed, or the one shed first while the lane runs fewer
-        streams than its cap and its prompt fits the lane's prompt budget (counted as a bulk prompt started)."""
+        """Whether the stream may run (again) now: one not shed, or the first shed stream still asking (one that
+        asked within ``SHED_ASKING_S``: a stream in its retry's back-off holds no other up), while the lane runs
+        fewer streams than its cap and its prompt fits the lane's prompt budget (counted as a bulk prompt
+        started); started over beside live traffic, it is spared from then on (:meth:`shed`)."""
         if stream.key not in self.shed_streams:
             return True
-        if not self.holds(stream) or next(iter(self.shed_streams)) != stream.key or \
+        self._shed_asked[stream.key] = now
+        first = next(key for key in self.shed_streams if now - self._shed_asked.get(key, now) <= SHED_ASKING_S)
+        if not self.holds(stream) or first != stream.key or \
                 self.bulk_unfinished - len(self.shed_streams) >= self.bulk_cap(now) or \
                 not self.lane.prompts_fitting(now, [prompt_tokens(stream.request)]):
             return False
         del self.shed_streams[stream.key]
+        self._shed_asked.pop(stream.key, None)
         self.lane.bulk_started(now, prompt_tokens(stream.request))
+        stream.spared = not self.lane.idle_open
         return True
 
     def poll(self, positions: dict[str, int], client: str) -> dict[str, list[tuple[str, str]]]:
@@ -230,6 +244,7 @@ class StreamRegistry:
         self.unfinished -= 1
         self.bulk_unfinished -= stream.request.bulk
         self.shed_streams.pop(stream.key, None)
+        self._shed_asked.pop(stream.key, None)
 
     def began(self, stream: Stream, now: float, now_mono: float) -> None:
         """The model took the stream (an attempt of it) at ``now``: it shares the model's time from here."""

@@ -225,12 +225,12 @@ class VLLMBackend:
         """Stops the streams' attempts (their connections close, so vLLM aborts them); each starts over when the
         engine lets it (:meth:`_run`)."""
         for stream in streams:
-            self._loop.call_soon_threadsafe(self._stop_attempt, stream.key)
+            self._loop.call_soon_threadsafe(self._stop_attempt, stream)
 
-    def _stop_attempt(self, key: str) -> None:
-        attempt = self._attempts.get(key)
-        if attempt is not None:
-            attempt.cancel()
+    def _stop_attempt(self, stream: Stream) -> None:
+        attempt = self._attempts.get(stream.key)
+        if attempt is not None and not (stream.assembler is not None and stream.assembler.finished):
+            attempt.cancel()  # (an answer made whole since the shed goes on: it holds no row at the server)
 
     # Streaming ---------------------------------------------------------------------
 

@@ -32,9 +32,7 @@ class AdmissionLedger:
         self._bulk_bound = settings.bulk_held
         self._unfinished, self._bulk_unfinished = unfinished, bulk_unfinished
         self._bulk_moved_at: float | None = None  # when a bulk read or request was last admitted (None: not yet)
-        # The place a starved lane last took, and when, until a bulk stream runs or the place goes unfilled.
-        self._starved: tuple[str, float] | None = None
-        self._unclaimed_s = settings.engine.request_timeout_s
+        self._max_in_flight = settings.engine.max_in_flight
         admission = settings.admission
         self._hold = WorkerHold(transit_s=admission.transit_s, unclaimed_s=settings.engine.request_timeout_s,
                                 report_lapse_s=admission.report_lapse_s, cap_s=admission.transit_cap_s,
@@ -60,37 +58,26 @@ class AdmissionLedger:
             held = self._held(now)
             room = self._bulk_room(now, held) if bulk else max(self._bound - held, 0)
             released = self._hold.release(in_place_of)
-            admitted = self._hold.admit(now, ids, room + released, keys, in_places=bool(in_place_of))
+            admitted = len(self._hold.admit(now, ids, room + released, keys, in_places=bool(in_place_of)))
             if bulk and admitted:
                 self._bulk_moved_at = now
-                if room and not released and held + room > self._bulk_bound:
-                    self._starved = (admitted[0], now)
-            return len(admitted)
+            return admitted
 
     def _bulk_room(self, now: float, held: int) -> int:
         """A bulk read's room: what the bulk bound leaves; or, where live traffic holds it all, no bulk read or
-        request was admitted for ``BULK_STARVED_S`` and the engine runs no bulk stream, one place within the whole
-        bound (the live reserve included), so a backlog always moves (the engine then starts it:
-        :meth:`pipeline.engines.stream_registry.StreamRegistry.room`). One at a time: another only once a bulk
-        stream ran, the place went unfilled, or ``request_timeout_s`` passed (its request was lettered on the way).
-        Under the lock."""
+        request was admitted for ``BULK_STARVED_S``, and the engine runs no bulk stream and has room for one, one
+        place within the whole bound (the live reserve included), so a backlog always moves: the engine starts it
+        within ``BULK_STARVED_S`` of its arrival (:meth:`pipeline.engines.stream_registry.StreamRegistry.room`),
+        after which the lane runs and takes no more such places. Under the lock."""
         room = max(self._bulk_bound - held, 0)
         if room or held >= self._bound:
             return room
-        if self._bulk_unfinished():
-            self._starved = None  # the lane runs at the engine: not starved
-            return 0
         if self._bulk_moved_at is None:
             self._bulk_moved_at = now  # the lane's wait starts at its first read
-        if now - self._bulk_moved_at < BULK_STARVED_S or \
-                (self._starved is not None and now - self._starved[1] < self._unclaimed_s):
+        if now - self._bulk_moved_at < BULK_STARVED_S or self._bulk_unfinished() or \
+                self._unfinished() >= self._max_in_flight:  # a full engine could not start it: it would only wait
             return 0
         return 1
-
-    def _unfilled(self, places: Sequence[str]) -> None:
-        """Places that hold no message: a starved lane's among them takes nothing, and may be taken again."""
-        if self._starved is not None and self._starved[0] in places:
-            self._starved = None
 
     def renew(self, ids: Sequence[str]) -> list[str]:
         """Places a reader still holds count from now again; a place no longer held (taken over, lapsed) is not
@@ -103,14 +90,12 @@ class AdmissionLedger:
         """Places a read took and its pull did not fill: they no longer count here."""
         with self._lock:
             self._hold.release(ids)
-            self._unfilled(ids)
 
     def settled(self, filled: Sequence[str], unfilled: Sequence[str]) -> None:
         """A pull's end, in one step: the places it filled hold messages (work, for :meth:`full`, counted from
         now), those it did not fill no longer count."""
         with self._lock:
             self._hold.release(unfilled)
-            self._unfilled(unfilled)
             self._hold.fill(self._clock(), filled)
 
     def dispatched(self, ids: list[str]) -> None:
