@@ -556,7 +556,7 @@ def test_no_stream_is_shed_where_the_backend_cannot_stop_one_or_no_objective_gov
         assert registry.shed(time.monotonic()) == [] and not registry.shed_streams
 
 
-def test_a_stream_is_shed_once_at_most_and_never_one_whose_answer_is_whole():
+def test_a_stream_started_over_beside_live_is_spared_and_one_whose_answer_is_whole_is_never_shed():
     """A stream shed and started over beside live traffic runs to its end when the cap falls again (each bulk
     request costs one resend at most beside live: a lane shed at every live return would end no long answer), and
     one whose answer is whole (its last chunks wait for Pub/Sub) holds no row at the server: shedding it would
@@ -587,3 +587,35 @@ def test_a_stream_is_shed_once_at_most_and_never_one_whose_answer_is_whole():
     cap[0] = 0
     assert registry.shed(start + 9) == [], "its answer is whole: nothing to gain"
 
+
+
+def test_a_stream_started_over_while_live_is_idle_is_not_spared_and_one_not_asking_holds_no_other_up():
+    """A shed stream started over while the lane runs its whole share for want of live traffic (the governor's
+    idle opening) may be shed again when live comes back; one started over beside live is spared. A shed stream
+    that stopped asking to run (its retry's back-off) is passed over after SHED_ASKING_S, and no longer keeps new
+    bulk requests out."""
+    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                             live_first_token_slo_ms=1000.0), "engine", preempts=True)
+    start = time.monotonic()
+    for i in range(3):
+        registry.submit([request(i, True)], [1], "client", start + i)
+    bulk = {s.request.id: s for s in registry.streams.values()}
+    registry.lane.cap, registry.lane._adjusted_at = 1, start + 3600  # held where it is
+    assert [s.request.id for s in registry.shed(start + 4)] == ["bulk-2", "bulk-1"]
+    registry.emit(bulk["bulk-0"], ("completion", "{}"), final=True)
+    registry.lane._before_idle = (1, None)  # live went idle: the whole share, the cap live left kept for its return
+    registry.lane.cap = 12
+    assert registry.resume(bulk["bulk-1"], start + 5) and not bulk["bulk-1"].spared, "started over while idle"
+    registry.lane.cap = 1
+    assert not registry.resume(bulk["bulk-2"], start + 5), "the cap is full: bulk-2 waits, asking"
+    registry.lane.cap = 12
+    assert registry.submit([request(9, True)], [1], "client", start + 5.1)[0] == [None], \
+        "bulk-2 still asks to start over: no new bulk request before it"
+    assert registry.submit([request(9, True)], [1], "client", start + 5.1 + stream_registry.SHED_ASKING_S + 0.1)[0] \
+        != [None], "bulk-2 stopped asking (a back-off): new bulk requests no longer wait for it"
+    next(s for s in registry.streams.values() if s.request.id == "bulk-9").spared = True  # (as if it were)
+    registry.lane.live_sent(start + 7)  # live is back: the cap it left
+    assert registry.lane.cap == 1 and [s.request.id for s in registry.shed(start + 7)] == ["bulk-1"], \
+        "started over while idle, not spared: shed again; the spared one runs on past the cap"
+    registry.lane.cap = 12
+    assert registry.resume(bulk["bulk-1"], start + 8) and bulk["bulk-1"].spared, "started over beside live: spared"

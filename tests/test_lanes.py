@@ -97,8 +97,8 @@ def test_a_bulk_lane_that_live_traffic_kept_out_for_bulk_starved_s_takes_one_pla
     """Live reads hold the whole bulk bound: bulk reads find no room, but after BULK_STARVED_S with no bulk read
     or request admitted, no bulk stream at the engine and room there for one, one place within the whole bound
     (the engine's own rule then starts its request within BULK_STARVED_S); not while a bulk stream runs, not while
-    the engine is full (it could not start it: places would creep into the live reserve for nothing), never two
-    within BULK_STARVED_S, never past the whole bound."""
+    the engine is full (it could not start it: places would creep into the live reserve for nothing), not another
+    until a bulk stream ran since the last, never past the whole bound."""
     now, running, bulk_running = [0.0], [8], [0]  # the engine runs max_in_flight (8) live streams
     ledger = AdmissionLedger(_settings(), lambda: running[0], clock=lambda: now[0],
                              bulk_unfinished=lambda: bulk_running[0])
@@ -115,7 +115,12 @@ def test_a_bulk_lane_that_live_traffic_kept_out_for_bulk_starved_s_takes_one_pla
     assert ledger.admit(["b3", "b4"], (), True) == 1, "starved: one place in the reserve"
     assert ledger.admit(["b5"], (), True) == 0, "and the wait begins again"
     now[0] = 2 * BULK_STARVED_S + 1
-    assert ledger.admit(["b6"], (), True) == 1, "still no bulk stream a wait later: one more"
+    assert ledger.admit(["b6"], (), True) == 0, "one at a time: no bulk stream ran since the last"
+    bulk_running[0] = 1
+    assert ledger.admit(["b6"], (), True) == 0, "its request runs at the engine: the lane moves"
+    bulk_running[0] = 0
+    now[0] = 3 * BULK_STARVED_S + 2
+    assert ledger.admit(["b6"], (), True) == 1, "it ended, and the lane starved again: one more"
     assert ledger.admit(["l13", "l14", "l15"]) == 2, "live takes what is left (16 in all)"
     now[0] = 10 * BULK_STARVED_S
     assert ledger.admit(["b7"], (), True) == 0, "the whole bound is held: nothing, starved or not"

@@ -111,8 +111,8 @@ class StreamRegistry:
         that engine)."""
         if not bulk:
             return self._fitting(new, max(self.settings.max_in_flight - self.unfinished, 0))
-        if self.shed_streams:
-            return 0  # the streams the lane shed start over first (:meth:`resume`)
+        if any(now - self._shed_asked.get(key, now) <= SHED_ASKING_S for key in self.shed_streams):
+            return 0  # the streams the lane shed start over first (:meth:`resume`), those still asking
         free = max(min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished), 0)
         if free and prompts:
             free = min(free, self.lane.prompts_fitting(now, prompts[:new if self.whole_batches else free],
@@ -173,7 +173,7 @@ class StreamRegistry:
         fewer streams than its cap and its prompt fits the lane's prompt budget (counted as a bulk prompt
         started); started over beside live traffic, it is spared from then on (:meth:`shed`)."""
         if stream.key not in self.shed_streams:
-            return True
+            return self.holds(stream)  # one cancelled meanwhile does not start
         self._shed_asked[stream.key] = now
         first = next(key for key in self.shed_streams if now - self._shed_asked.get(key, now) <= SHED_ASKING_S)
         if not self.holds(stream) or first != stream.key or \

@@ -224,13 +224,12 @@ class VLLMBackend:
     def preempt(self, streams: list[Stream]) -> None:
         """Stops the streams' attempts (their connections close, so vLLM aborts them); each starts over when the
         engine lets it (:meth:`_run`)."""
-        for stream in streams:
+        for stream in streams:  # (an answer made whole since the shed goes on: it holds no row at the server)
             self._loop.call_soon_threadsafe(self._stop_attempt, stream)
 
     def _stop_attempt(self, stream: Stream) -> None:
-        attempt = self._attempts.get(stream.key)
-        if attempt is not None and not (stream.assembler is not None and stream.assembler.finished):
-            attempt.cancel()  # (an answer made whole since the shed goes on: it holds no row at the server)
+        if (attempt := self._attempts.get(stream.key)) and not (stream.assembler and stream.assembler.finished):
+            attempt.cancel()
 
     # Streaming ---------------------------------------------------------------------
 
@@ -251,7 +250,7 @@ class VLLMBackend:
                 f"its deadline_ms={request.deadline_ms}"
             if time.time() >= deadline:
                 break
-            attempt = asyncio.ensure_future(self._stream_once(stream, deadline))
+            attempt, began = asyncio.ensure_future(self._stream_once(stream, deadline)), time.time()
             self._attempts[stream.key] = attempt
             try:
                 await asyncio.wait_for(attempt, timeout=deadline - time.time())
@@ -261,6 +260,7 @@ class VLLMBackend:
                 if current is None or current.cancelling() or not attempt.cancelled():
                     raise  # the stream itself was cancelled, not the attempt
                 self._events.restart(stream)  # shed by the bulk lane: starts over when it has room
+                timed_out_at += time.time() - began  # an attempt thrown away by a shed is not its time either
                 continue
             except TimeoutError:
                 last_error = "generation was still running"

@@ -33,6 +33,8 @@ class AdmissionLedger:
         self._unfinished, self._bulk_unfinished = unfinished, bulk_unfinished
         self._bulk_moved_at: float | None = None  # when a bulk read or request was last admitted (None: not yet)
         self._max_in_flight = settings.engine.max_in_flight
+        self._starved_at: float | None = None  # a starved lane's last place, until a bulk stream ran since
+        self._unclaimed_s = settings.engine.request_timeout_s
         admission = settings.admission
         self._hold = WorkerHold(transit_s=admission.transit_s, unclaimed_s=settings.engine.request_timeout_s,
                                 report_lapse_s=admission.report_lapse_s, cap_s=admission.transit_cap_s,
@@ -67,16 +69,21 @@ class AdmissionLedger:
         """A bulk read's room: what the bulk bound leaves; or, where live traffic holds it all, no bulk read or
         request was admitted for ``BULK_STARVED_S``, and the engine runs no bulk stream and has room for one, one
         place within the whole bound (the live reserve included), so a backlog always moves: the engine starts it
-        within ``BULK_STARVED_S`` of its arrival (:meth:`pipeline.engines.stream_registry.StreamRegistry.room`),
-        after which the lane runs and takes no more such places. Under the lock."""
+        within ``BULK_STARVED_S`` of its arrival (:meth:`pipeline.engines.stream_registry.StreamRegistry.room`).
+        One at a time: another only once a bulk stream ran since, or ``request_timeout_s`` passed (its request was
+        lettered on the way, or went to another worker). Under the lock."""
         room = max(self._bulk_bound - held, 0)
         if room or held >= self._bound:
             return room
+        if self._bulk_unfinished():
+            self._starved_at = None  # the lane runs at the engine
+            return 0
         if self._bulk_moved_at is None:
             self._bulk_moved_at = now  # the lane's wait starts at its first read
-        if now - self._bulk_moved_at < BULK_STARVED_S or self._bulk_unfinished() or \
-                self._unfinished() >= self._max_in_flight:  # a full engine could not start it: it would only wait
-            return 0
+        if now - self._bulk_moved_at < BULK_STARVED_S or self._unfinished() >= self._max_in_flight or \
+                (self._starved_at is not None and now - self._starved_at < self._unclaimed_s):
+            return 0  # (a full engine could not start it: it would only wait)
+        self._starved_at = now
         return 1
 
     def renew(self, ids: Sequence[str]) -> list[str]:
