@@ -320,10 +320,9 @@ PARAMETERS: tuple[Parameter, ...] = (
               "that holds that many pulls no more messages: the rest of a backlog stays in the subscription.",
               "64", GROUP_MODEL, "NUMBER", default=64, minimum=1, maximum=100000),
     Parameter("request_timeout_s", "Request timeout (s)",
-              "A request that has not finished this long after it was sent to the server (including retries "
-              "while the server restarts) goes to the dead letters. Time spent waiting in a backlog does not "
-              "count, nor the time a bulk request its lane shed waits to be sent again; a request can set its own "
-              "limit with 'deadline_ms'.",
+              "A request not finished this long after it was sent to the server (retries while the server restarts "
+              "included) goes to the dead letters. Time in a backlog does not count, nor a bulk request's time shed "
+              "by its lane (the attempt thrown away included); a request can set its own limit with 'deadline_ms'.",
               "600", GROUP_MODEL, "NUMBER", default=600, minimum=1),
     Parameter("stream_lease_s", "Stream lease (s)",
               "A stream its key stops polling for this long while the worker goes on polling its other streams (the "
