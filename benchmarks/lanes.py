@@ -294,16 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     server = (replace(LOCAL_SERVER, extra_args=("--max-num-batched-tokens", str(args.step_tokens)))
               if args.step_tokens else LOCAL_SERVER)
     figures: dict[str, dict[str, list[float]]] = {lane: {name: [] for name in FIGURES} for lane in lanes}
-    used: dict[str, list[str]] = {}
+    used: dict[str, list[str]] = {}  # each lane's template parameters, a calibrated one's every repetition's
     emulator = PubSubEmulator()
     emulator.start()
     try:
         for rep in range(args.reps):
             for lane in lanes:  # interleaved: one pipeline, started afresh, works at a time
                 measured = [p for mine in figures.values() for p in mine["alone server p95"]]
-                used[lane] = lane_args(lane, measured)
+                this = lane_args(lane, measured)
+                used[lane] = list(dict.fromkeys([*used.get(lane, []), *this]))
                 run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
-                                *server.template_args(), "--chunk_tokens=4", *args.template_arg, *used[lane]],
+                                *server.template_args(), "--chunk_tokens=4", *args.template_arg, *this],
                                log_path=folder / f"pipeline-{lane}-{rep}.log", emulator=emulator, bulk_lane=True)
                 run.start()
                 collector = run.collector()
