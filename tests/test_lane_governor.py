@@ -556,17 +556,23 @@ def test_no_stream_is_shed_where_the_backend_cannot_stop_one_or_no_objective_gov
         assert registry.shed(time.monotonic()) == [] and not registry.shed_streams
 
 
+def shedding_registry(streams: int) -> tuple[StreamRegistry, float, dict[str, stream_registry.Stream]]:
+    """A governed registry over a backend that can stop an attempt, with ``streams`` bulk streams started a second
+    apart (bulk-0 the oldest): the registry, the time the first started, and the streams by request id."""
+    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                             live_first_token_slo_ms=1000.0), "engine", preempts=True)
+    start = time.monotonic()
+    for i in range(streams):
+        registry.submit([request(i, True)], [1], "client", start + i)
+    return registry, start, {s.request.id: s for s in registry.streams.values()}
+
+
 def test_a_stream_started_over_beside_live_is_spared_and_one_whose_answer_is_whole_is_never_shed():
     """A stream shed and started over beside live traffic runs to its end when the cap falls again (each bulk
     request costs one resend at most beside live: a lane shed at every live return would end no long answer), and
     one whose answer is whole (its last chunks wait for Pub/Sub) holds no row at the server: shedding it would
     throw a finished answer away for nothing."""
-    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
-                                             live_first_token_slo_ms=1000.0), "engine", preempts=True)
-    start = time.monotonic()
-    for i in range(4):
-        registry.submit([request(i, True)], [1], "client", start + i)
-    bulk = {s.request.id: s for s in registry.streams.values()}
+    registry, start, bulk = shedding_registry(4)
     cap = [2]
     registry.lane.bulk_cap = lambda now, live_running=0, bulk_running=0: cap[0]
     assert [s.request.id for s in registry.shed(start + 5)] == ["bulk-3", "bulk-2"]
@@ -594,12 +600,7 @@ def test_a_stream_started_over_while_live_is_idle_is_not_spared_and_one_not_aski
     idle opening) may be shed again when live comes back; one started over beside live is spared. A shed stream
     that stopped asking to run (its retry's back-off) is passed over after SHED_ASKING_S, and no longer keeps new
     bulk requests out."""
-    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
-                                             live_first_token_slo_ms=1000.0), "engine", preempts=True)
-    start = time.monotonic()
-    for i in range(3):
-        registry.submit([request(i, True)], [1], "client", start + i)
-    bulk = {s.request.id: s for s in registry.streams.values()}
+    registry, start, bulk = shedding_registry(3)
     registry.lane.cap, registry.lane._adjusted_at = 1, start + 3600  # held where it is
     assert [s.request.id for s in registry.shed(start + 4)] == ["bulk-2", "bulk-1"]
     registry.emit(bulk["bulk-0"], ("completion", "{}"), final=True)
