@@ -3,7 +3,8 @@
 Everything an engine knows about its streams lives here: each stream's request, attempt and window of outputs
 not yet released, the one ``max_in_flight`` rule (:meth:`StreamRegistry.room`), the lease clocks
 (:mod:`pipeline.engines.leases`), what each stream cost of the model's time
-(:mod:`pipeline.engines.accelerator_time`), and which streams a poll, a cancel or an expiry takes out. The engine
+(:mod:`pipeline.engines.accelerator_time`), which streams a poll, a cancel or an expiry takes out, and which bulk
+streams the lane sheds to start over (:meth:`StreamRegistry.shed`). The engine
 (:mod:`pipeline.engines.engine`) holds one behind its lock and around it the I/O: its backend starts and cancels
 streams at the model, its chunk clock and publisher send chunks on. Every call here is given the time it acts at,
 so the same registry runs under a simulated clock.
@@ -146,13 +147,14 @@ class StreamRegistry:
     def shed(self, now: float) -> list[Stream]:
         """The bulk streams running past the lane's cap, the youngest first (they have generated least), now
         shed: the backend stops their attempts and each waits in :meth:`resume` to start over. A halving, or live
-        traffic back after an idle spell to the cap it left, thus shrinks the lane at once, not as its streams end;
-        a shed stream keeps
-        its place in ``max_in_flight`` and runs again before any new bulk request. A stream shed once and started
-        over beside live traffic is spared (it runs to its end: each bulk request costs one resend at most beside
-        live, and a long answer always ends); one started over while live was idle may be shed again, as it ran on
-        what live left idle. Never one whose answer is whole (its last chunks wait for Pub/Sub: it holds no row at
-        the server). None where the backend cannot stop an attempt or the lane is not governed."""
+        traffic back after an idle spell to the cap it left, thus shrinks the lane at once, not as its streams
+        end; a shed stream keeps its place in ``max_in_flight`` and runs again before any new bulk request.
+
+        A stream shed once and started over beside live traffic is spared (it runs to its end: each bulk request
+        costs one resend at most beside live, and a long answer always ends); one started over while live was idle
+        may be shed again, as it ran on what live left idle. Never one whose answer is whole (its last chunks wait
+        for Pub/Sub: it holds no row at the server). None where the backend cannot stop an attempt or the lane is
+        not governed."""
         if not self.preempts or not self.lane.governed or not self.bulk_unfinished:
             return []
         running = [s for s in self.streams.values() if s.request.bulk and not s.done and s.key not in self.shed_streams]
