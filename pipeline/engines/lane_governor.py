@@ -46,9 +46,9 @@ no budget. The cap, the budget (-1: unbounded) and the percentiles are the worke
 (:data:`TOTALS`, what the dashboard charts, as Cloud Monitoring charts no gauges) count the live latencies, those
 past their objective and their sum in ms (a rate of one over a rate of the other is a mean), each decision (the
 halvings, the growths, the openings to the whole share while live is idle, the starved lane's starts, and the
-bulk streams shed), the cap
-over time (its rate is the cap), the bulk prompt tokens started, and the time governed with the percentiles it
-acted on integrated over it (the rate of one over the rate of the time governed is their mean).
+bulk streams shed), the cap over time (its rate is the cap), the bulk prompt tokens started, and the time governed
+with the percentiles it acted on integrated over it (the rate of one over the rate of the time governed is their
+mean).
 
 The inter-token time is what the engine can see: the server streams an event every ``chunk_tokens`` tokens
 (vLLM's ``stream_interval``), so each is the mean time per token over one event. A single long step (a bulk

@@ -112,7 +112,7 @@ class StreamRegistry:
         that engine)."""
         if not bulk:
             return self._fitting(new, max(self.settings.max_in_flight - self.unfinished, 0))
-        if any(now - self._shed_asked.get(key, now) <= SHED_ASKING_S for key in self.shed_streams):
+        if any(self._asking(key, now) for key in self.shed_streams):
             return 0  # the streams the lane shed start over first (:meth:`resume`), those still asking
         free = max(min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished), 0)
         if free and prompts:
@@ -177,7 +177,7 @@ class StreamRegistry:
         if stream.key not in self.shed_streams:
             return self.holds(stream)  # one cancelled meanwhile does not start
         self._shed_asked[stream.key] = now
-        first = next(key for key in self.shed_streams if now - self._shed_asked.get(key, now) <= SHED_ASKING_S)
+        first = next(key for key in self.shed_streams if self._asking(key, now))
         if not self.holds(stream) or first != stream.key or \
                 self.bulk_unfinished - len(self.shed_streams) >= self.bulk_cap(now) or \
                 not self.lane.prompts_fitting(now, [prompt_tokens(stream.request)]):
@@ -187,6 +187,10 @@ class StreamRegistry:
         self.lane.bulk_started(now, prompt_tokens(stream.request))
         stream.spared = not self.lane.idle_open
         return True
+
+    def _asking(self, key: str, now: float) -> bool:
+        """Whether a shed stream asked to run again within ``SHED_ASKING_S`` (one in a retry's back-off does not)."""
+        return now - self._shed_asked.get(key, now) <= SHED_ASKING_S
 
     def poll(self, positions: dict[str, int], client: str) -> dict[str, list[tuple[str, str]]]:
         """For each key, its outputs from ``positions[key]`` on (see :meth:`.engine.Engine.poll`)."""
