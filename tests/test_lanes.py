@@ -26,7 +26,7 @@ from pipeline.generation.key_events import Arrived, Effects, PollDue, Polled, Ru
 from pipeline.generation.key_machine import step
 from pipeline.generation.key_state import KeyState, RequestEntry
 from pipeline.serving.vllm_server import ServerSpec
-from pipeline.worker.admission_ledger import AdmissionLedger
+from pipeline.worker.admission_ledger import BULK_QUEUED_MIN, AdmissionLedger
 from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 
 RULES = Rules(poll_interval_s=0.05, dedupe_window_s=600.0, drain_timeout_s=30.0, waiting_cap=1000)
@@ -91,6 +91,28 @@ def test_bulk_reads_stop_where_the_live_reserve_begins_and_live_reads_take_it():
     assert ledger.admit(["b-more"], (), True) == 0, "the bulk lane is at its bound"
     assert ledger.admit([f"l{i}" for i in range(20)]) == 4, "live reads take the reserve"
     assert ledger.admit(["l-more"]) == 0
+
+
+def test_bulk_reads_keep_only_the_lanes_next_wave_beyond_its_running_streams():
+    """A governed lane's backlog stays in Pub/Sub: bulk reads fill the hold up to the streams running and as many
+    again as the lane may run now (at least BULK_QUEUED_MIN), within the bulk bound; what waits counts live too,
+    and the room follows the governor's cap as it moves."""
+    settings_ = _settings(max_in_flight=16, worker_queue=48)  # holds 64; bulk up to 48
+    running, cap = [0], [1]
+    ledger = AdmissionLedger(settings_, lambda: running[0], clock=lambda: 0.0, bulk_cap=lambda: cap[0])
+    assert ledger.admit([f"b{i}" for i in range(20)], (), True) == BULK_QUEUED_MIN, "a lane of one: a batch at hand"
+    assert ledger.full(bulk=True) and not ledger.full()
+    running[0] = 2  # two of them started (the hold counts them as running, no longer as waiting or on their way)
+    ledger.report_waiting("k", BULK_QUEUED_MIN - 2, arrived=[f"b{i}" for i in range(BULK_QUEUED_MIN)])
+    assert ledger.admit(["b20", "b21", "b22"], (), True) == 2, "two more wait behind the running streams"
+    cap[0] = 10  # live went quiet: the governor lets the lane grow
+    assert ledger.admit([f"b{i}" for i in range(30, 60)], (), True) == 10 - BULK_QUEUED_MIN
+    assert ledger.admit(["l0", "l1"]) == 2, "live reads still find their room"
+    cap[0] = 1
+    assert ledger.admit(["b60"], (), True) == 0, "the cap shrank: no bulk read until what waits runs"
+    cap[0] = 100
+    assert ledger.admit([f"b{i}" for i in range(100, 200)], (), True) == \
+        settings_.bulk_held - running[0] - 12, "never past the bulk bound"
 
 
 def test_a_bulk_lane_that_live_traffic_kept_out_for_bulk_starved_s_takes_one_place_in_the_reserve():

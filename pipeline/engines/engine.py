@@ -158,6 +158,12 @@ class Engine:
         with self._lock:
             return self._registry.bulk_unfinished
 
+    def bulk_cap(self) -> int:
+        """How many bulk streams the lane may run now (:mod:`.lane_governor`): what the worker's reader keeps at
+        hand for it (:class:`~pipeline.worker.admission_ledger.AdmissionLedger`)."""
+        with self._lock:
+            return self._registry.bulk_cap(time.monotonic())
+
     def stats(self) -> dict[str, int | None]:
         """What the engine holds and has done, for the worker's load gauges: requests running and waiting at the
         model server (None where it cannot tell), the model's busy time so far (ms: what every request's

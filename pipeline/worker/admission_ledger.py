@@ -20,17 +20,22 @@ from pipeline.worker.hold import WorkerHold
 from pipeline.worker.read_places import PLACE_PREFIX
 from pipeline.worker.runtime_settings import RuntimeSettings
 
+# The fewest bulk requests a worker keeps at hand beyond its running streams: one batch at the default
+# batch_size_target, so a lane of one stream finds its next request in the generate step.
+BULK_QUEUED_MIN = 4
+
 
 class AdmissionLedger:
     """Thread-safe: every call takes the ledger's lock, and reads the engine's count (``unfinished``) inside it.
     ``clock`` is the wall clock (a simulation of the worker passes its own)."""
 
     def __init__(self, settings: RuntimeSettings, unfinished: Callable[[], int],
-                 clock: Callable[[], float] = time.time, bulk_unfinished: Callable[[], int] = lambda: 0) -> None:
+                 clock: Callable[[], float] = time.time, bulk_unfinished: Callable[[], int] = lambda: 0,
+                 bulk_cap: Callable[[], int] | None = None) -> None:
         self._clock = clock
         self._bound = settings.max_held
         self._bulk_bound = settings.bulk_held
-        self._unfinished, self._bulk_unfinished = unfinished, bulk_unfinished
+        self._unfinished, self._bulk_unfinished, self._bulk_cap = unfinished, bulk_unfinished, bulk_cap
         self._bulk_moved_at: float | None = None  # when a bulk read or request was last admitted (None: not yet)
         self._max_in_flight = settings.engine.max_in_flight
         self._starved_at: float | None = None  # a starved lane's last place, until a bulk stream ran since
@@ -72,7 +77,7 @@ class AdmissionLedger:
         within ``BULK_STARVED_S`` of its arrival (:meth:`pipeline.engines.stream_registry.StreamRegistry.room`).
         One at a time: another only once a bulk stream ran since, or ``request_timeout_s`` passed (its request was
         lettered on the way, or went to another worker). Under the lock."""
-        room = max(self._bulk_bound - held, 0)
+        room = max(self._bulk_bound_now() - held, 0)
         if room or held >= self._bound:
             return room
         if self._bulk_unfinished():
@@ -132,7 +137,17 @@ class AdmissionLedger:
         subscription is empty is not full."""
         now = self._clock()
         with self._lock:
-            return self._held(now) - self._hold.open_places(now) >= (self._bulk_bound if bulk else self._bound)
+            return self._held(now) - self._hold.open_places(now) >= (self._bulk_bound_now() if bulk else self._bound)
+
+    def _bulk_bound_now(self) -> int:
+        """What a bulk read may fill the worker's hold to now: ``bulk_held``, and within it the streams running
+        and the lane's next wave (as many streams as its governor lets it run now, at least ``BULK_QUEUED_MIN``)
+        waiting in the generate step's state or on their way there. The rest of a backfill stays in Pub/Sub,
+        where the autoscaler sees it, not in keyed state, whose keys poll to resubmit it and so delay the live
+        requests that share the worker. Under the lock."""
+        if self._bulk_cap is None:
+            return self._bulk_bound
+        return min(self._bulk_bound, self._unfinished() + max(self._bulk_cap(), BULK_QUEUED_MIN))
 
     @property
     def bound(self) -> int:

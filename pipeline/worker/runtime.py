@@ -80,7 +80,8 @@ class WorkerRuntime:
                  calls: CallSettings = CallSettings()) -> None:
         self.engine = engine
         self.settings = RuntimeSettings(engine.settings, admission, calls)
-        self.admission = AdmissionLedger(self.settings, engine.in_flight, bulk_unfinished=engine.bulk_in_flight)
+        self.admission = AdmissionLedger(self.settings, engine.in_flight, bulk_unfinished=engine.bulk_in_flight,
+                                        bulk_cap=engine.bulk_cap)
         self._counted: dict[str, int] = {}  # the engine's totals handed out as counts so far (load_and_counts)
         self._counted_lock = threading.Lock()
 
