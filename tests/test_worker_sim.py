@@ -3,7 +3,8 @@ commits, redeliveries, key moves, host deaths, unreachable and failing engines, 
 worker VM adds: several SDK processes on one engine, one paused past a stream lease, an update mid-stream,
 model-server restarts of drawn length, a dead host's rebuild of drawn length and drains while streams run.
 
-``WORKER_SIM_SCHEDULES`` sets how many (default 10,000; a million for the long run). A failing schedule names
+``WORKER_SIM_SCHEDULES`` sets how many (default 10,000; a million for the long run), ``WORKER_SIM_FIRST`` the first
+seed (default 0), so that a long run can be made in parts: seeds 0-99,999, then 100,000 on. A failing schedule names
 its seed, and ``tests.worker_sim.run(seed)`` replays it exactly. The last tests break, one at a time, the line
 that protects each invariant, and show the simulator catches it.
 """
@@ -25,6 +26,7 @@ from pipeline.generation import dedupe, key_driver, key_machine, key_state, step
 from tests import worker_sim
 
 SCHEDULES = int(os.environ.get("WORKER_SIM_SCHEDULES", "10000"))
+FIRST = int(os.environ.get("WORKER_SIM_FIRST", "0"))
 
 
 def _play(seeds: range) -> list[str]:
@@ -41,9 +43,10 @@ def test_every_invariant_holds_on_every_drawn_schedule():
     workers = max(os.cpu_count() or 1, 1)
     step = 250
     with ProcessPoolExecutor(workers) as pool:
-        failures = [f for found in pool.map(_play, [range(n, min(n + step, SCHEDULES))
-                                                    for n in range(0, SCHEDULES, step)]) for f in found]
-    assert not failures, f"{len(failures)} of {SCHEDULES} schedules failed:\n" + "\n".join(failures[:10])
+        failures = [f for found in pool.map(_play, [range(n, min(n + step, FIRST + SCHEDULES))
+                                                    for n in range(FIRST, FIRST + SCHEDULES, step)]) for f in found]
+    assert not failures, f"{len(failures)} of {SCHEDULES} schedules (seeds from {FIRST}) failed:\n" + \
+        "\n".join(failures[:10])
 
 
 def test_a_step_changes_neither_the_state_nor_the_event_it_is_given(monkeypatch):
