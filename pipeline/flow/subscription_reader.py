@@ -45,8 +45,9 @@ What the native source did that this one does for itself, or gives up:
   feeds hold is given back to Pub/Sub once no round asks (``subscription_feed.IDLE_S``).
 
 A job with a ``bulk_subscription`` runs a second set of readers for it, whose feeds take places only while the
-worker holds fewer than ``bulk_held`` (``live_reserve`` keeps the rest for live reads) and mark what they pull as
-the bulk lane's (``LANE_ATTRIBUTE``).
+worker holds fewer than ``bulk_held`` (``live_reserve`` keeps the rest for live reads) and fewer than its running
+streams and the lane's next wave (:class:`~pipeline.worker.admission_ledger.AdmissionLedger`), and mark what they
+pull as the bulk lane's (``LANE_ATTRIBUTE``).
 """
 
 from __future__ import annotations
