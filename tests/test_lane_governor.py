@@ -19,6 +19,8 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.lane_governor import ADJUST_S, HEADROOM, IDLE_S, LaneGovernor
 from pipeline.engines.stream_registry import StreamRegistry
 from pipeline.engines.vllm_engine import vllm_engine
+from pipeline.worker import read_places
+from pipeline.worker.admission_ledger import BULK_QUEUED_MIN
 from pipeline.worker.runtime import WorkerRuntime
 
 
@@ -185,6 +187,20 @@ def test_the_lanes_counts_are_taken_once_for_the_whole_vm_however_many_processes
         assert [counts["live_first_tokens"] for counts in taken] == [2, 0, 0]
     finally:
         engine.close()
+
+
+def test_the_runtimes_bulk_reads_follow_its_engines_lane_cap():
+    """The runtime's ledger asks its own engine's governor: a bulk read takes the lane's next wave (here the cap
+    max_bulk_streams sets), not the whole bulk bound."""
+    for streams in (3, 8):
+        engine = vllm_engine(EngineSettings(server=None, server_url="http://127.0.0.1:9", served_model_name="m",
+                                            max_in_flight=64, bulk_lane=True, max_bulk_streams=streams))
+        try:
+            runtime = WorkerRuntime(engine)
+            assert engine.bulk_cap() == streams and runtime.settings.bulk_held > 32
+            assert len(read_places.reserve(runtime, 32, True, "pull")) == max(streams, BULK_QUEUED_MIN)
+        finally:
+            engine.close()
 
 
 def test_live_inter_token_times_past_their_objective_halve_the_lane_as_first_tokens_do():

@@ -26,6 +26,7 @@ from pipeline.generation.key_events import Arrived, Effects, PollDue, Polled, Ru
 from pipeline.generation.key_machine import step
 from pipeline.generation.key_state import KeyState, RequestEntry
 from pipeline.serving.vllm_server import ServerSpec
+from pipeline.worker import read_places
 from pipeline.worker.admission_ledger import BULK_QUEUED_MIN, AdmissionLedger
 from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 
@@ -110,9 +111,28 @@ def test_bulk_reads_keep_only_the_lanes_next_wave_beyond_its_running_streams():
     assert ledger.admit(["l0", "l1"]) == 2, "live reads still find their room"
     cap[0] = 1
     assert ledger.admit(["b60"], (), True) == 0, "the cap shrank: no bulk read until what waits runs"
+    assert ledger.full(bulk=True), "and the bulk readers are told the worker is full (read_deferred)"
     cap[0] = 100
     assert ledger.admit([f"b{i}" for i in range(100, 200)], (), True) == \
         settings_.bulk_held - running[0] - 12, "never past the bulk bound"
+
+
+def test_a_live_pulls_open_places_are_room_for_the_bulk_lanes_wave_and_a_bulk_pulls_are_its_work():
+    """Places a live read holds through a long pull on a quiet subscription are room, not work: they leave the
+    lane's next wave to bulk reads. A bulk read's places for its pull under way are the lane's work: a second
+    bulk read (another SDK process's) finds the wave taken. Once the live pull filled its places, its requests
+    wait, and they count."""
+    settings_ = _settings(max_in_flight=16, worker_queue=48)
+    ledger = AdmissionLedger(settings_, lambda: 1, clock=lambda: 0.0, bulk_cap=lambda: 2)
+    live = read_places.reserve(ledger, 4, name="live-pull")
+    assert len(live) == 4 and not ledger.full(bulk=True)
+    bulk = read_places.reserve(ledger, 32, bulk=True, name="bulk-pull")
+    assert len(bulk) == BULK_QUEUED_MIN, "the live pull's open places took nothing from the wave"
+    assert read_places.reserve(ledger, 32, bulk=True, name="other-process") == []
+    assert ledger.full(bulk=True), "full as admit sees it: the bulk feed counts read_deferred"
+    ledger.settled([], bulk)  # the bulk pull came back empty: its places no longer count
+    ledger.settled(live[:3], live[3:])  # the live pull brought three requests: work now
+    assert len(read_places.reserve(ledger, 32, bulk=True, name="bulk-pull-2")) == BULK_QUEUED_MIN - 3
 
 
 def test_a_bulk_lane_that_live_traffic_kept_out_for_bulk_starved_s_takes_one_place_in_the_reserve():

@@ -5,7 +5,8 @@ holds fewer than ``max_in_flight + worker_queue`` requests: its engine's unfinis
 reports waiting in state, and what was read and has not yet arrived there (the pure count:
 :mod:`pipeline.worker.hold`); the admission step (:mod:`pipeline.flow.admission`) counts each parsed request in
 the place its read took. This object is that count behind a lock, with the clock read and the bound applied; the
-engine is asked only how many streams it has unfinished. It lives beside the engine in the worker's runtime
+engine is asked how many streams it has unfinished and, for a bulk read, how many bulk streams its lane may run
+now (its next wave: :meth:`AdmissionLedger.admit`). It lives beside the engine in the worker's runtime
 (:mod:`pipeline.worker.runtime`), so the count and the streams are one VM's.
 """
 
@@ -17,11 +18,12 @@ from collections.abc import Callable, Sequence
 
 from pipeline.engines.lane_governor import BULK_STARVED_S
 from pipeline.worker.hold import WorkerHold
-from pipeline.worker.read_places import PLACE_PREFIX
+from pipeline.worker.read_places import BULK_PLACE_PREFIX, PLACE_PREFIX
 from pipeline.worker.runtime_settings import RuntimeSettings
 
-# The fewest bulk requests a worker keeps at hand beyond its running streams: one batch at the default
-# batch_size_target, so a lane of one stream finds its next request in the generate step.
+# The fewest requests a bulk read may leave waiting beyond the worker's running streams (the lane's next wave is
+# at least this): one batch at the default batch_size_target, so a lane of one stream finds its next request in
+# the generate step. A larger batch_size_target (the transformers engine's static batches) may find fewer.
 BULK_QUEUED_MIN = 4
 
 
@@ -58,7 +60,13 @@ class AdmissionLedger:
         lapsed, or the ledger is a new one) gives none, so the count never passes the bound. Admitted in a read's
         stead (``in_place_of`` named), the ids lapse as places do while their bundle stays open, even where the
         places had lapsed already (a call answered late): never for the request's own timeout. A ``bulk`` read's
-        places count against the bulk lane's lower bound (``bulk_held``): the rest is kept for live reads.
+        places count against the bulk lane's lower bound (``bulk_held``): the rest is kept for live reads. Within
+        it, a bulk read leaves at most the lane's next wave waiting: the requests of either lane held beyond the
+        engine's running streams (waiting in the generate step's state, read and on their way there, and the
+        places of the lane's own pulls under way; not a live pull's places, which are room) stay below as many as
+        the lane may run now (``bulk_cap``), at least ``BULK_QUEUED_MIN``. The rest of a backfill stays in
+        Pub/Sub, not in keyed state, whose keys would resubmit it at every poll ahead of the live requests that
+        share the worker.
         """
         now = self._clock()
         with self._lock:
@@ -71,13 +79,14 @@ class AdmissionLedger:
             return admitted
 
     def _bulk_room(self, now: float, held: int) -> int:
-        """A bulk read's room: what the bulk bound leaves; or, where live traffic holds it all, no bulk read or
-        request was admitted for ``BULK_STARVED_S``, and the engine runs no bulk stream and has room for one, one
-        place within the whole bound (the live reserve included), so a backlog always moves: the engine starts it
-        within ``BULK_STARVED_S`` of its arrival (:meth:`pipeline.engines.stream_registry.StreamRegistry.room`).
-        One at a time: another only once a bulk stream ran since, or ``request_timeout_s`` passed (its request was
+        """A bulk read's room: what the bulk bound and the lane's next wave leave (:meth:`admit`); or, where they
+        leave none (live traffic holds the bulk bound, or the wave waits), no bulk read or request was admitted for
+        ``BULK_STARVED_S``, and the engine runs no bulk stream and has room for one, one place within the whole
+        bound (the live reserve included), so a backlog always moves: the engine starts it within
+        ``BULK_STARVED_S`` of its arrival (:meth:`pipeline.engines.stream_registry.StreamRegistry.room`). One at a
+        time: another only once a bulk stream ran since, or ``request_timeout_s`` passed (its request was
         lettered on the way, or went to another worker). Under the lock."""
-        room = max(self._bulk_bound_now() - held, 0)
+        room = min(max(self._bulk_bound - held, 0), self._wave_left(now))
         if room or held >= self._bound:
             return room
         if self._bulk_unfinished():
@@ -137,17 +146,21 @@ class AdmissionLedger:
         subscription is empty is not full."""
         now = self._clock()
         with self._lock:
-            return self._held(now) - self._hold.open_places(now) >= (self._bulk_bound_now() if bulk else self._bound)
+            work = self._held(now) - self._hold.open_places(now)
+            if not bulk:
+                return work >= self._bound
+            return work >= self._bulk_bound or self._wave_left(now) == 0
 
-    def _bulk_bound_now(self) -> int:
-        """What a bulk read may fill the worker's hold to now: ``bulk_held``, and within it the streams running
-        and the lane's next wave (as many streams as its governor lets it run now, at least ``BULK_QUEUED_MIN``)
-        waiting in the generate step's state or on their way there. The rest of a backfill stays in Pub/Sub,
-        where the autoscaler sees it, not in keyed state, whose keys poll to resubmit it and so delay the live
-        requests that share the worker. Under the lock."""
+    def _wave_left(self, now: float) -> int:
+        """How many more requests a bulk read may leave waiting beyond the engine's running streams: the lane's
+        next wave (:meth:`admit`) less those waiting or on their way, the lane's places for its pulls under way
+        included, a live pull's not (room, not work). Under the lock."""
         if self._bulk_cap is None:
             return self._bulk_bound
-        return min(self._bulk_bound, self._unfinished() + max(self._bulk_cap(), BULK_QUEUED_MIN))
+        waiting, on_the_way = self._hold.counts(now)
+        live_places = self._hold.open_places(now) - self._hold.open_places(now, BULK_PLACE_PREFIX)
+        queued = waiting + on_the_way - live_places
+        return max(max(self._bulk_cap(), BULK_QUEUED_MIN) - queued, 0)
 
     @property
     def bound(self) -> int:

@@ -182,11 +182,12 @@ class WorkerHold:
         on_the_way = len(self._ids)
         return sum(count for count, _ in self._waiting.values()), on_the_way
 
-    def open_places(self, now: float) -> int:
+    def open_places(self, now: float, prefix: str | None = None) -> int:
         """How many of the ids on their way are reads' places held for a pull still under way: room a reader
-        keeps, not work (a place its pull filled holds a message: :meth:`fill`)."""
+        keeps, not work (a place its pull filled holds a message: :meth:`fill`); ``prefix``: of those, the places
+        whose ids start with it."""
         return sum(1 for request_id, (admitted_at, dispatched_at, _) in self._ids.items()
-                   if dispatched_at is None and request_id.startswith(self.place_prefix)
+                   if dispatched_at is None and request_id.startswith(prefix or self.place_prefix)
                    and request_id not in self._filled
                    and now - admitted_at < self.place_open_s)
 

@@ -45,6 +45,9 @@ class Ledger(Protocol):
 
 # How a place-holder's name starts in the ledger; its random rest keeps it apart from any request id.
 PLACE_PREFIX = "read-place:"
+# A bulk read's places go on with this: the ledger counts them as the lane's work, not as room
+# (:meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit`).
+BULK_PLACE_PREFIX = f"{PLACE_PREFIX}bulk:"
 
 # Each entry: a place and when it was queued (the monotonic clock). By runtime tag and owner (the bundle's thread;
 # None: any), per process: the places this process's reads took and its admission step has not yet taken over.
@@ -54,15 +57,17 @@ _LOCK = threading.Lock()
 
 def reserve(runtime: Ledger, most: int, bulk: bool = False, name: str | None = None) -> list[str]:
     """Up to ``most`` place-holders admitted into the worker's hold while it has room (none when it is full; for a
-    read of the bulk lane, while it has more room than the live lane keeps).
+    read of the bulk lane, while it has more room than the live lane keeps and less than the lane's next wave
+    waits: :meth:`~pipeline.worker.admission_ledger.AdmissionLedger.admit`).
 
     ``name`` names the places (``name:0``, ``name:1``, ...), so a call made again after its answer was lost (a
     runtime call past its bound may still be carried out) takes the same places, not more: an id already held
     takes no room. Unnamed, each call takes new ones."""
     if most <= 0:
         return []
-    prefix = f"{PLACE_PREFIX}{name}:" if name is not None else None
-    places = [f"{prefix}{n}" if prefix else PLACE_PREFIX + uuid.uuid4().hex for n in range(most)]
+    lane = BULK_PLACE_PREFIX if bulk else PLACE_PREFIX
+    prefix = f"{lane}{name}:" if name is not None else None
+    places = [f"{prefix}{n}" if prefix else lane + uuid.uuid4().hex for n in range(most)]
     return places[:runtime.admit(places, (), bulk)]
 
 
