@@ -8,6 +8,7 @@ the real vLLM in tests/test_engine.py and the whole lane end to end in tests/tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -304,3 +305,33 @@ def test_admission_takes_a_bulk_requests_flag_to_the_ledger_so_a_lapsed_place_ta
         admit.finish_bundle()
     finally:
         engine.close()
+
+
+def test_a_key_holding_only_bulk_requests_polls_at_the_bulk_cadence_and_a_live_arrival_pulls_it_in():
+    """A bulk stream's tokens wait for nobody, and each poll is a work item live ones queue behind: a key holding
+    only bulk requests polls every bulk_poll_interval_s, and on at that cadence; a live request arriving sets its
+    timer at the chunk cadence."""
+    rules = dataclasses.replace(RULES, bulk_poll_interval_s=1.0)
+
+    def carried(state: KeyState, effects: Effects, now: float, rules: Rules = rules) -> tuple[KeyState, float | None]:
+        armed = effects.arm_at
+        while effects.submit or effects.poll is not None:
+            if effects.submit:
+                results = submit_in_order(effects.submit, lambda s: SubmitResult(
+                    s, Call.ANSWERED, tuple(f"{InferenceRequest.from_json(t).id}@engine" for t in s.requests)))
+                state, effects = step(rules, state, Submitted(now, results))
+            else:
+                state, effects = step(rules, state, Polled(now, Call.ANSWERED, {key: [] for key in effects.poll}))
+            armed = effects.arm_at if effects.arm_at is not None else armed
+        return state, armed
+
+    bulk, _ = carried(*step(rules, KeyState(), Arrived(0.0, (_request(0, True), _request(1, True)), "b")), 0.0)
+    assert bulk.poll_at_ms == 1000, "only bulk in flight: the bulk cadence"
+    bulk, armed = carried(*step(rules, bulk, PollDue(1.0)), 1.0)
+    assert armed == pytest.approx(2.0) and bulk.poll_at_ms == 2000, "and on at it"
+    both, armed = carried(*step(rules, bulk, Arrived(1.2, (_request(2, False),), "l")), 1.2)
+    assert armed == pytest.approx(1.25) and both.poll_at_ms == 1250, "a live request: the chunk cadence, sooner"
+    both, armed = carried(*step(rules, both, PollDue(1.25)), 1.25)
+    assert armed == pytest.approx(1.30)
+    unset, _ = carried(*step(RULES, KeyState(), Arrived(0.0, (_request(3, True),), "c")), 0.0, RULES)
+    assert unset.poll_at_ms == 50, "no bulk cadence set: the chunk cadence"

@@ -46,7 +46,17 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.generation import key_state
 from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.generation.key_driver import drive
-from pipeline.generation.key_events import Arrived, DrainDue, Event, PollDue, Report, Rules, Submission, SubmitResult
+from pipeline.generation.key_events import (
+    BULK_POLL_S,
+    Arrived,
+    DrainDue,
+    Event,
+    PollDue,
+    Report,
+    Rules,
+    Submission,
+    SubmitResult,
+)
 from pipeline.generation.key_state import KeyState
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS, StepOutputs
 from pipeline.worker.load import LoadGauges
@@ -145,7 +155,8 @@ class StreamingGenerateFn(beam.DoFn):
                  generate: GenerateSettings = GenerateSettings()) -> None:
         self._source = runtime
         self._rules = Rules(poll_interval_ms / 1000.0, generate.dedupe_window_s, generate.drain_timeout_s,
-                            waiting_cap(runtime.settings))
+                            waiting_cap(runtime.settings),
+                            bulk_poll_interval_s=min(BULK_POLL_S, runtime.settings.engine.stream_lease_s / 4))
         self._gauges = LoadGauges("generate")
         self._outputs = StepOutputs()
 

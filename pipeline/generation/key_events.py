@@ -12,6 +12,10 @@ from pipeline.contract.stream_progress import Output
 
 # A key whose requests only wait for room doubles its poll interval up to this.
 WAITING_POLL_CAP_S = 2.0
+# How often a key that holds only the bulk lane's requests polls its streams (within a quarter of the stream lease:
+# pipeline.generation.generate): nobody waits on their tokens, and each poll is a work item that live ones queue
+# behind.
+BULK_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class Rules:
     dedupe_window_s: float
     drain_timeout_s: float
     waiting_cap: int  # the most requests one key keeps waiting (twice its worker's bound)
+    bulk_poll_interval_s: float = 0.0  # how often a key that holds only bulk requests polls (at least the above)
 
 
 # Events ----------------------------------------------------------------------------------------------------

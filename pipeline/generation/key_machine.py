@@ -109,6 +109,15 @@ def _settled(work: StepWork, state: KeyState) -> KeyState:
     return replace(state, damaged=())
 
 
+def _poll_in(rules: Rules, state: KeyState) -> float:
+    """How soon a busy key polls: at the chunk cadence while it holds a live request; holding only the bulk lane's,
+    every ``bulk_poll_interval_s`` (a live request arriving sets the timer sooner: :func:`_armed`)."""
+    entries = state.inflight + state.waiting
+    if not entries or any(not entry.bulk for entry in entries):
+        return rules.poll_interval_s
+    return max(rules.poll_interval_s, rules.bulk_poll_interval_s)
+
+
 def _armed(state: KeyState, at: float) -> tuple[KeyState, float | None]:
     """The state with its poll timer set for ``at``, and ``at`` as the timer to set; unchanged, and None, when it
     is already set to fire sooner."""
@@ -191,7 +200,7 @@ def _arrived(work: StepWork, state: KeyState, pending: Arriving,
         state = replace(state, wait_ms=None)  # new work: poll at the chunk cadence again
     arm_at = None
     if state.inflight or state.waiting:  # a bundle of copies only leaves the timer as it was
-        state, arm_at = _armed(state, work.now + work.rules.poll_interval_s)
+        state, arm_at = _armed(state, work.now + _poll_in(work.rules, state))
     return _end(work, state, work.done(report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at))
 
 
@@ -337,7 +346,7 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
     busy = bool(remaining or sent or pending.progress.release)
     arm_at = None
     if busy:
-        state, arm_at = _armed(replace(state, wait_ms=None), work.now + work.rules.poll_interval_s)
+        state, arm_at = _armed(replace(state, wait_ms=None), work.now + _poll_in(work.rules, state))
     elif left:  # nothing here can change until another key's stream ends: back off
         floor_ms = int(work.rules.poll_interval_s * 1000)
         backoff = min(max(2 * (state.wait_ms or 0), floor_ms), int(WAITING_POLL_CAP_S * 1000))
