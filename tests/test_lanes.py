@@ -22,13 +22,24 @@ from pipeline.contract.messages import LANE_ATTRIBUTE, DeadLetter, InferenceRequ
 from pipeline.contract.request_parsing import parse_request
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.lane_governor import BULK_STARVED_S
+from pipeline.generation.generate import StreamingGenerateFn
 from pipeline.generation.key_driver import submit_in_order
-from pipeline.generation.key_events import Arrived, Effects, PollDue, Polled, Rules, SubmitResult, Submitted
+from pipeline.generation.key_events import (
+    BULK_POLL_S,
+    Arrived,
+    Effects,
+    PollDue,
+    Polled,
+    Rules,
+    SubmitResult,
+    Submitted,
+)
 from pipeline.generation.key_machine import step
 from pipeline.generation.key_state import KeyState, RequestEntry
 from pipeline.serving.vllm_server import ServerSpec
 from pipeline.worker import read_places
 from pipeline.worker.admission_ledger import BULK_QUEUED_MIN, AdmissionLedger
+from pipeline.worker.runtime import SharedRuntime
 from pipeline.worker.runtime_settings import AdmissionSettings, RuntimeSettings
 
 RULES = Rules(poll_interval_s=0.05, dedupe_window_s=600.0, drain_timeout_s=30.0, waiting_cap=1000)
@@ -335,3 +346,18 @@ def test_a_key_holding_only_bulk_requests_polls_at_the_bulk_cadence_and_a_live_a
     assert armed == pytest.approx(1.30)
     unset, _ = carried(*step(RULES, KeyState(), Arrived(0.0, (_request(3, True),), "c")), 0.0, RULES)
     assert unset.poll_at_ms == 50, "no bulk cadence set: the chunk cadence"
+
+
+def test_a_bulk_key_waiting_for_room_or_a_release_keeps_the_chunk_cadence_and_the_cadence_stays_within_the_lease():
+    """A bulk request waiting for room learns of it at the key's next poll, and a finished stream waits at the
+    engine until its key releases it: either keeps the chunk cadence. The generate step sets the bulk cadence at
+    half a second, at most an eighth of stream_lease_s."""
+    rules = dataclasses.replace(RULES, bulk_poll_interval_s=1.0)
+    state, effects = step(rules, KeyState(), Arrived(0.0, (_request(0, True), _request(1, True)), "b"))
+    one_room = submit_in_order(effects.submit, lambda s: SubmitResult(s, Call.ANSWERED, ("bulk-0@engine", None)))
+    state, effects = step(rules, state, Submitted(0.0, one_room))
+    assert [e.request_id for e in state.waiting] == ["bulk-1"] and state.poll_at_ms == 50, "one waits: 50 ms"
+    for lease, cadence in ((10.0, BULK_POLL_S), (2.0, 0.25)):
+        settings_ = _settings(stream_lease_s=lease)
+        fn = StreamingGenerateFn(SharedRuntime(settings_, "unused"), 50.0)
+        assert fn._rules.bulk_poll_interval_s == pytest.approx(cadence) and cadence <= lease / 8

@@ -66,7 +66,8 @@ from pipeline.worker.runtime_settings import RuntimeSettings
 
 
 def template_poll_interval_ms(chunk_interval_ms: float) -> float:
-    """How often a key with requests in flight polls: half the chunk interval, within 10-100 ms."""
+    """How often a key with requests in flight polls: half the chunk interval, within 10-100 ms (a key whose only
+    requests are bulk streams running polls every ``BULK_POLL_S``: :func:`~.key_machine._poll_in`)."""
     return min(max(chunk_interval_ms / 2, 10.0), 100.0)
 
 
@@ -156,7 +157,7 @@ class StreamingGenerateFn(beam.DoFn):
         self._source = runtime
         self._rules = Rules(poll_interval_ms / 1000.0, generate.dedupe_window_s, generate.drain_timeout_s,
                             waiting_cap(runtime.settings),
-                            bulk_poll_interval_s=min(BULK_POLL_S, runtime.settings.engine.stream_lease_s / 4))
+                            bulk_poll_interval_s=min(BULK_POLL_S, runtime.settings.engine.stream_lease_s / 8))
         self._gauges = LoadGauges("generate")
         self._outputs = StepOutputs()
 

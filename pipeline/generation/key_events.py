@@ -12,10 +12,10 @@ from pipeline.contract.stream_progress import Output
 
 # A key whose requests only wait for room doubles its poll interval up to this.
 WAITING_POLL_CAP_S = 2.0
-# How often a key that holds only the bulk lane's requests polls its streams (within a quarter of the stream lease:
+# How often a key whose only requests are bulk streams running polls them (at most an eighth of the stream lease:
 # pipeline.generation.generate): nobody waits on their tokens, and each poll is a work item that live ones queue
-# behind.
-BULK_POLL_S = 1.0
+# behind. A finished stream waits at the engine up to this long for its key's poll (finished_kept bounds them).
+BULK_POLL_S = 0.5
 
 
 @dataclass(frozen=True)

@@ -110,10 +110,12 @@ def _settled(work: StepWork, state: KeyState) -> KeyState:
 
 
 def _poll_in(rules: Rules, state: KeyState) -> float:
-    """How soon a busy key polls: at the chunk cadence while it holds a live request; holding only the bulk lane's,
-    every ``bulk_poll_interval_s`` (a live request arriving sets the timer sooner: :func:`_armed`)."""
-    entries = state.inflight + state.waiting
-    if not entries or any(not entry.bulk for entry in entries):
+    """How soon a busy key polls: every ``bulk_poll_interval_s`` while all it holds is bulk streams running; else at
+    the chunk cadence: a live request in flight or waiting, a request waiting for room (a stream's end is its
+    room), or a finished stream to release (the engine keeps it until then). A live request arriving sets the
+    timer sooner (:func:`_armed`)."""
+    if state.waiting or state.progress.release or not state.inflight or \
+            any(not entry.bulk for entry in state.inflight):
         return rules.poll_interval_s
     return max(rules.poll_interval_s, rules.bulk_poll_interval_s)
 
