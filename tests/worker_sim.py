@@ -28,6 +28,9 @@ documented semantics (the same rules ``local/runner_semantics.py`` follows, with
   drawn time to rebuild (its first rebuilds fail: every call to that worker is unreachable meanwhile); and a
   drain while streams run.
 
+Requests are drawn on both lanes (apart from the rest of a seed's world, as the VM's events are): a key holding only
+bulk streams polls at the bulk cadence (:func:`~pipeline.generation.key_events.bulk_poll_interval_s`).
+
 Invariants are checked as each work item commits (each attempt's chunks in order, no gap and no copy; no
 request ends twice, nor with a stream its key knew still running uncancelled; no engine past
 ``max_in_flight``) and at the end (each request ended once, whole, nothing
@@ -57,7 +60,16 @@ from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.stream_registry import Stream, StreamRegistry
 from pipeline.generation import key_state
 from pipeline.generation.key_driver import drive
-from pipeline.generation.key_events import Arrived, DrainDue, Event, PollDue, Rules, Submission, SubmitResult
+from pipeline.generation.key_events import (
+    Arrived,
+    DrainDue,
+    Event,
+    PollDue,
+    Rules,
+    Submission,
+    SubmitResult,
+    bulk_poll_interval_s,
+)
 from pipeline.generation.key_events import Report as WaitingReport
 from pipeline.generation.step_work import MACHINE_COUNTS
 
@@ -139,6 +151,7 @@ class Schedule:
     # what leases save).
     stream_lease_s: float | None = float(default("stream_lease_s"))
     vm: VmEvents = VmEvents()
+    bulk: tuple[bool, ...] = ()  # which requests are the bulk lane's (their keys poll at the bulk cadence)
 
     @property
     def loses_streams(self) -> bool:
@@ -164,7 +177,14 @@ class Schedule:
             drawn = replace(drawn, broken=rng.choice(["", "", "poll", "submit"]), broken_at=rng.uniform(0, 2.0),
                             broken_s=rng.choice([1.0, 10.0]))
         events = VmEvents.draw(random.Random(seed * 104729 + 3), cls.stream_lease_s) if faults and vm else VmEvents()
-        return cls(seed, *drawn_world, drawn, rules, vm=events)
+        bulk: tuple[bool, ...] = ()
+        if vm:  # drawn apart, as the VM's events are: a seed's other draws are what they were before the lanes
+            lanes = random.Random(seed * 7919 + 5)
+            share = lanes.choice([0.0, 0.5, 1.0])
+            bulk = tuple(lanes.random() < share for _ in range(requests))
+            lease = cls.stream_lease_s if cls.stream_lease_s is not None else float("inf")
+            rules = replace(rules, bulk_poll_interval_s=bulk_poll_interval_s(lease))
+        return cls(seed, *drawn_world, drawn, rules, vm=events, bulk=bulk)
 
 
 # What a dead letter that sheds a request says: the key's queue was full, republish it. Its id is released with
@@ -468,7 +488,7 @@ class World:
         self._idle_run: Counter[int] = Counter()
         for i, at in enumerate(schedule.arrivals):
             request = InferenceRequest(id=f"r{i}", prompt=f"p{i}", max_tokens=schedule.tokens[i], prompt_tokens=1,
-                                       received_at=at)
+                                       received_at=at, lane="bulk" if schedule.bulk[i:i + 1] == (True,) else None)
             self.bundles.append((at, i % schedule.keys, (request,)))
         self.published = {bundle[2][0].id: bundle for bundle in self.bundles}
 

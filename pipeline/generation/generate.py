@@ -47,7 +47,6 @@ from pipeline.generation import key_state
 from pipeline.generation.generate_settings import GenerateSettings
 from pipeline.generation.key_driver import drive
 from pipeline.generation.key_events import (
-    BULK_POLL_S,
     Arrived,
     DrainDue,
     Event,
@@ -56,6 +55,7 @@ from pipeline.generation.key_events import (
     Rules,
     Submission,
     SubmitResult,
+    bulk_poll_interval_s,
 )
 from pipeline.generation.key_state import KeyState
 from pipeline.generation.step_outputs import TAG_COMPLETIONS, TAG_DEAD_LETTERS, StepOutputs
@@ -67,7 +67,7 @@ from pipeline.worker.runtime_settings import RuntimeSettings
 
 def template_poll_interval_ms(chunk_interval_ms: float) -> float:
     """How often a key with requests in flight polls: half the chunk interval, within 10-100 ms (a key whose only
-    requests are bulk streams running polls every ``BULK_POLL_S``: :func:`~.key_machine._poll_in`)."""
+    requests are bulk streams running polls at :func:`~.key_events.bulk_poll_interval_s`: ``key_machine._poll_in``)."""
     return min(max(chunk_interval_ms / 2, 10.0), 100.0)
 
 
@@ -157,7 +157,7 @@ class StreamingGenerateFn(beam.DoFn):
         self._source = runtime
         self._rules = Rules(poll_interval_ms / 1000.0, generate.dedupe_window_s, generate.drain_timeout_s,
                             waiting_cap(runtime.settings),
-                            bulk_poll_interval_s=min(BULK_POLL_S, runtime.settings.engine.stream_lease_s / 8))
+                            bulk_poll_interval_s=bulk_poll_interval_s(runtime.settings.engine.stream_lease_s))
         self._gauges = LoadGauges("generate")
         self._outputs = StepOutputs()
 

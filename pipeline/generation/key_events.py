@@ -13,9 +13,15 @@ from pipeline.contract.stream_progress import Output
 # A key whose requests only wait for room doubles its poll interval up to this.
 WAITING_POLL_CAP_S = 2.0
 # How often a key whose only requests are bulk streams running polls them (at most an eighth of the stream lease:
-# pipeline.generation.generate): nobody waits on their tokens, and each poll is a work item that live ones queue
-# behind. A finished stream waits at the engine up to this long for its key's poll (finished_kept bounds them).
+# bulk_poll_interval_s): nobody waits on their tokens, and each poll is a work item that live ones queue behind. A
+# finished stream waits at the engine up to this long for its key's poll (finished_kept bounds them).
 BULK_POLL_S = 0.5
+
+
+def bulk_poll_interval_s(stream_lease_s: float) -> float:
+    """The bulk cadence under a stream lease: ``BULK_POLL_S``, at most an eighth of the lease, so a stream whose key
+    polls late still keeps it."""
+    return min(BULK_POLL_S, stream_lease_s / 8)
 
 
 @dataclass(frozen=True)
