@@ -20,6 +20,7 @@ from pipeline.config.settings import JobSettings
 from pipeline.contract.call_outcome import Call
 from pipeline.contract.messages import LANE_ATTRIBUTE, DeadLetter, InferenceRequest
 from pipeline.contract.request_parsing import parse_request
+from pipeline.contract.stream_progress import COMPLETION
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.lane_governor import BULK_STARVED_S
 from pipeline.generation.generate import StreamingGenerateFn
@@ -348,15 +349,38 @@ def test_a_key_holding_only_bulk_requests_polls_at_the_bulk_cadence_and_a_live_a
     assert unset.poll_at_ms == 50, "no bulk cadence set: the chunk cadence"
 
 
-def test_a_bulk_key_waiting_for_room_or_a_release_keeps_the_chunk_cadence_and_the_cadence_stays_within_the_lease():
-    """A bulk request waiting for room learns of it at the key's next poll, and a finished stream waits at the
-    engine until its key releases it: either keeps the chunk cadence. The generate step sets the bulk cadence at
-    half a second, at most an eighth of stream_lease_s."""
+def test_a_bulk_key_waiting_for_room_polls_at_the_bulk_cadence_a_release_at_the_chunk_cadence_within_the_lease():
+    """Bulk requests waiting for room are polls nobody waits on: their key keeps the bulk cadence, and one whose
+    requests only wait backs off from it (to 2 s). A key's own stream ending is its waiting request's room at once;
+    the finished stream waits at the engine until its key releases it, so that poll comes at the chunk cadence. The
+    generate step sets the bulk cadence at half a second, at most an eighth of stream_lease_s."""
     rules = dataclasses.replace(RULES, bulk_poll_interval_s=1.0)
+
+    def answered(effects: Effects, *streams: str | None) -> tuple[SubmitResult, ...]:
+        return submit_in_order(effects.submit, lambda s: SubmitResult(s, Call.ANSWERED, streams))
+
     state, effects = step(rules, KeyState(), Arrived(0.0, (_request(0, True), _request(1, True)), "b"))
-    one_room = submit_in_order(effects.submit, lambda s: SubmitResult(s, Call.ANSWERED, ("bulk-0@engine", None)))
-    state, effects = step(rules, state, Submitted(0.0, one_room))
-    assert [e.request_id for e in state.waiting] == ["bulk-1"] and state.poll_at_ms == 50, "one waits: 50 ms"
+    state, effects = step(rules, state, Submitted(0.0, answered(effects, "bulk-0@engine", None)))
+    assert [e.request_id for e in state.waiting] == ["bulk-1"] and state.poll_at_ms == 1000, \
+        "one runs and one waits: the bulk cadence"
+    state, effects = step(rules, state, PollDue(1.0))
+    ended = json.dumps({"id": "bulk-0", "attempt": 0, "text": "x", "tokens": 1, "chunks": 0, "output_error": None,
+                        "time_to_first_token_ms": None, "finish_reason": "length", "accelerator_seconds": 0.0})
+    state, effects = step(rules, state, Polled(1.0, Call.ANSWERED, {"bulk-0@engine": [(COMPLETION, ended)]}))
+    assert len(effects.submit) == 1, "its own stream's end is the waiting request's room, in the same step"
+    state, effects = step(rules, state, Submitted(1.0, answered(effects, "bulk-1@engine")))
+    assert state.progress.release and state.poll_at_ms == 1050, "a finished stream to release: the chunk cadence"
+    with_live, _ = step(rules, state, Arrived(1.2, (_request(2, False),), "l"))
+    assert with_live.poll_at_ms == 1050, "a live request: the chunk cadence"
+
+    waits, effects = step(rules, KeyState(), Arrived(0.0, (_request(3, True),), "c"))
+    waits, effects = step(rules, waits, Submitted(0.0, answered(effects, None)))
+    polls = [waits.poll_at_ms]
+    for now in (1.0, 2.0, 4.0):
+        waits, effects = step(rules, waits, PollDue(now))
+        waits, effects = step(rules, waits, Submitted(now, answered(effects, None)))
+        polls.append(waits.poll_at_ms)
+    assert polls == [1000, 2000, 4000, 6000], "only waiting: backs off from the bulk cadence to 2 s"
     for lease, cadence in ((10.0, BULK_POLL_S), (2.0, 0.25)):
         settings_ = _settings(stream_lease_s=lease)
         fn = StreamingGenerateFn(SharedRuntime(settings_, "unused"), 50.0)

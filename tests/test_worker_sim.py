@@ -93,20 +93,27 @@ def test_leases_cancel_the_streams_keys_moved_away_from_and_every_invariant_stil
     assert expired > 0, "no lease ran out: the leases were not exercised"
 
 
-def _slow_calm(seed: int, bulk_poll_s: float | None = None) -> worker_sim.Report:
-    """Seed's world with no faults and every stream 30 times slower (answers up to 36 s, past a lease)."""
+def _slow_calm(seed: int, bulk_poll_s: float | None = None, *, lanes_by_key: bool = False) -> worker_sim.Report:
+    """Seed's world with no faults and every stream 30 times slower (answers up to 36 s, past a lease);
+    ``lanes_by_key``: at least two keys in one process, the first holding only bulk requests and the others only
+    live ones (a bulk key's leases then hear of its process polling the others)."""
     drawn = worker_sim.Schedule.draw(seed)
     rules = drawn.rules if bulk_poll_s is None else dataclasses.replace(drawn.rules, bulk_poll_interval_s=bulk_poll_s)
-    return worker_sim.play(dataclasses.replace(drawn, rate_tps=drawn.rate_tps / 30, faults=worker_sim.Faults(),
-                                               rules=rules), max_items=200_000)
+    world = dataclasses.replace(drawn, rate_tps=drawn.rate_tps / 30, faults=worker_sim.Faults(), rules=rules)
+    if lanes_by_key:
+        keys = max(drawn.keys, 2)
+        world = dataclasses.replace(world, keys=keys, vm=worker_sim.VmEvents(),
+                                    bulk=tuple(n % keys == 0 for n in range(drawn.requests)))
+    return worker_sim.play(world, max_items=200_000)
 
 
 def test_bulk_keys_at_the_bulk_cadence_keep_their_streams_leases_and_it_bites_past_the_lease():
-    """Keys holding only bulk streams poll at the bulk cadence (pipeline.generation.key_events): in worlds whose
-    answers outlast a lease, with nothing failing, every stream keeps its lease and runs once. A cadence past the
-    lease lets leases cancel streams that were still wanted, which are then generated again."""
-    reports = [_slow_calm(seed) for seed in range(30)]
-    assert sum(any(r.schedule.bulk) for r in reports) > 10, "worlds with bulk requests"
+    """Keys holding only bulk requests poll at the bulk cadence (pipeline.generation.key_events): in worlds whose
+    answers outlast a lease, with nothing failing, every stream keeps its lease and runs once, beside live keys of
+    the same process too. A cadence past the lease lets the process's live polls expire the bulk key's streams
+    that were still wanted, which are then generated again."""
+    reports = [_slow_calm(seed) for seed in range(30)] + [_slow_calm(seed, lanes_by_key=True) for seed in range(30)]
+    assert sum(any(r.schedule.bulk) for r in reports) > 40, "worlds with bulk requests"
     for report in reports:
         worker_sim.check(report)
         assert report.expired == 0, report.schedule.seed
@@ -115,7 +122,7 @@ def test_bulk_keys_at_the_bulk_cadence_keep_their_streams_leases_and_it_bites_pa
     caught = []
     for seed in range(30):
         try:
-            worker_sim.check(_slow_calm(seed, bulk_poll_s=1.5 * lease_s))
+            worker_sim.check(_slow_calm(seed, bulk_poll_s=1.5 * lease_s, lanes_by_key=True))
         except worker_sim.Violation as violation:
             caught.append(str(violation))
     assert any("ended at attempt 2" in failure for failure in caught), "a cadence past the lease went unseen"

@@ -29,7 +29,8 @@ documented semantics (the same rules ``local/runner_semantics.py`` follows, with
   drain while streams run.
 
 Requests are drawn on both lanes (apart from the rest of a seed's world, as the VM's events are): a key holding only
-bulk streams polls at the bulk cadence (:func:`~pipeline.generation.key_events.bulk_poll_interval_s`).
+bulk requests, running or waiting, polls at the bulk cadence
+(:func:`~pipeline.generation.key_events.bulk_poll_interval_s`).
 
 Invariants are checked as each work item commits (each attempt's chunks in order, no gap and no copy; no
 request ends twice, nor with a stream its key knew still running uncancelled; no engine past

@@ -67,7 +67,8 @@ from pipeline.worker.runtime_settings import RuntimeSettings
 
 def template_poll_interval_ms(chunk_interval_ms: float) -> float:
     """How often a key with requests in flight polls: half the chunk interval, within 10-100 ms (a key whose only
-    requests are bulk streams running polls at :func:`~.key_events.bulk_poll_interval_s`: ``key_machine._poll_in``)."""
+    requests are bulk ones, running or waiting, polls at :func:`~.key_events.bulk_poll_interval_s`:
+    ``key_machine._poll_in``)."""
     return min(max(chunk_interval_ms / 2, 10.0), 100.0)
 
 

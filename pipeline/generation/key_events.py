@@ -12,9 +12,9 @@ from pipeline.contract.stream_progress import Output
 
 # A key whose requests only wait for room doubles its poll interval up to this.
 WAITING_POLL_CAP_S = 2.0
-# How often a key whose only requests are bulk streams running polls them (at most an eighth of the stream lease:
-# bulk_poll_interval_s): nobody waits on their tokens, and each poll is a work item that live ones queue behind. A
-# finished stream waits at the engine up to this long for its key's poll (finished_kept bounds them).
+# How often a key whose only requests are bulk ones, running or waiting, polls (at most an eighth of the stream
+# lease: bulk_poll_interval_s): nobody waits on their tokens, and each poll is a work item that live ones queue
+# behind. A finished stream waits at the engine up to this long for its key's poll (finished_kept bounds them).
 BULK_POLL_S = 0.5
 
 

@@ -110,12 +110,13 @@ def _settled(work: StepWork, state: KeyState) -> KeyState:
 
 
 def _poll_in(rules: Rules, state: KeyState) -> float:
-    """How soon a busy key polls: every ``bulk_poll_interval_s`` while all it holds is bulk streams running; else at
-    the chunk cadence: a live request in flight or waiting, a request waiting for room (a stream's end is its
-    room), or a finished stream to release (the engine keeps it until then). A live request arriving sets the
-    timer sooner (:func:`_armed`)."""
-    if state.waiting or state.progress.release or not state.inflight or \
-            any(not entry.bulk for entry in state.inflight):
+    """How soon a busy key polls: every ``bulk_poll_interval_s`` while all it holds, running or waiting, is the bulk
+    lane's; else at the chunk cadence: a live request in flight or waiting, or a finished stream to release (the
+    engine keeps it until then). A bulk request waiting for room learns of it at most that much later; room that a
+    stream's end frees goes to whichever key polls first. A live request arriving sets the timer sooner
+    (:func:`_armed`)."""
+    held = state.inflight + state.waiting
+    if state.progress.release or not held or any(not entry.bulk for entry in held):
         return rules.poll_interval_s
     return max(rules.poll_interval_s, rules.bulk_poll_interval_s)
 
@@ -350,7 +351,7 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
     if busy:
         state, arm_at = _armed(replace(state, wait_ms=None), work.now + _poll_in(work.rules, state))
     elif left:  # nothing here can change until another key's stream ends: back off
-        floor_ms = int(work.rules.poll_interval_s * 1000)
+        floor_ms = int(_poll_in(work.rules, state) * 1000)
         backoff = min(max(2 * (state.wait_ms or 0), floor_ms), int(WAITING_POLL_CAP_S * 1000))
         state, arm_at = _armed(replace(state, wait_ms=backoff), work.now + backoff / 1000)
     elif (expiry := dedupe.next_expiry(work.ids, work.now)) is not None:  # to forget ids once nothing else is left
