@@ -367,11 +367,15 @@ def test_a_bulk_key_waiting_for_room_polls_at_the_bulk_cadence_a_release_at_the_
     ended = json.dumps({"id": "bulk-0", "attempt": 0, "text": "x", "tokens": 1, "chunks": 0, "output_error": None,
                         "time_to_first_token_ms": None, "finish_reason": "length", "accelerator_seconds": 0.0})
     state, effects = step(rules, state, Polled(1.0, Call.ANSWERED, {"bulk-0@engine": [(COMPLETION, ended)]}))
-    assert len(effects.submit) == 1, "its own stream's end is the waiting request's room, in the same step"
     state, effects = step(rules, state, Submitted(1.0, answered(effects, "bulk-1@engine")))
     assert state.progress.release and state.poll_at_ms == 1050, "a finished stream to release: the chunk cadence"
-    with_live, _ = step(rules, state, Arrived(1.2, (_request(2, False),), "l"))
-    assert with_live.poll_at_ms == 1050, "a live request: the chunk cadence"
+    state, effects = step(rules, state, PollDue(1.05))
+    state, effects = step(rules, state, Polled(1.05, Call.ANSWERED, {"bulk-1@engine": []}))
+    assert not state.progress.release and state.poll_at_ms == 2050, "released: the bulk cadence again"
+    state, effects = step(rules, state, Arrived(1.2, (_request(2, False),), "l"))
+    state, effects = step(rules, state, Submitted(1.2, answered(effects, None)))
+    assert [e.request_id for e in state.waiting] == ["live-2"] and state.poll_at_ms == 1250, \
+        "a live request waiting: the chunk cadence, sooner"
 
     waits, effects = step(rules, KeyState(), Arrived(0.0, (_request(3, True),), "c"))
     waits, effects = step(rules, waits, Submitted(0.0, answered(effects, None)))

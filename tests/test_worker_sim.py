@@ -93,13 +93,16 @@ def test_leases_cancel_the_streams_keys_moved_away_from_and_every_invariant_stil
     assert expired > 0, "no lease ran out: the leases were not exercised"
 
 
-def _slow_calm(seed: int, bulk_poll_s: float | None = None, *, lanes_by_key: bool = False) -> worker_sim.Report:
-    """Seed's world with no faults and every stream 30 times slower (answers up to 36 s, past a lease);
-    ``lanes_by_key``: at least two keys in one process, the first holding only bulk requests and the others only
-    live ones (a bulk key's leases then hear of its process polling the others)."""
+def _slow_calm(seed: int, bulk_poll_s: float | None = None, *, lanes_by_key: bool = False,
+               late_s: float = 0.0) -> worker_sim.Report:
+    """Seed's world with no faults but timers up to ``late_s`` late, and every stream 30 times slower (answers up
+    to 36 s, past a lease); ``lanes_by_key``: at least two keys in one process, the first holding only bulk
+    requests and the others only live ones (the simulator gives request n to key n mod keys), so the bulk key's
+    leases hear of its process polling the others."""
     drawn = worker_sim.Schedule.draw(seed)
     rules = drawn.rules if bulk_poll_s is None else dataclasses.replace(drawn.rules, bulk_poll_interval_s=bulk_poll_s)
-    world = dataclasses.replace(drawn, rate_tps=drawn.rate_tps / 30, faults=worker_sim.Faults(), rules=rules)
+    world = dataclasses.replace(drawn, rate_tps=drawn.rate_tps / 30, faults=worker_sim.Faults(late_s=late_s),
+                                rules=rules)
     if lanes_by_key:
         keys = max(drawn.keys, 2)
         world = dataclasses.replace(world, keys=keys, vm=worker_sim.VmEvents(),
@@ -110,10 +113,12 @@ def _slow_calm(seed: int, bulk_poll_s: float | None = None, *, lanes_by_key: boo
 def test_bulk_keys_at_the_bulk_cadence_keep_their_streams_leases_and_it_bites_past_the_lease():
     """Keys holding only bulk requests poll at the bulk cadence (pipeline.generation.key_events): in worlds whose
     answers outlast a lease, with nothing failing, every stream keeps its lease and runs once, beside live keys of
-    the same process too. A cadence past the lease lets the process's live polls expire the bulk key's streams
-    that were still wanted, which are then generated again."""
-    reports = [_slow_calm(seed) for seed in range(30)] + [_slow_calm(seed, lanes_by_key=True) for seed in range(30)]
-    assert sum(any(r.schedule.bulk) for r in reports) > 40, "worlds with bulk requests"
+    the same process too, and with timers up to 2 s late. A cadence past the lease lets the process's live polls
+    expire the bulk key's streams that were still wanted, which are then generated again."""
+    mixed = [_slow_calm(seed, lanes_by_key=True, late_s=late) for seed in range(30) for late in (0.0, 2.0)]
+    assert sum(any(r.schedule.bulk) for r in mixed[0::2]) == 30, "every lanes-by-key world has a bulk key"
+    assert sum(not all(r.schedule.bulk) for r in mixed[0::2]) > 20, "and most a live key beside it"
+    reports = [_slow_calm(seed) for seed in range(30)] + mixed
     for report in reports:
         worker_sim.check(report)
         assert report.expired == 0, report.schedule.seed

@@ -408,8 +408,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("chunk_interval_ms", "Chunk interval (ms)",
               "A chunk is also emitted when this long has passed since the last one and new text is waiting; "
               "with vLLM, text arrives chunk_tokens tokens at a time, so a slower answer gets a chunk per "
-              "chunk_tokens tokens rather than per interval. The generate step polls the engine every half of "
-              "this (at least 10 ms, at most 100 ms), which is how soon completions and dead letters leave it.",
+              "chunk_tokens tokens rather than per interval. The generate step polls the engine every half of this "
+              "(10-100 ms; a key holding only bulk-lane requests: 0.5 s): how soon completions and dead letters leave.",
               "200", GROUP_STREAMING, "NUMBER", default=200, minimum=1),
 )
 

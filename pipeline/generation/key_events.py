@@ -14,7 +14,8 @@ from pipeline.contract.stream_progress import Output
 WAITING_POLL_CAP_S = 2.0
 # How often a key whose only requests are bulk ones, running or waiting, polls (at most an eighth of the stream
 # lease: bulk_poll_interval_s): nobody waits on their tokens, and each poll is a work item that live ones queue
-# behind. A finished stream waits at the engine up to this long for its key's poll (finished_kept bounds them).
+# behind. A finished stream waits at the engine up to this long for its key's poll: only more than finished_kept
+# (at least 64) finishing within it would drop one before its poll, which then sends it again.
 BULK_POLL_S = 0.5
 
 

@@ -112,8 +112,8 @@ def _settled(work: StepWork, state: KeyState) -> KeyState:
 def _poll_in(rules: Rules, state: KeyState) -> float:
     """How soon a busy key polls: every ``bulk_poll_interval_s`` while all it holds, running or waiting, is the bulk
     lane's; else at the chunk cadence: a live request in flight or waiting, or a finished stream to release (the
-    engine keeps it until then). A bulk request waiting for room learns of it at most that much later; room that a
-    stream's end frees goes to whichever key polls first. A live request arriving sets the timer sooner
+    engine keeps it until then). A key whose requests only wait backs off from this (:func:`_resent`); room that
+    a stream's end frees goes to whichever key polls first. A live request arriving sets the timer sooner
     (:func:`_armed`)."""
     held = state.inflight + state.waiting
     if state.progress.release or not held or any(not entry.bulk for entry in held):
@@ -200,7 +200,7 @@ def _arrived(work: StepWork, state: KeyState, pending: Arriving,
     work.counts["requests_queued"] += len(left)
     state = replace(state, inflight=state.inflight + sent, waiting=_live_first(state.waiting + left))
     if pending.accepted and state.wait_ms is not None:
-        state = replace(state, wait_ms=None)  # new work: poll at the chunk cadence again
+        state = replace(state, wait_ms=None)  # new work: no backoff (its lane's cadence again)
     arm_at = None
     if state.inflight or state.waiting:  # a bundle of copies only leaves the timer as it was
         state, arm_at = _armed(state, work.now + _poll_in(work.rules, state))
@@ -350,7 +350,7 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
     arm_at = None
     if busy:
         state, arm_at = _armed(replace(state, wait_ms=None), work.now + _poll_in(work.rules, state))
-    elif left:  # nothing here can change until another key's stream ends: back off
+    elif left:  # nothing here can change until another key's stream ends: back off from its cadence, to 2 s
         floor_ms = int(_poll_in(work.rules, state) * 1000)
         backoff = min(max(2 * (state.wait_ms or 0), floor_ms), int(WAITING_POLL_CAP_S * 1000))
         state, arm_at = _armed(replace(state, wait_ms=backoff), work.now + backoff / 1000)
