@@ -523,12 +523,14 @@ def plot(points: list[Point], goal: float, path: Path) -> None:
         for p in fixed:
             axis.annotate(p.lane, (p.bulk_tokens_per_s, ratio_of(p)), textcoords="offset points", xytext=(4, 4),
                           fontsize=8)
+        colours = iter(["tab:red", "tab:purple", "tab:orange", "tab:green", "tab:brown"])
         for n, p in enumerate(p for p in points if not p.lane.isdigit()):
             axis.scatter([p.bulk_tokens_per_s], [ratio_of(p)], marker="*" if adaptive(p.lane) else "s",
-                         s=180 if adaptive(p.lane) else 70, color="tab:red" if adaptive(p.lane) else "tab:grey",
-                         zorder=3, label=p.lane if n < 4 else None)
-            axis.annotate(p.lane, (p.bulk_tokens_per_s, ratio_of(p)), textcoords="offset points", xytext=(4, -10),
-                          fontsize=8)
+                         s=180 if adaptive(p.lane) else 70, color=next(colours, "tab:grey"),
+                         zorder=3, label=p.lane if n < 5 else None)
+            # Alternately below and above: lanes that land close together keep their labels apart.
+            axis.annotate(p.lane, (p.bulk_tokens_per_s, ratio_of(p)), textcoords="offset points",
+                          xytext=(6, -12 if n % 2 == 0 else 8), fontsize=8)
         axis.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}x")
         axis.set_xlabel("bulk tokens/s beside live traffic")
         axis.set_ylabel(f"live {title} p95, beside / alone")
