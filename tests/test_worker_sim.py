@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import itertools
 import os
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -295,11 +296,9 @@ def test_it_bites_when_a_poll_skips_a_chunk(monkeypatch):
     assert _any_caught(range(100), "was next"), "a gap in a chunk stream went unseen"
 
 
-def test_it_bites_when_a_retried_submission_starts_a_second_stream(monkeypatch):
-    """A retried work item's submission no longer joins the stream its failed try started: the engine generates
-    the answer twice though no stream was lost, past 1.05 tokens generated per token delivered. Where both apply,
-    the per-request cost (each answer generated once per host death under it) is the stricter and names it first;
-    the 1.05 bound over all requests also counts what was generated for requests that ended as dead letters."""
+def _retried_submissions_start_second_streams(monkeypatch) -> None:
+    """Breaks the registry: a retried work item's submission no longer joins the stream its failed try started, and
+    the engine generates that answer twice though no stream was lost."""
     real = stream_registry.StreamRegistry.submit
     calls = itertools.count()
 
@@ -316,7 +315,36 @@ def test_it_bites_when_a_retried_submission_starts_a_second_stream(monkeypatch):
         return keys, started + fresh
 
     monkeypatch.setattr(stream_registry.StreamRegistry, "submit", never_joins)
+
+
+def test_it_bites_when_a_retried_submission_starts_a_second_stream(monkeypatch):
+    """The second stream generates past 1.05 tokens per token delivered. Where both apply, the per-request cost
+    (each answer generated once per host death under it) is the stricter and names it first; the 1.05 bound over
+    all requests also counts what was generated for requests that ended as dead letters."""
+    _retried_submissions_start_second_streams(monkeypatch)
     assert _any_caught(range(300), "tokens generated for"), "a second stream for a retried submission went unseen"
+
+
+class _TenHostDeathsUnderEach(Counter):
+    def __missing__(self, request_id: str) -> int:
+        return 10
+
+
+def test_it_bites_past_1_05_tokens_per_token_delivered_with_the_per_request_cost_loosened(monkeypatch):
+    """The same second streams with the per-request bounds loosened (every request counted as if ten host deaths
+    ran under it): the 1.05 bound over the run, which counts no host deaths, still catches them on its own."""
+    _retried_submissions_start_second_streams(monkeypatch)
+    real = worker_sim.Report.__init__
+
+    def loosened(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.hits = _TenHostDeathsUnderEach()
+
+    monkeypatch.setattr(worker_sim.Report, "__init__", loosened)
+    failures = _caught(range(300))
+    assert not any("host deaths or updates under it" in f for f in failures), failures[:3]  # loosened indeed
+    assert any("past 1.05 per token delivered" in f for f in failures), \
+        "tokens generated twice went unseen by the 1.05 bound"
 
 
 def test_it_bites_when_the_engine_takes_past_max_in_flight(monkeypatch):
