@@ -28,7 +28,7 @@ from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.request_parsing import RequestLimits
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
-from pipeline.flow import subscription_feed, subscription_reader
+from pipeline.flow import admission, subscription_feed, subscription_reader
 from pipeline.flow.admission import AdmitRequests
 from pipeline.flow.subscription_reader import ReadWithinRoom
 from pipeline.intake.parsing import ParseRequests
@@ -192,27 +192,27 @@ def test_the_bulk_lanes_readers_stop_where_the_live_reserve_begins_and_mark_what
 
 
 def test_the_reader_dofn_and_the_vm_simulator_run_the_one_round(worker, backlog, tmp_path, monkeypatch):
-    """The reader's round and its bundle's end are one pair of functions, looked up where they are defined, which
-    PullWithinRoomFn and the VM simulator both call (#80): a change to them is run by both, so what the simulator
-    proves under its schedules is the round that ships, not a copy."""
+    """The reader's round is four functions, each looked up where it is defined, which PullWithinRoomFn, AdmitFn and
+    the VM simulator all call (#80): the round's take and its bundle's end, a request's admission in a place and
+    the admission bundle's end. A change to any is run by both, so what the simulator proves under its schedules is
+    the round that ships, not a copy."""
     calls: Counter[tuple[str, str]] = Counter()
     runner = ["dofn"]
-    real_take, real_end = subscription_reader.take_round, subscription_reader.end_read_bundle
+    shared = [(subscription_reader, "take_round"), (subscription_reader, "end_read_bundle"),
+              (admission, "admit_in_place"), (admission, "end_admit_bundle")]
 
-    def take(feed, tag, most=subscription_reader.PULL_MOST):
-        calls[runner[0], "round"] += 1
-        return real_take(feed, tag, most)
+    def seen(name, real):
+        def changed(*args, **kwargs):
+            calls[runner[0], name] += 1
+            return real(*args, **kwargs)
+        return changed
 
-    def end(feed, tag, places):
-        calls[runner[0], "bundle end"] += 1
-        return real_end(feed, tag, places)
-
-    monkeypatch.setattr(subscription_reader, "take_round", take)
-    monkeypatch.setattr(subscription_reader, "end_read_bundle", end)
+    for module, name in shared:
+        monkeypatch.setattr(module, name, seen(name, getattr(module, name)))
     read(backlog, worker, tmp_path / "out", rounds=2)
     runner[0] = "simulator"
     vm_sim.check(vm_sim.run(0, vm_sim.POLICIES[0]))
-    assert all(calls[who, what] for who in ("dofn", "simulator") for what in ("round", "bundle end")), calls
+    assert all(calls[who, name] for who in ("dofn", "simulator") for _, name in shared), calls
 
 
 def test_a_bundle_that_fails_leaves_its_messages_in_the_subscription(worker, backlog, tmp_path):

@@ -11,15 +11,16 @@ against its bound, how late poll timers ran, and the model's idle slots while re
 What runs for real: the worker's admission ledger (:class:`~pipeline.worker.admission_ledger.AdmissionLedger` on the
 simulated clock), the places a read takes (:mod:`pipeline.worker.read_places`), the reader's feed
 (:class:`~pipeline.flow.subscription_feed.SubscriptionFeed`, its turns run on the simulated clock instead of its
-thread) and its rounds (:func:`~pipeline.flow.subscription_reader.take_round`, what the DoFn runs), and the generate
-step's key machine with its state codec and the engine side of the poll contract (the world of
-:mod:`tests.worker_sim`, which runs :func:`~pipeline.generation.key_driver.drive`). What is simulated: the
-threads and the clock, the model server (tokens at a rate, at most ``max_in_flight`` streams), the shuffle between
-admission and the keys (``transit_s``), the runner's resumption of a deferred reader (``FULL_DELAY_S`` or
-``EMPTY_DELAY_S`` later), Pub/Sub (:class:`SimPubSub`: pulls of drawn sizes, redelivery after the ack deadline, and
-the fault proxy's faults, ``Setup.pubsub_faults``), and, fused with the round in one work item,
-:class:`~pipeline.flow.admission.AdmitFn`: admit each request in its place and with its key, end the bundle,
-acknowledge.
+thread), the reader's round as its DoFns run it (:func:`~pipeline.flow.subscription_reader.take_round` and
+:func:`~pipeline.flow.subscription_reader.end_read_bundle`, :class:`~pipeline.flow.admission.AdmitFn`'s
+:func:`~pipeline.flow.admission.admit_in_place` and :func:`~pipeline.flow.admission.end_admit_bundle`, each looked
+up where it is defined), and the generate step's key machine with its state codec and the engine side of the poll
+contract (the world of :mod:`tests.worker_sim`, which runs :func:`~pipeline.generation.key_driver.drive`). What is
+simulated: the threads and the clock, the model server (tokens at a rate, at most ``max_in_flight`` streams), the
+shuffle between admission and the keys (``transit_s``), the runner's resumption of a deferred reader
+(``FULL_DELAY_S`` or ``EMPTY_DELAY_S`` later), Pub/Sub (:class:`SimPubSub`: pulls of drawn sizes, redelivery after
+the ack deadline, and the fault proxy's faults, ``Setup.pubsub_faults``), and the fused stage's work item around the
+round: pull, admit each request in its place and with its key, end the bundle, acknowledge once it commits.
 
 Reads: ``reader`` (the job's) and, to show what it saves, ``native`` (a read that pulls whatever the
 subscription gives, as Dataflow's own source does, with each request admitted where there is room). Policies,
@@ -45,8 +46,7 @@ from pipeline.contract.call_outcome import Call
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.flow import subscription_reader
-from pipeline.flow.admission import admit_in_place
+from pipeline.flow import admission, subscription_reader
 from pipeline.flow.subscription_backlog import SubscriptionBacklog
 from pipeline.flow.subscription_feed import SubscriptionFeed
 from pipeline.flow.subscription_reader import ACK_DEADLINE_S, EMPTY_DELAY_S, PULL_MOST
@@ -341,7 +341,7 @@ class _Vm:
         if self.rng.random() < self.s.failed_bundles:  # admitted, then the fused stage fails: the runner retries
             # nothing here; the messages come back after their deadline, the places and ids lapse (place_open_s)
             for request in pulled:  # its finish_bundle never runs: nothing is discarded or dispatched
-                self.ledger.admit([request.id], in_place_of=read_places.take(self.tag, 1))
+                self._admit_one(request)
             self.taken.difference_update(request.id for request in pulled)  # leased to a bundle that is gone
             self.out.failed_bundles += 1
             self.readers_due[reader] = now
@@ -366,24 +366,32 @@ class _Vm:
         """AdmitFn, in the round's bundle: each request in place of a place, then the bundle ends."""
         now = self.world.now
         admitted = []
-        for request in pulled:  # AdmitFn's own step; its places' age on the wall clock, which sim time leaves be
-            if admit_in_place(self.tag, request, repr(self._key_of(request)) if self.s.keys_told else None,
-                              float("inf"), lambda admit: self._runtime_call("admit", admit)):
+        for request in pulled:
+            if self._admit_one(request):
                 admitted.append(request.id)
             else:
                 self.out.uncounted += 1
         if self.s.design == "reader":
             subscription_reader.end_read_bundle(self.feed, self.tag, places)  # PullWithinRoomFn.finish_bundle's
-        else:
+        else:  # the native read's places are the simulator's own: they go on their way with the bundle
             read_places.discard(self.tag, places)
-        if self.down_until is None:
-            self.ledger.dispatched(admitted + places[:len(pulled)])  # the bundle ends
+            if self.down_until is None:
+                self.ledger.dispatched(places[:len(pulled)])
+        admission.end_admit_bundle(admitted, lambda dispatch: self._runtime_call("dispatch", dispatch))  # AdmitFn's
         by_key: dict[int, list[InferenceRequest]] = {}
         for request in pulled:
             by_key.setdefault(self._key_of(request), []).append(request)
         for key, requests in by_key.items():
             spread = self.rng.uniform(-self.s.transit_spread, self.s.transit_spread) if self.s.transit_spread else 0.0
             self.transit.append((now + self.s.transit_s * (1 + spread), key, tuple(requests)))
+
+    def _admit_one(self, request: InferenceRequest) -> bool:
+        """AdmitFn's own step, looked up where it is defined. Its places' age is on the wall clock, which passes
+        next to nothing within a round here: the simulated time a bundle takes leaves them fresh, as a bundle
+        that commits leaves them on Dataflow."""
+        return admission.admit_in_place(self.tag, request, repr(self._key_of(request)) if self.s.keys_told else None,
+                                        self.settings.admission.place_open_s,
+                                        lambda admit: self._runtime_call("admit", admit))
 
     # The runner ---------------------------------------------------------------------------------------------
 

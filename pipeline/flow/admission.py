@@ -81,6 +81,15 @@ def admit_in_place(tag: str, request: InferenceRequest, key: str | None, place_o
     return bool(taken)
 
 
+def end_admit_bundle(ids: list[str], call: Callable[[Callable[[Any], Any]], tuple[Call, Any]]) -> None:
+    """The admission bundle's end, as :class:`AdmitFn` and the VM simulator both run it: the requests it admitted
+    may go to another worker's generate step, so from here on each counts only as long as this worker's keys may
+    still receive it (:mod:`pipeline.worker.hold`), unless they say it arrived. A runtime that cannot be asked
+    leaves them to lapse as places do."""
+    if ids:
+        call(lambda runtime: runtime.dispatched(ids))
+
+
 class AdmitFn(beam.DoFn):
     """The admission step's DoFn (see the module docstring); ``runtime`` says how it reaches its worker's runtime,
     ``keys`` which of the generate step's keys each request goes to (None: the ledger is not told)."""
@@ -112,12 +121,8 @@ class AdmitFn(beam.DoFn):
         yield request
 
     def finish_bundle(self) -> None:
-        # It may go to another worker's generate step, so from here on it counts only as long as this worker's
-        # keys may still receive it (pipeline.worker.hold), unless they say it arrived.
-        if self._bundle_ids:
-            ids = self._bundle_ids
-            self._runtime.call("dispatch", lambda runtime: runtime.dispatched(ids))
-        self._bundle_ids = []
+        ids, self._bundle_ids = self._bundle_ids, []
+        end_admit_bundle(ids, lambda dispatch: self._runtime.call("dispatch", dispatch))
 
     def _uncounted(self) -> None:
         self.uncounted.inc()
