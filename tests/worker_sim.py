@@ -32,11 +32,14 @@ Requests are drawn on both lanes (apart from the rest of a seed's world, as the 
 bulk requests, running or waiting, polls at the bulk cadence
 (:func:`~pipeline.generation.key_events.bulk_poll_interval_s`).
 
-Invariants are checked as each work item commits (each attempt's chunks in order, no gap and no copy; no
-request ends twice, nor with a stream its key knew still running uncancelled; no engine past
-``max_in_flight``) and at the end (each request ended once, whole, nothing
-wedged or left in state, every stream a drained key knew ended, a host death or update costing each stream
-under it one resend, and no more than 1.05 tokens generated per token delivered where no stream was lost).
+Safety is checked as each work item commits: each attempt's chunks in order, no gap and no copy; no request ends
+twice, nor with a stream its key knew still running uncancelled; a completion after all its chunks, at the cost
+its faults allow (a host death or update costing each stream under it one resend) and, where no stream was lost,
+within 1.05 tokens generated per token delivered over the completions so far; no engine past ``max_in_flight``;
+no key polling idle; and as each key's drain commits, its state cleared, the streams it knew ended and no stream
+cut by its lease in the drain. What only the end can tell is checked at the end: each request ended once, none
+waiting for the drain, and the token costs again with what generation went on after a request ended (counted
+once every engine is done), the 1.05 bound then over every request read.
 
 :func:`run` plays one schedule from a seed and returns its :class:`Report`; :func:`check` raises
 :class:`Violation` naming the seed when an invariant fails, so ``run(seed)`` replays it exactly.
@@ -400,9 +403,6 @@ class Report:
     updates: int = 0
     hits: Counter[str] = field(default_factory=Counter)  # request id -> host deaths and updates its stream ran through
     restarted: set[str] = field(default_factory=set)  # request ids whose streams ran through a server restart
-    left_running: dict[str, int] = field(default_factory=dict)  # per engine, streams still running after the drain
-    # Streams a key's committed state knew when the drain began, cut by their lease before every key drained.
-    expired_in_drain: list[str] = field(default_factory=list)
     read: set[str] = field(default_factory=set)  # requests read before the drain (all, unless it came early)
     work_items: int = 0
     left_state: dict[int, dict] = field(default_factory=dict)
@@ -481,6 +481,7 @@ class World:
         self.uncancelled: set[tuple[str, str]] = set()  # (worker, stream) whose cancel failed
         self._updated = schedule.vm.update_at is None
         self._next_seq: Counter[tuple[str, int]] = Counter()  # (id, attempt) -> the next chunk to be delivered
+        self._completed = [0, 0]  # tokens generated for the completed requests by their completion, and delivered
         self.report = Report(schedule)
         self.bundles: list[tuple[float, int, tuple[InferenceRequest, ...]]] = []
         self.faulty = True
@@ -658,13 +659,18 @@ class World:
         if not (s.faults.key_moves or s.faults.broken or s.vm.restarts) and attempt > 1 + r.hits[request_id]:
             raise Violation(s.seed, f"request {request_id} ended at attempt {attempt} after {r.hits[request_id]} "
                                     "host deaths or updates under it")
-        if not (s.faults.key_moves or s.faults.broken or s.vm.restarts):
-            # The token cost so far (check() counts what generation goes on after, once every engine is done).
-            generated = r.generated_for[request_id] + sum(e.generated_for[request_id] for e in self.engines.values())
-            if generated > record["tokens"] * (1 + r.hits[request_id]):
-                raise Violation(s.seed, f"request {request_id}: {generated} tokens generated for {record['tokens']} "
-                                        f"by its completion, after {r.hits[request_id]} host deaths or updates "
-                                        "under it")
+        # The token cost so far (check() counts what generation goes on after, once every engine is done).
+        generated = r.generated_for[request_id] + sum(e.generated_for[request_id] for e in self.engines.values())
+        if not (s.faults.key_moves or s.faults.broken or s.vm.restarts) and \
+                generated > record["tokens"] * (1 + r.hits[request_id]):
+            raise Violation(s.seed, f"request {request_id}: {generated} tokens generated for {record['tokens']} "
+                                    f"by its completion, after {r.hits[request_id]} host deaths or updates under it")
+        self._completed[0] += generated
+        self._completed[1] += record["tokens"]
+        if not s.loses_streams and self._completed[0] > 1.05 * self._completed[1] + 1:
+            raise Violation(s.seed, f"{self._completed[0]} tokens generated for the {self._completed[1]} delivered "
+                                    f"by the completions so far (at {self.now:.2f} s): past 1.05 per token "
+                                    "delivered, with no stream lost to a move or a host death")
 
     def due(self) -> list[tuple[str, int, Any]]:
         items: list[tuple[str, int, Any]] = [("bundle", key, b) for b in self.bundles if b[0] <= self.now
@@ -752,34 +758,51 @@ def play(schedule: Schedule, *, max_items: int = 20_000) -> Report:
     # The streams the keys' committed state knows on the engine each key is on: the drain must end each (a try
     # whose commit failed may have left one nobody knows, and a key that moved left its old worker's: their
     # leases end those, or the job's end).
-    known = {(world.owner[key], entry.key) for key, record in world.keys.items()
-             for entry in key_state.read_cells(record).inflight if entry.key}
+    known_by_key = {key: {(world.owner[key], entry.key) for entry in key_state.read_cells(record).inflight
+                          if entry.key} for key, record in world.keys.items()}
+    known = set().union(*known_by_key.values())
     drain_began, engines_then = world.now, dict(world.engines)
     for key, record in world.keys.items():
         if not record.drain_set:
             continue
         while not world.work_item(key, DrainDue(world.now)):
             pass  # a failed commit: the runner fires the drain timer again
+        # Checked as each key's drain commits: its state cleared, the streams it knew ended (unless a cancel it
+        # made failed: their leases end those), and no stream any key knew cut by its lease meanwhile (keys drain
+        # one at a time, and each drain holds every stream's lease while it runs, so that a key drained late finds
+        # its streams: pipeline.generation.key_machine._hold).
         left = world.report.left_state[key] = {k: v for k, v in record.cells.items() if v}
         if left:
             raise Violation(schedule.seed, f"key {key} holds state after its drain: {sorted(left)}")
+        running = _running(world, known_by_key[key])
+        if running:
+            raise Violation(schedule.seed, f"engine {running[0][0]} still runs {len(running)} streams after key "
+                                           f"{key} drained: {[stream for _, stream in running[:5]]}")
+        cut = _cut_in_drain(world, known, drain_began, engines_then)
+        if cut:
+            raise Violation(schedule.seed, f"streams the drain should have held were cut by their lease by the "
+                                           f"time key {key} drained: {cut[:5]}")
     # What the engines alive at the end generated and expired: a host that died (in the drain too) added its own.
     world.report.generated += sum(e.generated for e in world.engines.values())
     world.report.expired += sum(e.expired for e in world.engines.values())
     for engine in world.engines.values():
         world.report.generated_for.update(engine.generated_for)
-    # Keys drain one at a time, and each drain holds every stream's lease while it runs: a key drained late finds
-    # its streams (pipeline.generation.key_machine._hold). A host that died in the drain took its streams with it:
-    # only the engines alive throughout are asked.
-    world.report.expired_in_drain = sorted(
-        f"{name}/{stream}" for name, stream in known
-        if world.engines.get(name) is engines_then.get(name) is not None
-        and drain_began <= world.engines[name].expired_at.get(stream, -1.0) < world.now)
-    world.report.left_running = {name: sum(1 for stream in engine.registry.streams.values()
-                                           if not stream.done and (name, stream.key) in known
-                                           and (name, stream.key) not in world.uncancelled)
-                                 for name, engine in world.engines.items()}
     return world.report
+
+
+def _running(world: World, streams: set[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Of these (worker, stream), those still running on their engine, less those whose cancel failed."""
+    return sorted((name, key) for name, key in streams if name in world.engines and (name, key) not in world.uncancelled
+                  and (stream := world.engines[name].registry.streams.get(key)) is not None and not stream.done)
+
+
+def _cut_in_drain(world: World, known: set[tuple[str, str]], drain_began: float,
+                  engines_then: dict[str, SimEngine]) -> list[str]:
+    """Of the streams known when the drain began, those cut by their lease since, on engines alive throughout (a
+    host that died in the drain took its streams with it)."""
+    return sorted(f"{name}/{stream}" for name, stream in known
+                  if world.engines.get(name) is engines_then.get(name) is not None
+                  and drain_began <= world.engines[name].expired_at.get(stream, -1.0) <= world.now)
 
 
 def check(report: Report) -> None:
@@ -794,12 +817,6 @@ def check(report: Report) -> None:
     # at most once at the cost its faults allow, no key polling idle, none holding state after its drain.
     if s.vm.drain_at is None and report.ended_before_drain != ids:
         raise Violation(seed, f"requests wedged until the drain: {sorted(ids - report.ended_before_drain)}")
-    if report.expired_in_drain:
-        raise Violation(seed, "streams the drain should have held were cut by their lease: "
-                              f"{report.expired_in_drain[:5]}")
-    for name, running in report.left_running.items():
-        if running:
-            raise Violation(seed, f"engine {name} still runs {running} streams after every key drained")
     if not (s.faults.key_moves or s.faults.broken or s.vm.restarts):
         # The contract's cost of a host's death (or an update's) in tokens: each stream on it generated again once
         # at most (what each engine generated is known once it died or the run ended).
