@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,6 +95,32 @@ def test_a_lost_stream_is_sent_again_past_every_attempt_seen_until_too_many_were
     assert given_up(MAX_LOST_STREAMS) and not given_up(MAX_LOST_STREAMS - 1)
     _, step = advance(RequestProgress("s"), [(UNKNOWN, "")], 0, draining=True)
     assert step.ended and step.give_up, "a drain sends nothing again: the stream goes to the next job"
+
+
+def test_the_machine_refuses_submit_results_other_than_what_the_driver_makes_of_its_submissions():
+    """A result names the submission it answers, and the results must be submit_in_order's: one for each submission,
+    in order, stopping only after a short one that asked to. A missing or stray result is a defect of the caller,
+    refused, not read as a submission never made (issue 80: a missing result silently became UNREACHABLE)."""
+    rules = Rules(poll_interval_s=0.05, dedupe_window_s=600.0, drain_timeout_s=30.0, waiting_cap=100)
+    requests = tuple(InferenceRequest(id=f"r{n}", prompt="hi", max_tokens=4, received_at=0.0) for n in range(2))
+    state, effects = key_machine.step(rules, KeyState(), Arrived(0.0, requests, "b1"))
+    (asked,) = effects.submit
+    with pytest.raises(ValueError, match="1 of the key's 1 submissions went unanswered"):
+        key_machine.step(rules, state, Submitted(0.0, ()))
+    with pytest.raises(ValueError, match="do not answer the key's 1 submissions in order"):  # equal, not the one
+        key_machine.step(rules, state, Submitted(0.0, (SubmitResult(replace(asked), Call.ANSWERED, ("a", "b")),)))
+    state, effects = key_machine.step(rules, state, Submitted(0.0, submit_in_order(
+        effects.submit, lambda submission: SubmitResult(submission, Call.ANSWERED, ("a", "b")))))
+    state, effects = key_machine.step(rules, state, PollDue(1.0))
+    assert effects.poll is not None
+    state, effects = key_machine.step(rules, state, Polled(1.0, Call.ANSWERED,
+                                                           {key: [(UNKNOWN, "")] for key in effects.poll}))
+    assert len(effects.submit) == 2 and not any(s.stop_if_short for s in effects.submit), "both streams lost"
+    failed = submit_in_order(effects.submit[:1], lambda submission: SubmitResult(submission, Call.FAILED))
+    with pytest.raises(ValueError, match="1 of the key's 2 submissions went unanswered"):
+        key_machine.step(rules, state, Submitted(1.0, failed))  # a resend stops nothing: the second was made too
+    key_machine.step(rules, state, Submitted(1.0, submit_in_order(
+        effects.submit, lambda submission: SubmitResult(submission, Call.FAILED))))
 
 
 def test_a_request_waiting_to_be_sent_again_is_not_lost_again_at_every_poll():

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 
 from pipeline.contract.call_outcome import Call
@@ -55,8 +55,8 @@ def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects
     if pending is not None:
         state = replace(state, pending=None)
     work = StepWork(rules, state.seen, event.now)
-    if isinstance(event, Submitted) and (stray := _unasked(pending, event.results)):
-        raise ValueError(f"{len(stray)} submit results answer no submission the key made ({type(pending).__name__})")
+    if isinstance(event, Submitted) and (wrong := _misanswered(pending, event.results)):
+        raise ValueError(f"{wrong} ({type(pending).__name__})")
     match pending, event:
         case None, Arrived():
             return _arrive(work, state, event)
@@ -75,16 +75,21 @@ def step(rules: Rules, state: KeyState, event: Event) -> tuple[KeyState, Effects
     raise ValueError(f"{type(event).__name__} does not answer what the key is doing ({type(pending).__name__})")
 
 
-def _unasked(pending: Phase | None, results: tuple[SubmitResult, ...]) -> list[SubmitResult]:
-    """The results that answer none of the submissions ``pending`` made (each is matched by identity)."""
-    asked: Sequence[Submission | None]
-    if isinstance(pending, Arriving):
+def _misanswered(pending: Phase | None, results: tuple[SubmitResult, ...]) -> str | None:
+    """What is wrong with ``results`` as the answer to the submissions ``pending`` made (each matched by identity),
+    or None: they must be what :func:`~pipeline.generation.key_driver.submit_in_order` makes, one result for each
+    submission in order, stopping only after one that asked to stop if not taken whole and was not."""
+    asked: list[Submission] = []
+    if isinstance(pending, Arriving) and pending.submission is not None:
         asked = [pending.submission]
     elif isinstance(pending, Resending):
         asked = [submission for _, submission in pending.resends] + [submission for _, submission in pending.groups]
-    else:
-        asked = []
-    return [result for result in results if not any(result.submission is made for made in asked)]
+    made = [result.submission for result in results]
+    if len(made) > len(asked) or any(m is not a for m, a in zip(made, asked, strict=False)):
+        return f"{len(results)} submit results do not answer the key's {len(asked)} submissions in order"
+    if len(made) < len(asked) and not (made and made[-1].stop_if_short and not results[-1].taken_whole):
+        return f"{len(asked) - len(made)} of the key's {len(asked)} submissions went unanswered"
+    return None
 
 
 def _answer(results: tuple[SubmitResult, ...], submission: Submission | None) -> SubmitResult | None:
@@ -321,7 +326,7 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
     for index, submission in pending.resends:
         result = _answer(results, submission)
         entry = remaining[index]
-        if result is None:  # not made: it stays streamless, to send at the next poll
+        if result is None:  # never: resends are made first and stop nothing, and step refuses an answer short of one
             continue
         if result.outcome is Call.FAILED:
             remaining[index] = _lose(entry)
