@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import inspect
 import os
 import shutil
 import time
@@ -21,8 +22,10 @@ from hypothesis import strategies as st
 from local.engine_driver import drive_to_end
 from pipeline.contract.chunking import ChunkPolicy
 from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.request_fields import ENGINE_TRANSFORMERS, recorded_in_lineage
 from pipeline.engines.engine_settings import EngineSettings
 from pipeline.engines.vllm_engine import vllm_engine
+from pipeline.serving.adapter_root import AdapterRoot
 from pipeline.serving.lineage import (
     DIGEST_BLOCK_BYTES,
     DIGEST_CHARS,
@@ -37,13 +40,35 @@ from pipeline.serving.lineage import (
     seed_for,
     server_lineage,
 )
-from pipeline.serving.adapter_root import AdapterRoot
 from pipeline.serving.vllm_server import ServerSpec, loaded_config
 from tests.conftest import SERVED_NAME
 
 
 def sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
+
+
+# Each field the table says engine=transformers applies and lineage records, and the test that shows it applied
+# there (tests/test_transformers_engine.py): a field added for both engines with none fails the test below.
+TRANSFORMERS_APPLIES = {
+    "max_tokens": "test_each_request_keeps_its_own_parameters_within_one_batch",
+    "temperature": "test_each_request_keeps_its_own_parameters_within_one_batch",
+    "top_p": "test_each_request_keeps_its_own_parameters_within_one_batch",
+    "stop": "test_each_request_keeps_its_own_parameters_within_one_batch",
+    "min_tokens": "test_min_tokens_equal_to_max_tokens_makes_an_answer_that_would_stop_early_run_its_full_length",
+}
+
+
+def test_lineage_records_as_applied_by_transformers_only_the_fields_a_test_there_shows_applied():
+    """vLLM takes every field it is sent; the transformers engine applies only what its code maps. So a field the
+    table marks for both engines and lineage must have its test with that engine (issue 80: lineage recorded
+    penalties as applied by an engine that ignores them)."""
+    from tests import test_transformers_engine
+
+    assert set(recorded_in_lineage(ENGINE_TRANSFORMERS)) == set(TRANSFORMERS_APPLIES)
+    for name, test in TRANSFORMERS_APPLIES.items():
+        assert f'"{name}"' in inspect.getsource(getattr(test_transformers_engine, test)) or \
+            f"{name}=" in inspect.getsource(getattr(test_transformers_engine, test)), (name, test)
 
 
 @given(st.text(min_size=1, max_size=300), st.one_of(st.none(), st.floats(0.01, 2.0)))

@@ -51,6 +51,7 @@ def test_each_request_keeps_its_own_parameters_within_one_batch(engine, checkpoi
         request("stop-paris", "What is the capital of France?", temperature=0, stop=("Paris",), max_tokens=30),
         request("greedy-a", "Describe a sunset over the sea.", temperature=0, max_tokens=24),
         request("greedy-b", "Describe a sunset over the sea.", temperature=0, max_tokens=24),
+        request("nucleus", "Describe a sunset over the sea.", top_p=1e-9, max_tokens=24),  # the top token alone
         request("top-p", "Name an animal.", top_p=0.5, max_tokens=10, metadata={"team": "qa"},
                 presence_penalty=1.0, repetition_penalty=1.5),  # vLLM's alone: served without them
     ]
@@ -59,7 +60,7 @@ def test_each_request_keeps_its_own_parameters_within_one_batch(engine, checkpoi
     assert done["limit-5"]["usage"]["completion_tokens"] == 5 and done["limit-5"]["finish_reason"] == "length"
     assert done["stop-paris"]["finish_reason"] == "stop" and "Paris" not in done["stop-paris"]["text"]
     assert "capital" in done["stop-paris"]["text"].lower()
-    assert done["greedy-a"]["text"] == done["greedy-b"]["text"] != ""
+    assert done["greedy-a"]["text"] == done["greedy-b"]["text"] == done["nucleus"]["text"] != ""
     assert done["greedy-a"]["usage"]["completion_tokens"] <= 24
     assert done["top-p"]["metadata"] == {"team": "qa"} and done["top-p"]["usage"]["completion_tokens"] <= 10
     for rid, items in outputs.items():

@@ -27,7 +27,9 @@ class RequestField:
 
     ``bounds``: a number's [low, high] (``low_open``: low itself refused), validated as such; None: the field has
     its own check in parsing. ``default``: what an unset field means. ``engines``: those that apply it (another
-    serves the request without it, or refuses it where its answer could not be trusted: ``response_format``), and
+    serves the request without it, or refuses it where its answer could not be trusted: ``response_format``); vLLM
+    takes every ``to_server`` field as sent, the transformers engine only what its code maps, so a new field of
+    both engines is code there too (``tests/test_lineage.py`` names the test of each it applies); and
     ``applied``: how each does. ``to_server``: sent to vLLM's OpenAI server in the body under its own name, as the
     request gave it. ``lineage``: recorded in the completion's ``lineage.sampling`` where its engine applied it.
     ``first_stored``: a field of the first stored state, which fingerprints hash even when it is unset; never set
@@ -39,7 +41,7 @@ class RequestField:
     name: str
     type: str  # as docs/contract.md shows it
     doc: str
-    engines: frozenset[str] = BOTH
+    engines: frozenset[str]  # no default: the transformers engine applies a field only where its code does
     bounds: tuple[float, float] | None = None
     low_open: bool = False
     default: str = ""
@@ -63,31 +65,34 @@ class RequestField:
 
 REQUEST_FIELDS: tuple[RequestField, ...] = (
     RequestField("id", "string", "The request's id, up to 512 bytes: its answers carry it, and a request delivered "
-                 "again with the same id is served once.", default="the `id_attribute` attribute, else the message "
-                 "id", applied="names the answers; not sent", first_stored=True),
+                 "again with the same id is served once.", engines=BOTH,
+                 default="the `id_attribute` attribute, else the message id", applied="names the answers; not sent",
+                 first_stored=True),
     RequestField("prompt", "string", "The prompt, as text; exactly one of `prompt` and `messages`.",
-                 applied="vLLM: the completions API's prompt, or the chat API's one user message with "
-                 "`prompt_format=chat`; transformers: the same text, through the chat template with chat",
+                 engines=BOTH, applied="vLLM: the completions API's prompt, or the chat API's one user message "
+                 "with `prompt_format=chat`; transformers: the same text, through the chat template with chat",
                  first_stored=True),
     RequestField("messages", "list", "Chat messages, each an object of a `role` (`system`, `user` or "
                  "`assistant`) and its `content` (a string), sent through the model's chat template.",
-                 applied="vLLM: the chat API's messages; transformers: the tokenizer's chat template",
+                 engines=BOTH, applied="vLLM: the chat API's messages; transformers: the tokenizer's chat template",
                  first_stored=True),
     RequestField("max_tokens", "integer", "The most tokens the answer may have, below the model's context.",
-                 default="`default_max_tokens`", applied="vLLM: sent as is; transformers: the row's length",
-                 to_server=True, lineage=True, first_stored=True),
+                 engines=BOTH, default="`default_max_tokens`",
+                 applied="vLLM: sent as is; transformers: the row's length", to_server=True, lineage=True,
+                 first_stored=True),
     RequestField("min_tokens", "integer", "No end token and no stop string before this many tokens (0 to "
-                 "`max_tokens`; not with `response_format`).", default="0",
+                 "`max_tokens`; not with `response_format`).", engines=BOTH, default="0",
                  applied="vLLM: sent as is; transformers: the end tokens masked until then", to_server=True,
                  lineage=True),
-    RequestField("temperature", "number", "Sampling temperature; 0 is greedy.", bounds=(0.0, 2.0),
+    RequestField("temperature", "number", "Sampling temperature; 0 is greedy.", engines=BOTH, bounds=(0.0, 2.0),
                  default="vLLM: the model's generation config, else 1; transformers: 1",
                  applied="vLLM: sent as is; transformers: each row's own", to_server=True, lineage=True,
                  first_stored=True),
     RequestField("top_p", "number", "Nucleus sampling: the smallest set of tokens whose probability reaches it.",
-                 bounds=(0.0, 1.0), low_open=True, default="vLLM: the model's generation config, else 1; "
-                 "transformers: 1", applied="vLLM: sent as is; transformers: each row's own", to_server=True,
-                 lineage=True, first_stored=True),
+                 engines=BOTH, bounds=(0.0, 1.0), low_open=True,
+                 default="vLLM: the model's generation config, else 1; transformers: 1",
+                 applied="vLLM: sent as is; transformers: each row's own", to_server=True, lineage=True,
+                 first_stored=True),
     RequestField("presence_penalty", "number", "OpenAI's presence penalty: positive values favour tokens not yet "
                  "in the answer.", engines=VLLM_ONLY, bounds=(-2.0, 2.0), default="0", applied="vLLM: sent as is",
                  to_server=True, lineage=True, first_stored=True),
@@ -99,8 +104,9 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  low_open=True, default="the model's generation config, else 1", applied="vLLM: sent as is",
                  to_server=True, lineage=True),
     RequestField("stop", "string or list", "Up to 8 strings, of up to 256 characters each, that end the answer "
-                 "(not included in it).", default="none", applied="vLLM: sent as a list; transformers: the "
-                 "answer cut at the first", lineage=True, first_stored=True),
+                 "(not included in it).", engines=BOTH, default="none",
+                 applied="vLLM: sent as a list; transformers: the answer cut at the first", lineage=True,
+                 first_stored=True),
     RequestField("seed", "integer", "A 64-bit seed: the same request samples the same answer.", engines=VLLM_ONLY,
                  default="one drawn from the id, so a retried stream samples as the first did",
                  applied="vLLM: sent, its own or the drawn one", lineage=True, first_stored=True),
@@ -113,10 +119,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  applied="vLLM: the request's model name; transformers: refused (a dead letter)",
                  refused_elsewhere=True),
     RequestField("deadline_ms", "integer", "The request must finish within this many milliseconds of its receipt "
-                 "(1 to a week), or become a dead letter.", default="none",
+                 "(1 to a week), or become a dead letter.", engines=BOTH, default="none",
                  applied="the generate step and the engine end it", first_stored=True),
     RequestField("metadata", "object", "Up to 64 KB of JSON, passed through to the completion as is.",
-                 default="{}", applied="passed through; not sent", first_stored=True),
+                 engines=BOTH, default="{}", applied="passed through; not sent", first_stored=True),
 )
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in REQUEST_FIELDS)
