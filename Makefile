@@ -198,7 +198,8 @@ test: install ## Run the lint, then the whole test suite (starts the emulator an
 	@# Two processes: the modules that start the model, one after another, and the rest beside them (tests/conftest.py).
 	$(PY) -m pytest -v --durations=40 -n 2 $(PYTEST_ARGS)
 
-# The worker's core is type-checked whole; the rest of pipeline/, ops/ and template/ joins as it is cleaned.
+# What mypy checks (pyproject.toml: --strict's checks over the key machine, its driver and the worker's runtime);
+# ruff checks these and local/ and benchmarks/ too.
 LINTED := pipeline ops template tests/worker_sim.py tests/test_worker_sim.py tests/vm_sim.py tests/test_vm_sim.py
 .PHONY: lint
 lint: install ## Lint pipeline/, ops/, template/, local/, benchmarks/ and the simulators (ruff); type-check all but local/ and benchmarks/ (mypy)

@@ -4,8 +4,9 @@ The machine (:mod:`pipeline.generation.key_machine`) only says what to do; :func
 :class:`~pipeline.generation.key_events.Effects` states, through a :class:`KeyPort`: the generate DoFn's port
 reaches the worker's runtime, Beam's state and timers and the bundle's outputs; the worker simulator's
 (``tests/worker_sim.py``) reaches simulated engines and time. Both call this function unchanged, so what the
-simulator proves under its schedules is the effect code that ships (``tests/test_runner_semantics.py`` checks that
-a change here is seen by both).
+simulator proves under its schedules is the effect code that ships (``tests/test_one_driver.py`` changes this
+function and sees the DoFn on the transformers engine and the simulator both run the change;
+``tests/test_runner_semantics.py`` drives the DoFn through it on the real vLLM).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """What one step of a key machine gathers: what it emits, counts and logs, and the key's ids while it changes them.
 
 Every transition of :mod:`pipeline.generation.key_machine` writes through one :class:`StepWork`, made for that
-step alone and dropped at its end: an accumulator, as a logger is, and nothing more. It never sees the key's
-state: each transition takes a :class:`~pipeline.generation.key_state.KeyState` and returns the next, so the step
-is a function of (rules, state, event) alone, time coming in with the event. At the end the transition asks it for
+step alone and dropped at its end: an accumulator, as a logger is. Of the key's state it holds one part, the
+record of ids (:mod:`pipeline.generation.dedupe`), and that as a copy of its own, opened on the first read (most
+polls never read it, and decoding it costs; a record that cannot be decoded is counted and logged then, as any
+step's outcome is). Each transition takes a :class:`~pipeline.generation.key_state.KeyState` and returns the next,
+so the step is a function of (rules, state, event) alone, time coming in with the event: what it is given is
+never changed (``tests/test_worker_sim.py`` checks it over drawn schedules). At the end the transition asks it for
 the step's :class:`~pipeline.generation.key_events.Effects` (:meth:`StepWork.done`) and for the record of ids as
-the step leaves it (:meth:`StepWork.ids_after`), opened only if a transition read it
-(:mod:`pipeline.generation.dedupe`).
+the step leaves it (:meth:`StepWork.ids_after`), the record given back unchanged where no transition read it.
 """
 
 from __future__ import annotations
