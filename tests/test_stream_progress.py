@@ -121,6 +121,19 @@ def test_the_machine_refuses_submit_results_other_than_what_the_driver_makes_of_
         key_machine.step(rules, state, Submitted(1.0, failed))  # a resend stops nothing: the second was made too
     key_machine.step(rules, state, Submitted(1.0, submit_in_order(
         effects.submit, lambda submission: SubmitResult(submission, Call.FAILED))))
+    # Two bundles waiting for room, offered in order: the first not taken whole stops the second.
+    state, effects = key_machine.step(rules, KeyState(), Arrived(0.0, requests[:1], "b1"))
+    state, effects = key_machine.step(rules, state, Submitted(0.0, submit_in_order(
+        effects.submit, lambda submission: SubmitResult(submission, Call.ANSWERED, (None,)))))
+    state, effects = key_machine.step(rules, state, Arrived(0.1, requests[1:], "b2"))
+    assert not effects.submit, "it queues behind the first"
+    state, effects = key_machine.step(rules, state, PollDue(1.0))
+    assert len(effects.submit) == 2 and all(s.stop_if_short for s in effects.submit)
+    full = [SubmitResult(effects.submit[0], Call.ANSWERED, (None,)),
+            SubmitResult(effects.submit[1], Call.ANSWERED, ("s",))]
+    with pytest.raises(ValueError, match="1 submit results answer submissions made after one that stopped them"):
+        key_machine.step(rules, state, Submitted(1.0, tuple(full)))
+    key_machine.step(rules, state, Submitted(1.0, tuple(full[:1])))  # what submit_in_order makes of a full engine
 
 
 def test_a_request_waiting_to_be_sent_again_is_not_lost_again_at_every_poll():

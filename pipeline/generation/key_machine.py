@@ -87,7 +87,10 @@ def _misanswered(pending: Phase | None, results: tuple[SubmitResult, ...]) -> st
     made = [result.submission for result in results]
     if len(made) > len(asked) or any(m is not a for m, a in zip(made, asked, strict=False)):
         return f"{len(results)} submit results do not answer the key's {len(asked)} submissions in order"
-    if len(made) < len(asked) and not (made and made[-1].stop_if_short and not results[-1].taken_whole):
+    stopped = [n for n, result in enumerate(results) if result.submission.stop_if_short and not result.taken_whole]
+    if stopped and stopped[0] < len(results) - 1:
+        return f"{len(results) - 1 - stopped[0]} submit results answer submissions made after one that stopped them"
+    if len(made) < len(asked) and not stopped:
         return f"{len(asked) - len(made)} of the key's {len(asked)} submissions went unanswered"
     return None
 
