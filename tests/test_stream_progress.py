@@ -133,7 +133,8 @@ def test_the_machine_refuses_submit_results_other_than_what_the_driver_makes_of_
             SubmitResult(effects.submit[1], Call.ANSWERED, ("s",))]
     with pytest.raises(ValueError, match="1 submit results answer submissions made after one that stopped them"):
         key_machine.step(rules, state, Submitted(1.0, tuple(full)))
-    key_machine.step(rules, state, Submitted(1.0, tuple(full[:1])))  # what submit_in_order makes of a full engine
+    state, _ = key_machine.step(rules, state, Submitted(1.0, tuple(full[:1])))  # submit_in_order's, engine full
+    assert [entry.request_id for entry in state.waiting] == ["r0", "r1"], "both wait on, in order"
 
 
 def test_a_request_waiting_to_be_sent_again_is_not_lost_again_at_every_poll():
