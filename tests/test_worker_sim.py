@@ -134,6 +134,12 @@ def test_bulk_keys_at_the_bulk_cadence_keep_their_streams_leases_and_it_bites_pa
     assert any("ended at attempt 2" in failure for failure in caught), "a cadence past the lease went unseen"
 
 
+def test_an_idle_key_polls_for_no_id_a_bundle_of_copies_forgot_seed_502502():
+    """Found by the million-schedule run at 649fff8: late timers and redelivered copies at an idle key whose timer
+    waited for ids that each copy's step had already forgotten; it polled three times in a row for nothing."""
+    worker_sim.check(worker_sim.run(502502))
+
+
 def test_a_schedule_replays_exactly_from_its_seed():
     first, again = worker_sim.run(187, vm=False), worker_sim.run(187, vm=False)
     assert (first.chunks, first.ended, first.generated, first.work_items) == \
