@@ -209,19 +209,17 @@ def _arrived(work: StepWork, state: KeyState, pending: Arriving,
     state = replace(state, inflight=state.inflight + sent, waiting=_live_first(state.waiting + left))
     if pending.accepted and state.wait_ms is not None:
         state = replace(state, wait_ms=None)  # new work: no backoff (its lane's cadence again)
-    arm_at, disarm = None, False
+    arm_at = None
     if state.inflight or state.waiting:  # a bundle of copies only leaves the timer as it was
         state, arm_at = _armed(state, work.now + _poll_in(work.rules, state))
-    elif state.poll_at_ms is not None and not state.progress.release:
+    elif state.poll_at_ms is not None and not state.progress.release and \
+            (expiry := dedupe.next_expiry(work.ids, work.now)) is not None and \
+            int((expiry + 1.0) * 1000) != state.poll_at_ms:
         # An idle key's timer waits only to forget ids (_polled), and this step forgot those past their window
         # (StepWork.ids_after): it moves to the next to go, rather than fire to find nothing to do (seed 502502).
-        expiry = dedupe.next_expiry(work.ids, work.now)
-        if expiry is None:
-            state, disarm = replace(state, poll_at_ms=None), True
-        elif int((expiry + 1.0) * 1000) != state.poll_at_ms:
-            state, arm_at = replace(state, poll_at_ms=int((expiry + 1.0) * 1000)), expiry + 1.0
-    effects = work.done(report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at, disarm=disarm)
-    return _end(work, state, effects)
+        # The copies that made the bundle hold their ids, so one is left.
+        state, arm_at = replace(state, poll_at_ms=int((expiry + 1.0) * 1000)), expiry + 1.0
+    return _end(work, state, work.done(report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at))
 
 
 def _ahead(waiting: RequestEntry, arriving: RequestEntry) -> bool:
