@@ -3,10 +3,12 @@ that no entry will end, and forgotten by the key's timer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 from pipeline.contract.messages import InferenceRequest
+from pipeline.contract.stream_progress import KeyProgress
 from pipeline.generation.dedupe import MAX_ENDED_IDS, IdEntry, IdRecord, encode_ids, holder, prune, release_orphans
 from pipeline.generation.key_events import Arrived, Rules
 from pipeline.generation.key_machine import step
@@ -42,10 +44,13 @@ def test_a_bundle_of_copies_at_an_idle_key_moves_its_timer_to_the_next_id_to_for
     rules = Rules(poll_interval_s=0.05, dedupe_window_s=10.0, drain_timeout_s=30.0, waiting_cap=10)
     first, second = (InferenceRequest(id=name, prompt="hi", max_tokens=4, received_at=90.0) for name in "ab")
     ids = {"a": IdEntry(first.fingerprint(), 100.0), "b": IdEntry(second.fingerprint(), 105.0)}
-    idle = KeyState(seen=IdRecord(encode_ids(ids)), poll_at_ms=101_000)  # set for a's expiry, as _polled sets it
+    idle = KeyState(seen=IdRecord(encode_ids(ids)), poll_at_ms=101_000)  # for a's expiry, as a poll sets it
     state, effects = step(rules, idle, Arrived(102.0, (second,), "redelivered"))
     assert effects.counts.get("duplicates_dropped") == 1 and not state.holds_work
     assert (effects.arm_at, state.poll_at_ms) == (106.0, 106_000), "at b's expiry, a's went with this bundle"
     assert set(state.seen.ids or {}) == {"b"} and state.seen.changed, "a forgotten, to be committed"
     _, again = step(rules, state, Arrived(103.0, (second,), "again"))
-    assert again.arm_at is None and not again.disarm, "nothing forgot: the timer stays"
+    assert again.arm_at is None, "nothing forgotten: the timer stays"
+    releasing = dataclasses.replace(idle, progress=KeyProgress({}, {"done-stream": 3}))
+    state, effects = step(rules, releasing, Arrived(102.0, (second,), "redelivered"))
+    assert (effects.arm_at, state.poll_at_ms) == (None, 101_000), "a stream to release: the poll is due anyway"

@@ -210,14 +210,14 @@ def _arrived(work: StepWork, state: KeyState, pending: Arriving,
     if pending.accepted and state.wait_ms is not None:
         state = replace(state, wait_ms=None)  # new work: no backoff (its lane's cadence again)
     arm_at = None
-    if state.inflight or state.waiting:  # a bundle of copies only leaves the timer as it was
+    if state.inflight or state.waiting:  # a busy key's timer only comes sooner (a bundle of copies leaves it)
         state, arm_at = _armed(state, work.now + _poll_in(work.rules, state))
-    elif state.poll_at_ms is not None and not state.progress.release and \
+    elif state.poll_at_ms is not None and not state.holds_work and \
             (expiry := dedupe.next_expiry(work.ids, work.now)) is not None and \
             int((expiry + 1.0) * 1000) != state.poll_at_ms:
-        # An idle key's timer waits only to forget ids (_polled), and this step forgot those past their window
+        # An idle key's timer waits only to forget ids (_resent), and this step forgot those past their window
         # (StepWork.ids_after): it moves to the next to go, rather than fire to find nothing to do (seed 502502).
-        # The copies that made the bundle hold their ids, so one is left.
+        # An id is left wherever the bundle left the key idle (its copies', or a lettered request's holder's).
         state, arm_at = replace(state, poll_at_ms=int((expiry + 1.0) * 1000)), expiry + 1.0
     return _end(work, state, work.done(report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at))
 
