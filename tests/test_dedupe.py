@@ -54,3 +54,17 @@ def test_a_bundle_of_copies_at_an_idle_key_moves_its_timer_to_the_next_id_to_for
     releasing = dataclasses.replace(idle, progress=KeyProgress({}, {"done-stream": 3}))
     state, effects = step(rules, releasing, Arrived(102.0, (second,), "redelivered"))
     assert (effects.arm_at, state.poll_at_ms) == (None, 101_000), "a stream to release: the poll is due anyway"
+
+
+def test_an_idle_key_past_the_count_bound_moves_its_timer_past_the_id_the_bound_forgot():
+    """Past MAX_ENDED_IDS a step forgets the soonest-ending ids before their window ends. The timer waiting for the
+    soonest then moves to the next left: read before the count bound pruned, it fired once to forget nothing."""
+    rules = Rules(poll_interval_s=0.05, dedupe_window_s=10.0, drain_timeout_s=30.0, waiting_cap=10)
+    requests = [InferenceRequest(id=f"r{n}", prompt="hi", max_tokens=4, received_at=90.0)
+                for n in range(MAX_ENDED_IDS + 1)]
+    ids = {r.id: IdEntry(r.fingerprint(), 1000.0 + n) for n, r in enumerate(requests)}
+    idle = KeyState(seen=IdRecord(encode_ids(ids)), poll_at_ms=1_001_000)  # for r0's expiry, as a poll sets it
+    state, effects = step(rules, idle, Arrived(500.0, (requests[7],), "redelivered"))
+    assert effects.counts.get("duplicates_dropped") == 1 and not state.holds_work
+    assert "r0" not in (state.seen.ids or {}) and len(state.seen.ids or {}) == MAX_ENDED_IDS
+    assert (effects.arm_at, state.poll_at_ms) == (1002.0, 1_002_000), "at r1's expiry: r0 went by count"

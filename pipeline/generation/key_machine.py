@@ -213,10 +213,10 @@ def _arrived(work: StepWork, state: KeyState, pending: Arriving,
     if state.inflight or state.waiting:  # a busy key's timer only comes sooner (a bundle of copies leaves it)
         state, arm_at = _armed(state, work.now + _poll_in(work.rules, state))
     elif state.poll_at_ms is not None and not state.holds_work and \
-            (expiry := dedupe.next_expiry(work.ids, work.now)) is not None and \
+            (expiry := work.next_to_forget()) is not None and \
             int((expiry + 1.0) * 1000) != state.poll_at_ms:
-        # An idle key's timer waits only to forget ids (_resent), and this step forgot those past their window
-        # (StepWork.ids_after): it moves to the next to go, rather than fire to find nothing to do (seed 502502).
+        # An idle key's timer waits only to forget ids (_resent), and this step forgot those past their window or
+        # count (StepWork.next_to_forget): it moves to the next to go, rather than fire for nothing (seed 502502).
         # An id is left wherever the bundle left the key idle (its copies', or a lettered request's holder's).
         state, arm_at = replace(state, poll_at_ms=int((expiry + 1.0) * 1000)), expiry + 1.0
     return _end(work, state, work.done(report=Report(pending.already + len(left), pending.arrived), arm_at=arm_at))
@@ -369,7 +369,7 @@ def _resent(work: StepWork, state: KeyState, pending: Resending, results: tuple[
         floor_ms = int(_poll_in(work.rules, state) * 1000)
         backoff = min(max(2 * (state.wait_ms or 0), floor_ms), int(WAITING_POLL_CAP_S * 1000))
         state, arm_at = _armed(replace(state, wait_ms=backoff), work.now + backoff / 1000)
-    elif (expiry := dedupe.next_expiry(work.ids, work.now)) is not None:  # to forget ids once nothing else is left
+    elif (expiry := work.next_to_forget()) is not None:  # to forget ids once nothing else is left
         state, arm_at = _armed(state, expiry + 1.0)
     effects = work.done(report=Report(len(left)), arm_at=arm_at, cancel=cancel)
     return _end(work, state, effects, prune=not (remaining or sent or left))

@@ -110,6 +110,14 @@ class StepWork:
         dedupe.release_orphans(self.ids, live, self.now + self.rules.dedupe_window_s, self.now)
         self._ids_changed = True
 
+    def next_to_forget(self) -> float | None:
+        """When the next id is to be forgotten, asked after the step has forgotten those it may (past their window,
+        or the soonest past :data:`~pipeline.generation.dedupe.MAX_ENDED_IDS`): a timer set for it never waits for
+        an id already gone."""
+        if dedupe.prune(self.ids, self.now):
+            self._ids_changed = True
+        return dedupe.next_expiry(self.ids, self.now)
+
     def ids_after(self, seen: IdRecord, *, prune: bool = False) -> IdRecord:
         """The record of ids ``seen`` as the step leaves it: unchanged unless the step read it, or ``prune`` (then
         with expired ids forgotten)."""
