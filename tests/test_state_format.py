@@ -139,3 +139,22 @@ def test_the_record_of_ids_writes_the_bytes_versions_before_typed_entries_wrote(
     assert encode_ids({"a": IdEntry("fp-a", None), "b": IdEntry("fp-b", 12.5)}) == written_before
     ids, problem = read_ids(written_before)
     assert problem is None and encode_ids(ids) == written_before
+
+
+_cell_values = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=40),
+                         st.binary(max_size=20), st.lists(st.integers(), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_cell_values, _cell_values, _cell_values, _cell_values)
+def test_a_value_cell_that_holds_anything_loads_as_its_value_or_as_unset(progress, seen, poll_at_ms, wait_ms):
+    """Beam's state gives value cells untyped; the load checks them once, so no step reads a timer that is not a
+    whole number of milliseconds or a record that is not text."""
+    from pipeline.generation.key_state import load
+
+    state = load(waiting=(), inflight=(), progress=progress, seen=seen, poll_at_ms=poll_at_ms, wait_ms=wait_ms)
+    for value, loaded in ((poll_at_ms, state.poll_at_ms), (wait_ms, state.wait_ms)):
+        whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        assert loaded == (value if whole else None) and (loaded is None or type(loaded) is int)
+    assert state.seen.text == (seen if isinstance(seen, str) else None)
+    assert isinstance(state.progress, KeyProgress)

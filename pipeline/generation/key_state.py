@@ -231,13 +231,31 @@ def _entries(texts: Iterable[str]) -> tuple[tuple[RequestEntry, ...], tuple[Dama
     return tuple(entries), tuple(damaged)
 
 
-def load(*, waiting: Iterable[str], inflight: Iterable[str], progress: str | None = None, seen: str | None = None,
-         poll_at_ms: int | None = None, wait_ms: int | None = None) -> KeyState:
-    """A key's state from its cells as committed (any version this code knows)."""
+def _millis(name: str, value: object) -> int | None:
+    """A timer cell's value; one that is not a whole number of milliseconds reads as unset: the key's next step
+    sets its timer afresh and polls at its lane's cadence, so nothing waits on it."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    LOGGER.error("Unreadable %s state (%s); this key's timer is set afresh", name, type(value).__name__)
+    return None
+
+
+def _text(name: str, value: object) -> str | None:
+    """A text cell's value; anything else reads as empty, as an unreadable text does."""
+    if value is None or isinstance(value, str):
+        return value
+    LOGGER.error("Unreadable %s state (%s); read as empty", name, type(value).__name__)
+    return None
+
+
+def load(*, waiting: Iterable[str], inflight: Iterable[str], progress: object = None, seen: object = None,
+         poll_at_ms: object = None, wait_ms: object = None) -> KeyState:
+    """A key's state from its cells as committed (any version this code knows); the value cells are checked here,
+    where Beam's state gives them untyped."""
     in_flight, damaged_in_flight = _entries(inflight)
     queued, damaged_queued = _entries(waiting)
-    return KeyState(queued, in_flight, read_progress(progress), IdRecord(seen), poll_at_ms, wait_ms,
-                    damaged_in_flight + damaged_queued)
+    return KeyState(queued, in_flight, read_progress(_text("progress", progress)), IdRecord(_text("seen", seen)),
+                    _millis("poll_at_ms", poll_at_ms), _millis("wait_ms", wait_ms), damaged_in_flight + damaged_queued)
 
 
 @dataclass(frozen=True)
