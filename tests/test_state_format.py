@@ -158,3 +158,20 @@ def test_a_value_cell_that_holds_anything_loads_as_its_value_or_as_unset(progres
         assert loaded == (value if whole else None) and (loaded is None or type(loaded) is int)
     assert state.seen.text == (seen if isinstance(seen, str) else None)
     assert isinstance(state.progress, KeyProgress)
+
+
+def test_a_value_cell_the_load_refuses_is_cleared_with_the_work_item():
+    """A value the load refuses would be refused, and logged, at every callback were it left: a step that leaves
+    the value unset writes nothing. So the read clears it (committed with the work item, as every write is)."""
+    from types import SimpleNamespace
+
+    from pipeline.generation.key_state import read_cells
+
+    cells = SimpleNamespace(waiting=Cell([]), inflight=Cell([]), progress=Cell(b"\x00"), seen=Cell(7),
+                            poll_at_ms=Cell(-1), wait_ms=Cell(-250))
+    state = read_cells(cells)
+    assert (state.poll_at_ms, state.wait_ms, state.seen.text, state.progress) == (None, None, None, KeyProgress())
+    assert [cells.progress.value, cells.seen.value, cells.poll_at_ms.value, cells.wait_ms.value] == [None] * 4
+    kept = SimpleNamespace(waiting=Cell([]), inflight=Cell([]), progress=Cell(), seen=Cell(),
+                           poll_at_ms=Cell(1_764_000_000_000), wait_ms=Cell(0))
+    assert read_cells(kept).poll_at_ms == kept.poll_at_ms.value == 1_764_000_000_000 and kept.wait_ms.value == 0

@@ -18,6 +18,8 @@ Cells, each written only when it changes:
 * ``poll_at_ms`` and ``wait_ms``: when the poll timer is set for, and the backoff of a key whose requests only
   wait (integers under Beam's ``VarIntCoder``, versioned by name).
 
+Beam's state gives value cells untyped: the load checks them once (:func:`read_cells` clears one it refuses).
+
 An entry that cannot be decoded (after an update changed the format) is kept aside as ``damaged``: the next
 step turns it into a dead letter with its raw text, and the key goes on.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -232,11 +234,12 @@ def _entries(texts: Iterable[str]) -> tuple[tuple[RequestEntry, ...], tuple[Dama
 
 
 def _millis(name: str, value: object) -> int | None:
-    """A timer cell's value; one that is not a whole number of milliseconds reads as unset: the key's next step
-    sets its timer afresh and polls at its lane's cadence, so nothing waits on it."""
+    """A timer cell's value: a count of milliseconds (a non-negative int). Anything else reads as unset: the key's
+    next step sets its timer afresh, or backs off from its lane's cadence again, so nothing waits on it."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value
-    LOGGER.error("Unreadable %s state (%s); this key's timer is set afresh", name, type(value).__name__)
+    LOGGER.error("Unreadable %s state (%s); read as unset", name, value if isinstance(value, int) else
+                 type(value).__name__)
     return None
 
 
@@ -246,6 +249,11 @@ def _text(name: str, value: object) -> str | None:
         return value
     LOGGER.error("Unreadable %s state (%s); read as empty", name, type(value).__name__)
     return None
+
+
+# The value cells' checks, by the cells' names (what :func:`load` applies to each).
+_CHECKS: dict[str, Callable[[str, object], object]] = {"progress": _text, "seen": _text, "poll_at_ms": _millis,
+                                                       "wait_ms": _millis}
 
 
 def load(*, waiting: Iterable[str], inflight: Iterable[str], progress: object = None, seen: object = None,
@@ -337,9 +345,17 @@ class KeyCells(Protocol):
 
 
 def read_cells(cells: KeyCells) -> KeyState:
-    """The key's state from its cells as committed."""
-    return load(waiting=cells.waiting.read(), inflight=cells.inflight.read(), progress=cells.progress.read(),
-                seen=cells.seen.read(), poll_at_ms=cells.poll_at_ms.read(), wait_ms=cells.wait_ms.read())
+    """The key's state from its cells as committed. A value cell the load refuses is cleared (with the work item's
+    commit, as every write is): a step that leaves the value unset writes nothing, and it would be refused again."""
+    values: dict[str, object] = {}
+    for name, check in _CHECKS.items():
+        cell: ValueCell = getattr(cells, name)
+        value = cell.read()
+        if value is not None and check(name, value) is None:
+            cell.clear()
+            value = None
+        values[name] = value
+    return load(waiting=cells.waiting.read(), inflight=cells.inflight.read(), **values)
 
 
 def write_cells(cells: KeyCells, before: KeyState, after: KeyState) -> None:

@@ -111,16 +111,16 @@ class StepWork:
         self._ids_changed = True
 
     def next_to_forget(self) -> float | None:
-        """When the next id is to be forgotten, asked after the step has forgotten those it may (past their window,
-        or the soonest past :data:`~pipeline.generation.dedupe.MAX_ENDED_IDS`): a timer set for it never waits for
-        an id already gone."""
+        """Forgets the ids past their window or past :data:`~pipeline.generation.dedupe.MAX_ENDED_IDS` (the soonest
+        to end), then says when the next one goes: a timer set for it never waits for an id already gone. Called
+        after the step's last change to the ids."""
         if dedupe.prune(self.ids, self.now):
             self._ids_changed = True
         return dedupe.next_expiry(self.ids, self.now)
 
     def ids_after(self, seen: IdRecord, *, prune: bool = False) -> IdRecord:
-        """The record of ids ``seen`` as the step leaves it: unchanged unless the step read it, or ``prune`` (then
-        with expired ids forgotten)."""
+        """The record of ids ``seen`` as the step leaves it: unchanged unless the step read it, else with the ids
+        past their window or count forgotten (``prune`` opens it to forget them even where the step did not)."""
         if self._ids is None and not prune:
             return seen
         ids = self.ids
