@@ -4,9 +4,9 @@ each way of sharing the server compared: the frontier of live latency against th
 One pipeline per lane in ``--lanes`` (the template on the DirectRunner, its model manager's vLLM server, a
 ``bulk_subscription``: docs/operations.md#the-bulk-lane): ``adaptive`` (the live objectives' governor,
 pipeline/engines/lane_governor.py, at the template's objectives), ``adaptive:MS`` (the same with
-``live_first_token_slo_ms`` MS), ``adaptive:xR`` (with R times what live's first token takes at the server alone:
+``live_first_token_slo_ms`` MS), ``adaptive:xR`` (with R times what live's first token takes from its read alone:
 the median of the p95s the lanes before it measured alone in this run, so the objective is the goal's ratio in the
-server's terms), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk streams (no
+governor's terms), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk streams (no
 objective, ``max_bulk_streams`` N). In each of ``--reps`` repetitions, interleaved across the lanes, each lane's
 pipeline starts afresh on one Pub/Sub emulator and stops before the next lane's starts, so that one pipeline and
 one server are up at a time (seven servers do not fit in 24 GiB, and an idle local pipeline takes about a quarter of
@@ -25,9 +25,10 @@ Every request answers exactly ``--tokens`` (live) or ``--bulk-tokens`` (bulk) to
 ``max_tokens``), so the phases do equal work. Measured from the outputs as a user sees them (the chunks and
 completions topics): each live request's first chunk after its publication, as seen on the chunks topic and as
 cut at the worker (the chunk's ``emitted_at``: the emulator delivers a sparse topic's messages up to half a second
-late, which the lane does not change), its first token at the server (its completion's ``time_to_first_token_ms``
-less ``queue_ms``: what the governor's objective bounds) and its time per token after it (from the engine cutting
-its first chunk to its last), and the bulk lane's tokens/s while the measured live traffic runs and alone.
+late, which the lane does not change), its first token from its read (its completion's ``time_to_first_token_ms``:
+what the governor's objective bounds) and at the server (less ``queue_ms``, the wait before the server took it),
+and its time per token after it (from the engine cutting its first chunk to its last), and the bulk lane's
+tokens/s while the measured live traffic runs and alone.
 Printed per lane: medians and ranges of those against alone, and of the bulk rate beside live against alone; then
 the frontier (each lane's live p95 ratios against its bulk tokens/s) and, for each adaptive lane, the best fixed
 share that keeps its ratio (R, or ``--goal``) by each measure, and the adaptive lane against it; ``--plot`` draws
@@ -216,16 +217,16 @@ def spread(values: list[float], unit: str = "") -> str:
 
 FIGURES = ("alone p50", "alone p95", "beside p50", "beside p95", "alone inter p50", "alone inter p95",
            "beside inter p50", "beside inter p95", "bulk beside", "bulk alone", "live tokens/s", "alone server p95",
-           "beside server p95", "alone cut p95", "beside cut p95")
+           "beside server p95", "alone cut p95", "beside cut p95", "alone read p95", "beside read p95")
 WHOLE_SHARE = 48  # the lane's whole share at the template's defaults: max_in_flight 64 less live_reserve 0.25
 OBJECTIVES_OFF = ("--live_first_token_slo_ms=0", "--live_inter_token_slo_ms=0")
 
 
-def lane_args(lane: str, alone_server_p95_ms: list[float] | None = None) -> list[str]:
+def lane_args(lane: str, alone_read_p95_ms: list[float] | None = None) -> list[str]:
     """The template parameters of one lane compared: ``adaptive`` (the governor, at the objectives the template
     arguments give or its defaults), ``adaptive:MS`` (the governor with ``live_first_token_slo_ms`` MS),
-    ``adaptive:xR`` (with R times live's own first token at the server, the median of the p95s measured alone so
-    far in this run: ``alone_server_p95_ms``), ``whole`` (no objective: the lane's whole share), or a number N (no
+    ``adaptive:xR`` (with R times live's own first token from its read, the median of the p95s measured alone so
+    far in this run: ``alone_read_p95_ms``), ``whole`` (no objective: the lane's whole share), or a number N (no
     objective, ``max_bulk_streams`` N: a fixed share)."""
     if lane == "adaptive":
         return []
@@ -233,9 +234,9 @@ def lane_args(lane: str, alone_server_p95_ms: list[float] | None = None) -> list
     if kind == "adaptive" and value.isdigit():
         return [f"--live_first_token_slo_ms={int(value)}"]
     if kind == "adaptive" and value.startswith("x") and calibrated(value):
-        if not alone_server_p95_ms:
-            return [f"--live_first_token_slo_ms=(R x live alone at the server, R={value[1:]})"]
-        return [f"--live_first_token_slo_ms={round(float(value[1:]) * statistics.median(alone_server_p95_ms))}"]
+        if not alone_read_p95_ms:
+            return [f"--live_first_token_slo_ms=(R x live alone from its read, R={value[1:]})"]
+        return [f"--live_first_token_slo_ms={round(float(value[1:]) * statistics.median(alone_read_p95_ms))}"]
     if lane == "whole":
         return list(OBJECTIVES_OFF)
     if lane.isdigit() and int(lane) >= 1:
@@ -271,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", default="4,adaptive:x1.2",
                         help="comma-separated lanes, one pipeline each, their repetitions interleaved: 'adaptive' "
                              "(the live objectives' governor), 'adaptive:MS' (the governor with "
-                             "live_first_token_slo_ms MS), 'adaptive:xR' (with R times live's first token at the "
-                             "server alone, measured by the lanes before it), 'whole' (no objective, the lane's "
+                             "live_first_token_slo_ms MS), 'adaptive:xR' (with R times live's first token from "
+                             "its read alone, measured by the lanes before it), 'whole' (no objective, the lane's "
                              "whole share), or N (no objective, a fixed share of N bulk streams: max_bulk_streams), "
                              "e.g. 1,2,4,16,adaptive:x1.2 for the frontier")
     parser.add_argument("--goal", type=float, default=1.2,
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rep in range(args.reps):
             for lane in lanes:  # interleaved: one pipeline, started afresh, works at a time
-                measured = [p for mine in figures.values() for p in mine["alone server p95"]]
+                measured = [p for mine in figures.values() for p in mine["alone read p95"]]
                 this = lane_args(lane, measured)
                 used[lane] = list(dict.fromkeys([*used.get(lane, []), *this]))
                 run = LocalRun([f"--model={ensure_local_checkpoint()}", "--served_model_name=smollm2",
@@ -330,9 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def read_first_tokens(collector: OutputCollector, published: dict[str, float]) -> list[float]:
+    """Per live request, ms from the pipeline's read of it to its first token, as its completion tells it: what
+    the governor's objective bounds."""
+    return [c.data["time_to_first_token_ms"] for c in list(collector.completions)
+            if c.data["id"] in published and c.data.get("time_to_first_token_ms") is not None]
+
+
 def server_first_tokens(collector: OutputCollector, published: dict[str, float]) -> list[float]:
     """Per live request, ms from the server taking it to its first token, as its completion tells it (its first
-    token after its receipt less its wait before the server took it): what the governor's objective bounds."""
+    token after its read less its wait before the server took it): where the steps it shares cost it."""
     return [c.data["time_to_first_token_ms"] - c.data["queue_ms"] for c in list(collector.completions)
             if c.data["id"] in published and c.data.get("time_to_first_token_ms") is not None]
 
@@ -358,6 +366,7 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     figures["alone p50"].append(statistics.median(ttft))
     figures["alone p95"].append(percentile(ttft, 0.95))
     figures["alone server p95"].append(percentile(server_first_tokens(collector, published), 0.95))
+    figures["alone read p95"].append(percentile(read_first_tokens(collector, published), 0.95))
     figures["alone cut p95"].append(percentile(first_chunks_cut(collector, published), 0.95))
     inter = inter_token_ms(collector, published)
     figures["alone inter p50"].append(statistics.median(inter))
@@ -386,6 +395,7 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     figures["beside p50"].append(statistics.median(ttft))
     figures["beside p95"].append(percentile(ttft, 0.95))
     figures["beside server p95"].append(percentile(server_first_tokens(collector, published), 0.95))
+    figures["beside read p95"].append(percentile(read_first_tokens(collector, published), 0.95))
     figures["beside cut p95"].append(percentile(first_chunks_cut(collector, published), 0.95))
     inter = inter_token_ms(collector, published)
     figures["beside inter p50"].append(statistics.median(inter))
@@ -395,7 +405,8 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     figures["bulk alone"].append(tokens_between(collector, prefix, alone_from, alone_to) / (alone_to - alone_from))
     ended(collector, ids, 1800)
     print(f"[{lane}] rep {rep + 1}: live first chunk p95 {figures['alone p95'][-1]:.2f} s alone, "
-          f"{figures['beside p95'][-1]:.2f} s beside the backfill (at the server {figures['alone server p95'][-1]:.0f}"
+          f"{figures['beside p95'][-1]:.2f} s beside the backfill (from the read {figures['alone read p95'][-1]:.0f} "
+          f"and {figures['beside read p95'][-1]:.0f} ms, at the server {figures['alone server p95'][-1]:.0f}"
           f" and {figures['beside server p95'][-1]:.0f} ms); bulk {figures['bulk beside'][-1]:.0f} tokens/s beside "
           f"live, {figures['bulk alone'][-1]:.0f} alone; {len(ids)} bulk requests, all answered", flush=True)
 
@@ -433,6 +444,9 @@ def report(args: argparse.Namespace, figures: dict[str, list[float]], lane: str 
     cut = [b / a for a, b in zip(figures["alone cut p95"], figures["beside cut p95"], strict=True)]
     print(f"| live first chunk cut at the worker p95 | {spread(figures['alone cut p95'], ' s')} | "
           f"{spread(figures['beside cut p95'], ' s')} | {spread(cut)} |")
+    read = [b / a for a, b in zip(figures["alone read p95"], figures["beside read p95"], strict=True)]
+    print(f"| live first token from its read p95 (ms) | {spread(figures['alone read p95'])} | "
+          f"{spread(figures['beside read p95'])} | {spread(read)} |")
     server = [b / a for a, b in zip(figures["alone server p95"], figures["beside server p95"], strict=True)]
     print(f"| live first token at the server p95 (ms) | {spread(figures['alone server p95'])} | "
           f"{spread(figures['beside server p95'])} | {spread(server)} |")
@@ -456,8 +470,9 @@ class Point:
     first_chunk_p95_ratio: float  # live first chunk p95 beside the lane / alone
     inter_token_p95_ratio: float  # live time per token p95 beside the lane / alone
     bulk_tokens_per_s: float  # the lane's rate beside live
-    server_p95_ratio: float = float("nan")  # live first token at the server p95 beside / alone: the governor's
+    server_p95_ratio: float = float("nan")  # live first token at the server p95 beside / alone
     cut_p95_ratio: float = float("nan")  # live first chunk cut at the worker p95 beside / alone
+    read_p95_ratio: float = float("nan")  # live first token from its read p95 beside / alone: the governor's
 
 
 def frontier(figures: dict[str, dict[str, list[float]]]) -> list[Point]:
@@ -465,25 +480,28 @@ def frontier(figures: dict[str, dict[str, list[float]]]) -> list[Point]:
     for lane, mine in figures.items():
         ratio = [b / a for a, b in zip(mine["alone p95"], mine["beside p95"], strict=True)]
         inter = [b / a for a, b in zip(mine["alone inter p95"], mine["beside inter p95"], strict=True)]
-        server, cut = ([b / a for a, b in zip(mine.get(f"alone {kind} p95", []), mine.get(f"beside {kind} p95", []),
-                                              strict=True)] for kind in ("server", "cut"))
+        server, cut, read = ([b / a for a, b in zip(mine.get(f"alone {kind} p95", []),
+                                                    mine.get(f"beside {kind} p95", []), strict=True)]
+                             for kind in ("server", "cut", "read"))
         points.append(Point(lane, statistics.median(ratio), statistics.median(inter),
                             statistics.median(mine["bulk beside"]),
                             statistics.median(server) if server else float("nan"),
-                            statistics.median(cut) if cut else float("nan")))
+                            statistics.median(cut) if cut else float("nan"),
+                            statistics.median(read) if read else float("nan")))
     return points
 
 
 def frontier_table(points: list[Point], goal: float) -> str:
     """Each lane's live p95 ratios and bulk rate; for each adaptive lane, against the ratio it was given (its R for
     ``adaptive:xR``, else ``goal``), the best fixed share whose ratio keeps it (or, where none does, the one with
-    the lowest ratio), by the first chunk a user sees and by the first token at the server (what the governor
-    bounds), and the adaptive lane's ratio and rate against that share's."""
+    the lowest ratio), by the first chunk a user sees, by the first token from its read (what the governor
+    bounds) and at the server, and the adaptive lane's ratio and rate against that share's."""
     lines = [f"\nThe frontier (medians): live first chunk p95 beside / alone against the lane's bulk tokens/s "
-             f"(goal {goal:g}):", "| lane | first chunk p95 ratio | cut at the worker | first token at the server | "
-             "time per token p95 ratio | bulk tokens/s |", "|---|---|---|---|---|---|"]
-    lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.cut_p95_ratio:.2f} | {p.server_p95_ratio:.2f} | "
-              f"{p.inter_token_p95_ratio:.2f} | {p.bulk_tokens_per_s:.1f} |" for p in points]
+             f"(goal {goal:g}):", "| lane | first chunk p95 ratio | cut at the worker | first token from its read | "
+             "first token at the server | time per token p95 ratio | bulk tokens/s |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {p.lane} | {p.first_chunk_p95_ratio:.2f} | {p.cut_p95_ratio:.2f} | {p.read_p95_ratio:.2f} | "
+              f"{p.server_p95_ratio:.2f} | {p.inter_token_p95_ratio:.2f} | {p.bulk_tokens_per_s:.1f} |"
+              for p in points]
     fixed = [p for p in points if p.lane.isdigit()]
     targets = sorted({goal} | {float(p.lane.partition(":x")[2]) for p in points if ":x" in p.lane})
     for target in targets if fixed else []:
@@ -491,6 +509,7 @@ def frontier_table(points: list[Point], goal: float) -> str:
                 (float(p.lane.partition(":x")[2]) if ":x" in p.lane else goal) == target]
         for measure, ratio_of in (("first chunk", lambda p: p.first_chunk_p95_ratio),
                                   ("first chunk cut at the worker", lambda p: p.cut_p95_ratio),
+                                  ("first token from its read", lambda p: p.read_p95_ratio),
                                   ("first token at the server", lambda p: p.server_p95_ratio)):
             keeping = [p for p in fixed if ratio_of(p) <= target]
             best = max(keeping, key=lambda p: p.bulk_tokens_per_s) if keeping else min(fixed, key=ratio_of)
@@ -507,7 +526,7 @@ def frontier_table(points: list[Point], goal: float) -> str:
 
 def plot(points: list[Point], goal: float, path: Path) -> None:
     """Two panels, live p95 beside the lane over alone against the lane's bulk tokens/s: the first chunk cut at
-    the worker (what a user waits for, less Pub/Sub's way out) and the first token at the server (what the
+    the worker (what a user waits for, less Pub/Sub's way out) and the first token from its read (what the
     governor's objective bounds); fixed shares a line, adaptive lanes stars."""
     import matplotlib
 
@@ -517,7 +536,7 @@ def plot(points: list[Point], goal: float, path: Path) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
     fixed = sorted((p for p in points if p.lane.isdigit()), key=lambda p: p.bulk_tokens_per_s)
     for axis, title, ratio_of in ((axes[0], "first chunk cut at the worker", lambda p: p.cut_p95_ratio),
-                                  (axes[1], "first token at the server", lambda p: p.server_p95_ratio)):
+                                  (axes[1], "first token from its read", lambda p: p.read_p95_ratio)):
         axis.plot([p.bulk_tokens_per_s for p in fixed], [ratio_of(p) for p in fixed], marker="o",
                   color="tab:blue", label="fixed share (bulk streams)")
         for p in fixed:

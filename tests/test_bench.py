@@ -409,15 +409,18 @@ def test_the_lanes_frontier_names_the_best_fixed_share_that_keeps_the_goal_and_w
     assert "whole: ratio" not in table, "the whole share is no adaptive lane"
     tight = lanes.frontier_table(lanes.frontier({"8": measured(0.5, 1.0, 99.0), "2": measured(0.5, 0.8, 20.0)}), 1.2)
     assert "none keeps it: the tightest): 2 streams" in tight, tight
-    server = {"alone server p95": [100.0, 100.0]}
-    calibrated = lanes.frontier({"1": measured(0.5, 0.75, 12.0) | server | {"beside server p95": [150.0, 150.0]},
-                                 "2": measured(0.5, 1.1, 20.0) | server | {"beside server p95": [210.0, 210.0]},
-                                 "adaptive:x2": measured(0.5, 0.9, 19.0) | server |
-                                 {"beside server p95": [190.0, 190.0]}})
+    alone = {"alone server p95": [100.0, 100.0], "alone read p95": [200.0, 200.0]}
+    calibrated = lanes.frontier({
+        "1": measured(0.5, 0.75, 12.0) | alone | {"beside server p95": [150.0, 150.0], "beside read p95": [250.0] * 2},
+        "2": measured(0.5, 1.1, 20.0) | alone | {"beside server p95": [210.0, 210.0], "beside read p95": [390.0] * 2},
+        "adaptive:x2": measured(0.5, 0.9, 19.0) | alone | {"beside server p95": [190.0, 190.0],
+                                                           "beside read p95": [300.0] * 2}})
     by_ratio = lanes.frontier_table(calibrated, 1.2)
     assert "Ratio 2 by first chunk: best fixed share keeping it: 2 streams, ratio 2.20" not in by_ratio
     assert "Ratio 2 by first token at the server: best fixed share keeping it: 1 streams, ratio 1.50" in by_ratio
+    assert "Ratio 2 by first token from its read: best fixed share keeping it: 2 streams, ratio 1.95" in by_ratio
     assert f"  adaptive:x2: ratio 1.90 (within 2), bulk {19.0 / 12.0:.2f}x" in by_ratio, by_ratio
+    assert f"  adaptive:x2: ratio 1.50 (within 2), bulk {19.0 / 20.0:.2f}x" in by_ratio, by_ratio
     lanes.plot(points, 1.2, tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -435,6 +438,8 @@ def test_the_lanes_report_prints_first_chunk_and_time_per_token_at_p50_and_p95_a
     assert "lane 4 (--live_first_token_slo_ms=0 --live_inter_token_slo_ms=0 --max_bulk_streams=4)" in out
     assert "a backlog of 16 unanswered" in out, "twice the lane's streams and some"
     assert "| live first token at the server p95 (ms) | 3.00 (2.00-4.00) | 3.00 (2.00-4.00) | 1.00 (1.00-1.00) |" \
+        in out, out
+    assert "| live first token from its read p95 (ms) | 3.00 (2.00-4.00) | 3.00 (2.00-4.00) | 1.00 (1.00-1.00) |" \
         in out, out
     lanes.report(args, figures, "adaptive:x1.2", ["--live_first_token_slo_ms=420"])
     assert "lane adaptive:x1.2 (--live_first_token_slo_ms=420)" in capsys.readouterr().out, "as it ran"
@@ -460,7 +465,7 @@ def test_each_lane_the_bench_compares_is_template_parameters_the_template_takes(
         assert (engine.bulk_stream_ceiling, governor.governed, engine.live_first_token_slo_ms) == \
             (ceiling, governed, slo), lane
     assert lanes.lane_args("adaptive:x1.5", [400.0, 600.0, 500.0]) == ["--live_first_token_slo_ms=750"], \
-        "1.5 times the median of live's first token p95s at the server measured alone"
+        "1.5 times the median of live's first token p95s from its read measured alone"
     assert JobSettings.from_mapping(base).engine.bulk_streams == lanes.WHOLE_SHARE
     for bad in ("0", "adaptive:", "adaptive:fast", "adaptive:x", "adaptive:x0", "adaptive:x-1"):
         with pytest.raises(SystemExit, match="not adaptive, adaptive:MS, adaptive:xR, whole or a number"):

@@ -156,20 +156,31 @@ def test_the_engine_starts_no_more_bulk_streams_than_the_cap_and_one_after_starv
     assert registry.unfinished == 7 and registry.bulk_unfinished == 1
 
 
-def test_a_live_streams_first_chunk_is_what_the_lane_follows(monkeypatch):
+def test_a_live_streams_first_chunk_from_its_read_is_what_the_lane_follows():
+    """The lane follows what live traffic waits for its first chunk: from the pipeline's read of it, so the time
+    before the server takes it counts too (the bulk keys' polls share the generate step's work items); once per
+    request, its first attempt's; a request the pipeline did not read counts from the server taking it."""
     registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=4), "engine")
-    start = time.monotonic()  # the registry asks the lane on the monotonic clock
-    (key,), (live,) = registry.submit([request(0, False)], [1], "client", time.monotonic())
-    registry.began(live, time.time(), start)
-    registry.first_chunk(live, start + 0.25)
-    registry.first_chunk(live, start + 1.0)  # a later chunk says nothing more
-    (_,), (bulk,) = registry.submit([request(1, True)], [1], "client", time.monotonic())
-    registry.began(bulk, time.time(), start)
-    registry.first_chunk(bulk, start + 3.0)  # a bulk stream's says nothing
-    assert registry.lane.percentile_ms(start + 1.0) == pytest.approx(250.0)
-    registry.began(live, time.time(), start + 2.0)  # a retried attempt is measured from its own start
-    registry.first_chunk(live, start + 2.5)
-    assert registry.lane.percentile_ms(start + 3.0) == pytest.approx(500.0)
+    start, wall = time.monotonic(), 1_800_000_000.0  # the lane counts on the monotonic clock, the read on the wall's
+    read = dataclasses.replace(request(0, False), received_at=wall - 0.4)  # read 400 ms before the server took it
+    (key,), (live,) = registry.submit([read], [1], "client", start)
+    registry.began(live, wall, start)
+    registry.first_chunk(live, wall + 0.25, start + 0.25)
+    registry.first_chunk(live, wall + 1.0, start + 1.0)  # a later chunk says nothing more
+    (_,), (bulk,) = registry.submit([dataclasses.replace(request(1, True), received_at=wall - 9)], [1], "client",
+                                    start)
+    registry.began(bulk, wall, start)
+    registry.first_chunk(bulk, wall + 3.0, start + 3.0)  # a bulk stream's says nothing
+    assert registry.lane.percentile_ms(start + 1.0) == pytest.approx(650.0), "400 ms before the server, 250 at it"
+    live.attempt = 2  # retried after its chunks went out: the user had its first chunk
+    registry.began(live, wall + 2.0, start + 2.0)
+    registry.first_chunk(live, wall + 2.5, start + 2.5)
+    assert registry.lane.totals["live_first_tokens"] == 1
+    (_,), (unread,) = registry.submit([request(2, False)], [1], "client", start)
+    registry.began(unread, wall + 2.0, start + 2.0)
+    registry.first_chunk(unread, wall + 2.3, start + 2.3)
+    assert sorted(ms for _, ms in registry.lane._first_tokens._samples) == pytest.approx([300.0, 650.0]), \
+        "not read by the pipeline: from the server taking it"
     assert lane_governor.WINDOW_S < 20 and registry.lane.percentile_ms(start + 20) is None, "the window forgets"
 
 
@@ -533,11 +544,11 @@ def test_a_halving_sheds_the_youngest_bulk_streams_past_the_cap_which_run_again_
         registry.submit([request(i, True)], [1], "client", start + i)
     (live_key,), (live,) = registry.submit([request(0, False)], [1], "client", start + 6)
     registry.began(live, time.time(), start + 6)
-    registry.first_chunk(live, start + 7.5)  # 1,500 ms: past the objective
+    registry.first_chunk(live, time.time(), start + 7.5)  # 1,500 ms from the server taking it: past the objective
     assert registry.shed(start + 8) == [] and registry.lane.cap == 6, "the whole share (12) halved: six fit it"
     registry.lane._adjusted_at = -1e9
     registry.began(live, time.time(), start + 9)
-    registry.first_chunk(live, start + 10.5)
+    registry.first_chunk(live, time.time(), start + 10.5)
     shed = registry.shed(start + 11)
     assert registry.lane.cap == 3 and [s.request.id for s in shed] == ["bulk-5", "bulk-4", "bulk-3"], \
         "halved to 3: the three youngest are shed"

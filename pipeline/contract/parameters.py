@@ -166,12 +166,12 @@ PARAMETERS: tuple[Parameter, ...] = (
               "with both objectives 0 a fixed share. 0: the share live_reserve leaves of max_in_flight.",
               "8", GROUP_INPUT, "NUMBER", default=0, minimum=0, maximum=4096),
     Parameter("live_first_token_slo_ms", "Live first-token objective (ms)",
-              "With a bulk_subscription: how long a live request may wait at its worker's model server for its "
-              "first token. Each worker measures it as it runs and runs as many bulk streams as keep it there: "
-              "half as many within a second when live first tokens pass it, one more each second while they stay "
-              "well below it, all the lane's share while no live request comes, never fewer than one (a backlog "
-              "always moves). 0 follows live_inter_token_slo_ms only; both 0 run the lane's whole share "
-              "(max_in_flight less live_reserve, or max_bulk_streams) whatever it costs live requests.",
+              "With a bulk_subscription: how long a live request may wait from the pipeline's read of it to its "
+              "first chunk (what it takes alone counts: set it above that). Each worker measures it as it runs "
+              "and runs as many bulk streams as keep it there: half as many within a second when live first "
+              "tokens pass it, one more each second while they stay well below it, all the lane's share while no "
+              "live request comes, never fewer than one (a backlog always moves). 0 follows "
+              "live_inter_token_slo_ms only; both 0: the lane's whole share, whatever it costs live requests.",
               "1000", GROUP_INPUT, "NUMBER", default=1000, minimum=0, maximum=600_000),
     Parameter("live_inter_token_slo_ms", "Live inter-token objective (ms)",
               "With a bulk_subscription: how long a live stream's tokens may take each at its worker's model "

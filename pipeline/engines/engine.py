@@ -292,7 +292,7 @@ class Engine:
         if not self._registry.holds(stream):
             return  # cancelled: nobody will collect it
         if chunks:
-            self._registry.first_chunk(stream, time.monotonic())
+            self._registry.first_chunk(stream, time.time(), time.monotonic())
         for chunk in chunks:
             if self._chunk_publisher is not None:
                 self._chunk_publisher.publish(stream.key, chunk)

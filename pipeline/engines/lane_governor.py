@@ -5,15 +5,17 @@ lane waits for the step in progress and then decodes in steps made longer by the
 of each new bulk request. vLLM's priority scheduling orders its queue; it does not bound what running bulk rows
 cost each step (docs/operations.md#the-bulk-lane). So the engine bounds them itself, from what live requests see:
 
-* each live stream's time from the server taking it to its first token (:meth:`LaneGovernor.first_token`),
-  against ``live_first_token_slo_ms``: what the steps in progress and the bulk prompts read beside it cost;
+* each live request's time from the pipeline's read of it to its first token (:meth:`LaneGovernor.first_token`),
+  against ``live_first_token_slo_ms``: what the generate step's work items the lane's keys share, the steps in
+  progress and the bulk prompts read beside it cost, beside what the request takes alone;
 * each live stream's time between tokens (:meth:`LaneGovernor.inter_tokens`), against
   ``live_inter_token_slo_ms``: what every bulk row adds to each of its steps.
 
-Both are the interference the lane causes and nothing else (not the queue in front of the engine, which admission
-bounds). The governor sets two things, by additive increase and multiplicative decrease once a second, from the
-95th percentile of each of the last ``WINDOW_S`` (of the latencies begun since the last change: one begun before
-it cannot show its effect):
+Both are what live traffic waits for where the lane shares a worker with it: the first token counts from the read
+because the lane costs live requests before the server takes them too (its keys' polls share the generate step's
+work items: benchmarks.md#lanes saw live requests wait seconds there). The governor sets two things, by additive
+increase and multiplicative decrease once a second, from the 95th percentile of each of the last ``WINDOW_S`` (of
+the latencies begun since the last change: one begun before it cannot show its effect):
 
 * **the bulk stream cap**, how many bulk streams may run: the rows each step carries;
 * **the bulk prompt budget**, how many bulk prompt tokens may start within a second: the prompt chunks each wave
@@ -149,7 +151,8 @@ class LaneGovernor:
             self._before_idle = None
 
     def first_token(self, now: float, ms: float) -> None:
-        """A live stream's first token came ``ms`` after the server took it."""
+        """A live request's first token came ``ms`` after the pipeline read it
+        (:meth:`~pipeline.engines.stream_registry.StreamRegistry.first_chunk`)."""
         self._first_tokens.add(now, ms)
         self.totals["live_first_tokens"] += 1
         self._add("live_first_token_ms", ms)

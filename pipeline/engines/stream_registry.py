@@ -262,12 +262,18 @@ class StreamRegistry:
             self.lane.live_sent(now_mono)
         self.busy.begin(stream.key, now_mono)
 
-    def first_chunk(self, stream: Stream, now_mono: float) -> None:
-        """A chunk of the stream went out: its first, a live stream's, tells the lane how long live first tokens
-        take beside it (:mod:`.lane_governor`)."""
+    def first_chunk(self, stream: Stream, now: float, now_mono: float) -> None:
+        """A chunk of the stream went out at ``now`` (wall clock): its first, a live stream's, tells the lane how
+        long live first chunks take beside it (:mod:`.lane_governor`): from the pipeline's read of the request
+        (``received_at``, stamped where it was read), so what the lane costs it before the server takes it (the
+        generate step's work items its keys' polls share) counts with what it costs at the server. A request the
+        pipeline did not read (no stamp) counts from the server taking it. A later attempt's says nothing: the
+        user had its first chunk from an earlier one."""
         if stream.taken_mono is not None:
-            if not stream.request.bulk:
-                self.lane.first_token(now_mono, (now_mono - stream.taken_mono) * 1000.0)
+            if not stream.request.bulk and stream.attempt == 1:
+                read_at = stream.request.received_at
+                waited_s = now - read_at if read_at > 0 else now_mono - stream.taken_mono
+                self.lane.first_token(now_mono, max(waited_s, 0.0) * 1000.0)
             stream.taken_mono = None
 
     def tokens(self, stream: Stream, now_mono: float, tokens: int) -> None:
