@@ -6,11 +6,11 @@ One pipeline per lane in ``--lanes`` (the template on the DirectRunner, its mode
 pipeline/engines/lane_governor.py, at the template's objectives), ``adaptive:MS`` (the same with
 ``live_first_token_slo_ms`` MS), ``adaptive:xR`` (with R times what live's first token takes from its read alone:
 the median of the p95s the lanes before it measured alone in this run, so the objective is the goal's ratio in the
-governor's terms), ``whole`` (no objective: the lane's whole share) and fixed shares of N bulk streams (no
-objective, ``max_bulk_streams`` N). In each of ``--reps`` repetitions, interleaved across the lanes, each lane's
-pipeline starts afresh on one Pub/Sub emulator and stops before the next lane's starts, so that one pipeline and
-one server are up at a time (seven servers do not fit in 24 GiB, and an idle local pipeline takes about a quarter of
-a core), and serves:
+governor's terms, and no inter-token objective: the goal is stated for the first chunk), ``whole`` (no objective:
+the lane's whole share) and fixed shares of N bulk streams (no objective, ``max_bulk_streams`` N). In each of
+``--reps`` repetitions, interleaved across the lanes, each lane's pipeline starts afresh on one Pub/Sub emulator and
+stops before the next lane's starts, so that one pipeline and one server are up at a time (seven servers do not fit
+in 24 GiB, and an idle local pipeline takes about a quarter of a core), and serves:
 
 - **live alone**: ``--live`` requests published one every ``--live-every-s`` seconds to the input topic, after
   ``--warm-live`` such requests not measured (a fresh pipeline's first requests are slower);
@@ -234,9 +234,12 @@ def lane_args(lane: str, alone_read_p95_ms: list[float] | None = None) -> list[s
     if kind == "adaptive" and value.isdigit():
         return [f"--live_first_token_slo_ms={int(value)}"]
     if kind == "adaptive" and value.startswith("x") and calibrated(value):
+        # The goal is stated for the first chunk: the calibrated lane follows that objective alone, as the fixed
+        # shares it is weighed against follow none.
         if not alone_read_p95_ms:
-            return [f"--live_first_token_slo_ms=(R x live alone from its read, R={value[1:]})"]
-        return [f"--live_first_token_slo_ms={round(float(value[1:]) * statistics.median(alone_read_p95_ms))}"]
+            return [f"--live_first_token_slo_ms=(R x live alone from its read, R={value[1:]})", OBJECTIVES_OFF[1]]
+        return [f"--live_first_token_slo_ms={round(float(value[1:]) * statistics.median(alone_read_p95_ms))}",
+                OBJECTIVES_OFF[1]]
     if lane == "whole":
         return list(OBJECTIVES_OFF)
     if lane.isdigit() and int(lane) >= 1:

@@ -464,7 +464,8 @@ def test_each_lane_the_bench_compares_is_template_parameters_the_template_takes(
                                 engine.live_inter_token_slo_ms)
         assert (engine.bulk_stream_ceiling, governor.governed, engine.live_first_token_slo_ms) == \
             (ceiling, governed, slo), lane
-    assert lanes.lane_args("adaptive:x1.5", [400.0, 600.0, 500.0]) == ["--live_first_token_slo_ms=750"], \
+    assert lanes.lane_args("adaptive:x1.5", [400.0, 600.0, 500.0]) == ["--live_first_token_slo_ms=750",
+                                                                        "--live_inter_token_slo_ms=0"], \
         "1.5 times the median of live's first token p95s from its read measured alone"
     assert JobSettings.from_mapping(base).engine.bulk_streams == lanes.WHOLE_SHARE
     for bad in ("0", "adaptive:", "adaptive:fast", "adaptive:x", "adaptive:x0", "adaptive:x-1"):
