@@ -161,12 +161,15 @@ def inter_token_ms(collector: OutputCollector, published: dict[str, float]) -> l
 
 
 def tokens_between(collector: OutputCollector, prefix: str, start: float, end: float) -> int:
-    """Tokens of the streams whose ids start with ``prefix``, cut in chunks that arrived between start and end."""
+    """Tokens delivered by the requests whose ids start with ``prefix``, cut in chunks that arrived between start
+    and end: of the streams their completions name (an attempt a lane shed and started over, or any attempt
+    that did not finish, delivered nothing)."""
+    delivered = {c.data["stream"] for c in list(collector.completions) if c.data["id"].startswith(prefix)}
     seen: dict[tuple[str, int], int] = {}
     total = 0
     for chunk in sorted(list(collector.chunks), key=lambda c: (c.data["stream"], c.data["seq"])):
         data = chunk.data
-        if not data["id"].startswith(prefix):
+        if not data["id"].startswith(prefix) or data["stream"] not in delivered:
             continue
         key = (data["stream"], data["seq"])
         if key in seen:
@@ -403,10 +406,10 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
     inter = inter_token_ms(collector, published)
     figures["beside inter p50"].append(statistics.median(inter))
     figures["beside inter p95"].append(percentile(inter, 0.95))
+    ended(collector, ids, 1800)  # the streams that delivered are known once every bulk request ended
     figures["bulk beside"].append(tokens_between(collector, prefix, start, end) / (end - start))
     figures["live tokens/s"].append(args.live * args.tokens / (end - start))
     figures["bulk alone"].append(tokens_between(collector, prefix, alone_from, alone_to) / (alone_to - alone_from))
-    ended(collector, ids, 1800)
     print(f"[{lane}] rep {rep + 1}: live first chunk p95 {figures['alone p95'][-1]:.2f} s alone, "
           f"{figures['beside p95'][-1]:.2f} s beside the backfill (from the read {figures['alone read p95'][-1]:.0f} "
           f"and {figures['beside read p95'][-1]:.0f} ms, at the server {figures['alone server p95'][-1]:.0f}"

@@ -473,3 +473,20 @@ def test_each_lane_the_bench_compares_is_template_parameters_the_template_takes(
             lanes.lane_args(bad)
     with pytest.raises(SystemExit, match="takes its objective from another lane"):
         lanes.main(["--lanes", "adaptive:x1.2"])
+
+
+def test_the_lanes_bulk_rate_counts_only_tokens_delivered_by_the_attempt_each_completion_names():
+    """A lane that sheds a stream and starts it over generated the shed attempt's tokens for nothing: the rate
+    weighed against fixed shares (which shed nothing) counts the attempt each completion names, once a chunk."""
+    from benchmarks import lanes
+    from local.harness import OutputCollector, Received
+
+    collector = OutputCollector({})
+    chunk = lambda stream, seq, tokens, at: Received({"id": "bulk-0-a", "stream": stream, "seq": seq,  # noqa: E731
+                                                      "tokens": tokens}, at)
+    collector.chunks += [chunk("shed", 0, 4, 1.0), chunk("shed", 1, 8, 2.0),  # the attempt shed, then
+                         chunk("kept", 0, 4, 3.0), chunk("kept", 1, 8, 4.0), chunk("kept", 1, 8, 4.5),  # a copy
+                         chunk("kept", 2, 12, 9.0)]  # after the span
+    collector.completions.append(Received({"id": "bulk-0-a", "stream": "kept"}, 9.5))
+    assert lanes.tokens_between(collector, "bulk-0-", 0.0, 5.0) == 8, "the kept attempt's 8, none of the shed 8"
+    assert lanes.tokens_between(collector, "bulk-1-", 0.0, 5.0) == 0

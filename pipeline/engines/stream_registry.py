@@ -267,8 +267,9 @@ class StreamRegistry:
         long live first chunks take beside it (:mod:`.lane_governor`): from the pipeline's read of the request
         (``received_at``, stamped where it was read), so what the lane costs it before the server takes it (the
         generate step's work items its keys' polls share) counts with what it costs at the server. A request the
-        pipeline did not read (no stamp) counts from the server taking it. A later attempt's says nothing: the
-        user had its first chunk from an earlier one."""
+        pipeline did not read (no stamp) counts from the server taking it. A later attempt's (the key machine's
+        resend after a lost stream, or the engine's restart once chunks went out) says nothing: that wait is a
+        fault's cost, not the lane's."""
         if stream.taken_mono is not None:
             if not stream.request.bulk and stream.attempt == 1:
                 read_at = stream.request.received_at
