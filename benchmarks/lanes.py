@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                     warm = live_requests(-1, f"warm{lane}-{rep}", args.warm_live, args.tokens)  # not measured
                     ended(collector, list(publish_paced(run, warm, args.live_every_s)), 600)
                     one_repetition(run, collector, rep, f"{lane}-", args, figures[lane], lane)
+                    verdict = objective_verdict(this, figures[lane])
+                    if verdict:
+                        print(f"[{lane}] rep {rep + 1}: {verdict}", flush=True)
                 finally:
                     collector.stop()
                     run.stop()
@@ -415,6 +418,18 @@ def one_repetition(run: LocalRun, collector: OutputCollector, rep: int, tag: str
           f"and {figures['beside read p95'][-1]:.0f} ms, at the server {figures['alone server p95'][-1]:.0f}"
           f" and {figures['beside server p95'][-1]:.0f} ms); bulk {figures['bulk beside'][-1]:.0f} tokens/s beside "
           f"live, {figures['bulk alone'][-1]:.0f} alone; {len(ids)} bulk requests, all answered", flush=True)
+
+
+def objective_verdict(template_args: list[str], figures: dict[str, list[float]]) -> str | None:
+    """A governed lane's last repetition against the objective it was given, in milliseconds (what the template
+    promises) and against its own alone phase; None for a lane with no first-token objective."""
+    given = [arg.partition("=")[2] for arg in template_args if arg.startswith("--live_first_token_slo_ms=")]
+    if not given or not given[-1].isdigit() or int(given[-1]) == 0:
+        return None
+    objective, beside, alone = int(given[-1]), figures["beside read p95"][-1], figures["alone read p95"][-1]
+    return (f"objective {objective} ms: live first token from its read p95 {beside:.0f} ms beside the lane "
+            f"({'within' if beside <= objective else 'past'} it), {beside / alone:.2f} times its own {alone:.0f} "
+            "ms alone")
 
 
 def until(condition, timeout_s: float) -> float:

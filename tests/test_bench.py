@@ -490,3 +490,15 @@ def test_the_lanes_bulk_rate_counts_only_tokens_delivered_by_the_attempt_each_co
     collector.completions.append(Received({"id": "bulk-0-a", "stream": "kept"}, 9.5))
     assert lanes.tokens_between(collector, "bulk-0-", 0.0, 5.0) == 8, "the kept attempt's 8, none of the shed 8"
     assert lanes.tokens_between(collector, "bulk-1-", 0.0, 5.0) == 0
+
+
+def test_each_governed_repetition_is_judged_against_the_objective_it_was_given_in_milliseconds():
+    from benchmarks import lanes
+
+    figures = {"alone read p95": [300.0, 280.0], "beside read p95": [400.0, 525.0]}
+    assert lanes.objective_verdict(["--live_first_token_slo_ms=540", "--live_inter_token_slo_ms=0"], figures) == (
+        "objective 540 ms: live first token from its read p95 525 ms beside the lane (within it), 1.88 times its "
+        "own 280 ms alone")
+    assert "(past it)" in lanes.objective_verdict(["--live_first_token_slo_ms=500"], figures)
+    assert lanes.objective_verdict(list(lanes.OBJECTIVES_OFF) + ["--max_bulk_streams=2"], figures) is None
+    assert lanes.objective_verdict([], figures) is None
