@@ -62,6 +62,7 @@ def test_a_backlog_ten_times_the_bound_ends_each_request_once_through_faults(sub
     request is admitted without a place (nothing was pulled past the bound), and once the lost places' time is up
     the ledger is at zero."""
     monkeypatch.setattr(subscription_feed, "PULL_DEADLINE_S", 2.0)  # so that a slow answer comes too late
+    monkeypatch.setattr(subscription_feed, "RENEW_S", 1.0)  # well within place_open_s, as 10 s is within 60
     topic, path = subscription
     expected = set(publish(topic, 10 * BOUND))
     proxy.faults = Faults(short=0.3, error=0.2, slow=0.2, slow_s=3.0, lost=0.2, ack_error=0.1)
@@ -361,7 +362,7 @@ def test_a_monitoring_endpoint_override_keeps_the_workers_credentials_unless_it_
     assert not subscription_backlog._loopback("http://monitoring.internal.example:80")
 
 
-def test_deadline_changes_that_always_fail_cost_redeliveries_not_room(subscription, proxy):
+def test_deadline_changes_that_always_fail_cost_redeliveries_not_room(subscription, proxy, monkeypatch):
     """Every ModifyAckDeadline refused (PERMISSION_DENIED: the job's account lost pubsub.subscriber mid-job, say):
     the feed counts it and says so, every request still ends, nothing is admitted past the bound, and once the
     lost places' time is up the ledger is at zero: a failed extension touches no place."""
@@ -369,6 +370,7 @@ def test_deadline_changes_that_always_fail_cost_redeliveries_not_room(subscripti
     expected = set(publish(topic, 3 * BOUND))
     proxy.faults = Faults(ack_error=1.0, ack_codes=(grpc.StatusCode.PERMISSION_DENIED,),
                           only=frozenset({"ModifyAckDeadline"}))
+    monkeypatch.setattr(subscription_feed, "RENEW_S", 1.0)  # well within place_open_s, as 10 s is within 60
     source = a_worker(place_open_s=3.0)
     feed = a_feed(path, source, proxy)
     try:
