@@ -52,7 +52,7 @@ from ops.deploy import template_parameters
 from ops.settings import DeployError, Settings
 from pipeline.contract.messages import REFUSED_BY_SERVER, STAGE_INFERENCE, STAGE_PARSE, DeadLetter, InferenceRequest
 from pipeline.contract.parameters import default
-from pipeline.contract.request_parsing import parse_request
+from pipeline.contract.request_parsing import RequestLimits, parse_request
 from pipeline.serving.model_weights import storage_client
 from pipeline.sinks import bigquery_sink
 
@@ -66,6 +66,10 @@ PUBSUB_MESSAGE_MAX_BYTES = 10_000_000
 # (batch, inference, drain, sink: a full queue, a server failure, a drain) are worth a resend.
 FINAL_STAGES = frozenset({"parse", "validate", "measure"})
 WAIT_POLL_S = 10.0
+# What the feeder checks a row against: what the row is, not what the job serves. The adapters a job serves and its
+# model's context are its settings (a job on a server_url leaves the adapters to its server), so a row past them is
+# the job's to letter, at validate or by its server's refusal: final either way, and not sent again.
+ROW_LIMITS = RequestLimits(max_model_len=sys.maxsize, adapters=None)
 # What one L4 worker is assumed to generate (a 2 B model, 256-token answers: docs/benchmarks.md#traffic-spike) and
 # cost an hour (docs/operations.md#idle-worker-cost); both are settings, the estimate says which it used.
 DEFAULT_GPU_TOKENS_PER_S = 1000.0
@@ -298,7 +302,7 @@ def checked(row: Row, mapping: Mapping) -> tuple[bytes, InferenceRequest] | Dead
         return _row_letter(row, "the row is not UTF-8 text")
     except Exception as exc:  # a row's own problem, whatever the library raised for it (json: RecursionError too)
         return _row_letter(row, str(exc)[:1000] or type(exc).__name__)
-    parsed = parse_request(data)
+    parsed = parse_request(data, limits=ROW_LIMITS)
     if isinstance(parsed, DeadLetter):
         return DeadLetter.from_bytes(parsed.stage, f"{row.position}: {parsed.reason}", data, id=parsed.id,
                                      attributes={"source_position": row.position}, at=time.time())

@@ -394,3 +394,20 @@ def test_wait_counts_a_job_letter_that_lands_before_the_feeder_records_its_row(t
     assert time.monotonic() - started < 30
     assert "1 dead-lettered by the job: t-2 (measure" in capsys.readouterr().out
 
+
+
+def test_what_only_the_job_knows_is_left_to_the_job_a_rows_own_faults_are_lettered_here():
+    """The feeder knows the row, not the job: the adapters it serves (a job on a server_url leaves them to its
+    server) and its model's context are the job's settings, so a row naming an adapter or asking for more tokens
+    than the template's default context is published, for the job to answer or letter for good (at validate, or
+    by its server's refusal). A row that is wrong whatever the job (no prompt, no whole count of tokens) is lettered
+    here."""
+    from pipeline.contract.parameters import default
+
+    mapping = backfill.Mapping()
+    for values in ({"id": "a-1", "prompt": "Summarise.", "adapter": "support-tone"},
+                   {"id": "a-2", "prompt": "Summarise.", "max_tokens": default("max_model_len") + 1000}):
+        made = backfill.checked(backfill.Row("mem:1", values), mapping)
+        assert isinstance(made, tuple), (values, made)
+    for values in ({"id": "b-1", "prompt": "Summarise.", "max_tokens": -5}, {"id": "b-2"}):
+        assert not isinstance(backfill.checked(backfill.Row("mem:2", values), mapping), tuple), values

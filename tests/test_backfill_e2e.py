@@ -115,6 +115,25 @@ def test_a_row_the_model_server_refuses_ends_the_wait_and_is_not_published_again
         "1 dead-lettered by the job at parse, validate or measure or refused by its model server" in again, again
 
 
+def test_a_row_naming_an_adapter_the_server_lacks_is_refused_for_good_not_published_again(run, tmp_path, capsys):
+    """A job on a server_url leaves it to the server which adapters it serves: a row naming one it lacks passes the
+    job's checks and vLLM refuses it (HTTP 404, no such model), a refusal for what the row is, as a prompt too
+    long for the context is: --wait counts it as ended and a rerun does not publish it again."""
+    history = tmp_path / "adapter.jsonl"
+    history.write_text(json.dumps({"id": "kept-2", "prompt": "The parcel came early.", "max_tokens": 4}) + "\n"
+                       + json.dumps({"id": "no-adapter-1", "prompt": "The parcel came early.", "max_tokens": 4,
+                                     "adapter": "no-such-adapter"}) + "\n")
+    assert backfill_smoke.feed(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=300",
+                               "--quiet") == 0, run.log_tail()
+    first = capsys.readouterr().out
+    assert "Answered 1 of 2" in first and \
+        "1 dead-lettered by the job: no-adapter-1 (inference: the server rejected the request: HTTP 404" in first, first
+    assert backfill_smoke.feed(run, history, "--quiet") == 0
+    again = capsys.readouterr().out
+    assert ": 0 published, 1 skipped as answered" in again and \
+        "1 dead-lettered by the job at parse, validate or measure or refused by its model server" in again, again
+
+
 def test_a_row_the_job_could_not_answer_while_its_server_was_down_is_published_again_and_answered(
         run, vllm_server, emulator, tmp_path, capsys):
     """A job whose model server does not answer (nothing listens at its server_url) letters a row at the inference
