@@ -62,7 +62,6 @@ def test_a_backlog_ten_times_the_bound_ends_each_request_once_through_faults(sub
     request is admitted without a place (nothing was pulled past the bound), and once the lost places' time is up
     the ledger is at zero."""
     monkeypatch.setattr(subscription_feed, "PULL_DEADLINE_S", 2.0)  # so that a slow answer comes too late
-    monkeypatch.setattr(subscription_feed, "RENEW_S", 1.0)  # well within place_open_s, as 10 s is within 60
     topic, path = subscription
     expected = set(publish(topic, 10 * BOUND))
     proxy.faults = Faults(short=0.3, error=0.2, slow=0.2, slow_s=3.0, lost=0.2, ack_error=0.1)
@@ -319,6 +318,30 @@ def test_a_renewal_that_crosses_a_round_gives_back_none_of_what_the_feed_still_h
         feed.stop()
 
 
+def test_a_round_that_comes_after_the_feeds_thread_stalled_takes_no_message_whose_place_may_have_lapsed(
+        subscription, proxy):
+    """The feed's thread gives back what it held too long, but a thread held up (a stalled call, a starved process)
+    gives back nothing: a round that comes then must not take a message whose place lapsed, or the worker admits it
+    uncounted, past its bound, and pulls more in the lapsed place's room. A round takes only what was pulled within
+    half place_open_s (HELD_MOST_S, if less); the rest goes back at the thread's next turn."""
+    topic, path = subscription
+    publish(topic, 3)
+    source = a_worker(place_open_s=3.0)
+    now = [time.monotonic()]
+    feed = subscription_feed.SubscriptionFeed(path, source, False, ACK_DEADLINE_S, through(proxy),
+                                              clock=lambda: now[0], start=False)
+    try:
+        assert wait_until(lambda: (feed.step(), len(feed._held))[1] == 3, 20), "the feed pulled all three"
+        now[0] += 1.0
+        assert len(feed.take(1)) == 1, "within half place_open_s: taken"
+        now[0] += 0.6  # 1.6 s after the pull: past half of the 3 s, with no turn of the feed's thread between
+        assert feed.take(2) == [] and len(feed._held) == 2, "held too long: not taken"
+        feed.step()
+        assert not feed._held and feed.counts().get("given_back") == 2, "the next turn gave them back"
+    finally:
+        feed.stop()
+
+
 def test_acknowledgements_that_wait_on_a_slow_pubsub_go_together_and_late_ones_are_counted(subscription, proxy):
     """Pub/Sub answers every acknowledgement after 1.5 s. Six bundles' finalizers each hand over their ack ids at
     once; the first call goes alone, the five that waited behind it go in one more call (not five), and every
@@ -362,7 +385,7 @@ def test_a_monitoring_endpoint_override_keeps_the_workers_credentials_unless_it_
     assert not subscription_backlog._loopback("http://monitoring.internal.example:80")
 
 
-def test_deadline_changes_that_always_fail_cost_redeliveries_not_room(subscription, proxy, monkeypatch):
+def test_deadline_changes_that_always_fail_cost_redeliveries_not_room(subscription, proxy):
     """Every ModifyAckDeadline refused (PERMISSION_DENIED: the job's account lost pubsub.subscriber mid-job, say):
     the feed counts it and says so, every request still ends, nothing is admitted past the bound, and once the
     lost places' time is up the ledger is at zero: a failed extension touches no place."""
@@ -370,7 +393,6 @@ def test_deadline_changes_that_always_fail_cost_redeliveries_not_room(subscripti
     expected = set(publish(topic, 3 * BOUND))
     proxy.faults = Faults(ack_error=1.0, ack_codes=(grpc.StatusCode.PERMISSION_DENIED,),
                           only=frozenset({"ModifyAckDeadline"}))
-    monkeypatch.setattr(subscription_feed, "RENEW_S", 1.0)  # well within place_open_s, as 10 s is within 60
     source = a_worker(place_open_s=3.0)
     feed = a_feed(path, source, proxy)
     try:

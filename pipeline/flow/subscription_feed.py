@@ -17,8 +17,8 @@ end, and the places of what the feed holds are renewed every ``RENEW_S``, so onl
 after ``AdmissionSettings.place_open_s``. The ack deadline of what it holds is extended to ``ack_deadline_s`` (make
 setup gives the job's subscriptions the same 120 s); a round's bundle finalizer acknowledges what it took, and its
 end gives back the places of its dead letters, each on a thread of the feed's. A message no round takes within
-``HELD_MOST_S`` goes back to Pub/Sub, for a process whose readers run. What Pub/Sub's errors mean for it is
-:mod:`pipeline.flow.pubsub_trouble`'s.
+``HELD_MOST_S`` goes back to Pub/Sub, for a process whose readers run, and no round takes it. What Pub/Sub's errors
+mean for it is :mod:`pipeline.flow.pubsub_trouble`'s.
 
 A feed no round has taken from for ``IDLE_S`` (its readers moved away) gives back what it holds, its messages at
 once (an ack deadline of 0), and stops pulling until a round asks again; it pulls only while its rounds come (one
@@ -71,8 +71,8 @@ RENEW_S = 10.0
 IDLE_S = 30.0
 # A feed pulls only if a round asked within this long: a few of an idle reader's intervals (EMPTY_DELAY_S, 1 s).
 ASKED_WITHIN_S = 3.0
-# A message a feed has held this long without a round taking it (its process's readers run rarely) goes back to
-# Pub/Sub, for a feed whose rounds come to take it.
+# A message a feed has held this long (or half place_open_s, if less: its place lapses then) without a round taking
+# it goes back to Pub/Sub, for a feed whose rounds come to take it, and no round takes it (it would pass the bound).
 HELD_MOST_S = 5.0
 # How long the feed waits after a refusal (PermissionDenied, NotFound, unreachable) before it pulls again.
 REFUSED_WAIT_S = 10.0
@@ -149,6 +149,7 @@ class SubscriptionFeed:
         self._asked_at = clock()  # when a round last asked
         self._renewed_at = clock()
         self._retry_wait = RETRY_FIRST_S
+        self._held_most_s = min(HELD_MOST_S, source.settings.admission.place_open_s / 2 if source else HELD_MOST_S)
         self._want = PULL_FIRST  # how many the next pull asks for (at most the room)
         # What the last turn found, for the rounds (read-only to them): the worker had no room for this feed at its
         # last ask (the round defers as a full one); the last pull found the subscription empty (the reader's
@@ -168,11 +169,12 @@ class SubscriptionFeed:
     # What a round calls (never waits on Pub/Sub or the runtime) -----------------------------------------------
 
     def take(self, most: int) -> list[Pulled]:
-        """Up to ``most`` of the messages pulled, oldest first; their places and acknowledgement are the caller's."""
+        """Up to ``most`` of the messages pulled, oldest first, none held too long; their places and acks are theirs."""
         now = self._clock()
         with self._lock:
             self._asked_at = now
-            taken = [self._held.popleft() for _ in range(min(most, len(self._held)))]
+            taken = [pulled for pulled in self._held if now - pulled.pulled_at < self._held_most_s][:most]
+            self._held = collections.deque(p for p in self._held if all(p is not t for t in taken))
             for pulled in taken:
                 self._taken[pulled.received.ack_id] = now
             self._lock.notify_all()
@@ -189,8 +191,7 @@ class SubscriptionFeed:
     def left_over(self, places: list[str]) -> None:
         """A read bundle ended, and the admission step fused after it took over none of these places: their
         messages became dead letters (of the parse or measure step), which go nowhere near the generate step, so the
-        places go back to the worker's room. Told to the runtime on a thread of the feed's: a bundle's end waits on
-        nothing."""
+        places go back to the worker's room, told to the runtime on a feed's thread: a bundle's end waits on nothing."""
         if not places:
             return
         try:
@@ -289,9 +290,9 @@ class SubscriptionFeed:
             idle = now - self._asked_at > IDLE_S
             unasked = now - self._asked_at > ASKED_WITHIN_S
             room = PULL_MOST - len(self._held)
-            give_back = bool(self._held) and (idle or now - self._held[0].pulled_at > HELD_MOST_S)
+            give_back = bool(self._held) and (idle or now - self._held[0].pulled_at >= self._held_most_s)
         if give_back:
-            self._give_back(older_than_s=0.0 if idle else HELD_MOST_S)
+            self._give_back(older_than_s=0.0 if idle else self._held_most_s)
             return 0.0
         if now - self._renewed_at >= RENEW_S:
             self._renew()
@@ -326,8 +327,7 @@ class SubscriptionFeed:
                     return
 
     def _pull_once(self, most: int) -> str:
-        """One pull for up to ``most`` messages; returns what follows: ``pulled``, ``empty``, ``full``, ``retry``
-        or ``refused``."""
+        """One pull for up to ``most`` messages, then: ``pulled``, ``empty``, ``full``, ``retry``, ``refused``."""
         # A reserve left unanswered is asked again under its name and for as many: one carried out late took those
         # places, which this one then finds its own, not more.
         self._name_of_pull = self._name_of_pull or (f"{self._name}-{next(self._pulls)}", min(most, self._want))
@@ -376,7 +376,7 @@ class SubscriptionFeed:
         """How long a pull may wait: while the feed holds messages, no longer than they may stay (``HELD_MOST_S``)."""
         with self._lock:
             holding = bool(self._held)
-        return HELD_MOST_S if holding else PULL_DEADLINE_S
+        return self._held_most_s if holding else PULL_DEADLINE_S
 
     def _keep(self, received: list[Any], places: list[str]) -> None:
         """What a pull got joins what the feed holds, each with a place; the places it did not fill go back."""
