@@ -68,8 +68,10 @@ FINAL_STAGES = frozenset({"parse", "validate", "measure"})
 WAIT_POLL_S = 10.0
 # What the feeder checks a row against: what the row is, not what the job serves. The adapters a job serves and its
 # model's context are its settings (a job on a server_url leaves the adapters to its server), so a row past them is
-# the job's to letter, at validate or by its server's refusal: final either way, and not sent again.
-ROW_LIMITS = RequestLimits(max_model_len=sys.maxsize, adapters=None)
+# the job's to letter, at validate or by its server's refusal: final either way, and not sent again. A row asking
+# for more than a million tokens is wrong whatever the job (no model this template serves reads that much context),
+# and that bound also keeps one row from swelling the estimate.
+ROW_LIMITS = RequestLimits(max_model_len=1 << 20, adapters=None)
 # What one L4 worker is assumed to generate (a 2 B model, 256-token answers: docs/benchmarks.md#traffic-spike) and
 # cost an hour (docs/operations.md#idle-worker-cost); both are settings, the estimate says which it used.
 DEFAULT_GPU_TOKENS_PER_S = 1000.0
@@ -647,6 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--column: {', '.join(sorted(unknown))} is not a request field ({', '.join(FIELDS)})")
     if not (args.dead_letter_table or args.dead_letter_topic):
         parser.error("name --dead-letter-table or --dead-letter-topic: rows that cannot become requests go there")
+    if args.wait and not args.dead_letter_table:
+        parser.error("--wait reads the job's letters from --dead-letter-table (the job's dead_letter_table): "
+                     "without it, a row the job dead-letters would be waited for until --wait-timeout-s")
     from tqdm import tqdm
 
     if not args.completions_table:

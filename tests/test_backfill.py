@@ -400,8 +400,8 @@ def test_what_only_the_job_knows_is_left_to_the_job_a_rows_own_faults_are_letter
     """The feeder knows the row, not the job: the adapters it serves (a job on a server_url leaves them to its
     server) and its model's context are the job's settings, so a row naming an adapter or asking for more tokens
     than the template's default context is published, for the job to answer or letter for good (at validate, or
-    by its server's refusal). A row that is wrong whatever the job (no prompt, no whole count of tokens) is lettered
-    here."""
+    by its server's refusal). A row that is wrong whatever the job (no prompt, no whole count of tokens, more tokens
+    than any model's context) is lettered here."""
     from pipeline.contract.parameters import default
 
     mapping = backfill.Mapping()
@@ -409,5 +409,16 @@ def test_what_only_the_job_knows_is_left_to_the_job_a_rows_own_faults_are_letter
                    {"id": "a-2", "prompt": "Summarise.", "max_tokens": default("max_model_len") + 1000}):
         made = backfill.checked(backfill.Row("mem:1", values), mapping)
         assert isinstance(made, tuple), (values, made)
-    for values in ({"id": "b-1", "prompt": "Summarise.", "max_tokens": -5}, {"id": "b-2"}):
+    for values in ({"id": "b-1", "prompt": "Summarise.", "max_tokens": -5}, {"id": "b-2"},
+                   {"id": "b-3", "prompt": "Summarise.", "max_tokens": 1 << 21}):  # past any model's context
         assert not isinstance(backfill.checked(backfill.Row("mem:2", values), mapping), tuple), values
+
+
+def test_wait_without_the_jobs_letter_table_is_refused_before_anything_is_published(tmp_path, capsys):
+    """--wait ends when every row is answered or lettered, and reads the job's letters from its table: with only a
+    letter topic, a row the job letters would be waited for a week. Refused at once, naming what to add."""
+    jsonl, _, _ = write_sources(tmp_path)
+    with pytest.raises(SystemExit):
+        backfill.main([f"--source={jsonl}", f"--project={PROJECT}", f"--topic=projects/{PROJECT}/topics/t",
+                       f"--dead-letter-topic=projects/{PROJECT}/topics/letters", "--wait", "--quiet"])
+    assert "--wait reads the job's letters from --dead-letter-table" in capsys.readouterr().err
