@@ -24,9 +24,9 @@ message the stream would receive: its id and prompt from the columns named (``--
   repeated (the same row again), waiting and lettered for good by the job, and they add up.
 * **Progress and cost.** A progress bar while it reads and publishes; with ``--wait``, a second one while the
   job answers, with answers/s, tokens/s and an ETA from the completions table, until every row is answered or
-  dead-lettered by the job (those are named). Before publishing, an estimate of the GPU-hours and cost, from
-  the rows' ``max_tokens`` (the answers' upper bound) and ``--gpu-tokens-per-s``, replaced by the measured
-  rate once answers arrive.
+  dead-lettered by the job (those are named). Once it has published (it reads the rows once), an estimate of the
+  GPU-hours and cost of what it published, from the rows' ``max_tokens`` (the answers' upper bound) and
+  ``--gpu-tokens-per-s``, replaced by the measured rate once answers arrive.
 """
 
 from __future__ import annotations
