@@ -147,12 +147,16 @@ _cell_values = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), s
 
 @settings(max_examples=300, deadline=None)
 @given(_cell_values, _cell_values, _cell_values, _cell_values)
-def test_a_value_cell_that_holds_anything_loads_as_its_value_or_as_unset(progress, seen, poll_at_ms, wait_ms):
-    """Beam's state gives value cells untyped; the load checks them once, so no step reads a timer that is not a
+def test_a_value_cell_that_holds_anything_reads_as_its_value_or_as_unset(progress, seen, poll_at_ms, wait_ms):
+    """Beam's state gives value cells untyped; the read checks them once, so no step reads a timer that is not a
     whole number of milliseconds or a record that is not text."""
-    from pipeline.generation.key_state import load
+    from types import SimpleNamespace
 
-    state = load(waiting=(), inflight=(), progress=progress, seen=seen, poll_at_ms=poll_at_ms, wait_ms=wait_ms)
+    from pipeline.generation.key_state import read_cells
+
+    cells = SimpleNamespace(waiting=Cell([]), inflight=Cell([]), progress=Cell(progress), seen=Cell(seen),
+                            poll_at_ms=Cell(poll_at_ms), wait_ms=Cell(wait_ms))
+    state = read_cells(cells)
     for value, loaded in ((poll_at_ms, state.poll_at_ms), (wait_ms, state.wait_ms)):
         whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         assert loaded == (value if whole else None) and (loaded is None or type(loaded) is int)

@@ -18,7 +18,7 @@ Cells, each written only when it changes:
 * ``poll_at_ms`` and ``wait_ms``: when the poll timer is set for, and the backoff of a key whose requests only
   wait (integers under Beam's ``VarIntCoder``, versioned by name).
 
-Beam's state gives value cells untyped: the load checks them once (:func:`read_cells` clears one it refuses).
+Beam's state gives value cells untyped: :func:`read_cells` checks each once, and clears one it refuses.
 
 An entry that cannot be decoded (after an update changed the format) is kept aside as ``damaged``: the next
 step turns it into a dead letter with its raw text, and the key goes on.
@@ -233,37 +233,22 @@ def _entries(texts: Iterable[str]) -> tuple[tuple[RequestEntry, ...], tuple[Dama
     return tuple(entries), tuple(damaged)
 
 
-def _millis(name: str, value: object) -> int | None:
-    """A timer cell's value: a count of milliseconds (a non-negative int). Anything else reads as unset: the key's
-    next step sets its timer afresh, or backs off from its lane's cadence again, so nothing waits on it."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    LOGGER.error("Unreadable %s state (%s); read as unset", name, value if isinstance(value, int) else
-                 type(value).__name__)
-    return None
+# The value cells' checks, by the cells' names: Beam's state gives value cells untyped (:func:`read_cells`).
+_CHECKS: dict[str, Callable[[object], bool]] = {
+    "progress": lambda value: isinstance(value, str), "seen": lambda value: isinstance(value, str),
+    # A count of milliseconds; one that is not reads as unset: the key's next step sets its timer afresh, or backs
+    # off from its lane's cadence again, so nothing waits on it.
+    "poll_at_ms": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+    "wait_ms": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0}
 
 
-def _text(name: str, value: object) -> str | None:
-    """A text cell's value; anything else reads as empty, as an unreadable text does."""
-    if value is None or isinstance(value, str):
-        return value
-    LOGGER.error("Unreadable %s state (%s); read as empty", name, type(value).__name__)
-    return None
-
-
-# The value cells' checks, by the cells' names (what :func:`load` applies to each).
-_CHECKS: dict[str, Callable[[str, object], object]] = {"progress": _text, "seen": _text, "poll_at_ms": _millis,
-                                                       "wait_ms": _millis}
-
-
-def load(*, waiting: Iterable[str], inflight: Iterable[str], progress: object = None, seen: object = None,
-         poll_at_ms: object = None, wait_ms: object = None) -> KeyState:
-    """A key's state from its cells as committed (any version this code knows); the value cells are checked here,
-    where Beam's state gives them untyped."""
+def load(*, waiting: Iterable[str], inflight: Iterable[str], progress: str | None = None, seen: str | None = None,
+         poll_at_ms: int | None = None, wait_ms: int | None = None) -> KeyState:
+    """A key's state from its cells as committed (any version this code knows)."""
     in_flight, damaged_in_flight = _entries(inflight)
     queued, damaged_queued = _entries(waiting)
-    return KeyState(queued, in_flight, read_progress(_text("progress", progress)), IdRecord(_text("seen", seen)),
-                    _millis("poll_at_ms", poll_at_ms), _millis("wait_ms", wait_ms), damaged_in_flight + damaged_queued)
+    return KeyState(queued, in_flight, read_progress(progress), IdRecord(seen), poll_at_ms, wait_ms,
+                    damaged_in_flight + damaged_queued)
 
 
 @dataclass(frozen=True)
@@ -345,13 +330,16 @@ class KeyCells(Protocol):
 
 
 def read_cells(cells: KeyCells) -> KeyState:
-    """The key's state from its cells as committed. A value cell the load refuses is cleared (with the work item's
-    commit, as every write is): a step that leaves the value unset writes nothing, and it would be refused again."""
-    values: dict[str, object] = {}
+    """The key's state from its cells as committed, each value cell checked once (:data:`_CHECKS`). One the check
+    refuses reads as unset and is cleared (with the work item's commit, as every write is): a step that leaves the
+    value unset writes nothing, and it would be refused again at every callback."""
+    values: dict[str, Any] = {}
     for name, check in _CHECKS.items():
         cell: ValueCell = getattr(cells, name)
         value = cell.read()
-        if value is not None and check(name, value) is None:
+        if value is not None and not check(value):
+            LOGGER.error("Unreadable %s state (%s); read as unset and cleared", name,
+                         value if isinstance(value, int) else type(value).__name__)
             cell.clear()
             value = None
         values[name] = value
