@@ -60,8 +60,7 @@ PULL_FIRST = 4
 # How long a pull may wait for messages: long enough for Pub/Sub to gather a backlog's messages, short enough that
 # what the feed holds is renewed (RENEW_S, after the pull) well within AdmissionSettings.place_open_s.
 PULL_DEADLINE_S = 20.0
-# The least time between two pulls after one that got nothing: an emulator (or a service) that answers an empty
-# pull at once is not asked again at once.
+# The least time between two pulls after one that got nothing: a service that answers an empty pull at once waits.
 PULL_EVERY_S = 0.5
 # How long the feed waits before it asks for places again when the worker had none to give.
 FULL_WAIT_S = 0.2
@@ -149,7 +148,7 @@ class SubscriptionFeed:
         self._asked_at = clock()  # when a round last asked
         self._renewed_at = clock()
         self._retry_wait = RETRY_FIRST_S
-        self._held_most_s = min(HELD_MOST_S, source.settings.admission.place_open_s / 2 if source else HELD_MOST_S)
+        self._held_most_s = min(HELD_MOST_S, source.settings.admission.place_open_s / 2) if source else HELD_MOST_S
         self._want = PULL_FIRST  # how many the next pull asks for (at most the room)
         # What the last turn found, for the rounds (read-only to them): the worker had no room for this feed at its
         # last ask (the round defers as a full one); the last pull found the subscription empty (the reader's
@@ -173,8 +172,9 @@ class SubscriptionFeed:
         now = self._clock()
         with self._lock:
             self._asked_at = now
-            taken = [pulled for pulled in self._held if now - pulled.pulled_at < self._held_most_s][:most]
-            self._held = collections.deque(p for p in self._held if all(p is not t for t in taken))
+            held = list(self._held)  # oldest first: those held too long are a prefix
+            n = next((n for n, pulled in enumerate(held) if now - pulled.pulled_at < self._held_most_s), len(held))
+            taken, self._held = held[n:n + most], collections.deque(held[:n] + held[n + most:])
             for pulled in taken:
                 self._taken[pulled.received.ack_id] = now
             self._lock.notify_all()
