@@ -649,9 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--column: {', '.join(sorted(unknown))} is not a request field ({', '.join(FIELDS)})")
     if not (args.dead_letter_table or args.dead_letter_topic):
         parser.error("name --dead-letter-table or --dead-letter-topic: rows that cannot become requests go there")
-    if args.wait and not args.dead_letter_table:
-        parser.error("--wait reads the job's letters from --dead-letter-table (the job's dead_letter_table): "
-                     "without it, a row the job dead-letters would be waited for until --wait-timeout-s")
+    if args.wait and not (args.completions_table and args.dead_letter_table):
+        parser.error("--wait reads the job's answers from --completions-table and its letters from "
+                     "--dead-letter-table (the job's output_completions_table and dead_letter_table): without both "
+                     "it cannot tell when every row ended")
     from tqdm import tqdm
 
     if not args.completions_table:
@@ -678,7 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"sends these and the waiting ones "
           f"again). Estimate: {estimate(args, tally)}.", flush=True)
     assert tally.adds_up(), tally
-    if args.wait and args.completions_table and published:
+    if args.wait and published:
         waited = wait_for_answers(outputs, list(published), args)
         rate = waited.tokens / waited.elapsed_s if waited.elapsed_s else 0.0
         lettered = "; ".join(f"{i} ({stage}: {reason[:120]})" for i, (stage, reason) in

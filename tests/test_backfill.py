@@ -415,10 +415,12 @@ def test_what_only_the_job_knows_is_left_to_the_job_a_rows_own_faults_are_letter
 
 
 def test_wait_without_the_jobs_letter_table_is_refused_before_anything_is_published(tmp_path, capsys):
-    """--wait ends when every row is answered or lettered, and reads the job's letters from its table: with only a
-    letter topic, a row the job letters would be waited for a week. Refused at once, naming what to add."""
+    """--wait ends when every row is answered or lettered, and reads both from the job's tables: with only a letter
+    topic, a row the job letters would be waited for a week (and without the completions table --wait did nothing).
+    Refused at once, naming what to add."""
     jsonl, _, _ = write_sources(tmp_path)
     with pytest.raises(SystemExit):
         backfill.main([f"--source={jsonl}", f"--project={PROJECT}", f"--topic=projects/{PROJECT}/topics/t",
                        f"--dead-letter-topic=projects/{PROJECT}/topics/letters", "--wait", "--quiet"])
-    assert "--wait reads the job's letters from --dead-letter-table" in capsys.readouterr().err
+    assert "--wait reads the job's answers from --completions-table and its letters from --dead-letter-table" in \
+        capsys.readouterr().err
