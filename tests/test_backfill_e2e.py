@@ -95,39 +95,26 @@ def test_a_feeder_killed_while_the_job_answers_and_run_again_answers_every_row_o
     assert sorted(ids) == sorted(f"record-{i}" for i in range(total)), "every row answered, none twice"
 
 
-def test_a_row_the_model_server_refuses_ends_the_wait_and_is_not_published_again(run, tmp_path, capsys):
-    """A row whose prompt overflows the server's context, which a job on a server_url does not refuse itself (it
-    estimates prompts by characters), is refused by vLLM itself (HTTP 400) and lettered at the inference stage:
-    --wait counts it as ended, however soon after its publishing the job's letter lands, and a rerun leaves it
-    alone, as it does a row lettered at parse, validate or measure."""
+@pytest.mark.parametrize("refused, status", [
+    # A prompt over the server's context (about 2,500 tokens against 2,048), which a job on a server_url does not
+    # refuse itself: it estimates prompts by characters.
+    ({"id": "refused-long", "prompt": "The parcel came late. " * 500, "max_tokens": 4}, 400),
+    # An adapter the server lacks: a job on a server_url leaves it to the server which adapters it serves.
+    ({"id": "refused-adapter", "prompt": "The parcel came late.", "max_tokens": 4, "adapter": "no-such-adapter"},
+     404)], ids=["too-long", "no-such-adapter"])
+def test_a_row_the_model_server_refuses_ends_the_wait_and_is_not_published_again(run, tmp_path, capsys, refused,
+                                                                                  status):
+    """A row the job passes and vLLM refuses for what it is (HTTP 4xx) is lettered at the inference stage as
+    refused: --wait counts it as ended, however soon after its publishing the job's letter lands, and a rerun
+    leaves it alone, as it does a row lettered at parse, validate or measure."""
     history = tmp_path / "refused.jsonl"
-    history.write_text(json.dumps({"id": "kept-1", "prompt": "The parcel came late.", "max_tokens": 4}) + "\n"
-                       + json.dumps({"id": "refused-1", "prompt": "The parcel came late. " * 500, "max_tokens": 4})
-                       + "\n")  # about 2,500 tokens: the server's context is 2,048
+    kept = {"id": f"kept-{refused['id']}", "prompt": "The parcel came late.", "max_tokens": 4}
+    history.write_text(json.dumps(kept) + "\n" + json.dumps(refused) + "\n")
     assert backfill_smoke.feed(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=300",
                                "--quiet") == 0, run.log_tail()
     first = capsys.readouterr().out
-    assert "Answered 1 of 2" in first and \
-        "1 dead-lettered by the job: refused-1 (inference: the server rejected the request: HTTP 400" in first, first
-    assert backfill_smoke.feed(run, history, "--quiet") == 0
-    again = capsys.readouterr().out
-    assert ": 0 published, 1 skipped as answered" in again and \
-        "1 dead-lettered by the job at parse, validate or measure or refused by its model server" in again, again
-
-
-def test_a_row_naming_an_adapter_the_server_lacks_is_refused_for_good_not_published_again(run, tmp_path, capsys):
-    """A job on a server_url leaves it to the server which adapters it serves: a row naming one it lacks passes the
-    job's checks and vLLM refuses it (HTTP 404, no such model), a refusal for what the row is, as a prompt too
-    long for the context is: --wait counts it as ended and a rerun does not publish it again."""
-    history = tmp_path / "adapter.jsonl"
-    history.write_text(json.dumps({"id": "kept-2", "prompt": "The parcel came early.", "max_tokens": 4}) + "\n"
-                       + json.dumps({"id": "no-adapter-1", "prompt": "The parcel came early.", "max_tokens": 4,
-                                     "adapter": "no-such-adapter"}) + "\n")
-    assert backfill_smoke.feed(run, history, "--wait", "--wait-poll-s=1", "--wait-timeout-s=300",
-                               "--quiet") == 0, run.log_tail()
-    first = capsys.readouterr().out
-    assert "Answered 1 of 2" in first and \
-        "1 dead-lettered by the job: no-adapter-1 (inference: the server rejected the request: HTTP 404" in first, first
+    assert "Answered 1 of 2" in first and (f"1 dead-lettered by the job: {refused['id']} (inference: the server "
+                                           f"rejected the request: HTTP {status}") in first, first
     assert backfill_smoke.feed(run, history, "--quiet") == 0
     again = capsys.readouterr().out
     assert ": 0 published, 1 skipped as answered" in again and \
