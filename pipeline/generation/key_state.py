@@ -234,12 +234,18 @@ def _entries(texts: Iterable[str]) -> tuple[tuple[RequestEntry, ...], tuple[Dama
 
 
 # The value cells' checks, by the cells' names: Beam's state gives value cells untyped (:func:`read_cells`).
-_CHECKS: dict[str, Callable[[object], bool]] = {
-    "progress": lambda value: isinstance(value, str), "seen": lambda value: isinstance(value, str),
-    # A count of milliseconds; one that is not reads as unset: the key's next step sets its timer afresh, or backs
-    # off from its lane's cadence again, so nothing waits on it.
-    "poll_at_ms": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-    "wait_ms": lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0}
+# A timer cell holds a count of milliseconds; one that does not reads as unset: the key's next step sets its timer
+# afresh, or backs off from its lane's cadence again, so nothing waits on it.
+def _is_text(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_millis(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_CHECKS: dict[str, Callable[[object], bool]] = {"progress": _is_text, "seen": _is_text, "poll_at_ms": _is_millis,
+                                                "wait_ms": _is_millis}
 
 
 def load(*, waiting: Iterable[str], inflight: Iterable[str], progress: str | None = None, seen: str | None = None,
