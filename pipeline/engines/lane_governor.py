@@ -31,13 +31,16 @@ The rule, either objective counting (0 follows none of that kind):
   :meth:`pipeline.engines.stream_registry.StreamRegistry.shed`), at the cost of the tokens they had generated,
   each stream once at most beside live traffic. Where the backend cannot stop an attempt (the in-process static
   batches), or the streams were spared, running streams end on their own;
-* below ``HEADROOM`` of every objective, the cap grows by one while the lane runs as many streams as its cap, and
+* below ``HEADROOM`` of every objective, the cap grows by one if the lane ran as many streams as its cap within the
+  second (at one instant of it: streams that end and start at once leave it one short at times), and
   the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
   the lane does not meet tells nothing of what more would cost);
 * between, both stay;
 * with no live stream running and none sent for ``IDLE_S``, the cap is the lane's whole share (``bulk_streams``)
   and the budget unbounded: the lane takes everything while no live request is there to slow; the next live
-  request sent puts back the limits live traffic last left.
+  request sent puts back the limits live traffic last left, and the first the engine ever sends, the floor of one
+  stream (what the lane costs live is not known yet: it grows from there, rather than halve its way down from its
+  whole share while live requests pay for each step).
 
 It never goes below one stream, and one bulk request starts whatever its prompt when none started within the
 second; a lane that live traffic alone keeps from running for ``BULK_STARVED_S`` starts one where the engine has any
@@ -122,7 +125,10 @@ class LaneGovernor:
         self._halved_at = float("-inf")  # latencies before this cannot show the last halving's effect
         self._over_cap_at = float("-inf")  # nor those before this, when more bulk streams ran than the cap
         self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
-        self._before_idle: tuple[int, float | None] | None = None  # the limits live traffic last left, while idle
+        self._full_at = float("-inf")  # when the lane last ran as many bulk streams as its cap
+        # The limits live traffic last left, while idle; before any live request, the floor: what the lane costs
+        # live is not known yet, so live's first request finds the lane at one stream, which grows from there.
+        self._before_idle: tuple[int, float | None] | None = (1, None)
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
         self._counted_at = float("-inf")  # up to when the totals integrated over time count
@@ -189,6 +195,8 @@ class LaneGovernor:
             if self.governed:
                 self._integrate(elapsed_ms)
         self._counted_at = now
+        if bulk_running >= self.cap:
+            self._full_at = now
         if not self.governed:
             self.cap = self.most
         elif now - self._adjusted_at >= ADJUST_S:
@@ -264,7 +272,7 @@ class LaneGovernor:
         if seen is None or seen >= HEADROOM:
             return
         before = (self.cap, self.prompt_budget)
-        if bulk_running >= self.cap:
+        if now - self._full_at <= ADJUST_S:
             self.cap = min(self.most, self.cap + 1)
         if self.prompt_budget is not None and now - self._budget_waited_at <= ADJUST_S:
             self.prompt_budget += self._mean_prompt(now)
