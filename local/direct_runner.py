@@ -84,6 +84,7 @@ from typing import Any
 from apache_beam.runners.runner import PipelineResult
 
 from pipeline.worker import read_places
+from pipeline.worker.admission_ledger import BULK_QUEUED_MIN
 from pipeline.worker.runtime import WorkerRuntime
 from pipeline.worker.runtime_settings import RuntimeSettings
 
@@ -115,11 +116,15 @@ class _PrefetchingPullClient:
         self.taken = 0  # messages handed to the pipeline (and so acknowledged)
 
     def _prefetch_target(self) -> int:
-        """How many messages to hold ready: the worker's room (one before its engine is set up)."""
+        """How many messages to hold ready: the worker's room (one before its engine is set up); for the bulk
+        lane's subscription, at most its least wave (``BULK_QUEUED_MIN``): its places come at the lane's pace, a
+        stream's answer at a time when live traffic holds it to one, and a message held here past the
+        subscription's ack deadline comes again, a copy the job then reads and drops."""
         load = _source_load()
         if load is None:
             return 1
-        return min(max(load["max_held"] - load["held"] - load["on_the_way"], 1), self._max_prefetched)
+        room = min(max(load["max_held"] - load["held"] - load["on_the_way"], 1), self._max_prefetched)
+        return min(room, BULK_QUEUED_MIN) if self._subscription in _BULK_SUBSCRIPTIONS else room
 
     def _prefetch(self) -> None:
         from google.api_core import exceptions

@@ -9,6 +9,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 from apache_beam.testing.util import assert_that, equal_to
 
 from local.direct_runner import apply_local_runner_fixes
+from tests.conftest import wait_until
 
 
 def idle_streaming_read(emulator, name: str):
@@ -117,6 +118,44 @@ def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_a
         assert runtime.admit(["a", "b"], in_place_of=places[:2]) == 2, "each request in a place: no room needed"
         assert runtime.admission.counts() == (0, 0, 3), "two requests and the third place"
     finally:
+        with direct_runner._RUNTIMES_LOCK:
+            direct_runner._RUNTIMES.clear()
+            direct_runner._RUNTIMES.update(saved)
+
+
+def test_the_local_read_of_the_bulk_subscription_prefetches_no_more_than_the_lanes_least_wave(emulator):
+    """The bulk lane's places come at its pace (one stream's, beside live traffic): a prefetch of the worker's whole
+    room held messages past their ack deadline, and Pub/Sub sent each again, a copy the job read and dropped. It
+    prefetches at most BULK_QUEUED_MIN; the rest stays in the subscription."""
+    from google.cloud import pubsub_v1
+
+    from local import direct_runner
+    from pipeline.engines.engine_settings import EngineSettings
+    from pipeline.engines.vllm_engine import vllm_engine
+    from pipeline.worker.admission_ledger import BULK_QUEUED_MIN
+    from pipeline.worker.runtime import WorkerRuntime
+    from pipeline.worker.runtime_settings import AdmissionSettings
+
+    emulator.create_topic("bulk-prefetch-topic", subscription="bulk-prefetch-sub")
+    publisher = pubsub_v1.PublisherClient()
+    for i in range(20):
+        publisher.publish(emulator.topic("bulk-prefetch-topic"), f"m{i}".encode()).result()
+    settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", served_model_name="m", max_in_flight=16)
+    runtime = WorkerRuntime(vllm_engine(settings), AdmissionSettings(worker_queue=16, transit_s=60.0))
+    client = direct_runner._PrefetchingPullClient(pubsub_v1.SubscriberClient(), max_messages=100)
+    subscription = emulator.subscription("bulk-prefetch-sub")
+    with direct_runner._RUNTIMES_LOCK:
+        saved = dict(direct_runner._RUNTIMES)
+        direct_runner._RUNTIMES.clear()
+        direct_runner._RUNTIMES[f"bulk-prefetch-{time.monotonic_ns()}"] = runtime
+    direct_runner._BULK_SUBSCRIPTIONS.add(subscription)
+    try:
+        client.pull(subscription)  # starts the prefetch
+        assert wait_until(lambda: len(client._queue) == BULK_QUEUED_MIN, 30), "it prefetched the least wave"
+        time.sleep(1.0)
+        assert len(client._queue) == BULK_QUEUED_MIN, "and no more, with room for 32 and 20 waiting"
+    finally:
+        direct_runner._BULK_SUBSCRIPTIONS.discard(subscription)
         with direct_runner._RUNTIMES_LOCK:
             direct_runner._RUNTIMES.clear()
             direct_runner._RUNTIMES.update(saved)
