@@ -340,18 +340,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def first_token_completions(collector: OutputCollector, published: dict[str, float]) -> list[dict]:
+    """The completions of these live requests that tell when their first token came."""
+    return [c.data for c in list(collector.completions)
+            if c.data["id"] in published and c.data.get("time_to_first_token_ms") is not None]
+
+
 def read_first_tokens(collector: OutputCollector, published: dict[str, float]) -> list[float]:
     """Per live request, ms from the pipeline's read of it to its first token, as its completion tells it: what
     the governor's objective bounds."""
-    return [c.data["time_to_first_token_ms"] for c in list(collector.completions)
-            if c.data["id"] in published and c.data.get("time_to_first_token_ms") is not None]
+    return [data["time_to_first_token_ms"] for data in first_token_completions(collector, published)]
 
 
 def server_first_tokens(collector: OutputCollector, published: dict[str, float]) -> list[float]:
     """Per live request, ms from the server taking it to its first token, as its completion tells it (its first
     token after its read less its wait before the server took it): where the steps it shares cost it."""
-    return [c.data["time_to_first_token_ms"] - c.data["queue_ms"] for c in list(collector.completions)
-            if c.data["id"] in published and c.data.get("time_to_first_token_ms") is not None]
+    return [data["time_to_first_token_ms"] - data["queue_ms"] for data in first_token_completions(collector, published)]
 
 
 def backlog_depth(lane: str) -> int:
