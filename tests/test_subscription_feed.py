@@ -332,9 +332,7 @@ def test_a_round_that_comes_after_the_feeds_thread_stalled_takes_no_message_whos
                                               clock=lambda: now[0], start=False)
     try:
         assert wait_until(lambda: (feed.step(), len(feed._held))[1] == 3, 20), "the feed pulled all three"
-        now[0] += 0.25
-        assert feed._pull_deadline() == pytest.approx(1.25), "a pull while holding waits what the oldest has left"
-        now[0] += 0.75
+        now[0] += 1.0
         assert len(feed.take(1)) == 1, "within half place_open_s: taken"
         now[0] += 0.6  # 1.6 s after the pull: past half of the 3 s, with no turn of the feed's thread between
         assert feed.take(2) == [] and len(feed._held) == 2, "held too long: not taken"

@@ -131,7 +131,8 @@ class SubscriptionFeed:
         :class:`RuntimeClient`), ``backlog`` (by default Cloud Monitoring's) and ``start=False`` (no thread: the
         caller runs :meth:`step`) let the worker's simulator (``tests/vm_sim.py``) run this feed on its own clock."""
         self.subscription = subscription
-        self._source, self._bulk = source, bulk
+        self._source = source
+        self._bulk = bulk
         self._ack_deadline_s = ack_deadline_s
         self._make_client = client
         self._clock = clock
@@ -372,11 +373,10 @@ class SubscriptionFeed:
         return list(response.received_messages)
 
     def _pull_deadline(self) -> float:
-        """How long a pull may wait: while the feed holds messages, what the oldest has left of the time it may be
-        held (it goes back on time), but at least ``PULL_EVERY_S``."""
+        """How long a pull may wait: while the feed holds messages, no longer than they may stay (``HELD_MOST_S``)."""
         with self._lock:
-            left = self._held_most_s - (self._clock() - self._held[0].pulled_at) if self._held else None
-        return PULL_DEADLINE_S if left is None else max(PULL_EVERY_S, left)
+            holding = bool(self._held)
+        return self._held_most_s if holding else PULL_DEADLINE_S
 
     def _keep(self, received: list[Any], places: list[str]) -> None:
         """What a pull got joins what the feed holds, each with a place; the places it did not fill go back."""
