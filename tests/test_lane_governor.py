@@ -16,7 +16,7 @@ from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import LANE_BULK, InferenceRequest
 from pipeline.engines import lane_governor, stream_registry
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.lane_governor import ADJUST_S, HEADROOM, IDLE_S, LaneGovernor
+from pipeline.engines.lane_governor import ADJUST_S, HEADROOM, IDLE_S, NEAR, LaneGovernor
 from pipeline.engines.stream_registry import StreamRegistry
 from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.worker import read_places
@@ -25,10 +25,10 @@ from pipeline.worker.runtime import WorkerRuntime
 
 
 def met(lane: LaneGovernor) -> LaneGovernor:
-    """The lane as live traffic left it at its whole share, long ago (the halvings below start from there, not from
-    the floor a lane no live request has met yet starts live at)."""
+    """The lane as live traffic left it at its whole share, long ago, after halvings (what follows starts from there,
+    not from the floor a lane no live request has met yet starts live at, and grows only below HEADROOM)."""
     lane.live_sent(-2 * IDLE_S)
-    lane.cap = lane.most
+    lane.cap, lane._ever_halved = lane.most, True
     return lane
 
 
@@ -48,7 +48,46 @@ def test_the_first_live_request_finds_the_lane_at_one_stream_and_it_grows_from_t
         lane.first_token(float(second), (HEADROOM - 0.1) * 1000.0)
         lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap)
     assert lane.cap == 4, "well below the objective it grows, one stream a second"
-    assert LaneGovernor(0.0, 16).live_sent(1.0) is None and LaneGovernor(0.0, 16).bulk_cap(1.0) == 16, "off"
+    off = LaneGovernor(0.0, 16)
+    off.live_sent(1.0)
+    assert off.bulk_cap(1.0, live_running=1, bulk_running=16) == 16 and not off.idle_open, "off: the whole share"
+
+
+def test_before_its_first_halving_the_lane_grows_up_to_near_its_objective_and_after_it_to_headroom():
+    """From the floor live traffic first finds it at, a lane whose one stream already costs live more than
+    HEADROOM of the objective would never grow, though more streams may keep it: until it first halves it grows
+    while below NEAR; after, while below HEADROOM (the band between keeps AIMD off its own sawtooth)."""
+    lane = LaneGovernor(1000.0, 16)
+    for second in range(1, 4):
+        lane.live_sent(float(second))
+        lane.first_token(float(second), (HEADROOM + NEAR) / 2 * 1000.0)
+        lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap)
+    assert lane.cap == 4, "below NEAR and never halved: it grows from one, a stream a second"
+    lane.first_token(4.0, 1000.0)
+    lane.bulk_cap(4.0, live_running=1, bulk_running=4)
+    assert lane.cap == 2 and lane.totals["bulk_lane_halvings"] == 1
+    for second in range(5, 9):
+        lane.live_sent(float(second))
+        lane.first_token(float(second), (HEADROOM + NEAR) / 2 * 1000.0)
+        lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap)
+    assert lane.cap == 2, "halved once: between HEADROOM and NEAR it stays"
+
+
+def test_the_lane_grows_only_on_what_it_wanted_since_the_last_adjustment():
+    """A lane running one stream short of its cap does not grow on the moment it ran at it before the last
+    adjustment; a bulk request that waited for the cap (a static batch larger than it, with nothing running) is
+    reason to grow."""
+    lane = met(LaneGovernor(1000.0, 16))
+    lane.cap = 2
+    lane.live_sent(0.0)
+    lane.first_token(0.0, 100.0)
+    assert lane.bulk_cap(0.0, live_running=1, bulk_running=2) == 3, "ran at its cap: grows"
+    for second in (1.0, 2.0):
+        lane.live_sent(second)
+        assert lane.bulk_cap(second, live_running=1, bulk_running=2) == 3, "one short of its cap since: stays"
+    lane.wanted(2.5)
+    lane.live_sent(3.0)
+    assert lane.bulk_cap(3.0, live_running=1, bulk_running=0) == 4, "a request waited for the cap: grows"
 
 
 def test_live_first_tokens_past_the_objective_halve_the_lane_as_each_halving_can_show_down_to_one_stream():

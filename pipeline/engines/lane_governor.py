@@ -31,8 +31,11 @@ The rule, either objective counting (0 follows none of that kind):
   :meth:`pipeline.engines.stream_registry.StreamRegistry.shed`), at the cost of the tokens they had generated,
   each stream once at most beside live traffic. Where the backend cannot stop an attempt (the in-process static
   batches), or the streams were spared, running streams end on their own;
-* below ``HEADROOM`` of every objective, the cap grows by one if the lane ran as many streams as its cap within the
-  second (at one instant of it: streams that end and start at once leave it one short at times), and
+* below ``HEADROOM`` of every objective (before the lane's first halving, below ``NEAR``: the floor it starts live
+  at is no evidence of what more would cost), the cap grows by one if the lane wanted it since the last adjustment:
+  it ran as many streams as its cap at some moment (streams that end and start at once leave it one short at
+  times), or a bulk request waited for the cap (:meth:`LaneGovernor.wanted`: a static batch larger than the cap
+  runs nothing until it fits); and
   the budget by one bulk prompt (the window's mean) while a bulk request waited for it within the second (a limit
   the lane does not meet tells nothing of what more would cost);
 * between, both stay;
@@ -125,7 +128,8 @@ class LaneGovernor:
         self._halved_at = float("-inf")  # latencies before this cannot show the last halving's effect
         self._over_cap_at = float("-inf")  # nor those before this, when more bulk streams ran than the cap
         self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
-        self._full_at = float("-inf")  # when the lane last ran as many bulk streams as its cap
+        self._full_at = float("-inf")  # when the lane last ran as many bulk streams as its cap, or wanted more
+        self._ever_halved = False  # before its first halving the lane grows up to NEAR, not HEADROOM
         # The limits live traffic last left, while idle; before any live request, the floor: what the lane costs
         # live is not known yet, so live's first request finds the lane at one stream, which grows from there.
         self._before_idle: tuple[int, float | None] | None = (1, None)
@@ -244,8 +248,12 @@ class LaneGovernor:
                              ("live_inter_token_p95_ms_ms", inter or 0.0)):
             self._add(total, value * elapsed_ms)
 
+    def wanted(self, now: float) -> None:
+        """A bulk request waited for the cap: the lane would use more than it may (it may grow)."""
+        self._full_at = now
+
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
-        self._adjusted_at = now
+        since, self._adjusted_at = self._adjusted_at, now  # the lane's use since the last adjustment counts
         self._acted_on = (self._first_tokens.percentile_ms(now), self._inter_tokens.percentile_ms(now))
         if not live_running and now - self._live_sent_at > IDLE_S:
             if (self.cap, self.prompt_budget) != (self.most, None):
@@ -257,7 +265,7 @@ class LaneGovernor:
             self._over_cap_at = now
         fresh = self._pressure(now, since=max(self._halved_at, self._over_cap_at))
         if fresh is not None and fresh > NEAR:
-            self._halved_at = now
+            self._halved_at, self._ever_halved = now, True
             before = (self.cap, self.prompt_budget)
             self.cap = max(1, self.cap // 2)
             # From the lower of the budget and the rate the lane started prompts at: a budget above what the lane
@@ -269,10 +277,10 @@ class LaneGovernor:
             self.totals["bulk_lane_halvings"] += (self.cap, self.prompt_budget) != before
             return
         seen = self._pressure(now)
-        if seen is None or seen >= HEADROOM:
+        if seen is None or seen >= (HEADROOM if self._ever_halved else NEAR):
             return
         before = (self.cap, self.prompt_budget)
-        if now - self._full_at <= ADJUST_S:
+        if self._full_at > since:
             self.cap = min(self.most, self.cap + 1)
         if self.prompt_budget is not None and now - self._budget_waited_at <= ADJUST_S:
             self.prompt_budget += self._mean_prompt(now)

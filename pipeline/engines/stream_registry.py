@@ -114,7 +114,10 @@ class StreamRegistry:
             return self._fitting(new, max(self.settings.max_in_flight - self.unfinished, 0))
         if any(self._asking(key, now) for key in self.shed_streams):
             return 0  # the streams the lane shed start over first (:meth:`resume`), those still asking
-        free = max(min(self.settings.bulk_streams - self.unfinished, self.bulk_cap(now) - self.bulk_unfinished), 0)
+        under_cap = self.bulk_cap(now) - self.bulk_unfinished
+        if new > under_cap:
+            self.lane.wanted(now)
+        free = max(min(self.settings.bulk_streams - self.unfinished, under_cap), 0)
         if free and prompts:
             free = min(free, self.lane.prompts_fitting(now, prompts[:new if self.whole_batches else free],
                                                        whole=self.whole_batches))
