@@ -16,7 +16,7 @@ from pipeline.contract.chunking import ChunkAssembler, ChunkPolicy
 from pipeline.contract.messages import LANE_BULK, InferenceRequest
 from pipeline.engines import lane_governor, stream_registry
 from pipeline.engines.engine_settings import EngineSettings
-from pipeline.engines.lane_governor import ADJUST_S, HEADROOM, IDLE_S, NEAR, LaneGovernor
+from pipeline.engines.lane_governor import ADJUST_S, HEADROOM, IDLE_S, LaneGovernor
 from pipeline.engines.stream_registry import StreamRegistry
 from pipeline.engines.vllm_engine import vllm_engine
 from pipeline.worker import read_places
@@ -24,60 +24,15 @@ from pipeline.worker.admission_ledger import BULK_QUEUED_MIN
 from pipeline.worker.runtime import WorkerRuntime
 
 
-def met(lane: LaneGovernor) -> LaneGovernor:
-    """The lane as live traffic left it at its whole share, long ago, after halvings (what follows starts from there,
-    not from the floor a lane no live request has met yet starts live at, and grows only below HEADROOM)."""
-    lane.live_sent(-2 * IDLE_S)
-    lane.cap, lane._ever_halved = lane.most, True
-    return lane
-
-
 def governed(objective_ms: float = 1000.0, most: int = 16) -> tuple[LaneGovernor, list[float]]:
-    return met(LaneGovernor(objective_ms, most)), [0.0]
-
-
-def test_the_first_live_request_finds_the_lane_at_one_stream_and_it_grows_from_there():
-    """Before any live request the lane runs its whole share; what it costs live is not known yet, so the first live
-    request the engine sends sheds it to its floor rather than let it halve its way down while live pays."""
-    lane = LaneGovernor(1000.0, 16)
-    assert lane.bulk_cap(0.0) == 16 and lane.idle_open, "no live request yet: the whole share"
-    lane.live_sent(1.0)
-    assert lane.bulk_cap(1.0, live_running=1, bulk_running=16) == 1 and not lane.idle_open
-    for second in range(2, 5):
-        lane.live_sent(float(second))
-        lane.first_token(float(second), (HEADROOM - 0.1) * 1000.0)
-        lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap)
-    assert lane.cap == 4, "well below the objective it grows, one stream a second"
-    off = LaneGovernor(0.0, 16)
-    off.live_sent(1.0)
-    assert off.bulk_cap(1.0, live_running=1, bulk_running=16) == 16 and not off.idle_open, "off: the whole share"
-
-
-def test_before_its_first_halving_the_lane_grows_up_to_near_its_objective_and_after_it_to_headroom():
-    """From the floor live traffic first finds it at, a lane whose one stream already costs live more than
-    HEADROOM of the objective would never grow, though more streams may keep it: until it first halves it grows
-    while below NEAR; after, while below HEADROOM (the band between keeps AIMD off its own sawtooth)."""
-    lane = LaneGovernor(1000.0, 16)
-    for second in range(1, 4):
-        lane.live_sent(float(second))
-        lane.first_token(float(second), (HEADROOM + NEAR) / 2 * 1000.0)
-        lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap)
-    assert lane.cap == 4, "below NEAR and never halved: it grows from one, a stream a second"
-    lane.first_token(4.0, 1000.0)
-    lane.bulk_cap(4.0, live_running=1, bulk_running=4)
-    assert lane.cap == 2 and lane.totals["bulk_lane_halvings"] == 1
-    for second in range(5, 9):
-        lane.live_sent(float(second))
-        lane.first_token(float(second), (HEADROOM + NEAR) / 2 * 1000.0)
-        lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap)
-    assert lane.cap == 2, "halved once: between HEADROOM and NEAR it stays"
+    return LaneGovernor(objective_ms, most), [0.0]
 
 
 def test_the_lane_grows_only_on_what_it_wanted_since_the_last_adjustment():
     """A lane running one stream short of its cap does not grow on the moment it ran at it before the last
     adjustment; a bulk request that waited for the cap (a static batch larger than it, with nothing running) is
     reason to grow."""
-    lane = met(LaneGovernor(1000.0, 16))
+    lane = LaneGovernor(1000.0, 16)
     lane.cap = 2
     lane.live_sent(0.0)
     lane.first_token(0.0, 100.0)
@@ -114,13 +69,13 @@ def test_well_below_the_objective_the_lane_grows_one_stream_a_second_and_between
         caps.append(lane.bulk_cap(second, live_running=1, bulk_running=lane.cap))
     assert caps == [2, 3, 4, 5, 6, 6, 6, 6]
     assert lane.totals["bulk_lane_growths"] == 5, "each decision is counted, and only those that changed the cap"
-    unused = met(LaneGovernor(1000.0, 6))
+    unused = LaneGovernor(1000.0, 6)
     unused.cap = 2
     for second in range(4):
         unused.live_sent(second)
         unused.first_token(second, 100.0)
         assert unused.bulk_cap(second, live_running=1, bulk_running=1) == 2, "a cap the lane does not use stays"
-    steady = met(LaneGovernor(1000.0, 6))
+    steady = LaneGovernor(1000.0, 6)
     steady.cap = 3
     for second in range(4):
         steady.live_sent(second)
@@ -277,7 +232,7 @@ def test_the_runtimes_bulk_reads_follow_its_engines_lane_cap():
 
 
 def test_live_inter_token_times_past_their_objective_halve_the_lane_as_first_tokens_do():
-    lane = met(LaneGovernor(0.0, 16, inter_token_objective_ms=100.0))
+    lane = LaneGovernor(0.0, 16, inter_token_objective_ms=100.0)
     caps = []
     for second in range(6):
         lane.live_sent(float(second))
@@ -285,7 +240,7 @@ def test_live_inter_token_times_past_their_objective_halve_the_lane_as_first_tok
         caps.append(lane.bulk_cap(float(second), live_running=1, bulk_running=lane.cap))
     assert caps == [8, 4, 2, 1, 1, 1]
     assert lane.totals["live_inter_tokens"] == 18 and lane.totals["live_inter_tokens_over_objective"] == 18
-    calm = met(LaneGovernor(0.0, 4, inter_token_objective_ms=100.0))
+    calm = LaneGovernor(0.0, 4, inter_token_objective_ms=100.0)
     calm.cap = 1
     for second in range(5):
         calm.live_sent(float(second))
@@ -295,7 +250,7 @@ def test_live_inter_token_times_past_their_objective_halve_the_lane_as_first_tok
 
 
 def test_either_objective_passed_halves_the_lane_and_both_must_have_room_for_it_to_grow():
-    lane = met(LaneGovernor(1000.0, 8, inter_token_objective_ms=100.0))
+    lane = LaneGovernor(1000.0, 8, inter_token_objective_ms=100.0)
     lane.cap = 4
     lane.live_sent(0.0)
     lane.first_token(0.0, 100.0)  # first tokens well within theirs
@@ -307,7 +262,7 @@ def test_either_objective_passed_halves_the_lane_and_both_must_have_room_for_it_
 
 
 def test_the_prompt_budget_halves_from_what_the_lane_started_and_lets_one_start_each_second():
-    lane = met(LaneGovernor(1000.0, 16))
+    lane = LaneGovernor(1000.0, 16)
     assert lane.prompts_fitting(0.0, [5000, 5000, 5000]) == 3, "unbounded until the first breach"
     for at in range(10):
         lane.bulk_started(at * 0.5, 400)  # 800 prompt tokens a second over the window
@@ -325,7 +280,7 @@ def test_the_prompt_budget_halves_from_what_the_lane_started_and_lets_one_start_
 
 
 def test_the_prompt_budget_grows_by_a_mean_bulk_prompt_only_while_a_request_waited_for_it_and_idle_lifts_it():
-    lane = met(LaneGovernor(1000.0, 16))
+    lane = LaneGovernor(1000.0, 16)
     lane.prompt_budget = 100.0
     lane.bulk_started(0.8, 80)
     lane.bulk_started(0.9, 40)
@@ -474,12 +429,12 @@ def test_a_lane_beside_a_server_whose_steps_grow_with_its_rows_keeps_both_object
 
 @pytest.mark.parametrize("answer_s", [2.0, 30.0])
 def test_shedding_brings_live_latency_within_the_objectives_within_seconds_of_meeting_a_whole_lane(answer_s):
-    """Live traffic that meets the lane at its whole share (the first live request after an idle spell, where live
-    left the lane at it) is within both objectives a few seconds later when the engine sheds the streams past the
-    cap; without shedding, only once the running bulk answers end: with 30 s answers, half a minute."""
+    """Live traffic that meets the lane at its whole share (the first live request after an idle spell, or a
+    job's start) is within both objectives a few seconds later when the engine sheds the streams past the cap;
+    without shedding, only once the running bulk answers end: with 30 s answers, half a minute."""
     def settled_at(shed: bool) -> float:
         server = SteppedServer(6.0, 0.05)
-        server.run(met(LaneGovernor(600.0, 64, inter_token_objective_ms=150.0)), 60, 400, answer_s, shed=shed)
+        server.run(LaneGovernor(600.0, 64, inter_token_objective_ms=150.0), 60, 400, answer_s, shed=shed)
         over = [now for now, first, inter in server.timeline if first > 600.0 or inter > 150.0]
         return max(over, default=0.0)
     assert settled_at(shed=True) <= 3.0
@@ -497,8 +452,7 @@ def test_live_traffic_that_comes_back_after_each_idle_spell_never_keeps_a_long_b
     answered, worst = {}, {}
     for shed in (True, False):
         server = SteppedServer(6.0, 0.05)
-        server.run(met(LaneGovernor(600.0, 64, inter_token_objective_ms=150.0)), 240, 400, 30.0, shed=shed,
-                   live_every=80)
+        server.run(LaneGovernor(600.0, 64, inter_token_objective_ms=150.0), 240, 400, 30.0, shed=shed, live_every=80)
         answered[shed] = server.answered
         worst[shed] = sorted(first for now, first, _ in server.timeline if now > 60)[-3]
     assert answered[False] > 0 and answered[True] >= 0.4 * answered[False], answered
@@ -602,7 +556,6 @@ def test_a_halving_sheds_the_youngest_bulk_streams_past_the_cap_which_run_again_
     any new bulk request; one that finishes or is cancelled meanwhile is no longer waited for."""
     registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
                                              live_first_token_slo_ms=1000.0), "engine", preempts=True)
-    met(registry.lane)
     start = time.monotonic()
     for i in range(6):
         registry.submit([request(i, True)], [1], "client", start + i)
@@ -652,7 +605,6 @@ def shedding_registry(streams: int) -> tuple[StreamRegistry, float, dict[str, st
     apart (bulk-0 the oldest): the registry, the time the first started, and the streams by request id."""
     registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
                                              live_first_token_slo_ms=1000.0), "engine", preempts=True)
-    met(registry.lane)
     start = time.monotonic()
     for i in range(streams):
         registry.submit([request(i, True)], [1], "client", start + i)

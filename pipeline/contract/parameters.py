@@ -168,10 +168,9 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("live_first_token_slo_ms", "Live first-token objective (ms)",
               "With a bulk_subscription: how long a live request may wait from the pipeline's read of it to its "
               "first chunk (what it takes alone counts: set it above that). Each worker measures it as it runs "
-              "and runs as many bulk streams as keep it there: one when its first live request comes, half as "
-              "many within a second when live first tokens near it, one more each second the lane wanted more "
-              "while they stay well below it, all the lane's share while no live request comes, never fewer than "
-              "one (a backlog always moves). 0 follows "
+              "and runs as many bulk streams as keep it there: half as many within a second when live first "
+              "tokens near it, one more each second the lane wanted more while they stay well below it, all the "
+              "lane's share while no live request comes, never fewer than one (a backlog always moves). 0 follows "
               "live_inter_token_slo_ms only; both 0: the lane's whole share, whatever it costs live requests.",
               "1000", GROUP_INPUT, "NUMBER", default=1000, minimum=0, maximum=600_000),
     Parameter("live_inter_token_slo_ms", "Live inter-token objective (ms)",

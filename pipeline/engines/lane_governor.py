@@ -31,8 +31,7 @@ The rule, either objective counting (0 follows none of that kind):
   :meth:`pipeline.engines.stream_registry.StreamRegistry.shed`), at the cost of the tokens they had generated,
   each stream once at most beside live traffic. Where the backend cannot stop an attempt (the in-process static
   batches), or the streams were spared, running streams end on their own;
-* below ``HEADROOM`` of every objective (before the lane's first halving, below ``NEAR``: the floor it starts live
-  at is no evidence of what more would cost), the cap grows by one if the lane wanted it since the last adjustment:
+* below ``HEADROOM`` of every objective, the cap grows by one if the lane wanted it since the last adjustment:
   it ran as many streams as its cap at some moment (streams that end and start at once leave it one short at
   times), or a bulk request waited for the cap (:meth:`LaneGovernor.wanted`: a static batch larger than the cap
   runs nothing until it fits); and
@@ -41,9 +40,7 @@ The rule, either objective counting (0 follows none of that kind):
 * between, both stay;
 * with no live stream running and none sent for ``IDLE_S``, the cap is the lane's whole share (``bulk_streams``)
   and the budget unbounded: the lane takes everything while no live request is there to slow; the next live
-  request sent puts back the limits live traffic last left, and the first the engine ever sends, the floor of one
-  stream (what the lane costs live is not known yet: it grows from there, rather than halve its way down from its
-  whole share while live requests pay for each step).
+  request sent puts back the limits live traffic last left.
 
 It never goes below one stream, and one bulk request starts whatever its prompt when none started within the
 second; a lane that live traffic alone keeps from running for ``BULK_STARVED_S`` starts one where the engine has any
@@ -129,10 +126,7 @@ class LaneGovernor:
         self._over_cap_at = float("-inf")  # nor those before this, when more bulk streams ran than the cap
         self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
         self._full_at = float("-inf")  # when the lane last ran as many bulk streams as its cap, or wanted more
-        self._ever_halved = False  # before its first halving the lane grows up to NEAR, not HEADROOM
-        # The limits live traffic last left, while idle; before any live request, the floor: what the lane costs
-        # live is not known yet, so live's first request finds the lane at one stream, which grows from there.
-        self._before_idle: tuple[int, float | None] | None = (1, None)
+        self._before_idle: tuple[int, float | None] | None = None  # the limits live traffic last left, while idle
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
         self._counted_at = float("-inf")  # up to when the totals integrated over time count
@@ -265,7 +259,7 @@ class LaneGovernor:
             self._over_cap_at = now
         fresh = self._pressure(now, since=max(self._halved_at, self._over_cap_at))
         if fresh is not None and fresh > NEAR:
-            self._halved_at, self._ever_halved = now, True
+            self._halved_at = now
             before = (self.cap, self.prompt_budget)
             self.cap = max(1, self.cap // 2)
             # From the lower of the budget and the rate the lane started prompts at: a budget above what the lane
@@ -277,7 +271,7 @@ class LaneGovernor:
             self.totals["bulk_lane_halvings"] += (self.cap, self.prompt_budget) != before
             return
         seen = self._pressure(now)
-        if seen is None or seen >= (HEADROOM if self._ever_halved else NEAR):
+        if seen is None or seen >= HEADROOM:
             return
         before = (self.cap, self.prompt_budget)
         if self._full_at > since:
