@@ -95,6 +95,9 @@ LOGGER = logging.getLogger(__name__)
 # their timers), up to 20 ms while it holds none, a wait that a message arriving for any read (live or bulk) ends.
 BUSY_WAIT_S, IDLE_WAIT_S = 0.002, 0.02
 _ARRIVED = threading.Event()
+# How often the prefetch extends the ack deadline of what it holds, and to what: the bulk lane's prefetch waits for
+# places at the lane's pace, which beside live traffic can pass a subscription's deadline (Pub/Sub's least is 10 s).
+PREFETCH_RENEW_S, PREFETCH_ACK_DEADLINE_S = 5.0, 60
 
 
 class _PrefetchingPullClient:
@@ -129,7 +132,11 @@ class _PrefetchingPullClient:
     def _prefetch(self) -> None:
         from google.api_core import exceptions
 
+        renewed = time.monotonic()
         while True:  # a daemon thread: it ends with the process
+            if time.monotonic() - renewed >= PREFETCH_RENEW_S:
+                self._renew([message.ack_id for message in list(self._queue)])
+                renewed = time.monotonic()
             want = min(self._prefetch_target(), self._max_messages) - len(self._queue)
             if want <= 0:
                 time.sleep(0.01)
@@ -146,6 +153,17 @@ class _PrefetchingPullClient:
             self._queue.extend(response.received_messages)
             if response.received_messages:
                 _ARRIVED.set()
+
+    def _renew(self, ack_ids: list[str]) -> None:
+        """Extends the ack deadline of what the prefetch holds, so Pub/Sub does not send it again meanwhile (one
+        handed over since is acknowledged already: an extension of it does nothing)."""
+        if not ack_ids:
+            return
+        try:
+            self._client.modify_ack_deadline(subscription=self._subscription, ack_ids=ack_ids,
+                                             ack_deadline_seconds=PREFETCH_ACK_DEADLINE_S)
+        except Exception:  # noqa: BLE001 - at worst a copy comes again, which the job drops
+            LOGGER.debug("extending prefetched messages' ack deadline failed", exc_info=True)
 
     def pull(self, subscription: str, max_messages: int = 10, timeout: float | None = None) -> Any:
         from google.cloud.pubsub_v1 import types

@@ -10,6 +10,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from local.direct_runner import apply_local_runner_fixes
 from tests.conftest import wait_until
+from tests.feed_harness import ACK_DEADLINE_S, short_deadline_subscription
 
 
 def idle_streaming_read(emulator, name: str):
@@ -123,10 +124,11 @@ def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_a
             direct_runner._RUNTIMES.update(saved)
 
 
-def test_the_local_read_of_the_bulk_subscription_prefetches_no_more_than_the_lanes_least_wave(emulator):
+def test_the_local_read_of_the_bulk_subscription_prefetches_the_lanes_least_wave_and_keeps_it_leased(emulator):
     """The bulk lane's places come at its pace (one stream's, beside live traffic): a prefetch of the worker's whole
     room held messages past their ack deadline, and Pub/Sub sent each again, a copy the job read and dropped. It
-    prefetches at most BULK_QUEUED_MIN; the rest stays in the subscription."""
+    prefetches at most BULK_QUEUED_MIN, the rest stays in the subscription, and what it holds is kept leased past
+    the subscription's ack deadline (Pub/Sub's least, 10 s)."""
     from google.cloud import pubsub_v1
 
     from local import direct_runner
@@ -136,14 +138,13 @@ def test_the_local_read_of_the_bulk_subscription_prefetches_no_more_than_the_lan
     from pipeline.worker.runtime import WorkerRuntime
     from pipeline.worker.runtime_settings import AdmissionSettings
 
-    emulator.create_topic("bulk-prefetch-topic", subscription="bulk-prefetch-sub")
+    topic, subscription = short_deadline_subscription(emulator, f"bulk-prefetch-{time.monotonic_ns()}")
     publisher = pubsub_v1.PublisherClient()
     for i in range(20):
-        publisher.publish(emulator.topic("bulk-prefetch-topic"), f"m{i}".encode()).result()
+        publisher.publish(topic, f"m{i}".encode()).result()
     settings = EngineSettings(server=None, server_url="http://127.0.0.1:1", served_model_name="m", max_in_flight=16)
     runtime = WorkerRuntime(vllm_engine(settings), AdmissionSettings(worker_queue=16, transit_s=60.0))
     client = direct_runner._PrefetchingPullClient(pubsub_v1.SubscriberClient(), max_messages=100)
-    subscription = emulator.subscription("bulk-prefetch-sub")
     with direct_runner._RUNTIMES_LOCK:
         saved = dict(direct_runner._RUNTIMES)
         direct_runner._RUNTIMES.clear()
@@ -152,8 +153,14 @@ def test_the_local_read_of_the_bulk_subscription_prefetches_no_more_than_the_lan
     try:
         client.pull(subscription)  # starts the prefetch
         assert wait_until(lambda: len(client._queue) == BULK_QUEUED_MIN, 30), "it prefetched the least wave"
-        time.sleep(1.0)
+        held = {message.message.data for message in client._queue}
+        time.sleep(ACK_DEADLINE_S + 3.0)
         assert len(client._queue) == BULK_QUEUED_MIN, "and no more, with room for 32 and 20 waiting"
+        others, subscriber = set(), pubsub_v1.SubscriberClient()
+        for _ in range(5):
+            response = subscriber.pull(subscription=subscription, max_messages=100, timeout=5.0)
+            others |= {message.message.data for message in response.received_messages}
+        assert len(others) == 20 - BULK_QUEUED_MIN and not others & held, "what it holds is not sent again"
     finally:
         direct_runner._BULK_SUBSCRIPTIONS.discard(subscription)
         with direct_runner._RUNTIMES_LOCK:
