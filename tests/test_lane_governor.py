@@ -45,6 +45,18 @@ def test_the_lane_grows_only_on_what_it_wanted_since_the_last_adjustment():
     assert lane.bulk_cap(3.0, live_running=1, bulk_running=0) == 4, "a request waited for the cap: grows"
 
 
+def test_a_static_batch_larger_than_the_cap_tells_the_lane_it_wants_more():
+    """Whole batches: a batch of two at a cap of one runs nothing while another stream runs, so the lane never runs
+    at its cap; the batch that waited for the cap is what lets it grow."""
+    registry = StreamRegistry(EngineSettings(server=None, server_url="http://unused", max_in_flight=16,
+                                             live_first_token_slo_ms=1000.0), "engine", whole_batches=True)
+    registry.lane.cap = 1
+    registry.submit([request(0, False)], [1], "client", 9.0)  # a live stream runs: the engine is not idle
+    registry.lane.first_token(9.5, 100.0)
+    assert registry.room(2, 10.0, bulk=True) == 0, "the batch does not fit the cap"
+    assert registry.lane.bulk_cap(11.0, live_running=1, bulk_running=0) == 2, "it waited for the cap: the lane grows"
+
+
 def test_live_first_tokens_past_the_objective_halve_the_lane_as_each_halving_can_show_down_to_one_stream():
     """A first token of 1.5 s measured a second after a halving began before it, and says nothing of it: first
     tokens that slow halve the lane every other second, each on latencies begun after the last halving."""

@@ -125,7 +125,8 @@ class LaneGovernor:
         self._halved_at = float("-inf")  # latencies before this cannot show the last halving's effect
         self._over_cap_at = float("-inf")  # nor those before this, when more bulk streams ran than the cap
         self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
-        self._full_at = float("-inf")  # when the lane last ran as many bulk streams as its cap, or wanted more
+        self._full_at = float("-inf")  # when the lane last ran as many bulk streams as its cap
+        self._wanted = False  # a bulk request waited for the cap since the last adjustment
         self._before_idle: tuple[int, float | None] | None = None  # the limits live traffic last left, while idle
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
@@ -243,11 +244,13 @@ class LaneGovernor:
             self._add(total, value * elapsed_ms)
 
     def wanted(self, now: float) -> None:
-        """A bulk request waited for the cap: the lane would use more than it may (it may grow)."""
-        self._full_at = now
+        """A bulk request waited for the cap: the lane would use more than it may (it may grow at the next
+        adjustment, even one in this same instant's past)."""
+        self._wanted = True
 
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
         since, self._adjusted_at = self._adjusted_at, now  # the lane's use since the last adjustment counts
+        wanted, self._wanted = self._full_at > since or self._wanted, False
         self._acted_on = (self._first_tokens.percentile_ms(now), self._inter_tokens.percentile_ms(now))
         if not live_running and now - self._live_sent_at > IDLE_S:
             if (self.cap, self.prompt_budget) != (self.most, None):
@@ -274,7 +277,7 @@ class LaneGovernor:
         if seen is None or seen >= HEADROOM:
             return
         before = (self.cap, self.prompt_budget)
-        if self._full_at > since:
+        if wanted:
             self.cap = min(self.most, self.cap + 1)
         if self.prompt_budget is not None and now - self._budget_waited_at <= ADJUST_S:
             self.prompt_budget += self._mean_prompt(now)
