@@ -135,7 +135,9 @@ class _PrefetchingPullClient:
         renewed = time.monotonic()
         while True:  # a daemon thread: it ends with the process
             if time.monotonic() - renewed >= PREFETCH_RENEW_S:
-                self._renew([message.ack_id for message in list(self._queue)])
+                with self._lock:
+                    held = [message.ack_id for message in self._queue]
+                self._renew(held)
                 renewed = time.monotonic()
             want = min(self._prefetch_target(), self._max_messages) - len(self._queue)
             if want <= 0:
@@ -150,6 +152,7 @@ class _PrefetchingPullClient:
                 LOGGER.debug("prefetching pull failed", exc_info=True)
                 time.sleep(0.5)
                 continue
+            self._renew([message.ack_id for message in response.received_messages])  # from its arrival on
             self._queue.extend(response.received_messages)
             if response.received_messages:
                 _ARRIVED.set()
@@ -161,7 +164,7 @@ class _PrefetchingPullClient:
             return
         try:
             self._client.modify_ack_deadline(subscription=self._subscription, ack_ids=ack_ids,
-                                             ack_deadline_seconds=PREFETCH_ACK_DEADLINE_S)
+                                             ack_deadline_seconds=PREFETCH_ACK_DEADLINE_S, timeout=5.0, retry=None)
         except Exception:  # noqa: BLE001 - at worst a copy comes again, which the job drops
             LOGGER.debug("extending prefetched messages' ack deadline failed", exc_info=True)
 
