@@ -40,7 +40,7 @@ def test_the_lane_grows_only_on_what_it_wanted_since_the_last_adjustment():
     for second in (1.0, 2.0):
         lane.live_sent(second)
         assert lane.bulk_cap(second, live_running=1, bulk_running=2) == 3, "one short of its cap since: stays"
-    lane.wanted(2.5)
+    lane.wanted()
     lane.live_sent(3.0)
     assert lane.bulk_cap(3.0, live_running=1, bulk_running=0) == 4, "a request waited for the cap: grows"
 

@@ -243,9 +243,9 @@ class LaneGovernor:
                              ("live_inter_token_p95_ms_ms", inter or 0.0)):
             self._add(total, value * elapsed_ms)
 
-    def wanted(self, now: float) -> None:
+    def wanted(self) -> None:
         """A bulk request waited for the cap: the lane would use more than it may (it may grow at the next
-        adjustment, even one in this same instant's past)."""
+        adjustment)."""
         self._wanted = True
 
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:

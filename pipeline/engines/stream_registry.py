@@ -116,7 +116,7 @@ class StreamRegistry:
             return 0  # the streams the lane shed start over first (:meth:`resume`), those still asking
         under_cap = self.bulk_cap(now) - self.bulk_unfinished
         if new > under_cap:
-            self.lane.wanted(now)
+            self.lane.wanted()
         free = max(min(self.settings.bulk_streams - self.unfinished, under_cap), 0)
         if free and prompts:
             free = min(free, self.lane.prompts_fitting(now, prompts[:new if self.whole_batches else free],
