@@ -125,8 +125,7 @@ class LaneGovernor:
         self._halved_at = float("-inf")  # latencies before this cannot show the last halving's effect
         self._over_cap_at = float("-inf")  # nor those before this, when more bulk streams ran than the cap
         self._budget_waited_at = float("-inf")  # when a bulk request last waited for the budget
-        self._full_at = float("-inf")  # when the lane last ran as many bulk streams as its cap
-        self._wanted = False  # a bulk request waited for the cap since the last adjustment
+        self._wanted = False  # since the last adjustment, the lane ran at its cap or a bulk request waited for it
         self._before_idle: tuple[int, float | None] | None = None  # the limits live traffic last left, while idle
         # Totals since the engine started, which the worker's steps count as Beam counters (pipeline.worker.load).
         self.totals = dict.fromkeys(TOTALS, 0)
@@ -195,7 +194,7 @@ class LaneGovernor:
                 self._integrate(elapsed_ms)
         self._counted_at = now
         if bulk_running >= self.cap:
-            self._full_at = now
+            self._wanted = True
         if not self.governed:
             self.cap = self.most
         elif now - self._adjusted_at >= ADJUST_S:
@@ -249,8 +248,8 @@ class LaneGovernor:
         self._wanted = True
 
     def _adjust(self, now: float, live_running: int, bulk_running: int) -> None:
-        since, self._adjusted_at = self._adjusted_at, now  # the lane's use since the last adjustment counts
-        wanted, self._wanted = self._full_at > since or self._wanted, False
+        self._adjusted_at = now
+        wanted, self._wanted = self._wanted, False  # the lane's use since the last adjustment counts
         self._acted_on = (self._first_tokens.percentile_ms(now), self._inter_tokens.percentile_ms(now))
         if not live_running and now - self._live_sent_at > IDLE_S:
             if (self.cap, self.prompt_budget) != (self.most, None):
