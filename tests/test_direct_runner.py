@@ -190,3 +190,59 @@ def test_a_stateful_steps_waiting_bundles_run_in_the_order_they_were_scheduled()
     for done in ("timer-a", "request", "timer-b"):
         serial.complete(done)
     assert pool.submitted == ["timer-a", "request", "timer-b", "timer-c"]
+
+
+
+def test_a_timer_fires_once_for_each_setting_however_long_its_firing_waits_to_run(emulator, tmp_path):
+    """Beam's monitor fired an expired timer again at each of its cycles until the bundle of its first firing had
+    committed the timer's clearing, so a firing that waited behind others of its step (here: each runs 0.2 s, one
+    at a time, while more keys' timers come due) ran again: under load, the queue grew without bound. Fixed: once
+    a setting, as Dataflow delivers it."""
+    from apache_beam.coders import StrUtf8Coder
+    from apache_beam.transforms.timeutil import TimeDomain
+    from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
+    from apache_beam.utils.timestamp import Timestamp
+    from google.cloud import pubsub_v1
+
+    log = str(tmp_path / "firings")
+
+    def fired() -> list[str]:
+        try:
+            with open(log) as firings:
+                return firings.read().splitlines()
+        except FileNotFoundError:
+            return []
+
+    class FireSoon(beam.DoFn):
+        KEY = ReadModifyWriteStateSpec("key", StrUtf8Coder())
+        SOON = TimerSpec("soon", TimeDomain.REAL_TIME)
+
+        def process(self, element, key_state=beam.DoFn.StateParam(KEY), soon=beam.DoFn.TimerParam(SOON)):
+            key_state.write(element[0])
+            soon.set(Timestamp.of(time.time() + 0.05))
+
+        @on_timer(SOON)
+        def on_soon(self, key_state=beam.DoFn.StateParam(KEY), fired_at=beam.DoFn.TimestampParam):
+            time.sleep(0.2)  # meanwhile the other keys' timers come due and wait
+            with open(log, "a") as firings:  # the DoFn runs as a copy: a file, not a list, is shared
+                firings.write(f"{key_state.read()} {fired_at.micros}\n")
+            yield key_state.read()
+
+    topic = emulator.create_topic("timers-topic", subscription="timers-sub")
+    apply_local_runner_fixes()
+    options = PipelineOptions(runner="BundleBasedDirectRunner")
+    options.view_as(StandardOptions).streaming = True
+    pipeline = beam.Pipeline(options=options)
+    (pipeline | beam.io.ReadFromPubSub(subscription=emulator.subscription("timers-sub"))
+     | beam.Map(lambda data: (data.decode(), 1)) | beam.ParDo(FireSoon()))
+    result = pipeline.run()
+    keys = [f"key-{n}" for n in range(8)]
+    try:
+        publisher = pubsub_v1.PublisherClient()
+        for key in keys:
+            publisher.publish(topic, key.encode()).result()
+        assert wait_until(lambda: {line.split()[0] for line in fired()} == set(keys), 60), fired()
+        time.sleep(2)  # a firing run again would come within this
+    finally:
+        result.cancel()
+    assert len(fired()) == len(keys), f"fired {len(fired())} times for {len(keys)} settings: {sorted(fired())}"
