@@ -55,7 +55,7 @@
    took 20-110 s from parsing to the engine, the later ones first. On Dataflow
    keys run in parallel work items (docs/architecture.md). The queue is served in
    arrival order here, so a bundle waits at most for those queued before it, once
-   fix 9 keeps each key to one timer firing queued.
+   fix 9 keeps each setting of a key's timer to one firing queued.
 
 9. It fires a timer again at every cycle of its monitor (many a second) until the
    bundle of its first firing has run and committed the timer's clearing: the
@@ -65,8 +65,8 @@
    waiting firing adds more, and the queue grows without bound (traced in ``make
    bench-lanes`` beside a bulk lane of 48 streams: 16 keys, up to 277 bundles
    queued, about 180 a second run, live requests 6 to 10 s from their read to the
-   engine). A timer is now fired once until its firing's bundle is done. Dataflow
-   delivers a timer once per setting (a duplicate only on a retried work item).
+   engine). A timer is now fired once until its firing's bundle is done, as
+   Dataflow fires one once per setting (again where a work item is retried).
 
 All nine touch private DirectRunner internals (the seventh records the worker's
 runtime from outside), so they live outside the worker
@@ -297,19 +297,41 @@ def _serve_serial_steps_in_arrival_order() -> None:
 def _fire_each_timer_once() -> None:
     """Fix 9: a timer whose firing is scheduled is not fired again until that firing's bundle is done.
 
-    The monitor's ``_fire_timers`` is Beam's but for the filter: each firing it schedules is remembered per step by
-    what names the timer's setting (key, window, name, domain, time); one already scheduled is left out, and taken
-    off the step's record of fired timers, which only a completed firing leaves otherwise. A firing is forgotten
-    once its bundle's result is committed, with the timer's clearing in the key's state (not before: a monitor cycle
-    between the two would find the timer still set and fire it again)."""
-    from apache_beam.runners.direct import evaluation_context, executor
+    The monitor's ``_fire_timers`` is Beam's but for the filter: each firing it schedules is remembered, per run and
+    step, by what names the timer's setting (key, window, name, domain, dynamic tag, time); one already scheduled is
+    left out, and taken off the step's record of fired timers (a skipped firing never completes, which is what
+    takes one off it). A firing is forgotten once its bundle's result is committed, the timer's clearing in the
+    key's state with it (not before: a monitor cycle between the two would find the timer still set and fire it
+    again), or once its bundle failed for good (its timer is still set, and fires again, as Beam's would)."""
+    from apache_beam.runners.direct import executor
 
-    scheduled: dict[Any, set[tuple]] = collections.defaultdict(set)
+    scheduled: weakref.WeakKeyDictionary[Any, dict[Any, set[tuple]]] = weakref.WeakKeyDictionary()  # by run
     lock = threading.Lock()
 
     def setting(firing: Any) -> tuple:
-        return (firing.encoded_key, firing.window, firing.name, firing.time_domain, firing.timestamp,
-                firing.dynamic_timer_tag)
+        return (firing.encoded_key, firing.window, firing.name, firing.time_domain, firing.dynamic_timer_tag,
+                firing.timestamp)
+
+    class ForgettingCallback(executor._CompletionCallback):
+        """Beam's completion callback for a timer bundle, which then forgets the bundle's firings."""
+
+        def __init__(self, context: Any, all_updates: Any, step: Any, firings: list[Any]) -> None:
+            super().__init__(context, all_updates, timer_firings=firings)
+            self._step = step
+
+        def handle_result(self, transform_executor, input_committed_bundle, transform_result):
+            try:
+                return super().handle_result(transform_executor, input_committed_bundle, transform_result)
+            finally:
+                self._forget()
+
+        def handle_exception(self, transform_executor, exception):
+            self._forget()
+            super().handle_exception(transform_executor, exception)
+
+        def _forget(self) -> None:
+            with lock:
+                scheduled[self._evaluation_context][self._step].difference_update(map(setting, self._timer_firings))
 
     def fire_timers_once(self) -> bool:
         context = self._executor.evaluation_context
@@ -317,9 +339,9 @@ def _fire_each_timer_once() -> None:
         fired = False
         for applied_ptransform, fired_timers in transform_fired_timers:
             with lock:
-                pending = scheduled[applied_ptransform]
+                pending = scheduled.setdefault(context, {}).setdefault(applied_ptransform, set())
                 fresh = [firing for firing in fired_timers if setting(firing) not in pending]
-                pending.update(setting(firing) for firing in fresh)
+                pending.update(map(setting, fresh))
             again = [firing for firing in fired_timers if firing not in fresh]
             if again:
                 watermarks = context._watermark_manager.get_watermarks(applied_ptransform)
@@ -328,22 +350,12 @@ def _fire_each_timer_once() -> None:
             if not fresh:
                 continue
             empty_bundle = context.create_empty_committed_bundle(applied_ptransform.inputs[0])
-            callback = executor._CompletionCallback(context, self._executor.all_updates, timer_firings=fresh)
+            callback = ForgettingCallback(context, self._executor.all_updates, applied_ptransform, fresh)
             self._executor.schedule_consumption(applied_ptransform, empty_bundle, fresh, callback)
             fired = True
         return fired
 
-    original_handle_result = evaluation_context.EvaluationContext.handle_result
-
-    def handle_result_forgetting(self, completed_bundle, completed_timers, result):
-        committed = original_handle_result(self, completed_bundle, completed_timers, result)
-        if completed_timers:
-            with lock:
-                scheduled[result.transform].difference_update(setting(firing) for firing in completed_timers)
-        return committed
-
     executor._ExecutorServiceParallelExecutor._MonitorTask._fire_timers = fire_timers_once
-    evaluation_context.EvaluationContext.handle_result = handle_result_forgetting
 
 
 def apply_local_runner_fixes(max_messages: int = 100, read_interval_s: float = 0.02) -> None:

@@ -195,9 +195,9 @@ def test_a_stateful_steps_waiting_bundles_run_in_the_order_they_were_scheduled()
 
 def test_a_timer_fires_once_for_each_setting_however_long_its_firing_waits_to_run(emulator, tmp_path):
     """Beam's monitor fired an expired timer again at each of its cycles until the bundle of its first firing had
-    committed the timer's clearing, so a firing that waited behind others of its step (here: each runs 0.2 s, one
-    at a time, while more keys' timers come due) ran again: under load, the queue grew without bound. Fixed: once
-    a setting, as Dataflow delivers it."""
+    committed the timer's clearing, so a firing that waited behind other work of its step (here: each firing runs
+    0.2 s, one at a time, while more keys' requests arrive and their timers come due) ran again: under load, the
+    queue grew without bound. Fixed: once a setting, as Dataflow fires one."""
     from apache_beam.coders import StrUtf8Coder
     from apache_beam.transforms.timeutil import TimeDomain
     from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
@@ -236,10 +236,10 @@ def test_a_timer_fires_once_for_each_setting_however_long_its_firing_waits_to_ru
     (pipeline | beam.io.ReadFromPubSub(subscription=emulator.subscription("timers-sub"))
      | beam.Map(lambda data: (data.decode(), 1)) | beam.ParDo(FireSoon()))
     result = pipeline.run()
-    keys = [f"key-{n}" for n in range(8)]
+    keys = [f"key-{n}" for n in range(16)]
     try:
         publisher = pubsub_v1.PublisherClient()
-        for key in keys:
+        for key in keys:  # read in a few bundles: later keys arrive while earlier keys' firings run or wait
             publisher.publish(topic, key.encode()).result()
         assert wait_until(lambda: {line.split()[0] for line in fired()} == set(keys), 60), fired()
         time.sleep(2)  # a firing run again would come within this
