@@ -13,9 +13,10 @@ cost each step (docs/operations.md#the-bulk-lane). So the engine bounds them its
 
 Both are what live traffic waits for where the lane shares a worker with it: the first token counts from the read
 because the lane costs live requests before the server takes them too (its keys' polls share the generate step's
-work items: benchmarks.md#lanes saw live requests wait seconds there). The governor sets two things, by additive
-increase and multiplicative decrease once a second, from the 95th percentile of each of the last ``WINDOW_S`` (of
-the latencies begun since the last change: one begun before it cannot show its effect):
+work items, which a runner that serves a step one bundle at a time queues: docs/architecture.md). The governor
+sets two things, by additive increase and multiplicative decrease once a second, from the 95th percentile of each
+of the last ``WINDOW_S`` (of the latencies begun since the last change: one begun before it cannot show its
+effect):
 
 * **the bulk stream cap**, how many bulk streams may run: the rows each step carries;
 * **the bulk prompt budget**, how many bulk prompt tokens may start within a second: the prompt chunks each wave
