@@ -127,7 +127,12 @@ class _PrefetchingPullClient:
         self._queue: collections.deque[Any] = collections.deque()
         self._subscription: str | None = None
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self.taken = 0  # messages handed to the pipeline (and so acknowledged)
+
+    def close(self) -> None:
+        """Stops the prefetch after its pull in progress (a pipeline's read keeps it for the process's life)."""
+        self._closed.set()
 
     def _prefetch_target(self) -> int:
         """How many messages to hold ready: the worker's room (one before its engine is set up); for the bulk
@@ -144,7 +149,7 @@ class _PrefetchingPullClient:
         from google.api_core import exceptions
 
         renewed = time.monotonic()
-        while True:  # a daemon thread: it ends with the process
+        while not self._closed.is_set():  # a daemon thread: it ends with the process, or at close()
             if time.monotonic() - renewed >= PREFETCH_RENEW_S:
                 with self._lock:
                     held = [message.ack_id for message in self._queue]
@@ -152,7 +157,7 @@ class _PrefetchingPullClient:
                 renewed = time.monotonic()
             want = min(self._prefetch_target(), self._max_messages) - len(self._queue)
             if want <= 0:
-                time.sleep(0.01)
+                self._closed.wait(0.01)
                 continue
             try:
                 response = self._client.pull(subscription=self._subscription, max_messages=want,
@@ -161,7 +166,7 @@ class _PrefetchingPullClient:
                 continue
             except Exception:  # the client was closed at shutdown, or the emulator went away
                 LOGGER.debug("prefetching pull failed", exc_info=True)
-                time.sleep(0.5)
+                self._closed.wait(0.5)
                 continue
             self._renew([message.ack_id for message in response.received_messages])  # from its arrival on
             self._queue.extend(response.received_messages)

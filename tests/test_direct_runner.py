@@ -119,6 +119,7 @@ def test_the_local_read_hands_over_only_what_the_worker_has_places_for_and_the_a
         assert runtime.admit(["a", "b"], in_place_of=places[:2]) == 2, "each request in a place: no room needed"
         assert runtime.admission.counts() == (0, 0, 3), "two requests and the third place"
     finally:
+        client.close()
         with direct_runner._RUNTIMES_LOCK:
             direct_runner._RUNTIMES.clear()
             direct_runner._RUNTIMES.update(saved)
@@ -162,6 +163,7 @@ def test_the_local_read_of_the_bulk_subscription_prefetches_the_lanes_least_wave
             others |= {message.message.data for message in response.received_messages}
         assert len(others) == 20 - BULK_QUEUED_MIN and not others & held, "what it holds is not sent again"
     finally:
+        client.close()
         direct_runner._BULK_SUBSCRIPTIONS.discard(subscription)
         with direct_runner._RUNTIMES_LOCK:
             direct_runner._RUNTIMES.clear()
