@@ -16,8 +16,9 @@ in 24 GiB, and an idle local pipeline takes about a quarter of a core), and serv
   ``--warm-live`` such requests not measured (a fresh pipeline's first requests are slower);
 - **beside the lane**: a feeder keeps a backlog on the bulk topic (twice the lane's streams and some, topped up as
   they are answered, so the lane is full throughout, whatever its rate); once its first answer came,
-  ``--warm-live`` live requests let a governed lane learn (not measured: a governor starts at the whole share, as
-  after any idle spell), then the same paced live traffic, measured;
+  ``--warm-live`` live requests let a governed lane learn (not measured: the first of them finds the lane at its
+  whole share, opened while live was idle, and sheds it to the cap live traffic last left, here the alone phase's,
+  as after any idle spell), then the same paced live traffic, measured;
 - **the lane alone**: the same backlog with no live traffic, for ``--bulk-alone-s`` from ``IDLE_S`` and a second after
   the last live answer (a governed lane takes its whole share once live has been idle that long).
 
